@@ -1,0 +1,135 @@
+"""Files a finished request leaves behind: the MP4, its JSON sidecar and optional tensor dumps.
+
+Contract:
+* `output_paths(out_mp4)` fixes the naming rule: the sidecar is the MP4's path with `.json` instead of `.mp4`
+  (same folder, same stem), so either file finds the other.
+* Every writer here (and `h3engine.media.mux.write_mp4`) goes through `atomic_output`: the bytes go to a hidden
+  temporary file in the destination folder, are flushed to disk, and only then renamed over the final name
+  with `os.replace`. A reader therefore sees either the previous complete file or the new complete file under
+  the final name, never a partial one; on any error (or interrupt) the temporary file is deleted and the
+  previous file, if any, is left untouched.
+* `write_sidecar` writes UTF-8 JSON with sorted keys and a 2-space indent; NaN/Infinity are refused because
+  the browser's `JSON.parse` cannot read them.
+* `save_tensors` writes safetensors with every tensor as contiguous CPU float32.
+
+Danger: the temporary file lives in the destination folder on purpose. `os.replace` is only atomic within one
+file system, so a temp file in /tmp would turn the rename into a copy. Its name starts with a dot and ends in
+`.partial`, so a history scan for `*.mp4` / `*.json` never lists it. Callers that write an MP4 and its sidecar
+should write the MP4 first: then a visible sidecar implies a complete MP4 next to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+MP4_SUFFIX = ".mp4"
+SIDECAR_SUFFIX = ".json"
+PARTIAL_SUFFIX = ".partial"
+
+
+def output_paths(out_mp4: str | os.PathLike[str]) -> tuple[Path, Path]:
+    """Return `(mp4_path, sidecar_path)` for an output MP4 path: same folder and stem, `.json` suffix."""
+    mp4_path = Path(out_mp4)
+    if mp4_path.suffix.lower() != MP4_SUFFIX:
+        raise ValueError(f"output video path must end in {MP4_SUFFIX!r}, got {str(mp4_path)!r}")
+    return mp4_path, mp4_path.with_suffix(SIDECAR_SUFFIX)
+
+
+def _new_partial_path(final_path: Path) -> Path:
+    """Create (exclusively) an empty hidden temp file next to `final_path` and return its path."""
+    for _attempt in range(16):
+        candidate = final_path.with_name(f".{final_path.name}.{secrets.token_hex(6)}{PARTIAL_SUFFIX}")
+        try:
+            # O_EXCL: never adopt a file someone else is writing. Mode 0o666 lets the process umask decide
+            # the final permissions, as a plain open() would (mkstemp would force 0o600 on the result).
+            descriptor = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        os.close(descriptor)
+        return candidate
+    raise FileExistsError(f"could not create a unique temporary file next to {str(final_path)!r}")
+
+
+def _flush_to_disk(file_path: Path) -> None:
+    """fsync a finished file so the rename cannot reach the disk before its contents do."""
+    with open(file_path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _flush_folder_entry(folder: Path) -> None:
+    """fsync the folder so the rename itself survives a crash; best effort where folders cannot be opened."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+@contextlib.contextmanager
+def atomic_output(final_path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path to write to; on success it replaces `final_path` atomically, on error it is removed.
+
+    The temporary file already exists (empty) when yielded; the writer may overwrite or truncate it.
+    """
+    final_path = Path(final_path)
+    partial_path = _new_partial_path(final_path)
+    try:
+        yield partial_path
+        _flush_to_disk(partial_path)
+        os.replace(partial_path, final_path)
+    except BaseException:
+        # BaseException too: a Ctrl-C or a cancelled worker must not leave a stray .partial behind.
+        partial_path.unlink(missing_ok=True)
+        raise
+    _flush_folder_entry(final_path.parent)
+
+
+def write_sidecar(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> Path:
+    """Write `payload` as JSON (sorted keys, indent 2, UTF-8, trailing newline) atomically to `path`.
+
+    Serialization happens before anything touches the disk, so an unserializable payload (TypeError) or a
+    NaN/Infinity value (ValueError) leaves no file at all.
+    """
+    text = json.dumps(payload, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    final_path = Path(path)
+    with atomic_output(final_path) as partial_path:
+        partial_path.write_text(text, encoding="utf-8")
+    return final_path
+
+
+def save_tensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> Path:
+    """Save floating-point tensors atomically as safetensors, each converted to a contiguous CPU float32 copy.
+
+    Non-floating tensors are refused (ValueError) rather than silently converted, because float32 cannot hold
+    every int64/int32 value exactly. The copies also break any storage sharing between entries, which
+    safetensors would otherwise reject.
+    """
+    prepared: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if not isinstance(name, str):
+            raise ValueError(f"tensor names must be strings, got {name!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"tensor {name!r} is a {type(tensor).__name__}, expected torch.Tensor")
+        if not tensor.is_floating_point():
+            raise ValueError(
+                f"tensor {name!r} has dtype {tensor.dtype}; only floating-point tensors are saved"
+            )
+        prepared[name] = tensor.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+    final_path = Path(path)
+    with atomic_output(final_path) as partial_path:
+        save_file(prepared, str(partial_path))
+    return final_path
