@@ -1,0 +1,808 @@
+"""What a user asks for, and whether MiniMax H3 can do it.
+
+Contract:
+* `GenerationRequest` is a frozen, plain-Python description of one generation (no torch, no numpy: the app
+  validates requests before it queues them, and the CLI before it loads anything).
+* `from_dict` reads two shapes: ours (the field names of `GenerationRequest`, also written by `to_dict` for the
+  JSON sidecar) and the official SGLang `/v1/videos` shape (`target{...}`, `conditions[...]`,
+  H3_CHECKPOINT_LAYOUT.md §5-§6). It maps names and nesting and turns `file://` URIs into paths; it does not
+  judge values.
+* `validate` judges values. It raises `RequestError` whose message starts with the offending field
+  (`"duration_seconds: must be within [4, 15] s, got 3"`) and returns warnings for requests that run but leave
+  the verified configuration. Rules that need facts about the media files (clip durations, soundtracks, image
+  sizes) use a `MediaInfo` supplied by the caller's probe; without a probe those rules are skipped, so a request
+  that passes without one can still fail once its files are read.
+
+Danger: every later stage trusts a validated request. A value that slips through (a NaN duration, a 2**70 step
+count, a canvas that is not a multiple of the latent grid) turns into a crash or a hang deep inside a worker
+instead of a readable message, so `validate` checks types as well as ranges and must only ever raise
+`RequestError`. Guidance and timing knobs are refused rather than ignored: the checkpoint is guidance-distilled
+and derives its frame count from the duration, so accepting them silently would promise an effect that never
+happens.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import reprlib
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from fractions import Fraction
+from typing import Any, Literal, NoReturn
+
+from h3engine.errors import RequestError
+from h3engine.geometry import (
+    MAX_ASPECT_RATIO,
+    MIN_ASPECT_RATIO,
+    PRESET_ASPECT_RATIOS,
+    RELEASED_PATCH,
+    RELEASED_SHORT_EDGE,
+    RELEASED_VAE_SPATIAL_RATIO,
+    parse_aspect_ratio,
+)
+
+TASKS = ("t2va", "fl2va", "ref2va")
+KEYFRAME_POSITIONS = ("first", "last")
+REFERENCE_KINDS = ("image", "video", "audio")
+RECIPES = ("sglang", "diffusers")
+
+# The only configuration MiniMax verified; other short edges run but warn.
+VERIFIED_SHORT_EDGE = RELEASED_SHORT_EDGE
+# Tiny test checkpoints have a smaller VAE factor and pass their own multiple to `validate`.
+RELEASED_CANVAS_MULTIPLE = RELEASED_VAE_SPATIAL_RATIO * RELEASED_PATCH
+# Aspect "auto" without a keyframe to follow: references never bind the target geometry.
+DEFAULT_ASPECT = (16, 9)
+
+# SGLang checks the *requested* duration, before the 17n+5 snap (so 15 s becomes 362 frames, 15.083 s).
+MIN_DURATION_SECONDS = 4.0
+MAX_DURATION_SECONDS = 15.0
+MIN_CLIP_SECONDS = 2.0
+MAX_CLIP_SECONDS = 15.0
+MAX_TOTAL_VIDEO_SECONDS = 15.0
+MAX_TOTAL_AUDIO_SECONDS = 15.0
+MAX_REFERENCES_OF_KIND = {"image": 9, "video": 3, "audio": 3}
+MAX_REFERENCES = 12
+
+MAX_SEED = 2**63 - 1
+# Not a model limit: a guard so that a mistyped step count or canvas becomes a message, not an hours-long run
+# or an allocation failure inside a worker.
+MAX_STEPS = 1000
+MAX_CANVAS_SIDE = 4096
+
+# SGLang fills in this seed when a request in its shape carries none; keeping it reproduces its outputs.
+SGLANG_DEFAULT_SEED = 42
+
+_GUIDANCE_REASON = (
+    "not supported: MiniMax H3 is guidance-distilled (one conditional forward per step), "
+    "so there is no guidance scale and no negative prompt"
+)
+_TIMING_REASON = (
+    "not supported: MiniMax H3 derives its timing from duration_seconds "
+    "(24 fps, frame count snapped up to 17n+5)"
+)
+_TIMING_FIELDS = frozenset({"seconds", "length", "video_length", "frames", "frame_count", "framerate"})
+
+_ENGINE_INTEGER_FIELDS = ("short_edge", "width", "height", "seed", "steps")
+_KEYFRAME_FIELDS = ("path", "position")
+_REFERENCE_FIELDS = ("kind", "path", "start_seconds")
+_SGLANG_FIELDS = (
+    "task",
+    "prompt",
+    "target",
+    "conditions",
+    "seed",
+    "flow_shift",
+    "audio_flow_shift",
+    "num_inference_steps",
+)
+_SGLANG_TARGET_FIELDS = ("short_edge", "aspect_ratio", "duration_seconds")
+_SGLANG_CONDITION_FIELDS = ("type", "uri", "role", "frame_index", "start_time_seconds")
+# SGLang's "video_audio" is a video whose soundtrack is also a reference; our video references always bring
+# their soundtrack along when the file has one, so both types map to one kind.
+_SGLANG_REFERENCE_KINDS = {"image": "image", "video": "video", "video_audio": "video", "audio": "audio"}
+_SGLANG_KEYFRAME_POSITIONS = {0: "first", -1: "last"}
+
+TaskName = Literal["t2va", "fl2va", "ref2va"]
+KeyframePosition = Literal["first", "last"]
+ReferenceKind = Literal["image", "video", "audio"]
+RecipeName = Literal["sglang", "diffusers"]
+
+
+@dataclass(frozen=True)
+class Keyframe:
+    """An image the generated video starts ("first") or ends ("last") on."""
+
+    path: str
+    position: KeyframePosition
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A Ref2VA reference; its place in `GenerationRequest.references` is its label number in the prompt."""
+
+    kind: ReferenceKind
+    path: str
+    start_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class MediaInfo:
+    """Facts about one media file, measured by the caller's probe (None where the file has no such stream)."""
+
+    duration_seconds: float | None
+    has_audio: bool
+    width: int | None
+    height: int | None
+
+
+MediaProbe = Callable[[Reference], MediaInfo]
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation. Values are checked by `validate`, not on construction."""
+
+    task: TaskName
+    prompt: str
+    duration_seconds: float | None = 5.0
+    aspect_ratio: str = "auto"
+    short_edge: int = VERIFIED_SHORT_EDGE
+    width: int | None = None
+    height: int | None = None
+    seed: int = 0
+    steps: int = 50
+    flow_shift: float = 12.0
+    audio_flow_shift: float = 3.0
+    recipe: RecipeName = "sglang"
+    keyframes: tuple[Keyframe, ...] = ()
+    references: tuple[Reference, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Our JSON shape, every field spelled out, so that `from_dict(request.to_dict()) == request`."""
+        return {
+            "task": self.task,
+            "prompt": self.prompt,
+            "duration_seconds": self.duration_seconds,
+            "aspect_ratio": self.aspect_ratio,
+            "short_edge": self.short_edge,
+            "width": self.width,
+            "height": self.height,
+            "seed": self.seed,
+            "steps": self.steps,
+            "flow_shift": self.flow_shift,
+            "audio_flow_shift": self.audio_flow_shift,
+            "recipe": self.recipe,
+            "keyframes": [
+                {"path": keyframe.path, "position": keyframe.position} for keyframe in self.keyframes
+            ],
+            "references": [
+                {"kind": reference.kind, "path": reference.path, "start_seconds": reference.start_seconds}
+                for reference in self.references
+            ],
+        }
+
+
+_ENGINE_FIELDS = tuple(field.name for field in fields(GenerationRequest))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading payloads
+
+
+def from_dict(payload: Mapping[str, Any]) -> GenerationRequest:
+    """Read our JSON shape or the official SGLang shape (recognised by `target` or `conditions`).
+
+    Raises `RequestError` for unknown, refused or missing fields and for remote URIs; values themselves are
+    judged by `validate`.
+    """
+    if not isinstance(payload, Mapping):
+        _fail("request", f"must be a JSON object, got {_describe(payload)}")
+    if "target" in payload or "conditions" in payload:
+        return _from_sglang_shape(payload)
+    return _from_engine_shape(payload)
+
+
+def _from_engine_shape(payload: Mapping[str, Any]) -> GenerationRequest:
+    _check_field_names(payload, _ENGINE_FIELDS, "")
+    for required in ("task", "prompt"):
+        if required not in payload:
+            _fail(required, "is required")
+    values = {name: payload[name] for name in _ENGINE_FIELDS if name in payload}
+    for name in _ENGINE_INTEGER_FIELDS:
+        if name in values:
+            values[name] = _integral_float_as_int(values[name])
+    values["keyframes"] = tuple(
+        _keyframe_from_dict(entry, f"keyframes[{index}]")
+        for index, entry in enumerate(_as_list(payload.get("keyframes", []), "keyframes"))
+    )
+    values["references"] = tuple(
+        _reference_from_dict(entry, f"references[{index}]")
+        for index, entry in enumerate(_as_list(payload.get("references", []), "references"))
+    )
+    return GenerationRequest(**values)
+
+
+def _keyframe_from_dict(entry: Any, field: str) -> Keyframe:
+    if not isinstance(entry, Mapping):
+        _fail(field, f"must be an object with {', '.join(_KEYFRAME_FIELDS)}, got {_describe(entry)}")
+    _check_field_names(entry, _KEYFRAME_FIELDS, f"{field}.")
+    for required in _KEYFRAME_FIELDS:
+        if required not in entry:
+            _fail(f"{field}.{required}", "is required")
+    return Keyframe(path=_local_path(entry["path"], f"{field}.path"), position=entry["position"])
+
+
+def _reference_from_dict(entry: Any, field: str) -> Reference:
+    if not isinstance(entry, Mapping):
+        _fail(field, f"must be an object with {', '.join(_REFERENCE_FIELDS)}, got {_describe(entry)}")
+    _check_field_names(entry, _REFERENCE_FIELDS, f"{field}.")
+    for required in ("kind", "path"):
+        if required not in entry:
+            _fail(f"{field}.{required}", "is required")
+    return Reference(
+        kind=entry["kind"],
+        path=_local_path(entry["path"], f"{field}.path"),
+        start_seconds=entry.get("start_seconds"),
+    )
+
+
+def _from_sglang_shape(payload: Mapping[str, Any]) -> GenerationRequest:
+    _check_field_names(payload, _SGLANG_FIELDS, "")
+    for required in ("task", "prompt"):
+        if required not in payload:
+            _fail(required, "is required")
+    target = payload.get("target")
+    if not isinstance(target, Mapping):
+        _fail("target", f"is required and must be an object, got {_describe(target)}")
+    _check_field_names(target, _SGLANG_TARGET_FIELDS, "target.")
+
+    keyframes: list[Keyframe] = []
+    references: list[Reference] = []
+    for index, condition in enumerate(_as_list(payload.get("conditions", []), "conditions")):
+        field = f"conditions[{index}]"
+        if not isinstance(condition, Mapping):
+            _fail(field, f"must be an object, got {_describe(condition)}")
+        _check_field_names(condition, _SGLANG_CONDITION_FIELDS, f"{field}.")
+        for required in ("type", "uri", "role"):
+            if required not in condition:
+                _fail(f"{field}.{required}", "is required")
+        path = _local_path(condition["uri"], f"{field}.uri")
+        role, condition_type = condition["role"], condition["type"]
+        if role == "keyframe":
+            keyframes.append(_sglang_keyframe(condition, condition_type, path, field))
+        elif role == "reference":
+            references.append(_sglang_reference(condition, condition_type, path, field))
+        else:
+            _fail(f"{field}.role", f"must be 'keyframe' or 'reference', got {_describe(role)}")
+
+    return GenerationRequest(
+        task=payload["task"],
+        prompt=payload["prompt"],
+        duration_seconds=target.get("duration_seconds"),
+        aspect_ratio=target.get("aspect_ratio", "auto"),
+        short_edge=_integral_float_as_int(target.get("short_edge", VERIFIED_SHORT_EDGE)),
+        seed=_integral_float_as_int(payload.get("seed", SGLANG_DEFAULT_SEED)),
+        steps=_integral_float_as_int(payload.get("num_inference_steps", 50)),
+        flow_shift=payload.get("flow_shift", 12.0),
+        audio_flow_shift=payload.get("audio_flow_shift", 3.0),
+        recipe="sglang",
+        keyframes=tuple(keyframes),
+        references=tuple(references),
+    )
+
+
+def _sglang_keyframe(condition: Mapping[str, Any], condition_type: Any, path: str, field: str) -> Keyframe:
+    if condition_type != "image":
+        _fail(f"{field}.type", f"a keyframe must be an 'image', got {_describe(condition_type)}")
+    if "start_time_seconds" in condition:
+        _fail(f"{field}.start_time_seconds", "is only allowed for video references")
+    if "frame_index" not in condition:
+        _fail(f"{field}.frame_index", "is required for a keyframe (0 = first frame, -1 = last frame)")
+    frame_index = _integral_float_as_int(condition["frame_index"])
+    if not _is_integer(frame_index) or frame_index not in _SGLANG_KEYFRAME_POSITIONS:
+        _fail(
+            f"{field}.frame_index",
+            f"must be 0 (first frame) or -1 (last frame), got {_describe(frame_index)}",
+        )
+    return Keyframe(path=path, position=_SGLANG_KEYFRAME_POSITIONS[frame_index])
+
+
+def _sglang_reference(condition: Mapping[str, Any], condition_type: Any, path: str, field: str) -> Reference:
+    if not isinstance(condition_type, str) or condition_type not in _SGLANG_REFERENCE_KINDS:
+        _fail(
+            f"{field}.type",
+            f"must be one of {', '.join(_SGLANG_REFERENCE_KINDS)}, got {_describe(condition_type)}",
+        )
+    if "frame_index" in condition:
+        _fail(f"{field}.frame_index", "is not allowed for role 'reference'")
+    return Reference(
+        kind=_SGLANG_REFERENCE_KINDS[condition_type],
+        path=path,
+        start_seconds=condition.get("start_time_seconds"),
+    )
+
+
+def _check_field_names(entry: Mapping[Any, Any], allowed: tuple[str, ...], prefix: str) -> None:
+    """Refuse guidance and timing knobs with their reason, then anything else we do not know, by name."""
+    unknown = [name for name in sorted(entry, key=_describe) if name not in allowed]
+    for name in unknown:
+        reason = _refusal_reason(name)
+        if reason is not None:
+            _fail(prefix + _field_name(name), reason)
+    if unknown:
+        plural = "s" if len(unknown) > 1 else ""
+        _fail(
+            ", ".join(prefix + _field_name(name) for name in unknown),
+            f"unknown field{plural} (allowed: {', '.join(allowed)})",
+        )
+
+
+def _field_name(name: Any) -> str:
+    return name if isinstance(name, str) and 0 < len(name) <= 64 else _describe(name)
+
+
+def _refusal_reason(name: Any) -> str | None:
+    if not isinstance(name, str):
+        return None
+    lowered = name.lower()
+    if "guidance" in lowered or "negative" in lowered or "cfg" in lowered:
+        return _GUIDANCE_REASON
+    if (
+        lowered in _TIMING_FIELDS
+        or "fps" in lowered
+        or "frame_rate" in lowered
+        or lowered.endswith("_frames")
+    ):
+        return _TIMING_REASON
+    return None
+
+
+def _as_list(value: Any, field: str) -> list[Any]:
+    if not isinstance(value, list | tuple):
+        _fail(field, f"must be a list, got {_describe(value)}")
+    return list(value)
+
+
+def _local_path(value: Any, field: str) -> str:
+    """A plain path, or a `file://` URI turned into one; remote URIs are refused because we never download."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        _fail(field, f"must be a local path or file:// URI, got {_describe(value)}")
+    scheme = _uri_scheme(value)
+    if scheme is None:
+        return value
+    if scheme != "file":
+        _fail(field, _remote_uri_problem(value))
+    try:
+        parsed = urllib.parse.urlsplit(value)
+    except ValueError:
+        _fail(field, f"is not a valid file:// URI, got {_describe(value)}")
+    if parsed.netloc not in ("", "localhost"):
+        _fail(field, f"file:// URIs must name this machine (file:///path), got {_describe(value)}")
+    return urllib.parse.unquote(parsed.path)
+
+
+def _uri_scheme(value: str) -> str | None:
+    """The scheme of `scheme://...`, or None for a path (a one-letter "scheme" is a Windows drive: `C://x`)."""
+    head, separator, _ = value.partition("://")
+    if not separator or len(head) < 2 or not head[0].isalpha():
+        return None
+    if not all(character.isalnum() or character in "+-." for character in head):
+        return None
+    return head.lower()
+
+
+def _remote_uri_problem(value: str) -> str:
+    return (
+        f"remote URIs are not supported (h3engine never downloads); download the file and pass its local "
+        f"path, got {_describe(value)}"
+    )
+
+
+def _integral_float_as_int(value: Any) -> Any:
+    """JSON writers emit 50.0 for 50; accept that for integer fields and leave everything else to `validate`."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation
+
+
+def validate(
+    request: GenerationRequest,
+    media_durations: MediaProbe | None = None,
+    *,
+    canvas_multiple: int = RELEASED_CANVAS_MULTIPLE,
+) -> list[str]:
+    """Check `request` against the task rules; return warnings, raise `RequestError` naming the field.
+
+    `media_durations` probes a reference (keyframes are probed as image references) for the rules that need
+    file facts; without it those rules are skipped, and FL2VA's aspect "auto" stays unresolved until the
+    keyframe is read. `canvas_multiple` is what an explicit width/height must be a multiple of (32 for the
+    released checkpoint, smaller for tiny test checkpoints).
+    """
+    if not isinstance(request, GenerationRequest):
+        _fail("request", f"must be a GenerationRequest, got {_describe(request)}")
+    _check_scalars(request)
+    warnings = _check_canvas(request, canvas_multiple)
+    keyframes = _checked_keyframes(request.keyframes)
+    references = _checked_references(request.references)
+    _check_conditions_for_task(request.task, keyframes, references)
+    _check_duration_field(request.task, request.duration_seconds, references)
+    first_keyframe_size = None
+    if media_durations is not None:
+        probe = _remembering(media_durations)
+        _check_reference_media(request, probe)
+        first_keyframe_size = _checked_keyframe_sizes(request, probe)
+    if first_keyframe_size is not None or not _aspect_follows_keyframe(request):
+        resolve_aspect(request, first_keyframe_size)
+    return warnings
+
+
+def _check_scalars(request: GenerationRequest) -> None:
+    if not isinstance(request.task, str) or request.task not in TASKS:
+        _fail("task", f"must be one of {', '.join(TASKS)}, got {_describe(request.task)}")
+    if not isinstance(request.prompt, str) or not request.prompt.strip():
+        _fail("prompt", f"must be a non-empty string, got {_describe(request.prompt)}")
+    if not isinstance(request.recipe, str) or request.recipe not in RECIPES:
+        _fail("recipe", f"must be one of {', '.join(RECIPES)}, got {_describe(request.recipe)}")
+    _check_integer_range(request.seed, "seed", 0, MAX_SEED)
+    # The diffusers scheduler spends N grid points on N-1 forwards, so one step would generate nothing.
+    minimum_steps = 2 if request.recipe == "diffusers" else 1
+    _check_integer_range(request.steps, "steps", minimum_steps, MAX_STEPS)
+    for field in ("flow_shift", "audio_flow_shift"):
+        value = getattr(request, field)
+        _check_finite_number(value, field)
+        if value <= 0:
+            _fail(field, f"must be positive, got {_describe(value)}")
+
+
+def _check_canvas(request: GenerationRequest, canvas_multiple: int) -> list[str]:
+    _check_integer_range(request.short_edge, "short_edge", 1, None)
+    if not isinstance(request.aspect_ratio, str) or (
+        request.aspect_ratio != "auto" and request.aspect_ratio not in PRESET_ASPECT_RATIOS
+    ):
+        _fail(
+            "aspect_ratio",
+            f"must be 'auto' or one of {', '.join(PRESET_ASPECT_RATIOS)}, got {_describe(request.aspect_ratio)}",
+        )
+    if request.width is None and request.height is None:
+        if request.short_edge != VERIFIED_SHORT_EDGE:
+            return [
+                f"short_edge: {request.short_edge} is outside the verified configuration ({VERIFIED_SHORT_EDGE})"
+            ]
+        return []
+    if request.width is None or request.height is None:
+        _fail(
+            "width" if request.width is None else "height",
+            "width and height go together; give both or neither",
+        )
+    for field in ("width", "height"):
+        value = getattr(request, field)
+        _check_integer_range(value, field, canvas_multiple, MAX_CANVAS_SIDE)
+        if value % canvas_multiple:
+            _fail(field, f"must be a multiple of {canvas_multiple}, got {value}")
+    if request.aspect_ratio != "auto":
+        _fail(
+            "aspect_ratio",
+            f"must be 'auto' when width and height are given, got {_describe(request.aspect_ratio)}",
+        )
+    return [
+        f"width, height: the explicit {request.width}x{request.height} canvas replaces aspect_ratio and "
+        f"short_edge and is outside the verified configuration ({VERIFIED_SHORT_EDGE} short edge)"
+    ]
+
+
+def _checked_keyframes(keyframes: Any) -> tuple[Keyframe, ...]:
+    if not isinstance(keyframes, tuple | list):
+        _fail("keyframes", f"must be a tuple of Keyframe, got {_describe(keyframes)}")
+    for index, keyframe in enumerate(keyframes):
+        field = f"keyframes[{index}]"
+        if not isinstance(keyframe, Keyframe):
+            _fail(field, f"must be a Keyframe, got {_describe(keyframe)}")
+        _check_local_path(keyframe.path, f"{field}.path")
+        if not isinstance(keyframe.position, str) or keyframe.position not in KEYFRAME_POSITIONS:
+            _fail(f"{field}.position", f"must be 'first' or 'last', got {_describe(keyframe.position)}")
+    return tuple(keyframes)
+
+
+def _checked_references(references: Any) -> tuple[Reference, ...]:
+    if not isinstance(references, tuple | list):
+        _fail("references", f"must be a tuple of Reference, got {_describe(references)}")
+    for index, reference in enumerate(references):
+        field = f"references[{index}]"
+        if not isinstance(reference, Reference):
+            _fail(field, f"must be a Reference, got {_describe(reference)}")
+        if not isinstance(reference.kind, str) or reference.kind not in REFERENCE_KINDS:
+            _fail(
+                f"{field}.kind",
+                f"must be one of {', '.join(REFERENCE_KINDS)}, got {_describe(reference.kind)}",
+            )
+        _check_local_path(reference.path, f"{field}.path")
+        if reference.start_seconds is not None:
+            if reference.kind != "video":
+                _fail(f"{field}.start_seconds", f"is only allowed for video references, not {reference.kind}")
+            _check_finite_number(reference.start_seconds, f"{field}.start_seconds")
+            if reference.start_seconds < 0:
+                _fail(f"{field}.start_seconds", f"must be >= 0, got {_describe(reference.start_seconds)}")
+    return tuple(references)
+
+
+def _check_conditions_for_task(
+    task: str, keyframes: tuple[Keyframe, ...], references: tuple[Reference, ...]
+) -> None:
+    if task == "t2va":
+        if keyframes:
+            _fail("keyframes", f"task 't2va' takes no keyframes (use 'fl2va'), got {len(keyframes)}")
+        if references:
+            _fail("references", f"task 't2va' takes no references (use 'ref2va'), got {len(references)}")
+        return
+    if task == "fl2va":
+        if references:
+            _fail("references", f"task 'fl2va' takes no references (use 'ref2va'), got {len(references)}")
+        if not keyframes:
+            _fail("keyframes", "task 'fl2va' needs a first and/or a last keyframe, got none")
+    _check_keyframe_positions(keyframes)
+    if task == "ref2va":
+        _check_reference_set(keyframes, references)
+
+
+def _check_keyframe_positions(keyframes: tuple[Keyframe, ...]) -> None:
+    # The released recipe knows these three keyframe layouts only, and anchors the geometry on the first listed.
+    positions = tuple(keyframe.position for keyframe in keyframes)
+    if positions not in ((), ("first",), ("last",), ("first", "last")):
+        _fail(
+            "keyframes",
+            f"must be a first keyframe, a last keyframe, or first then last, got {', '.join(positions)}",
+        )
+
+
+def _check_reference_set(keyframes: tuple[Keyframe, ...], references: tuple[Reference, ...]) -> None:
+    if keyframes and not references:
+        _fail(
+            "references", "ref2va keyframes need at least one reference; use task 'fl2va' for keyframes only"
+        )
+    if not references:
+        _fail("references", "task 'ref2va' needs at least one reference (use 't2va' for text only)")
+    kinds = [reference.kind for reference in references]
+    for kind, limit in MAX_REFERENCES_OF_KIND.items():
+        if kinds.count(kind) > limit:
+            _fail("references", f"at most {limit} {kind} references, got {kinds.count(kind)}")
+    if len(kinds) > MAX_REFERENCES:
+        _fail("references", f"at most {MAX_REFERENCES} references in total, got {len(kinds)}")
+    if set(kinds) == {"audio"}:
+        _fail("references", "an audio reference needs at least one image or video reference next to it")
+
+
+def _check_duration_field(task: str, duration_seconds: Any, references: tuple[Reference, ...]) -> None:
+    if duration_seconds is not None:
+        _check_finite_number(duration_seconds, "duration_seconds")
+        _check_duration_range(duration_seconds, "duration_seconds", "")
+        return
+    if task != "ref2va":
+        _fail("duration_seconds", f"is required for task {task!r}")
+    # Whether a video carries a soundtrack is only known once it is probed (`_check_reference_media`).
+    kinds = [reference.kind for reference in references]
+    if kinds.count("audio") > 1:
+        _fail("duration_seconds", "is required when several references carry audio")
+    if kinds.count("audio") + kinds.count("video") == 0:
+        _fail(
+            "duration_seconds", "is required, or exactly one reference with audio to take the duration from"
+        )
+
+
+def _check_duration_range(seconds: float, field: str, origin: str) -> None:
+    if not MIN_DURATION_SECONDS <= seconds <= MAX_DURATION_SECONDS:
+        _fail(
+            field,
+            f"must be within [{MIN_DURATION_SECONDS:g}, {MAX_DURATION_SECONDS:g}] s{origin}, got {_describe(seconds)}",
+        )
+
+
+def _remembering(media_durations: MediaProbe) -> MediaProbe:
+    """Probe each file once: probing opens and may decode it, and several rules ask about the same reference."""
+    facts: dict[Reference, MediaInfo] = {}
+
+    def probe(reference: Reference) -> MediaInfo:
+        if reference not in facts:
+            facts[reference] = media_durations(reference)
+        return facts[reference]
+
+    return probe
+
+
+def _check_reference_media(request: GenerationRequest, probe: MediaProbe) -> None:
+    """The rules that need file facts: streams, clip lengths and totals, image ratios, derived duration."""
+    total_seconds = {"video": 0.0, "audio": 0.0}
+    for index, reference in enumerate(request.references):
+        field = f"references[{index}]"
+        info = probe(reference)
+        if reference.kind == "image":
+            _check_image_ratio(_image_size(info, field, "reference image"), field, "reference image")
+            continue
+        if reference.kind == "video" and not _has_size(info):
+            _fail(field, f"video file has no video stream: {_describe(reference.path)}")
+        if reference.kind == "audio" and not info.has_audio:
+            _fail(field, f"audio file has no audio stream: {_describe(reference.path)}")
+        seconds = _clip_seconds(info, field)
+        if not MIN_CLIP_SECONDS <= seconds <= MAX_CLIP_SECONDS:
+            _fail(
+                field,
+                f"{reference.kind} clip must last {MIN_CLIP_SECONDS:g}-{MAX_CLIP_SECONDS:g} s, "
+                f"got {_describe(seconds)} s",
+            )
+        if reference.start_seconds is not None and reference.start_seconds >= seconds:
+            _fail(
+                f"{field}.start_seconds",
+                f"must be less than the clip duration {seconds:g} s, got {_describe(reference.start_seconds)}",
+            )
+        total_seconds[reference.kind] += seconds
+    limits = {"video": MAX_TOTAL_VIDEO_SECONDS, "audio": MAX_TOTAL_AUDIO_SECONDS}
+    for kind, total in total_seconds.items():
+        if total > limits[kind]:
+            _fail("references", f"{kind} references may last {limits[kind]:g} s in total, got {total:g} s")
+    if request.duration_seconds is None:
+        seconds = resolve_duration_seconds(request, probe)
+        _check_duration_range(seconds, "duration_seconds", " (taken from the reference with audio)")
+
+
+def resolve_duration_seconds(request: GenerationRequest, media_durations: MediaProbe | None) -> float:
+    """The duration to generate: the requested one, or (Ref2VA) that of its one reference carrying audio.
+
+    A video's soundtrack counts from the video's `start_seconds`. Expects a request that passed `validate`.
+    """
+    if request.duration_seconds is not None:
+        return request.duration_seconds
+    if media_durations is None:
+        _fail("duration_seconds", "is required when the reference media cannot be probed")
+    with_audio = []
+    for index, reference in enumerate(request.references):
+        if reference.kind != "image" and media_durations(reference).has_audio:
+            with_audio.append((index, reference))
+    if len(with_audio) != 1:
+        _fail(
+            "duration_seconds",
+            f"is required unless exactly one reference carries audio, got {len(with_audio)}",
+        )
+    index, reference = with_audio[0]
+    return _clip_seconds(media_durations(reference), f"references[{index}]") - (
+        reference.start_seconds or 0.0
+    )
+
+
+def _checked_keyframe_sizes(request: GenerationRequest, probe: MediaProbe) -> tuple[int, int] | None:
+    """Every keyframe must be a readable image; the first listed one's size is returned (it anchors 'auto')."""
+    sizes = [
+        _image_size(
+            probe(Reference(kind="image", path=keyframe.path)), f"keyframes[{index}]", "keyframe image"
+        )
+        for index, keyframe in enumerate(request.keyframes)
+    ]
+    return sizes[0] if sizes else None
+
+
+def _has_size(info: MediaInfo) -> bool:
+    return _is_integer(info.width) and _is_integer(info.height) and info.width > 0 and info.height > 0
+
+
+def _image_size(info: MediaInfo, field: str, what: str) -> tuple[int, int]:
+    if not _has_size(info):
+        _fail(field, f"{what} has no usable size, got {_describe(info.width)}x{_describe(info.height)}")
+    return info.width, info.height
+
+
+def _check_image_ratio(size: tuple[int, int], field: str, what: str) -> None:
+    if not _ratio_is_supported(*size):
+        _fail(field, f"{what} ratio must be within 1:4 to 4:1, got {size[0]}x{size[1]}")
+
+
+def _ratio_is_supported(width: float, height: float) -> bool:
+    # Exact rational comparison: a probe may report absurd sizes, and int / int overflows a float past 1e308.
+    ratio = Fraction(width) / Fraction(height)
+    return Fraction(MIN_ASPECT_RATIO) <= ratio <= Fraction(MAX_ASPECT_RATIO)
+
+
+def _clip_seconds(info: MediaInfo, field: str) -> float:
+    seconds = info.duration_seconds
+    if not _is_number(seconds) or (isinstance(seconds, float) and not math.isfinite(seconds)) or seconds <= 0:
+        _fail(field, f"clip duration is unknown, got {_describe(seconds)}")
+    return seconds
+
+
+def _aspect_follows_keyframe(request: GenerationRequest) -> bool:
+    return request.task == "fl2va" and request.aspect_ratio == "auto" and request.width is None
+
+
+def resolve_aspect(
+    request: GenerationRequest, first_keyframe_size: tuple[int, int] | None
+) -> tuple[float, float]:
+    """The (width, height) aspect of the canvas, checked to lie within 1:4..4:1; pass it to the canvas resolver.
+
+    An explicit width/height wins; "auto" is 16:9 for T2VA and Ref2VA (references never bind the geometry) and
+    the first listed keyframe's own (width, height) for FL2VA. Expects a request that passed `validate`.
+    """
+    if request.width is not None and request.height is not None:
+        aspect, source = (request.width, request.height), "width, height"
+    elif request.aspect_ratio != "auto":
+        aspect, source = parse_aspect_ratio(request.aspect_ratio), "aspect_ratio"
+    elif request.task == "fl2va":
+        if first_keyframe_size is None:
+            _fail("keyframes[0]", "its image size is needed to resolve aspect_ratio 'auto'")
+        aspect, source = first_keyframe_size, "aspect_ratio ('auto' follows keyframes[0])"
+    else:
+        aspect, source = DEFAULT_ASPECT, "aspect_ratio"
+    width, height = aspect
+    if not _ratio_is_supported(width, height):
+        _fail(source, f"resolved ratio must be within 1:4 to 4:1, got {_describe(width)}:{_describe(height)}")
+    return width, height
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Small checks shared by the rules above
+
+
+def _fail(field: str, problem: str) -> NoReturn:
+    raise RequestError(f"{field}: {problem}")
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_integer_range(value: Any, field: str, minimum: int, maximum: int | None) -> None:
+    if not _is_integer(value):
+        _fail(field, f"must be an integer, got {_describe(value)}")
+    if value < minimum:
+        _fail(field, f"must be >= {minimum}, got {_describe(value)}")
+    if maximum is not None and value > maximum:
+        _fail(field, f"must be <= {maximum}, got {_describe(value)}")
+
+
+def _check_finite_number(value: Any, field: str) -> None:
+    # Only floats can be NaN or infinite; ints are compared as they are (a huge one must not go through float).
+    if not _is_number(value) or (isinstance(value, float) and not math.isfinite(value)):
+        _fail(field, f"must be a finite number, got {_describe(value)}")
+
+
+def _check_local_path(value: Any, field: str) -> None:
+    if not isinstance(value, str) or not value.strip():
+        _fail(field, f"must be a non-empty path, got {_describe(value)}")
+    if "\x00" in value:
+        _fail(field, "must not contain a NUL character")
+    if _uri_scheme(value) is not None:
+        _fail(
+            field,
+            f"must be a local path, not a URI (from_dict turns file:// URIs into paths), got {_describe(value)}",
+        )
+
+
+class _ShortRepr(reprlib.Repr):
+    """reprlib, except that huge ints are not printed: past 4300 digits Python refuses to turn them into text."""
+
+    def repr_int(self, value: int, level: int) -> str:
+        if value.bit_length() > 64:
+            return f"<{value.bit_length()}-bit integer>"
+        return super().repr_int(value, level)
+
+
+_SHORT_REPR = _ShortRepr()
+_SHORT_REPR.maxlevel = 2
+_SHORT_REPR.maxstring = 48
+_SHORT_REPR.maxother = 48
+
+
+def _describe(value: Any) -> str:
+    """A short printable form of any value for messages, with its type unless it is a plain JSON scalar."""
+    text = _SHORT_REPR.repr(value)
+    if value is None or isinstance(value, str | int | float):
+        return text
+    return f"{text} ({type(value).__name__})"
