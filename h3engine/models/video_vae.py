@@ -1,0 +1,1094 @@
+"""MiniMax H3 video VAE (H3-VisualVAE): causal 3D-CNN encoder and non-causal ViT decoder (f16 t4 c24).
+
+Contract
+* `VideoVAE.encode(pixels)` takes ImageNet-normalized RGB `[B, 3, F, H, W]` and returns the posterior
+  `(mean, logvar)`, each `[B, C, T, H/16, W/16]`, logvar clamped to [-30, 20]. One frame is encoded on its own;
+  more frames are padded (last frame repeated) to whole 17-frame clips, each clip is encoded independently and the
+  last `token_drop` (3) latents of the concatenation are dropped: 17n+5 frames -> 5n+2 latents.
+* `VideoVAE.decode(latents)` takes UN-normalized latents `[B, C, T, h, w]` (see `denormalize_latents`) and returns
+  pixels `[B, 3, F, 16h, 16w]` in the same ImageNet-normalized space (the caller applies `x*std + mean` and clamps).
+  Latents are decoded in windows of 7 (5 + 2 overlap); consecutive windows are cross-faded over 5 frames.
+* Spatial tiling (256 px tiles, >= 64 px overlap, linear cross-fade) is ON in the released recipe for both
+  directions. It is part of the function, not a memory trick: the decoder's RoPE positions are normalized to the
+  extent of the tile it sees, so switching tiling off (or changing the tile size) changes the pixels.
+* State-dict keys are exactly the native `video_vae/source/model.safetensors` keys (560 for the release), including
+  the all-zero `decoder.mask_token` buffer that the file carries and the forward never reads.
+
+Precision (the danger)
+* The released file is fp32 and this module is meant to hold fp32 weights. `encode` always runs in fp32 (autocast is
+  switched off inside it). `decode(..., autocast_dtype=None)` is a plain fp32 computation (parity with diffusers).
+* `decode(..., autocast_dtype=torch.float16)` is SGLang's released decode recipe: fp32 weights under fp16 autocast,
+  with the reference's fp32 islands kept: the latent embedding `x_embedder` and `proj_out` run with autocast off,
+  RMSNorms, QK-norm and the final LayerNorm compute in fp32, the residual stream and layer scales stay fp32, the
+  rotary angles are computed in fp32. Two fp16 roundings of that recipe are reproduced on purpose because they change
+  the output: `post_quant_conv` runs under autocast, so the embedded tokens are rounded to fp16 before they join the
+  fp32 residual stream, and the per-axis positions (and cos/sin) are computed in the dtype of that conv's output.
+  diffusers' fp16 path differs here (it keeps positions in fp32); neither is bit-reproducible across kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+RELEASED_LATENTS_MEAN = (
+    0.858090341091156, -0.9606591463088989, 1.0661640167236328, -0.5090325474739075,
+    -0.2727581858634949, -1.3675414323806763, -0.2553254961967468, -0.26907554268836975,
+    -0.5376840829849243, -0.0464097298681736, 0.6657370328903198, 0.19690127670764923,
+    -0.5460608005523682, -0.4035342037677765, -0.23683024942874908, 0.25928452610969543,
+    -0.30133944749832153, 0.211341992020607, -1.1206848621368408, 0.3581933379173279,
+    -0.04225143790245056, 0.2604829967021942, 0.22864092886447906, 0.7056031823158264,
+)  # fmt: skip
+RELEASED_LATENTS_STD = (
+    1.2223774194717407, 1.2767263650894165, 1.68317747116088865, 1.7549455165863037,
+    1.5636216402053833, 2.194143533706665, 0.96531379222869875, 1.05698859691619875,
+    0.841948926448822, 0.7729952931404114, 1.8955937623977661, 0.946841835975647,
+    0.7996809482574463, 0.44988900423049925, 0.7197399735450745, 0.69362932443618775,
+    2.961095094680786, 2.7694199085235595, 3.0496184825897215, 2.1088054180145265,
+    3.276226282119751, 3.1627357006073, 2.28168129920959475, 2.6127843856811525,
+)  # fmt: skip
+
+# The native source config fixes these architecture switches; any other value is a different model.
+_NATIVE_SOURCE_REQUIREMENTS: dict[str, Any] = {
+    "use_3d_conv": True,
+    "use_vit_decoder": True,
+    "causal_encoder": True,
+    "causal_decoder": False,
+    "use_t_isolated_gn": True,
+    "pixel_norm_type": "imagenet",
+}
+_NATIVE_VIT_REQUIREMENTS: dict[str, Any] = {
+    "norm_type": "rms_norm",
+    "norm_affine": True,
+    "qk_norm_type": "rms_norm",
+    "qk_norm_affine": False,
+    "ffn_activation_fn": "silu",
+    "ffn_use_gated": True,
+}
+# Values the native code hard-codes (GroupNorm(32, eps 1e-6), FeedForward mult 4, ViT eps 1e-5, 4 register tokens).
+# `to_native` writes the matching key only when a config differs from them (tiny test models), so the released config
+# is written exactly like the release while smaller models still round-trip.
+_NATIVE_DEFAULT_NORM_GROUPS = 32
+_NATIVE_DEFAULT_NORM_EPS = 1e-6
+_NATIVE_DEFAULT_FFN_MULT = 4
+_NATIVE_DEFAULT_DECODER_EPS = 1e-5
+_NATIVE_DEFAULT_REGISTER_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class VideoVAEConfig:
+    """Architecture, temporal chunking, tiling and latent statistics of the video VAE."""
+
+    in_channels: int
+    out_channels: int
+    latent_channels: int
+    block_out_channels: tuple[int, ...]
+    layers_per_block: int
+    spatial_downsample_factors: tuple[int, ...]
+    temporal_downsample_factors: tuple[int, ...]
+    norm_num_groups: int
+    norm_eps: float
+    spatial_padding_mode: str
+    decoder_num_layers: int
+    decoder_num_attention_heads: int
+    decoder_attention_head_dim: int
+    decoder_num_register_tokens: int
+    decoder_ffn_mult: int
+    decoder_rope_theta: float
+    decoder_rope_dim_ratio: float
+    decoder_norm_eps: float
+    clip_length: int
+    token_drop: int
+    encoder_tiling: bool
+    decoder_tiling: bool
+    parallel_tiling: bool
+    tile_size: int
+    tile_overlap_min: int
+    latents_mean: tuple[float, ...]
+    latents_std: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        levels = len(self.block_out_channels)
+        if len(self.spatial_downsample_factors) != levels or len(self.temporal_downsample_factors) != levels:
+            raise ValueError("block_out_channels and both downsample factor lists must have the same length")
+        if any(channels % self.norm_num_groups for channels in self.block_out_channels):
+            raise ValueError(
+                f"norm_num_groups {self.norm_num_groups} must divide every block_out_channels entry"
+            )
+        if any(
+            factor not in (1, 2)
+            for factor in self.spatial_downsample_factors + self.temporal_downsample_factors
+        ):
+            raise ValueError("downsample factors must be 1 or 2")
+        if self.decoder_rope_dim % 6 != 0:
+            raise ValueError(
+                f"decoder rotary dim {self.decoder_rope_dim} must be a multiple of 6 (3 axes x cos/sin)"
+            )
+        if len(self.latents_mean) != self.latent_channels or len(self.latents_std) != self.latent_channels:
+            raise ValueError(f"latents_mean and latents_std need {self.latent_channels} entries each")
+        if (
+            self.tile_size % self.spatial_compression_ratio
+            or self.tile_overlap_min % self.spatial_compression_ratio
+        ):
+            raise ValueError(
+                "tile_size and tile_overlap_min must be multiples of the spatial compression ratio"
+            )
+        if not 0 < self.tile_overlap_min < self.tile_size:
+            raise ValueError("tile_overlap_min must be positive and smaller than tile_size")
+
+    # ---------------------------------------------------------------------------------------------- derived sizes
+
+    @property
+    def spatial_compression_ratio(self) -> int:
+        return math.prod(self.spatial_downsample_factors)
+
+    @property
+    def temporal_compression_ratio(self) -> int:
+        return math.prod(self.temporal_downsample_factors)
+
+    @property
+    def decoder_hidden_size(self) -> int:
+        return self.decoder_num_attention_heads * self.decoder_attention_head_dim
+
+    @property
+    def decoder_ffn_inner_dim(self) -> int:
+        return self.decoder_hidden_size * self.decoder_ffn_mult
+
+    @property
+    def decoder_rope_dim(self) -> int:
+        return int(self.decoder_attention_head_dim * self.decoder_rope_dim_ratio)
+
+    @property
+    def frame_pre_padding(self) -> int:
+        """Leading pixel frames of a decoded clip that are not part of the video (17 is not a multiple of 4)."""
+        return (-self.clip_length) % self.temporal_compression_ratio
+
+    @property
+    def latents_per_clip(self) -> int:
+        return math.ceil(self.clip_length / self.temporal_compression_ratio)
+
+    @property
+    def window_overlap_latents(self) -> int:
+        """Extra latents each decode window reads past its own clip (what `token_drop` removed from the clip)."""
+        return (-self.token_drop) % self.latents_per_clip
+
+    @property
+    def window_crossfade_frames(self) -> int:
+        return max(self.window_overlap_latents * self.temporal_compression_ratio - self.frame_pre_padding, 0)
+
+    # ---------------------------------------------------------------------------------------------- constructors
+
+    @classmethod
+    def released(cls) -> VideoVAEConfig:
+        return cls(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=24,
+            block_out_channels=(128, 256, 256, 512, 512, 1024),
+            layers_per_block=2,
+            spatial_downsample_factors=(2, 2, 2, 2, 1, 1),
+            temporal_downsample_factors=(1, 2, 2, 1, 1, 1),
+            norm_num_groups=32,
+            norm_eps=1e-6,
+            spatial_padding_mode="reflect",
+            decoder_num_layers=36,
+            decoder_num_attention_heads=32,
+            decoder_attention_head_dim=64,
+            decoder_num_register_tokens=4,
+            decoder_ffn_mult=4,
+            decoder_rope_theta=100.0,
+            decoder_rope_dim_ratio=0.75,
+            decoder_norm_eps=1e-5,
+            clip_length=17,
+            token_drop=3,
+            encoder_tiling=True,
+            decoder_tiling=True,
+            parallel_tiling=True,
+            tile_size=256,
+            tile_overlap_min=64,
+            latents_mean=RELEASED_LATENTS_MEAN,
+            latents_std=RELEASED_LATENTS_STD,
+        )
+
+    @classmethod
+    def tiny(cls) -> VideoVAEConfig:
+        """H3_SPEC §12 tiny VAE: ratio 4 x 4 (spatial x temporal), 4 latent channels, a 1-layer 16-wide decoder."""
+        return dataclasses.replace(
+            cls.released(),
+            latent_channels=4,
+            block_out_channels=(8, 16, 16),
+            layers_per_block=1,
+            spatial_downsample_factors=(2, 2, 1),
+            temporal_downsample_factors=(2, 2, 1),
+            norm_num_groups=4,
+            decoder_num_layers=1,
+            decoder_num_attention_heads=2,
+            decoder_attention_head_dim=8,
+            decoder_num_register_tokens=1,
+            decoder_ffn_mult=2,
+            latents_mean=(0.35, -0.6, 0.15, 0.9),
+            latents_std=(1.4, 0.7, 2.1, 0.55),
+        )
+
+    @classmethod
+    def from_native(cls, wrapper_config: dict[str, Any], source_config: dict[str, Any]) -> VideoVAEConfig:
+        """From `video_vae/config.json` (wrapper) and `video_vae/source/config.json` (AutoencoderKLLegacy)."""
+        for key, expected in _NATIVE_SOURCE_REQUIREMENTS.items():
+            if source_config.get(key, expected) != expected:
+                raise ValueError(
+                    f"source/config.json '{key}' is {source_config[key]!r}; only {expected!r} is supported"
+                )
+        vit = source_config["vit_decoder_kwargs"]
+        for key, expected in _NATIVE_VIT_REQUIREMENTS.items():
+            if vit.get(key, expected) != expected:
+                raise ValueError(
+                    f"source/config.json 'vit_decoder_kwargs.{key}' is {vit[key]!r}; only {expected!r} is supported"
+                )
+        for key in ("zq_ch_encoder", "padding_mode_t"):
+            if source_config.get(key) is not None:
+                raise ValueError(f"source/config.json '{key}' must be null")
+        if source_config["embed_dim"] != source_config["z_channels"]:
+            raise ValueError("source/config.json 'embed_dim' and 'z_channels' differ")
+        latent_channels = int(source_config["z_channels"])
+        if int(wrapper_config.get("latent_channels", latent_channels)) != latent_channels:
+            raise ValueError("config.json 'latent_channels' differs from source/config.json 'z_channels'")
+        for key in ("vae_encoder_parallel", "vae_decoder_parallel"):
+            if int(wrapper_config.get(key, 0)):
+                raise ValueError(
+                    f"config.json '{key}' asks for spatial sharding, which the release recipe rejects"
+                )
+        base_channels = int(source_config["ch"])
+        config = cls(
+            in_channels=int(source_config.get("in_channels", 3)),
+            out_channels=int(source_config.get("out_ch", 3)),
+            latent_channels=latent_channels,
+            block_out_channels=tuple(base_channels * int(m) for m in source_config["ch_mult"]),
+            layers_per_block=int(source_config["num_res_blocks"]),
+            spatial_downsample_factors=tuple(int(f) for f in source_config["space_down"]),
+            temporal_downsample_factors=tuple(int(f) for f in source_config["time_down"]),
+            norm_num_groups=int(source_config.get("norm_num_groups", _NATIVE_DEFAULT_NORM_GROUPS)),
+            norm_eps=float(source_config.get("norm_eps", _NATIVE_DEFAULT_NORM_EPS)),
+            spatial_padding_mode=str(source_config["padding_mode"]),
+            decoder_num_layers=int(vit["num_layers"]),
+            decoder_num_attention_heads=int(vit["heads"]),
+            decoder_attention_head_dim=int(vit["dim_head"]),
+            decoder_num_register_tokens=int(vit.get("num_register_tokens", _NATIVE_DEFAULT_REGISTER_TOKENS)),
+            decoder_ffn_mult=int(vit.get("ffn_mult", _NATIVE_DEFAULT_FFN_MULT)),
+            decoder_rope_theta=float(vit["rope_theta"]),
+            decoder_rope_dim_ratio=float(vit["rope_dim_ratio"]),
+            decoder_norm_eps=float(vit.get("eps", _NATIVE_DEFAULT_DECODER_EPS)),
+            clip_length=int(wrapper_config["vae_clip_length"]),
+            token_drop=int(wrapper_config["vae_token_drop"]),
+            encoder_tiling=bool(int(wrapper_config["vae_encoder_tiling"])),
+            decoder_tiling=bool(int(wrapper_config["vae_decoder_tiling"])),
+            parallel_tiling=bool(int(wrapper_config.get("vae_parallel_tiling", 1))),
+            tile_size=int(wrapper_config["vae_tile_size"]),
+            tile_overlap_min=int(wrapper_config["vae_tile_overlap_min"]),
+            latents_mean=tuple(float(v) for v in wrapper_config["latents_mean"]),
+            latents_std=tuple(float(v) for v in wrapper_config["latents_std"]),
+        )
+        for key, value in (
+            ("vae_ratio", config.spatial_compression_ratio),
+            ("vae_ratio_t", config.temporal_compression_ratio),
+        ):
+            if key in source_config and int(source_config[key]) != value:
+                raise ValueError(
+                    f"source/config.json '{key}' is {source_config[key]} but the factors give {value}"
+                )
+        return config
+
+    @classmethod
+    def from_diffusers(cls, config: dict[str, Any]) -> VideoVAEConfig:
+        """From diffusers' `vae/config.json` (AutoencoderKLMiniMaxH3). Tiling is not stored there: diffusers hard-codes
+        the released 256/64 px tiling, so the released tiling is used."""
+        released = cls.released()
+        latent_channels = int(config.get("latent_channels", 24))
+        return cls(
+            in_channels=int(config.get("in_channels", 3)),
+            out_channels=int(config.get("out_channels", 3)),
+            latent_channels=latent_channels,
+            block_out_channels=tuple(
+                int(c) for c in config.get("block_out_channels", released.block_out_channels)
+            ),
+            layers_per_block=int(config.get("layers_per_block", released.layers_per_block)),
+            spatial_downsample_factors=tuple(
+                int(f) for f in config.get("spatial_downsample_factors", released.spatial_downsample_factors)
+            ),
+            temporal_downsample_factors=tuple(
+                int(f)
+                for f in config.get("temporal_downsample_factors", released.temporal_downsample_factors)
+            ),
+            norm_num_groups=int(config.get("norm_num_groups", released.norm_num_groups)),
+            norm_eps=float(config.get("norm_eps", released.norm_eps)),
+            spatial_padding_mode=str(config.get("spatial_padding_mode", released.spatial_padding_mode)),
+            decoder_num_layers=int(config.get("decoder_num_layers", released.decoder_num_layers)),
+            decoder_num_attention_heads=int(
+                config.get("decoder_num_attention_heads", released.decoder_num_attention_heads)
+            ),
+            decoder_attention_head_dim=int(
+                config.get("decoder_attention_head_dim", released.decoder_attention_head_dim)
+            ),
+            decoder_num_register_tokens=int(
+                config.get("decoder_num_register_tokens", released.decoder_num_register_tokens)
+            ),
+            decoder_ffn_mult=int(config.get("decoder_ffn_mult", released.decoder_ffn_mult)),
+            decoder_rope_theta=float(config.get("decoder_rope_theta", released.decoder_rope_theta)),
+            decoder_rope_dim_ratio=float(
+                config.get("decoder_rope_dim_ratio", released.decoder_rope_dim_ratio)
+            ),
+            decoder_norm_eps=float(config.get("decoder_norm_eps", released.decoder_norm_eps)),
+            clip_length=int(config.get("clip_length", released.clip_length)),
+            token_drop=int(config.get("token_drop", released.token_drop)),
+            encoder_tiling=released.encoder_tiling,
+            decoder_tiling=released.decoder_tiling,
+            parallel_tiling=released.parallel_tiling,
+            tile_size=released.tile_size,
+            tile_overlap_min=released.tile_overlap_min,
+            # diffusers' own defaults when the keys are absent: identity statistics.
+            latents_mean=tuple(float(v) for v in config.get("latents_mean", (0.0,) * latent_channels)),
+            latents_std=tuple(float(v) for v in config.get("latents_std", (1.0,) * latent_channels)),
+        )
+
+    def to_native(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(`video_vae/config.json`, `video_vae/source/config.json`) written like the release."""
+        base_channels = self.block_out_channels[0]
+        if any(channels % base_channels for channels in self.block_out_channels):
+            raise ValueError(
+                "the native config stores channels as ch * ch_mult; block_out_channels must be multiples"
+            )
+        wrapper = {
+            "_class_name": "MiniMaxH3VideoVAE",
+            "_diffusers_version": "0.32.2",
+            "mode": "standalone",
+            "auto_map": {"AutoModel": "minimax_h3_video_vae.MiniMaxH3VideoVAE"},
+            "source_path": "source",
+            "source_class_name": "AutoencoderKLLegacy",
+            "source_safetensors_path": "model.safetensors",
+            "vae_clip_length": self.clip_length,
+            "vae_token_drop": self.token_drop,
+            "vae_encoder_tiling": int(self.encoder_tiling),
+            "vae_decoder_tiling": int(self.decoder_tiling),
+            "vae_parallel_tiling": int(self.parallel_tiling),
+            "vae_tile_size": self.tile_size,
+            "vae_tile_overlap_min": self.tile_overlap_min,
+            "vae_encoder_parallel": 0,
+            "vae_decoder_parallel": 0,
+            "vae_chunk_dim": -1,
+            "latent_channels": self.latent_channels,
+            "latents_mean": list(self.latents_mean),
+            "latents_std": list(self.latents_std),
+        }
+        vit_decoder_kwargs: dict[str, Any] = {
+            "dim_head": self.decoder_attention_head_dim,
+            "ffn_activation_fn": "silu",
+            "ffn_use_gated": True,
+            "heads": self.decoder_num_attention_heads,
+            "norm_affine": True,
+            "norm_type": "rms_norm",
+            "num_layers": self.decoder_num_layers,
+            "qk_norm_affine": False,
+            "qk_norm_type": "rms_norm",
+            "rope_dim_ratio": self.decoder_rope_dim_ratio,
+            "rope_theta": self.decoder_rope_theta,
+        }
+        if self.decoder_num_register_tokens != _NATIVE_DEFAULT_REGISTER_TOKENS:
+            vit_decoder_kwargs["num_register_tokens"] = self.decoder_num_register_tokens
+        if self.decoder_norm_eps != _NATIVE_DEFAULT_DECODER_EPS:
+            vit_decoder_kwargs["eps"] = self.decoder_norm_eps
+        if self.decoder_ffn_mult != _NATIVE_DEFAULT_FFN_MULT:
+            vit_decoder_kwargs["ffn_mult"] = self.decoder_ffn_mult
+        source: dict[str, Any] = {
+            "_class_name": "AutoencoderKLLegacy",
+            "in_channels": self.in_channels,
+            "out_ch": self.out_channels,
+            "ch": base_channels,
+            "ch_mult": [channels // base_channels for channels in self.block_out_channels],
+            "embed_dim": self.latent_channels,
+            "z_channels": self.latent_channels,
+            "num_res_blocks": self.layers_per_block,
+            "num_res_blocks_decoder": None,
+            "padding_mode": self.spatial_padding_mode,
+            "padding_mode_t": None,
+            "pixel_norm_type": "imagenet",
+            "scaling_factor": 1.0,
+            "shift_factor": 0.0,
+            "space_down": list(self.spatial_downsample_factors),
+            # Legacy CNN-decoder field, unused by the ViT decoder; the release stores the down factors shifted by one.
+            "space_up": [1, *self.spatial_downsample_factors[:-1]],
+            "time_down": list(self.temporal_downsample_factors),
+            "time_up": None,
+            "causal_encoder": True,
+            "causal_decoder": False,
+            "use_3d_conv": True,
+            "use_t_isolated_gn": True,
+            "use_vit_decoder": True,
+            "vae_ratio": self.spatial_compression_ratio,
+            "vae_ratio_t": self.temporal_compression_ratio,
+            "vit_decoder_kwargs": vit_decoder_kwargs,
+            "zq_ch_decoder": None,
+            "zq_ch_encoder": None,
+        }
+        if self.norm_num_groups != _NATIVE_DEFAULT_NORM_GROUPS:
+            source["norm_num_groups"] = self.norm_num_groups
+        if self.norm_eps != _NATIVE_DEFAULT_NORM_EPS:
+            source["norm_eps"] = self.norm_eps
+        return wrapper, source
+
+    def to_diffusers(self) -> dict[str, Any]:
+        """Constructor arguments of diffusers' AutoencoderKLMiniMaxH3 (the tiling settings have no place there)."""
+        return {
+            "_class_name": "AutoencoderKLMiniMaxH3",
+            "in_channels": self.in_channels,
+            "out_channels": self.out_channels,
+            "latent_channels": self.latent_channels,
+            "block_out_channels": list(self.block_out_channels),
+            "layers_per_block": self.layers_per_block,
+            "spatial_downsample_factors": list(self.spatial_downsample_factors),
+            "temporal_downsample_factors": list(self.temporal_downsample_factors),
+            "norm_num_groups": self.norm_num_groups,
+            "norm_eps": self.norm_eps,
+            "spatial_padding_mode": self.spatial_padding_mode,
+            "decoder_num_layers": self.decoder_num_layers,
+            "decoder_num_attention_heads": self.decoder_num_attention_heads,
+            "decoder_attention_head_dim": self.decoder_attention_head_dim,
+            "decoder_num_register_tokens": self.decoder_num_register_tokens,
+            "decoder_ffn_mult": self.decoder_ffn_mult,
+            "decoder_rope_theta": self.decoder_rope_theta,
+            "decoder_rope_dim_ratio": self.decoder_rope_dim_ratio,
+            "decoder_norm_eps": self.decoder_norm_eps,
+            "clip_length": self.clip_length,
+            "token_drop": self.token_drop,
+            "latents_mean": list(self.latents_mean),
+            "latents_std": list(self.latents_std),
+        }
+
+
+def _autocast_off(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    return torch.autocast(device_type=tensor.device.type, enabled=False)
+
+
+# ==================================================================================================== encoder
+
+
+class CausalConv3d(nn.Conv3d):
+    """3D conv with symmetric spatial padding in `padding_mode` and causal temporal padding (zero frames in front)."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int,
+        stride: tuple[int, int, int] = (1, 1, 1),
+        spatial_padding: int = 0,
+        temporal_padding: int = 0,
+        padding_mode: str = "reflect",
+    ) -> None:
+        super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=0)
+        self.spatial_padding = spatial_padding
+        self.temporal_padding = temporal_padding
+        self.spatial_padding_mode = padding_mode
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        pad = self.spatial_padding
+        if pad:
+            hidden_states = F.pad(hidden_states, (pad, pad, pad, pad, 0, 0), mode=self.spatial_padding_mode)
+        if self.temporal_padding:
+            hidden_states = F.pad(hidden_states, (0, 0, 0, 0, self.temporal_padding, 0))
+        return F.conv3d(hidden_states, self.weight, self.bias, stride=self.stride)
+
+
+class FramewiseGroupNorm(nn.GroupNorm):
+    """GroupNorm whose statistics never mix frames (`use_t_isolated_gn`): time is folded into the batch."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        batch, channels, frames, height, width = hidden_states.shape
+        per_frame = hidden_states.transpose(1, 2).reshape(batch * frames, channels, height, width)
+        per_frame = F.group_norm(per_frame, self.num_groups, self.weight, self.bias, self.eps)
+        return per_frame.reshape(batch, frames, channels, height, width).transpose(1, 2)
+
+
+class EncoderResnetBlock(nn.Module):
+    def __init__(self, in_channels: int, out_channels: int, config: VideoVAEConfig) -> None:
+        super().__init__()
+        groups, eps, mode = config.norm_num_groups, config.norm_eps, config.spatial_padding_mode
+        self.norm1 = FramewiseGroupNorm(groups, in_channels, eps=eps)
+        self.conv1 = CausalConv3d(
+            in_channels, out_channels, 3, spatial_padding=1, temporal_padding=2, padding_mode=mode
+        )
+        self.norm2 = FramewiseGroupNorm(groups, out_channels, eps=eps)
+        self.conv2 = CausalConv3d(
+            out_channels, out_channels, 3, spatial_padding=1, temporal_padding=2, padding_mode=mode
+        )
+        # Native name of the 1x1x1 channel-changing shortcut; absent when the channel count is kept.
+        self.nin_shortcut = (
+            CausalConv3d(in_channels, out_channels, 1) if in_channels != out_channels else None
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        residual = hidden_states if self.nin_shortcut is None else self.nin_shortcut(hidden_states)
+        hidden_states = self.conv1(F.silu(self.norm1(hidden_states)))
+        hidden_states = self.conv2(F.silu(self.norm2(hidden_states)))
+        return residual + hidden_states
+
+
+class EncoderDownsample(nn.Module):
+    """Stride-(t, s, s) 3x3x3 conv. A spatial stride of 2 first pads one row/column at the bottom/right only (in the
+    padding mode), so the output size is ceil(n / 2); temporally it is causal like every encoder conv."""
+
+    def __init__(self, channels: int, temporal_stride: int, spatial_stride: int, padding_mode: str) -> None:
+        super().__init__()
+        self.spatial_stride = spatial_stride
+        self.padding_mode = padding_mode
+        self.conv = CausalConv3d(
+            channels,
+            channels,
+            3,
+            stride=(temporal_stride, spatial_stride, spatial_stride),
+            temporal_padding=2,
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.spatial_stride == 2:
+            hidden_states = F.pad(hidden_states, (0, 1, 0, 1, 0, 0), mode=self.padding_mode)
+        return self.conv(hidden_states)
+
+
+class EncoderLevel(nn.Module):
+    """One resolution level: `layers_per_block` ResBlocks, then a downsampler when the level's factor is > 1."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        spatial_factor: int,
+        temporal_factor: int,
+        config: VideoVAEConfig,
+    ) -> None:
+        super().__init__()
+        self.block = nn.ModuleList(
+            EncoderResnetBlock(in_channels if index == 0 else out_channels, out_channels, config)
+            for index in range(config.layers_per_block)
+        )
+        self.downsample = (
+            EncoderDownsample(out_channels, temporal_factor, spatial_factor, config.spatial_padding_mode)
+            if spatial_factor * temporal_factor > 1
+            else None
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        for resnet in self.block:
+            hidden_states = resnet(hidden_states)
+        return hidden_states if self.downsample is None else self.downsample(hidden_states)
+
+
+class VideoEncoder(nn.Module):
+    """Causal 3D CNN: pixels [B, 3, F, H, W] -> 2 * latent_channels moments [B, 2C, T, H/s, W/s]."""
+
+    def __init__(self, config: VideoVAEConfig) -> None:
+        super().__init__()
+        channels = config.block_out_channels
+        mode = config.spatial_padding_mode
+        self.conv_in = CausalConv3d(
+            config.in_channels, channels[0], 3, spatial_padding=1, temporal_padding=2, padding_mode=mode
+        )
+        level_inputs = (channels[0], *channels[:-1])
+        self.down = nn.ModuleList(
+            EncoderLevel(level_in, level_out, spatial, temporal, config)
+            for level_in, level_out, spatial, temporal in zip(
+                level_inputs,
+                channels,
+                config.spatial_downsample_factors,
+                config.temporal_downsample_factors,
+                strict=True,
+            )
+        )
+        self.norm_out = FramewiseGroupNorm(config.norm_num_groups, channels[-1], eps=config.norm_eps)
+        self.conv_out = CausalConv3d(
+            channels[-1],
+            2 * config.latent_channels,
+            3,
+            spatial_padding=1,
+            temporal_padding=2,
+            padding_mode=mode,
+        )
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.conv_in(pixels)
+        for level in self.down:
+            hidden_states = level(hidden_states)
+        return self.conv_out(F.silu(self.norm_out(hidden_states)))
+
+
+# ==================================================================================================== decoder
+
+
+class DecoderRotaryEmbedding(nn.Module):
+    """3-axis rotary table for the ViT decoder: positions in (-1, 1) per axis, angle = 2*pi*pos*inv_freq with
+    `inv_freq = theta^-(arange(0, 1, 6/rope_dim))`; the (t, h, w) angles are concatenated then duplicated."""
+
+    def __init__(self, config: VideoVAEConfig) -> None:
+        super().__init__()
+        self.rope_dim = config.decoder_rope_dim
+        self.theta = config.decoder_rope_theta
+        self.register_buffer("inv_freq", torch.empty(self.rope_dim // 6), persistent=False)
+        if not self.inv_freq.is_meta:
+            self.reset_computed_buffers(self.inv_freq.device)
+
+    def reset_computed_buffers(self, device: torch.device) -> None:
+        # Computed on the CPU in fp32 like the reference, so every device gets the same frequencies.
+        exponents = torch.arange(0, 1, 6 / self.rope_dim, dtype=torch.float32)
+        self.inv_freq = (1.0 / self.theta**exponents).to(device)
+
+    def forward(
+        self, frames: int, height: int, width: int, num_suffix_tokens: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [tokens, rope_dim] in `dtype`; suffix (register + zero) tokens sit at position 0.
+
+        `dtype` is the dtype the positions are computed in (see the module docstring for why it is not always fp32).
+        """
+        device = self.inv_freq.device
+        axes = [
+            2.0 * (torch.arange(0.5, size, dtype=dtype, device=device) / size) - 1.0
+            for size in (frames, height, width)
+        ]
+        grid = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
+        positions = torch.cat([grid, grid.new_zeros(num_suffix_tokens, 3)], dim=0)
+        with _autocast_off(positions):
+            # Same association as the reference: (2*pi*pos) first, in the positions' dtype, then times inv_freq.
+            angles = (2.0 * math.pi * positions[:, :, None]) * self.inv_freq
+            angles = angles.flatten(1).repeat(1, 2)
+            return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_leading_channels(tensor: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first cos.shape[-1] channels of the last axis; the rest passes through."""
+    rope_dim = cos.shape[-1]
+    rotated, passthrough = tensor[..., :rope_dim], tensor[..., rope_dim:]
+    first_half, second_half = rotated.chunk(2, dim=-1)
+    swapped = torch.cat([-second_half, first_half], dim=-1)
+    return torch.cat([rotated * cos + swapped * sin, passthrough], dim=-1)
+
+
+class DecoderAttention(nn.Module):
+    """Full self-attention with a fused QKV projection whose rows are per-head interleaved: head h owns rows
+    [h*3*d, (h+1)*3*d) laid out as [q(d) k(d) v(d)]. QK RMSNorm (no affine) in fp32, then RoPE."""
+
+    def __init__(self, config: VideoVAEConfig) -> None:
+        super().__init__()
+        self.heads = config.decoder_num_attention_heads
+        self.head_dim = config.decoder_attention_head_dim
+        self.eps = config.decoder_norm_eps
+        hidden = config.decoder_hidden_size
+        self.to_qkv = nn.Linear(hidden, 3 * hidden)
+        self.to_out = nn.Linear(hidden, hidden)
+
+    def forward(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        batch, tokens, _ = hidden_states.shape
+        qkv = self.to_qkv(hidden_states).view(batch, tokens, self.heads, 3 * self.head_dim)
+        query, key, value = (part.transpose(1, 2) for part in qkv.split(self.head_dim, dim=-1))
+        with _autocast_off(value):
+            # The reference normalizes Q and K in fp32 whatever the compute dtype, then returns to it.
+            query = F.rms_norm(query.float(), (self.head_dim,), eps=self.eps).to(value.dtype)
+            key = F.rms_norm(key.float(), (self.head_dim,), eps=self.eps).to(value.dtype)
+        cos, sin = (table.to(value.dtype) for table in rotary)
+        query = _rotate_leading_channels(query, cos, sin)
+        key = _rotate_leading_channels(key, cos, sin)
+        attended = F.scaled_dot_product_attention(query, key, value)
+        return self.to_out(attended.transpose(1, 2).reshape(batch, tokens, self.heads * self.head_dim))
+
+
+class DecoderFeedForward(nn.Module):
+    """SwiGLU with the native fused layout: `w1` rows are [gate; up] and the output is w2(silu(gate) * up)."""
+
+    def __init__(self, config: VideoVAEConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.decoder_hidden_size, 2 * config.decoder_ffn_inner_dim)
+        self.w2 = nn.Linear(config.decoder_ffn_inner_dim, config.decoder_hidden_size)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w1(hidden_states).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+def _rms_norm_fp32(hidden_states: torch.Tensor, norm: nn.RMSNorm) -> torch.Tensor:
+    """Affine RMSNorm computed in fp32 with autocast off (the reference's fp32 normalization island)."""
+    with _autocast_off(hidden_states):
+        return F.rms_norm(hidden_states.float(), norm.normalized_shape, norm.weight.float(), norm.eps)
+
+
+class DecoderBlock(nn.Module):
+    """x += scale1 * attn(rms(x)); x += scale2 * ffn(rms(x)). The residual stream, RMSNorms and scales are fp32."""
+
+    def __init__(self, config: VideoVAEConfig) -> None:
+        super().__init__()
+        hidden = config.decoder_hidden_size
+        self.norm1 = nn.RMSNorm(hidden, eps=config.decoder_norm_eps)
+        self.attn = DecoderAttention(config)
+        self.scale1 = nn.Parameter(torch.zeros(hidden))
+        self.norm2 = nn.RMSNorm(hidden, eps=config.decoder_norm_eps)
+        self.ff = DecoderFeedForward(config)
+        self.scale2 = nn.Parameter(torch.zeros(hidden))
+
+    def forward(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        hidden_states = (
+            hidden_states + self.attn(_rms_norm_fp32(hidden_states, self.norm1), rotary) * self.scale1
+        )
+        return hidden_states + self.ff(_rms_norm_fp32(hidden_states, self.norm2)) * self.scale2
+
+
+class ViTDecoder(nn.Module):
+    """Latent voxels -> tokens (+ register tokens + one zero token, all at position 0) -> blocks -> LayerNorm ->
+    per-token (t_ratio x s_ratio x s_ratio) RGB patch. Positions are relative to the clip/tile being decoded."""
+
+    def __init__(self, config: VideoVAEConfig) -> None:
+        super().__init__()
+        hidden = config.decoder_hidden_size
+        self.out_channels = config.out_channels
+        self.patch_size = config.spatial_compression_ratio
+        self.patch_frames = config.temporal_compression_ratio
+        self.norm_eps = config.decoder_norm_eps
+        self.rope = DecoderRotaryEmbedding(config)
+        self.x_embedder = nn.Linear(config.latent_channels, hidden)
+        self.register_tokens = nn.Parameter(torch.zeros(1, config.decoder_num_register_tokens, hidden))
+        # All-zero leftover of masked-autoencoder training; the native file carries it, the forward never reads it.
+        self.register_buffer("mask_token", torch.zeros(1, 1, hidden))
+        self.transformer_blocks = nn.ModuleList(
+            DecoderBlock(config) for _ in range(config.decoder_num_layers)
+        )
+        self.norm_out = nn.LayerNorm(hidden, eps=config.decoder_norm_eps)
+        self.proj_out = nn.Linear(hidden, config.out_channels * self.patch_frames * self.patch_size**2)
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        batch, channels, frames, height, width = latents.shape
+        voxels = latents.permute(0, 2, 3, 4, 1).reshape(batch, frames * height * width, channels)
+        with _autocast_off(voxels):
+            # Embedding in fp32 even under autocast; the result goes back to the input's dtype like the reference.
+            patch_tokens = F.linear(voxels.float(), self.x_embedder.weight, self.x_embedder.bias).to(
+                voxels.dtype
+            )
+        num_patches = patch_tokens.shape[1]
+        residual_dtype = self.register_tokens.dtype
+        hidden_states = torch.cat(
+            [
+                patch_tokens.to(residual_dtype),
+                self.register_tokens.expand(batch, -1, -1),
+                patch_tokens.new_zeros(batch, 1, patch_tokens.shape[2], dtype=residual_dtype),
+            ],
+            dim=1,
+        )
+        rotary = self.rope(frames, height, width, hidden_states.shape[1] - num_patches, dtype=latents.dtype)
+        for block in self.transformer_blocks:
+            hidden_states = block(hidden_states, rotary)
+        with _autocast_off(hidden_states):
+            hidden_states = F.layer_norm(
+                hidden_states[:, :num_patches].float(),
+                (hidden_states.shape[-1],),
+                self.norm_out.weight,
+                self.norm_out.bias,
+                self.norm_eps,
+            )
+            patches = F.linear(hidden_states, self.proj_out.weight, self.proj_out.bias)
+        patch, patch_t = self.patch_size, self.patch_frames
+        patches = patches.view(batch, frames, height, width, self.out_channels, patch_t, patch, patch)
+        patches = patches.permute(0, 4, 1, 5, 2, 6, 3, 7)
+        return patches.reshape(batch, self.out_channels, frames * patch_t, height * patch, width * patch)
+
+
+# ==================================================================================================== tiling helpers
+
+
+def tile_layout(length: int, tile_size: int, overlap_min: int, step: int) -> tuple[list[int], int, list[int]]:
+    """Tiles along one axis: (start offsets, tile size, overlaps between consecutive tiles).
+
+    The fewest `tile_size` tiles whose overlaps are all >= `overlap_min`; the surplus coverage is spread round-robin
+    over the overlaps in whole `step`s (the spatial ratio) so every boundary stays latent-aligned. A surplus that is
+    not a multiple of `step` makes the last tile run past `length`; slicing then simply shortens it.
+    """
+    if tile_size >= length:
+        return [0], length, []
+    count = math.ceil(length / tile_size)
+    while tile_size * count - overlap_min * (count - 1) < length:
+        count += 1
+    overlaps = [overlap_min] * (count - 1)
+    surplus = tile_size * count - overlap_min * (count - 1) - length
+    for index in range(surplus // step):
+        overlaps[index % (count - 1)] += step
+    starts = [0]
+    for overlap in overlaps:
+        starts.append(starts[-1] + tile_size - overlap)
+    return starts, tile_size, overlaps
+
+
+def cross_fade(previous: torch.Tensor, current: torch.Tensor, extent: int, dim: int) -> torch.Tensor:
+    """`current` with its first `extent` entries along `dim` blended linearly from `previous`'s last ones
+    (weights 1 - i/e for previous, i/e for current, i = 0..e-1)."""
+    extent = min(previous.shape[dim], current.shape[dim], extent)
+    ramp_shape = [1] * current.ndim
+    ramp_shape[dim] = extent
+    ramp = (torch.arange(extent, device=current.device, dtype=current.dtype) / extent).view(ramp_shape)
+    tail = previous.narrow(dim, previous.shape[dim] - extent, extent)
+    head = current.narrow(dim, 0, extent)
+    blended = tail * (1 - ramp) + head * ramp
+    if extent == current.shape[dim]:
+        return blended
+    return torch.cat([blended, current.narrow(dim, extent, current.shape[dim] - extent)], dim=dim)
+
+
+def stitch_tiles(
+    tiles: list[list[torch.Tensor]], row_overlaps: list[int], column_overlaps: list[int]
+) -> torch.Tensor:
+    """Blend a grid of overlapping tiles (last two dims = H, W) into one tensor.
+
+    Released order: each tile is first blended with the raw tile above it, then with the raw tile to its left, and
+    then loses its trailing overlaps. The left neighbour used is the un-blended one, which makes the corners
+    asymmetric; that asymmetry is part of the released output.
+    """
+    rows = []
+    last_row, last_column = len(tiles) - 1, len(tiles[0]) - 1
+    for row_index, row in enumerate(tiles):
+        pieces = []
+        for column_index, tile in enumerate(row):
+            if row_index > 0:
+                tile = cross_fade(
+                    tiles[row_index - 1][column_index], tile, row_overlaps[row_index - 1], dim=-2
+                )
+            if column_index > 0:
+                tile = cross_fade(row[column_index - 1], tile, column_overlaps[column_index - 1], dim=-1)
+            if row_index < last_row:
+                tile = tile[..., : tile.shape[-2] - row_overlaps[row_index], :]
+            if column_index < last_column:
+                tile = tile[..., : tile.shape[-1] - column_overlaps[column_index]]
+            pieces.append(tile)
+        rows.append(torch.cat(pieces, dim=-1))
+    return torch.cat(rows, dim=-2)
+
+
+# ==================================================================================================== the VAE
+
+
+class VideoVAE(nn.Module):
+    """The H3 video VAE with the released temporal chunking and spatial tiling (see the module docstring)."""
+
+    def __init__(self, config: VideoVAEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.encoder = VideoEncoder(config)
+        self.quant_conv = nn.Conv3d(2 * config.latent_channels, 2 * config.latent_channels, 1)
+        self.post_quant_conv = nn.Conv3d(config.latent_channels, config.latent_channels, 1)
+        self.decoder = ViTDecoder(config)
+        self.encoder_tiling = config.encoder_tiling
+        self.decoder_tiling = config.decoder_tiling
+        self.tile_size = config.tile_size
+        self.tile_overlap_min = config.tile_overlap_min
+
+    def set_tiling(self, enabled: bool, tile_size: int | None = None, overlap_min: int | None = None) -> None:
+        """Switch spatial tiling for both directions and optionally change the tile geometry (pixels)."""
+        tile_size = self.tile_size if tile_size is None else tile_size
+        overlap_min = self.tile_overlap_min if overlap_min is None else overlap_min
+        ratio = self.config.spatial_compression_ratio
+        if tile_size % ratio or overlap_min % ratio or not 0 < overlap_min < tile_size:
+            raise ValueError(
+                f"tile {tile_size}/{overlap_min} px must be multiples of {ratio} with 0 < overlap < tile"
+            )
+        self.encoder_tiling = self.decoder_tiling = enabled
+        self.tile_size, self.tile_overlap_min = tile_size, overlap_min
+
+    # ---------------------------------------------------------------------------------------------- latent statistics
+
+    def _latent_statistics(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (1, -1, 1, 1, 1)
+        mean = torch.tensor(self.config.latents_mean, dtype=torch.float32).view(shape)
+        std = torch.tensor(self.config.latents_std, dtype=torch.float32).view(shape)
+        return mean.to(like.device, like.dtype), std.to(like.device, like.dtype)
+
+    def normalize_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """(z - mean[c]) / std[c]: the space the DiT works in."""
+        mean, std = self._latent_statistics(latents)
+        return (latents - mean) / std
+
+    def denormalize_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """z * std[c] + mean[c]: what `decode` expects."""
+        mean, std = self._latent_statistics(latents)
+        return latents * std + mean
+
+    @staticmethod
+    def _imagenet_statistics(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (1, 3) + (1,) * (like.ndim - 2)
+        mean = torch.tensor(IMAGENET_MEAN, dtype=like.dtype, device=like.device).view(shape)
+        std = torch.tensor(IMAGENET_STD, dtype=like.dtype, device=like.device).view(shape)
+        return mean, std
+
+    @staticmethod
+    def from_unit_range(rgb: torch.Tensor) -> torch.Tensor:
+        """[0, 1] RGB [B, 3, ...] -> the VAE's ImageNet-normalized pixel space ((x - mean) / std per channel)."""
+        mean, std = VideoVAE._imagenet_statistics(rgb)
+        return (rgb - mean) / std
+
+    @staticmethod
+    def to_unit_range(pixels: torch.Tensor) -> torch.Tensor:
+        """The VAE's pixel space [B, 3, ...] -> [0, 1] RGB (x * std + mean, clamped)."""
+        mean, std = VideoVAE._imagenet_statistics(pixels)
+        return (pixels * std + mean).clamp(0.0, 1.0)
+
+    @staticmethod
+    def sample_posterior(
+        mean: torch.Tensor, logvar: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """mean + exp(logvar/2) * eps, eps drawn in one call of shape `mean.shape` on the generator's device (the
+        conditioning recipe uses a fresh CPU generator seeded 42) and moved to `mean`'s device."""
+        noise_device = generator.device if generator is not None else mean.device
+        noise = torch.randn(mean.shape, generator=generator, device=noise_device, dtype=mean.dtype)
+        return mean + torch.exp(0.5 * logvar) * noise.to(mean.device)
+
+    # ---------------------------------------------------------------------------------------------- encode
+
+    def _spatial_tiles(
+        self, height: int, width: int
+    ) -> tuple[list[int], int, list[int], list[int], int, list[int]]:
+        ratio = self.config.spatial_compression_ratio
+        row_starts, row_size, row_overlaps = tile_layout(height, self.tile_size, self.tile_overlap_min, ratio)
+        column_starts, column_size, column_overlaps = tile_layout(
+            width, self.tile_size, self.tile_overlap_min, ratio
+        )
+        return row_starts, row_size, row_overlaps, column_starts, column_size, column_overlaps
+
+    def _encode_clip(self, pixels: torch.Tensor) -> torch.Tensor:
+        if not self.encoder_tiling:
+            return self.quant_conv(self.encoder(pixels))
+        row_starts, row_size, row_overlaps, column_starts, column_size, column_overlaps = self._spatial_tiles(
+            pixels.shape[-2], pixels.shape[-1]
+        )
+        tiles = [
+            [
+                self.quant_conv(self.encoder(pixels[..., top : top + row_size, left : left + column_size]))
+                for left in column_starts
+            ]
+            for top in row_starts
+        ]
+        ratio = self.config.spatial_compression_ratio
+        return stitch_tiles(tiles, [o // ratio for o in row_overlaps], [o // ratio for o in column_overlaps])
+
+    def _clips(self, pixels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Whole `clip_length`-frame clips; the video is padded at the end by repeating its last frame."""
+        clip_length = self.config.clip_length
+        missing = (-pixels.shape[2]) % clip_length
+        if missing:
+            pixels = torch.cat([pixels, pixels[:, :, -1:].expand(-1, -1, missing, -1, -1)], dim=2)
+        return pixels.split(clip_length, dim=2)
+
+    def encode(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ImageNet-normalized pixels [B, 3, F, H, W] -> posterior (mean, logvar), each [B, C, T, h, w], in fp32."""
+        weight = self.quant_conv.weight
+        pixels = pixels.to(device=weight.device, dtype=weight.dtype)
+        with _autocast_off(pixels):
+            if pixels.shape[2] == 1:
+                # A still image is encoded as itself: repeating it to a 17-frame clip would yield 2 latents, not 1.
+                moments = self._encode_clip(pixels)
+            else:
+                moments = torch.cat([self._encode_clip(clip) for clip in self._clips(pixels)], dim=2)
+                if self.config.token_drop:
+                    moments = moments[:, :, : moments.shape[2] - self.config.token_drop]
+        mean, logvar = moments.chunk(2, dim=1)
+        return mean, logvar.clamp(-30.0, 20.0)
+
+    # ---------------------------------------------------------------------------------------------- decode
+
+    def _decode_window(self, latents: torch.Tensor) -> torch.Tensor:
+        if not self.decoder_tiling:
+            return self.decoder(self.post_quant_conv(latents))
+        ratio = self.config.spatial_compression_ratio
+        row_starts, row_size, row_overlaps, column_starts, column_size, column_overlaps = self._spatial_tiles(
+            latents.shape[-2] * ratio, latents.shape[-1] * ratio
+        )
+        tiles = [
+            [
+                self.decoder(
+                    self.post_quant_conv(
+                        latents[
+                            ...,
+                            top // ratio : (top + row_size) // ratio,
+                            left // ratio : (left + column_size) // ratio,
+                        ]
+                    )
+                )
+                for left in column_starts
+            ]
+            for top in row_starts
+        ]
+        return stitch_tiles(tiles, row_overlaps, column_overlaps)
+
+    def decode(self, latents: torch.Tensor, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Un-normalized latents [B, C, T, h, w] -> ImageNet-normalized pixels [B, 3, F, H, W] (fp32).
+
+        `autocast_dtype=None` computes in the weights' dtype (fp32: parity). `torch.float16` runs SGLang's released
+        recipe (fp16 autocast with the reference's fp32 islands; see the module docstring).
+
+        Windows of `latents_per_clip + window_overlap_latents` (5 + 2) latents start every `latents_per_clip`; each
+        window's first clip (minus `frame_pre_padding` leading frames) is emitted, cross-faded with the previous
+        window's tail, and its tail is carried to the next window. T that is not 5n+2 is padded by repeating the last
+        latent and the surplus frames are cut at the end.
+        """
+        config = self.config
+        chunk, ratio_t = config.latents_per_clip, config.temporal_compression_ratio
+        clip_frames = chunk * ratio_t
+        original_count = latents.shape[2]
+        padded_count = original_count + config.token_drop
+        pad_latents = (-padded_count) % chunk
+        carries_tail = config.token_drop > 0
+        window_count = (padded_count + pad_latents) // chunk - int(carries_tail)
+        if window_count < 1:
+            raise ValueError(
+                f"cannot decode {original_count} latent frames: at least {chunk - config.token_drop + 1} are needed "
+                "for one decode window"
+            )
+        latents = latents.to(self.post_quant_conv.weight.dtype)
+        if pad_latents:
+            latents = torch.cat([latents, latents[:, :, -1:].expand(-1, -1, pad_latents, -1, -1)], dim=2)
+
+        autocast = (
+            torch.autocast(device_type=latents.device.type, dtype=autocast_dtype)
+            if autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        pieces: list[torch.Tensor] = []
+        carried_tail = None
+        with autocast:
+            for window_index in range(window_count):
+                start = window_index * chunk
+                window = self._decode_window(
+                    latents[:, :, start : start + chunk + config.window_overlap_latents]
+                )
+                head = window[:, :, config.frame_pre_padding : clip_frames]
+                if carried_tail is not None:
+                    head = cross_fade(carried_tail, head, config.window_crossfade_frames, dim=2)
+                pieces.append(head)
+                if carries_tail:
+                    carried_tail = window[:, :, clip_frames + config.frame_pre_padding : 2 * clip_frames]
+        if carried_tail is not None:
+            pieces.append(carried_tail)
+        frames = torch.cat(pieces, dim=2)
+        surplus = self._padding_frames(original_count, pad_latents)
+        return frames[:, :, : frames.shape[2] - surplus] if surplus else frames
+
+    def _padding_frames(self, original_count: int, pad_latents: int) -> int:
+        """Pixel frames produced by the repeated padding latents: a clip's last latent covers only
+        `clip_length % ratio_t` frames (1 of 17), every other latent covers `ratio_t` (4)."""
+        config = self.config
+        ratio_t = config.temporal_compression_ratio
+        last_latent_frames = config.clip_length % ratio_t
+        return sum(
+            last_latent_frames
+            if last_latent_frames and (original_count + index) % config.latents_per_clip == 0
+            else ratio_t
+            for index in range(pad_latents)
+        )

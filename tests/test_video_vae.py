@@ -1,0 +1,388 @@
+"""Parity of h3engine's video VAE with diffusers' AutoencoderKLMiniMaxH3 (fp32, tiny config), key maps and configs.
+
+Weights: `random_native_state` (native keys) -> our module directly, and -> `native_to_diffusers` -> diffusers with a
+strict load. Canvases are small (32x48 and 40x56 px at spatial ratio 4) and tiles are shrunk to 32 px with a 16 px
+minimum overlap so that spatial stitching (including the round-robin overlap widening) is exercised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from diffusers import AutoencoderKLMiniMaxH3
+
+from h3engine.checkpoint import video_vae_keys
+from h3engine.errors import CheckpointError
+from h3engine.models.video_vae import VideoVAE, VideoVAEConfig, tile_layout
+
+MAX_RELATIVE_ERROR = 1e-5
+SMALL_TILE, SMALL_OVERLAP = 32, 16
+RELEASED_NATIVE_KEYS = 560
+RELEASED_NATIVE_ELEMENTS = 2_603_871_032
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours - reference).abs().max() / reference.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def tiny_config() -> VideoVAEConfig:
+    return VideoVAEConfig.tiny()
+
+
+def build_pair(
+    config: VideoVAEConfig, native: dict[str, torch.Tensor]
+) -> tuple[VideoVAE, AutoencoderKLMiniMaxH3]:
+    ours = VideoVAE(config).eval()
+    ours.load_state_dict(native, strict=True)
+    reference = AutoencoderKLMiniMaxH3.from_config(config.to_diffusers()).eval()
+    reference.load_state_dict(video_vae_keys.native_to_diffusers(native, config), strict=True)
+    return ours, reference
+
+
+@pytest.fixture(scope="module")
+def models(tiny_config: VideoVAEConfig) -> tuple[VideoVAE, AutoencoderKLMiniMaxH3]:
+    return build_pair(tiny_config, video_vae_keys.random_native_state(tiny_config, seed=7))
+
+
+def set_tiling(ours: VideoVAE, reference: AutoencoderKLMiniMaxH3, tiled: bool) -> None:
+    if tiled:
+        ours.set_tiling(True, SMALL_TILE, SMALL_OVERLAP)
+        reference.enable_tiling(SMALL_TILE, SMALL_TILE, SMALL_OVERLAP, SMALL_OVERLAP)
+    else:
+        ours.set_tiling(False)
+        reference.disable_tiling()
+
+
+def random_pixels(batch: int, frames: int, height: int, width: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return VideoVAE.from_unit_range(torch.rand(batch, 3, frames, height, width, generator=generator))
+
+
+# ---------------------------------------------------------------------------------------------------- tiling layout
+
+
+def test_tile_layout_matches_diffusers(models: tuple[VideoVAE, AutoencoderKLMiniMaxH3]) -> None:
+    _, reference = models
+    ratio = reference.spatial_compression_ratio
+    for tile, overlap in ((32, 16), (256, 64), (64, 8)):
+        for length in range(1, 900):
+            expected_starts, expected_lengths, expected_overlaps = reference._split_tiles(
+                length, tile, overlap
+            )
+            starts, size, overlaps = tile_layout(length, tile, overlap, ratio)
+            assert (starts, overlaps) == (expected_starts, expected_overlaps)
+            assert expected_lengths == [size] * len(starts)
+    # The released figures quoted in H3_SPEC §5.2.
+    assert tile_layout(768, 256, 64, 16)[2] == [96, 80, 80]
+    assert tile_layout(1344, 256, 64, 16)[2] == [80, 80, 80, 80, 64, 64]
+
+
+# ---------------------------------------------------------------------------------------------------- encode
+
+
+@pytest.mark.parametrize(
+    ("batch", "frames", "height", "width", "tiled"),
+    [
+        (1, 1, 40, 56, False),
+        (1, 1, 40, 56, True),  # 2 x 3 tiles, overlaps widened to [24] and [20, 20]
+        (
+            2,
+            22,
+            32,
+            48,
+            False,
+        ),  # two 17-frame clips (the second padded by repetition), last 3 latents dropped
+        (1, 22, 32, 48, True),
+        (1, 39, 32, 48, False),
+        (1, 39, 40, 56, True),  # three clips, 2 x 3 tiles each
+    ],
+)
+def test_encode_matches_diffusers(
+    models: tuple[VideoVAE, AutoencoderKLMiniMaxH3],
+    batch: int,
+    frames: int,
+    height: int,
+    width: int,
+    tiled: bool,
+) -> None:
+    ours, reference = models
+    set_tiling(ours, reference, tiled)
+    pixels = random_pixels(batch, frames, height, width, seed=frames + height)
+    with torch.no_grad():
+        mean, logvar = ours.encode(pixels)
+        posterior = reference.encode(pixels).latent_dist
+    latent_frames = 1 if frames == 1 else 5 * math.ceil(frames / 17) - 3
+    assert mean.shape == logvar.shape == (batch, 4, latent_frames, height // 4, width // 4)
+    assert relative_error(mean, posterior.mean) <= MAX_RELATIVE_ERROR
+    assert relative_error(logvar, posterior.logvar) <= MAX_RELATIVE_ERROR
+
+
+def test_logvar_clamp_matches_diffusers(tiny_config: VideoVAEConfig) -> None:
+    native = video_vae_keys.random_native_state(tiny_config, seed=5)
+    # Push half of the logvar channels above 20 and half below -30 so that both clamp bounds are hit.
+    logvar_bias = native["quant_conv.bias"][tiny_config.latent_channels :]
+    logvar_bias += torch.tensor([60.0, -60.0, 60.0, -60.0])
+    ours, reference = build_pair(tiny_config, native)
+    pixels = random_pixels(1, 1, 32, 48, seed=5)
+    with torch.no_grad():
+        _, logvar = ours.encode(pixels)
+        expected = reference.encode(pixels).latent_dist.logvar
+    assert logvar.max().item() == 20.0 and logvar.min().item() == -30.0
+    assert relative_error(logvar, expected) <= MAX_RELATIVE_ERROR
+
+
+def test_posterior_sample_matches_diffusers(models: tuple[VideoVAE, AutoencoderKLMiniMaxH3]) -> None:
+    ours, reference = models
+    set_tiling(ours, reference, False)
+    pixels = random_pixels(2, 1, 32, 48, seed=3)
+    with torch.no_grad():
+        mean, logvar = ours.encode(pixels)
+        expected = reference.encode(pixels).latent_dist.sample(generator=torch.Generator().manual_seed(42))
+    sample = VideoVAE.sample_posterior(mean, logvar, torch.Generator().manual_seed(42))
+    assert relative_error(sample, expected) <= MAX_RELATIVE_ERROR
+    assert not torch.equal(sample, mean)
+
+
+# ---------------------------------------------------------------------------------------------------- decode
+
+
+# 3 and 8 are not 5n+2 (padded, surplus frames cut); 3 and 7 give one window, 8 and 12 two windows.
+@pytest.mark.parametrize(("batch", "latent_frames"), [(1, 3), (1, 7), (2, 8), (1, 12)])
+def test_decode_matches_diffusers(
+    models: tuple[VideoVAE, AutoencoderKLMiniMaxH3], batch: int, latent_frames: int
+) -> None:
+    ours, reference = models
+    latents = torch.randn(
+        batch, 4, latent_frames, 10, 14, generator=torch.Generator().manual_seed(latent_frames)
+    )
+    outputs = {}
+    for tiled in (False, True):  # tiled: 2 x 3 tiles of 32 px over the 40 x 56 px canvas
+        set_tiling(ours, reference, tiled)
+        with torch.no_grad():
+            outputs[tiled] = ours.decode(latents)
+            expected = reference.decode(latents).sample
+        assert outputs[tiled].shape == expected.shape
+        assert relative_error(outputs[tiled], expected) <= MAX_RELATIVE_ERROR
+    decoded_frames = {3: 9, 7: 22, 8: 26, 12: 39}[latent_frames]
+    assert outputs[True].shape == (batch, 3, decoded_frames, 40, 56)
+    # Tiling is part of the function (positions are per tile), so the two must differ.
+    assert relative_error(outputs[True], outputs[False]) > 1e-3
+
+
+def test_decode_matches_diffusers_with_two_rope_frequencies(tiny_config: VideoVAEConfig) -> None:
+    # The §12 tiny decoder rotates 6 channels: one frequency per axis equal to 1, for which 2*pi*pos is blind to a
+    # shift of the positions by 1 and to rope_theta. Head size 16 gives frequencies (1, 100^-0.5) per axis.
+    config = dataclasses.replace(tiny_config, decoder_attention_head_dim=16)
+    ours, reference = build_pair(config, video_vae_keys.random_native_state(config, seed=9))
+    set_tiling(ours, reference, True)
+    latents = torch.randn(1, 4, 7, 10, 14, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        assert relative_error(ours.decode(latents), reference.decode(latents).sample) <= MAX_RELATIVE_ERROR
+
+
+def test_released_width_matches_diffusers() -> None:
+    # The released architecture (6 encoder levels, 32-group norms, 32 heads x 64 with 48 rotated channels = 8
+    # frequencies per axis, 4 register tokens, 24 latent channels) with a single decoder block to stay cheap.
+    config = dataclasses.replace(VideoVAEConfig.released(), decoder_num_layers=1)
+    native = video_vae_keys.random_native_state(config, seed=4)
+    with torch.device("meta"):
+        ours = VideoVAE(config)
+    ours.load_state_dict(native, strict=True, assign=True)
+    ours.decoder.rope.reset_computed_buffers(torch.device("cpu"))
+    reference = AutoencoderKLMiniMaxH3.from_config(config.to_diffusers()).eval()
+    reference.load_state_dict(video_vae_keys.native_to_diffusers(native, config), strict=True)
+    ours.set_tiling(True, 32, 16)  # 2 x 2 latent tiles with a 1-latent overlap at spatial ratio 16
+    reference.enable_tiling(32, 32, 16, 16)
+    pixels = random_pixels(1, 1, 32, 48, seed=4)
+    latents = torch.randn(1, 24, 7, 3, 4, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        mean, logvar = ours.encode(pixels)
+        posterior = reference.encode(pixels).latent_dist
+        decoded = ours.decode(latents)
+        expected = reference.decode(latents).sample
+    assert relative_error(mean, posterior.mean) <= MAX_RELATIVE_ERROR
+    assert relative_error(logvar, posterior.logvar) <= MAX_RELATIVE_ERROR
+    assert decoded.shape == (1, 3, 22, 48, 64)
+    assert relative_error(decoded, expected) <= MAX_RELATIVE_ERROR
+
+
+def test_decode_rejects_latent_counts_without_a_window(
+    models: tuple[VideoVAE, AutoencoderKLMiniMaxH3],
+) -> None:
+    # 2 latents (5 frames) give zero decode windows; diffusers fails on an empty torch.cat, we fail with a message.
+    ours, reference = models
+    latents = torch.randn(1, 4, 2, 10, 14)
+    with pytest.raises(ValueError, match="at least 3"):
+        ours.decode(latents)
+    with pytest.raises((RuntimeError, ValueError)), torch.no_grad():
+        reference.decode(latents)
+
+
+def test_fp16_autocast_recipe_keeps_fp32_islands(models: tuple[VideoVAE, AutoencoderKLMiniMaxH3]) -> None:
+    ours, _ = models
+    ours.set_tiling(False)
+    latents = torch.randn(1, 4, 7, 8, 12, generator=torch.Generator().manual_seed(11))
+    dtypes: dict[str, torch.dtype] = {}
+
+    def recorder(name: str):
+        def record(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+            dtypes.setdefault(name, output.dtype)
+
+        return record
+
+    block = ours.decoder.transformer_blocks[0]
+    hooks = [
+        block.attn.to_qkv.register_forward_hook(recorder("qkv")),
+        block.register_forward_hook(recorder("residual")),
+    ]
+    try:
+        with torch.no_grad():
+            exact = ours.decode(latents)
+            dtypes.clear()
+            recipe = ours.decode(latents, autocast_dtype=torch.float16)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert dtypes == {"qkv": torch.float16, "residual": torch.float32}
+    assert recipe.dtype == torch.float32
+    assert 0 < relative_error(recipe, exact) < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------------- latents & pixels
+
+
+def test_latent_and_pixel_normalization(
+    tiny_config: VideoVAEConfig, models: tuple[VideoVAE, AutoencoderKLMiniMaxH3]
+) -> None:
+    ours, _ = models
+    latents = torch.randn(1, 4, 3, 2, 2)
+    normalized = ours.normalize_latents(latents)
+    mean = torch.tensor(tiny_config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(tiny_config.latents_std).view(1, -1, 1, 1, 1)
+    assert torch.equal(normalized, (latents - mean) / std)
+    assert torch.equal(ours.denormalize_latents(normalized), normalized * std + mean)
+    rgb = torch.rand(1, 3, 2, 4, 4)
+    pixels = VideoVAE.from_unit_range(rgb)
+    assert torch.allclose(pixels[:, 1], (rgb[:, 1] - 0.456) / 0.224)
+    assert torch.allclose(VideoVAE.to_unit_range(pixels), rgb, atol=1e-6)
+    assert VideoVAE.to_unit_range(torch.full((1, 3, 1, 1, 1), 9.0)).eq(1.0).all()
+
+
+# ---------------------------------------------------------------------------------------------------- key maps
+
+
+def test_key_maps_round_trip_and_match_diffusers(
+    tiny_config: VideoVAEConfig, models: tuple[VideoVAE, AutoencoderKLMiniMaxH3]
+) -> None:
+    _, reference = models
+    native = video_vae_keys.random_native_state(tiny_config, seed=7)
+    assert set(native) == set(VideoVAE(tiny_config).state_dict())
+    assert all(tensor.dtype == torch.float32 for tensor in native.values())
+    assert not native["decoder.mask_token"].any()
+    scales = torch.cat([native[f"decoder.transformer_blocks.0.scale{i}"] for i in (1, 2)])
+    assert bool((scales >= 0.1).all() and (scales < 1.0).all())
+
+    diffusers_state = video_vae_keys.native_to_diffusers(native, tiny_config)
+    expected = reference.state_dict()
+    assert {key: tuple(t.shape) for key, t in diffusers_state.items()} == {
+        key: tuple(t.shape) for key, t in expected.items()
+    }
+    back = video_vae_keys.diffusers_to_native(diffusers_state, tiny_config)
+    assert set(back) == set(native)
+    assert all(torch.equal(back[key], native[key]) for key in native)
+
+    # Per-head interleave: head 1's query rows are native rows [3d, 4d) (d = 8), weight and bias alike.
+    head_dim = tiny_config.decoder_attention_head_dim
+    for kind in ("weight", "bias"):
+        fused = native[f"decoder.transformer_blocks.0.attn.to_qkv.{kind}"]
+        query = diffusers_state[f"decoder.transformer_blocks.0.attn.to_q.{kind}"]
+        assert torch.equal(query[head_dim : 2 * head_dim], fused[3 * head_dim : 4 * head_dim])
+        gated = native[f"decoder.transformer_blocks.0.ff.w1.{kind}"]
+        swapped = diffusers_state[f"decoder.transformer_blocks.0.ff.net.0.proj.{kind}"]
+        assert torch.equal(swapped[: gated.shape[0] // 2], gated[gated.shape[0] // 2 :])
+
+    with pytest.raises(CheckpointError, match="unexpected native"):
+        video_vae_keys.native_to_diffusers(
+            {**native, "decoder.cls_token": native["decoder.mask_token"]}, tiny_config
+        )
+    incomplete = {k: v for k, v in diffusers_state.items() if not k.endswith("attn.to_k.bias")}
+    with pytest.raises(CheckpointError, match="to_k.bias"):
+        video_vae_keys.diffusers_to_native(incomplete, tiny_config)
+
+
+def test_random_native_state_is_deterministic(tiny_config: VideoVAEConfig) -> None:
+    first = video_vae_keys.random_native_state(tiny_config, seed=1)
+    again = video_vae_keys.random_native_state(tiny_config, seed=1)
+    other = video_vae_keys.random_native_state(tiny_config, seed=2)
+    assert all(torch.equal(first[key], again[key]) for key in first)
+    assert not torch.equal(first["decoder.proj_out.weight"], other["decoder.proj_out.weight"])
+
+
+def test_released_layout_on_meta() -> None:
+    config = VideoVAEConfig.released()
+    with torch.device("meta"):
+        native = VideoVAE(config).state_dict()
+        reference = AutoencoderKLMiniMaxH3.from_config(config.to_diffusers())
+    assert len(native) == RELEASED_NATIVE_KEYS
+    assert sum(tensor.numel() for tensor in native.values()) == RELEASED_NATIVE_ELEMENTS
+    converted = video_vae_keys.native_to_diffusers(native, config)
+    assert {key: tuple(t.shape) for key, t in converted.items()} == {
+        key: tuple(t.shape) for key, t in reference.state_dict().items()
+    }
+    assert len(converted) == 703
+    back = video_vae_keys.diffusers_to_native(converted, config)
+    assert {key: tuple(t.shape) for key, t in back.items()} == {
+        key: tuple(t.shape) for key, t in native.items()
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- configs
+
+
+def test_config_round_trips(tiny_config: VideoVAEConfig) -> None:
+    for config in (VideoVAEConfig.released(), tiny_config):
+        assert VideoVAEConfig.from_native(*config.to_native()) == config
+        assert VideoVAEConfig.from_diffusers(config.to_diffusers()) == config
+    released_wrapper, released_source = VideoVAEConfig.released().to_native()
+    assert set(released_wrapper) == {
+        "_class_name", "_diffusers_version", "mode", "auto_map", "source_path", "source_class_name",
+        "source_safetensors_path", "vae_clip_length", "vae_token_drop", "vae_encoder_tiling", "vae_decoder_tiling",
+        "vae_parallel_tiling", "vae_tile_size", "vae_tile_overlap_min", "vae_encoder_parallel",
+        "vae_decoder_parallel", "vae_chunk_dim", "latent_channels", "latents_mean", "latents_std",
+    }  # fmt: skip
+    assert released_source["ch_mult"] == [1, 2, 2, 4, 4, 8] and released_source["space_up"] == [
+        1,
+        2,
+        2,
+        2,
+        2,
+        1,
+    ]
+    assert (
+        "norm_num_groups" not in released_source
+        and "num_register_tokens" not in released_source["vit_decoder_kwargs"]
+    )
+    _, tiny_source = tiny_config.to_native()
+    assert tiny_source["norm_num_groups"] == 4 and tiny_source["vit_decoder_kwargs"]["ffn_mult"] == 2
+    # The config derives the 17n+5 <-> 5n+2 geometry.
+    released = VideoVAEConfig.released()
+    assert (released.frame_pre_padding, released.latents_per_clip, released.window_overlap_latents) == (
+        3,
+        5,
+        2,
+    )
+    assert released.window_crossfade_frames == 5 and released.decoder_rope_dim == 48
+
+
+def test_from_native_rejects_other_architectures() -> None:
+    wrapper, source = VideoVAEConfig.released().to_native()
+    with pytest.raises(ValueError, match="causal_decoder"):
+        VideoVAEConfig.from_native(wrapper, {**source, "causal_decoder": True})
+    with pytest.raises(ValueError, match="latent_channels"):
+        VideoVAEConfig.from_native({**wrapper, "latent_channels": 16}, source)
+    with pytest.raises(ValueError, match="multiples"):
+        dataclasses.replace(VideoVAEConfig.tiny(), tile_size=30)
