@@ -1,0 +1,697 @@
+"""The MiniMax H3 diffusion transformer ("H3-Omni-Transformer"), one packed request per forward.
+
+Contract
+--------
+`H3DiT.forward` takes one packed request with no batch axis (H3_SPEC §2.1, §3): fp32 video rows
+[Nv, C*prod(patch)], fp32 audio rows [Na, Ca], text states [Lt, text_dim], the M distinct timesteps (fp32,
+t = 1 is clean, unscaled), per-row `timestep_index` and modality `tags` (0 video, 1 text, 2 audio), float64
+(t, h, w) `positions`, and the sequence positions of each modality's rows. It returns fp32 velocities for every
+video and audio row, in the order of `video_index` / `audio_index` (condition rows included).
+
+`state_dict()` keys are exactly the native MiniMaxAI checkpoint keys (H3_SPEC §1.3), including the persistent
+fp32 buffer `rope.inv_freq`, so a native shard loads with no renaming and tensor-parallel shards are row slices:
+`attn.qkv_proj` rows are interleaved per head as [head, (q, k, v), head_dim] and `mlp.fc1` rows are
+[gate; value].
+
+Danger
+------
+The checkpoint is mixed precision. The twelve tensors in `FP32_PARAMETER_NAMES` (patch projections, time MLP,
+output heads) plus `rope.inv_freq` must stay fp32; everything else runs in the `dtype` given to the constructor.
+Never call `.to(torch.bfloat16)` / `.half()` on the whole module: that silently rounds the fp32 islands (and
+`inv_freq`) and shifts every output. Choose the compute dtype at construction instead.
+A module built on `meta` and materialized with `to_empty()` holds garbage, `rope.inv_freq` included, until a
+full state dict is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from h3engine.errors import CheckpointError
+
+# Rows carry one AdaLN entry per (timestep, modality); modality tags are 0 video, 1 text, 2 audio.
+NUM_MODALITIES = 3
+# Each block's AdaLN projection emits, per modality: shift/scale/gate for attention, then for the FFN.
+NUM_BLOCK_MODULATIONS = 6
+# The sinusoidal timestep features use the classic 10000 period.
+TIMESTEP_MAX_PERIOD = 10000.0
+
+NATIVE_CLASS_NAME = "MiniMaxH3DiTModel"
+DIFFUSERS_CLASS_NAME = "MiniMaxH3Transformer3DModel"
+
+# State-dict keys that the release stores in fp32 and that must be computed in fp32 whatever the compute dtype.
+FP32_PARAMETER_NAMES: frozenset[str] = frozenset(
+    {
+        "video_patch_proj.weight",
+        "video_patch_proj.bias",
+        "audio_patch_proj.weight",
+        "audio_patch_proj.bias",
+        "time_embedder.proj_in.weight",
+        "time_embedder.proj_in.bias",
+        "time_embedder.proj_out.weight",
+        "time_embedder.proj_out.bias",
+        "final_layer.video_out.weight",
+        "final_layer.video_out.bias",
+        "final_layer.audio_out.weight",
+        "final_layer.audio_out.bias",
+        "rope.inv_freq",
+    }
+)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------------------------
+
+# Our field -> the names a native transformer/config.json may use for it (the release writes all of them and
+# they must agree). The three eps names are one field for us: the release sets them all to 1e-5.
+_NATIVE_FIELD_ALIASES: dict[str, tuple[str, ...]] = {
+    "hidden_size": ("hidden_size",),
+    "num_layers": ("num_layers",),
+    "num_refiner_layers": ("token_refiner_num_layers", "num_refiner_layers"),
+    "num_heads": ("num_attention_heads",),
+    "head_dim": ("attention_head_dim",),
+    "ffn_dim": ("ffn_hidden_size", "ffn_dim"),
+    "video_in_channels": ("latents_dim", "in_channels"),
+    "audio_in_channels": ("audio_latents_dim", "audio_in_channels"),
+    "patch_size": ("patch_size",),
+    "text_dim": ("text_dim",),
+    "timestep_dim": ("timestep_input_dim", "freq_dim"),
+    "time_hidden_dim": ("time_embed_hidden_size", "time_embed_hidden_dim"),
+    "time_embed_dim": ("time_embed_dim",),
+    "rope_freq_dim": ("rope_inv_freq_len", "rope_freq_dim"),
+    "rope_theta": ("rope_theta",),
+    "eps": ("norm_eps", "qk_norm_eps", "final_norm_eps"),
+}
+
+# Our field -> diffusers MiniMaxH3Transformer3DModel constructor argument(s).
+_DIFFUSERS_FIELD_NAMES: dict[str, tuple[str, ...]] = {
+    "hidden_size": ("hidden_size",),
+    "num_layers": ("num_layers",),
+    "num_refiner_layers": ("num_refiner_layers",),
+    "num_heads": ("num_attention_heads",),
+    "head_dim": ("attention_head_dim",),
+    "ffn_dim": ("ffn_dim",),
+    "video_in_channels": ("in_channels",),
+    "audio_in_channels": ("audio_in_channels",),
+    "patch_size": ("patch_size",),
+    "text_dim": ("text_dim",),
+    "timestep_dim": ("freq_dim",),
+    "time_hidden_dim": ("time_embed_hidden_dim",),
+    "time_embed_dim": ("time_embed_dim",),
+    "rope_freq_dim": ("rope_freq_dim",),
+    "rope_theta": ("rope_theta",),
+    "eps": ("norm_eps", "qk_norm_eps", "final_norm_eps"),
+}
+
+
+def _read_aliased_fields(
+    config: dict[str, Any], names_by_field: dict[str, tuple[str, ...]], require_all_names: bool, source: str
+) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for field_name, names in names_by_field.items():
+        present = [name for name in names if name in config]
+        missing = [name for name in names if name not in config]
+        if not present or (require_all_names and missing):
+            raise CheckpointError(
+                f"{source}: missing DiT config field {' / '.join(repr(n) for n in missing)}"
+            )
+        distinct = {repr(config[name]) for name in present}
+        if len(distinct) > 1:
+            found = ", ".join(f"{name}={config[name]!r}" for name in present)
+            raise CheckpointError(f"{source}: DiT config fields disagree ({found}); they must be equal")
+        values[field_name] = config[present[0]]
+    return values
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    """Architecture of the H3 DiT. Field names are ours; see `from_native` / `from_diffusers` for the files."""
+
+    hidden_size: int
+    num_layers: int
+    num_refiner_layers: int
+    num_heads: int
+    head_dim: int
+    ffn_dim: int
+    video_in_channels: int
+    audio_in_channels: int
+    patch_size: tuple[int, int, int]
+    text_dim: int
+    timestep_dim: int
+    time_hidden_dim: int
+    time_embed_dim: int
+    rope_freq_dim: int
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        # Config files carry patch_size as a JSON list; store the hashable tuple.
+        if not isinstance(self.patch_size, tuple | list) or len(self.patch_size) != 3:
+            raise ValueError(f"DiTConfig.patch_size must be 3 integers (t, h, w), got {self.patch_size!r}")
+        object.__setattr__(self, "patch_size", tuple(self.patch_size))
+        integer_fields = (
+            "hidden_size",
+            "num_layers",
+            "num_refiner_layers",
+            "num_heads",
+            "head_dim",
+            "ffn_dim",
+            "video_in_channels",
+            "audio_in_channels",
+            "text_dim",
+            "timestep_dim",
+            "time_hidden_dim",
+            "time_embed_dim",
+            "rope_freq_dim",
+        )
+        for name in integer_fields:
+            value = getattr(self, name)
+            # num_refiner_layers may legitimately be 0; every width must be positive.
+            minimum = 0 if name == "num_refiner_layers" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"DiTConfig.{name} must be an integer >= {minimum}, got {value!r}")
+        for size in self.patch_size:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"DiTConfig.patch_size must be positive integers, got {self.patch_size!r}")
+        if self.head_dim % 2:
+            raise ValueError(f"DiTConfig.head_dim must be even, got {self.head_dim}")
+        if self.rotary_dim > self.head_dim:
+            raise ValueError(
+                f"DiTConfig: 6 * rope_freq_dim = {self.rotary_dim} rotated channels exceed head_dim {self.head_dim}"
+            )
+        if self.timestep_dim % 2:
+            raise ValueError(
+                f"DiTConfig.timestep_dim must be even (cos and sin halves), got {self.timestep_dim}"
+            )
+        if not self.rope_theta > 0 or not self.eps > 0:
+            raise ValueError(f"DiTConfig.rope_theta and eps must be > 0, got {self.rope_theta}, {self.eps}")
+
+    # Derived sizes ------------------------------------------------------------------------------------------
+
+    @property
+    def inner_dim(self) -> int:
+        """Width of q, k and v (heads x head_dim); larger than hidden_size in the release (7168 vs 5376)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def video_patch_dim(self) -> int:
+        return self.video_in_channels * math.prod(self.patch_size)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotated channels per head: 3 axes x rope_freq_dim angles, each used by a rotate-half pair."""
+        return 6 * self.rope_freq_dim
+
+    @property
+    def adaln_out_features(self) -> int:
+        return NUM_MODALITIES * NUM_BLOCK_MODULATIONS * self.hidden_size
+
+    @property
+    def final_adaln_out_features(self) -> int:
+        return 2 * self.hidden_size
+
+    # Known configurations ------------------------------------------------------------------------------------
+
+    @classmethod
+    def released(cls) -> DiTConfig:
+        """The released H3-Base DiT (H3_SPEC §1.2), 33,122,992,896 parameters."""
+        return cls(
+            hidden_size=5376,
+            num_layers=50,
+            num_refiner_layers=2,
+            num_heads=56,
+            head_dim=128,
+            ffn_dim=14336,
+            video_in_channels=24,
+            audio_in_channels=32,
+            patch_size=(1, 2, 2),
+            text_dim=5120,
+            timestep_dim=256,
+            time_hidden_dim=5376,
+            time_embed_dim=2688,
+            rope_freq_dim=16,
+            rope_theta=10000.0,
+            eps=1e-5,
+        )
+
+    @classmethod
+    def tiny(cls) -> DiTConfig:
+        """Test configuration (H3_SPEC §12); hidden 16 != heads x head_dim 24 on purpose, all 12 channels rotated."""
+        return cls(
+            hidden_size=16,
+            num_layers=2,
+            num_refiner_layers=1,
+            num_heads=2,
+            head_dim=12,
+            ffn_dim=32,
+            video_in_channels=4,
+            audio_in_channels=4,
+            patch_size=(1, 2, 2),
+            text_dim=8,
+            timestep_dim=8,
+            time_hidden_dim=16,
+            time_embed_dim=8,
+            rope_freq_dim=2,
+        )
+
+    # Config files ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_native(cls, config: dict[str, Any], source: str = "transformer/config.json") -> DiTConfig:
+        """Parse a native transformer/config.json; each field may appear under any of its aliases (all must agree)."""
+        class_name = config.get("_class_name", NATIVE_CLASS_NAME)
+        if class_name != NATIVE_CLASS_NAME:
+            raise CheckpointError(f"{source}: _class_name is {class_name!r}, expected {NATIVE_CLASS_NAME!r}")
+        values = _read_aliased_fields(config, _NATIVE_FIELD_ALIASES, require_all_names=False, source=source)
+        parsed = cls._from_values(values, source)
+        derived = {
+            "adaln_out_features": parsed.adaln_out_features,
+            "final_adaln_out_features": parsed.final_adaln_out_features,
+        }
+        for name, expected in derived.items():
+            if name in config and config[name] != expected:
+                raise CheckpointError(
+                    f"{source}: {name} is {config[name]!r}, the other fields imply {expected}"
+                )
+        return parsed
+
+    @classmethod
+    def from_diffusers(cls, config: dict[str, Any], source: str = "transformer/config.json") -> DiTConfig:
+        """Parse a diffusers MiniMaxH3Transformer3DModel config.json (every constructor argument required)."""
+        class_name = config.get("_class_name", DIFFUSERS_CLASS_NAME)
+        if class_name != DIFFUSERS_CLASS_NAME:
+            raise CheckpointError(
+                f"{source}: _class_name is {class_name!r}, expected {DIFFUSERS_CLASS_NAME!r}"
+            )
+        values = _read_aliased_fields(config, _DIFFUSERS_FIELD_NAMES, require_all_names=True, source=source)
+        return cls._from_values(values, source)
+
+    @classmethod
+    def _from_values(cls, values: dict[str, Any], source: str) -> DiTConfig:
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as error:
+            raise CheckpointError(f"{source}: invalid DiT config: {error}") from error
+
+    def to_native(self) -> dict[str, Any]:
+        """The native config.json dict, with both alias sets written the way the release does."""
+        native: dict[str, Any] = {"_class_name": NATIVE_CLASS_NAME}
+        for field_name, value in asdict(self).items():
+            for name in _NATIVE_FIELD_ALIASES[field_name]:
+                native[name] = list(value) if field_name == "patch_size" else value
+        native["adaln_out_features"] = self.adaln_out_features
+        native["final_adaln_out_features"] = self.final_adaln_out_features
+        return native
+
+    def to_diffusers(self) -> dict[str, Any]:
+        """A dict accepted by diffusers `MiniMaxH3Transformer3DModel.from_config`."""
+        converted: dict[str, Any] = {"_class_name": DIFFUSERS_CLASS_NAME}
+        for field_name, value in asdict(self).items():
+            for name in _DIFFUSERS_FIELD_NAMES[field_name]:
+                converted[name] = list(value) if field_name == "patch_size" else value
+        return converted
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Functional pieces
+# --------------------------------------------------------------------------------------------------------------
+
+
+def attention(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    """Full bidirectional attention over one packed document: [S, heads, head_dim] in and out, no mask.
+
+    The single call site of the attention kernel: faster kernels are dispatched here. Scale is 1/sqrt(head_dim).
+    """
+    # SDPA's fused kernels (flash, cuDNN, CPU flash) only take 4-D [batch, heads, S, head_dim]; a 3-D call falls
+    # back to the unfused math path, which rounds differently in bf16 and is far slower.
+    query, key, value = (tensor.transpose(0, 1).unsqueeze(0) for tensor in (query, key, value))
+    output = F.scaled_dot_product_attention(query, key, value)
+    return output.squeeze(0).transpose(0, 1)
+
+
+def rope_inverse_frequencies(
+    rope_freq_dim: int, rope_theta: float, device: torch.device | str | None = None
+) -> Tensor:
+    """inv_freq[j] = theta^(-2j / (2 * rope_freq_dim)), fp32; one vector shared by the t, h and w axes."""
+    exponents = torch.arange(0, 2 * rope_freq_dim, 2, dtype=torch.float32, device=device) / (
+        2 * rope_freq_dim
+    )
+    return 1.0 / (rope_theta**exponents)
+
+
+def apply_rope(hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half (NeoX) rotation of the first cos.shape[-1] channels of each head; the rest pass through.
+
+    hidden [S, heads, head_dim]; cos/sin [S, rotary_dim], already in hidden's dtype.
+    """
+    rotary_dim = cos.shape[-1]
+    rotated_part, passed_part = hidden[..., :rotary_dim], hidden[..., rotary_dim:]
+    first_half, second_half = rotated_part.chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    rotated = rotated_part * cos + torch.cat((-second_half, first_half), dim=-1) * sin
+    return torch.cat((rotated, passed_part), dim=-1)
+
+
+def timestep_sinusoid(timesteps: Tensor, dim: int) -> Tensor:
+    """[M] t in [0, 1] (not scaled by 1000) -> [M, dim] fp32 features, cos half first, then sin."""
+    half = dim // 2
+    frequencies = torch.exp(
+        -math.log(TIMESTEP_MAX_PERIOD)
+        * torch.arange(half, dtype=torch.float32, device=timesteps.device)
+        / half
+    )
+    arguments = timesteps.to(torch.float32)[:, None] * frequencies[None, :]
+    return torch.cat((torch.cos(arguments), torch.sin(arguments)), dim=-1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight; F.rms_norm reduces and applies the weight in fp32, output in x's dtype."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return F.rms_norm(hidden, (hidden.shape[-1],), self.weight, self.eps)
+
+
+class TimestepEmbedder(nn.Module):
+    """Sinusoid -> Linear -> SiLU -> Linear, entirely fp32: temb feeds every AdaLN table and must not be rounded."""
+
+    def __init__(self, config: DiTConfig, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.timestep_dim = config.timestep_dim
+        self.proj_in = nn.Linear(
+            config.timestep_dim, config.time_hidden_dim, dtype=torch.float32, device=device
+        )
+        self.proj_out = nn.Linear(
+            config.time_hidden_dim, config.time_embed_dim, dtype=torch.float32, device=device
+        )
+
+    def forward(self, timesteps: Tensor) -> Tensor:
+        features = timestep_sinusoid(timesteps, self.timestep_dim)
+        return self.proj_out(F.silu(self.proj_in(features)))
+
+
+class MultiAxisRope(nn.Module):
+    """3-axis (t, h, w) RoPE tables. `inv_freq` is a persistent fp32 buffer because the native file ships it."""
+
+    def __init__(self, config: DiTConfig, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.register_buffer(
+            "inv_freq",
+            rope_inverse_frequencies(config.rope_freq_dim, config.rope_theta, device),
+            persistent=True,
+        )
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions [S, 3] (fp64) -> cos, sin [S, 6 * rope_freq_dim] in `dtype`.
+
+        Angles are formed in fp32 from the fp64 grid (the released precision), laid out [t | h | w] and repeated
+        for the two rotate-half halves; only cos/sin are rounded to the activation dtype.
+        """
+        angles = positions.to(torch.float32)[:, :, None] * self.inv_freq[None, None, :]
+        angles = angles.flatten(1)
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+class Attention(nn.Module):
+    """Self-attention with per-head interleaved fused QKV, per-head RMS QK-norm (before RoPE), no biases."""
+
+    def __init__(self, config: DiTConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, 3 * config.inner_dim, bias=False, dtype=dtype, device=device
+        )
+        self.q_norm = RMSNorm(config.head_dim, config.eps, dtype, device)
+        self.k_norm = RMSNorm(config.head_dim, config.eps, dtype, device)
+        self.out_proj = nn.Linear(
+            config.inner_dim, config.hidden_size, bias=False, dtype=dtype, device=device
+        )
+
+    def forward(self, hidden: Tensor, rope_cos_sin: tuple[Tensor, Tensor] | None) -> Tensor:
+        sequence_length = hidden.shape[0]
+        # Rows of qkv_proj are [head, (q, k, v), head_dim]: one view splits them per head.
+        qkv = self.qkv_proj(hidden).view(sequence_length, self.num_heads, 3, self.head_dim)
+        query, key, value = qkv.unbind(dim=2)
+        query, key = self.q_norm(query), self.k_norm(key)
+        if rope_cos_sin is not None:
+            query, key = apply_rope(query, *rope_cos_sin), apply_rope(key, *rope_cos_sin)
+        output = attention(query, key, value)
+        return self.out_proj(output.reshape(sequence_length, self.num_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """fc2(silu(gate) * value) with fc1 rows stored [gate; value] (the gate is the FIRST half)."""
+
+    def __init__(self, config: DiTConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, 2 * config.ffn_dim, bias=False, dtype=dtype, device=device)
+        self.fc2 = nn.Linear(config.ffn_dim, config.hidden_size, bias=False, dtype=dtype, device=device)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        gate, value = self.fc1(hidden).chunk(2, dim=-1)
+        return self.fc2(F.silu(gate) * value)
+
+
+class AdaLNProjection(nn.Module):
+    """SiLU(temb) -> Linear. SiLU runs on the fp32 temb; only its result is cast to the (bf16) linear's dtype."""
+
+    def __init__(
+        self, config: DiTConfig, out_features: int, dtype: torch.dtype, device: torch.device | str | None
+    ):
+        super().__init__()
+        self.linear = nn.Linear(config.time_embed_dim, out_features, dtype=dtype, device=device)
+
+    def forward(self, temb: Tensor) -> Tensor:
+        return self.linear(F.silu(temb).to(self.linear.weight.dtype))
+
+
+class RefinerBlock(nn.Module):
+    """Plain pre-norm block over the text rows only: no AdaLN, no RoPE."""
+
+    def __init__(self, config: DiTConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(config.hidden_size, config.eps, dtype, device)
+        self.attn = Attention(config, dtype, device)
+        self.norm2 = RMSNorm(config.hidden_size, config.eps, dtype, device)
+        self.mlp = SwiGLU(config, dtype, device)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        hidden = hidden + self.attn(self.norm1(hidden), None)
+        return hidden + self.mlp(self.norm2(hidden))
+
+
+class TokenRefiner(nn.Module):
+    def __init__(self, config: DiTConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            RefinerBlock(config, dtype, device) for _ in range(config.num_refiner_layers)
+        )
+        self.final_norm = RMSNorm(config.hidden_size, config.eps, dtype, device)
+
+    def forward(self, text: Tensor) -> Tensor:
+        for block in self.blocks:
+            text = block(text)
+        return self.final_norm(text)
+
+
+class DiTBlock(nn.Module):
+    """Pre-norm attention + SwiGLU, each modulated by the (timestep, modality) AdaLN row of every packed row."""
+
+    def __init__(self, config: DiTConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.norm1 = RMSNorm(config.hidden_size, config.eps, dtype, device)
+        self.attn = Attention(config, dtype, device)
+        self.norm2 = RMSNorm(config.hidden_size, config.eps, dtype, device)
+        self.mlp = SwiGLU(config, dtype, device)
+        self.adaln_proj = AdaLNProjection(config, config.adaln_out_features, dtype, device)
+
+    def forward(self, hidden: Tensor, temb: Tensor, layout: PackedLayout) -> Tensor:
+        # Output features are [modality][6 chunks][hidden], so a [M*3, 6, hidden] view puts the AdaLN table
+        # row (timestep_index * 3 + tag) first.
+        table = self.adaln_proj(temb).view(-1, NUM_BLOCK_MODULATIONS, self.hidden_size)
+        shift_attn, scale_attn, gate_attn, shift_ffn, scale_ffn, gate_ffn = table.unbind(dim=1)
+        rows = layout.adaln_index
+
+        modulated = self.norm1(hidden) * (1.0 + scale_attn[rows]) + shift_attn[rows]
+        hidden = hidden + gate_attn[rows] * self.attn(modulated, layout.rope_cos_sin)
+
+        modulated = self.norm2(hidden) * (1.0 + scale_ffn[rows]) + shift_ffn[rows]
+        return hidden + gate_ffn[rows] * self.mlp(modulated)
+
+
+class FinalLayer(nn.Module):
+    """RMSNorm + shift/scale indexed by timestep only (not modality), then the fp32 video and audio heads."""
+
+    def __init__(self, config: DiTConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.eps, dtype, device)
+        self.adaln_proj = AdaLNProjection(config, config.final_adaln_out_features, dtype, device)
+        self.video_out = nn.Linear(
+            config.hidden_size, config.video_patch_dim, dtype=torch.float32, device=device
+        )
+        self.audio_out = nn.Linear(
+            config.hidden_size, config.audio_in_channels, dtype=torch.float32, device=device
+        )
+
+    def forward(self, hidden: Tensor, temb: Tensor, layout: PackedLayout) -> tuple[Tensor, Tensor]:
+        shift, scale = self.adaln_proj(temb).chunk(2, dim=-1)
+        rows = layout.timestep_index
+        modulated = self.norm(hidden) * (1.0 + scale[rows]) + shift[rows]
+        # The modulation runs in the compute dtype; the heads are fp32 islands and produce fp32 velocities.
+        video_velocity = self.video_out(modulated[layout.video_index].to(torch.float32))
+        audio_velocity = self.audio_out(modulated[layout.audio_index].to(torch.float32))
+        return video_velocity, audio_velocity
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Tensors derived from the packed layout alone, computed once per forward by `H3DiT.prepare_layout`.
+
+    RoPE tables depend only on the request's positions. The index tensors depend on which rows share a timestep,
+    which is fixed for a request except at steps where two modalities' timesteps coincide (e.g. t_v == t_a == 0
+    at the first step collapses M), so a per-request cache must key on `timestep_index` too.
+    """
+
+    rope_cos_sin: tuple[Tensor, Tensor]
+    adaln_index: Tensor
+    timestep_index: Tensor
+    video_index: Tensor
+    audio_index: Tensor
+    text_index: Tensor
+
+    @property
+    def sequence_length(self) -> int:
+        return self.adaln_index.shape[0]
+
+
+class H3DiT(nn.Module):
+    """The H3 DiT over one packed request (see the module docstring for the contract and the fp32 islands)."""
+
+    def __init__(
+        self, config: DiTConfig, dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.video_patch_proj = nn.Linear(
+            config.video_patch_dim, config.hidden_size, dtype=torch.float32, device=device
+        )
+        self.audio_patch_proj = nn.Linear(
+            config.audio_in_channels, config.hidden_size, dtype=torch.float32, device=device
+        )
+        self.condition_proj = nn.Linear(config.text_dim, config.hidden_size, dtype=dtype, device=device)
+        self.time_embedder = TimestepEmbedder(config, device)
+        self.rope = MultiAxisRope(config, device)
+        self.token_refiner = TokenRefiner(config, dtype, device)
+        self.blocks = nn.ModuleList(DiTBlock(config, dtype, device) for _ in range(config.num_layers))
+        self.final_layer = FinalLayer(config, dtype, device)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the packed sequence: that of the (bf16 in the release) non-island weights."""
+        return self.condition_proj.weight.dtype
+
+    def prepare_layout(
+        self,
+        timestep_index: Tensor,
+        tags: Tensor,
+        positions: Tensor,
+        video_index: Tensor,
+        audio_index: Tensor,
+        text_index: Tensor,
+    ) -> PackedLayout:
+        """Request-static work: RoPE cos/sin from the fp64 positions and each row's AdaLN table row."""
+        sequence_length = positions.shape[0]
+        if positions.shape != (sequence_length, 3):
+            raise ValueError(f"positions must be [S, 3], got {list(positions.shape)}")
+        if tags.shape != (sequence_length,) or timestep_index.shape != (sequence_length,):
+            raise ValueError(
+                f"tags {list(tags.shape)} and timestep_index {list(timestep_index.shape)} must both be "
+                f"[S] with S = {sequence_length}"
+            )
+        if video_index.numel() + audio_index.numel() + text_index.numel() != sequence_length:
+            raise ValueError(
+                f"video/audio/text index lengths {video_index.numel()}+{audio_index.numel()}+"
+                f"{text_index.numel()} must add up to S = {sequence_length}"
+            )
+        return PackedLayout(
+            rope_cos_sin=self.rope.cos_sin(positions, self.compute_dtype),
+            adaln_index=timestep_index * NUM_MODALITIES + tags,
+            timestep_index=timestep_index,
+            video_index=video_index,
+            audio_index=audio_index,
+            text_index=text_index,
+        )
+
+    def forward(
+        self,
+        video_rows: Tensor,
+        audio_rows: Tensor,
+        text_states: Tensor,
+        timesteps: Tensor,
+        timestep_index: Tensor,
+        tags: Tensor,
+        positions: Tensor,
+        video_index: Tensor,
+        audio_index: Tensor,
+        text_index: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """One packed request -> (video velocity [Nv, C*prod(patch)] fp32, audio velocity [Na, Ca] fp32)."""
+        layout = self.prepare_layout(timestep_index, tags, positions, video_index, audio_index, text_index)
+        return self.forward_with_layout(video_rows, audio_rows, text_states, timesteps, layout)
+
+    def forward_with_layout(
+        self,
+        video_rows: Tensor,
+        audio_rows: Tensor,
+        text_states: Tensor,
+        timesteps: Tensor,
+        layout: PackedLayout,
+    ) -> tuple[Tensor, Tensor]:
+        """`forward` with the request-static tensors already prepared."""
+        if video_rows.shape != (layout.video_index.numel(), self.config.video_patch_dim):
+            raise ValueError(
+                f"video_rows must be [Nv, {self.config.video_patch_dim}], got {list(video_rows.shape)}"
+            )
+        if audio_rows.shape != (layout.audio_index.numel(), self.config.audio_in_channels):
+            raise ValueError(
+                f"audio_rows must be [Na, {self.config.audio_in_channels}], got {list(audio_rows.shape)}"
+            )
+        if text_states.shape != (layout.text_index.numel(), self.config.text_dim):
+            raise ValueError(
+                f"text_states must be [Lt, {self.config.text_dim}], got {list(text_states.shape)}"
+            )
+
+        # Video/audio rows go through their fp32 projections in fp32; the refined text sets the packed dtype.
+        video = self.video_patch_proj(video_rows.to(torch.float32))
+        audio = self.audio_patch_proj(audio_rows.to(torch.float32))
+        text = self.token_refiner(self.condition_proj(text_states.to(self.compute_dtype)))
+
+        hidden = text.new_zeros(layout.sequence_length, self.config.hidden_size)
+        hidden.index_copy_(0, layout.text_index, text)
+        hidden.index_copy_(0, layout.video_index, video.to(hidden.dtype))
+        hidden.index_copy_(0, layout.audio_index, audio.to(hidden.dtype))
+
+        # temb stays fp32 ([M, time_embed_dim]); each AdaLN projection casts only after its SiLU.
+        temb = self.time_embedder(timesteps)
+        for block in self.blocks:
+            hidden = block(hidden, temb, layout)
+        return self.final_layer(hidden, temb, layout)
