@@ -1,0 +1,5 @@
+import sys
+
+from h3engine.cli import main
+
+sys.exit(main())

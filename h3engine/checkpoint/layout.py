@@ -1,0 +1,199 @@
+"""Finding the components of a MiniMax H3 checkpoint on disk.
+
+Two released layouts (H3_CHECKPOINT_LAYOUT.md §4):
+* native: one self-contained folder per partition (`FL2VA/` serves t2va and fl2va, `Ref2VA/` serves ref2va), each
+  with a `model_index.json` carrying the `_minimax_h3` block; the DiT is `transformer/`, the video VAE
+  `video_vae/` (weights under `video_vae/source/`), the audio VAE `audio_vae/`.
+* diffusers: one root with `modular_model_index.json` (or a modular `model_index.json`); the partitions differ only
+  in the DiT (`transformer/` for t2va/fl2va, `transformer_ref/` for ref2va), every other component is shared.
+
+Detection only looks at index files and folder names; it reads no weights. Everything a request needs from the
+index (sigma shifts, canvas rules) is read here, strictly: a missing field is a `CheckpointError` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from h3engine.errors import CheckpointError
+
+TASKS = ("t2va", "fl2va", "ref2va")
+PARTITION_OF_TASK = {"t2va": "fl2va", "fl2va": "fl2va", "ref2va": "ref2va"}
+NATIVE_PARTITION_FOLDERS = {"fl2va": "FL2VA", "ref2va": "Ref2VA"}
+DIFFUSERS_DIT_FOLDERS = {"fl2va": "transformer", "ref2va": "transformer_ref"}
+DIFFUSERS_PIPELINE_CLASS = "MiniMaxH3ModularPipeline"
+
+DEFAULT_CANVAS_SHORT_EDGE = 768
+DEFAULT_CANVAS_MAX_PIXELS = 768 * 1344
+DEFAULT_REFERENCE_IMAGE_SHORT_EDGE = 2048
+
+
+@dataclass(frozen=True)
+class PartitionPaths:
+    """Where the components serving one partition live."""
+
+    partition: str
+    tasks: tuple[str, ...]
+    dit: Path
+    video_vae: Path
+    audio_vae: Path
+    text_encoder: Path
+    tokenizer: Path
+    processor: Path
+
+
+@dataclass(frozen=True)
+class CanvasRules:
+    short_edge: int = DEFAULT_CANVAS_SHORT_EDGE
+    max_pixels: int = DEFAULT_CANVAS_MAX_PIXELS
+    reference_image_short_edge: int = DEFAULT_REFERENCE_IMAGE_SHORT_EDGE
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    kind: Literal["native", "diffusers"]
+    root: Path
+    partitions: dict[str, PartitionPaths]
+    video_shift: float
+    audio_shift: float
+    canvas: CanvasRules = field(default_factory=CanvasRules)
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return tuple(task for task in TASKS if PARTITION_OF_TASK[task] in self.partitions)
+
+    def for_task(self, task: str) -> PartitionPaths:
+        if task not in PARTITION_OF_TASK:
+            raise CheckpointError(f"unknown task '{task}'; supported: {', '.join(TASKS)}")
+        partition = self.partitions.get(PARTITION_OF_TASK[task])
+        if partition is None:
+            raise CheckpointError(
+                f"{self.root}: this checkpoint has no {PARTITION_OF_TASK[task]} partition, so it cannot serve "
+                f"task '{task}' (it serves: {', '.join(self.tasks) or 'nothing'})"
+            )
+        return partition
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file is missing") from None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: unreadable JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return value
+
+
+def require(config: dict[str, Any], key: str, path: Path) -> Any:
+    if key not in config:
+        raise CheckpointError(f"{path}: missing field '{key}'")
+    return config[key]
+
+
+def _require_dir(path: Path) -> Path:
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: folder is missing")
+    return path
+
+
+def detect_layout(path: str | Path) -> CheckpointLayout:
+    """Detect the layout of a checkpoint folder (a native repo root, one native partition, or a diffusers root)."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: checkpoint folder does not exist")
+    native_partitions = [root / name for name in NATIVE_PARTITION_FOLDERS.values() if (root / name).is_dir()]
+    if native_partitions:
+        return _native_layout(root, native_partitions)
+    index_path = root / "model_index.json"
+    modular_path = root / "modular_model_index.json"
+    if index_path.is_file():
+        index = read_json(index_path)
+        if "_minimax_h3" in index:
+            return _native_layout(root, [root])
+        if index.get("_class_name") == DIFFUSERS_PIPELINE_CLASS or modular_path.is_file():
+            return _diffusers_layout(root)
+    elif modular_path.is_file():
+        return _diffusers_layout(root)
+    raise CheckpointError(
+        f"{root}: not a MiniMax H3 checkpoint (expected FL2VA/ and Ref2VA/ partition folders, a model_index.json "
+        "with a _minimax_h3 block, or a diffusers modular_model_index.json)"
+    )
+
+
+def _native_layout(root: Path, partition_dirs: list[Path]) -> CheckpointLayout:
+    partitions: dict[str, PartitionPaths] = {}
+    shifts: set[tuple[float, float]] = set()
+    canvases: set[CanvasRules] = set()
+    for folder in partition_dirs:
+        index_path = folder / "model_index.json"
+        release = require(read_json(index_path), "_minimax_h3", index_path)
+        partition = require(release, "partition", index_path)
+        if partition not in NATIVE_PARTITION_FOLDERS:
+            raise CheckpointError(f"{index_path}: unknown partition '{partition}'")
+        tasks = tuple(require(release, "tasks", index_path))
+        for task in tasks:
+            if PARTITION_OF_TASK.get(task) != partition:
+                raise CheckpointError(
+                    f"{index_path}: task '{task}' does not belong to partition '{partition}'"
+                )
+        scales = require(release, "sigma_shift_scales", index_path)
+        shifts.add((float(require(scales, "video", index_path)), float(require(scales, "audio", index_path))))
+        # Canvas rules are not in the release; our tiny checkpoints carry them here so that their canvases stay tiny.
+        canvases.add(
+            CanvasRules(
+                int(release.get("canvas_short_edge", DEFAULT_CANVAS_SHORT_EDGE)),
+                int(release.get("canvas_max_pixels", DEFAULT_CANVAS_MAX_PIXELS)),
+                int(release.get("reference_image_short_edge", DEFAULT_REFERENCE_IMAGE_SHORT_EDGE)),
+            )
+        )
+        partitions[partition] = PartitionPaths(
+            partition=partition,
+            tasks=tasks,
+            dit=_require_dir(folder / "transformer"),
+            video_vae=_require_dir(folder / "video_vae"),
+            audio_vae=_require_dir(folder / "audio_vae"),
+            text_encoder=_require_dir(folder / "text_encoder"),
+            tokenizer=_require_dir(folder / "tokenizer"),
+            processor=_require_dir(folder / "processor"),
+        )
+    if len(shifts) != 1 or len(canvases) != 1:
+        raise CheckpointError(f"{root}: the partitions disagree on sigma shifts or canvas rules")
+    (video_shift, audio_shift), canvas = shifts.pop(), canvases.pop()
+    return CheckpointLayout("native", root, partitions, video_shift, audio_shift, canvas)
+
+
+def _diffusers_layout(root: Path) -> CheckpointLayout:
+    modular_path = root / "modular_model_index.json"
+    index_path = modular_path if modular_path.is_file() else root / "model_index.json"
+    index = read_json(index_path)
+    canvas = CanvasRules(
+        int(index.get("canvas_short_edge", DEFAULT_CANVAS_SHORT_EDGE)),
+        int(index.get("canvas_max_pixels", DEFAULT_CANVAS_MAX_PIXELS)),
+        int(index.get("reference_image_short_edge", DEFAULT_REFERENCE_IMAGE_SHORT_EDGE)),
+    )
+    shifts = []
+    for name in ("scheduler", "audio_scheduler"):
+        config_path = root / name / "scheduler_config.json"
+        shifts.append(float(require(read_json(config_path), "shift", config_path)))
+    partitions = {}
+    for partition, dit_folder in DIFFUSERS_DIT_FOLDERS.items():
+        if not (root / dit_folder).is_dir():
+            continue
+        partitions[partition] = PartitionPaths(
+            partition=partition,
+            tasks=tuple(task for task in TASKS if PARTITION_OF_TASK[task] == partition),
+            dit=root / dit_folder,
+            video_vae=_require_dir(root / "vae"),
+            audio_vae=_require_dir(root / "audio_vae"),
+            text_encoder=_require_dir(root / "text_encoder"),
+            tokenizer=_require_dir(root / "tokenizer"),
+            processor=_require_dir(root / "processor"),
+        )
+    if not partitions:
+        raise CheckpointError(f"{root}: neither transformer/ nor transformer_ref/ is present")
+    return CheckpointLayout("diffusers", root, partitions, shifts[0], shifts[1], canvas)

@@ -1,0 +1,221 @@
+"""Tiny random-weight checkpoints in the released folder layouts.
+
+The app's default and every test run on these: the same folder tree, file names, config fields and key sets as the
+released MiniMax H3 checkpoint (native per-partition layout or the diffusers root layout), with tiny shapes and
+weights drawn from seeded generators so that the same seed gives byte-identical files. Both layouts written from
+one seed hold the same weights, so they must generate the same output.
+
+Canvas rules: at the released 768-pixel short edge a tiny VAE (spatial ratio 4) would give ~600k rows per request,
+so tiny checkpoints carry a 32-pixel short edge: in the diffusers index as the pipeline configs diffusers reads
+(`canvas_short_edge`, `canvas_max_pixels`, `reference_image_short_edge`), and in the native `_minimax_h3` block
+under the same names (our extension; the release does not set them and gets the 768 defaults).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from h3engine.checkpoint import audio_vae_keys, dit_keys, video_vae_keys
+from h3engine.checkpoint.layout import DIFFUSERS_PIPELINE_CLASS, NATIVE_PARTITION_FOLDERS
+from h3engine.checkpoint.text_encoder_files import (
+    write_tiny_processor,
+    write_tiny_text_encoder,
+    write_tiny_tokenizer,
+)
+from h3engine.models.audio_vae import AudioVAEConfig
+from h3engine.models.dit import DiTConfig
+from h3engine.models.video_vae import VideoVAEConfig
+
+TINY_CANVAS = {"canvas_short_edge": 32, "canvas_max_pixels": 32 * 56, "reference_image_short_edge": 64}
+SHIFTS = {"video": 12.0, "audio": 3.0}
+PARTITION_TASKS = {"fl2va": ["t2va", "fl2va"], "ref2va": ["ref2va"]}
+# Each component draws from its own generator so adding a component never changes another one's weights.
+COMPONENT_SEED_OFFSETS = {"fl2va": 1, "ref2va": 2, "video_vae": 3, "audio_vae": 4, "text_encoder": 5}
+DIFFUSERS_VERSION = "0.42.1"
+
+
+def component_seed(seed: int, component: str) -> int:
+    return seed * 16 + COMPONENT_SEED_OFFSETS[component]
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+def save_sharded(
+    state: dict[str, torch.Tensor], folder: Path, stem: str, num_shards: int, index_name: str
+) -> None:
+    """Split a state dict over `num_shards` files named like the release and write the weight-map index."""
+    folder.mkdir(parents=True, exist_ok=True)
+    keys = sorted(state)
+    per_shard = -(-len(keys) // num_shards)
+    weight_map, total_size = {}, 0
+    for shard in range(num_shards):
+        name = f"{stem}-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        shard_keys = keys[shard * per_shard : (shard + 1) * per_shard]
+        save_file(
+            {key: state[key].contiguous() for key in shard_keys},
+            str(folder / name),
+            metadata={"format": "pt"},
+        )
+        for key in shard_keys:
+            weight_map[key] = name
+            total_size += state[key].numel() * state[key].element_size()
+    write_json(folder / index_name, {"metadata": {"total_size": total_size}, "weight_map": weight_map})
+
+
+def make_tiny_checkpoint(folder: str | Path, seed: int = 0, layout: str = "native") -> Path:
+    """Write a complete tiny checkpoint (both partitions) into an empty or missing `folder`."""
+    folder = Path(folder)
+    if folder.exists() and any(folder.iterdir()):
+        raise FileExistsError(f"{folder}: folder is not empty")
+    if layout not in ("native", "diffusers"):
+        raise ValueError(f"layout must be 'native' or 'diffusers', got {layout!r}")
+    staging = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    if layout == "native":
+        _write_native(staging, seed)
+    else:
+        _write_diffusers(staging, seed)
+    if folder.exists():
+        folder.rmdir()
+    staging.rename(folder)
+    return folder
+
+
+def _tiny_configs() -> tuple[DiTConfig, VideoVAEConfig, AudioVAEConfig]:
+    return DiTConfig.tiny(), VideoVAEConfig.tiny(), AudioVAEConfig.tiny()
+
+
+def _write_text_side(folder: Path, seed: int, text_dim: int) -> None:
+    write_tiny_text_encoder(folder / "text_encoder", component_seed(seed, "text_encoder"), text_dim=text_dim)
+    write_tiny_tokenizer(folder / "tokenizer")
+    write_tiny_processor(folder / "processor")
+
+
+def _write_native(root: Path, seed: int) -> None:
+    dit_config, video_config, audio_config = _tiny_configs()
+    video_state = video_vae_keys.random_native_state(video_config, component_seed(seed, "video_vae"))
+    audio_state = audio_vae_keys.random_native_state(audio_config, component_seed(seed, "audio_vae"))
+    for partition, folder_name in NATIVE_PARTITION_FOLDERS.items():
+        folder = root / folder_name
+        write_json(
+            folder / "model_index.json",
+            {
+                "_class_name": "MiniMaxH3Pipeline",
+                "_diffusers_version": "0.32.2",
+                "text_encoder": ["transformers", "MiniMaxH3Qwen3VLHFEncoder"],
+                "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+                "processor": ["transformers", "Qwen3VLProcessor"],
+                "video_vae": ["diffusers", "MiniMaxH3VideoVAE"],
+                "audio_vae": ["diffusers", "MiniMaxH3AudioVAE"],
+                "scheduler": [None, None],
+                "transformer": ["diffusers", "MiniMaxH3DiTModel"],
+                "_minimax_h3": {
+                    "schema_version": 1,
+                    "partition": partition,
+                    "tasks": PARTITION_TASKS[partition],
+                    "task_aliases": {},
+                    "sigma_shift_scales": SHIFTS,
+                    **TINY_CANVAS,
+                },
+            },
+        )
+        dit_state = dit_keys.random_native_state(dit_config, component_seed(seed, partition))
+        write_json(folder / "transformer" / "config.json", dit_config.to_native())
+        save_sharded(dit_state, folder / "transformer", "model", 2, "model.safetensors.index.json")
+
+        wrapper, source = video_config.to_native()
+        write_json(folder / "video_vae" / "config.json", wrapper)
+        write_json(folder / "video_vae" / "source" / "config.json", source)
+        save_file(
+            video_state, str(folder / "video_vae" / "source" / "model.safetensors"), metadata={"format": "pt"}
+        )
+
+        audio_json, audio_metadata, audio_yaml = audio_config.to_native()
+        write_json(folder / "audio_vae" / "config.json", audio_json)
+        write_json(folder / "audio_vae" / "metadata.json", audio_metadata)
+        (folder / "audio_vae" / "config.yaml").write_text(audio_yaml)
+        save_file(audio_state, str(folder / "audio_vae" / "model.safetensors"), metadata={"format": "pt"})
+
+        _write_text_side(folder, seed, dit_config.text_dim)
+
+
+def _component_entry(library: str, class_name: str, subfolder: str) -> list:
+    return [
+        library,
+        class_name,
+        {
+            "pretrained_model_name_or_path": None,
+            "revision": None,
+            "subfolder": subfolder,
+            "type_hint": [library, class_name],
+            "variant": None,
+        },
+    ]
+
+
+def _write_diffusers(root: Path, seed: int) -> None:
+    dit_config, video_config, audio_config = _tiny_configs()
+    index = {
+        "_class_name": DIFFUSERS_PIPELINE_CLASS,
+        "_blocks_class_name": "MiniMaxH3Blocks",
+        "_diffusers_version": DIFFUSERS_VERSION,
+        **TINY_CANVAS,
+        "text_encoder": _component_entry("transformers", "Qwen3VLForConditionalGeneration", "text_encoder"),
+        "tokenizer": _component_entry("transformers", "Qwen2TokenizerFast", "tokenizer"),
+        "processor": _component_entry("transformers", "Qwen3VLProcessor", "processor"),
+        "vae": _component_entry("diffusers", "AutoencoderKLMiniMaxH3", "vae"),
+        "audio_vae": _component_entry("diffusers", "AutoencoderKLMiniMaxH3Audio", "audio_vae"),
+        "transformer": _component_entry("diffusers", "MiniMaxH3Transformer3DModel", "transformer"),
+        "transformer_ref": _component_entry("diffusers", "MiniMaxH3Transformer3DModel", "transformer_ref"),
+        "scheduler": _component_entry("diffusers", "MiniMaxH3Scheduler", "scheduler"),
+        "audio_scheduler": _component_entry("diffusers", "MiniMaxH3Scheduler", "audio_scheduler"),
+    }
+    write_json(root / "modular_model_index.json", index)
+    write_json(root / "model_index.json", index)
+    for name, shift in (("scheduler", SHIFTS["video"]), ("audio_scheduler", SHIFTS["audio"])):
+        write_json(
+            root / name / "scheduler_config.json",
+            {"_class_name": "MiniMaxH3Scheduler", "_diffusers_version": DIFFUSERS_VERSION, "shift": shift},
+        )
+    for partition, subfolder in (("fl2va", "transformer"), ("ref2va", "transformer_ref")):
+        native = dit_keys.random_native_state(dit_config, component_seed(seed, partition))
+        _write_diffusers_model(
+            root / subfolder,
+            "MiniMaxH3Transformer3DModel",
+            dit_config.to_diffusers(),
+            dit_keys.native_to_diffusers(native),
+        )
+    video_native = video_vae_keys.random_native_state(video_config, component_seed(seed, "video_vae"))
+    _write_diffusers_model(
+        root / "vae",
+        "AutoencoderKLMiniMaxH3",
+        video_config.to_diffusers(),
+        video_vae_keys.native_to_diffusers(video_native, video_config),
+    )
+    audio_native = audio_vae_keys.random_native_state(audio_config, component_seed(seed, "audio_vae"))
+    _write_diffusers_model(
+        root / "audio_vae",
+        "AutoencoderKLMiniMaxH3Audio",
+        audio_config.to_diffusers(),
+        audio_vae_keys.native_to_diffusers(audio_native),
+    )
+    _write_text_side(root, seed, dit_config.text_dim)
+
+
+def _write_diffusers_model(
+    folder: Path, class_name: str, config: dict, state: dict[str, torch.Tensor]
+) -> None:
+    write_json(
+        folder / "config.json", {"_class_name": class_name, "_diffusers_version": DIFFUSERS_VERSION, **config}
+    )
+    tensors = {key: value.contiguous() for key, value in sorted(state.items())}
+    save_file(tensors, str(folder / "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,270 @@
+"""The Python API: an `Engine` holds a checkpoint's loaded models and turns requests into MP4 files.
+
+Contract:
+* `Engine.from_checkpoint(folder, device, dtype)` detects the layout, checks every component of every partition
+  (configs and safetensors headers: keys, shapes, truncation) and loads the models of the first partition, so a
+  broken checkpoint fails here with the file and key named, before any request is accepted. The other partition's
+  models are loaded on first use; on a GPU only one DiT partition stays resident.
+* `parse_request` / `validate` never touch the models; `generate` returns float tensors; `generate_to_file` writes
+  the MP4 (and then its JSON sidecar, and optionally the tensors) atomically, so a file under the output name is
+  always complete.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from h3engine import __version__
+from h3engine.checkpoint.layout import PARTITION_OF_TASK, CheckpointLayout, PartitionPaths, detect_layout
+from h3engine.checkpoint.loader import ComponentSource, audio_vae_source, dit_source, video_vae_source
+from h3engine.errors import RequestError
+from h3engine.geometry import (
+    RELEASED_SHORT_EDGE,
+    Geometry,
+    frames_for_duration,
+    parse_aspect_ratio,
+    resolve_canvas,
+)
+from h3engine.media.mux import write_mp4
+from h3engine.media.outputs import output_paths, save_tensors, write_sidecar
+from h3engine.models.text_encoder import H3TextEncoder, load_tokenizer
+from h3engine.pipeline import GenerationOutput, Models, StepEvent, run_t2va
+from h3engine.request import GenerationRequest, from_dict, validate
+from h3engine.sampling.schedule import Schedule
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise RequestError(f"--device: unknown device '{name}'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RequestError("--device: CUDA was asked for but no GPU is available")
+    if device.type not in ("cpu", "cuda"):
+        raise RequestError(f"--device: only cpu and cuda are supported, got '{name}'")
+    return device
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """The DiT's compute dtype: bf16 is the released precision; fp32 is for parity checks."""
+    if name is None:
+        return torch.bfloat16
+    if name not in DTYPES:
+        raise RequestError(f"--dtype: expected bfloat16 or float32, got '{name}'")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class WrittenFiles:
+    video: Path
+    sidecar: Path
+    tensors: Path | None
+
+
+@dataclass
+class _PartitionSources:
+    dit: ComponentSource
+    video_vae: ComponentSource
+    audio_vae: ComponentSource
+    paths: PartitionPaths
+
+
+class Engine:
+    def __init__(self, layout: CheckpointLayout, device: torch.device, dtype: torch.dtype) -> None:
+        self.layout = layout
+        self.device = device
+        self.dtype = dtype
+        self._sources = {
+            name: _PartitionSources(
+                dit=dit_source(layout, paths, dtype),
+                video_vae=video_vae_source(layout, paths),
+                audio_vae=audio_vae_source(layout, paths),
+                paths=paths,
+            )
+            for name, paths in layout.partitions.items()
+        }
+        for sources in self._sources.values():
+            sources.dit.check()
+            sources.video_vae.check()
+            sources.audio_vae.check()
+        # Loaded modules by the folder they came from: the diffusers layout shares everything but the DiT.
+        self._modules: dict[tuple[str, Path], Any] = {}
+        self.load_timings: dict[str, float] = {}
+        first = next(iter(self._sources))
+        self.models_for_partition(first)
+
+    @classmethod
+    def from_checkpoint(
+        cls, folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16
+    ) -> Engine:
+        return cls(detect_layout(folder), torch.device(device), dtype)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{self.layout.kind}:{self.layout.root.resolve()}"
+
+    def _module(self, kind: str, folder: Path, load: Callable[[], Any]) -> Any:
+        key = (kind, folder)
+        if key not in self._modules:
+            if kind == "dit" and self.device.type == "cuda":
+                # One DiT partition is ~62 GiB: drop the other one before loading this one.
+                for other in [k for k in self._modules if k[0] == "dit"]:
+                    del self._modules[other]
+                torch.cuda.empty_cache()
+            started = time.perf_counter()
+            self._modules[key] = load()
+            self.load_timings[f"{kind}:{folder.name}"] = time.perf_counter() - started
+        return self._modules[key]
+
+    def models_for_partition(self, partition: str) -> Models:
+        sources = self._sources[partition]
+        paths = sources.paths
+        tokenizer = self._module("tokenizer", paths.tokenizer, lambda: load_tokenizer(paths.tokenizer))
+        text_encoder = self._module(
+            "text_encoder",
+            paths.text_encoder,
+            lambda: H3TextEncoder.load(paths.text_encoder, device=self.device, dtype=self.dtype),
+        )
+        text_encoder.verify_tokenizer(tokenizer)
+        return Models(
+            dit=self._module("dit", paths.dit, lambda: sources.dit.load(self.device)),
+            video_vae=self._module("video_vae", paths.video_vae, lambda: sources.video_vae.load(self.device)),
+            audio_vae=self._module("audio_vae", paths.audio_vae, lambda: sources.audio_vae.load(self.device)),
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+        )
+
+    # --- requests ---------------------------------------------------------------------------------------
+
+    def parse_request(self, payload: Mapping[str, Any]) -> GenerationRequest:
+        return from_dict(payload)
+
+    def _spatial_factors(self, partition: str) -> tuple[int, int]:
+        """(VAE spatial ratio, DiT patch): their product is the multiple every canvas side rounds to."""
+        models = self.models_for_partition(partition)
+        return models.video_vae.config.spatial_compression_ratio, models.dit.config.patch_size[-1]
+
+    def validate(self, request: GenerationRequest) -> list[str]:
+        """Check a request against the rules and this checkpoint; returns warnings, raises RequestError."""
+        if (
+            request.task in PARTITION_OF_TASK
+            and PARTITION_OF_TASK[request.task] not in self.layout.partitions
+        ):
+            raise RequestError(f"task: this checkpoint has no partition serving '{request.task}'")
+        partition = PARTITION_OF_TASK.get(request.task, next(iter(self._sources)))
+        vae_ratio, patch = self._spatial_factors(partition)
+        warnings = validate(request, canvas_multiple=vae_ratio * patch)
+        if request.task != "t2va":
+            raise RequestError(
+                f"task: '{request.task}' is not supported yet by this engine version (only t2va)"
+            )
+        return warnings
+
+    def geometry_for(self, request: GenerationRequest) -> Geometry:
+        """The canvas and frame counts of a validated request on this checkpoint."""
+        vae_ratio, patch = self._spatial_factors(PARTITION_OF_TASK[request.task])
+        frames = frames_for_duration(
+            request.duration_seconds if request.duration_seconds is not None else 5.0
+        )
+        if request.width is not None and request.height is not None:
+            height, width = request.height, request.width
+        else:
+            aspect = (
+                (16.0, 9.0) if request.aspect_ratio == "auto" else parse_aspect_ratio(request.aspect_ratio)
+            )
+            # The released short edge (768) stands for this checkpoint's own canvas rule (768 for the release, the
+            # tiny checkpoints' 32); another short edge scales the area cap with it.
+            rules = self.layout.canvas
+            short_edge = rules.short_edge if request.short_edge == RELEASED_SHORT_EDGE else request.short_edge
+            max_pixels = rules.max_pixels * short_edge**2 // rules.short_edge**2
+            height, width = resolve_canvas(
+                *aspect, multiple=vae_ratio * patch, short_edge=short_edge, max_pixels=max_pixels
+            )
+        return Geometry.from_canvas(height, width, frames, vae_spatial_ratio=vae_ratio, patch=patch)
+
+    def generate(
+        self,
+        request: GenerationRequest,
+        on_step: Callable[[StepEvent], None] | None = None,
+        should_cancel: Callable[[], bool] | None = None,
+    ) -> tuple[GenerationOutput, Geometry]:
+        self.validate(request)
+        models = self.models_for_partition(self.layout.for_task(request.task).partition)
+        geometry = self.geometry_for(request)
+        schedule = Schedule.build(
+            request.steps,
+            recipe=request.recipe,
+            video_shift=request.flow_shift,
+            audio_shift=request.audio_flow_shift,
+        )
+        with torch.inference_mode():
+            output = run_t2va(
+                models,
+                request.prompt,
+                geometry,
+                schedule,
+                request.seed,
+                request.recipe,
+                self.device,
+                on_step=on_step,
+                should_cancel=should_cancel,
+            )
+        return output, geometry
+
+    def generate_to_file(
+        self,
+        request: GenerationRequest,
+        out_path: Path,
+        save_tensors_path: Path | None = None,
+        on_step: Callable[[StepEvent], None] | None = None,
+        should_cancel: Callable[[], bool] | None = None,
+    ) -> WrittenFiles:
+        video_path, sidecar_path = output_paths(out_path)
+        output, geometry = self.generate(request, on_step=on_step, should_cancel=should_cancel)
+        started = time.perf_counter()
+        write_mp4(video_path, output.video, output.audio)
+        output.timings["mux_s"] = time.perf_counter() - started
+        tensors_path = None
+        if save_tensors_path is not None:
+            tensors_path = save_tensors(
+                save_tensors_path,
+                {
+                    "video": output.video,
+                    "audio": output.audio,
+                    "video_latents": output.video_latents,
+                    "audio_latents": output.audio_latents,
+                },
+            )
+        write_sidecar(
+            sidecar_path,
+            {
+                "request": request.to_dict(),
+                "seed": request.seed,
+                "recipe": request.recipe,
+                "checkpoint": self.checkpoint_id,
+                "engine_version": __version__,
+                "device": str(self.device),
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "geometry": {
+                    "width": geometry.width,
+                    "height": geometry.height,
+                    "frames": geometry.frames,
+                    "fps": 24,
+                    "latent_frames": geometry.latent_frames,
+                    "audio_latents": geometry.audio_latents,
+                },
+                "timings_s": output.timings,
+                "video": video_path.name,
+            },
+        )
+        return WrittenFiles(video_path, sidecar_path, tensors_path)

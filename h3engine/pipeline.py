@@ -1,0 +1,213 @@
+"""One request from prompt to decoded video and audio: encode text -> pack -> denoise -> decode.
+
+Contract: `run_t2va` takes already-loaded models and a validated request and returns float tensors (no files are
+written here). The loop follows the released recipe: one guidance-free DiT forward per step on the whole packed
+sequence; only the generated rows are ever written, so conditioning rows are re-fed unchanged; the scheduler state
+(latent rows, sigmas, the Euler update) stays fp32 whatever the DiT's compute dtype.
+
+Progress and cancellation: `on_step` is called after every step with a small `StepEvent`; `should_cancel` is polled
+before every step and a `True` raises `GenerationCancelled` (nothing is decoded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from h3engine.errors import GenerationCancelled
+from h3engine.geometry import Geometry
+from h3engine.sampling.noise import draw_initial_noise
+from h3engine.sampling.packing import (
+    PackedLayout,
+    row_timesteps,
+    rows_to_audio_latents,
+    t2va_layout,
+    unpatchify_video,
+)
+from h3engine.sampling.schedule import Schedule, euler_step
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    step: int
+    total: int
+    elapsed_s: float
+    # The generated video rows after this step (fp32, on the compute device); for previews. Do not modify.
+    video_rows: torch.Tensor | None = None
+
+
+@dataclass
+class GenerationOutput:
+    video: torch.Tensor  # [F, H, W, 3] float32 in [0, 1]
+    audio: torch.Tensor  # [2, N] float32 in [-1, 1], 32 kHz
+    video_latents: torch.Tensor  # [C, T, h, w] normalized latents after denoising
+    audio_latents: torch.Tensor  # [2, C, A] normalized latents after denoising
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Models:
+    """The loaded components one partition needs."""
+
+    dit: torch.nn.Module
+    video_vae: torch.nn.Module
+    audio_vae: torch.nn.Module
+    text_encoder: object
+    tokenizer: object
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def layout_on(layout: PackedLayout, device: torch.device) -> PackedLayout:
+    """The layout's index and position tensors on the compute device (done once per request)."""
+    return dataclasses.replace(
+        layout,
+        tags=layout.tags.to(device),
+        positions=layout.positions.to(device),
+        video_index=layout.video_index.to(device),
+        audio_index=layout.audio_index.to(device),
+        text_index=layout.text_index.to(device),
+    )
+
+
+def denoise(
+    dit: torch.nn.Module,
+    text_states: torch.Tensor,
+    layout: PackedLayout,
+    video_rows: torch.Tensor,
+    audio_rows: torch.Tensor,
+    schedule: Schedule,
+    on_step: Callable[[StepEvent], None] | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run every step of the schedule on the packed rows; returns the final (video_rows, audio_rows), fp32."""
+    first_video_target = layout.num_condition_video_rows
+    first_audio_target = layout.num_condition_audio_rows
+    started = time.perf_counter()
+    for step in range(schedule.num_steps):
+        if should_cancel is not None and should_cancel():
+            raise GenerationCancelled("generation cancelled")
+        timesteps, timestep_index = row_timesteps(
+            layout, float(schedule.video_timesteps[step]), float(schedule.audio_timesteps[step])
+        )
+        video_velocity, audio_velocity = dit(
+            video_rows,
+            audio_rows,
+            text_states,
+            timesteps.to(video_rows.device),
+            timestep_index.to(video_rows.device),
+            layout.tags,
+            layout.positions,
+            layout.video_index,
+            layout.audio_index,
+            layout.text_index,
+        )
+        video_rows[first_video_target:] = euler_step(
+            video_rows[first_video_target:],
+            video_velocity[first_video_target:].float(),
+            schedule.video_timesteps[step],
+            schedule.video_sigmas[step],
+            schedule.video_sigmas[step + 1],
+        )
+        audio_rows[first_audio_target:] = euler_step(
+            audio_rows[first_audio_target:],
+            audio_velocity[first_audio_target:].float(),
+            schedule.audio_timesteps[step],
+            schedule.audio_sigmas[step],
+            schedule.audio_sigmas[step + 1],
+        )
+        if on_step is not None:
+            on_step(
+                StepEvent(
+                    step=step + 1,
+                    total=schedule.num_steps,
+                    elapsed_s=time.perf_counter() - started,
+                    video_rows=video_rows[first_video_target:],
+                )
+            )
+    return video_rows, audio_rows
+
+
+def decode(
+    models: Models, video_latents: torch.Tensor, audio_latents: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Normalized latents ([1, C, T, h, w] and [2, C, A]) -> video [F, H, W, 3] in [0, 1], audio [2, N]."""
+    timings = {}
+    device = video_latents.device
+    started = time.perf_counter()
+    pixels = models.video_vae.decode(models.video_vae.denormalize_latents(video_latents))
+    video = models.video_vae.to_unit_range(pixels)[0].permute(1, 2, 3, 0).float()
+    _synchronize(device)
+    timings["video_decode_s"] = time.perf_counter() - started
+    started = time.perf_counter()
+    audio = models.audio_vae.decode_stereo(models.audio_vae.denormalize_latents(audio_latents))
+    _synchronize(device)
+    timings["audio_decode_s"] = time.perf_counter() - started
+    return video.cpu(), audio.float().cpu(), timings
+
+
+def run_t2va(
+    models: Models,
+    prompt: str,
+    geometry: Geometry,
+    schedule: Schedule,
+    seed: int,
+    recipe: str,
+    device: torch.device,
+    on_step: Callable[[StepEvent], None] | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+) -> GenerationOutput:
+    from h3engine.models.text_encoder import text_row_tags, tokenize_prompt
+
+    timings = {}
+    started = time.perf_counter()
+    input_ids = tokenize_prompt(models.tokenizer, prompt)
+    text_states = models.text_encoder.encode(input_ids.to(device))
+    text_tags = text_row_tags(input_ids, models.tokenizer)
+    _synchronize(device)
+    timings["text_encode_s"] = time.perf_counter() - started
+
+    layout = t2va_layout(text_tags, geometry)
+    noise = draw_initial_noise(
+        seed,
+        geometry,
+        recipe=recipe,
+        video_channels=models.video_vae.config.latent_channels,
+        audio_channels=models.audio_vae.config.latent_channels,
+    )
+    video_rows, audio_rows = noise.video_rows.to(device), noise.audio_rows.to(device)
+
+    started = time.perf_counter()
+    video_rows, audio_rows = denoise(
+        models.dit,
+        text_states,
+        layout_on(layout, device),
+        video_rows,
+        audio_rows,
+        schedule,
+        on_step,
+        should_cancel,
+    )
+    _synchronize(device)
+    timings["denoise_s"] = time.perf_counter() - started
+
+    video_latents = unpatchify_video(
+        video_rows[layout.num_condition_video_rows :],
+        geometry.latent_frames,
+        geometry.latent_h,
+        geometry.latent_w,
+        geometry.patch,
+    )
+    audio_latents = rows_to_audio_latents(audio_rows[layout.num_condition_audio_rows :])
+    video, audio, decode_timings = decode(models, video_latents, audio_latents)
+    timings.update(decode_timings)
+    return GenerationOutput(
+        video, audio, video_latents[0].float().cpu(), audio_latents.float().cpu(), timings
+    )
