@@ -406,3 +406,21 @@ def test_released_model_on_meta_matches_the_native_checkpoint() -> None:
     assert {key: (tuple(t.shape), t.dtype) for key, t in back.items()} == {
         key: (tuple(t.shape), t.dtype) for key, t in state.items()
     }
+
+
+def test_state_dict_round_trips_the_checkpoint_qkv_order(tiny_state: dict[str, torch.Tensor]) -> None:
+    # QKV rows are stacked in memory but the state dict speaks the checkpoint's per-head interleaved order.
+    model = H3DiT(DiTConfig.tiny(), dtype=torch.float32)
+    model.load_state_dict(tiny_state, strict=True)
+    saved = model.state_dict()
+    for key, tensor in tiny_state.items():
+        assert torch.equal(saved[key].to(tensor.dtype), tensor), key
+    stacked = model.blocks[0].attn.qkv_proj.weight
+    interleaved = tiny_state["blocks.0.attn.qkv_proj.weight"].float()
+    assert not torch.equal(stacked, interleaved)
+    heads, head_dim = DiTConfig.tiny().num_heads, DiTConfig.tiny().head_dim
+    # head 1's key rows sit at [1, k] in the file and at [k, 1] in memory
+    assert torch.equal(
+        stacked[(heads + 1) * head_dim : (heads + 2) * head_dim],
+        interleaved[(3 + 1) * head_dim : (3 + 2) * head_dim],
+    )

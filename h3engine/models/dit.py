@@ -10,8 +10,8 @@ video and audio row, in the order of `video_index` / `audio_index` (condition ro
 
 `state_dict()` keys are exactly the native MiniMaxAI checkpoint keys (H3_SPEC §1.3), including the persistent
 fp32 buffer `rope.inv_freq`, so a native shard loads with no renaming and tensor-parallel shards are row slices:
-`attn.qkv_proj` rows are interleaved per head as [head, (q, k, v), head_dim] and `mlp.fc1` rows are
-[gate; value].
+`attn.qkv_proj` rows are interleaved per head as [head, (q, k, v), head_dim] in the file (kept stacked in
+memory, see `Attention`) and `mlp.fc1` rows are [gate; value].
 
 Danger
 ------
@@ -359,6 +359,11 @@ def apply_rope(hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((rotated, passed_part), dim=-1)
 
 
+def gather_rows(table: Tensor, rows: Tensor) -> Tensor:
+    """table[rows] for a small [N, hidden] table and a long row index (index_select beats advanced indexing)."""
+    return table.index_select(0, rows)
+
+
 def timestep_sinusoid(timesteps: Tensor, dim: int) -> Tensor:
     """[M] t in [0, 1] (not scaled by 1000) -> [M, dim] fp32 features, cos half first, then sin."""
     half = dim // 2
@@ -429,8 +434,24 @@ class MultiAxisRope(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def interleaved_to_stacked_qkv(weight: Tensor, num_heads: int) -> Tensor:
+    """[head, (q, k, v), head_dim] rows (the checkpoint's order) -> [(q, k, v), head, head_dim] rows."""
+    return weight.unflatten(0, (num_heads, 3, -1)).transpose(0, 1).flatten(0, 2)
+
+
+def stacked_to_interleaved_qkv(weight: Tensor, num_heads: int) -> Tensor:
+    """Inverse of `interleaved_to_stacked_qkv`."""
+    return weight.unflatten(0, (3, num_heads, -1)).transpose(0, 1).flatten(0, 2)
+
+
 class Attention(nn.Module):
-    """Self-attention with per-head interleaved fused QKV, per-head RMS QK-norm (before RoPE), no biases."""
+    """Self-attention with a fused QKV weight, per-head RMS QK-norm (before RoPE), no biases.
+
+    The checkpoint interleaves the QKV rows per head; in memory they are kept stacked [q; k; v] (converted by the
+    state-dict hooks, so `state_dict()` and loading still speak the checkpoint's order). Stacked rows let q, k and
+    v come from three GEMMs with contiguous weight slices and contiguous outputs: slicing one fused output per head
+    hands strided tensors to the QK-norm and the attention kernel, which then copy them (~1 % of a forward).
+    """
 
     def __init__(self, config: DiTConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
         super().__init__()
@@ -444,13 +465,26 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(
             config.inner_dim, config.hidden_size, bias=False, dtype=dtype, device=device
         )
+        self.register_load_state_dict_pre_hook(self._stack_loaded_qkv)
+        self._register_state_dict_hook(self._interleave_saved_qkv)
+
+    def _stack_loaded_qkv(self, module, state_dict, prefix, *args) -> None:
+        key = prefix + "qkv_proj.weight"
+        if key in state_dict:
+            state_dict[key] = interleaved_to_stacked_qkv(state_dict[key], self.num_heads).contiguous()
+
+    @staticmethod
+    def _interleave_saved_qkv(module, state_dict, prefix, local_metadata) -> None:
+        key = prefix + "qkv_proj.weight"
+        state_dict[key] = stacked_to_interleaved_qkv(state_dict[key], module.num_heads)
 
     def forward(self, hidden: Tensor, rope_cos_sin: tuple[Tensor, Tensor] | None) -> Tensor:
         sequence_length = hidden.shape[0]
-        # Rows of qkv_proj are [head, (q, k, v), head_dim]: one view splits them per head.
-        qkv = self.qkv_proj(hidden).view(sequence_length, self.num_heads, 3, self.head_dim)
-        query, key, value = qkv.unbind(dim=2)
-        query, key = self.q_norm(query), self.k_norm(key)
+        query_weight, key_weight, value_weight = self.qkv_proj.weight.chunk(3)
+        heads = (sequence_length, self.num_heads, self.head_dim)
+        query = self.q_norm(F.linear(hidden, query_weight).view(heads))
+        key = self.k_norm(F.linear(hidden, key_weight).view(heads))
+        value = F.linear(hidden, value_weight).view(heads)
         if rope_cos_sin is not None:
             query, key = apply_rope(query, *rope_cos_sin), apply_rope(key, *rope_cos_sin)
         output = attention(query, key, value)
@@ -531,11 +565,13 @@ class DiTBlock(nn.Module):
         shift_attn, scale_attn, gate_attn, shift_ffn, scale_ffn, gate_ffn = table.unbind(dim=1)
         rows = layout.adaln_index
 
-        modulated = self.norm1(hidden) * (1.0 + scale_attn[rows]) + shift_attn[rows]
-        hidden = hidden + gate_attn[rows] * self.attn(modulated, layout.rope_cos_sin)
+        # `1 + scale` is taken on the [M*3, hidden] table before the per-row gather: the same bf16 additions as
+        # after it, but on a dozen rows instead of the whole sequence. index_select is the fast row gather.
+        modulated = self.norm1(hidden) * gather_rows(1.0 + scale_attn, rows) + gather_rows(shift_attn, rows)
+        hidden = hidden + gather_rows(gate_attn, rows) * self.attn(modulated, layout.rope_cos_sin)
 
-        modulated = self.norm2(hidden) * (1.0 + scale_ffn[rows]) + shift_ffn[rows]
-        return hidden + gate_ffn[rows] * self.mlp(modulated)
+        modulated = self.norm2(hidden) * gather_rows(1.0 + scale_ffn, rows) + gather_rows(shift_ffn, rows)
+        return hidden + gather_rows(gate_ffn, rows) * self.mlp(modulated)
 
 
 class FinalLayer(nn.Module):
@@ -555,7 +591,7 @@ class FinalLayer(nn.Module):
     def forward(self, hidden: Tensor, temb: Tensor, layout: PackedLayout) -> tuple[Tensor, Tensor]:
         shift, scale = self.adaln_proj(temb).chunk(2, dim=-1)
         rows = layout.timestep_index
-        modulated = self.norm(hidden) * (1.0 + scale[rows]) + shift[rows]
+        modulated = self.norm(hidden) * gather_rows(1.0 + scale, rows) + gather_rows(shift, rows)
         # The modulation runs in the compute dtype; the heads are fp32 islands and produce fp32 velocities.
         video_velocity = self.video_out(modulated[layout.video_index].to(torch.float32))
         audio_velocity = self.audio_out(modulated[layout.audio_index].to(torch.float32))
