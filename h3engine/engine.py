@@ -142,6 +142,9 @@ class Engine:
             audio_vae=self._module("audio_vae", paths.audio_vae, lambda: sources.audio_vae.load(self.device)),
             text_encoder=text_encoder,
             tokenizer=tokenizer,
+            video_decode_autocast=torch.float16
+            if self.device.type == "cuda" and self.dtype != torch.float32
+            else None,
         )
 
     # --- requests ---------------------------------------------------------------------------------------

@@ -58,6 +58,9 @@ class Models:
     audio_vae: torch.nn.Module
     text_encoder: object
     tokenizer: object
+    # SGLang's released decode recipe (fp32 weights, fp16 autocast) on a GPU at the released precision; None decodes
+    # in fp32 (parity runs, the CPU).
+    video_decode_autocast: torch.dtype | None = None
 
 
 def _synchronize(device: torch.device) -> None:
@@ -142,7 +145,9 @@ def decode(
     timings = {}
     device = video_latents.device
     started = time.perf_counter()
-    pixels = models.video_vae.decode(models.video_vae.denormalize_latents(video_latents))
+    pixels = models.video_vae.decode(
+        models.video_vae.denormalize_latents(video_latents), autocast_dtype=models.video_decode_autocast
+    )
     video = models.video_vae.to_unit_range(pixels)[0].permute(1, 2, 3, 0).float()
     _synchronize(device)
     timings["video_decode_s"] = time.perf_counter() - started

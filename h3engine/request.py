@@ -65,6 +65,9 @@ MAX_TOTAL_AUDIO_SECONDS = 15.0
 MAX_REFERENCES_OF_KIND = {"image": 9, "video": 3, "audio": 3}
 MAX_REFERENCES = 12
 
+# Qwen vision-block tokens: the engine inserts them around keyframe and reference pixels; typed into a prompt
+# they would be tagged as video rows and read as an empty vision block.
+RESERVED_PROMPT_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 MAX_SEED = 2**63 - 1
 # Not a model limit: a guard so that a mistyped step count or canvas becomes a message, not an hours-long run
 # or an allocation failure inside a worker.
@@ -449,6 +452,9 @@ def _check_scalars(request: GenerationRequest) -> None:
         _fail("task", f"must be one of {', '.join(TASKS)}, got {_describe(request.task)}")
     if not isinstance(request.prompt, str) or not request.prompt.strip():
         _fail("prompt", f"must be a non-empty string, got {_describe(request.prompt)}")
+    for token in RESERVED_PROMPT_TOKENS:
+        if token in request.prompt:
+            _fail("prompt", f"must not contain the reserved token {token}: the engine places vision blocks itself")
     if not isinstance(request.recipe, str) or request.recipe not in RECIPES:
         _fail("recipe", f"must be one of {', '.join(RECIPES)}, got {_describe(request.recipe)}")
     _check_integer_range(request.seed, "seed", 0, MAX_SEED)

@@ -177,6 +177,9 @@ INVALID = [
     pytest.param(edit(T2VA, prompt=""), False, "prompt", "must be a non-empty string", id="prompt-empty"),
     pytest.param(edit(T2VA, prompt=" \n\t"), False, "prompt", "must be a non-empty string", id="prompt-blank"),
     pytest.param(edit(T2VA, prompt=42), False, "prompt", "must be a non-empty string", id="prompt-number"),
+    pytest.param(
+        edit(T2VA, prompt="a cat <|image_pad|>"), False, "prompt", "reserved token", id="prompt-vision-token"
+    ),
     # duration
     pytest.param(edit(T2VA, duration_seconds=3), False, "duration_seconds", "must be within [4, 15] s, got 3", id="duration-short"),
     pytest.param(edit(T2VA, duration_seconds=15.5), False, "duration_seconds", "got 15.5", id="duration-long"),
