@@ -454,7 +454,10 @@ def _check_scalars(request: GenerationRequest) -> None:
         _fail("prompt", f"must be a non-empty string, got {_describe(request.prompt)}")
     for token in RESERVED_PROMPT_TOKENS:
         if token in request.prompt:
-            _fail("prompt", f"must not contain the reserved token {token}: the engine places vision blocks itself")
+            _fail(
+                "prompt",
+                f"must not contain the reserved token {token}: the engine places vision blocks itself",
+            )
     if not isinstance(request.recipe, str) or request.recipe not in RECIPES:
         _fail("recipe", f"must be one of {', '.join(RECIPES)}, got {_describe(request.recipe)}")
     _check_integer_range(request.seed, "seed", 0, MAX_SEED)

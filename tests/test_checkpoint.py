@@ -192,7 +192,9 @@ def test_cli_exit_codes(native: Path, tmp_path: Path) -> None:
     assert result.stderr.strip().count("\n") == 0 and "model-00002-of-00002.safetensors" in result.stderr
     assert not out.exists()
 
-    result = run_cli("generate", "--checkpoint", str(tmp_path / "nowhere"), "--prompt", "a", "--out", str(out))
+    result = run_cli(
+        "generate", "--checkpoint", str(tmp_path / "nowhere"), "--prompt", "a", "--out", str(out)
+    )
     assert result.returncode == 2 and "does not exist" in result.stderr
 
     result = run_cli(
@@ -226,13 +228,20 @@ def test_cli_generates_mp4_sidecar_and_tensors(native: Path, tmp_path: Path) -> 
     from h3engine.media.mux import probe_mp4
 
     probe = probe_mp4(out)
-    assert (probe["video_codec"], probe["pix_fmt"], probe["fps"], probe["frame_count"]) == ("h264", "yuv420p", 24, 124)
+    assert (probe["video_codec"], probe["pix_fmt"], probe["fps"], probe["frame_count"]) == (
+        "h264",
+        "yuv420p",
+        24,
+        124,
+    )
     assert (probe["audio_codec"], probe["audio_sample_rate"], probe["audio_channels"]) == ("aac", 32000, 2)
     assert probe["moov_before_mdat"]
     sidecar = json.loads(out.with_suffix(".json").read_text())
     assert sidecar["seed"] == 9 and sidecar["recipe"] == "sglang"
     assert sidecar["request"]["prompt"] == "Waves roll onto a beach."
-    assert {"text_encode_s", "denoise_s", "video_decode_s", "audio_decode_s", "mux_s"} <= set(sidecar["timings_s"])
+    assert {"text_encode_s", "denoise_s", "video_decode_s", "audio_decode_s", "mux_s"} <= set(
+        sidecar["timings_s"]
+    )
     saved = load_file(tensors)
     assert saved["video"].shape == (124, 32, 56, 3) and saved["video"].dtype == torch.float32
     assert saved["audio"].shape[0] == 2
