@@ -256,3 +256,14 @@ def test_make_tiny_checkpoint_cli_refuses_non_empty_folder(tmp_path: Path) -> No
     result = run_cli("make-tiny-checkpoint", str(tmp_path / "x"))
     assert result.returncode == 2 and "not empty" in result.stderr
     assert (tmp_path / "x" / "file").read_text() == "keep me"
+
+
+def test_row_slice_reads_only_the_asked_rows(native: Path) -> None:
+    # A tensor-parallel rank reads its rows of a shard without loading the whole tensor.
+    from h3engine.checkpoint.safetensors_io import WeightFiles
+
+    files = WeightFiles.open(native / "FL2VA" / "transformer")
+    key = "blocks.0.attn.qkv_proj.weight"
+    whole = files.tensor(key)
+    assert torch.equal(files.row_slice(key, 12, 36), whole[12:36])
+    assert files.infos[key].shape == tuple(whole.shape)

@@ -333,27 +333,27 @@ NEEDED_KEY = "model.language_model.layers.7.self_attn.k_proj.weight"
 
 def test_missing_shard_names_file_and_key(checkpoint_copy: Path) -> None:
     (checkpoint_copy / SHARD_FILE_NAMES[1]).unlink()
-    with pytest.raises(CheckpointError, match=rf"{SHARD_FILE_NAMES[1]}.*key model\."):
+    with pytest.raises(CheckpointError, match=rf"{SHARD_FILE_NAMES[1]}.*tensor '"):
         H3TextEncoder.load(checkpoint_copy, "cpu")
 
 
 def test_truncated_shard_names_file_and_key(checkpoint_copy: Path) -> None:
     shard = checkpoint_copy / SHARD_FILE_NAMES[0]
     shard.write_bytes(shard.read_bytes()[:-100])
-    with pytest.raises(CheckpointError, match=rf"{SHARD_FILE_NAMES[0]}.*key model\."):
+    with pytest.raises(CheckpointError, match=rf"{SHARD_FILE_NAMES[0]}.*tensor 'model\."):
         H3TextEncoder.load(checkpoint_copy, "cpu")
 
 
 def test_garbage_shard_names_file_and_key(checkpoint_copy: Path) -> None:
     (checkpoint_copy / SHARD_FILE_NAMES[0]).write_bytes(b"not a safetensors file")
-    with pytest.raises(CheckpointError, match=rf"{SHARD_FILE_NAMES[0]}.*key model\."):
+    with pytest.raises(CheckpointError, match=rf"{SHARD_FILE_NAMES[0]}.*tensor 'model\."):
         H3TextEncoder.load(checkpoint_copy, "cpu")
 
 
 def test_key_missing_from_shard_names_file_and_key(checkpoint_copy: Path) -> None:
     shard = _shard_holding(checkpoint_copy, NEEDED_KEY)
     _rewrite_shard(shard, lambda state: state.pop(NEEDED_KEY))
-    with pytest.raises(CheckpointError, match=rf"{shard.name}: missing key {NEEDED_KEY}"):
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: missing tensor '{NEEDED_KEY}'"):
         H3TextEncoder.load(checkpoint_copy, "cpu")
 
 
@@ -363,14 +363,14 @@ def test_key_missing_from_checkpoint_names_key(checkpoint_copy: Path) -> None:
     index = _index(checkpoint_copy)
     del index["weight_map"][NEEDED_KEY]
     _write_index(checkpoint_copy, index)
-    with pytest.raises(CheckpointError, match=rf"missing key {NEEDED_KEY}.*{SHARD_FILE_NAMES[0]}"):
+    with pytest.raises(CheckpointError, match=rf"missing tensor '{NEEDED_KEY}'"):
         H3TextEncoder.load(checkpoint_copy, "cpu")
 
 
 def test_wrong_shape_names_file_and_key(checkpoint_copy: Path) -> None:
     shard = _shard_holding(checkpoint_copy, NEEDED_KEY)
     _rewrite_shard(shard, lambda state: state.update({NEEDED_KEY: torch.zeros(8, 9, dtype=torch.bfloat16)}))
-    with pytest.raises(CheckpointError, match=rf"{shard.name}: key {NEEDED_KEY} has shape \[8, 9\]"):
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: tensor '{NEEDED_KEY}' has shape \[8, 9\]"):
         H3TextEncoder.load(checkpoint_copy, "cpu")
 
 
@@ -388,7 +388,9 @@ def test_unexpected_key_names_file_and_key(checkpoint_copy: Path, unexpected_key
     index = _index(checkpoint_copy)
     index["weight_map"][unexpected_key] = SHARD_FILE_NAMES[1]
     _write_index(checkpoint_copy, index)
-    with pytest.raises(CheckpointError, match=rf"{SHARD_FILE_NAMES[1]}: unexpected key {unexpected_key}"):
+    with pytest.raises(
+        CheckpointError, match=rf"{SHARD_FILE_NAMES[1]}: unexpected tensor '{unexpected_key}'"
+    ):
         H3TextEncoder.load(checkpoint_copy, "cpu")
 
 
@@ -397,7 +399,9 @@ def test_shard_key_not_in_index_is_unexpected(checkpoint_copy: Path) -> None:
     _rewrite_shard(
         shard, lambda state: state.update({"model.visual.stray": torch.zeros(2, dtype=torch.bfloat16)})
     )
-    with pytest.raises(CheckpointError, match=rf"{SHARD_FILE_NAMES[0]}: unexpected key model\.visual\.stray"):
+    with pytest.raises(
+        CheckpointError, match=rf"{SHARD_FILE_NAMES[0]}: tensor 'model\.visual\.stray' is not listed"
+    ):
         H3TextEncoder.load(checkpoint_copy, "cpu")
 
 

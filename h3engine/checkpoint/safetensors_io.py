@@ -125,8 +125,19 @@ class WeightFiles:
         headers: dict[str, dict[str, TensorInfo]] = {}
         infos: dict[str, TensorInfo] = {}
         for key, shard_name in weight_map.items():
+            if (
+                not isinstance(shard_name, str)
+                or Path(shard_name).name != shard_name
+                or shard_name in ("", "..", ".")
+            ):
+                raise CheckpointError(
+                    f"{index_path}: tensor '{key}' points to an invalid shard name {shard_name!r}"
+                )
             if shard_name not in headers:
-                headers[shard_name] = read_header(index_path.parent / shard_name)
+                try:
+                    headers[shard_name] = read_header(index_path.parent / shard_name)
+                except CheckpointError as error:
+                    raise CheckpointError(f"{error} (the index places tensor '{key}' in it)") from None
             shard = headers[shard_name]
             if key not in shard:
                 raise CheckpointError(

@@ -29,7 +29,6 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
@@ -39,6 +38,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import (
     Qwen3VLVisionRotaryEmbedding,
 )
 
+from h3engine.checkpoint.safetensors_io import WeightFiles
 from h3engine.errors import CheckpointError
 
 # H3 conditions on `hidden_states[50]`: the output of the 50th decoder layer (index 0 is the embedding output).
@@ -62,7 +62,6 @@ _QWEN_TEXT_TOKEN_TYPE = 0
 _QWEN_IMAGE_TOKEN_TYPE = 1
 _QWEN_VIDEO_TOKEN_TYPE = 2
 
-_FLOATING_SAFETENSORS_DTYPES = {"BF16", "F16", "F32", "F64"}
 _UNUSED_TOP_KEYS = {"model.language_model.norm.weight", "lm_head.weight"}
 
 
@@ -94,11 +93,9 @@ class H3TextEncoder(nn.Module):
         with torch.device("meta"):
             encoder = cls(config)
         needed_shapes = {key: tuple(tensor.shape) for key, tensor in encoder.state_dict().items()}
-        skippable_keys = encoder._skippable_checkpoint_keys()
-        key_to_file = _checkpoint_key_locations(folder)
-        _check_checkpoint_key_set(key_to_file, needed_shapes, skippable_keys)
-        _check_weight_files_exist(key_to_file, needed_shapes)
-        encoder._read_needed_tensors(key_to_file, needed_shapes, torch.device(device), dtype)
+        weight_files = WeightFiles.open(_weights_path(folder))
+        weight_files.check(needed_shapes, ignored=encoder._skippable_checkpoint_keys())
+        encoder._read_needed_tensors(weight_files, needed_shapes, torch.device(device), dtype)
         encoder._rebuild_computed_buffers(torch.device(device))
         encoder.eval()
         encoder.requires_grad_(False)
@@ -120,39 +117,16 @@ class H3TextEncoder(nn.Module):
 
     def _read_needed_tensors(
         self,
-        key_to_file: dict[str, Path],
+        weight_files: WeightFiles,
         needed_shapes: dict[str, tuple[int, ...]],
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        keys_by_file: dict[Path, list[str]] = {}
         for key in sorted(needed_shapes):
-            keys_by_file.setdefault(key_to_file[key], []).append(key)
-        for file_path in sorted(keys_by_file):
-            needed_keys = keys_by_file[file_path]
-            try:
-                handle_context = safe_open(str(file_path), framework="pt", device="cpu")
-            # safetensors raises its own error types for bad headers and files shorter than their header says.
-            except Exception as error:
-                raise CheckpointError(
-                    f"cannot read {file_path} (needed for key {needed_keys[0]}): {error}"
-                ) from error
-            with handle_context as handle:
-                _check_file_holds_its_keys(file_path, set(handle.keys()), key_to_file)
-                for key in needed_keys:
-                    tensor_slice = handle.get_slice(key)
-                    stored_shape = tuple(tensor_slice.get_shape())
-                    if stored_shape != needed_shapes[key]:
-                        raise CheckpointError(
-                            f"{file_path}: key {key} has shape {list(stored_shape)}, "
-                            f"the config needs {list(needed_shapes[key])}"
-                        )
-                    stored_dtype = tensor_slice.get_dtype()
-                    if stored_dtype not in _FLOATING_SAFETENSORS_DTYPES:
-                        raise CheckpointError(
-                            f"{file_path}: key {key} is stored as {stored_dtype}, not a float"
-                        )
-                    self._assign_tensor(key, handle.get_tensor(key).to(device=device, dtype=dtype))
+            info = weight_files.infos[key]
+            if not info.dtype.is_floating_point:
+                raise CheckpointError(f"{info.file}: key {key} is stored as {info.dtype}, not a float")
+            self._assign_tensor(key, weight_files.tensor(key).to(device=device, dtype=dtype))
 
     def _assign_tensor(self, key: str, tensor: torch.Tensor) -> None:
         owner_name, _, leaf_name = key.rpartition(".")
@@ -254,73 +228,11 @@ def _read_qwen3_vl_config(config_path: Path) -> Qwen3VLConfig:
     return config
 
 
-def _checkpoint_key_locations(folder: Path) -> dict[str, Path]:
-    """Map every key of the checkpoint to the file holding it, from the index or the single file's header."""
-    index_path = folder / WEIGHTS_INDEX_FILE_NAME
-    if index_path.is_file():
-        return _key_locations_from_index(index_path)
-    single_path = folder / SINGLE_WEIGHTS_FILE_NAME
-    if single_path.is_file():
-        try:
-            with safe_open(str(single_path), framework="pt", device="cpu") as handle:
-                return dict.fromkeys(handle.keys(), single_path)
-        # safetensors raises its own error types for bad headers and files shorter than their header says.
-        except Exception as error:
-            raise CheckpointError(f"cannot read {single_path}: {error}") from error
+def _weights_path(folder: Path) -> Path:
+    for name in (WEIGHTS_INDEX_FILE_NAME, SINGLE_WEIGHTS_FILE_NAME):
+        if (folder / name).is_file():
+            return folder / name
     raise CheckpointError(f"{folder} has neither {WEIGHTS_INDEX_FILE_NAME} nor {SINGLE_WEIGHTS_FILE_NAME}")
-
-
-def _key_locations_from_index(index_path: Path) -> dict[str, Path]:
-    try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"cannot read {index_path}: {error}") from error
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{index_path}: key weight_map is missing or not an object")
-    key_to_file: dict[str, Path] = {}
-    for key, file_name in sorted(weight_map.items()):
-        # A shard name is a bare file name next to the index; anything else could point outside the folder.
-        if (
-            not isinstance(file_name, str)
-            or Path(file_name).name != file_name
-            or file_name in ("", ".", "..")
-        ):
-            raise CheckpointError(f"{index_path}: key {key} points to an invalid shard name {file_name!r}")
-        key_to_file[key] = index_path.parent / file_name
-    return key_to_file
-
-
-def _check_checkpoint_key_set(
-    key_to_file: dict[str, Path], needed_shapes: dict[str, tuple[int, ...]], skippable_keys: set[str]
-) -> None:
-    for key in sorted(key_to_file):
-        if key not in needed_shapes and key not in skippable_keys:
-            raise CheckpointError(f"{key_to_file[key]}: unexpected key {key} for a Qwen3-VL text encoder")
-    for key in sorted(needed_shapes):
-        if key not in key_to_file:
-            holders = sorted({str(path) for path in key_to_file.values()}) or ["(no weight files)"]
-            raise CheckpointError(f"missing key {key} in the text encoder weights ({', '.join(holders)})")
-
-
-def _check_weight_files_exist(
-    key_to_file: dict[str, Path], needed_shapes: dict[str, tuple[int, ...]]
-) -> None:
-    """Every shard the index names must exist, even one holding only unused keys (an incomplete download)."""
-    for file_path in sorted(set(key_to_file.values())):
-        if not file_path.is_file():
-            file_keys = sorted(key for key, path in key_to_file.items() if path == file_path)
-            named_key = next((key for key in file_keys if key in needed_shapes), file_keys[0])
-            raise CheckpointError(f"missing shard {file_path} (the index places key {named_key} in it)")
-
-
-def _check_file_holds_its_keys(file_path: Path, stored_keys: set[str], key_to_file: dict[str, Path]) -> None:
-    """The index and the shard header must agree on which keys live in this shard."""
-    listed_keys = {key for key, path in key_to_file.items() if path == file_path}
-    for key in sorted(listed_keys - stored_keys):
-        raise CheckpointError(f"{file_path}: missing key {key} (the index places it in this file)")
-    for key in sorted(stored_keys - listed_keys):
-        raise CheckpointError(f"{file_path}: unexpected key {key} (not listed for this file in the index)")
 
 
 def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
