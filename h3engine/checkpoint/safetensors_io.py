@@ -193,5 +193,10 @@ class WeightFiles:
         info = self.infos[key]
         return self._handle(info.file).get_slice(key)[start:stop]
 
+    def column_slice(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Read columns [start, stop) of a 2-D tensor: each row's contiguous run of bytes, nothing else."""
+        info = self.infos[key]
+        return self._handle(info.file).get_slice(key)[:, start:stop]
+
     def close(self) -> None:
         self._handles.clear()

@@ -26,6 +26,7 @@ full state dict is loaded.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -324,6 +325,10 @@ class DiTConfig:
 # --------------------------------------------------------------------------------------------------------------
 
 
+# (query, key, value) [S, heads, head_dim] -> [S, heads, head_dim]: how the packed rows attend to each other.
+AttentionKernel = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
 def attention(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
     """Full bidirectional attention over one packed document: [S, heads, head_dim] in and out, no mask.
 
@@ -478,7 +483,12 @@ class Attention(nn.Module):
         key = prefix + "qkv_proj.weight"
         state_dict[key] = stacked_to_interleaved_qkv(state_dict[key], module.num_heads)
 
-    def forward(self, hidden: Tensor, rope_cos_sin: tuple[Tensor, Tensor] | None) -> Tensor:
+    def forward(
+        self,
+        hidden: Tensor,
+        rope_cos_sin: tuple[Tensor, Tensor] | None,
+        attend: AttentionKernel = attention,
+    ) -> Tensor:
         sequence_length = hidden.shape[0]
         query_weight, key_weight, value_weight = self.qkv_proj.weight.chunk(3)
         heads = (sequence_length, self.num_heads, self.head_dim)
@@ -487,7 +497,7 @@ class Attention(nn.Module):
         value = F.linear(hidden, value_weight).view(heads)
         if rope_cos_sin is not None:
             query, key = apply_rope(query, *rope_cos_sin), apply_rope(key, *rope_cos_sin)
-        output = attention(query, key, value)
+        output = attend(query, key, value)
         return self.out_proj(output.reshape(sequence_length, self.num_heads * self.head_dim))
 
 
@@ -568,7 +578,8 @@ class DiTBlock(nn.Module):
         # `1 + scale` is taken on the [M*3, hidden] table before the per-row gather: the same bf16 additions as
         # after it, but on a dozen rows instead of the whole sequence. index_select is the fast row gather.
         modulated = self.norm1(hidden) * gather_rows(1.0 + scale_attn, rows) + gather_rows(shift_attn, rows)
-        hidden = hidden + gather_rows(gate_attn, rows) * self.attn(modulated, layout.rope_cos_sin)
+        attended = self.attn(modulated, layout.rope_cos_sin, layout.attend)
+        hidden = hidden + gather_rows(gate_attn, rows) * attended
 
         modulated = self.norm2(hidden) * gather_rows(1.0 + scale_ffn, rows) + gather_rows(shift_ffn, rows)
         return hidden + gather_rows(gate_ffn, rows) * self.mlp(modulated)
@@ -613,6 +624,9 @@ class PackedLayout:
     video_index: Tensor
     audio_index: Tensor
     text_index: Tensor
+    # One process holding every row attends locally; a sequence-parallel shard (h3engine.parallel) passes a kernel
+    # that exchanges rows with the other shards around the attention call.
+    attend: AttentionKernel = attention
 
     @property
     def sequence_length(self) -> int:
@@ -694,6 +708,29 @@ class H3DiT(nn.Module):
         layout = self.prepare_layout(timestep_index, tags, positions, video_index, audio_index, text_index)
         return self.forward_with_layout(video_rows, audio_rows, text_states, timesteps, layout)
 
+    def check_packed_inputs(
+        self,
+        video_rows: Tensor,
+        audio_rows: Tensor,
+        text_states: Tensor,
+        num_video_rows: int,
+        num_audio_rows: int,
+        num_text_rows: int,
+    ) -> None:
+        """Raise ValueError unless the row tensors have the layout's row counts and the config's widths."""
+        if video_rows.shape != (num_video_rows, self.config.video_patch_dim):
+            raise ValueError(
+                f"video_rows must be [Nv, {self.config.video_patch_dim}], got {list(video_rows.shape)}"
+            )
+        if audio_rows.shape != (num_audio_rows, self.config.audio_in_channels):
+            raise ValueError(
+                f"audio_rows must be [Na, {self.config.audio_in_channels}], got {list(audio_rows.shape)}"
+            )
+        if text_states.shape != (num_text_rows, self.config.text_dim):
+            raise ValueError(
+                f"text_states must be [Lt, {self.config.text_dim}], got {list(text_states.shape)}"
+            )
+
     def forward_with_layout(
         self,
         video_rows: Tensor,
@@ -703,18 +740,14 @@ class H3DiT(nn.Module):
         layout: PackedLayout,
     ) -> tuple[Tensor, Tensor]:
         """`forward` with the request-static tensors already prepared."""
-        if video_rows.shape != (layout.video_index.numel(), self.config.video_patch_dim):
-            raise ValueError(
-                f"video_rows must be [Nv, {self.config.video_patch_dim}], got {list(video_rows.shape)}"
-            )
-        if audio_rows.shape != (layout.audio_index.numel(), self.config.audio_in_channels):
-            raise ValueError(
-                f"audio_rows must be [Na, {self.config.audio_in_channels}], got {list(audio_rows.shape)}"
-            )
-        if text_states.shape != (layout.text_index.numel(), self.config.text_dim):
-            raise ValueError(
-                f"text_states must be [Lt, {self.config.text_dim}], got {list(text_states.shape)}"
-            )
+        self.check_packed_inputs(
+            video_rows,
+            audio_rows,
+            text_states,
+            layout.video_index.numel(),
+            layout.audio_index.numel(),
+            layout.text_index.numel(),
+        )
 
         # Video/audio rows go through their fp32 projections in fp32; the refined text sets the packed dtype.
         video = self.video_patch_proj(video_rows.to(torch.float32))

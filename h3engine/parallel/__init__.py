@@ -1,0 +1,1 @@
+"""Parallel execution of the DiT: process groups, collectives, tensor-parallel layers, Ulysses."""

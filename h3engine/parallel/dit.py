@@ -1,0 +1,285 @@
+"""The H3 DiT split over a DiT group: tensor parallel (heads, FFN) x Ulysses sequence parallel (packed rows).
+
+Contract
+--------
+`load_dit_shard(weight_files, config, groups, dtype, device)` builds this rank's DiT and reads only its shard of
+the native checkpoint. The module is called exactly like `H3DiT` (same arguments, the full packed request on
+every rank) and returns the full fp32 velocities on every rank, so the sampling loop runs unchanged and
+replicated. `parallelize_dit` builds the same module on `meta`, without weights.
+
+Tensor parallelism (`groups.tp`) swaps named parallel layers into every attention and FFN, the token refiner's
+included: the QKV projection is split by heads and `out_proj` sums over the group; fc1 keeps its
+[gate; value] blocks split alike and fc2 sums. AdaLN projections, norms, patch projections, the time MLP and the
+output heads stay replicated. The model code is untouched: only its layers differ.
+
+Ulysses sequence parallelism (`groups.sp`, `SequenceParallelDiT`): the S packed rows are padded to a multiple of
+sp and rank r holds rows [r*S_pad/sp, (r+1)*S_pad/sp). Everything but attention is row-wise, so blocks run on
+local rows with local RoPE tables and local AdaLN gathers. Around attention one all-to-all trades rows for heads
+(every rank then holds all rows of 1/sp of its heads), attention runs, and a second all-to-all trades back. The
+text refiner (attention among text rows only, a small share of S) runs on all text rows on every rank. The fp32
+output heads run on every local row and the [S_pad, video + audio channels] result is gathered once; the wanted
+rows are picked from it.
+
+Padding rows (at most sp - 1, all at the end of the sequence): after the first all-to-all every rank holds the
+whole padded sequence for its heads, so the pad rows are sliced off before attention and the attention call is
+the same unmasked one, over the same real rows, as on one process (a key mask would rule out the flash kernels
+and leave pad queries to attend to something). Their attention output is zero; every other op is row-wise, so
+they never reach a real row (not even a non-finite one could: attention is the only op that mixes rows). They
+start as zero rows with AdaLN row 0 and zero RoPE tables.
+
+Danger
+------
+Every rank of the DiT group must call forward with identical inputs: the layers' collectives pair up across
+ranks by call order. bf16 results differ from one process at the bf16 rounding level (partial sums are reduced
+in bf16); fp32 agrees to rounding noise. Only the native checkpoint layout can be read by row ranges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from h3engine.checkpoint.dit_keys import native_state_shapes
+from h3engine.checkpoint.safetensors_io import WeightFiles
+from h3engine.errors import CheckpointError
+from h3engine.models.dit import Attention, DiTConfig, H3DiT, PackedLayout, SwiGLU, attention
+from h3engine.parallel.collectives import all_gather_rows, heads_to_sequence, sequence_to_heads
+from h3engine.parallel.groups import DiTGroups, GroupMembership
+from h3engine.parallel.linear import (
+    ColumnParallelLinear,
+    ParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+
+# The first block's QKV weight: fused in the native layout, split into to_q / to_k / to_v in the diffusers one.
+_NATIVE_QKV_KEY = "blocks.0.attn.qkv_proj.weight"
+_DIFFUSERS_QUERY_KEY = "transformer_blocks.0.attn.to_q.weight"
+
+
+@dataclass(frozen=True)
+class UlyssesAttention:
+    """Attention over the whole packed sequence when each rank holds a contiguous block of its rows."""
+
+    group: GroupMembership
+    sequence_length: int
+
+    def __call__(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        # One exchange for q, k and v together: [local_rows, 3, heads, head_dim] -> [S_pad, 3, heads/sp, head_dim].
+        stacked = sequence_to_heads(torch.stack((query, key, value), dim=1), self.group)
+        padded_length = stacked.shape[0]
+        output = attention(*stacked[: self.sequence_length].unbind(dim=1))
+        output = F.pad(output, (0, 0, 0, 0, 0, padded_length - self.sequence_length))
+        return heads_to_sequence(output, self.group)
+
+
+@dataclass(frozen=True)
+class SequenceShardedLayout:
+    """A packed request as one Ulysses rank sees it; built by `SequenceParallelDiT.prepare_layout`.
+
+    `local` drives the unchanged blocks and final layer on this rank's rows (pad rows included). Its
+    `video_index` / `audio_index` list every local row: the fp32 heads run on all of them so the gather is
+    equal-sized, and `video_index` / `audio_index` here (the request's own) pick the wanted rows afterwards.
+    `*_rows` select the request's text/video/audio rows that land on this rank, `*_slots` their local rows.
+    """
+
+    local: PackedLayout
+    sequence_length: int
+    video_index: Tensor
+    audio_index: Tensor
+    text_index: Tensor
+    text_rows: Tensor
+    text_slots: Tensor
+    video_rows: Tensor
+    video_slots: Tensor
+    audio_rows: Tensor
+    audio_slots: Tensor
+
+
+def _rows_in_block(sequence_index: Tensor, start: int, stop: int) -> tuple[Tensor, Tensor]:
+    """Which entries of a modality's sequence index fall in [start, stop), and their rows inside the block."""
+    rows = ((sequence_index >= start) & (sequence_index < stop)).nonzero().squeeze(1)
+    return rows, sequence_index.index_select(0, rows) - start
+
+
+class SequenceParallelDiT(H3DiT):
+    """`H3DiT` whose forward runs on this Ulysses rank's block of packed rows (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: DiTConfig,
+        sequence_group: GroupMembership,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(config, dtype, device)
+        self.sequence_group = sequence_group
+
+    def prepare_layout(
+        self,
+        timestep_index: Tensor,
+        tags: Tensor,
+        positions: Tensor,
+        video_index: Tensor,
+        audio_index: Tensor,
+        text_index: Tensor,
+    ) -> SequenceShardedLayout:
+        """Validate the whole request as `H3DiT` does, then keep this rank's block of rows (zero-padded)."""
+        full = super().prepare_layout(timestep_index, tags, positions, video_index, audio_index, text_index)
+        sequence_length = full.sequence_length
+        ranks = self.sequence_group.size
+        local_length = -(-sequence_length // ranks)
+        start = self.sequence_group.rank * local_length
+        stop = start + local_length
+
+        def local_block(per_row: Tensor) -> Tensor:
+            padding = [0, 0] * (per_row.dim() - 1) + [0, local_length * ranks - sequence_length]
+            return F.pad(per_row, padding)[start:stop]
+
+        every_local_row = torch.arange(local_length, device=positions.device)
+        text_rows, text_slots = _rows_in_block(text_index, start, stop)
+        video_rows, video_slots = _rows_in_block(video_index, start, stop)
+        audio_rows, audio_slots = _rows_in_block(audio_index, start, stop)
+        local = PackedLayout(
+            rope_cos_sin=(local_block(full.rope_cos_sin[0]), local_block(full.rope_cos_sin[1])),
+            adaln_index=local_block(full.adaln_index),
+            timestep_index=local_block(full.timestep_index),
+            video_index=every_local_row,
+            audio_index=every_local_row,
+            text_index=text_slots,
+            attend=UlyssesAttention(self.sequence_group, sequence_length),
+        )
+        return SequenceShardedLayout(
+            local=local,
+            sequence_length=sequence_length,
+            video_index=video_index,
+            audio_index=audio_index,
+            text_index=text_index,
+            text_rows=text_rows,
+            text_slots=text_slots,
+            video_rows=video_rows,
+            video_slots=video_slots,
+            audio_rows=audio_rows,
+            audio_slots=audio_slots,
+        )
+
+    def forward_with_layout(
+        self,
+        video_rows: Tensor,
+        audio_rows: Tensor,
+        text_states: Tensor,
+        timesteps: Tensor,
+        layout: SequenceShardedLayout,
+    ) -> tuple[Tensor, Tensor]:
+        """`forward` with the request-static tensors prepared; full velocities on every rank."""
+        self.check_packed_inputs(
+            video_rows,
+            audio_rows,
+            text_states,
+            layout.video_index.numel(),
+            layout.audio_index.numel(),
+            layout.text_index.numel(),
+        )
+        # Only this rank's video and audio rows are projected; the refiner attends over all text rows, so it runs
+        # on all of them (replicated over the Ulysses group) before the local ones are kept.
+        video = self.video_patch_proj(video_rows.index_select(0, layout.video_rows).to(torch.float32))
+        audio = self.audio_patch_proj(audio_rows.index_select(0, layout.audio_rows).to(torch.float32))
+        text = self.token_refiner(self.condition_proj(text_states.to(self.compute_dtype)))
+
+        hidden = text.new_zeros(layout.local.sequence_length, self.config.hidden_size)
+        hidden.index_copy_(0, layout.text_slots, text.index_select(0, layout.text_rows))
+        hidden.index_copy_(0, layout.video_slots, video.to(hidden.dtype))
+        hidden.index_copy_(0, layout.audio_slots, audio.to(hidden.dtype))
+
+        temb = self.time_embedder(timesteps)
+        for block in self.blocks:
+            hidden = block(hidden, temb, layout.local)
+        video_velocity, audio_velocity = self.final_layer(hidden, temb, layout.local)
+
+        velocities = all_gather_rows(torch.cat((video_velocity, audio_velocity), dim=1), self.sequence_group)
+        video_channels = video_velocity.shape[1]
+        return (
+            velocities[layout.video_index, :video_channels].contiguous(),
+            velocities[layout.audio_index, video_channels:].contiguous(),
+        )
+
+
+def _apply_tensor_parallel(model: H3DiT, tp: GroupMembership) -> None:
+    """Swap the parallel layers into every attention and FFN (module types from the model, no model edits)."""
+    config = model.config
+    dtype, device = model.compute_dtype, model.condition_proj.weight.device
+    for module in list(model.modules()):
+        if isinstance(module, Attention):
+            module.qkv_proj = QKVParallelLinear(
+                config.hidden_size, config.num_heads, config.head_dim, tp, dtype, device
+            )
+            module.out_proj = RowParallelLinear(config.inner_dim, config.hidden_size, tp, dtype, device)
+            module.num_heads = module.qkv_proj.local_heads
+        elif isinstance(module, SwiGLU):
+            module.fc1 = ColumnParallelLinear(
+                config.hidden_size, 2 * config.ffn_dim, tp, dtype, device, segments=2
+            )
+            module.fc2 = RowParallelLinear(config.ffn_dim, config.hidden_size, tp, dtype, device)
+
+
+def parallelize_dit(config: DiTConfig, groups: DiTGroups, dtype: torch.dtype = torch.bfloat16) -> H3DiT:
+    """This rank's DiT with its parallel layers in place, on `meta` (fill it with `load_dit_shard`).
+
+    Always `meta`: built on a real device, the full-size layers would be allocated before the swap replaces them.
+    With one Ulysses rank the module is a plain `H3DiT` (at world size 1 it computes exactly what `H3DiT` does).
+    """
+    layout = groups.layout
+    if (layout.dit_heads, layout.dit_ffn_dim) != (config.num_heads, config.ffn_dim):
+        raise ValueError(
+            f"the parallel layout was validated for {layout.dit_heads} heads and FFN width {layout.dit_ffn_dim}, "
+            f"but this DiT has {config.num_heads} and {config.ffn_dim} (use ParallelLayout.for_dit)"
+        )
+    if groups.sp.size > 1:
+        model = SequenceParallelDiT(config, groups.sp, dtype, "meta")
+    else:
+        model = H3DiT(config, dtype, "meta")
+    _apply_tensor_parallel(model, groups.tp)
+    return model
+
+
+def load_dit_shard(
+    weight_files: WeightFiles,
+    config: DiTConfig,
+    groups: DiTGroups,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> H3DiT:
+    """Build this rank's DiT and read only its shard of the native checkpoint (replicated tensors whole)."""
+    if _NATIVE_QKV_KEY not in weight_files.infos and _DIFFUSERS_QUERY_KEY in weight_files.infos:
+        raise CheckpointError(
+            f"{weight_files.description}: the DiT is in the diffusers layout; sharded loading reads row ranges "
+            "of the native (MiniMaxAI) layout, so run this checkpoint with --dit-sp 1 --dit-tp 1"
+        )
+    weight_files.check(native_state_shapes(config))
+    model = parallelize_dit(config, groups, dtype)
+    sharded = {
+        f"{name}.weight": layer for name, layer in model.named_modules() if isinstance(layer, ParallelLinear)
+    }
+    replicated = {}
+    for key, expected in model.state_dict().items():
+        if key not in sharded:
+            try:
+                replicated[key] = weight_files.tensor(key).to(device=device, dtype=expected.dtype)
+            except CheckpointError:
+                raise
+            except Exception as error:  # safetensors raises its own error types
+                raise CheckpointError(
+                    f"{weight_files.infos[key].file}: cannot read tensor '{key}' ({error})"
+                ) from None
+    missing, unexpected = model.load_state_dict(replicated, strict=False, assign=True)
+    if set(missing) != set(sharded) or unexpected:
+        raise RuntimeError(f"replicated DiT keys do not line up: missing {missing}, unexpected {unexpected}")
+    for key, layer in sharded.items():
+        layer.load_shard(weight_files, key, device)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta:
+            raise RuntimeError(f"'{name}' was not loaded")
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,167 @@
+"""Tensor-parallel linear layers that own both their shard of the math and the reading of that shard.
+
+Contract
+--------
+Each layer is built (usually on `meta`) with the full layer's sizes and its tensor-parallel group, holds only its
+rank's part of the weight, and fills it with `load_shard(weight_files, key, device)`, which reads exactly that
+part of the native checkpoint tensor and nothing else. Sharding and loading come from the same row or column
+ranges, so they cannot disagree. None of the split H3 linears has a bias, so these layers have none.
+
+* `ColumnParallelLinear`: splits the output features. The file's rows may consist of `segments` equal stacked
+  blocks (fc1 is [gate; value]); the rank holds its 1/tp of each block, in block order (so fc1's local output is
+  still [gate; value] and `chunk(2)` still splits it). One row range per block is read. No communication.
+* `QKVParallelLinear`: the fused QKV projection, split by heads. The file interleaves the rows per head
+  ([head, (q, k, v), head_dim]), so a rank's heads are ONE contiguous row range; in memory the rank keeps them
+  stacked [q; k; v] like the single-process `Attention`.
+* `RowParallelLinear`: splits the input features (the rank's heads, or its FFN slice): reads a column range of
+  the file's weight and sums the partial products over the group.
+
+Danger
+------
+`RowParallelLinear` sums partial products in the compute dtype: in bf16 the result is not bit-identical to one
+GEMM over the full width (fp32 agrees to rounding noise). Its input must be the matching shard of the previous
+column-parallel layer (same group, same rank order), or the sum is silently wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from h3engine.checkpoint.safetensors_io import WeightFiles
+from h3engine.errors import CheckpointError
+from h3engine.models.dit import interleaved_to_stacked_qkv
+from h3engine.parallel.collectives import all_reduce_sum
+from h3engine.parallel.groups import GroupMembership
+
+
+def _split(size: int, parts: int, what: str) -> int:
+    if size % parts:
+        raise ValueError(f"{what} {size} is not divisible by the tensor-parallel size {parts}")
+    return size // parts
+
+
+class ParallelLinear(nn.Module):
+    """Shared parts: the full shape (what the file holds), the local weight, and checked assignment of a shard."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        local_shape: tuple[int, int],
+        group: GroupMembership,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group = group
+        self.weight = nn.Parameter(torch.empty(local_shape, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return F.linear(hidden, self.weight)
+
+    def load_shard(self, weight_files: WeightFiles, key: str, device: torch.device | str) -> None:
+        """Replace the (meta) weight with this rank's part of `key`, cast to the layer's dtype on `device`."""
+        info = weight_files.infos.get(key)
+        if info is None:
+            raise CheckpointError(f"{weight_files.description}: missing tensor '{key}'")
+        if info.shape != (self.out_features, self.in_features):
+            raise CheckpointError(
+                f"{info.file}: tensor '{key}' has shape {list(info.shape)}, "
+                f"expected {[self.out_features, self.in_features]}"
+            )
+        try:
+            shard = self._read_shard(weight_files, key)
+        except Exception as error:  # safetensors raises its own error types
+            raise CheckpointError(f"{info.file}: cannot read this rank's part of '{key}' ({error})") from None
+        shard = shard.to(device=device, dtype=self.weight.dtype).contiguous()
+        if shard.shape != self.weight.shape:
+            raise RuntimeError(
+                f"'{key}': read a {list(shard.shape)} shard for a {list(self.weight.shape)} weight"
+            )
+        self.weight = nn.Parameter(shard, requires_grad=False)
+
+    def _read_shard(self, weight_files: WeightFiles, key: str) -> Tensor:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(ParallelLinear):
+    """y_local = x W_local^T with W_local = this rank's 1/tp of each of the `segments` stacked row blocks."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: GroupMembership,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+        segments: int = 1,
+    ) -> None:
+        self.segment_rows = _split(out_features, segments, "output features")
+        self.local_segment_rows = _split(self.segment_rows, group.size, "output rows per segment")
+        self.segments = segments
+        local_shape = (segments * self.local_segment_rows, in_features)
+        super().__init__(in_features, out_features, local_shape, group, dtype, device)
+
+    def file_row_ranges(self) -> list[tuple[int, int]]:
+        """The [start, stop) rows of the file tensor this rank holds, one range per segment, in local order."""
+        first = self.group.rank * self.local_segment_rows
+        return [
+            (
+                segment * self.segment_rows + first,
+                segment * self.segment_rows + first + self.local_segment_rows,
+            )
+            for segment in range(self.segments)
+        ]
+
+    def _read_shard(self, weight_files: WeightFiles, key: str) -> Tensor:
+        return torch.cat([weight_files.row_slice(key, start, stop) for start, stop in self.file_row_ranges()])
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused QKV split by heads: file rows per head [q; k; v] (one range per rank), kept stacked in memory."""
+
+    def __init__(
+        self,
+        in_features: int,
+        num_heads: int,
+        head_dim: int,
+        group: GroupMembership,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> None:
+        self.local_heads = _split(num_heads, group.size, "attention heads")
+        super().__init__(in_features, 3 * num_heads * head_dim, group, dtype, device)
+
+    def _read_shard(self, weight_files: WeightFiles, key: str) -> Tensor:
+        return interleaved_to_stacked_qkv(super()._read_shard(weight_files, key), self.local_heads)
+
+
+class RowParallelLinear(ParallelLinear):
+    """y = sum over ranks of x_local W[:, local columns]^T; every rank ends with the full output."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group: GroupMembership,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> None:
+        self.local_in_features = _split(in_features, group.size, "input features")
+        super().__init__(
+            in_features, out_features, (out_features, self.local_in_features), group, dtype, device
+        )
+
+    def file_column_range(self) -> tuple[int, int]:
+        start = self.group.rank * self.local_in_features
+        return start, start + self.local_in_features
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return all_reduce_sum(F.linear(hidden, self.weight), self.group)
+
+    def _read_shard(self, weight_files: WeightFiles, key: str) -> Tensor:
+        return weight_files.column_slice(key, *self.file_column_range())
