@@ -12,6 +12,7 @@ Contract:
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -23,19 +24,44 @@ import torch
 from h3engine import __version__
 from h3engine.checkpoint.layout import PARTITION_OF_TASK, CheckpointLayout, PartitionPaths, detect_layout
 from h3engine.checkpoint.loader import ComponentSource, audio_vae_source, dit_source, video_vae_source
+from h3engine.conditioning import (
+    EncodedConditions,
+    NormalizedReference,
+    encode_keyframes,
+    encode_references,
+    fit_keyframes,
+    normalize_reference_audio,
+    normalize_reference_image,
+    normalize_reference_video,
+)
 from h3engine.errors import RequestError
 from h3engine.geometry import (
+    AUDIO_SAMPLE_RATE,
+    FPS,
     RELEASED_SHORT_EDGE,
     Geometry,
     frames_for_duration,
-    parse_aspect_ratio,
     resolve_canvas,
 )
+from h3engine.media import inputs as media_inputs
 from h3engine.media.mux import write_mp4
 from h3engine.media.outputs import output_paths, save_tensors, write_sidecar
 from h3engine.models.text_encoder import H3TextEncoder, load_tokenizer
-from h3engine.pipeline import GenerationOutput, Models, StepEvent, run_t2va
-from h3engine.request import GenerationRequest, from_dict, validate
+from h3engine.pipeline import GenerationOutput, Models, StepEvent, run_generation
+from h3engine.presentation import (
+    Presentation,
+    keyframe_presentation,
+    load_processor,
+    reference_presentation,
+    text_presentation,
+)
+from h3engine.request import (
+    GenerationRequest,
+    from_dict,
+    resolve_aspect,
+    resolve_duration_seconds,
+    validate,
+)
 from h3engine.sampling.schedule import Schedule
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -136,12 +162,14 @@ class Engine:
             lambda: H3TextEncoder.load(paths.text_encoder, device=self.device, dtype=self.dtype),
         )
         text_encoder.verify_tokenizer(tokenizer)
+        processor = self._module("processor", paths.processor, lambda: load_processor(paths.processor))
         return Models(
             dit=self._module("dit", paths.dit, lambda: sources.dit.load(self.device)),
             video_vae=self._module("video_vae", paths.video_vae, lambda: sources.video_vae.load(self.device)),
             audio_vae=self._module("audio_vae", paths.audio_vae, lambda: sources.audio_vae.load(self.device)),
             text_encoder=text_encoder,
             tokenizer=tokenizer,
+            processor=processor,
             video_decode_autocast=torch.float16
             if self.device.type == "cuda" and self.dtype != torch.float32
             else None,
@@ -158,7 +186,8 @@ class Engine:
         return models.video_vae.config.spatial_compression_ratio, models.dit.config.patch_size[-1]
 
     def validate(self, request: GenerationRequest) -> list[str]:
-        """Check a request against the rules and this checkpoint; returns warnings, raises RequestError."""
+        """Check a request against the rules, this checkpoint and its input files; returns warnings, raises
+        RequestError (naming the field or the file)."""
         if (
             request.task in PARTITION_OF_TASK
             and PARTITION_OF_TASK[request.task] not in self.layout.partitions
@@ -166,34 +195,125 @@ class Engine:
             raise RequestError(f"task: this checkpoint has no partition serving '{request.task}'")
         partition = PARTITION_OF_TASK.get(request.task, next(iter(self._sources)))
         vae_ratio, patch = self._spatial_factors(partition)
-        warnings = validate(request, canvas_multiple=vae_ratio * patch)
-        if request.task != "t2va":
+        warnings = validate(request, media_inputs.probe_media, canvas_multiple=vae_ratio * patch)
+        if request.task == "ref2va" and request.keyframes:
+            # SGLang's schema admits them, but no reference implementation we follow lays them out next to
+            # references; dropping them silently would generate something the user did not ask for.
             raise RequestError(
-                f"task: '{request.task}' is not supported yet by this engine version (only t2va)"
+                "keyframes: this engine does not support keyframes together with references (ref2va)"
             )
         return warnings
 
-    def geometry_for(self, request: GenerationRequest) -> Geometry:
-        """The canvas and frame counts of a validated request on this checkpoint."""
+    def _canvas_rule(self, request: GenerationRequest) -> tuple[int, int]:
+        """(short edge, area cap) of the target canvas, which reference videos follow as well.
+
+        The released short edge (768) stands for this checkpoint's own canvas rule (768 for the release, the tiny
+        checkpoints' 32); another short edge scales the area cap with it.
+        """
+        rules = self.layout.canvas
+        short_edge = rules.short_edge if request.short_edge == RELEASED_SHORT_EDGE else request.short_edge
+        return short_edge, rules.max_pixels * short_edge**2 // rules.short_edge**2
+
+    def geometry_for(
+        self, request: GenerationRequest, first_keyframe_size: tuple[int, int] | None = None
+    ) -> Geometry:
+        """The canvas and frame counts of a validated request on this checkpoint.
+
+        FL2VA with aspect "auto" follows its first listed keyframe: pass that image's upright (width, height) if it is
+        already loaded, otherwise the file is probed here. A Ref2VA request without a duration takes its audio reference's.
+        """
         vae_ratio, patch = self._spatial_factors(PARTITION_OF_TASK[request.task])
-        frames = frames_for_duration(
-            request.duration_seconds if request.duration_seconds is not None else 5.0
-        )
+        frames = frames_for_duration(resolve_duration_seconds(request, media_inputs.probe_media))
         if request.width is not None and request.height is not None:
             height, width = request.height, request.width
         else:
-            aspect = (
-                (16.0, 9.0) if request.aspect_ratio == "auto" else parse_aspect_ratio(request.aspect_ratio)
-            )
-            # The released short edge (768) stands for this checkpoint's own canvas rule (768 for the release, the
-            # tiny checkpoints' 32); another short edge scales the area cap with it.
-            rules = self.layout.canvas
-            short_edge = rules.short_edge if request.short_edge == RELEASED_SHORT_EDGE else request.short_edge
-            max_pixels = rules.max_pixels * short_edge**2 // rules.short_edge**2
+            if first_keyframe_size is None and request.task == "fl2va" and request.aspect_ratio == "auto":
+                info = media_inputs.probe_media(request.keyframes[0])
+                first_keyframe_size = (info.width, info.height)
+            short_edge, max_pixels = self._canvas_rule(request)
             height, width = resolve_canvas(
-                *aspect, multiple=vae_ratio * patch, short_edge=short_edge, max_pixels=max_pixels
+                *resolve_aspect(request, first_keyframe_size),
+                multiple=vae_ratio * patch,
+                short_edge=short_edge,
+                max_pixels=max_pixels,
             )
         return Geometry.from_canvas(height, width, frames, vae_spatial_ratio=vae_ratio, patch=patch)
+
+    def prepare_conditioning(
+        self, request: GenerationRequest, models: Models
+    ) -> tuple[Geometry, Presentation, EncodedConditions]:
+        """Read the request's input files, put them on the model's rates and canvases, build the text encoder's
+        presentation and encode the conditioning latents."""
+        if request.task == "fl2va":
+            images = [media_inputs.load_image(keyframe.path) for keyframe in request.keyframes]
+            geometry = self.geometry_for(request, first_keyframe_size=images[0].size)
+            fitted = fit_keyframes(images, geometry.height, geometry.width)
+            presentation = keyframe_presentation(models.tokenizer, models.processor, request.prompt, fitted)
+            anchors = [keyframe.position for keyframe in request.keyframes]
+            return geometry, presentation, encode_keyframes(models.video_vae, fitted, anchors)
+        geometry = self.geometry_for(request)
+        if request.task == "ref2va":
+            references = [
+                self._normalized_reference(request, index, geometry)
+                for index in range(len(request.references))
+            ]
+            presentation = reference_presentation(
+                models.tokenizer, models.processor, request.prompt, references
+            )
+            return geometry, presentation, encode_references(models.video_vae, models.audio_vae, references)
+        return geometry, text_presentation(models.tokenizer, request.prompt), EncodedConditions(task="t2va")
+
+    def _normalized_reference(
+        self, request: GenerationRequest, index: int, geometry: Geometry
+    ) -> NormalizedReference:
+        """Reference `index` of a request, read and put on the model's rates and canvases (see conditioning).
+
+        Audio (a clip, or a video's soundtrack) is read at its own rate and resampled here, with the reference's
+        resampler, not with the loader's; a video is decoded straight onto its own canvas (per-frame LANCZOS after
+        the 24 fps frame holding, as the reference resizes).
+        """
+        reference, field = request.references[index], f"references[{index}]"
+        vae_ratio, patch = self._spatial_factors("ref2va")
+        multiple = vae_ratio * patch
+        # Clips and soundtracks are cut to the generated (17n+5-snapped) duration.
+        max_seconds = geometry.frames / FPS
+        start_seconds = reference.start_seconds or 0.0
+        try:
+            if reference.kind == "image":
+                image = normalize_reference_image(
+                    media_inputs.load_image(reference.path),
+                    self.layout.canvas.reference_image_short_edge,
+                    multiple,
+                )
+                return NormalizedReference("image", image=image)
+            if reference.kind == "audio":
+                source = media_inputs.read_audio_source(reference.path, start_seconds, max_seconds)
+                return NormalizedReference("audio", audio=_reference_audio(source, max_seconds))
+            info = media_inputs.probe_media(reference)
+            short_edge, max_pixels = self._canvas_rule(request)
+            height, width = resolve_canvas(
+                info.width, info.height, multiple=multiple, short_edge=short_edge, max_pixels=max_pixels
+            )
+            clip = media_inputs.load_video(
+                reference.path, start_seconds, max_seconds, resize_to=(width, height)
+            )
+            frames = normalize_reference_video(
+                clip.frames,
+                FPS,
+                geometry.frames,
+                multiple=multiple,
+                short_edge=short_edge,
+                max_pixels=max_pixels,
+            )
+            soundtrack = None
+            if clip.soundtrack is not None:
+                # The loader keeps the soundtrack's window at its own rate: resampled here like a clip.
+                soundtrack = _reference_audio(clip.soundtrack.source, max_seconds)
+            return NormalizedReference("video", frames=frames, audio=soundtrack)
+        except RequestError as error:
+            raise RequestError(f"{field}: {error}") from None
+        except ValueError as error:
+            raise RequestError(f"{field}: {reference.path}: {error}") from None
 
     def generate(
         self,
@@ -203,7 +323,6 @@ class Engine:
     ) -> tuple[GenerationOutput, Geometry]:
         self.validate(request)
         models = self.models_for_partition(self.layout.for_task(request.task).partition)
-        geometry = self.geometry_for(request)
         schedule = Schedule.build(
             request.steps,
             recipe=request.recipe,
@@ -211,9 +330,13 @@ class Engine:
             audio_shift=request.audio_flow_shift,
         )
         with torch.inference_mode():
-            output = run_t2va(
+            started = time.perf_counter()
+            geometry, presentation, conditions = self.prepare_conditioning(request, models)
+            conditioning_s = time.perf_counter() - started
+            output = run_generation(
                 models,
-                request.prompt,
+                presentation,
+                conditions,
                 geometry,
                 schedule,
                 request.seed,
@@ -222,6 +345,7 @@ class Engine:
                 on_step=on_step,
                 should_cancel=should_cancel,
             )
+        output.timings["conditioning_s"] = conditioning_s
         return output, geometry
 
     def generate_to_file(
@@ -233,6 +357,8 @@ class Engine:
         should_cancel: Callable[[], bool] | None = None,
     ) -> WrittenFiles:
         video_path, sidecar_path = output_paths(out_path)
+        # Hashed before generating, so the sidecar names the bytes the conditioning was read from.
+        inputs = input_records(request)
         output, geometry = self.generate(request, on_step=on_step, should_cancel=should_cancel)
         started = time.perf_counter()
         write_mp4(video_path, output.video, output.audio)
@@ -252,6 +378,7 @@ class Engine:
             sidecar_path,
             {
                 "request": request.to_dict(),
+                "inputs": inputs,
                 "seed": request.seed,
                 "recipe": request.recipe,
                 "checkpoint": self.checkpoint_id,
@@ -271,3 +398,40 @@ class Engine:
             },
         )
         return WrittenFiles(video_path, sidecar_path, tensors_path)
+
+
+def _reference_audio(source: Any, max_seconds: float) -> torch.Tensor:
+    """A decoded source-rate waveform (`media.inputs.SourceAudio`) -> stereo float32 at the audio VAE's rate."""
+    samples = torch.from_numpy(source.samples)
+    return normalize_reference_audio(samples, source.sample_rate, AUDIO_SAMPLE_RATE, max_seconds)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def input_records(request: GenerationRequest) -> list[dict[str, Any]]:
+    """What the sidecar records about each input file: its field, role, path and the sha256 of its bytes."""
+    records: list[dict[str, Any]] = [
+        {"field": f"keyframes[{index}]", "position": keyframe.position, "path": keyframe.path}
+        for index, keyframe in enumerate(request.keyframes)
+    ]
+    records += [
+        {
+            "field": f"references[{index}]",
+            "kind": reference.kind,
+            "path": reference.path,
+            "start_seconds": reference.start_seconds,
+        }
+        for index, reference in enumerate(request.references)
+    ]
+    for record in records:
+        try:
+            record["sha256"] = _sha256(record["path"])
+        except OSError as error:
+            raise RequestError(f"{record['field']}: cannot read {record['path']}: {error.strerror}") from None
+    return records

@@ -1,9 +1,11 @@
 """One request from prompt to decoded video and audio: encode text -> pack -> denoise -> decode.
 
-Contract: `run_t2va` takes already-loaded models and a validated request and returns float tensors (no files are
-written here). The loop follows the released recipe: one guidance-free DiT forward per step on the whole packed
-sequence; only the generated rows are ever written, so conditioning rows are re-fed unchanged; the scheduler state
-(latent rows, sigmas, the Euler update) stays fp32 whatever the DiT's compute dtype.
+Contract: `run_generation` takes already-loaded models, a request's presentation (the text encoder's input, see
+`presentation`) and its encoded conditioning (`conditioning.EncodedConditions`, empty for T2VA) and returns float
+tensors (no files are written here). The loop follows the released recipe: one guidance-free DiT forward per step on
+the whole packed sequence; only the generated rows are ever written, so conditioning rows (visual ones noised once to
+t = 0.999 with the request's condition noise, reference audio clean) are re-fed unchanged; the scheduler state (latent
+rows, sigmas, the Euler update) stays fp32 whatever the DiT's compute dtype.
 
 Progress and cancellation: `on_step` is called after every step with a small `StepEvent`; `should_cancel` is polled
 before every step and a `True` raises `GenerationCancelled` (nothing is decoded).
@@ -18,14 +20,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from h3engine.conditioning import EncodedConditions
 from h3engine.errors import GenerationCancelled
 from h3engine.geometry import Geometry
-from h3engine.sampling.noise import draw_initial_noise
+from h3engine.presentation import Presentation
+from h3engine.sampling.noise import InitialNoise, draw_initial_noise, noise_condition_rows
 from h3engine.sampling.packing import (
     PackedLayout,
+    patchify_video,
     row_timesteps,
     rows_to_audio_latents,
-    t2va_layout,
     unpatchify_video,
 )
 from h3engine.sampling.schedule import Schedule, euler_step
@@ -58,6 +62,8 @@ class Models:
     audio_vae: torch.nn.Module
     text_encoder: object
     tokenizer: object
+    # The Qwen3-VL processor (image and video pixel preprocessing for keyframes and references).
+    processor: object | None = None
     # SGLang's released decode recipe (fp32 weights, fp16 autocast) on a GPU at the released precision; None decodes
     # in fp32 (parity runs, the CPU).
     video_decode_autocast: torch.dtype | None = None
@@ -158,9 +164,34 @@ def decode(
     return video.cpu(), audio.float().cpu(), timings
 
 
-def run_t2va(
+def encode_presentation(models: Models, presentation: Presentation, device: torch.device) -> torch.Tensor:
+    """Text-encoder states [L, hidden] of a presentation; pixel tensors enter in the encoder's dtype, as in the
+    reference, so that the vision tower sees the same values at either precision."""
+    encoder_dtype = next(models.text_encoder.parameters()).dtype
+    vision_inputs = {
+        name: value.to(device, encoder_dtype) if name.startswith("pixel_") else value.to(device)
+        for name, value in presentation.vision_inputs.items()
+    }
+    return models.text_encoder.encode(presentation.input_ids.to(device), **vision_inputs)
+
+
+def pack_condition_rows(
+    conditions: EncodedConditions, noise: InitialNoise, patch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The leading (condition) video and audio rows, fp32 CPU, in packed order: visual conditions noised to
+    t = 0.999 with the request's condition noise, reference audio clean."""
+    video_rows = [noise.video_rows[:0]] + [
+        noise_condition_rows(patchify_video(latents, patch), noise_rows)
+        for latents, noise_rows in zip(conditions.visual_latents, noise.condition_video_rows, strict=True)
+    ]
+    audio_rows = [noise.audio_rows[:0]] + [rows.to(torch.float32) for rows in conditions.audio_rows]
+    return torch.cat(video_rows), torch.cat(audio_rows)
+
+
+def run_generation(
     models: Models,
-    prompt: str,
+    presentation: Presentation,
+    conditions: EncodedConditions,
     geometry: Geometry,
     schedule: Schedule,
     seed: int,
@@ -169,25 +200,33 @@ def run_t2va(
     on_step: Callable[[StepEvent], None] | None = None,
     should_cancel: Callable[[], bool] | None = None,
 ) -> GenerationOutput:
-    from h3engine.models.text_encoder import text_row_tags, tokenize_prompt
-
+    """One request of any task: the presentation and the encoded conditioning decide which one it is."""
     timings = {}
     started = time.perf_counter()
-    input_ids = tokenize_prompt(models.tokenizer, prompt)
-    text_states = models.text_encoder.encode(input_ids.to(device))
-    text_tags = text_row_tags(input_ids, models.tokenizer)
+    text_states = encode_presentation(models, presentation, device)
     _synchronize(device)
     timings["text_encode_s"] = time.perf_counter() - started
 
-    layout = t2va_layout(text_tags, geometry)
+    layout = conditions.layout(presentation.row_tags, geometry)
     noise = draw_initial_noise(
         seed,
         geometry,
         recipe=recipe,
+        condition_shapes=conditions.visual_shapes,
         video_channels=models.video_vae.config.latent_channels,
         audio_channels=models.audio_vae.config.latent_channels,
     )
-    video_rows, audio_rows = noise.video_rows.to(device), noise.audio_rows.to(device)
+    condition_video_rows, condition_audio_rows = pack_condition_rows(conditions, noise, geometry.patch)
+    if condition_video_rows.shape[0] != layout.num_condition_video_rows or (
+        condition_audio_rows.shape[0] != layout.num_condition_audio_rows
+    ):
+        raise RuntimeError(
+            f"the layout reserves {layout.num_condition_video_rows} video / {layout.num_condition_audio_rows} audio "
+            f"condition rows, the conditioning packs into {condition_video_rows.shape[0]} / "
+            f"{condition_audio_rows.shape[0]}"
+        )
+    video_rows = torch.cat([condition_video_rows, noise.video_rows]).to(device)
+    audio_rows = torch.cat([condition_audio_rows, noise.audio_rows]).to(device)
 
     started = time.perf_counter()
     video_rows, audio_rows = denoise(

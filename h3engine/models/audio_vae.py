@@ -385,7 +385,8 @@ class WeightNormedConv1d(nn.Module):
     def effective_weight(self) -> torch.Tensor:
         if self.folded_weight is not None:
             return self.folded_weight
-        return self.weight_v * (self.weight_g / self.weight_v.norm(dim=(1, 2), keepdim=True))
+        # torch's fused weight-norm kernel: the same norm reduction order as the reference, so bit-equal weights.
+        return torch._weight_norm(self.weight_v, self.weight_g, 0)
 
     def fold(self) -> None:
         self.folded_weight = self.effective_weight().detach()
