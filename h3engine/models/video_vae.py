@@ -8,6 +8,10 @@ Contract
 * `VideoVAE.decode(latents)` takes UN-normalized latents `[B, C, T, h, w]` (see `denormalize_latents`) and returns
   pixels `[B, 3, F, 16h, 16w]` in the same ImageNet-normalized space (the caller applies `x*std + mean` and clamps).
   Latents are decoded in windows of 7 (5 + 2 overlap); consecutive windows are cross-faded over 5 frames.
+* `decode` is three steps that can be run apart: `plan_decode` lists every decoder call (one per spatial tile of
+  each temporal window), `decode_tile` makes one call, `assemble_decode` stitches the outputs and cross-fades the
+  windows. The calls are independent, so `h3engine.parallel.vae` spreads them over ranks and assembles the same
+  tensors in the same order: the result is bit-identical to one process.
 * Spatial tiling (256 px tiles, >= 64 px overlap, linear cross-fade) is ON in the released recipe for both
   directions. It is part of the function, not a memory trick: the decoder's RoPE positions are normalized to the
   extent of the tile it sees, so switching tiling off (or changing the tile size) changes the pixels.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -477,6 +482,15 @@ def _autocast_off(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type=tensor.device.type, enabled=False)
 
 
+def decode_autocast(
+    device: torch.device, autocast_dtype: torch.dtype | None
+) -> contextlib.AbstractContextManager:
+    """The context `decode` runs its decoder calls in: `autocast_dtype` autocast on `device`, or none."""
+    if autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=autocast_dtype)
+
+
 # ==================================================================================================== encoder
 
 
@@ -873,6 +887,42 @@ def stitch_tiles(
     return torch.cat(rows, dim=-2)
 
 
+@dataclass(frozen=True)
+class DecodeTile:
+    """One decoder call of `VideoVAE.decode`: latent [start, stop) ranges of the prepared (padded) latents along
+    frames (one temporal window), rows and columns (one spatial tile of that window)."""
+
+    frames: tuple[int, int]
+    rows: tuple[int, int]
+    columns: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Every decoder call of one `VideoVAE.decode`, and what putting their outputs back together needs.
+
+    `tiles` lists the windows in order, each as its `grid` (tile rows x tile columns) in row-major order: the
+    order the single-process decode makes the calls in. Overlaps are in pixels. Every tile is independent of the
+    others (the decoder's positions are relative to the tile it sees), so the calls may run anywhere, in any
+    order, as long as `assemble_decode` receives each output in its planned place.
+    """
+
+    original_count: int
+    pad_latents: int
+    window_count: int
+    grid: tuple[int, int]
+    row_overlaps: tuple[int, ...]
+    column_overlaps: tuple[int, ...]
+    tiles: tuple[DecodeTile, ...]
+
+    @property
+    def tiles_per_window(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    def window_tiles(self, window: int) -> tuple[DecodeTile, ...]:
+        return self.tiles[window * self.tiles_per_window : (window + 1) * self.tiles_per_window]
+
+
 # ==================================================================================================== the VAE
 
 
@@ -1003,29 +1053,113 @@ class VideoVAE(nn.Module):
 
     # ---------------------------------------------------------------------------------------------- decode
 
-    def _decode_window(self, latents: torch.Tensor) -> torch.Tensor:
-        if not self.decoder_tiling:
-            return self.decoder(self.post_quant_conv(latents))
-        ratio = self.config.spatial_compression_ratio
-        row_starts, row_size, row_overlaps, column_starts, column_size, column_overlaps = self._spatial_tiles(
-            latents.shape[-2] * ratio, latents.shape[-1] * ratio
-        )
-        tiles = [
-            [
-                self.decoder(
-                    self.post_quant_conv(
-                        latents[
-                            ...,
-                            top // ratio : (top + row_size) // ratio,
-                            left // ratio : (left + column_size) // ratio,
-                        ]
-                    )
-                )
-                for left in column_starts
-            ]
+    def plan_decode(self, latent_shape: Sequence[int]) -> DecodePlan:
+        """Every decoder call `decode` makes for latents of `latent_shape` ([B, C, T, h, w]), in its order.
+
+        Windows of `latents_per_clip + window_overlap_latents` (5 + 2) latents start every `latents_per_clip`; T
+        that is not 5n+2 is padded by repeating the last latent (see `prepare_decode_latents`). Each window is cut
+        into the spatial tiles of the current tiling (one tile when tiling is off).
+        """
+        config = self.config
+        chunk = config.latents_per_clip
+        original_count, height, width = latent_shape[2], latent_shape[-2], latent_shape[-1]
+        padded_count = original_count + config.token_drop
+        pad_latents = (-padded_count) % chunk
+        window_count = (padded_count + pad_latents) // chunk - int(config.token_drop > 0)
+        if window_count < 1:
+            raise ValueError(
+                f"cannot decode {original_count} latent frames: at least {chunk - config.token_drop + 1} are needed "
+                "for one decode window"
+            )
+        ratio = config.spatial_compression_ratio
+        if self.decoder_tiling:
+            row_starts, row_size, row_overlaps, column_starts, column_size, column_overlaps = (
+                self._spatial_tiles(height * ratio, width * ratio)
+            )
+        else:
+            row_starts, row_size, row_overlaps = [0], height * ratio, []
+            column_starts, column_size, column_overlaps = [0], width * ratio, []
+        latent_count = original_count + pad_latents
+
+        def latent_span(start: int, size: int, length: int) -> tuple[int, int]:
+            # A tile that runs past the canvas is shortened, exactly as slicing past the end does.
+            return min(start, length), min(start + size, length)
+
+        window_length = chunk + config.window_overlap_latents
+        tiles = tuple(
+            DecodeTile(
+                frames=latent_span(window * chunk, window_length, latent_count),
+                rows=latent_span(top // ratio, row_size // ratio, height),
+                columns=latent_span(left // ratio, column_size // ratio, width),
+            )
+            for window in range(window_count)
             for top in row_starts
-        ]
-        return stitch_tiles(tiles, row_overlaps, column_overlaps)
+            for left in column_starts
+        )
+        return DecodePlan(
+            original_count=original_count,
+            pad_latents=pad_latents,
+            window_count=window_count,
+            grid=(len(row_starts), len(column_starts)),
+            row_overlaps=tuple(row_overlaps),
+            column_overlaps=tuple(column_overlaps),
+            tiles=tiles,
+        )
+
+    def prepare_decode_latents(self, latents: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+        """The latents the plan's tiles index into: in the weights' dtype, padded by repeating the last latent."""
+        latents = latents.to(self.post_quant_conv.weight.dtype)
+        if plan.pad_latents:
+            latents = torch.cat([latents, latents[:, :, -1:].expand(-1, -1, plan.pad_latents, -1, -1)], dim=2)
+        return latents
+
+    def decode_tile(self, latents: torch.Tensor, tile: DecodeTile) -> torch.Tensor:
+        """One decoder call on prepared latents: [B, C, t, h', w'] -> pixels `decoded_tile_shape(B, tile)`."""
+        return self.decoder(
+            self.post_quant_conv(latents[:, :, slice(*tile.frames), slice(*tile.rows), slice(*tile.columns)])
+        )
+
+    def decoded_tile_shape(self, batch: int, tile: DecodeTile) -> tuple[int, int, int, int, int]:
+        config = self.config
+        ratio, ratio_t = config.spatial_compression_ratio, config.temporal_compression_ratio
+        return (
+            batch,
+            config.out_channels,
+            (tile.frames[1] - tile.frames[0]) * ratio_t,
+            (tile.rows[1] - tile.rows[0]) * ratio,
+            (tile.columns[1] - tile.columns[0]) * ratio,
+        )
+
+    def assemble_decode(self, plan: DecodePlan, windows: Iterable[Sequence[torch.Tensor]]) -> torch.Tensor:
+        """Decoded tiles, one sequence per window in plan order -> pixels [B, 3, F, H, W].
+
+        Each window's tiles are stitched; each window's first clip (minus `frame_pre_padding` leading frames) is
+        emitted, cross-faded with the previous window's tail, and its tail is carried to the next window; the
+        frames of padding latents are cut at the end. `windows` may be a generator: one window is held at a time.
+        """
+        config = self.config
+        clip_frames = config.latents_per_clip * config.temporal_compression_ratio
+        carries_tail = config.token_drop > 0
+        rows, columns = plan.grid
+        pieces: list[torch.Tensor] = []
+        carried_tail = None
+        for tiles in windows:
+            window = stitch_tiles(
+                [list(tiles[row * columns : (row + 1) * columns]) for row in range(rows)],
+                list(plan.row_overlaps),
+                list(plan.column_overlaps),
+            )
+            head = window[:, :, config.frame_pre_padding : clip_frames]
+            if carried_tail is not None:
+                head = cross_fade(carried_tail, head, config.window_crossfade_frames, dim=2)
+            pieces.append(head)
+            if carries_tail:
+                carried_tail = window[:, :, clip_frames + config.frame_pre_padding : 2 * clip_frames]
+        if carried_tail is not None:
+            pieces.append(carried_tail)
+        frames = torch.cat(pieces, dim=2)
+        surplus = self._padding_frames(plan.original_count, plan.pad_latents)
+        return frames[:, :, : frames.shape[2] - surplus] if surplus else frames
 
     def decode(self, latents: torch.Tensor, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Un-normalized latents [B, C, T, h, w] -> ImageNet-normalized pixels [B, 3, F, H, W] (fp32).
@@ -1033,52 +1167,19 @@ class VideoVAE(nn.Module):
         `autocast_dtype=None` computes in the weights' dtype (fp32: parity). `torch.float16` runs SGLang's released
         recipe (fp16 autocast with the reference's fp32 islands; see the module docstring).
 
-        Windows of `latents_per_clip + window_overlap_latents` (5 + 2) latents start every `latents_per_clip`; each
-        window's first clip (minus `frame_pre_padding` leading frames) is emitted, cross-faded with the previous
-        window's tail, and its tail is carried to the next window. T that is not 5n+2 is padded by repeating the last
-        latent and the surplus frames are cut at the end.
+        The same three steps as the parallel decode (`h3engine.parallel.vae`), with every tile decoded here:
+        `plan_decode`, one `decode_tile` per planned tile, `assemble_decode`.
         """
-        config = self.config
-        chunk, ratio_t = config.latents_per_clip, config.temporal_compression_ratio
-        clip_frames = chunk * ratio_t
-        original_count = latents.shape[2]
-        padded_count = original_count + config.token_drop
-        pad_latents = (-padded_count) % chunk
-        carries_tail = config.token_drop > 0
-        window_count = (padded_count + pad_latents) // chunk - int(carries_tail)
-        if window_count < 1:
-            raise ValueError(
-                f"cannot decode {original_count} latent frames: at least {chunk - config.token_drop + 1} are needed "
-                "for one decode window"
+        plan = self.plan_decode(latents.shape)
+        latents = self.prepare_decode_latents(latents, plan)
+        with decode_autocast(latents.device, autocast_dtype):
+            return self.assemble_decode(
+                plan,
+                (
+                    [self.decode_tile(latents, tile) for tile in plan.window_tiles(window)]
+                    for window in range(plan.window_count)
+                ),
             )
-        latents = latents.to(self.post_quant_conv.weight.dtype)
-        if pad_latents:
-            latents = torch.cat([latents, latents[:, :, -1:].expand(-1, -1, pad_latents, -1, -1)], dim=2)
-
-        autocast = (
-            torch.autocast(device_type=latents.device.type, dtype=autocast_dtype)
-            if autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
-        pieces: list[torch.Tensor] = []
-        carried_tail = None
-        with autocast:
-            for window_index in range(window_count):
-                start = window_index * chunk
-                window = self._decode_window(
-                    latents[:, :, start : start + chunk + config.window_overlap_latents]
-                )
-                head = window[:, :, config.frame_pre_padding : clip_frames]
-                if carried_tail is not None:
-                    head = cross_fade(carried_tail, head, config.window_crossfade_frames, dim=2)
-                pieces.append(head)
-                if carries_tail:
-                    carried_tail = window[:, :, clip_frames + config.frame_pre_padding : 2 * clip_frames]
-        if carried_tail is not None:
-            pieces.append(carried_tail)
-        frames = torch.cat(pieces, dim=2)
-        surplus = self._padding_frames(original_count, pad_latents)
-        return frames[:, :, : frames.shape[2] - surplus] if surplus else frames
 
     def _padding_frames(self, original_count: int, pad_latents: int) -> int:
         """Pixel frames produced by the repeated padding latents: a clip's last latent covers only

@@ -1,12 +1,22 @@
-"""The DiT group's parallel layout (Ulysses sequence parallel x tensor parallel) and its process groups.
+"""The parallel layouts of the three worker groups and their process groups: DiT, text encoder, VAE.
 
 Contract
 --------
-`ParallelLayout` is the user's choice (`--dit-sp`, `--dit-tp`), validated against the DiT's head count and FFN
-width before anything starts; every error names the flag. `create_dit_groups` turns a layout into this rank's
-`DiTGroups`: its coordinates and the two subgroups it belongs to. Rank r of the DiT group sits at
-(sp_rank, tp_rank) = divmod(r, dit_tp): tensor-parallel partners are neighbouring ranks (the collective of every
-layer) and Ulysses partners are `dit_tp` apart (two all-to-alls per block).
+Every layout is the user's choice, validated before anything starts; every error names the flag.
+
+* DiT group (`ParallelLayout`, `--dit-sp` x `--dit-tp`), validated against the DiT's head count and FFN width.
+  `create_dit_groups` turns a layout into this rank's `DiTGroups`: its coordinates and the two subgroups it
+  belongs to. Rank r of the DiT group sits at (sp_rank, tp_rank) = divmod(r, dit_tp): tensor-parallel partners
+  are neighbouring ranks (the collective of every layer) and Ulysses partners are `dit_tp` apart (two
+  all-to-alls per block). The DiT group is the whole default world.
+* Text-encoder group (`EncoderLayout`, `--encoder-tp`), validated against Qwen3-VL's attention heads, key/value
+  heads and MLP width. The world is cut into `world_size / encoder_tp` replicas of neighbouring ranks; each
+  replica runs the whole (tensor-parallel) encoder on the same prompt, so every rank ends up holding the text
+  states the DiT needs without a broadcast, and no rank holds more than 1/encoder_tp of the encoder.
+  `create_encoder_groups` gives this rank's `EncoderGroups` (its replica's tensor-parallel subgroup).
+* VAE group (`VAELayout`, `--vae-ranks`): the first `vae_ranks` ranks of the world decode (see
+  `h3engine.parallel.vae`); the others sit the decode out. `create_vae_group` gives this rank's membership, or
+  None for a rank outside the group. VAE-group rank 0 is world rank 0.
 
 This is the only module that creates process groups. Everything downstream receives a `GroupMembership` and
 calls `h3engine.parallel.collectives`, which do nothing for a group of one, so world size 1 needs no
@@ -15,25 +25,38 @@ calls `h3engine.parallel.collectives`, which do nothing for a group of one, so w
 Danger
 ------
 `torch.distributed.new_group` is collective over the whole world: every rank must create every subgroup, in the
-same order, even the ones it is not a member of. `create_dit_groups` does exactly that, and must be called by all
-ranks with the same layout. The DiT group is the whole default world.
+same order, even the ones it is not a member of. The `create_*` functions do exactly that, and must be called by
+all ranks with the same layout, and in the same order on every rank.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from h3engine.models.dit import DiTConfig
 
+if TYPE_CHECKING:  # transformers is imported only by the processes that build the text encoder
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
+
 _RELEASED = DiTConfig.released()
+# Qwen3-VL-32B's language model (H3_SPEC §4): 64 query heads, 8 key/value heads, MLP width 25600.
+_RELEASED_ENCODER_HEADS = 64
+_RELEASED_ENCODER_KV_HEADS = 8
+_RELEASED_ENCODER_MLP_WIDTH = 25600
 
 
 def _divisors(number: int) -> str:
     return ", ".join(str(value) for value in range(1, number + 1) if number % value == 0)
+
+
+def _require_positive(flag: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{flag} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -55,8 +78,7 @@ class ParallelLayout:
             ("--dit-sp", self.dit_sp),
             ("--dit-tp", self.dit_tp),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+            _require_positive(flag, value)
         heads, sp, tp = self.dit_heads, self.dit_sp, self.dit_tp
         if sp * tp != self.world_size:
             raise ValueError(
@@ -100,6 +122,90 @@ class ParallelLayout:
 
 
 @dataclass(frozen=True)
+class EncoderLayout:
+    """How the world runs the text encoder: replicas of `encoder_tp` tensor-parallel ranks each.
+
+    `heads` / `kv_heads` / `mlp_width` are the Qwen3-VL language model's (released defaults); use
+    `for_text_encoder` to take them from a config.
+    """
+
+    world_size: int
+    encoder_tp: int = 1
+    heads: int = _RELEASED_ENCODER_HEADS
+    kv_heads: int = _RELEASED_ENCODER_KV_HEADS
+    mlp_width: int = _RELEASED_ENCODER_MLP_WIDTH
+
+    def __post_init__(self) -> None:
+        _require_positive("number of GPUs", self.world_size)
+        _require_positive("--encoder-tp", self.encoder_tp)
+        tp, heads, kv_heads = self.encoder_tp, self.heads, self.kv_heads
+        if self.world_size % tp:
+            raise ValueError(
+                f"--encoder-tp {tp} does not divide the {self.world_size} GPUs (the world is split into text "
+                f"encoder replicas of {tp} ranks; divisors of {self.world_size}: {_divisors(self.world_size)})"
+            )
+        if heads % tp:
+            raise ValueError(
+                f"--encoder-tp {tp} does not divide the text encoder's {heads} attention heads (tensor "
+                f"parallelism gives each rank whole heads; divisors of {heads}: {_divisors(heads)})"
+            )
+        # Either each rank holds whole key/value heads (tp divides them) or each key/value head is copied to the
+        # tp / kv_heads ranks whose query heads read it (kv_heads divides tp); anything else would give one rank
+        # query heads of two key/value heads with only part of either.
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(
+                f"--encoder-tp {tp} and the text encoder's {kv_heads} key/value heads: one must divide the "
+                f"other (split the key/value heads, or replicate each over tp / {kv_heads} ranks)"
+            )
+        if self.mlp_width % tp:
+            raise ValueError(
+                f"--encoder-tp {tp} does not divide the text encoder's MLP width {self.mlp_width}"
+            )
+
+    @classmethod
+    def for_text_encoder(cls, config: Qwen3VLConfig, world_size: int, encoder_tp: int = 1) -> EncoderLayout:
+        """A layout validated against `config`'s language model (the tiny test encoder has its own sizes)."""
+        text = config.text_config
+        return cls(
+            world_size,
+            encoder_tp,
+            heads=text.num_attention_heads,
+            kv_heads=text.num_key_value_heads,
+            mlp_width=text.intermediate_size,
+        )
+
+    @property
+    def local_heads(self) -> int:
+        return self.heads // self.encoder_tp
+
+    @property
+    def local_kv_heads(self) -> int:
+        """Key/value heads on each rank: a share of them, or one replicated head when tp exceeds their count."""
+        return max(self.kv_heads // self.encoder_tp, 1)
+
+    def first_kv_head(self, tp_rank: int) -> int:
+        """The first key/value head tensor-parallel rank `tp_rank` holds (the one its query heads read)."""
+        return tp_rank * self.kv_heads // self.encoder_tp
+
+    def tensor_parallel_ranks(self, replica: int) -> list[int]:
+        return [replica * self.encoder_tp + tp_rank for tp_rank in range(self.encoder_tp)]
+
+
+@dataclass(frozen=True)
+class VAELayout:
+    """The VAE group: world ranks 0 .. vae_ranks - 1 share the tiled video decode."""
+
+    world_size: int
+    vae_ranks: int = 1
+
+    def __post_init__(self) -> None:
+        _require_positive("number of GPUs", self.world_size)
+        _require_positive("--vae-ranks", self.vae_ranks)
+        if self.vae_ranks > self.world_size:
+            raise ValueError(f"--vae-ranks {self.vae_ranks} is more than the {self.world_size} GPUs")
+
+
+@dataclass(frozen=True)
 class GroupMembership:
     """This rank's place in one process group. `process_group` is None for a group of one (no communication)."""
 
@@ -119,6 +225,15 @@ class DiTGroups:
     layout: ParallelLayout
     rank: int
     sp: GroupMembership
+    tp: GroupMembership
+
+
+@dataclass(frozen=True)
+class EncoderGroups:
+    """This rank's text-encoder replica and its tensor-parallel subgroup `tp` (neighbouring ranks)."""
+
+    layout: EncoderLayout
+    rank: int
     tp: GroupMembership
 
 
@@ -146,20 +261,25 @@ def initialize_process_group(
         )
 
 
+def _joined_world_rank(what: str, world_size: int) -> int:
+    """This rank in the default world, after checking that the world is the one the layout was made for."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"a {what} layout over {world_size} ranks needs torch.distributed initialized "
+            "(see initialize_process_group)"
+        )
+    if dist.get_world_size() != world_size:
+        raise ValueError(
+            f"the layout is for {world_size} ranks but torch.distributed has {dist.get_world_size()}"
+        )
+    return dist.get_rank()
+
+
 def create_dit_groups(layout: ParallelLayout) -> DiTGroups:
     """This rank's `DiTGroups`; collective over the default world (all ranks call it with the same layout)."""
     if layout.world_size == 1:
         return DiTGroups(layout, 0, GroupMembership.alone(), GroupMembership.alone())
-    if not dist.is_initialized():
-        raise RuntimeError(
-            f"a DiT group of {layout.world_size} ranks needs torch.distributed initialized "
-            "(see initialize_process_group)"
-        )
-    if dist.get_world_size() != layout.world_size:
-        raise ValueError(
-            f"the layout is for {layout.world_size} ranks but torch.distributed has {dist.get_world_size()}"
-        )
-    rank = dist.get_rank()
+    rank = _joined_world_rank("DiT", layout.world_size)
     sp_rank, tp_rank = layout.coordinates(rank)
     # Subgroups of one are never created: their collectives are no-ops. The decision is the same on every rank,
     # so the new_group calls still line up.
@@ -176,3 +296,32 @@ def create_dit_groups(layout: ParallelLayout) -> DiTGroups:
             if other_tp_rank == tp_rank:
                 sp = GroupMembership(group, layout.dit_sp, sp_rank)
     return DiTGroups(layout, rank, sp, tp)
+
+
+def create_encoder_groups(layout: EncoderLayout) -> EncoderGroups:
+    """This rank's `EncoderGroups`; collective over the default world (all ranks call it with the same layout)."""
+    if layout.world_size == 1:
+        return EncoderGroups(layout, 0, GroupMembership.alone())
+    rank = _joined_world_rank("text-encoder", layout.world_size)
+    replica, tp_rank = divmod(rank, layout.encoder_tp)
+    tp = GroupMembership.alone()
+    if layout.encoder_tp > 1:
+        for other_replica in range(layout.world_size // layout.encoder_tp):
+            group = dist.new_group(layout.tensor_parallel_ranks(other_replica))
+            if other_replica == replica:
+                tp = GroupMembership(group, layout.encoder_tp, tp_rank)
+    return EncoderGroups(layout, rank, tp)
+
+
+def create_vae_group(layout: VAELayout) -> GroupMembership | None:
+    """This rank's place in the VAE group, or None when it is not one of the first `vae_ranks` ranks.
+
+    Collective over the default world (all ranks call it with the same layout).
+    """
+    if layout.world_size == 1:
+        return GroupMembership.alone()
+    rank = _joined_world_rank("VAE", layout.world_size)
+    if layout.vae_ranks == 1:
+        return GroupMembership.alone() if rank == 0 else None
+    group = dist.new_group(list(range(layout.vae_ranks)))
+    return GroupMembership(group, layout.vae_ranks, rank) if rank < layout.vae_ranks else None
