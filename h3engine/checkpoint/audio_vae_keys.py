@@ -93,6 +93,11 @@ def random_native_state(config: AudioVAEConfig, seed: int) -> dict[str, torch.Te
             state[key] = torch.zeros(shape, dtype=torch.float32)
         elif key == "decoder.conv_post.weight_g":
             state[key] = uniform(shape, 0.15, 0.3)
+        elif upsampler := re.match(r"decoder\.ups\.(\d+)\.0\.weight_g$", key):
+            # A transposed conv of stride s feeds each output sample from 2 of its 2s taps, which shrinks the
+            # signal by ~sqrt(s); the gain makes up for it so long hops (the released 5, 5, ...) stay O(1).
+            stride = config.decoder_rates[int(upsampler.group(1))]
+            state[key] = uniform(shape, 0.6, 1.0) * stride**0.5
         elif key.endswith("weight_g"):
             state[key] = uniform(shape, 0.6, 1.0)
         elif key.endswith("weight_v"):

@@ -162,16 +162,18 @@ class AudioVAEConfig:
 
     @classmethod
     def tiny(cls) -> AudioVAEConfig:
-        """H3_SPEC.md §12 test config: hop 4, 4 latent channels, one AMP kernel."""
+        """Tiny test config with the released hop (800 samples = 40 latents/s at 32 kHz), so that tiny checkpoints
+        encode reference audio to as many rows as the release does and decode clips of the real length; 4 latent
+        channels, one AMP kernel."""
         return cls(
             encoder_dim=4,
-            encoder_rates=(2, 2),
+            encoder_rates=(8, 10, 10),
             latent_dim=16,
             latent_channels=4,
             num_attention_heads=2,
             decoder_dim=16,
-            decoder_rates=(2, 2),
-            decoder_kernel_sizes=(4, 4),
+            decoder_rates=(8, 10, 10),
+            decoder_kernel_sizes=(16, 20, 20),
             resblock_kernel_sizes=(3,),
             resblock_dilation_sizes=((1,),),
             sampling_rate=32000,
