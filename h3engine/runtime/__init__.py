@@ -1,0 +1,2 @@
+"""The runtime around the engine: the front (job queue, one worker per replica, cancel), the messages it sends
+about jobs, the model-free request checks run before queueing, and the tensor channel between workers."""

@@ -1,0 +1,164 @@
+"""The app's HTTP API, driven with gradio_client against `python app.py` on a tiny random-weight checkpoint.
+
+What is compared: every endpoint (/t2va, /fl2va, /ref2va) returns an MP4 whose streams, read back with PyAV, are
+H.264 yuv420p at 24 fps with the frame count of the requested duration (124 frames for 5 s) and AAC 32 kHz stereo
+lasting as long as the video (within one AAC frame); invalid requests are refused before queueing with the
+request validator's own message; besides uploads only the outputs folder is served; a cancelled generation stops (the engine is free for the next request at
+once and leaves no MP4 behind); two requests submitted together both complete. Steps are kept at 2 so the
+file runs in well under a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from _app_helpers import ASSETS, REPOSITORY_ROOT, assert_browser_playable, start_app, stop_app
+from gradio_client import Client, handle_file
+from gradio_client.exceptions import ValidationError
+
+FIVE_SECOND_FRAMES = 124  # 17n + 5 frames at 24 fps
+STEPS = 2
+SETTINGS = dict(duration_seconds=5, aspect_ratio="auto", randomize_seed=False, steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    running = start_app(tmp_path_factory.mktemp("app_api"))
+    yield running
+    assert stop_app(running) == 0, running.log_tail()
+
+
+@pytest.fixture(scope="module")
+def client(app, tmp_path_factory):
+    return Client(app.url, verbose=False, download_files=str(tmp_path_factory.mktemp("downloads")))
+
+
+def _video_path(result: tuple) -> str:
+    status, _preview, video, seed_used, details, downloads = result
+    assert status.startswith("Done"), status
+    assert "Canvas" in details and "Denoise" in details
+    assert [path.rsplit(".", 1)[-1] for path in downloads] == ["mp4", "json"]
+    return video
+
+
+def test_t2va_returns_a_browser_playable_mp4(client) -> None:
+    result = client.predict(prompt="A red kite over green hills.", seed=11, **SETTINGS, api_name="/t2va")
+    assert result[3] == 11  # the seed used
+    assert_browser_playable(_video_path(result), FIVE_SECOND_FRAMES)
+
+
+def test_fl2va_returns_a_browser_playable_mp4(client) -> None:
+    result = client.predict(
+        prompt="The kite climbs as the sun comes up.",
+        first_image=handle_file(ASSETS / "fl2va" / "first.png"),
+        last_image=handle_file(ASSETS / "fl2va" / "last.png"),
+        seed=12,
+        **SETTINGS,
+        api_name="/fl2va",
+    )
+    assert_browser_playable(_video_path(result), FIVE_SECOND_FRAMES)
+
+
+def test_ref2va_returns_a_browser_playable_mp4(client) -> None:
+    result = client.predict(
+        prompt="The robot from <Picture 1> waves and speaks in the voice of <Audio 1>.",
+        references=[
+            handle_file(ASSETS / "ref2va" / "picture1.png"),
+            handle_file(ASSETS / "ref2va" / "audio1.wav"),
+        ],
+        duration_from_reference=False,
+        seed=13,
+        **SETTINGS,
+        api_name="/ref2va",
+    )
+    assert_browser_playable(_video_path(result), FIVE_SECOND_FRAMES)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "arguments", "message"),
+    [
+        ("/t2va", dict(prompt="   "), "prompt: must be a non-empty string"),
+        ("/t2va", dict(prompt="x", steps=5000), "steps: must be <= 1000, got 5000"),
+        ("/t2va", dict(prompt="x", flow_shift=-1.0), "flow_shift: must be positive"),
+        (
+            "/fl2va",
+            dict(prompt="x", first_image=None, last_image=None),
+            "keyframes: task 'fl2va' needs a first and/or a last keyframe",
+        ),
+        (
+            "/ref2va",
+            dict(
+                prompt="x",
+                references=[handle_file(ASSETS / "ref2va" / "audio1.wav")],
+                duration_from_reference=False,
+            ),
+            "references: an audio reference needs at least one image or video reference",
+        ),
+    ],
+)
+def test_invalid_requests_return_their_validation_message(app, client, endpoint, arguments, message) -> None:
+    before = app.mp4_files()
+    settings = {**SETTINGS, **{key: value for key, value in arguments.items() if key in SETTINGS}}
+    inputs = {key: value for key, value in arguments.items() if key not in SETTINGS}
+    with pytest.raises(ValidationError, match=message):
+        client.predict(**inputs, **settings, api_name=endpoint)
+    assert app.mp4_files() == before
+
+
+def test_cancel_stops_a_running_generation(app, client) -> None:
+    before = app.mp4_files()
+    # 1000 steps of a 15 s clip: tens of seconds of work, so only a working cancel frees the engine quickly.
+    job = client.submit(
+        prompt="A long one.",
+        duration_seconds=15,
+        aspect_ratio="auto",
+        seed=1,
+        randomize_seed=False,
+        steps=1000,
+        api_name="/t2va",
+    )
+    deadline = time.monotonic() + 60
+    while not any(
+        isinstance(update[0], str) and update[0].startswith("Denoising") for update in job.outputs()
+    ):
+        assert time.monotonic() < deadline, f"no denoising progress arrived:\n{app.log_tail()}"
+        assert not job.done(), job.status()
+        time.sleep(0.2)
+    job.cancel()
+    deadline = time.monotonic() + 20
+    while not job.done():
+        assert time.monotonic() < deadline, "the cancelled job did not end"
+        time.sleep(0.2)
+
+    # Had the engine kept denoising, this request would queue behind it; it must start and finish at once.
+    started = time.monotonic()
+    result = client.predict(prompt="Right after.", seed=2, **SETTINGS, api_name="/t2va")
+    assert time.monotonic() - started < 20
+    assert app.mp4_files() - before == {app.outputs_dir / Path(_video_path(result)).name}
+
+
+def test_only_uploads_and_the_outputs_folder_are_served(app) -> None:
+    served = app.outputs_dir / "served.txt"
+    served.write_text("in the outputs folder")
+    with urllib.request.urlopen(f"{app.url}gradio_api/file={served}") as response:
+        assert response.read() == b"in the outputs folder"
+    for outside in (REPOSITORY_ROOT / "app.py", app.outputs_dir.parent / "app.log"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{app.url}gradio_api/file={outside}")
+        assert refused.value.code == 403
+
+
+def test_two_queued_requests_both_complete(app, client) -> None:
+    before = app.mp4_files()
+    jobs = [
+        client.submit(prompt=f"Request {seed}.", seed=seed, **SETTINGS, api_name="/t2va") for seed in (21, 22)
+    ]
+    results = [job.result(timeout=120) for job in jobs]
+    assert [result[3] for result in results] == [21, 22]
+    for result in results:
+        assert_browser_playable(_video_path(result), FIVE_SECOND_FRAMES)
+    assert len(app.mp4_files() - before) == 2

@@ -1,0 +1,159 @@
+"""The app in a real browser: Playwright drives Debian's headless chromium against `python app.py` on a tiny checkpoint.
+
+What it checks, as a person would see it: started with no checkpoint, the app shows the random-weights banner; FL2VA takes a first and a last image and
+the swap button exchanges them; Ref2VA lists added references with the labels the prompt can cite, reorders
+them (the labels follow the new order) and inserts a label into the prompt; a generation shows a video element
+that has a duration and an audio track and plays; the result appears in the history and clicking it restores its
+settings. A screenshot is saved to test-artifacts/.
+
+Skips, with the reason, only when /usr/bin/chromium is missing (.ci/run installs Debian's chromium; Playwright's
+own browser download does not work here).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from _app_helpers import ASSETS, REPOSITORY_ROOT, start_app, stop_app
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    # Lets the test start playback from script; a person's click is a user gesture and needs no flag.
+    "--autoplay-policy=no-user-gesture-required",
+]
+ARTIFACTS = REPOSITORY_ROOT / "test-artifacts"
+TIMEOUT_MS = 60_000
+FIRST_IMAGE = re.compile(r"/first\.png")
+LAST_IMAGE = re.compile(r"/last\.png")
+
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(),
+    reason="Debian's chromium is not installed at /usr/bin/chromium (.ci/run installs it)",
+)
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    # No checkpoint given: the app makes and labels its embedded random-weight default.
+    running = start_app(tmp_path_factory.mktemp("app_browser"), embedded_default=True)
+    yield running
+    stop_app(running)
+
+
+@pytest.fixture()
+def page(app):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
+        )
+        page = browser.new_page(viewport={"width": 1400, "height": 1400})
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(app.url)
+        yield page
+        browser.close()
+
+
+def _reference_names(page) -> list[str]:
+    return [text.strip() for text in page.locator("[id^=ref2va-row-][id$=-name]").all_inner_texts()]
+
+
+def test_generate_in_the_browser(app, page) -> None:
+    from playwright.sync_api import expect
+
+    expect(page.locator("#h3-banner")).to_contain_text("Random weights")
+
+    # Ref2VA: add three references, move the video up, insert its label into the prompt.
+    page.get_by_role("tab", name="References → video").click()
+    page.locator("#ref2va-references input[type=file]").set_input_files(
+        [
+            ASSETS / "ref2va" / "picture1.png",
+            ASSETS / "ref2va" / "video1.mp4",
+            ASSETS / "ref2va" / "audio1.wav",
+        ]
+    )
+    expect(page.locator("#ref2va-row-2-name")).to_contain_text("audio1.wav")
+    assert _reference_names(page) == [
+        "1. <Picture 1> picture1.png",
+        "2. <Audio 1> <Video 1> video1.mp4",
+        "3. <Audio 2> audio1.wav",
+    ]
+    page.locator("#ref2va-row-1-up").click()
+    expect(page.locator("#ref2va-row-0-name")).to_contain_text("video1.mp4")
+    assert _reference_names(page) == [
+        "1. <Audio 1> <Video 1> video1.mp4",
+        "2. <Picture 1> picture1.png",
+        "3. <Audio 2> audio1.wav",
+    ]
+    page.locator("#ref2va-prompt textarea").fill("The robot from")
+    page.get_by_role("button", name="Insert <Picture 1>").click()
+    expect(page.locator("#ref2va-prompt textarea")).to_have_value("The robot from <Picture 1>")
+
+    # FL2VA: upload the first and the last image, swap them twice (back to the original order), generate.
+    page.get_by_role("tab", name="First / last frame → video").click()
+    page.locator("#fl2va-first input[type=file]").set_input_files(ASSETS / "fl2va" / "first.png")
+    page.locator("#fl2va-last input[type=file]").set_input_files(ASSETS / "fl2va" / "last.png")
+    expect(page.locator("#fl2va-first img")).to_have_attribute("src", FIRST_IMAGE)
+    expect(page.locator("#fl2va-last img")).to_have_attribute("src", LAST_IMAGE)
+    page.locator("#fl2va-swap").click()
+    expect(page.locator("#fl2va-first img")).to_have_attribute("src", LAST_IMAGE)
+    expect(page.locator("#fl2va-last img")).to_have_attribute("src", FIRST_IMAGE)
+    page.locator("#fl2va-swap").click()
+    expect(page.locator("#fl2va-first img")).to_have_attribute("src", FIRST_IMAGE)
+
+    page.locator("#fl2va-prompt textarea").fill("The kite climbs as the sun comes up.")
+    page.locator("#fl2va-advanced").get_by_text("Advanced").click()
+    steps = page.locator("#fl2va-steps input")
+    expect(steps).to_be_visible()
+    steps.fill("4")
+    steps.press("Tab")  # Gradio's number field commits its value on blur, as when a person moves on
+    expect(steps).to_have_value("4")
+    page.locator("#fl2va-generate").click()
+
+    video = page.locator("#h3-video video")
+    expect(video).to_have_attribute("src", re.compile(r"\.mp4"))
+    expect(page.locator("#h3-status")).to_contain_text("Done")
+    expect(page.locator("#h3-details")).to_contain_text("124 at 24 fps")
+    facts = video.evaluate(
+        """async (element) => {
+            if (element.readyState < 1) {
+                await new Promise((resolve) => element.addEventListener("loadedmetadata", resolve, { once: true }));
+            }
+            await element.play();
+            await new Promise((resolve) => setTimeout(resolve, 1500));
+            element.pause();
+            return {
+                duration: element.duration,
+                currentTime: element.currentTime,
+                audioBytes: element.webkitAudioDecodedByteCount,
+                videoBytes: element.webkitVideoDecodedByteCount,
+                canPlay: element.canPlayType('video/mp4; codecs="avc1.42E01E, mp4a.40.2"'),
+            };
+        }"""
+    )
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "app_browser.png"), full_page=True)
+    assert facts["canPlay"] in ("probably", "maybe"), facts
+    assert abs(facts["duration"] - 124 / 24) < 0.05, facts
+    assert facts["currentTime"] > 0.2, facts  # it played
+    assert facts["audioBytes"] > 0, facts  # and decoded an audio track
+    assert facts["videoBytes"] > 0, facts
+
+    # The result is in the history; clicking it restores its settings into its own tab.
+    page.locator("#fl2va-prompt textarea").fill("Something else.")
+    page.get_by_role("tab", name="Text → video").click()
+    page.locator("#h3-history tbody tr").first.click()
+    expect(page.get_by_role("tab", name="First / last frame → video")).to_have_attribute(
+        "aria-selected", "true"
+    )
+    expect(page.locator("#fl2va-prompt textarea")).to_have_value("The kite climbs as the sun comes up.")
+    expect(page.locator("#fl2va-steps input")).to_have_value("4")

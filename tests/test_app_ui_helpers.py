@@ -1,0 +1,167 @@
+"""The app's plain-Python helpers: reference labels, request building and error placement, history, inputs, examples.
+
+What is compared: labels numbered per modality with a sounding video's <Audio j> before its <Video k> (the order
+the model was trained on); tab inputs turn into the exact GenerationRequest and back; RequestError messages land on
+the input they name; the history lists only complete results, newest first, and refuses stems that leave the
+outputs folder; stored inputs are content-addressed; every example in assets/examples.json loads with files that
+exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+from _app_helpers import ASSETS, REPOSITORY_ROOT
+
+from h3engine.errors import RequestError
+from h3engine.request import GenerationRequest, Keyframe, Reference
+from ui.examples import load_examples
+from ui.handlers import (
+    TaskValues,
+    build_request,
+    failing_parameter,
+    move_reference,
+    parameter_names,
+    remove_reference,
+    request_values,
+)
+from ui.history import find_entry, history_rows, list_history
+from ui.inputs import InputStore, label_references, reference_kind, reference_labels
+
+
+def test_labels_are_numbered_per_modality_and_a_sounding_video_takes_an_audio_label_first() -> None:
+    kinds = ["image", "video", "audio", "video", "image"]
+    has_audio = [False, True, False, False, False]
+    assert reference_labels(kinds, has_audio) == [
+        ("<Picture 1>",),
+        ("<Audio 1>", "<Video 1>"),
+        ("<Audio 2>",),
+        ("<Video 2>",),
+        ("<Picture 2>",),
+    ]
+    labelled = label_references(
+        [str(ASSETS / "ref2va" / "video1.mp4"), str(ASSETS / "ref2va" / "picture1.png")]
+    )
+    assert [reference.labels for reference in labelled] == [("<Audio 1>", "<Video 1>"), ("<Picture 1>",)]
+    with pytest.raises(RequestError, match="references: cannot tell whether 'notes.txt'"):
+        reference_kind("notes.txt")
+
+
+def test_reorder_and_remove_keep_the_other_references() -> None:
+    paths = ["a.png", "b.mp4", "c.wav"]
+    assert move_reference(1, -1, paths) == ["b.mp4", "a.png", "c.wav"]
+    assert move_reference(2, 1, paths) == paths
+    assert remove_reference(0, paths) == ["b.mp4", "c.wav"]
+    assert paths == ["a.png", "b.mp4", "c.wav"]
+
+
+def _values(task: str, **overrides) -> TaskValues:
+    defaults = {"prompt": "p", "first_image": None, "last_image": None, "references": []}
+    defaults |= {"duration_from_reference": False, "duration_seconds": 6.0, "aspect_ratio": "4:3", "seed": 9}
+    defaults |= {
+        "randomize_seed": False,
+        "steps": 7,
+        "flow_shift": 11.0,
+        "audio_flow_shift": 2.5,
+        "short_edge": 768,
+    }
+    defaults |= overrides
+    return TaskValues.from_inputs(task, [defaults[name] for name in parameter_names(task)])
+
+
+def test_tab_inputs_become_the_request_and_back() -> None:
+    first, last = str(ASSETS / "fl2va" / "first.png"), str(ASSETS / "fl2va" / "last.png")
+    request = build_request(_values("fl2va", first_image=first, last_image=last))
+    assert request == GenerationRequest(
+        task="fl2va",
+        prompt="p",
+        duration_seconds=6.0,
+        aspect_ratio="4:3",
+        seed=9,
+        steps=7,
+        flow_shift=11.0,
+        audio_flow_shift=2.5,
+        keyframes=(Keyframe(first, "first"), Keyframe(last, "last")),
+    )
+    restored = request_values(request, keep=str)
+    assert (restored["first_image"], restored["last_image"], restored["randomize_seed"]) == (
+        first,
+        last,
+        False,
+    )
+    assert build_request(_values("fl2va", **restored)) == request
+
+    picture, audio = str(ASSETS / "ref2va" / "picture1.png"), str(ASSETS / "ref2va" / "audio1.wav")
+    request = build_request(_values("ref2va", references=[picture, audio], duration_from_reference=True))
+    assert request.references == (Reference("image", picture), Reference("audio", audio))
+    assert request.duration_seconds is None
+    assert build_request(_values("ref2va", **request_values(request, keep=str))) == request
+
+
+def test_request_errors_land_on_the_input_they_name() -> None:
+    values = _values("fl2va", last_image="/uploads/x/last.png")
+    assert failing_parameter("prompt: must be a non-empty string, got ''", values) == "prompt"
+    assert failing_parameter("width, height: nope", values) == "aspect_ratio"
+    # Only a last image was given, so keyframes[0] is the last image.
+    assert (
+        failing_parameter("keyframes[0]: keyframe image ratio must be within 1:4 to 4:1", values)
+        == "last_image"
+    )
+    assert failing_parameter("'/uploads/x/last.png': not a readable image", values) == "last_image"
+    ref_values = _values("ref2va", references=["/u/a.png"], duration_from_reference=True)
+    assert failing_parameter("duration_seconds: is required", ref_values) == "duration_from_reference"
+    assert failing_parameter("references[0]: clip too short", ref_values) == "references"
+
+
+def _write_result(folder, stem: str, prompt: str, mtime: float) -> None:
+    (folder / f"{stem}.mp4").write_bytes(b"mp4")
+    sidecar = {
+        "request": {"task": "t2va", "prompt": prompt},
+        "seed": 3,
+        "geometry": {"width": 56, "height": 32},
+    }
+    (folder / f"{stem}.json").write_text(json.dumps(sidecar))
+    os.utime(folder / f"{stem}.mp4", (mtime, mtime))
+
+
+def test_history_lists_complete_results_newest_first(tmp_path) -> None:
+    now = time.time()
+    _write_result(tmp_path, "older", "first prompt", now - 60)
+    _write_result(tmp_path, "newer", "second prompt", now)
+    (tmp_path / "orphan.json").write_text(json.dumps({"request": {"task": "t2va", "prompt": "no video"}}))
+    (tmp_path / ".newer.mp4.abc.partial").write_bytes(b"")
+    (tmp_path / "broken.mp4").write_bytes(b"")
+    (tmp_path / "broken.json").write_text("{not json")
+
+    entries = list_history(tmp_path)
+    assert [entry.stem for entry in entries] == ["newer", "older"]
+    assert history_rows(entries)[0][2:5] == ["T2VA", "second prompt", "3"]
+    assert find_entry(tmp_path, "older").sidecar["request"]["prompt"] == "first prompt"
+    for hostile in ("../older", "/etc/passwd", ".hidden", "", None, ["older"]):
+        assert find_entry(tmp_path, hostile) is None
+
+
+def test_stored_inputs_are_content_addressed(tmp_path) -> None:
+    store = InputStore(tmp_path)
+    first = store.keep_file(ASSETS / "fl2va" / "first.png")
+    again = store.keep_file(ASSETS / "fl2va" / "first.png")
+    assert first == again and first.startswith(str(tmp_path / "inputs"))
+    assert open(first, "rb").read() == (ASSETS / "fl2va" / "first.png").read_bytes()
+    renamed = store.keep_bytes(b"\x89PNG", "../../evil name?.png")
+    assert renamed.startswith(str(tmp_path / "inputs")) and renamed.endswith("evil name_.png")
+
+
+def test_every_bundled_example_loads_with_existing_files() -> None:
+    examples = load_examples(ASSETS / "examples.json", REPOSITORY_ROOT)
+    assert all(examples[task] for task in ("t2va", "fl2va", "ref2va"))
+    for task, group in examples.items():
+        for example in group:
+            assert example.request.task == task
+            for path in [keyframe.path for keyframe in example.request.keyframes] + [
+                reference.path for reference in example.request.references
+            ]:
+                assert os.path.isfile(path), path
+    assert load_examples(ASSETS / "missing.json", REPOSITORY_ROOT) == {"t2va": [], "fl2va": [], "ref2va": []}

@@ -1,0 +1,194 @@
+"""The engine front (queue, worker per replica, messages, cancel) and the latent preview, on tiny engines.
+
+What is compared: the exact message sequence of a job (queue position, start with the engine's geometry, one
+progress message per step with a consistent ETA, previews every N steps, the finished files); cancel of a
+waiting job (immediate) and of a running one (at the next step, replica free afterwards); an engine exception
+becomes one fixed sentence without its text or a traceback, and the replica keeps serving; two replicas run two
+jobs at once; messages pickle (they must cross a process boundary later). The preview reads only the newest
+latent frame, never writes the loop's rows, and equals an independent numpy computation of the documented map.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from h3engine.checkpoint.tiny import make_tiny_checkpoint
+from h3engine.engine import Engine
+from h3engine.media.preview import PREVIEW_SHORT_EDGE, channel_to_rgb_weights, latent_preview_rgb
+from h3engine.request import GenerationRequest, Keyframe
+from h3engine.runtime.front import ENGINE_FAILURE_MESSAGE, EngineFront, JobHandle
+from h3engine.runtime.messages import (
+    TERMINAL_EVENTS,
+    JobFailed,
+    JobFinished,
+    JobQueued,
+    JobStarted,
+    PreviewFrame,
+    StepProgress,
+)
+
+EVENT_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("front") / "checkpoint", seed=0)
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint):
+    return [Engine.from_checkpoint(checkpoint, device="cpu") for _ in range(2)]
+
+
+@pytest.fixture()
+def front(engines, tmp_path):
+    front = EngineFront(engines[:1], tmp_path / "outputs", preview_every=3)
+    yield front
+    front.shutdown()
+
+
+def _events_until_done(handle: JobHandle) -> list:
+    events = []
+    while not events or not isinstance(events[-1], TERMINAL_EVENTS):
+        event = handle.next_event(timeout=EVENT_TIMEOUT_S)
+        assert event is not None, f"no message within {EVENT_TIMEOUT_S} s; so far: {events}"
+        events.append(event)
+    return events
+
+
+def _wait_for_step(handle: JobHandle) -> list:
+    events = []
+    while not any(isinstance(event, StepProgress) for event in events):
+        event = handle.next_event(timeout=EVENT_TIMEOUT_S)
+        assert event is not None and not isinstance(event, TERMINAL_EVENTS), events + [event]
+        events.append(event)
+    return events
+
+
+def _long_request(prompt: str = "long") -> GenerationRequest:
+    return GenerationRequest(task="t2va", prompt=prompt, steps=1000, duration_seconds=15.0)
+
+
+def test_a_job_reports_queue_start_steps_previews_and_files(front) -> None:
+    request = GenerationRequest(task="t2va", prompt="a kite", steps=6, seed=5)
+    expected_geometry = front.expected_geometry(request)
+    events = _events_until_done(front.submit(request))
+
+    assert events[0] == JobQueued(events[0].job_id, position=1)
+    started = events[1]
+    assert isinstance(started, JobStarted)
+    assert (started.width, started.height, started.frames, started.fps) == (
+        expected_geometry.width,
+        expected_geometry.height,
+        expected_geometry.frames,
+        24,
+    )
+    steps = [event for event in events if isinstance(event, StepProgress)]
+    assert [event.step for event in steps] == [1, 2, 3, 4, 5, 6]
+    assert all(event.total == 6 for event in steps)
+    for event in steps:
+        assert event.eta_s == pytest.approx(event.elapsed_s / event.step * (6 - event.step))
+    previews = [event for event in events if isinstance(event, PreviewFrame)]
+    assert [event.step for event in previews] == [3, 6]
+    assert previews[0].rgb.dtype == np.uint8 and previews[0].rgb.shape[2] == 3
+    assert min(previews[0].rgb.shape[:2]) >= PREVIEW_SHORT_EDGE
+
+    finished = events[-1]
+    assert isinstance(finished, JobFinished)
+    assert finished.seed == 5 and finished.frames == expected_geometry.frames
+    assert finished.video_path.endswith(".mp4") and finished.sidecar_path.endswith(".json")
+    assert {"text_encode_s", "denoise_s", "mux_s"} <= set(finished.timings_s)
+    for event in events:
+        assert pickle.loads(pickle.dumps(event)) is not None
+
+
+def test_cancel_removes_a_waiting_job_and_stops_a_running_one(front) -> None:
+    running = front.submit(_long_request("running"))
+    _wait_for_step(running)
+    waiting = front.submit(_long_request("waiting"))
+    assert waiting.next_event(timeout=EVENT_TIMEOUT_S) == JobQueued(waiting.job_id, position=1)
+
+    front.cancel(waiting)
+    assert _events_until_done(waiting)[-1] == JobFailed(
+        waiting.job_id, "cancelled", "Cancelled before it started."
+    )
+    cancelled_at = time.monotonic()
+    front.cancel(running)
+    assert _events_until_done(running)[-1] == JobFailed(running.job_id, "cancelled", "Cancelled.")
+    assert time.monotonic() - cancelled_at < 10
+    assert not list(front.outputs_dir.glob("*.mp4"))
+
+    # The replica is free again.
+    after = _events_until_done(front.submit(GenerationRequest(task="t2va", prompt="after", steps=2)))
+    assert isinstance(after[-1], JobFinished)
+
+
+def test_an_engine_failure_is_one_sentence_and_the_replica_survives(front, engines, monkeypatch) -> None:
+    def fail(*args, **kwargs):
+        raise RuntimeError("internal detail that must not reach the user")
+
+    monkeypatch.setattr(engines[0], "generate_to_file", fail)
+    failed = _events_until_done(front.submit(GenerationRequest(task="t2va", prompt="x", steps=2)))[-1]
+    assert failed == JobFailed(failed.job_id, "engine", ENGINE_FAILURE_MESSAGE)
+    monkeypatch.undo()
+    assert isinstance(
+        _events_until_done(front.submit(GenerationRequest(task="t2va", prompt="y", steps=2)))[-1], JobFinished
+    )
+
+
+def test_a_request_error_keeps_the_engine_message(front, tmp_path) -> None:
+    missing = str(tmp_path / "missing.png")
+    request = GenerationRequest(task="fl2va", prompt="x", steps=2, keyframes=(Keyframe(missing, "first"),))
+    failed = _events_until_done(front.submit(request))[-1]
+    assert failed.kind == "request"
+    assert "missing.png" in failed.message and "Traceback" not in failed.message
+
+
+def test_two_replicas_run_two_jobs_at_once(engines, tmp_path) -> None:
+    front = EngineFront(engines, tmp_path / "outputs")
+    try:
+        handles = [front.submit(_long_request(f"job {index}")) for index in range(2)]
+        for handle in handles:
+            _wait_for_step(handle)
+        assert front.running == 2 and front.waiting == 0
+    finally:
+        front.shutdown()
+    for handle in handles:
+        assert _events_until_done(handle)[-1].kind == "cancelled"
+
+
+def test_preview_reads_only_the_newest_latent_frame() -> None:
+    latent_frames, latent_h, latent_w, patch, channels = 3, 8, 14, 2, 4
+    rows_per_frame = (latent_h // patch) * (latent_w // patch)
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(latent_frames * rows_per_frame, channels * patch * patch, generator=generator)
+    rows_before = rows.clone()
+    image = latent_preview_rgb(rows, latent_frames, latent_h, latent_w, patch)
+    assert torch.equal(rows, rows_before)
+
+    # Independent numpy version of the documented map: newest frame, hue-wheel weights, +-2.5 std, repeat.
+    last = (
+        rows[-rows_per_frame:].numpy().reshape(latent_h // patch, latent_w // patch, channels, patch, patch)
+    )
+    latent = last.transpose(2, 0, 3, 1, 4).reshape(channels, latent_h, latent_w)
+    angles = 2 * np.pi * np.arange(channels) / channels
+    weights = np.cos(angles[None, :] - 2 * np.pi * np.arange(3)[:, None] / 3) / np.sqrt(channels)
+    rgb = np.einsum("kc,chw->hwk", weights, latent)
+    rgb -= rgb.mean(axis=(0, 1))
+    expected = np.round(np.clip(0.5 + 0.5 * rgb / (2.5 * rgb.std()), 0, 1) * 255).astype(np.uint8)
+    scale = -(-PREVIEW_SHORT_EDGE // latent_h)
+    expected = expected.repeat(scale, axis=0).repeat(scale, axis=1)
+    assert image.shape == expected.shape == (latent_h * scale, latent_w * scale, 3)
+    assert np.abs(image.astype(int) - expected.astype(int)).max() <= 1
+    np.testing.assert_allclose(channel_to_rgb_weights(channels), weights, rtol=1e-6)
+
+    older = rows.clone()
+    older[:-rows_per_frame] = 0
+    assert np.array_equal(latent_preview_rgb(older, latent_frames, latent_h, latent_w, patch), image)
+    with pytest.raises(ValueError, match="expected 84 video rows"):
+        latent_preview_rgb(rows[:-1], latent_frames, latent_h, latent_w, patch)

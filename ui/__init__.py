@@ -1,0 +1,6 @@
+"""The browser app's user interface (Gradio): task tabs, the shared result column and history, their handlers."""
+
+from ui.blocks import UiOptions, build_ui
+from ui.theme import CSS, THEME
+
+__all__ = ["CSS", "THEME", "UiOptions", "build_ui"]

@@ -1,0 +1,224 @@
+"""The whole page: header and banner, the three task tabs, the shared result column, the history; and its events.
+
+Contract: `build_ui(front, options)` returns a `gr.Blocks` (not yet queued or launched; app.py does both). Events:
+* `/t2va`, `/fl2va`, `/ref2va`: the three generate endpoints (public API). Each has a validator that runs before
+  Gradio queues it, and all three share the concurrency group "h3-engine" limited to the front's replica count.
+* Everything else (derived canvas, swap, last frame, reference rows, examples, history, cancel) is private: not
+  part of the API.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from h3engine.errors import RequestError
+from h3engine.request import MAX_REFERENCES_OF_KIND
+from h3engine.runtime.front import EngineFront
+from ui.examples import Example, load_examples
+from ui.handlers import (
+    Handlers,
+    insert_label,
+    move_reference,
+    parameter_names,
+    remove_reference,
+    swap_keyframes,
+)
+from ui.inputs import label_references
+from ui.result import ResultColumn, build_history, build_result_column
+from ui.tabs import DEFAULT_VALUES, TaskTab, build_fl2va_tab, build_ref2va_tab, build_t2va_tab
+
+ENGINE_CONCURRENCY_ID = "h3-engine"
+TAB_TITLES = {"t2va": "Text → video", "fl2va": "First / last frame → video", "ref2va": "References → video"}
+
+
+@dataclass(frozen=True)
+class UiOptions:
+    outputs_dir: Path
+    examples_path: Path
+    repository_root: Path
+    checkpoint_label: str
+    banner_markdown: str | None = None
+
+
+def build_ui(front: EngineFront, options: UiOptions) -> gr.Blocks:
+    handlers = Handlers(front, options.outputs_dir)
+    examples = load_examples(options.examples_path, options.repository_root)
+    builders = {"t2va": build_t2va_tab, "fl2va": build_fl2va_tab, "ref2va": build_ref2va_tab}
+    with gr.Blocks(title="MiniMax H3") as demo:
+        gr.Markdown(
+            "# MiniMax H3: video with sound\n"
+            f"Checkpoint: `{options.checkpoint_label}` · engine replicas: {front.replicas} · "
+            "24 fps video with 32 kHz stereo audio"
+        )
+        if options.banner_markdown:
+            gr.Markdown(options.banner_markdown, elem_id="h3-banner")
+        with gr.Row():
+            with gr.Column(scale=3):
+                with gr.Tabs(selected="t2va") as task_tabs:
+                    tabs: dict[str, TaskTab] = {}
+                    for task, build in builders.items():
+                        with gr.Tab(TAB_TITLES[task], id=task, elem_id=f"tab-{task}"):
+                            tabs[task] = build(
+                                _initial_canvas_text(handlers, task),
+                                [example.title for example in examples[task]],
+                            )
+            with gr.Column(scale=2):
+                result = build_result_column()
+        history = build_history(handlers.history_samples())
+
+        generate_events = [_wire_generate(tab, handlers, result, front.replicas) for tab in tabs.values()]
+        for event in generate_events:
+            event.then(handlers.refresh_history, outputs=history.table, queue=False, api_visibility="private")
+        result.cancel.click(
+            lambda: "Cancelled.",
+            outputs=result.status,
+            cancels=generate_events,
+            queue=False,
+            api_visibility="private",
+        )
+        for tab in tabs.values():
+            _wire_canvas_text(tab, handlers)
+            _wire_examples(tab, examples[tab.task], handlers)
+        _wire_keyframes(tabs["fl2va"], handlers, result)
+        _wire_reference_rows(tabs["ref2va"])
+
+        restore_outputs = [task_tabs, *result.outputs]
+        for tab in tabs.values():
+            restore_outputs += tab.inputs
+
+        def restore(row: list[Any]) -> dict[Any, Any]:
+            entry, request, values = handlers.restore(row)
+            updates: dict[Any, Any] = {task_tabs: gr.Tabs(selected=request.task)}
+            updates.update(zip(result.outputs, handlers.result_of(entry), strict=True))
+            updates.update(_tab_updates(tabs[request.task], values))
+            return updates
+
+        history.table.click(restore, inputs=history.table, outputs=restore_outputs, api_visibility="private")
+        history.refresh.click(handlers.refresh_history, outputs=history.table, api_visibility="private")
+        demo.load(handlers.refresh_history, outputs=history.table, api_visibility="private")
+    return demo
+
+
+def _initial_canvas_text(handlers: Handlers, task: str) -> str:
+    return handlers.describe_canvas(task)(*(DEFAULT_VALUES[name] for name in parameter_names(task)))
+
+
+def _tab_updates(tab: TaskTab, values: dict[str, Any]) -> dict[Any, Any]:
+    by_name = dict(zip(parameter_names(tab.task), tab.inputs, strict=True))
+    return {by_name[name]: value for name, value in values.items()}
+
+
+def _wire_generate(tab: TaskTab, handlers: Handlers, result: ResultColumn, replicas: int) -> Any:
+    generate = {
+        "t2va": handlers.generate_t2va,
+        "fl2va": handlers.generate_fl2va,
+        "ref2va": handlers.generate_ref2va,
+    }
+    return tab.generate.click(
+        generate[tab.task],
+        inputs=tab.inputs,
+        outputs=result.outputs,
+        api_name=tab.task,
+        validator=handlers.validator(tab.task),
+        concurrency_limit=replicas,
+        concurrency_id=ENGINE_CONCURRENCY_ID,
+        show_progress_on=[result.video],
+    )
+
+
+def _wire_canvas_text(tab: TaskTab, handlers: Handlers) -> None:
+    triggers = [*tab.settings.canvas_inputs, *tab.media]
+    gr.on(
+        [component.change for component in triggers],
+        handlers.describe_canvas(tab.task),
+        inputs=tab.inputs,
+        outputs=tab.settings.derived,
+        queue=False,
+        trigger_mode="always_last",
+        api_visibility="private",
+    )
+
+
+def _wire_examples(tab: TaskTab, examples: list[Example], handlers: Handlers) -> None:
+    if tab.examples is None:
+        return
+
+    def fill(index: int) -> dict[Any, Any]:
+        return _tab_updates(tab, handlers.example_values(examples[index].request))
+
+    tab.examples.click(fill, inputs=tab.examples, outputs=tab.inputs, api_visibility="private")
+
+
+def _wire_keyframes(tab: TaskTab, handlers: Handlers, result: ResultColumn) -> None:
+    pair = [tab.first_image, tab.last_image]
+    tab.swap.click(swap_keyframes, inputs=pair, outputs=pair, queue=False, api_visibility="private")
+    tab.use_last_frame.click(
+        handlers.use_last_frame, inputs=result.last_result, outputs=tab.first_image, api_visibility="private"
+    )
+
+
+def _wire_reference_rows(tab: TaskTab) -> None:
+    limits = ", ".join(f"{limit} {kind}s" for kind, limit in MAX_REFERENCES_OF_KIND.items())
+    with tab.reference_rows:
+
+        @gr.render(inputs=[tab.references])
+        def reference_rows(paths: list[str] | None) -> None:
+            try:
+                labelled = label_references(list(paths or []))
+            except RequestError as error:
+                gr.Markdown(f"⚠ {error}")
+                return
+            if not labelled:
+                gr.Markdown(f"No references yet (at most {limits}). Each gets a label the prompt can cite.")
+                return
+            for index, reference in enumerate(labelled):
+                labels = " ".join(f"`{label}`" for label in reference.labels)
+                gr.Markdown(
+                    f"**{index + 1}.** {labels} {Path(reference.path).name}",
+                    elem_classes="h3-reference-name",
+                    elem_id=f"ref2va-row-{index}-name",
+                )
+                with gr.Row(elem_classes="h3-reference-row", elem_id=f"ref2va-row-{index}"):
+                    up = gr.Button(
+                        "↑ Up",
+                        size="sm",
+                        min_width=0,
+                        interactive=index > 0,
+                        elem_id=f"ref2va-row-{index}-up",
+                    )
+                    down = gr.Button(
+                        "↓ Down",
+                        size="sm",
+                        min_width=0,
+                        interactive=index < len(labelled) - 1,
+                        elem_id=f"ref2va-row-{index}-down",
+                    )
+                    remove = gr.Button(
+                        "✕ Remove", size="sm", min_width=0, elem_id=f"ref2va-row-{index}-remove"
+                    )
+                    for label in reference.labels:
+                        insert = gr.Button(f"Insert {label}", size="sm", min_width=0, variant="secondary")
+                        insert.click(
+                            functools.partial(insert_label, label),
+                            inputs=tab.prompt,
+                            outputs=tab.prompt,
+                            queue=False,
+                            api_visibility="private",
+                        )
+                for button, action in (
+                    (up, functools.partial(move_reference, index, -1)),
+                    (down, functools.partial(move_reference, index, 1)),
+                    (remove, functools.partial(remove_reference, index)),
+                ):
+                    button.click(
+                        action,
+                        inputs=tab.references,
+                        outputs=tab.references,
+                        queue=False,
+                        api_visibility="private",
+                    )

@@ -1,0 +1,466 @@
+"""What the buttons do: build requests from a tab's inputs, check them, run them on the engine front, restore.
+
+Contract:
+* `parameter_names(task)` is the parameter list of the task's API endpoint (/t2va, /fl2va, /ref2va), in the order
+  of `TaskTab.inputs`; the generate handlers and validators take their inputs in that order.
+* The validators run before Gradio queues an event: they build the request (without copying any file) and run
+  every model-free check; a failure marks the input it names, and API clients get it as a ValidationError.
+* The generate handlers are async generators: they copy the inputs into the outputs folder, submit the request,
+  and turn the front's messages into updates of the result column (`RESULT_FIELDS` order) and `gr.Progress`
+  steps with an ETA. A RequestError shows as its own message, an engine failure as one sentence; tracebacks only
+  go to the server log (h3engine.runtime.front logs them).
+* Cancel: Gradio cancels the handler's task (the Cancel button, or an API client's `job.cancel()`); the
+  handler's `finally` then cancels the engine job, which stops before its next step. A handler that ends for
+  any other reason (the browser went away) cancels its job the same way.
+
+Danger: every value here comes from a browser or an API client. Paths reach the engine only after Gradio
+accepted them as uploads (or they were copied from the history / examples into the outputs folder), and a
+history stem is looked up by `ui.history.find_entry`, which refuses anything but a plain file stem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+import numpy as np
+
+from h3engine.errors import RequestError
+from h3engine.request import GenerationRequest, Keyframe, Reference, from_dict
+from h3engine.runtime.front import EngineFront, JobHandle
+from h3engine.runtime.messages import (
+    JobFailed,
+    JobFinished,
+    JobQueued,
+    JobStarted,
+    PreviewFrame,
+    StepProgress,
+)
+from ui.history import HistoryEntry, entry_markdown, find_entry, history_rows, list_history, result_markdown
+from ui.inputs import InputStore, last_frame_png, reference_kind
+from ui.tabs import DEFAULT_VALUES
+
+SETTINGS_PARAMETERS = (
+    "duration_seconds",
+    "aspect_ratio",
+    "seed",
+    "randomize_seed",
+    "steps",
+    "flow_shift",
+    "audio_flow_shift",
+    "short_edge",
+)
+MEDIA_PARAMETERS = {
+    "t2va": (),
+    "fl2va": ("first_image", "last_image"),
+    "ref2va": ("references", "duration_from_reference"),
+}
+RESULT_FIELDS = ("status", "preview", "video", "seed_used", "details", "downloads", "last_result")
+POLL_INTERVAL_S = 0.1
+RANDOM_SEED_LIMIT = 2**31
+PLACEHOLDER_PROMPT = "(prompt)"
+_SCALAR_FIELDS = {"prompt", "aspect_ratio", "short_edge", "seed", "steps", "flow_shift", "audio_flow_shift"}
+
+
+def parameter_names(task: str) -> tuple[str, ...]:
+    return ("prompt", *MEDIA_PARAMETERS[task], *SETTINGS_PARAMETERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskValues:
+    """One endpoint's raw inputs, by parameter name."""
+
+    task: str
+    values: dict[str, Any]
+
+    @classmethod
+    def from_inputs(cls, task: str, inputs: Sequence[Any]) -> TaskValues:
+        return cls(task, dict(zip(parameter_names(task), inputs, strict=True)))
+
+    def files(self) -> dict[str, list[str]]:
+        """The file inputs, by parameter name."""
+        return {
+            name: [self.values[name]]
+            if isinstance(self.values.get(name), str)
+            else list(self.values.get(name) or [])
+            for name in ("first_image", "last_image", "references")
+            if name in self.values
+        }
+
+
+def build_request(
+    values: TaskValues, seed: int | None = None, keep: Callable[[str], str] = str, prompt: str | None = None
+) -> GenerationRequest:
+    """A GenerationRequest from a tab's inputs; `keep` maps each input file to the path the request names."""
+    named = values.values
+    keyframes = tuple(
+        Keyframe(path=keep(named[name]), position=position)
+        for name, position in (("first_image", "first"), ("last_image", "last"))
+        if named.get(name)
+    )
+    references = tuple(
+        Reference(kind=reference_kind(path), path=keep(path)) for path in named.get("references") or ()
+    )
+    from_reference = values.task == "ref2va" and bool(named.get("duration_from_reference"))
+    return GenerationRequest(
+        task=values.task,
+        prompt=named["prompt"] if prompt is None else prompt,
+        duration_seconds=None if from_reference else named["duration_seconds"],
+        aspect_ratio=named["aspect_ratio"],
+        short_edge=named["short_edge"],
+        seed=named["seed"] if seed is None else seed,
+        steps=named["steps"],
+        flow_shift=named["flow_shift"],
+        audio_flow_shift=named["audio_flow_shift"],
+        keyframes=keyframes,
+        references=references,
+    )
+
+
+def failing_parameter(message: str, values: TaskValues) -> str:
+    """The input a RequestError message is about: its field (`keyframes[1].path: ...`) or the file it names."""
+    field = message.split(":", 1)[0].strip()
+    head = re.split(r"[\[.,]", field, maxsplit=1)[0].strip()
+    names = values.values
+    if head in _SCALAR_FIELDS:
+        return head
+    if head in ("width", "height"):
+        return "aspect_ratio"
+    if head == "duration_seconds":
+        return "duration_from_reference" if names.get("duration_from_reference") else "duration_seconds"
+    if head == "keyframes":
+        given = [name for name in ("first_image", "last_image") if names.get(name)]
+        index = int(match.group(1)) if (match := re.match(r"keyframes\[(\d+)\]", field)) else 0
+        return given[index] if index < len(given) else "first_image"
+    if head == "references":
+        return "references"
+    # File errors start with the file's path, quoted (h3engine.media.inputs) or as a bare name.
+    named_file = field.strip("'\"")
+    for name, paths in values.files().items():
+        if any(named_file in (path, Path(path).name) for path in paths):
+            return name
+    return "prompt"
+
+
+def result_update(**fields: Any) -> tuple[Any, ...]:
+    """An update of the result column: the named fields change, the others are left as they are."""
+    unknown = set(fields) - set(RESULT_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown result fields: {sorted(unknown)}")
+    return tuple(fields.get(name, gr.skip()) for name in RESULT_FIELDS)
+
+
+def request_values(request: GenerationRequest, keep: Callable[[str], str]) -> dict[str, Any]:
+    """A request's settings as input values by parameter name (files that no longer exist are left out)."""
+    values: dict[str, Any] = {
+        "prompt": request.prompt,
+        "duration_seconds": request.duration_seconds or DEFAULT_VALUES["duration_seconds"],
+        "aspect_ratio": request.aspect_ratio,
+        "seed": request.seed,
+        "randomize_seed": False,
+        "steps": request.steps,
+        "flow_shift": request.flow_shift,
+        "audio_flow_shift": request.audio_flow_shift,
+        "short_edge": request.short_edge,
+    }
+    if request.task == "fl2va":
+        by_position = {keyframe.position: keyframe.path for keyframe in request.keyframes}
+        for name, position in (("first_image", "first"), ("last_image", "last")):
+            path = by_position.get(position)
+            values[name] = keep(path) if path and Path(path).is_file() else None
+    if request.task == "ref2va":
+        values["references"] = [
+            keep(reference.path) for reference in request.references if Path(reference.path).is_file()
+        ]
+        values["duration_from_reference"] = request.duration_seconds is None
+    return values
+
+
+def insert_label(label: str, prompt: str | None) -> str:
+    text = (prompt or "").rstrip()
+    return f"{text} {label}" if text else label
+
+
+def move_reference(index: int, offset: int, paths: list[str] | None) -> list[str]:
+    paths = list(paths or [])
+    target = index + offset
+    if 0 <= index < len(paths) and 0 <= target < len(paths):
+        paths[index], paths[target] = paths[target], paths[index]
+    return paths
+
+
+def remove_reference(index: int, paths: list[str] | None) -> list[str]:
+    paths = list(paths or [])
+    if 0 <= index < len(paths):
+        del paths[index]
+    return paths
+
+
+def swap_keyframes(first_image: str | None, last_image: str | None) -> tuple[str | None, str | None]:
+    return last_image, first_image
+
+
+class Handlers:
+    def __init__(self, front: EngineFront, outputs_dir: Path) -> None:
+        self.front = front
+        self.outputs_dir = outputs_dir
+        self.store = InputStore(outputs_dir)
+
+    # --- checks -----------------------------------------------------------------------------------------
+
+    def validator(self, task: str) -> Callable[..., list[dict[str, Any]]]:
+        def validate_inputs(*inputs: Any) -> list[dict[str, Any]]:
+            values = TaskValues.from_inputs(task, inputs)
+            try:
+                # A random seed is drawn later; check the request with a valid placeholder.
+                seed = 0 if values.values["randomize_seed"] else None
+                self.front.check(build_request(values, seed=seed))
+            except RequestError as error:
+                failing = failing_parameter(str(error), values)
+                return [
+                    gr.validate(name != failing, str(error) if name == failing else "")
+                    for name in parameter_names(task)
+                ]
+            return [gr.validate(True, "") for _ in parameter_names(task)]
+
+        return validate_inputs
+
+    def describe_canvas(self, task: str) -> Callable[..., str]:
+        """The derived canvas and frame count shown under a tab's duration and aspect ratio."""
+
+        def describe(*inputs: Any) -> str:
+            values = TaskValues.from_inputs(task, inputs)
+            try:
+                request = build_request(values, seed=0, prompt=PLACEHOLDER_PROMPT)
+                self.front.check(request)
+                geometry = self.front.expected_geometry(request)
+            except RequestError as error:
+                return f"Canvas and frames: waiting for valid settings ({error})"
+            return (
+                f"Canvas **{geometry.width} × {geometry.height}** · **{geometry.frames}** frames at 24 fps "
+                f"({geometry.duration:.2f} s)"
+            )
+
+        return describe
+
+    # --- generation -------------------------------------------------------------------------------------
+
+    async def generate_t2va(
+        self,
+        prompt: str,
+        duration_seconds: float,
+        aspect_ratio: str,
+        seed: int,
+        randomize_seed: bool,
+        steps: int,
+        flow_shift: float,
+        audio_flow_shift: float,
+        short_edge: int,
+        progress: gr.Progress = gr.Progress(),
+    ) -> AsyncIterator[tuple[Any, ...]]:
+        """Text to video with sound. Returns status, preview, video, seed used, details, downloads."""
+        inputs = (
+            prompt,
+            duration_seconds,
+            aspect_ratio,
+            seed,
+            randomize_seed,
+            steps,
+            flow_shift,
+            audio_flow_shift,
+            short_edge,
+        )
+        async for update in self._generate("t2va", inputs, progress):
+            yield update
+
+    async def generate_fl2va(
+        self,
+        prompt: str,
+        first_image: str | None,
+        last_image: str | None,
+        duration_seconds: float,
+        aspect_ratio: str,
+        seed: int,
+        randomize_seed: bool,
+        steps: int,
+        flow_shift: float,
+        audio_flow_shift: float,
+        short_edge: int,
+        progress: gr.Progress = gr.Progress(),
+    ) -> AsyncIterator[tuple[Any, ...]]:
+        """First and/or last frame to video with sound. Returns status, preview, video, seed used, details, downloads."""
+        inputs = (
+            prompt,
+            first_image,
+            last_image,
+            duration_seconds,
+            aspect_ratio,
+            seed,
+            randomize_seed,
+            steps,
+            flow_shift,
+            audio_flow_shift,
+            short_edge,
+        )
+        async for update in self._generate("fl2va", inputs, progress):
+            yield update
+
+    async def generate_ref2va(
+        self,
+        prompt: str,
+        references: list[str] | None,
+        duration_from_reference: bool,
+        duration_seconds: float,
+        aspect_ratio: str,
+        seed: int,
+        randomize_seed: bool,
+        steps: int,
+        flow_shift: float,
+        audio_flow_shift: float,
+        short_edge: int,
+        progress: gr.Progress = gr.Progress(),
+    ) -> AsyncIterator[tuple[Any, ...]]:
+        """Ordered image / video / audio references to video with sound. Returns status, preview, video, seed
+        used, details, downloads."""
+        inputs = (
+            prompt,
+            references,
+            duration_from_reference,
+            duration_seconds,
+            aspect_ratio,
+            seed,
+            randomize_seed,
+            steps,
+            flow_shift,
+            audio_flow_shift,
+            short_edge,
+        )
+        async for update in self._generate("ref2va", inputs, progress):
+            yield update
+
+    async def _generate(
+        self, task: str, inputs: Sequence[Any], progress: gr.Progress
+    ) -> AsyncIterator[tuple[Any, ...]]:
+        values = TaskValues.from_inputs(task, inputs)
+        seed = secrets.randbelow(RANDOM_SEED_LIMIT) if values.values["randomize_seed"] else None
+        try:
+            request = build_request(values, seed=seed, keep=self.store.keep_file)
+            self.front.check(request)
+        except RequestError as error:
+            raise gr.Error(str(error), title="Invalid request", print_exception=False) from None
+        handle = self.front.submit(request)
+        try:
+            async for update in self._follow(handle, progress):
+                yield update
+        finally:
+            # Cancelled by Gradio, or the reader went away: stop the engine at its next step.
+            self.front.cancel(handle)
+
+    async def _follow(self, handle: JobHandle, progress: gr.Progress) -> AsyncIterator[tuple[Any, ...]]:
+        started_at = time.monotonic()
+        queue_wait_s = 0.0
+        latest_preview = None
+        while True:
+            events = handle.drain()
+            if not events:
+                await asyncio.sleep(POLL_INTERVAL_S)
+                continue
+            status, step, preview = None, None, None
+            for event in events:
+                if isinstance(event, JobQueued):
+                    status = f"Waiting for a free engine: position {event.position} in the queue."
+                    progress(0, desc=f"Queued (position {event.position})")
+                elif isinstance(event, JobStarted):
+                    queue_wait_s = event.queue_wait_s
+                    status = f"Generating {event.width} × {event.height}, {event.frames} frames: encoding the prompt…"
+                    progress(0, desc="Encoding the prompt")
+                elif isinstance(event, StepProgress):
+                    step = event
+                elif isinstance(event, PreviewFrame):
+                    preview = latest_preview = event
+                elif isinstance(event, JobFinished):
+                    final_preview = latest_preview.rgb if latest_preview is not None else None
+                    yield self._finished(event, final_preview, queue_wait_s, time.monotonic() - started_at)
+                    return
+                elif isinstance(event, JobFailed):
+                    if event.kind == "cancelled":
+                        yield result_update(status=event.message)
+                        return
+                    title = "Invalid request" if event.kind == "request" else "Generation failed"
+                    raise gr.Error(event.message, title=title, print_exception=False)
+            if step is not None:
+                status = (
+                    f"Denoising: step {step.step} of {step.total} · {step.elapsed_s:.1f} s elapsed · "
+                    f"about {step.eta_s:.0f} s left"
+                )
+                if step.step == step.total:
+                    status = "Decoding the video and the audio, writing the MP4…"
+                progress((step.step, step.total), desc=f"Denoising (ETA {step.eta_s:.0f} s)", unit="steps")
+            yield result_update(
+                status=status if status is not None else gr.skip(),
+                preview=preview.rgb if preview is not None else gr.skip(),
+            )
+
+    @staticmethod
+    def _finished(
+        event: JobFinished, preview: np.ndarray | None, queue_wait_s: float, wall_s: float
+    ) -> tuple[Any, ...]:
+        timings = {"queue_wait_s": queue_wait_s, **event.timings_s}
+        return result_update(
+            status=f"Done in {wall_s:.1f} s.",
+            preview=preview,
+            video=event.video_path,
+            seed_used=event.seed,
+            details=result_markdown(event.seed, event.width, event.height, event.frames, event.fps, timings),
+            downloads=[event.video_path, event.sidecar_path],
+            last_result=event.video_path,
+        )
+
+    # --- history, examples, keyframes --------------------------------------------------------------------
+
+    def history_samples(self) -> list[list[str]]:
+        return history_rows(list_history(self.outputs_dir))
+
+    def refresh_history(self) -> gr.Dataset:
+        return gr.Dataset(samples=self.history_samples())
+
+    def restore(self, row: list[Any] | None) -> tuple[HistoryEntry, GenerationRequest, dict[str, Any]]:
+        entry = find_entry(self.outputs_dir, row[0] if row else None)
+        if entry is None:
+            raise gr.Error("That result is no longer in the outputs folder.", print_exception=False)
+        try:
+            request = from_dict(entry.sidecar["request"])
+        except RequestError as error:
+            raise gr.Error(f"Cannot restore {entry.stem}: {error}", print_exception=False) from None
+        return entry, request, request_values(request, self.store.keep_file)
+
+    def result_of(self, entry: HistoryEntry) -> tuple[Any, ...]:
+        return result_update(
+            status=f"Restored {entry.stem}.",
+            preview=None,
+            video=str(entry.video_path),
+            seed_used=int(entry.sidecar.get("seed", 0)),
+            details=entry_markdown(entry),
+            downloads=[str(entry.video_path), str(entry.sidecar_path)],
+            last_result=str(entry.video_path),
+        )
+
+    def example_values(self, request: GenerationRequest) -> dict[str, Any]:
+        return request_values(request, self.store.keep_file)
+
+    def use_last_frame(self, last_result: str | None) -> str:
+        if not last_result or not Path(last_result).is_file():
+            raise gr.Error(
+                "There is no previous result yet: generate (or restore) one first.", print_exception=False
+            )
+        try:
+            return last_frame_png(last_result, self.store)
+        except RequestError as error:
+            raise gr.Error(str(error), print_exception=False) from None

@@ -1,0 +1,231 @@
+"""The three task tabs: each one builds only the inputs its task takes, plus the settings every task shares.
+
+Contract: `build_t2va_tab`, `build_fl2va_tab`, `build_ref2va_tab` are called inside a `gr.Tabs` and return a
+`TaskTab` holding their components; `TaskTab.inputs` is the ordered input list of the task's generate endpoint,
+matching the parameters of the handler for that task (prompt, the task's media, then `SettingsControls.inputs`).
+Nothing here attaches events (ui.blocks wires them), so the layout can be read on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import gradio as gr
+
+from h3engine.geometry import PRESET_ASPECT_RATIOS
+from h3engine.request import MAX_DURATION_SECONDS, MIN_DURATION_SECONDS, VERIFIED_SHORT_EDGE
+from ui.inputs import AUDIO_SUFFIXES, IMAGE_SUFFIXES, VIDEO_SUFFIXES
+
+# Every endpoint parameter's default, by name (the components start with these values).
+DEFAULT_VALUES = {
+    "prompt": "",
+    "first_image": None,
+    "last_image": None,
+    "references": [],
+    "duration_from_reference": False,
+    "duration_seconds": 5.0,
+    "aspect_ratio": "auto",
+    "seed": 0,
+    "randomize_seed": True,
+    "steps": 50,
+    "flow_shift": 12.0,
+    "audio_flow_shift": 3.0,
+    "short_edge": VERIFIED_SHORT_EDGE,
+}
+AUTO_ASPECT_LABELS = {
+    "t2va": "auto (16:9)",
+    "fl2va": "auto (follow the image)",
+    "ref2va": "auto (16:9)",
+}
+PROMPT_PLACEHOLDERS = {
+    "t2va": "Describe the shot, the motion and the sound. Spoken lines: <d>[English] Hello!</d>",
+    "fl2va": "Describe what happens between the first and the last frame, and what it sounds like.",
+    "ref2va": "Cite the references by their labels, e.g. The robot from <Picture 1> speaks in the voice of <Audio 1>.",
+}
+
+
+@dataclass
+class SettingsControls:
+    duration_seconds: gr.Slider
+    aspect_ratio: gr.Dropdown
+    derived: gr.Markdown
+    seed: gr.Number
+    randomize_seed: gr.Checkbox
+    steps: gr.Number
+    flow_shift: gr.Number
+    audio_flow_shift: gr.Number
+    short_edge: gr.Number
+
+    @property
+    def inputs(self) -> list[gr.components.Component]:
+        return [
+            self.duration_seconds,
+            self.aspect_ratio,
+            self.seed,
+            self.randomize_seed,
+            self.steps,
+            self.flow_shift,
+            self.audio_flow_shift,
+            self.short_edge,
+        ]
+
+    @property
+    def canvas_inputs(self) -> list[gr.components.Component]:
+        """The settings the derived canvas and frame count depend on."""
+        return [self.duration_seconds, self.aspect_ratio, self.short_edge]
+
+
+@dataclass
+class TaskTab:
+    task: str
+    prompt: gr.Textbox
+    settings: SettingsControls
+    generate: gr.Button
+    examples: gr.Dataset | None
+    media: list[gr.components.Component] = field(default_factory=list)
+    # FL2VA only
+    first_image: gr.Image | None = None
+    last_image: gr.Image | None = None
+    swap: gr.Button | None = None
+    use_last_frame: gr.Button | None = None
+    # Ref2VA only
+    references: gr.File | None = None
+    duration_from_reference: gr.Checkbox | None = None
+    reference_rows: gr.Column | None = None
+
+    @property
+    def inputs(self) -> list[gr.components.Component]:
+        return [self.prompt, *self.media, *self.settings.inputs]
+
+
+def _settings_controls(task: str, derived_text: str) -> SettingsControls:
+    with gr.Row():
+        duration = gr.Slider(
+            MIN_DURATION_SECONDS,
+            MAX_DURATION_SECONDS,
+            value=DEFAULT_VALUES["duration_seconds"],
+            step=0.5,
+            label="Duration (seconds)",
+            elem_id=f"{task}-duration",
+        )
+        aspect_ratio = gr.Dropdown(
+            choices=[(AUTO_ASPECT_LABELS[task], "auto"), *PRESET_ASPECT_RATIOS],
+            value=DEFAULT_VALUES["aspect_ratio"],
+            label="Aspect ratio",
+            elem_id=f"{task}-aspect",
+        )
+    derived = gr.Markdown(derived_text, elem_classes="h3-derived", elem_id=f"{task}-derived")
+    with gr.Row():
+        seed = gr.Number(value=DEFAULT_VALUES["seed"], precision=0, label="Seed", elem_id=f"{task}-seed")
+        randomize_seed = gr.Checkbox(
+            value=DEFAULT_VALUES["randomize_seed"], label="Random seed", elem_id=f"{task}-randomize"
+        )
+    with gr.Accordion("Advanced", open=False, elem_id=f"{task}-advanced"):
+        with gr.Row():
+            steps = gr.Number(
+                value=DEFAULT_VALUES["steps"], precision=0, label="Steps", elem_id=f"{task}-steps"
+            )
+            short_edge = gr.Number(
+                value=DEFAULT_VALUES["short_edge"],
+                precision=0,
+                label="Short edge (px)",
+                info=f"{VERIFIED_SHORT_EDGE} is the verified setting (the checkpoint's own canvas rule)",
+            )
+        with gr.Row():
+            flow_shift = gr.Number(value=DEFAULT_VALUES["flow_shift"], label="Video flow shift")
+            audio_flow_shift = gr.Number(value=DEFAULT_VALUES["audio_flow_shift"], label="Audio flow shift")
+    return SettingsControls(
+        duration, aspect_ratio, derived, seed, randomize_seed, steps, flow_shift, audio_flow_shift, short_edge
+    )
+
+
+def _prompt(task: str) -> gr.Textbox:
+    return gr.Textbox(
+        label="Prompt", lines=4, placeholder=PROMPT_PLACEHOLDERS[task], elem_id=f"{task}-prompt"
+    )
+
+
+def _examples(task: str, titles: list[str]) -> gr.Dataset | None:
+    if not titles:
+        return None
+    return gr.Dataset(
+        components=["textbox"],
+        samples=[[title] for title in titles],
+        headers=["Example (fills the inputs)"],
+        type="index",
+        label="Examples",
+        elem_id=f"{task}-examples",
+    )
+
+
+def _generate_button(task: str) -> gr.Button:
+    return gr.Button("Generate", variant="primary", elem_id=f"{task}-generate")
+
+
+def build_t2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
+    prompt = _prompt("t2va")
+    settings = _settings_controls("t2va", derived_text)
+    generate = _generate_button("t2va")
+    return TaskTab("t2va", prompt, settings, generate, _examples("t2va", example_titles))
+
+
+def build_fl2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
+    prompt = _prompt("fl2va")
+    with gr.Row(equal_height=True):
+        first_image = gr.Image(
+            type="filepath", label="First frame", sources=["upload", "clipboard"], elem_id="fl2va-first"
+        )
+        last_image = gr.Image(
+            type="filepath", label="Last frame", sources=["upload", "clipboard"], elem_id="fl2va-last"
+        )
+    with gr.Row():
+        swap = gr.Button("⇄ Swap first and last", size="sm", elem_id="fl2va-swap")
+        use_last_frame = gr.Button(
+            "Use the last frame of the previous result", size="sm", elem_id="fl2va-use-last-frame"
+        )
+    settings = _settings_controls("fl2va", derived_text)
+    generate = _generate_button("fl2va")
+    return TaskTab(
+        "fl2va",
+        prompt,
+        settings,
+        generate,
+        _examples("fl2va", example_titles),
+        media=[first_image, last_image],
+        first_image=first_image,
+        last_image=last_image,
+        swap=swap,
+        use_last_frame=use_last_frame,
+    )
+
+
+def build_ref2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
+    prompt = _prompt("ref2va")
+    references = gr.File(
+        file_count="multiple",
+        file_types=sorted(IMAGE_SUFFIXES | VIDEO_SUFFIXES | AUDIO_SUFFIXES),
+        type="filepath",
+        allow_reordering=True,
+        label="References, in order: up to 9 images, 3 video clips and 3 audio clips (drag to reorder)",
+        elem_id="ref2va-references",
+    )
+    # The labelled list with reorder / remove / insert buttons is rendered under this column by ui.blocks.
+    reference_rows = gr.Column(elem_id="ref2va-reference-rows")
+    duration_from_reference = gr.Checkbox(
+        value=DEFAULT_VALUES["duration_from_reference"],
+        label="Take the duration from the one reference that carries audio",
+        elem_id="ref2va-duration-from-reference",
+    )
+    settings = _settings_controls("ref2va", derived_text)
+    generate = _generate_button("ref2va")
+    return TaskTab(
+        "ref2va",
+        prompt,
+        settings,
+        generate,
+        _examples("ref2va", example_titles),
+        media=[references, duration_from_reference],
+        references=references,
+        duration_from_reference=duration_from_reference,
+        reference_rows=reference_rows,
+    )
