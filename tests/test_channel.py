@@ -278,11 +278,19 @@ def test_a_dead_producer_fails_the_receive(peer_death):
 
 
 def test_endpoints_and_channels_close_at_once_when_the_other_side_is_dead(peer_death):
-    assert peer_death.report("survivor")["close_s"] < DETECTION_LIMIT_S
-    assert peer_death.exit_codes == {"survivor": 0, "doomed": DOOMED_EXIT_CODE}
-    assert peer_death.channels_closed_cleanly == [True, True]
-    assert peer_death.leftover_children == set()
-    assert peer_death.leftover_shared_memory == set()
+    # Every assertion carries the whole run, so a failure on the GPU machine says which part went wrong.
+    facts = {
+        "survivor": peer_death.report("survivor"),
+        "exit_codes": peer_death.exit_codes,
+        "channels_closed_cleanly": peer_death.channels_closed_cleanly,
+        "leftover_children": peer_death.leftover_children,
+        "leftover_shared_memory": peer_death.leftover_shared_memory,
+    }
+    assert facts["survivor"]["close_s"] < DETECTION_LIMIT_S, facts
+    assert peer_death.exit_codes == {"survivor": 0, "doomed": DOOMED_EXIT_CODE}, facts
+    assert peer_death.channels_closed_cleanly == [True, True], facts
+    assert peer_death.leftover_children == set(), facts
+    assert peer_death.leftover_shared_memory == set(), facts
 
 
 # --------------------------------------------------------------------------------------------------------------
