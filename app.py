@@ -1,14 +1,17 @@
 """The MiniMax H3 browser app: `python app.py [--checkpoint DIR] [--host H] [--port P] [--share] [--auth U:P]`.
 
-Contract: command line and environment -> `AppConfig`; load one `Engine` per replica device; start the engine front;
-build the UI; `queue()`; `launch()`. With no checkpoint configured (no `--checkpoint`, `H3_CHECKPOINT` unset or
+Contract: command line and environment -> `AppConfig`; load the engine replicas; start the engine front; build the UI;
+`queue()`; `launch()`. With `--world-size 1` (the default) each of `--devices` is a replica holding a whole `Engine`
+in this process; with `--world-size N` every N consecutive devices (or N CPU ranks with `--devices cpu`) form a
+resident worker group of N processes, laid out by `--dit-sp`, `--dit-tp`, `--encoder-tp` and `--vae-ranks`
+(h3engine.runtime.workers; defaults: the profile of that size). With no checkpoint configured (no `--checkpoint`, `H3_CHECKPOINT` unset or
 empty) it runs on a tiny random-weight checkpoint that it makes once in a cache folder and says so in a banner.
 
 Safety defaults: binds 127.0.0.1 unless `--host` / `H3_HOST` says otherwise; `--share` and `--auth` are opt-in;
 uploads are limited to `--max-file-size`; besides uploads, only the outputs folder is served.
 
 Exit codes: 2 when the checkpoint or an option is unusable (one line on stderr naming it), 0 on a clean stop
-(Ctrl-C or SIGTERM: running jobs are cancelled and the workers joined).
+(Ctrl-C or SIGTERM: running jobs are cancelled, the worker threads joined and every worker process ended).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from h3engine.engine import Engine
+    from h3engine.runtime.workers import ProcessReplica
 
 # Gradio would otherwise phone home at import and launch; the app must work with no network at all.
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -51,6 +55,9 @@ class AppConfig:
     outputs_dir: Path
     cache_dir: Path
     devices: tuple[str | None, ...]
+    world_size: int
+    # --dit-sp, --dit-tp, --encoder-tp, --vae-ranks; None: the profile's value.
+    layout_flags: tuple[int | None, int | None, int | None, int | None]
     dtype: str | None
     host: str
     port: int
@@ -82,6 +89,21 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default=environ.get("H3_DEVICES") or None,
         help="comma-separated devices, one engine replica each (e.g. cuda:0,cuda:1); default: cuda if present, "
         "else cpu; env H3_DEVICES",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=int(environ.get("H3_WORLD_SIZE") or 1),
+        help="ranks per replica: N > 1 runs each replica as a resident group of N worker processes, one per GPU "
+        "(CPU ranks over gloo with --devices cpu); env H3_WORLD_SIZE",
+    )
+    parser.add_argument("--dit-sp", type=int, default=None, help="worker group: DiT Ulysses degree")
+    parser.add_argument("--dit-tp", type=int, default=None, help="worker group: DiT tensor-parallel degree")
+    parser.add_argument(
+        "--encoder-tp", type=int, default=None, help="worker group: text-encoder tensor degree"
+    )
+    parser.add_argument(
+        "--vae-ranks", type=int, default=None, help="worker group: ranks sharing the video decode"
     )
     parser.add_argument("--dtype", default=None, help="bfloat16 (released precision, default) or float32")
     parser.add_argument(
@@ -118,11 +140,15 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppC
     devices = tuple(name.strip() for name in args.devices.split(",")) if args.devices else (None,)
     if args.queue_size < 1 or args.preview_every < 1:
         raise ConfigError("--queue-size and --preview-every must be at least 1")
+    if args.world_size < 1:
+        raise ConfigError(f"--world-size must be at least 1, got {args.world_size}")
     return AppConfig(
         checkpoint=Path(args.checkpoint).expanduser() if args.checkpoint else None,
         outputs_dir=Path(args.outputs).expanduser().resolve(),
         cache_dir=_default_cache_dir(environ),
         devices=devices,
+        world_size=args.world_size,
+        layout_flags=(args.dit_sp, args.dit_tp, args.encoder_tp, args.vae_ranks),
         dtype=args.dtype,
         host=args.host,
         port=args.port,
@@ -134,7 +160,10 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppC
     )
 
 
-def _load_engines(checkpoint: Path, config: AppConfig) -> list[Engine]:
+def _load_engines(checkpoint: Path, config: AppConfig) -> list[Engine | ProcessReplica]:
+    """One replica per device (in-process engines) or per group of `world_size` devices (worker groups)."""
+    if config.world_size > 1 or any(flag is not None for flag in config.layout_flags):
+        return _start_worker_groups(checkpoint, config)
     from h3engine.engine import Engine, resolve_device, resolve_dtype
 
     engines = []
@@ -144,6 +173,27 @@ def _load_engines(checkpoint: Path, config: AppConfig) -> list[Engine]:
             Engine.from_checkpoint(checkpoint, device=device, dtype=resolve_dtype(config.dtype, device))
         )
     return engines
+
+
+def _start_worker_groups(checkpoint: Path, config: AppConfig) -> list[ProcessReplica]:
+    from h3engine.errors import RequestError
+    from h3engine.parallel.groups import RuntimeLayout
+    from h3engine.runtime.workers import ProcessReplica, replica_device_groups
+
+    try:
+        layout = RuntimeLayout.choose(config.world_size, *config.layout_flags)
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+    replicas: list[ProcessReplica] = []
+    try:
+        for devices in replica_device_groups(config.devices, config.world_size):
+            logger.info("starting a worker group on %s (%s)", ", ".join(devices), layout.describe())
+            replicas.append(ProcessReplica(checkpoint, devices, layout, config.dtype))
+    except BaseException:
+        for replica in replicas:
+            replica.close()
+        raise
+    return replicas
 
 
 def _make_tiny_checkpoint_once(folder: Path) -> None:
@@ -158,7 +208,7 @@ def _make_tiny_checkpoint_once(folder: Path) -> None:
         pass  # another app instance made it first
 
 
-def _tiny_engines(config: AppConfig) -> tuple[Path, list[Engine]]:
+def _tiny_engines(config: AppConfig) -> tuple[Path, list[Engine | ProcessReplica]]:
     """The embedded default: a tiny random-weight checkpoint, made once per engine version into the cache."""
     from h3engine import __version__
     from h3engine.errors import CheckpointError

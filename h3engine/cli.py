@@ -3,21 +3,41 @@
 Task inputs: `--first-frame` / `--last-frame` (FL2VA) and repeatable `--ref KIND:PATH[@START_SECONDS]` (Ref2VA, in
 the order the prompt's <Picture i> / <Video k> / <Audio j> labels count them); without `--task` the inputs pick it.
 
-Exit codes: 0 success; 2 a bad request, input file or checkpoint (one line on stderr naming the field or file);
-1 an internal error (one line on stderr; `--debug` adds the traceback). Nothing is written under the output name
-unless the whole generation succeeded.
+Devices: one device (`--device`, default cuda when present) runs the engine in this process. Several ranks run
+through the same engine front as the app, on a resident worker group (h3engine.runtime.workers): `--gpus N`,
+`--devices 0,1,...`, or `--world-size N` (with `--device cpu`: N CPU ranks over gloo). `--dit-sp`, `--dit-tp`,
+`--encoder-tp` and `--vae-ranks` choose the group's layout (defaults: the profile of its size).
+
+Exit codes: 0 success; 2 a bad request, input file, layout flag or checkpoint (one line on stderr naming the field,
+flag or file); 1 an internal error (one line on stderr; `--debug` adds the traceback, for the in-process engine);
+130 interrupted (Ctrl-C), 143 terminated (SIGTERM): a running generation is cancelled and every worker process
+ends. Nothing is written under the output name unless the whole generation succeeded.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from h3engine.errors import H3Error, RequestError
-from h3engine.request import REFERENCE_KINDS, from_dict, validate
+from h3engine.request import REFERENCE_KINDS, GenerationRequest, from_dict, validate
+
+if TYPE_CHECKING:  # torch is imported only once a generation really starts
+    import torch
+
+    from h3engine.parallel.groups import RuntimeLayout
+
+EXIT_TERMINATED = 143
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived; raised in the main thread so that `finally` blocks stop the workers (like Ctrl-C)."""
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -62,6 +82,19 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--recipe", default="sglang", help="sglang (default) or diffusers")
     generate.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    ranks = generate.add_argument_group("worker group (several GPUs, or CPU ranks)")
+    ranks.add_argument("--gpus", type=int, default=None, help="run on the first N GPUs, one rank each")
+    ranks.add_argument("--devices", default=None, help="run on these GPUs, one rank each, e.g. 0,1,2,3")
+    ranks.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="number of ranks on --device (e.g. --device cpu --world-size 2)",
+    )
+    ranks.add_argument("--dit-sp", type=int, default=None, help="DiT Ulysses sequence-parallel degree")
+    ranks.add_argument("--dit-tp", type=int, default=None, help="DiT tensor-parallel degree")
+    ranks.add_argument("--encoder-tp", type=int, default=None, help="text-encoder tensor-parallel degree")
+    ranks.add_argument("--vae-ranks", type=int, default=None, help="ranks sharing the video decode")
     generate.add_argument("--dtype", default=None, help="bfloat16 (released precision) or float32")
     generate.add_argument(
         "--out", required=True, help="output .mp4 path (a .json sidecar is written beside it)"
@@ -137,8 +170,10 @@ def _request_payload(args: argparse.Namespace) -> dict:
 
 def _generate(args: argparse.Namespace) -> int:
     # Imported here so that `--help` and argument errors never pay for importing torch.
-    from h3engine.engine import Engine, resolve_device, resolve_dtype
+    from h3engine.engine import resolve_device
     from h3engine.media.inputs import probe_media
+    from h3engine.parallel.groups import RuntimeLayout
+    from h3engine.runtime.workers import rank_devices
 
     out_path = Path(args.out)
     if out_path.suffix.lower() != ".mp4":
@@ -149,24 +184,88 @@ def _generate(args: argparse.Namespace) -> int:
     # The request and its files are checked before the checkpoint loads (minutes at the released size); the canvas
     # multiple of explicit width/height depends on the checkpoint and is checked once it is known.
     validate(request, probe_media, canvas_multiple=1)
-    device = resolve_device(args.device)
+    devices = rank_devices(args.device, args.world_size, args.gpus, args.devices)
+    try:
+        layout = RuntimeLayout.choose(len(devices), args.dit_sp, args.dit_tp, args.encoder_tp, args.vae_ranks)
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+    save_tensors_path = Path(args.save_tensors) if args.save_tensors else None
+    if len(devices) == 1:
+        return _generate_in_process(args, request, resolve_device(devices[0]), out_path, save_tensors_path)
+    return _generate_on_workers(args, request, devices, layout, out_path, save_tensors_path)
+
+
+def _print_step(step: int, total: int, elapsed_s: float) -> None:
+    print(f"step {step}/{total} ({elapsed_s:.1f} s)", file=sys.stderr)
+
+
+def _generate_in_process(
+    args: argparse.Namespace,
+    request: GenerationRequest,
+    device: torch.device,
+    out_path: Path,
+    save_tensors_path: Path | None,
+) -> int:
+    from h3engine.engine import Engine, resolve_dtype
+
     engine = Engine.from_checkpoint(args.checkpoint, device=device, dtype=resolve_dtype(args.dtype, device))
     for warning in engine.validate(request):
         print(f"warning: {warning}", file=sys.stderr)
     written = engine.generate_to_file(
         request,
         out_path,
-        save_tensors_path=Path(args.save_tensors) if args.save_tensors else None,
-        on_step=lambda event: print(
-            f"step {event.step}/{event.total} ({event.elapsed_s:.1f} s)", file=sys.stderr
-        ),
+        save_tensors_path=save_tensors_path,
+        on_step=lambda event: _print_step(event.step, event.total, event.elapsed_s),
     )
     print(written.video)
     return 0
 
 
+def _generate_on_workers(
+    args: argparse.Namespace,
+    request: GenerationRequest,
+    devices: tuple[str, ...],
+    layout: RuntimeLayout,
+    out_path: Path,
+    save_tensors_path: Path | None,
+) -> int:
+    """The app's path: a worker group behind an engine front, one job, its messages printed as they come."""
+    from h3engine.runtime.front import EngineFront
+    from h3engine.runtime.messages import JobFailed, JobFinished, StepProgress
+    from h3engine.runtime.workers import ProcessReplica
+
+    replica = ProcessReplica(args.checkpoint, devices, layout, args.dtype)
+    print(f"worker group ready on {', '.join(devices)}: {layout.describe()}", file=sys.stderr)
+    front = EngineFront([replica], out_path.parent)
+    try:
+        for warning in front.check(request):
+            print(f"warning: {warning}", file=sys.stderr)
+        handle = front.submit(request, out_path, save_tensors_path)
+        while True:
+            event = handle.next_event(timeout=1.0)
+            if isinstance(event, StepProgress):
+                _print_step(event.step, event.total, event.elapsed_s)
+            elif isinstance(event, JobFinished):
+                print(event.video_path)
+                return 0
+            elif isinstance(event, JobFailed):
+                if event.kind == "request":
+                    raise RequestError(event.message)
+                print(f"error: {event.message}", file=sys.stderr)
+                return 1
+    finally:
+        front.shutdown()
+
+
+def _raise_terminated(signal_number: int, frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    # Only the main thread may take signals (main() also runs inside tests and other programs' threads).
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous_handler = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     try:
         if args.command == "make-tiny-checkpoint":
             from h3engine.checkpoint.tiny import make_tiny_checkpoint
@@ -183,8 +282,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     except Exception as error:  # the last line of defence: one line, no traceback unless asked
         if args.debug:
             traceback.print_exc()
         print(f"internal error: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous_handler)

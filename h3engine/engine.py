@@ -8,6 +8,10 @@ Contract:
 * `parse_request` / `validate` never touch the models; `generate` returns float tensors; `generate_to_file` writes
   the MP4 (and then its JSON sidecar, and optionally the tensors) atomically, so a file under the output name is
   always complete.
+* `generate` is `prepare` (validate, read the inputs, encode the conditioning: a `PreparedRequest`) and then the
+  pipeline; `generate_to_file` is `generate` and then `write_outputs`. A worker group (h3engine.runtime.rank) calls
+  these halves itself: its rank 0 prepares and writes, every rank generates. The `_load_*` methods are the one
+  place that builds each model, so a rank's engine swaps in its shards there.
 """
 
 from __future__ import annotations
@@ -97,6 +101,21 @@ class WrittenFiles:
     tensors: Path | None
 
 
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request with its inputs read and encoded: everything the pipeline needs besides the models.
+
+    Plain data (CPU tensors), so a worker group's rank 0 can hand it to the other ranks as it is.
+    """
+
+    partition: str
+    schedule: Schedule
+    geometry: Geometry
+    presentation: Presentation
+    conditions: EncodedConditions
+    conditioning_s: float
+
+
 @dataclass
 class _PartitionSources:
     dit: ComponentSource
@@ -157,16 +176,18 @@ class Engine:
         paths = sources.paths
         tokenizer = self._module("tokenizer", paths.tokenizer, lambda: load_tokenizer(paths.tokenizer))
         text_encoder = self._module(
-            "text_encoder",
-            paths.text_encoder,
-            lambda: H3TextEncoder.load(paths.text_encoder, device=self.device, dtype=self.dtype),
+            "text_encoder", paths.text_encoder, lambda: self._load_text_encoder(paths.text_encoder)
         )
         text_encoder.verify_tokenizer(tokenizer)
         processor = self._module("processor", paths.processor, lambda: load_processor(paths.processor))
         return Models(
-            dit=self._module("dit", paths.dit, lambda: sources.dit.load(self.device)),
-            video_vae=self._module("video_vae", paths.video_vae, lambda: sources.video_vae.load(self.device)),
-            audio_vae=self._module("audio_vae", paths.audio_vae, lambda: sources.audio_vae.load(self.device)),
+            dit=self._module("dit", paths.dit, lambda: self._load_dit(sources.dit)),
+            video_vae=self._module(
+                "video_vae", paths.video_vae, lambda: self._load_video_vae(sources.video_vae)
+            ),
+            audio_vae=self._module(
+                "audio_vae", paths.audio_vae, lambda: self._load_audio_vae(sources.audio_vae)
+            ),
             text_encoder=text_encoder,
             tokenizer=tokenizer,
             processor=processor,
@@ -174,6 +195,18 @@ class Engine:
             if self.device.type == "cuda" and self.dtype != torch.float32
             else None,
         )
+
+    def _load_text_encoder(self, folder: Path) -> H3TextEncoder:
+        return H3TextEncoder.load(folder, device=self.device, dtype=self.dtype)
+
+    def _load_dit(self, source: ComponentSource) -> torch.nn.Module:
+        return source.load(self.device)
+
+    def _load_video_vae(self, source: ComponentSource) -> torch.nn.Module | None:
+        return source.load(self.device)
+
+    def _load_audio_vae(self, source: ComponentSource) -> torch.nn.Module | None:
+        return source.load(self.device)
 
     # --- requests ---------------------------------------------------------------------------------------
 
@@ -315,38 +348,48 @@ class Engine:
         except ValueError as error:
             raise RequestError(f"{field}: {reference.path}: {error}") from None
 
+    def schedule_for(self, request: GenerationRequest) -> Schedule:
+        return Schedule.build(
+            request.steps,
+            recipe=request.recipe,
+            video_shift=request.flow_shift,
+            audio_shift=request.audio_flow_shift,
+        )
+
+    def prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """Validate the request, read its input files and encode its conditioning (RequestError naming the field)."""
+        self.validate(request)
+        partition = self.layout.for_task(request.task).partition
+        models = self.models_for_partition(partition)
+        schedule = self.schedule_for(request)
+        with torch.inference_mode():
+            started = time.perf_counter()
+            geometry, presentation, conditions = self.prepare_conditioning(request, models)
+            conditioning_s = time.perf_counter() - started
+        return PreparedRequest(partition, schedule, geometry, presentation, conditions, conditioning_s)
+
     def generate(
         self,
         request: GenerationRequest,
         on_step: Callable[[StepEvent], None] | None = None,
         should_cancel: Callable[[], bool] | None = None,
     ) -> tuple[GenerationOutput, Geometry]:
-        self.validate(request)
-        models = self.models_for_partition(self.layout.for_task(request.task).partition)
-        schedule = Schedule.build(
-            request.steps,
-            recipe=request.recipe,
-            video_shift=request.flow_shift,
-            audio_shift=request.audio_flow_shift,
-        )
+        prepared = self.prepare(request)
         with torch.inference_mode():
-            started = time.perf_counter()
-            geometry, presentation, conditions = self.prepare_conditioning(request, models)
-            conditioning_s = time.perf_counter() - started
             output = run_generation(
-                models,
-                presentation,
-                conditions,
-                geometry,
-                schedule,
+                self.models_for_partition(prepared.partition),
+                prepared.presentation,
+                prepared.conditions,
+                prepared.geometry,
+                prepared.schedule,
                 request.seed,
                 request.recipe,
                 self.device,
                 on_step=on_step,
                 should_cancel=should_cancel,
             )
-        output.timings["conditioning_s"] = conditioning_s
-        return output, geometry
+        output.timings["conditioning_s"] = prepared.conditioning_s
+        return output, prepared.geometry
 
     def generate_to_file(
         self,
@@ -356,10 +399,24 @@ class Engine:
         on_step: Callable[[StepEvent], None] | None = None,
         should_cancel: Callable[[], bool] | None = None,
     ) -> WrittenFiles:
-        video_path, sidecar_path = output_paths(out_path)
+        output_paths(out_path)  # a bad output name fails before the work, not after it
         # Hashed before generating, so the sidecar names the bytes the conditioning was read from.
         inputs = input_records(request)
         output, geometry = self.generate(request, on_step=on_step, should_cancel=should_cancel)
+        return self.write_outputs(request, inputs, output, geometry, out_path, save_tensors_path)
+
+    def write_outputs(
+        self,
+        request: GenerationRequest,
+        inputs: list[dict[str, Any]],
+        output: GenerationOutput,
+        geometry: Geometry,
+        out_path: Path,
+        save_tensors_path: Path | None = None,
+    ) -> WrittenFiles:
+        """The MP4, then (optionally) the tensors, then the sidecar, each atomically: a visible sidecar means the
+        rest is complete. `inputs` are the request's `input_records`."""
+        video_path, sidecar_path = output_paths(out_path)
         started = time.perf_counter()
         write_mp4(video_path, output.video, output.audio)
         output.timings["mux_s"] = time.perf_counter() - started

@@ -9,6 +9,10 @@ rows, sigmas, the Euler update) stays fp32 whatever the DiT's compute dtype.
 
 Progress and cancellation: `on_step` is called after every step with a small `StepEvent`; `should_cancel` is polled
 before every step and a `True` raises `GenerationCancelled` (nothing is decoded).
+
+`run_generation` is `denoise_request` (encode, pack, denoise: latents) followed by `decode`. A worker group runs the
+two halves itself: every rank denoises (its sharded models return full results on every rank), then the VAE group
+decodes with `decode_on_group`, and only VAE rank 0 ends up with the video and the audio.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import torch
 from h3engine.conditioning import EncodedConditions
 from h3engine.errors import GenerationCancelled
 from h3engine.geometry import Geometry
+from h3engine.parallel.groups import GroupMembership
+from h3engine.parallel.vae import decode_video_and_audio
 from h3engine.presentation import Presentation
 from h3engine.sampling.noise import InitialNoise, draw_initial_noise, noise_condition_rows
 from h3engine.sampling.packing import (
@@ -55,11 +61,15 @@ class GenerationOutput:
 
 @dataclass
 class Models:
-    """The loaded components one partition needs."""
+    """The loaded components one partition needs.
+
+    A rank of a worker group holds only what it runs: its shards of the DiT and the text encoder, the video VAE on
+    VAE-group ranks (None elsewhere) and the audio VAE on rank 0 (None elsewhere).
+    """
 
     dit: torch.nn.Module
-    video_vae: torch.nn.Module
-    audio_vae: torch.nn.Module
+    video_vae: torch.nn.Module | None
+    audio_vae: torch.nn.Module | None
     text_encoder: object
     tokenizer: object
     # The Qwen3-VL processor (image and video pixel preprocessing for keyframes and references).
@@ -144,6 +154,11 @@ def denoise(
     return video_rows, audio_rows
 
 
+def _frames_from_pixels(video_vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """Decoded pixels [1, 3, F, H, W] (the VAE's space) -> frames [F, H, W, 3] in [0, 1], float32."""
+    return video_vae.to_unit_range(pixels)[0].permute(1, 2, 3, 0).float()
+
+
 def decode(
     models: Models, video_latents: torch.Tensor, audio_latents: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
@@ -154,7 +169,7 @@ def decode(
     pixels = models.video_vae.decode(
         models.video_vae.denormalize_latents(video_latents), autocast_dtype=models.video_decode_autocast
     )
-    video = models.video_vae.to_unit_range(pixels)[0].permute(1, 2, 3, 0).float()
+    video = _frames_from_pixels(models.video_vae, pixels)
     _synchronize(device)
     timings["video_decode_s"] = time.perf_counter() - started
     started = time.perf_counter()
@@ -162,6 +177,36 @@ def decode(
     _synchronize(device)
     timings["audio_decode_s"] = time.perf_counter() - started
     return video.cpu(), audio.float().cpu(), timings
+
+
+def decode_on_group(
+    models: Models, video_latents: torch.Tensor, audio_latents: torch.Tensor, vae_group: GroupMembership
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]] | None:
+    """`decode` with the video tiles split over a VAE group (h3engine.parallel.vae); None on all but VAE rank 0.
+
+    Every member calls it with the same latents. Rank 0 decodes the audio while the others finish their tiles, so
+    one timing, `decode_s`, covers both. A group of one is plain `decode`.
+    """
+    if vae_group.size == 1:
+        return decode(models, video_latents, audio_latents)
+    started = time.perf_counter()
+    # Only rank 0 holds the audio VAE; the other ranks never read the audio latents.
+    if models.audio_vae is not None:
+        audio_latents = models.audio_vae.denormalize_latents(audio_latents)
+    decoded = decode_video_and_audio(
+        models.video_vae,
+        models.audio_vae,
+        models.video_vae.denormalize_latents(video_latents),
+        audio_latents,
+        vae_group,
+        models.video_decode_autocast,
+    )
+    if decoded is None:
+        return None
+    pixels, waveform = decoded
+    video = _frames_from_pixels(models.video_vae, pixels)
+    _synchronize(video.device)
+    return video.cpu(), waveform.float().cpu(), {"decode_s": time.perf_counter() - started}
 
 
 def encode_presentation(models: Models, presentation: Presentation, device: torch.device) -> torch.Tensor:
@@ -188,7 +233,27 @@ def pack_condition_rows(
     return torch.cat(video_rows), torch.cat(audio_rows)
 
 
-def run_generation(
+@dataclass
+class DenoisedLatents:
+    """A request's generated latents after the last step: normalized, on the compute device."""
+
+    video_latents: torch.Tensor  # [1, C, T, h, w]
+    audio_latents: torch.Tensor  # [2, C, A]
+    timings: dict[str, float]
+
+    def output(
+        self, video: torch.Tensor, audio: torch.Tensor, decode_timings: dict[str, float]
+    ) -> GenerationOutput:
+        return GenerationOutput(
+            video,
+            audio,
+            self.video_latents[0].float().cpu(),
+            self.audio_latents.float().cpu(),
+            {**self.timings, **decode_timings},
+        )
+
+
+def denoise_request(
     models: Models,
     presentation: Presentation,
     conditions: EncodedConditions,
@@ -199,8 +264,8 @@ def run_generation(
     device: torch.device,
     on_step: Callable[[StepEvent], None] | None = None,
     should_cancel: Callable[[], bool] | None = None,
-) -> GenerationOutput:
-    """One request of any task: the presentation and the encoded conditioning decide which one it is."""
+) -> DenoisedLatents:
+    """Encode the presentation, pack the condition rows and the seed's noise, and run every step."""
     timings = {}
     started = time.perf_counter()
     text_states = encode_presentation(models, presentation, device)
@@ -208,13 +273,15 @@ def run_generation(
     timings["text_encode_s"] = time.perf_counter() - started
 
     layout = conditions.layout(presentation.row_tags, geometry)
+    # The latent channel counts come from the DiT, which every rank holds (the VAEs live on some ranks only); they
+    # are the VAEs' latent channels, which is what the DiT's patch projections read.
     noise = draw_initial_noise(
         seed,
         geometry,
         recipe=recipe,
         condition_shapes=conditions.visual_shapes,
-        video_channels=models.video_vae.config.latent_channels,
-        audio_channels=models.audio_vae.config.latent_channels,
+        video_channels=models.dit.config.video_in_channels,
+        audio_channels=models.dit.config.audio_in_channels,
     )
     condition_video_rows, condition_audio_rows = pack_condition_rows(conditions, noise, geometry.patch)
     if condition_video_rows.shape[0] != layout.num_condition_video_rows or (
@@ -250,8 +317,23 @@ def run_generation(
         geometry.patch,
     )
     audio_latents = rows_to_audio_latents(audio_rows[layout.num_condition_audio_rows :])
-    video, audio, decode_timings = decode(models, video_latents, audio_latents)
-    timings.update(decode_timings)
-    return GenerationOutput(
-        video, audio, video_latents[0].float().cpu(), audio_latents.float().cpu(), timings
+    return DenoisedLatents(video_latents, audio_latents, timings)
+
+
+def run_generation(
+    models: Models,
+    presentation: Presentation,
+    conditions: EncodedConditions,
+    geometry: Geometry,
+    schedule: Schedule,
+    seed: int,
+    recipe: str,
+    device: torch.device,
+    on_step: Callable[[StepEvent], None] | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+) -> GenerationOutput:
+    """One request of any task: the presentation and the encoded conditioning decide which one it is."""
+    latents = denoise_request(
+        models, presentation, conditions, geometry, schedule, seed, recipe, device, on_step, should_cancel
     )
+    return latents.output(*decode(models, latents.video_latents, latents.audio_latents))

@@ -9,6 +9,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,11 +43,13 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_app(folder: Path, embedded_default: bool = False) -> RunningApp:
+def start_app(
+    folder: Path, embedded_default: bool = False, extra_arguments: Sequence[str] = ()
+) -> RunningApp:
     """Launch the app as a user would, with its own outputs, cache and Gradio temp folders.
 
     `embedded_default`: give no checkpoint, so the app makes its tiny random-weight default in the cache folder;
-    otherwise a tiny checkpoint is made here and passed with --checkpoint.
+    otherwise a tiny checkpoint is made here and passed with --checkpoint. `extra_arguments` go to app.py as well.
     """
     outputs_dir = folder / "outputs"
     port = _free_port()
@@ -58,7 +61,7 @@ def start_app(folder: Path, embedded_default: bool = False) -> RunningApp:
     }
     environment.pop("H3_CHECKPOINT", None)
     command = [sys.executable, str(REPOSITORY_ROOT / "app.py"), "--outputs", str(outputs_dir)]
-    command += ["--port", str(port), "--devices", "cpu"]
+    command += ["--port", str(port), "--devices", "cpu", *extra_arguments]
     if not embedded_default:
         command += ["--checkpoint", str(make_tiny_checkpoint(folder / "checkpoint", seed=0))]
     with open(log_path, "wb") as log:

@@ -32,6 +32,7 @@ PHASE_TITLES = {
     "denoise_s": "Denoise",
     "video_decode_s": "Video decode",
     "audio_decode_s": "Audio decode",
+    "decode_s": "Decode (video tiles over the VAE ranks, audio alongside)",
     "mux_s": "MP4 mux",
 }
 

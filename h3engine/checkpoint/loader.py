@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import yaml
@@ -38,9 +39,14 @@ def _identity(state: StateDict) -> StateDict:
 
 @dataclass
 class ComponentSource:
-    """One component on disk: how to build our module and how to read and rename its tensors."""
+    """One component on disk: how to build our module and how to read and rename its tensors.
+
+    `config` is the component's parsed config (DiTConfig, VideoVAEConfig, AudioVAEConfig): the sharded loaders of
+    h3engine.parallel build from it and read the same `files`.
+    """
 
     name: str
+    config: Any
     build: Callable[[], torch.nn.Module]
     files: WeightFiles
     to_file_names: Callable[[StateDict], StateDict]
@@ -116,6 +122,7 @@ def dit_source(layout: CheckpointLayout, paths: PartitionPaths, dtype: torch.dty
     native = layout.kind == "native"
     return ComponentSource(
         name=f"{paths.partition} transformer",
+        config=config,
         build=lambda: H3DiT(config, dtype=dtype),
         files=WeightFiles.open(paths.dit),
         to_file_names=_identity if native else dit_keys.native_to_diffusers,
@@ -140,6 +147,7 @@ def video_vae_source(layout: CheckpointLayout, paths: PartitionPaths) -> Compone
     native = layout.kind == "native"
     return ComponentSource(
         name="video VAE",
+        config=config,
         build=lambda: VideoVAE(config),
         files=WeightFiles.open(weights),
         to_file_names=_identity if native else partial(video_vae_keys.native_to_diffusers, config=config),
@@ -166,6 +174,7 @@ def audio_vae_source(layout: CheckpointLayout, paths: PartitionPaths) -> Compone
     native = layout.kind == "native"
     return ComponentSource(
         name="audio VAE",
+        config=config,
         build=lambda: AudioVAE(config),
         files=WeightFiles.open(weights),
         to_file_names=_identity if native else audio_vae_keys.native_to_diffusers,

@@ -18,6 +18,12 @@ Every layout is the user's choice, validated before anything starts; every error
   `h3engine.parallel.vae`); the others sit the decode out. `create_vae_group` gives this rank's membership, or
   None for a rank outside the group. VAE-group rank 0 is world rank 0.
 
+* Worker group (`RuntimeLayout`): the four flags above for one group of `world_size` ranks, each rank hosting its
+  share of every component (rank r is DiT rank r, text-encoder rank r and, when r < vae_ranks, VAE rank r).
+  `RuntimeLayout.choose` fills the flags the user left out from the profile of that world size (`PROFILES`);
+  `dit_layout` / `encoder_layout` validate against the checkpoint's models. `create_control_group` gives the gloo
+  group the runtime uses for its small CPU-side exchanges (request broadcast, the per-step cancel vote).
+
 This is the only module that creates process groups. Everything downstream receives a `GroupMembership` and
 calls `h3engine.parallel.collectives`, which do nothing for a group of one, so world size 1 needs no
 `torch.distributed` at all.
@@ -205,6 +211,107 @@ class VAELayout:
             raise ValueError(f"--vae-ranks {self.vae_ranks} is more than the {self.world_size} GPUs")
 
 
+# Worker-group size -> (dit_sp, dit_tp, encoder_tp, vae_ranks) for the flags the user leaves out.
+PROFILES: dict[int, tuple[int, int, int, int]] = {
+    1: (1, 1, 1, 1),
+    # Ulysses over both GPUs: the whole DiT on each (66 GB in bf16 next to half the 64 GB encoder on an H200),
+    # and no collective inside its GEMMs.
+    2: (2, 1, 2, 2),
+    # The released four-GPU profile; `--dit-sp 4 --dit-tp 1` is the Ulysses-4 alternative (SGLang's example).
+    4: (2, 2, 4, 4),
+    8: (4, 2, 8, 8),
+}
+
+
+@dataclass(frozen=True)
+class RuntimeLayout:
+    """One worker group: `world_size` ranks and the layout flags (see the module docstring).
+
+    The checks here need no model; `dit_layout` and `encoder_layout` add the ones against the checkpoint's heads
+    and widths. Errors are ValueErrors whose message starts with the flag.
+    """
+
+    world_size: int
+    dit_sp: int
+    dit_tp: int
+    encoder_tp: int
+    vae_ranks: int
+
+    def __post_init__(self) -> None:
+        _require_positive("number of GPUs", self.world_size)
+        for flag, value in (
+            ("--dit-sp", self.dit_sp),
+            ("--dit-tp", self.dit_tp),
+            ("--encoder-tp", self.encoder_tp),
+            ("--vae-ranks", self.vae_ranks),
+        ):
+            _require_positive(flag, value)
+        if self.dit_sp * self.dit_tp != self.world_size:
+            raise ValueError(
+                f"--dit-sp {self.dit_sp} x --dit-tp {self.dit_tp} = {self.dit_sp * self.dit_tp} ranks, but the "
+                f"worker group has {self.world_size}: the product must equal the number of GPUs"
+            )
+        if self.world_size % self.encoder_tp:
+            raise ValueError(
+                f"--encoder-tp {self.encoder_tp} does not divide the {self.world_size} GPUs (divisors: "
+                f"{_divisors(self.world_size)})"
+            )
+        VAELayout(self.world_size, self.vae_ranks)
+
+    @classmethod
+    def choose(
+        cls,
+        world_size: int,
+        dit_sp: int | None = None,
+        dit_tp: int | None = None,
+        encoder_tp: int | None = None,
+        vae_ranks: int | None = None,
+    ) -> RuntimeLayout:
+        """The layout the flags ask for; a flag left out (None) comes from `PROFILES`, or, for a world size with
+        no profile, from "Ulysses over every rank, the encoder over every rank, the VAE over every rank". One DiT
+        flag alone gets the other from the world size."""
+        _require_positive("number of GPUs", world_size)
+        profile = PROFILES.get(world_size, (world_size, 1, world_size, world_size))
+        if dit_sp is None and dit_tp is None:
+            dit_sp, dit_tp = profile[0], profile[1]
+        elif dit_tp is None:
+            dit_tp = _complement("--dit-sp", dit_sp, world_size)
+        elif dit_sp is None:
+            dit_sp = _complement("--dit-tp", dit_tp, world_size)
+        return cls(
+            world_size,
+            dit_sp,
+            dit_tp,
+            profile[2] if encoder_tp is None else encoder_tp,
+            profile[3] if vae_ranks is None else vae_ranks,
+        )
+
+    def dit_layout(self, config: DiTConfig) -> ParallelLayout:
+        return ParallelLayout.for_dit(config, self.world_size, self.dit_sp, self.dit_tp)
+
+    def encoder_layout(self, config: Qwen3VLConfig) -> EncoderLayout:
+        return EncoderLayout.for_text_encoder(config, self.world_size, self.encoder_tp)
+
+    def vae_layout(self) -> VAELayout:
+        return VAELayout(self.world_size, self.vae_ranks)
+
+    def describe(self) -> str:
+        return (
+            f"{self.world_size} ranks: DiT Ulysses {self.dit_sp} x tensor {self.dit_tp}, text encoder tensor "
+            f"{self.encoder_tp}, VAE over {self.vae_ranks}"
+        )
+
+
+def _complement(flag: str, value: object, world_size: int) -> int:
+    """The other DiT degree when only `flag` was given: world_size / value."""
+    _require_positive(flag, value)
+    if world_size % value:
+        raise ValueError(
+            f"{flag} {value} does not divide the {world_size} GPUs (divisors: {_divisors(world_size)})"
+        )
+    return world_size // value
+
+
 @dataclass(frozen=True)
 class GroupMembership:
     """This rank's place in one process group. `process_group` is None for a group of one (no communication)."""
@@ -325,3 +432,17 @@ def create_vae_group(layout: VAELayout) -> GroupMembership | None:
         return GroupMembership.alone() if rank == 0 else None
     group = dist.new_group(list(range(layout.vae_ranks)))
     return GroupMembership(group, layout.vae_ranks, rank) if rank < layout.vae_ranks else None
+
+
+def create_control_group(world_size: int) -> GroupMembership:
+    """A gloo group over the whole world for the runtime's small CPU-side exchanges.
+
+    The request broadcast and the per-step cancel vote go through it, so they never queue behind GPU work even when
+    the compute world is NCCL. Collective over the default world (all ranks call it, in the same order).
+    """
+    if world_size == 1:
+        return GroupMembership.alone()
+    rank = _joined_world_rank("control", world_size)
+    # The decision depends only on the world's backend, the same on every rank, so new_group still lines up.
+    group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    return GroupMembership(group, world_size, rank)

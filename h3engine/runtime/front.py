@@ -1,23 +1,27 @@
 """The in-process engine front: a job queue in front of one or more engine replicas, one worker thread each.
 
 Contract:
-* `EngineFront(engines, outputs_dir)` starts one worker thread per `Engine` (a replica: its own models on its own
-  device). Jobs run in submission order; at most `replicas` run at once.
-* `submit(request)` returns a `JobHandle` at once. The handle yields the job's messages (h3engine.runtime.messages):
+* `EngineFront(replicas, outputs_dir)` starts one worker thread per replica. A replica is an `Engine` (its own
+  models on its own device, run in this process; wrapped in `EngineReplica`) or anything with the `Replica`
+  interface, such as h3engine.runtime.workers.ProcessReplica (a resident worker group, one process per rank).
+  Jobs run in submission order; at most `replicas` run at once.
+* `submit(request)` returns a `JobHandle` at once (`out_path` / `save_tensors_path` pick the files; by default a
+  stamped name in the outputs folder). The handle yields the job's messages (h3engine.runtime.messages):
   `JobQueued` whenever its queue position changes, `JobStarted`, `StepProgress` after every denoising step,
   `PreviewFrame` every `preview_every` steps, then exactly one terminal `JobFinished` or `JobFailed`.
 * `cancel(handle)` removes a waiting job at once; a running job stops at the engine's next step check (before
   every denoising step), its tensors are dropped and, on a GPU, the allocator cache is emptied, so the replica
   is free for the next job. Cancelling a finished job does nothing.
-* `shutdown()` cancels everything and joins the workers.
+* `shutdown()` cancels everything, joins the workers and closes the replicas (a worker group's processes end).
 * `check(request)` / `expected_geometry(request)` run the model-free checks of h3engine.runtime.checks; callers
   use them before `submit`, so an invalid request never takes a place in the queue. The worker validates again
   with the engine itself, and its RequestError becomes a `JobFailed(kind="request")` with the engine's message.
 
-Why messages and not callbacks: the messages are plain picklable data, so when replicas move into worker processes
-the same handle API can be fed from a multiprocessing queue instead of a thread. The engine's `on_step` callback
-runs inside the denoising loop; it only formats small messages and puts them without blocking (a full buffer
-drops progress and previews, never the terminal message), so a slow or vanished reader never stalls a GPU.
+Why messages and not callbacks: the messages are plain picklable data, so a replica in worker processes feeds the
+same handle API from a pipe: its rank 0 builds the very same messages with `job_started`, `step_reporter` and
+`job_finished`. The engine's `on_step` callback runs inside the denoising loop; it only formats small messages and
+puts them without blocking (a full buffer drops progress and previews, never the terminal message), so a slow or
+vanished reader never stalls a GPU.
 
 Danger: an `Engine` is not thread-safe; each one is only ever called from its own worker thread. Any exception
 from the engine is caught in the worker (an internal one is logged with its traceback and reported as one short
@@ -35,10 +39,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from h3engine.engine import Engine
+from h3engine.engine import Engine, WrittenFiles
 from h3engine.errors import GenerationCancelled, H3Error
 from h3engine.geometry import FPS, Geometry
 from h3engine.media.preview import latent_preview_rgb
@@ -61,15 +66,25 @@ DEFAULT_PREVIEW_EVERY = 5
 # Messages a handle buffers for its reader; past that, progress and previews are dropped (the newest win later).
 EVENT_BUFFER_SIZE = 64
 ENGINE_FAILURE_MESSAGE = "The engine failed while generating this video; the details are in the server log."
+CANCELLED_MESSAGE = "Cancelled."
+CANCELLED_BEFORE_START_MESSAGE = "Cancelled before it started."
+SHUTTING_DOWN_MESSAGE = "The app is shutting down."
 
 
 class JobHandle:
     """One submitted job: read its messages with `next_event` / `drain`; cancel it through the front."""
 
-    def __init__(self, job_id: str, request: GenerationRequest, out_path: Path) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        request: GenerationRequest,
+        out_path: Path,
+        save_tensors_path: Path | None = None,
+    ) -> None:
         self.job_id = job_id
         self.request = request
         self.out_path = out_path
+        self.save_tensors_path = save_tensors_path
         self.submitted_at = time.monotonic()
         self._events: queue.Queue[JobEvent] = queue.Queue(maxsize=EVENT_BUFFER_SIZE)
         self._cancel_requested = threading.Event()
@@ -100,7 +115,8 @@ class JobHandle:
             except queue.Empty:
                 return events
 
-    def _publish(self, event: JobEvent) -> None:
+    def publish(self, event: JobEvent) -> None:
+        """Buffer a queue, start, progress or preview message for the reader (replicas call this)."""
         try:
             self._events.put_nowait(event)
         except queue.Full:
@@ -120,38 +136,96 @@ class JobHandle:
         self._done.set()
 
 
+class Replica(Protocol):
+    """What the front needs from a replica. `run` is only ever called from that replica's worker thread."""
+
+    facts: CheckpointFacts
+
+    def run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFinished | JobFailed:
+        """Run one job to its end, publishing its start, progress and previews on the handle; the terminal message
+        is returned (the front publishes it). Never raises."""
+        ...
+
+    def close(self) -> None:
+        """Release everything (called once, by `shutdown`, after the worker threads were joined or timed out)."""
+        ...
+
+
+class EngineReplica:
+    """A replica in this process: an `Engine`, driven by the front's worker thread for it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.facts = CheckpointFacts.from_engine(engine)
+
+    def run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFinished | JobFailed:
+        try:
+            return self._run(handle, replica_index, preview_every)
+        finally:
+            release_memory(self.engine.device)
+
+    def _run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFinished | JobFailed:
+        job_id, engine = handle.job_id, self.engine
+        if handle.cancel_requested:
+            return JobFailed(job_id, "cancelled", CANCELLED_BEFORE_START_MESSAGE)
+        try:
+            engine.validate(handle.request)
+            geometry = engine.geometry_for(handle.request)
+            handle.publish(job_started(job_id, replica_index, handle.submitted_at, geometry))
+            written = engine.generate_to_file(
+                handle.request,
+                handle.out_path,
+                save_tensors_path=handle.save_tensors_path,
+                on_step=step_reporter(job_id, geometry, preview_every, handle.publish),
+                should_cancel=lambda: handle.cancel_requested,
+            )
+            return job_finished(job_id, written)
+        except GenerationCancelled:
+            return JobFailed(job_id, "cancelled", CANCELLED_MESSAGE)
+        except H3Error as error:
+            return JobFailed(job_id, "request", str(error))
+        except Exception:
+            logger.exception("job %s failed in engine replica %d", job_id, replica_index)
+            return JobFailed(job_id, "engine", ENGINE_FAILURE_MESSAGE)
+
+    def close(self) -> None:
+        pass  # the engine's models go with the process
+
+
 class EngineFront:
     def __init__(
         self,
-        engines: Sequence[Engine],
+        replicas: Sequence[Engine | Replica],
         outputs_dir: str | Path,
         preview_every: int = DEFAULT_PREVIEW_EVERY,
     ) -> None:
-        if not engines:
+        if not replicas:
             raise ValueError("EngineFront needs at least one engine replica")
         if preview_every < 1:
             raise ValueError(f"preview_every must be >= 1, got {preview_every}")
         self.outputs_dir = Path(outputs_dir)
         self.outputs_dir.mkdir(parents=True, exist_ok=True)
         self.preview_every = preview_every
-        self.facts = CheckpointFacts.from_engine(engines[0])
-        self._engines = list(engines)
+        self._replicas: list[Replica] = [
+            EngineReplica(replica) if isinstance(replica, Engine) else replica for replica in replicas
+        ]
+        self.facts = self._replicas[0].facts
         self._pending: list[JobHandle] = []
         self._running: dict[int, JobHandle] = {}
         self._condition = threading.Condition()
         self._stopping = False
         self._workers = [
             threading.Thread(
-                target=self._worker_loop, args=(replica, engine), name=f"h3-replica-{replica}", daemon=True
+                target=self._worker_loop, args=(index, replica), name=f"h3-replica-{index}", daemon=True
             )
-            for replica, engine in enumerate(self._engines)
+            for index, replica in enumerate(self._replicas)
         ]
         for worker in self._workers:
             worker.start()
 
     @property
     def replicas(self) -> int:
-        return len(self._engines)
+        return len(self._replicas)
 
     @property
     def waiting(self) -> int:
@@ -173,15 +247,23 @@ class EngineFront:
 
     # --- jobs -------------------------------------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest) -> JobHandle:
+    def submit(
+        self,
+        request: GenerationRequest,
+        out_path: str | Path | None = None,
+        save_tensors_path: str | Path | None = None,
+    ) -> JobHandle:
         job_id = secrets.token_hex(4)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        handle = JobHandle(job_id, request, self.outputs_dir / f"{stamp}-{request.task}-{job_id}.mp4")
+        if out_path is None:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            out_path = self.outputs_dir / f"{stamp}-{request.task}-{job_id}.mp4"
+        tensors_path = Path(save_tensors_path) if save_tensors_path is not None else None
+        handle = JobHandle(job_id, request, Path(out_path), tensors_path)
         with self._condition:
             if self._stopping:
                 raise RuntimeError("the engine front is shut down")
             self._pending.append(handle)
-            handle._publish(JobQueued(job_id, position=len(self._pending)))
+            handle.publish(JobQueued(job_id, position=len(self._pending)))
             self._condition.notify()
         return handle
 
@@ -189,10 +271,10 @@ class EngineFront:
         handle._cancel_requested.set()
         with self._condition:
             if handle not in self._pending:
-                return  # running: the worker sees the flag before the next step; finished: nothing to do
+                return  # running: the replica sees the flag before the next step; finished: nothing to do
             self._pending.remove(handle)
             self._announce_positions()
-        handle._finish(JobFailed(handle.job_id, "cancelled", "Cancelled before it started."))
+        handle._finish(JobFailed(handle.job_id, "cancelled", CANCELLED_BEFORE_START_MESSAGE))
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         with self._condition:
@@ -203,110 +285,104 @@ class EngineFront:
             self._condition.notify_all()
         for handle in waiting:
             handle._cancel_requested.set()
-            handle._finish(JobFailed(handle.job_id, "cancelled", "The app is shutting down."))
+            handle._finish(JobFailed(handle.job_id, "cancelled", SHUTTING_DOWN_MESSAGE))
         for worker in self._workers:
             worker.join(timeout)
+        for replica in self._replicas:
+            replica.close()
 
     # --- workers ----------------------------------------------------------------------------------------
 
     def _announce_positions(self) -> None:
         for position, handle in enumerate(self._pending, start=1):
-            handle._publish(JobQueued(handle.job_id, position))
+            handle.publish(JobQueued(handle.job_id, position))
 
-    def _take(self, replica: int) -> JobHandle | None:
+    def _take(self, index: int) -> JobHandle | None:
         with self._condition:
             while not self._pending and not self._stopping:
                 self._condition.wait()
             if self._stopping:
                 return None
             handle = self._pending.pop(0)
-            self._running[replica] = handle
+            self._running[index] = handle
             self._announce_positions()
             return handle
 
-    def _worker_loop(self, replica: int, engine: Engine) -> None:
-        while (handle := self._take(replica)) is not None:
+    def _worker_loop(self, index: int, replica: Replica) -> None:
+        while (handle := self._take(index)) is not None:
             try:
-                handle._finish(self._run(replica, engine, handle))
+                handle._finish(replica.run(handle, index, self.preview_every))
             finally:
                 with self._condition:
-                    del self._running[replica]
-                _release_memory(engine.device)
+                    del self._running[index]
 
-    def _run(self, replica: int, engine: Engine, handle: JobHandle) -> JobFinished | JobFailed:
-        job_id = handle.job_id
-        if handle.cancel_requested:
-            return JobFailed(job_id, "cancelled", "Cancelled before it started.")
+
+# --- the messages of one job, built the same way by every kind of replica ----------------------------------------
+
+
+def job_started(job_id: str, replica_index: int, submitted_at: float, geometry: Geometry) -> JobStarted:
+    """`submitted_at` is the handle's `time.monotonic()` stamp (one clock for every process of the machine)."""
+    return JobStarted(
+        job_id,
+        replica=replica_index,
+        queue_wait_s=time.monotonic() - submitted_at,
+        width=geometry.width,
+        height=geometry.height,
+        frames=geometry.frames,
+        fps=FPS,
+        latent_frames=geometry.latent_frames,
+    )
+
+
+def job_finished(job_id: str, written: WrittenFiles) -> JobFinished:
+    """The terminal message of a job whose files are on disk, read back from its sidecar."""
+    sidecar = json.loads(written.sidecar.read_text(encoding="utf-8"))
+    return JobFinished(
+        job_id,
+        video_path=str(written.video),
+        sidecar_path=str(written.sidecar),
+        seed=int(sidecar["seed"]),
+        width=int(sidecar["geometry"]["width"]),
+        height=int(sidecar["geometry"]["height"]),
+        frames=int(sidecar["geometry"]["frames"]),
+        fps=int(sidecar["geometry"]["fps"]),
+        timings_s={name: float(value) for name, value in sidecar["timings_s"].items()},
+    )
+
+
+def step_reporter(
+    job_id: str, geometry: Geometry, preview_every: int, publish: Callable[[JobEvent], None]
+) -> Callable[[StepEvent], None]:
+    """The engine's `on_step`: a `StepProgress` every step, a `PreviewFrame` every `preview_every` steps and at the
+    last one. `publish` must not block (it drops what its reader cannot take)."""
+    previews_enabled = True
+
+    def on_step(event: StepEvent) -> None:
+        nonlocal previews_enabled
+        eta_s = event.elapsed_s / event.step * (event.total - event.step)
+        publish(StepProgress(job_id, event.step, event.total, event.elapsed_s, eta_s))
+        wants_preview = event.step % preview_every == 0 or event.step == event.total
+        if not (previews_enabled and wants_preview and event.video_rows is not None):
+            return
         try:
-            engine.validate(handle.request)
-            geometry = engine.geometry_for(handle.request)
-            handle._publish(
-                JobStarted(
-                    job_id,
-                    replica=replica,
-                    queue_wait_s=time.monotonic() - handle.submitted_at,
-                    width=geometry.width,
-                    height=geometry.height,
-                    frames=geometry.frames,
-                    fps=FPS,
-                    latent_frames=geometry.latent_frames,
-                )
+            rgb = latent_preview_rgb(
+                event.video_rows,
+                geometry.latent_frames,
+                geometry.latent_h,
+                geometry.latent_w,
+                geometry.patch,
             )
-            written = engine.generate_to_file(
-                handle.request,
-                handle.out_path,
-                on_step=self._step_reporter(handle, geometry),
-                should_cancel=lambda: handle.cancel_requested,
-            )
-            sidecar = json.loads(written.sidecar.read_text(encoding="utf-8"))
-        except GenerationCancelled:
-            return JobFailed(job_id, "cancelled", "Cancelled.")
-        except H3Error as error:
-            return JobFailed(job_id, "request", str(error))
         except Exception:
-            logger.exception("job %s failed in engine replica %d", job_id, replica)
-            return JobFailed(job_id, "engine", ENGINE_FAILURE_MESSAGE)
-        return JobFinished(
-            job_id,
-            video_path=str(written.video),
-            sidecar_path=str(written.sidecar),
-            seed=int(sidecar["seed"]),
-            width=int(sidecar["geometry"]["width"]),
-            height=int(sidecar["geometry"]["height"]),
-            frames=int(sidecar["geometry"]["frames"]),
-            fps=int(sidecar["geometry"]["fps"]),
-            timings_s={name: float(value) for name, value in sidecar["timings_s"].items()},
-        )
+            # A preview is a nicety: never let it abort the generation it is watching.
+            logger.exception("job %s: live preview failed; previews are off for this job", job_id)
+            previews_enabled = False
+            return
+        publish(PreviewFrame(job_id, event.step, rgb))
 
-    def _step_reporter(self, handle: JobHandle, geometry: Geometry) -> Callable[[StepEvent], None]:
-        previews_enabled = True
-
-        def on_step(event: StepEvent) -> None:
-            nonlocal previews_enabled
-            eta_s = event.elapsed_s / event.step * (event.total - event.step)
-            handle._publish(StepProgress(handle.job_id, event.step, event.total, event.elapsed_s, eta_s))
-            wants_preview = event.step % self.preview_every == 0 or event.step == event.total
-            if not (previews_enabled and wants_preview and event.video_rows is not None):
-                return
-            try:
-                rgb = latent_preview_rgb(
-                    event.video_rows,
-                    geometry.latent_frames,
-                    geometry.latent_h,
-                    geometry.latent_w,
-                    geometry.patch,
-                )
-            except Exception:
-                # A preview is a nicety: never let it abort the generation it is watching.
-                logger.exception("job %s: live preview failed; previews are off for this job", handle.job_id)
-                previews_enabled = False
-                return
-            handle._publish(PreviewFrame(handle.job_id, event.step, rgb))
-
-        return on_step
+    return on_step
 
 
-def _release_memory(device: torch.device) -> None:
+def release_memory(device: torch.device) -> None:
     # A cancelled or failed job's tensors die with its frames; collect them now and give cached GPU blocks back
     # so the next job (or another process) sees the memory as free.
     gc.collect()

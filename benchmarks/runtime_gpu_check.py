@@ -1,0 +1,309 @@
+"""The resident worker runtime on GPUs: tiny generations through worker groups, cancel, a killed rank, shutdown.
+
+    python3 benchmarks/runtime_gpu_check.py --output-dir DIR               # the GPU machine (one H200 or more)
+    python3 benchmarks/runtime_gpu_check.py --device cpu --output-dir DIR  # smoke test of this script (gloo)
+
+On a tiny random-weight checkpoint (made here), for each group: one rank per GPU, world size 1 on one GPU and
+also 2 (NCCL, DiT Ulysses 2 then tensor-parallel 2) when two GPUs are visible:
+1. Parity: T2VA, FL2VA and Ref2VA through the group (EngineFront + ProcessReplica) against the in-process engine on
+   the first device, fp32 (max |group - engine| / max |engine| over video, audio and both latents), then T2VA
+   in bf16, the released precision. Every job must report one progress message per step and its previews.
+2. Cancel mid-run (a 1000-step request, cancelled at step 3): the job ends as cancelled, and how many steps ran
+   after the cancel and how long it took are reported.
+3. A rank killed with SIGKILL mid-run (the last rank): the job fails within 5 s with the message naming the rank;
+   the next request succeeds on the restarted group.
+4. Shutdown: no worker process is left, and the device memory in use (torch.cuda.mem_get_info, the whole GPU)
+   returns to what it was before the group started (within 256 MiB).
+Writes `runtime_gpu_check.json` (every number) to --output-dir and prints one PASS/FAIL line; exit code 1 on any
+failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPOSITORY_ROOT))
+
+from safetensors.torch import load_file  # noqa: E402
+
+from h3engine.checkpoint.tiny import make_tiny_checkpoint  # noqa: E402
+from h3engine.engine import Engine  # noqa: E402
+from h3engine.parallel.groups import RuntimeLayout  # noqa: E402
+from h3engine.request import GenerationRequest, Keyframe, Reference  # noqa: E402
+from h3engine.runtime.front import EngineFront, JobHandle  # noqa: E402
+from h3engine.runtime.messages import (  # noqa: E402
+    TERMINAL_EVENTS,
+    JobFailed,
+    JobFinished,
+    PreviewFrame,
+    StepProgress,
+)
+from h3engine.runtime.workers import ProcessReplica  # noqa: E402
+
+ASSETS = REPOSITORY_ROOT / "assets"
+STEPS = 4
+EVENT_TIMEOUT_S = 300.0
+DEATH_REPORT_LIMIT_S = 5.0
+# fp32 on a GPU: the convolutions run in TF32 by default and a split DiT sums in another order.
+FP32_TOLERANCE = 1e-3
+BF16_TOLERANCE = 1e-1  # a sanity bound: a split group rounds its bf16 partial sums differently
+MEMORY_SLACK_BYTES = 256 << 20
+REQUESTS = {
+    "t2va": GenerationRequest(task="t2va", prompt="a red kite", steps=STEPS, seed=3, duration_seconds=4.0),
+    "fl2va": GenerationRequest(
+        task="fl2va",
+        prompt="<Picture 1> the kite rises",
+        steps=STEPS,
+        seed=3,
+        duration_seconds=4.0,
+        keyframes=(Keyframe(str(ASSETS / "fl2va" / "first.png"), "first"),),
+    ),
+    "ref2va": GenerationRequest(
+        task="ref2va",
+        prompt="<Picture 1> sings <Audio 1>",
+        steps=STEPS,
+        seed=3,
+        duration_seconds=4.0,
+        references=(
+            Reference("image", str(ASSETS / "ref2va" / "picture1.png")),
+            Reference("audio", str(ASSETS / "ref2va" / "audio1.wav")),
+        ),
+    ),
+}
+# Canvases whose steps take tens of milliseconds on an H200 and about 0.3 s on two CPU cores: long against the
+# front's reading delay, so the steps reported after a cancel count the ranks' steps, not the reader's lag.
+LONG_CANVAS = {"cuda": (448, 256), "cpu": (112, 64)}
+# Steps reported after a cancel: the one in flight, one sent but not yet read, and one of slack for fast steps.
+MOST_STEPS_AFTER_CANCEL = 3
+
+
+def events_until_done(handle: JobHandle) -> list:
+    events = []
+    while not events or not isinstance(events[-1], TERMINAL_EVENTS):
+        event = handle.next_event(timeout=EVENT_TIMEOUT_S)
+        if event is None:
+            raise TimeoutError(f"no message within {EVENT_TIMEOUT_S} s; so far {events}")
+        events.append(event)
+    return events
+
+
+def wait_for_step(handle: JobHandle, step: int) -> None:
+    while True:
+        event = handle.next_event(timeout=EVENT_TIMEOUT_S)
+        if event is None or isinstance(event, TERMINAL_EVENTS):
+            raise RuntimeError(f"the job ended or stalled before step {step}: {event}")
+        if isinstance(event, StepProgress) and event.step >= step:
+            return
+
+
+def max_relative_error(got_path: Path, expected_path: Path) -> dict[str, float]:
+    got, expected = load_file(got_path), load_file(expected_path)
+    return {
+        name: ((got[name] - tensor).abs().max() / tensor.abs().max()).item()
+        for name, tensor in expected.items()
+    }
+
+
+def memory_in_use(device: str) -> int:
+    if not device.startswith("cuda"):
+        return 0
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return total - free
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def in_process_tensors(checkpoint: Path, device: str, dtype: torch.dtype, folder: Path) -> dict[str, Path]:
+    engine = Engine.from_checkpoint(checkpoint, device=device, dtype=dtype)
+    paths = {}
+    for task, request in REQUESTS.items():
+        if dtype != torch.float32 and task != "t2va":
+            continue
+        paths[task] = folder / f"engine-{task}-{str(dtype).removeprefix('torch.')}.safetensors"
+        engine.generate_to_file(request, folder / f"engine-{task}.mp4", save_tensors_path=paths[task])
+    del engine
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return paths
+
+
+def check_group(
+    name: str,
+    checkpoint: Path,
+    devices: tuple[str, ...],
+    layout: RuntimeLayout,
+    references: dict[str, dict[str, Path]],
+    folder: Path,
+    problems: list[str],
+) -> dict:
+    report: dict = {"devices": list(devices), "layout": layout.describe()}
+    memory_before = memory_in_use(devices[0])
+    for dtype_name, tolerance in (("float32", FP32_TOLERANCE), ("bfloat16", BF16_TOLERANCE)):
+        started = time.perf_counter()
+        replica = ProcessReplica(checkpoint, devices, layout, dtype=dtype_name)
+        report[f"{dtype_name}_start_s"] = time.perf_counter() - started
+        front = EngineFront([replica], folder, preview_every=2)
+        try:
+            for task, expected in references[dtype_name].items():
+                tensors = folder / f"{name}-{task}-{dtype_name}.safetensors"
+                started = time.perf_counter()
+                events = events_until_done(
+                    front.submit(REQUESTS[task], folder / f"{name}-{task}.mp4", tensors)
+                )
+                wall_s = time.perf_counter() - started
+                if not isinstance(events[-1], JobFinished):
+                    problems.append(f"{name} {task} {dtype_name}: {events[-1]}")
+                    continue
+                errors = max_relative_error(tensors, expected)
+                steps = [event.step for event in events if isinstance(event, StepProgress)]
+                previews = [event.step for event in events if isinstance(event, PreviewFrame)]
+                report[f"{task}_{dtype_name}"] = {
+                    "max_relative_error": errors,
+                    "wall_s": wall_s,
+                    "steps": steps,
+                }
+                if max(errors.values()) > tolerance:
+                    problems.append(f"{name} {task} {dtype_name}: errors {errors} above {tolerance}")
+                if steps != list(range(1, STEPS + 1)) or previews != [2, 4]:
+                    problems.append(f"{name} {task}: progress {steps}, previews {previews}")
+            if dtype_name == "float32":
+                report["cancel"] = check_cancel(front, devices[0], problems)
+                report["kill"] = check_kill(name, front, replica, references, folder, problems)
+        finally:
+            workers = replica.worker_pids
+            front.shutdown()
+        left = [pid for pid in workers if process_exists(pid)]
+        if left:
+            problems.append(f"{name}: worker processes left after shutdown: {left}")
+    report["memory_in_use_before_bytes"] = memory_before
+    report["memory_in_use_after_bytes"] = memory_in_use(devices[0])
+    if report["memory_in_use_after_bytes"] > memory_before + MEMORY_SLACK_BYTES:
+        problems.append(
+            f"{name}: device memory in use grew from {memory_before} to {report['memory_in_use_after_bytes']}"
+        )
+    return report
+
+
+def long_request(device: str) -> GenerationRequest:
+    width, height = LONG_CANVAS["cuda" if device.startswith("cuda") else "cpu"]
+    return GenerationRequest(
+        task="t2va", prompt="a long one", steps=1000, duration_seconds=15.0, width=width, height=height
+    )
+
+
+def check_cancel(front: EngineFront, device: str, problems: list[str]) -> dict:
+    handle = front.submit(long_request(device))
+    wait_for_step(handle, 3)
+    cancelled_at = time.perf_counter()
+    front.cancel(handle)
+    events = events_until_done(handle)
+    steps_after = [event.step for event in events if isinstance(event, StepProgress)]
+    report = {"stop_s": time.perf_counter() - cancelled_at, "steps_reported_after_cancel": steps_after}
+    cancelled = isinstance(events[-1], JobFailed) and events[-1].kind == "cancelled"
+    if not cancelled or len(steps_after) > MOST_STEPS_AFTER_CANCEL:
+        problems.append(f"cancel: {events[-1]}, steps after the cancel {steps_after}")
+    return report
+
+
+def check_kill(
+    name: str,
+    front: EngineFront,
+    replica: ProcessReplica,
+    references: dict[str, dict[str, Path]],
+    folder: Path,
+    problems: list[str],
+) -> dict:
+    handle = front.submit(long_request(replica.spec.devices[0]))
+    wait_for_step(handle, 2)
+    workers = replica.worker_pids
+    victim = len(workers) - 1
+    os.kill(workers[victim], signal.SIGKILL)
+    killed_at = time.perf_counter()
+    failed = events_until_done(handle)[-1]
+    report = {"report_s": time.perf_counter() - killed_at, "message": getattr(failed, "message", str(failed))}
+    expected = f"A worker process died (rank {victim}, exit code -9); the worker group is restarting."
+    if failed != JobFailed(handle.job_id, "engine", expected) or report["report_s"] > DEATH_REPORT_LIMIT_S:
+        problems.append(f"kill: {failed} after {report['report_s']:.2f} s")
+    left = [pid for pid in workers if process_exists(pid)]
+    if left:
+        problems.append(f"kill: processes of the old group left: {left}")
+    started = time.perf_counter()
+    tensors = folder / f"{name}-after-restart.safetensors"
+    events = events_until_done(front.submit(REQUESTS["t2va"], folder / f"{name}-after-restart.mp4", tensors))
+    report["next_job_after_kill_s"] = time.perf_counter() - started
+    if not isinstance(events[-1], JobFinished):
+        problems.append(f"kill: the next job failed: {events[-1]}")
+    else:
+        errors = max_relative_error(tensors, references["float32"]["t2va"])
+        report["next_job_max_relative_error"] = errors
+        if max(errors.values()) > FP32_TOLERANCE:
+            problems.append(f"kill: the next job's errors {errors}")
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke test with gloo)")
+    args = parser.parse_args()
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    problems: list[str] = []
+    report: dict = {"torch": torch.__version__}
+    try:
+        if args.device == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("no CUDA device is visible")
+            report["gpu"] = torch.cuda.get_device_name(0)
+            gpus = torch.cuda.device_count()
+            groups = {"world1": (("cuda:0",), RuntimeLayout.choose(1))}
+            if gpus >= 2:
+                groups["world2_sp2"] = (("cuda:0", "cuda:1"), RuntimeLayout.choose(2, dit_sp=2))
+                groups["world2_tp2"] = (("cuda:0", "cuda:1"), RuntimeLayout.choose(2, dit_tp=2))
+            first_device = "cuda:0"
+        else:
+            groups = {"cpu_world2": (("cpu", "cpu"), RuntimeLayout.choose(2))}
+            first_device = "cpu"
+        with tempfile.TemporaryDirectory(prefix="h3-runtime-check-") as scratch:
+            folder = Path(scratch)
+            checkpoint = make_tiny_checkpoint(folder / "checkpoint", seed=0)
+            references = {
+                "float32": in_process_tensors(checkpoint, first_device, torch.float32, folder),
+                "bfloat16": in_process_tensors(checkpoint, first_device, torch.bfloat16, folder),
+            }
+            for name, (devices, layout) in groups.items():
+                print(f"checking {name}: {layout.describe()} on {', '.join(devices)}", flush=True)
+                report[name] = check_group(name, checkpoint, devices, layout, references, folder, problems)
+    except Exception:
+        problems.append(traceback.format_exc())
+    report["problems"] = problems
+    (output_dir / "runtime_gpu_check.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+    print(json.dumps(report, indent=2, sort_keys=True))
+    for problem in problems:
+        print(f"problem: {problem}")
+    print("PASS" if not problems else f"FAIL ({len(problems)} problems)")
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,503 @@
+"""Resident worker groups behind the engine front: one process per rank, started with torch.multiprocessing (spawn).
+
+Contract
+--------
+* `ProcessReplica(checkpoint, devices, layout, dtype)` checks the layout against the checkpoint's models (a
+  RequestError whose message starts with the flag), starts one worker group, a process per entry of `devices`
+  running h3engine.runtime.rank, and waits until every rank has loaded its shards (a CheckpointError naming the
+  file when the checkpoint is broken). It is a `Replica` of `EngineFront`: the app and the CLI get the same
+  `JobHandle` and the same messages as from an in-process engine.
+* A job: the command goes to every rank; rank 0's messages come back through its pipe and are published on the
+  handle as they arrive (the pipes are read every `POLL_INTERVAL_S`). A cancel writes the job's number into the
+  group's shared slot, which the ranks vote on before every step.
+* A rank that dies (killed, out of memory, an exception) fails the running job within about a second, with
+  `JobFailed(kind="engine")` naming the rank and its exit code (or its error type) and saying that the group is
+  restarting; the rest of the group is killed (its processes end, and with them their GPU memory) and a new group
+  starts in the background. The next job waits for it; a waiting job can still be cancelled.
+* `close()` (the front's shutdown) sends `Stop` to every rank, waits `STOP_GRACE_S`, then kills what is left and
+  joins everything: no process outlives it. The ranks also end by themselves when this process dies.
+* `rank_devices(...)` and `replica_device_groups(...)` turn the CLI's and the app's device flags into the device
+  of every rank, with errors that name the flag.
+
+Danger
+------
+A group's pipes and shared slot belong to one incarnation: after a failure nothing of the old group is reused (a
+rank killed while writing may have left half a message in its pipe). The rendezvous is a FileStore in a fresh
+temporary folder per incarnation, removed when the group ends; NCCL wants one rank per GPU, so a device appears
+once per group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing
+
+from h3engine.checkpoint.layout import CheckpointLayout, detect_layout
+from h3engine.checkpoint.loader import dit_source
+from h3engine.errors import CheckpointError, RequestError
+from h3engine.parallel.groups import RuntimeLayout
+from h3engine.parallel.text_encoder import open_text_encoder_files
+from h3engine.runtime.checks import CheckpointFacts
+from h3engine.runtime.front import (
+    CANCELLED_BEFORE_START_MESSAGE,
+    SHUTTING_DOWN_MESSAGE,
+    JobHandle,
+)
+from h3engine.runtime.messages import TERMINAL_EVENTS, JobFailed, JobFinished
+from h3engine.runtime.rank import NO_JOB, RankFailed, RankReady, RunJob, Stop, WorkerSpec, rank_main
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.1
+# After the first sign of a failure, how long to keep listening before judging it: a rank that was killed makes
+# its gloo partners fail a moment later, and the report should name the first cause, not the echoes.
+FAILURE_SETTLE_S = 0.5
+STOP_GRACE_S = 10.0
+KILL_GRACE_S = 5.0
+RESTARTING = "the worker group is restarting"
+
+
+class WorkerStartError(RuntimeError):
+    """A worker group did not come up (a rank died or failed while loading); the message says which and how."""
+
+
+# --- devices and layouts ------------------------------------------------------------------------------------------
+
+
+def _cuda_devices(flag: str, count: int) -> tuple[str, ...]:
+    visible = torch.cuda.device_count()
+    if count > visible:
+        raise RequestError(
+            f"{flag}: {count} GPUs asked for, but {visible} {'is' if visible == 1 else 'are'} visible"
+        )
+    return tuple(f"cuda:{index}" for index in range(count))
+
+
+def _cuda_device_list(flag: str, text: str) -> tuple[str, ...]:
+    """`0,1` or `cuda:0,cuda:1` -> ('cuda:0', 'cuda:1'), each GPU visible and listed once."""
+    names = []
+    for item in text.split(","):
+        item = item.strip()
+        index_text = item.removeprefix("cuda:")
+        if not index_text.isdigit():
+            raise RequestError(f"{flag}: expected GPU indices like 0,1 or cuda:0,cuda:1, got '{item}'")
+        names.append(f"cuda:{int(index_text)}")
+    visible = torch.cuda.device_count()
+    for name in names:
+        if int(name.removeprefix("cuda:")) >= visible:
+            raise RequestError(f"{flag}: {name} is not one of the {visible} visible GPUs")
+        if names.count(name) > 1:
+            raise RequestError(f"{flag}: {name} is listed twice (a worker group has one rank per GPU)")
+    return tuple(names)
+
+
+def rank_devices(
+    device: str | None, world_size: int | None, gpus: int | None, devices: str | None
+) -> tuple[str, ...]:
+    """The CLI's device flags -> the device of every rank (one entry: the in-process engine runs on it).
+
+    `--gpus N`: cuda:0 .. cuda:N-1. `--devices 0,1`: those GPUs. `--world-size N`: N ranks on `--device` (cpu ranks
+    use gloo; cuda means the first N GPUs). With none of them, one rank on `--device` (None: cuda when present).
+    """
+    if gpus is not None and devices is not None:
+        raise RequestError("--gpus and --devices: give one of them")
+    if (gpus is not None or devices is not None) and device is not None and not device.startswith("cuda"):
+        raise RequestError(
+            f"--device {device}: --gpus and --devices choose GPUs; use --world-size for CPU ranks"
+        )
+    for flag, value in (("--gpus", gpus), ("--world-size", world_size)):
+        if value is not None and value < 1:
+            raise RequestError(f"{flag} must be at least 1, got {value}")
+    if gpus is not None:
+        chosen = _cuda_devices("--gpus", gpus)
+    elif devices is not None:
+        chosen = _cuda_device_list("--devices", devices)
+    else:
+        count = world_size or 1
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu":
+            return ("cpu",) * count
+        if count == 1:
+            return (device,)
+        if device != "cuda":
+            raise RequestError(f"--device {device}: with --world-size {count} give --device cuda (or cpu)")
+        return _cuda_devices("--world-size", count)
+    if world_size is not None and world_size != len(chosen):
+        raise RequestError(f"--world-size {world_size} does not match the {len(chosen)} GPUs chosen")
+    return chosen
+
+
+def replica_device_groups(devices: Sequence[str | None], world_size: int) -> list[tuple[str, ...]]:
+    """The app's `--devices` and `--world-size` -> one tuple of rank devices per replica.
+
+    Consecutive devices form a group (`cuda:0,cuda:1,cuda:2,cuda:3` with world size 2: two groups); `cpu` alone
+    means `world_size` CPU ranks; no devices means the first `world_size` GPUs, or CPU ranks without a GPU.
+    """
+    if world_size < 1:
+        raise RequestError(f"--world-size must be at least 1, got {world_size}")
+    if list(devices) in ([None], ["cpu"]):
+        if devices[0] is None and torch.cuda.is_available():
+            return [_cuda_devices("--world-size", world_size)]
+        return [("cpu",) * world_size]
+    names = _cuda_device_list("--devices", ",".join(str(name) for name in devices))
+    if len(names) % world_size:
+        raise RequestError(
+            f"--devices: {len(names)} GPUs do not split into worker groups of --world-size {world_size}"
+        )
+    return [names[start : start + world_size] for start in range(0, len(names), world_size)]
+
+
+def validated_spec(
+    checkpoint: CheckpointLayout, devices: Sequence[str], layout: RuntimeLayout, dtype: str | None
+) -> WorkerSpec:
+    """The layout checked against every partition's DiT and text encoder (RequestError naming the flag)."""
+    if layout.world_size != len(devices):
+        raise RequestError(
+            f"the layout is for {layout.world_size} ranks, but {len(devices)} devices were given"
+        )
+    if checkpoint.kind == "diffusers" and layout.dit_sp * layout.dit_tp > 1:
+        raise RequestError(
+            f"--dit-sp / --dit-tp: the DiT of {checkpoint.root} is in the diffusers layout, which cannot be read in "
+            "shards; a worker group of several ranks needs the native (MiniMaxAI) layout"
+        )
+    try:
+        for paths in checkpoint.partitions.values():
+            dit_layout = layout.dit_layout(dit_source(checkpoint, paths, torch.bfloat16).config)
+            encoder_layout = layout.encoder_layout(open_text_encoder_files(paths.text_encoder)[0])
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+    return WorkerSpec(
+        checkpoint=str(checkpoint.root),
+        devices=tuple(devices),
+        dtype=dtype,
+        dit_layout=dit_layout,
+        encoder_layout=encoder_layout,
+        vae_layout=layout.vae_layout(),
+        init_method="",  # each incarnation gets its own rendezvous
+    )
+
+
+# --- one incarnation of a worker group ----------------------------------------------------------------------------
+
+
+class WorkerGroup:
+    """The rank processes of one start of a group, their pipes and their shared cancel slot."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        context = torch.multiprocessing.get_context("spawn")
+        self._store_dir = Path(tempfile.mkdtemp(prefix="h3-workers-"))
+        spec = dataclasses.replace(spec, init_method=f"file://{self._store_dir / 'store'}")
+        self.cancel_job = context.RawValue("q", NO_JOB)
+        self.processes: list[Any] = []
+        self._commands: list[Connection] = []
+        self._message_pipes: list[Connection] = []  # the ranks' pipes still open
+        self.failures: list[RankFailed] = []
+        # The job thread (after a failure) and the shutdown may both end the group; one at a time.
+        self._ending = threading.Lock()
+        try:
+            for rank in range(spec.world_size):
+                command_reader, command_writer = context.Pipe(duplex=False)
+                message_reader, message_writer = context.Pipe(duplex=False)
+                process = context.Process(
+                    target=rank_main,
+                    args=(rank, spec, command_reader, message_writer, self.cancel_job),
+                    name=f"h3-rank-{rank}",
+                    daemon=True,
+                )
+                process.start()
+                # The rank holds these ends now; without our copies, a dead rank reads as the end of its pipe.
+                command_reader.close()
+                message_writer.close()
+                self.processes.append(process)
+                self._commands.append(command_writer)
+                self._message_pipes.append(message_reader)
+        except BaseException:
+            self.kill()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
+    def receive(self, timeout: float) -> list[Any]:
+        """Every message that arrives within `timeout` (returns early once one has); `RankFailed` is also kept."""
+        received = []
+        # Only living ranks' sentinels: a dead one stays ready and would turn every wait into a spin.
+        living = [process.sentinel for process in self.processes if process.exitcode is None]
+        ready = wait(self._message_pipes + living, timeout)
+        for connection in [item for item in ready if item in self._message_pipes]:
+            try:
+                while connection.poll():
+                    received.append(connection.recv())
+            except (EOFError, OSError):
+                self._message_pipes.remove(connection)  # that rank is gone; its sentinel tells how
+        self.failures += [message for message in received if isinstance(message, RankFailed)]
+        return received
+
+    def exit_codes(self) -> dict[int, int]:
+        """rank -> exit code, for every rank that has ended."""
+        return {
+            rank: process.exitcode
+            for rank, process in enumerate(self.processes)
+            if process.exitcode is not None
+        }
+
+    def broken(self) -> bool:
+        return bool(self.failures) or bool(self.exit_codes())
+
+    def failure_description(self) -> str:
+        """The first cause of a failure, judged after `FAILURE_SETTLE_S` more of listening.
+
+        A rank that died without a report (killed, crashed in native code) is the cause before any report: the
+        reports of its partners are usually their collectives failing because of it.
+        """
+        deadline = time.monotonic() + FAILURE_SETTLE_S
+        while time.monotonic() < deadline and len(self.exit_codes()) < len(self.processes):
+            self.receive(timeout=max(0.0, deadline - time.monotonic()))
+        reported = {failure.rank for failure in self.failures}
+        silent_deaths = {rank: code for rank, code in self.exit_codes().items() if rank not in reported}
+        if silent_deaths:
+            rank = min(silent_deaths)
+            return f"A worker process died (rank {rank}, exit code {silent_deaths[rank]})"
+        if self.failures:
+            first = self.failures[0]
+            return f"Worker rank {first.rank} failed with {first.message}"
+        return "The worker group stopped answering"
+
+    def send_to_all(self, command: RunJob | Stop) -> None:
+        for connection in self._commands:
+            connection.send(command)
+
+    def stop(self) -> None:
+        """Ask every rank to finish, wait for them, kill what is left."""
+        with self._ending:
+            try:
+                self.send_to_all(Stop())
+            except OSError:
+                pass  # a rank is gone already: the kill below ends the rest
+            deadline = time.monotonic() + STOP_GRACE_S
+            for process in self.processes:
+                process.join(max(0.0, deadline - time.monotonic()))
+            self._kill()
+
+    def kill(self) -> None:
+        """End every rank now (SIGTERM, then SIGKILL after `KILL_GRACE_S`) and reap them."""
+        with self._ending:
+            self._kill()
+
+    def _kill(self) -> None:
+        for process in self.processes:
+            if process.exitcode is None:
+                process.terminate()
+        for process in self.processes:
+            process.join(KILL_GRACE_S)
+            if process.exitcode is None:
+                process.kill()
+                process.join()
+        shutil.rmtree(self._store_dir, ignore_errors=True)
+
+    def wait_ready(self, abort: threading.Event) -> CheckpointFacts:
+        """Wait until every rank has loaded its shards; rank 0's checkpoint facts."""
+        ready: dict[int, CheckpointFacts | None] = {}
+        while len(ready) < len(self.processes):
+            if abort.is_set():
+                raise WorkerStartError("the worker group was stopped while starting")
+            for message in self.receive(POLL_INTERVAL_S):
+                if isinstance(message, RankReady):
+                    ready[message.rank] = message.facts
+            if self.failures:
+                failure = self.failures[0]
+                if failure.kind == "checkpoint":
+                    raise CheckpointError(failure.message)
+                raise WorkerStartError(
+                    f"worker rank {failure.rank} failed while starting ({failure.message}); see its log above"
+                )
+            exited = self.exit_codes()
+            if exited and not self._messages_pending():
+                rank = min(exited)
+                raise WorkerStartError(
+                    f"worker rank {rank} exited while starting (exit code {exited[rank]}); see its log above"
+                )
+        return ready[0]
+
+    def _messages_pending(self) -> bool:
+        """True while a pipe still has unread data (a rank's last words arrive before its exit is noticed)."""
+        return any(connection.poll() for connection in self._message_pipes)
+
+
+# --- the replica --------------------------------------------------------------------------------------------------
+
+
+class ProcessReplica:
+    """An `EngineFront` replica whose engine is a resident worker group (see the module docstring)."""
+
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        devices: Sequence[str],
+        layout: RuntimeLayout | None = None,
+        dtype: str | None = None,
+    ) -> None:
+        layout = layout if layout is not None else RuntimeLayout.choose(len(devices))
+        self.layout = layout
+        self.spec = validated_spec(detect_layout(checkpoint), devices, layout, dtype)
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._job_numbers = itertools.count()
+        self._group: WorkerGroup | None = None
+        self._starting: WorkerGroup | None = None
+        self._restart: threading.Thread | None = None
+        self._restart_error: str | None = None
+        group = WorkerGroup(self.spec)
+        try:
+            self.facts = group.wait_ready(self._closed)
+        except BaseException:
+            group.kill()
+            raise
+        self._group = group
+        logger.info("worker group ready on %s (%s)", ", ".join(devices), layout.describe())
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The rank processes of the current group (empty while it restarts)."""
+        with self._lock:
+            return self._group.pids if self._group is not None else []
+
+    # --- jobs -------------------------------------------------------------------------------------------
+
+    def run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFinished | JobFailed:
+        if handle.cancel_requested:
+            return JobFailed(handle.job_id, "cancelled", CANCELLED_BEFORE_START_MESSAGE)
+        group = self._ready_group(handle)
+        if isinstance(group, JobFailed):
+            return group
+        job_number = next(self._job_numbers)
+        job = RunJob(
+            job_number,
+            handle.job_id,
+            handle.request,
+            str(handle.out_path),
+            str(handle.save_tensors_path) if handle.save_tensors_path is not None else None,
+            handle.submitted_at,
+            replica_index,
+            preview_every,
+        )
+        try:
+            group.send_to_all(job)
+        except OSError:
+            return self._fail(group, handle)
+        cancel_forwarded = False
+        while True:
+            if handle.cancel_requested and not cancel_forwarded:
+                group.cancel_job.value = job_number
+                cancel_forwarded = True
+            try:
+                messages = group.receive(POLL_INTERVAL_S)
+            except (OSError, ValueError):
+                messages = []  # the group was torn down under us (close): judged below
+            for message in messages:
+                if getattr(message, "job_id", None) != handle.job_id:
+                    continue
+                if isinstance(message, TERMINAL_EVENTS):
+                    return message
+                handle.publish(message)
+            if group.broken():
+                return self._fail(group, handle)
+
+    def _ready_group(self, handle: JobHandle) -> WorkerGroup | JobFailed:
+        """The running group; waits for a restart in progress (starting one if none is), unless cancelled.
+
+        A group that broke while idle (a rank killed between jobs) is replaced here, costing no job.
+        """
+        while True:
+            with self._lock:
+                if self._group is not None and self._group.broken():
+                    broken, self._group = self._group, None
+                    logger.error("%s while idle; %s", broken.failure_description(), RESTARTING)
+                    broken.kill()
+                group, restart = self._group, self._restart
+                if group is None and (restart is None or not restart.is_alive()):
+                    if self._restart_error is not None:
+                        error, self._restart_error = self._restart_error, None
+                        self._start_restart()  # for the jobs after this one
+                        return JobFailed(
+                            handle.job_id, "engine", f"The worker group could not restart: {error}."
+                        )
+                    self._start_restart()
+            if group is not None:
+                return group
+            if self._closed.is_set():
+                return JobFailed(handle.job_id, "cancelled", SHUTTING_DOWN_MESSAGE)
+            if handle.cancel_requested:
+                return JobFailed(handle.job_id, "cancelled", CANCELLED_BEFORE_START_MESSAGE)
+            time.sleep(POLL_INTERVAL_S)
+
+    def _fail(self, group: WorkerGroup, handle: JobHandle) -> JobFailed:
+        """Judge the failure, kill the group, start a new one in the background; the job's terminal message."""
+        description = group.failure_description()
+        group.kill()
+        with self._lock:
+            if self._group is group:
+                self._group = None
+                self._start_restart()
+        if self._closed.is_set():
+            return JobFailed(handle.job_id, "cancelled", SHUTTING_DOWN_MESSAGE)
+        logger.error("job %s: %s; %s", handle.job_id, description, RESTARTING)
+        return JobFailed(handle.job_id, "engine", f"{description}; {RESTARTING}.")
+
+    # --- restarts and shutdown --------------------------------------------------------------------------
+
+    def _start_restart(self) -> None:
+        """Start a new group in the background (the caller holds the lock)."""
+        if self._closed.is_set():
+            return
+        self._restart = threading.Thread(target=self._restart_group, name="h3-group-restart", daemon=True)
+        self._restart.start()
+
+    def _restart_group(self) -> None:
+        try:
+            with self._lock:
+                if self._closed.is_set():
+                    return
+                group = self._starting = WorkerGroup(self.spec)
+            self.facts = group.wait_ready(self._closed)
+        except Exception as error:
+            logger.error("the worker group could not restart: %s", error)
+            with self._lock:
+                self._restart_error = str(error)
+                starting, self._starting = self._starting, None
+            if starting is not None:
+                starting.kill()
+            return
+        with self._lock:
+            self._starting = None
+            if not self._closed.is_set():
+                self._group = group
+                logger.info("worker group restarted")
+                return
+        group.kill()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed.set()
+            group, starting, restart = self._group, self._starting, self._restart
+            self._group = self._starting = None
+        if starting is not None:
+            starting.kill()
+        if restart is not None:
+            restart.join()
+        if group is not None:
+            group.stop()

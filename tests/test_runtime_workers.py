@@ -1,0 +1,484 @@
+"""The resident worker runtime on the CPU (gloo): groups of two rank processes behind the engine front.
+
+What is compared:
+* A whole generation through a worker group equals the single-process `Engine` generation (fp32, the saved
+  tensors: video, audio and both latents, max |group - single| / max |single| <= 1e-5) for T2VA, FL2VA (a keyframe
+  PNG) and Ref2VA (an image and an audio reference), with the DiT split by Ulysses (SP2) and by tensor parallelism
+  (TP2); the text encoder runs TP2 and the decode is split over both ranks in each. Each job reports its start
+  with the engine's geometry, one progress message per step and a preview every two steps.
+* A bad request (a missing keyframe file) fails alone, with the engine's message, and the group keeps serving;
+  cancel mid-run stops within one step; a rank killed with SIGKILL mid-request (rank 0 and rank 1) fails that job
+  within 5 s with the message naming the rank and its exit code, the old processes are gone, and the next request
+  on the restarted group equals the single-process generation again.
+* Shutdown with a job running cancels it and leaves no worker process; SIGTERM to a CLI run on two CPU ranks ends
+  the CLI (exit code 143) and every process it started, and writes no output; the ranks of a front process that
+  is killed outright end by themselves.
+* The app with `--world-size 2` serves a request from its worker group (a browser-playable MP4 through the HTTP
+  API) and stops cleanly on SIGTERM, leaving no process behind.
+* Layout flags and device flags are checked before any process starts, with errors naming the flag.
+A CUDA variant (skipped without a GPU) runs the same parity check on real GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _app_helpers import assert_browser_playable, start_app, stop_app
+from safetensors.torch import load_file
+
+from h3engine.checkpoint.tiny import make_tiny_checkpoint
+from h3engine.cli import main
+from h3engine.engine import Engine
+from h3engine.errors import RequestError
+from h3engine.parallel.groups import PROFILES, RuntimeLayout
+from h3engine.request import GenerationRequest, Keyframe, Reference
+from h3engine.runtime.front import EngineFront, JobHandle
+from h3engine.runtime.messages import (
+    TERMINAL_EVENTS,
+    JobFailed,
+    JobFinished,
+    JobStarted,
+    PreviewFrame,
+    StepProgress,
+)
+from h3engine.runtime.workers import ProcessReplica, rank_devices
+
+REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
+ASSETS = REPOSITORY_ROOT / "assets"
+SEED = 11
+# Measured on CPU (torch 2.14.1, gloo, two busy cores), largest over the four tensors: SP2 3.0e-6 (audio; the
+# video 1.5e-6, the latents 2e-7), TP2 of the same order. The split GEMMs and attention sum in another order.
+TOLERANCE = 1e-5
+EVENT_TIMEOUT_S = 120
+DEATH_REPORT_LIMIT_S = 5.0
+PREVIEW_EVERY = 2
+STEPS = 3
+LAYOUTS = {"sp2": RuntimeLayout.choose(2, dit_sp=2), "tp2": RuntimeLayout.choose(2, dit_tp=2)}
+REQUESTS = {
+    "t2va": GenerationRequest(
+        task="t2va", prompt="a red kite over the hills", steps=STEPS, seed=SEED, duration_seconds=4.0
+    ),
+    "fl2va": GenerationRequest(
+        task="fl2va",
+        prompt="<Picture 1> the kite rises with the sun",
+        steps=STEPS,
+        seed=SEED,
+        duration_seconds=4.0,
+        keyframes=(Keyframe(str(ASSETS / "fl2va" / "first.png"), "first"),),
+    ),
+    "ref2va": GenerationRequest(
+        task="ref2va",
+        prompt="<Picture 1> sings <Audio 1>",
+        steps=STEPS,
+        seed=SEED,
+        duration_seconds=4.0,
+        references=(
+            Reference("image", str(ASSETS / "ref2va" / "picture1.png")),
+            Reference("audio", str(ASSETS / "ref2va" / "audio1.wav")),
+        ),
+    ),
+}
+# Steps of about 0.3 s on two busy cores: long against the front's reading delay, short for the test.
+LONG_REQUEST = GenerationRequest(
+    task="t2va", prompt="a long one", steps=1000, duration_seconds=15.0, width=112, height=64
+)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Helpers and fixtures
+# --------------------------------------------------------------------------------------------------------------
+
+
+def events_until_done(handle: JobHandle) -> list:
+    events = []
+    while not events or not isinstance(events[-1], TERMINAL_EVENTS):
+        event = handle.next_event(timeout=EVENT_TIMEOUT_S)
+        assert event is not None, f"no message within {EVENT_TIMEOUT_S} s; so far: {events}"
+        events.append(event)
+    return events
+
+
+def wait_for_step(handle: JobHandle, step: int) -> None:
+    while True:
+        event = handle.next_event(timeout=EVENT_TIMEOUT_S)
+        assert event is not None and not isinstance(event, TERMINAL_EVENTS), event
+        if isinstance(event, StepProgress) and event.step >= step:
+            return
+
+
+def max_relative_errors(got_path: Path, expected_path: Path) -> dict[str, float]:
+    got, expected = load_file(got_path), load_file(expected_path)
+    assert set(got) == set(expected) == {"video", "audio", "video_latents", "audio_latents"}
+    errors = {}
+    for name, tensor in expected.items():
+        assert got[name].shape == tensor.shape, name
+        errors[name] = ((got[name] - tensor).abs().max() / tensor.abs().max()).item()
+    return errors
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended (not yet reaped)
+    except OSError:
+        return False
+
+
+def child_processes(pid: int) -> dict[int, str]:
+    """pid -> command line of every living child of `pid`, from /proc."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline") as cmdline:
+                command = cmdline.read().replace("\0", " ")
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            children[int(entry)] = command
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    children = list(child_processes(pid))
+    return children + [grandchild for child in children for grandchild in descendants(child)]
+
+
+def workers_of_this_process() -> dict[int, str]:
+    # Python's multiprocessing resource tracker (one per parent process, started with the first spawn and ending
+    # with its parent) is not a worker.
+    return {
+        pid: command
+        for pid, command in child_processes(os.getpid()).items()
+        if "resource_tracker" not in command
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("workers") / "checkpoint", seed=SEED)
+
+
+@pytest.fixture(scope="module")
+def single_process_tensors(checkpoint, tmp_path_factory) -> dict[str, Path]:
+    """task -> the tensors of the single-process fp32 engine's generation."""
+    folder = tmp_path_factory.mktemp("single_process")
+    engine = Engine.from_checkpoint(checkpoint, device="cpu", dtype=torch.float32)
+    paths = {}
+    for task, request in REQUESTS.items():
+        paths[task] = folder / f"{task}.safetensors"
+        engine.generate_to_file(request, folder / f"{task}.mp4", save_tensors_path=paths[task])
+    return paths
+
+
+class WorkerGroups:
+    """Two-rank CPU worker groups behind fronts, one per layout name, started on first use."""
+
+    def __init__(self, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.checkpoint, self.tmp_path_factory = checkpoint, tmp_path_factory
+        self.started: dict[str, tuple[EngineFront, ProcessReplica]] = {}
+
+    def get(self, name: str) -> tuple[EngineFront, ProcessReplica]:
+        if name not in self.started:
+            replica = ProcessReplica(self.checkpoint, ("cpu", "cpu"), LAYOUTS[name], dtype="float32")
+            front = EngineFront([replica], self.tmp_path_factory.mktemp(name), preview_every=PREVIEW_EVERY)
+            self.started[name] = (front, replica)
+        return self.started[name]
+
+    def take(self, name: str) -> tuple[EngineFront, ProcessReplica]:
+        """The group, no longer shared: the caller shuts it down."""
+        group = self.get(name)
+        del self.started[name]
+        return group
+
+
+@pytest.fixture(scope="module")
+def groups(checkpoint, tmp_path_factory):
+    worker_groups = WorkerGroups(checkpoint, tmp_path_factory)
+    yield worker_groups
+    for front, _ in worker_groups.started.values():
+        front.shutdown()
+
+
+def generate_and_compare(front: EngineFront, task: str, expected: Path, folder: Path) -> list:
+    tensors = folder / f"{task}-group.safetensors"
+    events = events_until_done(front.submit(REQUESTS[task], folder / f"{task}.mp4", tensors))
+    assert isinstance(events[-1], JobFinished), events[-1]
+    errors = max_relative_errors(tensors, expected)
+    assert max(errors.values()) <= TOLERANCE, errors
+    return events
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Layouts and devices (no process started)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_layout_profiles_and_flag_errors() -> None:
+    assert PROFILES[4] == (2, 2, 4, 4)  # the released four-GPU profile
+    assert RuntimeLayout.choose(4) == RuntimeLayout(4, dit_sp=2, dit_tp=2, encoder_tp=4, vae_ranks=4)
+    assert RuntimeLayout.choose(4, dit_sp=4) == RuntimeLayout(4, 4, 1, 4, 4)  # the Ulysses-4 alternative
+    assert RuntimeLayout.choose(8, dit_tp=4) == RuntimeLayout(8, 2, 4, 8, 8)
+    assert RuntimeLayout.choose(1) == RuntimeLayout(1, 1, 1, 1, 1)
+    assert RuntimeLayout.choose(2, vae_ranks=1) == RuntimeLayout(2, 2, 1, 2, 1)
+    for flags, message in [
+        (dict(dit_sp=3), r"^--dit-sp 3 does not divide the 4 GPUs"),
+        (dict(dit_sp=4, dit_tp=2), r"^--dit-sp 4 x --dit-tp 2 = 8 ranks, but the worker group has 4"),
+        (dict(encoder_tp=3), r"^--encoder-tp 3 does not divide the 4 GPUs"),
+        (dict(vae_ranks=5), r"^--vae-ranks 5 is more than the 4 GPUs"),
+        (dict(dit_tp=0), r"^--dit-tp must be a positive integer, got 0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            RuntimeLayout.choose(4, **flags)
+
+
+def test_layouts_are_checked_against_the_checkpoint_before_any_process_starts(checkpoint, tmp_path) -> None:
+    before = workers_of_this_process()
+    # The tiny DiT has 2 heads: the four-GPU profile's 2 x 2 cannot split them.
+    with pytest.raises(
+        RequestError, match=r"^--dit-sp 2 x --dit-tp 2 = 4 does not divide the 2 attention heads"
+    ):
+        ProcessReplica(checkpoint, ("cpu",) * 4)
+    diffusers = make_tiny_checkpoint(tmp_path / "diffusers", seed=SEED, layout="diffusers")
+    with pytest.raises(RequestError, match=r"^--dit-sp / --dit-tp: the DiT of .* is in the diffusers layout"):
+        ProcessReplica(diffusers, ("cpu", "cpu"))
+    assert workers_of_this_process() == before
+
+
+def test_rank_devices_follow_the_cli_flags() -> None:
+    assert rank_devices("cpu", None, None, None) == ("cpu",)
+    assert rank_devices("cpu", 3, None, None) == ("cpu", "cpu", "cpu")
+    assert rank_devices("cuda:1", None, None, None) == ("cuda:1",)
+    with pytest.raises(RequestError, match="^--gpus and --devices: give one of them"):
+        rank_devices(None, None, 2, "0,1")
+    with pytest.raises(RequestError, match="^--device cpu: --gpus and --devices choose GPUs"):
+        rank_devices("cpu", None, 2, None)
+    with pytest.raises(RequestError, match="^--devices: expected GPU indices"):
+        rank_devices(None, None, None, "0,x")
+    with pytest.raises(RequestError, match="^--world-size must be at least 1"):
+        rank_devices("cpu", 0, None, None)
+    if torch.cuda.device_count() < 8:
+        with pytest.raises(RequestError, match=r"^--gpus: 8 GPUs asked for, but \d+ (is|are) visible"):
+            rank_devices(None, None, 8, None)
+
+
+def test_cli_refuses_a_bad_layout_with_exit_code_2(checkpoint, tmp_path, capsys) -> None:
+    arguments = [
+        "generate",
+        "--checkpoint",
+        str(checkpoint),
+        "--prompt",
+        "x",
+        "--out",
+        str(tmp_path / "x.mp4"),
+    ]
+    arguments += ["--device", "cpu", "--world-size", "2", "--dit-sp", "3"]
+    assert main(arguments) == 2
+    assert capsys.readouterr().err.strip() == "error: --dit-sp 3 does not divide the 2 GPUs (divisors: 1, 2)"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Generations through worker groups
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+@pytest.mark.parametrize("task", list(REQUESTS))
+def test_generations_equal_the_single_process_engine(
+    groups, single_process_tensors, layout_name, task, tmp_path
+) -> None:
+    front, _ = groups.get(layout_name)
+    expected_geometry = front.expected_geometry(REQUESTS[task])
+    events = generate_and_compare(front, task, single_process_tensors[task], tmp_path)
+
+    started = [event for event in events if isinstance(event, JobStarted)]
+    assert len(started) == 1
+    assert (started[0].width, started[0].height, started[0].frames) == (
+        expected_geometry.width,
+        expected_geometry.height,
+        expected_geometry.frames,
+    )
+    assert [event.step for event in events if isinstance(event, StepProgress)] == [1, 2, 3]
+    assert [event.step for event in events if isinstance(event, PreviewFrame)] == [2, 3]
+    finished = events[-1]
+    assert Path(finished.video_path) == tmp_path / f"{task}.mp4" and Path(finished.sidecar_path).is_file()
+
+
+def test_a_bad_request_fails_only_itself(groups, tmp_path) -> None:
+    """Rank 0 finds the missing file; the others learn it from the broadcast and skip the job (no hang)."""
+    front, replica = groups.get("sp2")
+    workers = replica.worker_pids
+    missing = str(tmp_path / "missing.png")
+    request = GenerationRequest(
+        task="fl2va", prompt="x", steps=2, duration_seconds=4.0, keyframes=(Keyframe(missing, "first"),)
+    )
+    failed = events_until_done(front.submit(request))[-1]
+    assert failed.kind == "request" and missing in failed.message, failed
+    assert isinstance(events_until_done(front.submit(REQUESTS["t2va"]))[-1], JobFinished)
+    assert replica.worker_pids == workers
+
+
+def test_cancel_mid_run_stops_within_one_step(groups) -> None:
+    front, _ = groups.get("sp2")
+    handle = front.submit(LONG_REQUEST)
+    wait_for_step(handle, 2)
+    front.cancel(handle)
+    after_cancel = events_until_done(handle)
+    assert after_cancel[-1] == JobFailed(handle.job_id, "cancelled", "Cancelled.")
+    # The step in flight when the cancel landed, plus at most one already sent but not yet read here.
+    assert len([event for event in after_cancel if isinstance(event, StepProgress)]) <= 2
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_worker_fails_only_its_job_and_the_group_restarts(
+    groups, single_process_tensors, victim, tmp_path
+) -> None:
+    front, replica = groups.get("sp2")
+    handle = front.submit(LONG_REQUEST)
+    wait_for_step(handle, 2)
+    old_workers = replica.worker_pids
+    os.kill(old_workers[victim], signal.SIGKILL)
+    killed_at = time.monotonic()
+    failed = events_until_done(handle)[-1]
+    assert time.monotonic() - killed_at < DEATH_REPORT_LIMIT_S
+    assert failed == JobFailed(
+        handle.job_id,
+        "engine",
+        f"A worker process died (rank {victim}, exit code -9); the worker group is restarting.",
+    )
+    assert not any(process_exists(pid) for pid in old_workers)
+
+    generate_and_compare(front, "t2va", single_process_tensors["t2va"], tmp_path)
+    new_workers = replica.worker_pids
+    assert len(new_workers) == 2 and not set(new_workers) & set(old_workers)
+
+
+def test_shutdown_cancels_the_running_job_and_leaves_no_worker_process(groups) -> None:
+    front, replica = groups.take("tp2")
+    workers = replica.worker_pids
+    assert set(workers) <= set(workers_of_this_process())
+    handle = front.submit(LONG_REQUEST)
+    wait_for_step(handle, 1)
+    front.shutdown()
+    assert events_until_done(handle)[-1] == JobFailed(handle.job_id, "cancelled", "Cancelled.")
+    assert not any(process_exists(pid) for pid in workers)
+    assert not set(workers_of_this_process()) & set(workers)
+
+
+def test_sigterm_ends_a_cli_run_and_every_process_it_started(checkpoint, tmp_path) -> None:
+    out = tmp_path / "terminated.mp4"
+    command = [sys.executable, "-m", "h3engine", "generate", "--checkpoint", str(checkpoint), "--prompt", "x"]
+    command += ["--out", str(out), "--device", "cpu", "--world-size", "2", "--dit-tp", "2", "--steps", "1000"]
+    command += ["--duration", "15", "--width", "112", "--height", "64"]
+    cli = subprocess.Popen(command, cwd=REPOSITORY_ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in cli.stderr:
+            lines.append(line)
+            if line.startswith("step 2/"):
+                break
+        assert lines and lines[-1].startswith("step 2/"), "".join(lines)
+        started = descendants(cli.pid)
+        assert len(started) >= 2, started  # the two ranks (and Python's resource tracker)
+        cli.send_signal(signal.SIGTERM)
+        rest = cli.stderr.read()
+        assert cli.wait(timeout=60) == 143, rest
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert rest.strip().endswith("terminated")
+    deadline = time.monotonic() + 10
+    while any(process_exists(pid) for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in started if process_exists(pid)]
+    assert not list(tmp_path.iterdir())
+
+
+def test_ranks_end_by_themselves_when_their_front_process_is_killed(checkpoint) -> None:
+    program = (
+        "import sys, time\n"
+        "from h3engine.runtime.workers import ProcessReplica\n"
+        "if __name__ == '__main__':\n"
+        f"    replica = ProcessReplica({str(checkpoint)!r}, ('cpu', 'cpu'), dtype='float32')\n"
+        "    print(*replica.worker_pids, flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    front_process = subprocess.Popen(
+        [sys.executable, "-c", program], cwd=REPOSITORY_ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        workers = [int(pid) for pid in front_process.stdout.readline().split()]
+        assert len(workers) == 2
+    finally:
+        front_process.kill()
+        front_process.wait()
+    deadline = time.monotonic() + 10
+    while any(process_exists(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in workers if process_exists(pid)]
+
+
+def test_the_app_serves_requests_from_a_worker_group(tmp_path) -> None:
+    from gradio_client import Client  # imported here: only this test needs it, and it takes a while
+
+    app = start_app(tmp_path, extra_arguments=("--world-size", "2", "--dit-tp", "2"))
+    try:
+        started = descendants(app.process.pid)
+        assert "worker group" in app.log_tail()
+        client = Client(app.url, verbose=False, download_files=str(tmp_path / "downloads"))
+        status, _preview, video, *_ = client.predict(
+            prompt="A kite.",
+            duration_seconds=5,
+            aspect_ratio="auto",
+            seed=3,
+            randomize_seed=False,
+            steps=2,
+            api_name="/t2va",
+        )
+        assert status.startswith("Done"), status
+        assert_browser_playable(video, 124)
+    finally:
+        exit_code = stop_app(app)
+    assert exit_code == 0, app.log_tail()
+    deadline = time.monotonic() + 10
+    while any(process_exists(pid) for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in started if process_exists(pid)], app.log_tail()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# On GPUs
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the lead runs it on the H200 machine)"
+)
+def test_a_worker_group_on_cuda_equals_the_in_process_engine(checkpoint, tmp_path) -> None:
+    """One rank per GPU (up to two, NCCL with two), fp32: the same T2VA as the in-process engine on cuda:0."""
+    devices = tuple(f"cuda:{index}" for index in range(min(2, torch.cuda.device_count())))
+    engine = Engine.from_checkpoint(checkpoint, device="cuda:0", dtype=torch.float32)
+    expected = tmp_path / "in_process.safetensors"
+    engine.generate_to_file(REQUESTS["t2va"], tmp_path / "in_process.mp4", save_tensors_path=expected)
+    del engine
+    torch.cuda.empty_cache()
+    front = EngineFront([ProcessReplica(checkpoint, devices, dtype="float32")], tmp_path)
+    try:
+        tensors = tmp_path / "group.safetensors"
+        events = events_until_done(front.submit(REQUESTS["t2va"], tmp_path / "group.mp4", tensors))
+        assert isinstance(events[-1], JobFinished), events[-1]
+        # The GPU's fp32 kernels differ between one and two ranks in summation order (and TF32 convolutions).
+        errors = max_relative_errors(tensors, expected)
+        assert max(errors.values()) <= 1e-3, errors
+    finally:
+        front.shutdown()
