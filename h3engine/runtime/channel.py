@@ -53,6 +53,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 
 import torch
 import torch.multiprocessing
@@ -173,6 +174,19 @@ class _Peer(enum.Enum):
     ALIVE = "alive"
     CLOSED = "closed"
     GONE = "gone"
+
+
+def _remove_shared_memory_of(dead_pid: int) -> None:
+    """Unlink the /dev/shm files torch made in a process that died without its exit handlers.
+
+    torch names them `torch_<pid>_...` (for instance the reference counts it keeps for CUDA tensors shared over
+    IPC); a process killed outright never removes them. Only called once `dead_pid` is known to be gone.
+    """
+    for path in Path("/dev/shm").glob(f"torch_{dead_pid}_*"):
+        try:
+            path.unlink()
+        except OSError:
+            pass
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -312,6 +326,9 @@ class TensorChannel:
                 break
             time.sleep(POLL_INTERVAL_S)
         clean = all(self._state.status(role) in settled for role in _Role)
+        for role in _Role:
+            if self._state.status(role) is _Peer.GONE:
+                _remove_shared_memory_of(self._state.pid(role))
         for channel_queue in (self._messages, self._releases):
             channel_queue.close()
             channel_queue.join_thread()
