@@ -26,7 +26,13 @@ from typing import Any
 import torch
 
 from h3engine import __version__
-from h3engine.checkpoint.layout import PARTITION_OF_TASK, CheckpointLayout, PartitionPaths, detect_layout
+from h3engine.checkpoint.layout import (
+    PARTITION_OF_TASK,
+    CanvasRules,
+    CheckpointLayout,
+    PartitionPaths,
+    detect_layout,
+)
 from h3engine.checkpoint.loader import ComponentSource, audio_vae_source, dit_source, video_vae_source
 from h3engine.conditioning import (
     EncodedConditions,
@@ -92,6 +98,46 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise RequestError(f"--dtype: expected bfloat16 or float32, got '{name}'")
     return DTYPES[name]
+
+
+def canvas_rule(request: GenerationRequest, rules: CanvasRules) -> tuple[int, int]:
+    """(short edge, area cap) of a request's target canvas, which reference videos follow as well.
+
+    The released short edge (768) stands for the checkpoint's own canvas rule (768 for the release, the tiny
+    checkpoints' 32); another short edge scales the area cap with it.
+    """
+    short_edge = rules.short_edge if request.short_edge == RELEASED_SHORT_EDGE else request.short_edge
+    return short_edge, rules.max_pixels * short_edge**2 // rules.short_edge**2
+
+
+def request_geometry(
+    request: GenerationRequest,
+    rules: CanvasRules,
+    vae_spatial_ratio: int,
+    patch: int,
+    first_keyframe_size: tuple[int, int] | None = None,
+) -> Geometry:
+    """The canvas and frame counts of a validated request, from the checkpoint's canvas rule and spatial factors.
+
+    FL2VA with aspect "auto" follows its first listed keyframe: pass that image's upright (width, height) if it is
+    already loaded, otherwise the file is probed here. A Ref2VA request without a duration takes its audio
+    reference's. Model-free, so the app can show it before a job is queued.
+    """
+    frames = frames_for_duration(resolve_duration_seconds(request, media_inputs.probe_media))
+    if request.width is not None and request.height is not None:
+        height, width = request.height, request.width
+    else:
+        if first_keyframe_size is None and request.task == "fl2va" and request.aspect_ratio == "auto":
+            info = media_inputs.probe_media(request.keyframes[0])
+            first_keyframe_size = (info.width, info.height)
+        short_edge, max_pixels = canvas_rule(request, rules)
+        height, width = resolve_canvas(
+            *resolve_aspect(request, first_keyframe_size),
+            multiple=vae_spatial_ratio * patch,
+            short_edge=short_edge,
+            max_pixels=max_pixels,
+        )
+    return Geometry.from_canvas(height, width, frames, vae_spatial_ratio=vae_spatial_ratio, patch=patch)
 
 
 @dataclass(frozen=True)
@@ -237,40 +283,12 @@ class Engine:
             )
         return warnings
 
-    def _canvas_rule(self, request: GenerationRequest) -> tuple[int, int]:
-        """(short edge, area cap) of the target canvas, which reference videos follow as well.
-
-        The released short edge (768) stands for this checkpoint's own canvas rule (768 for the release, the tiny
-        checkpoints' 32); another short edge scales the area cap with it.
-        """
-        rules = self.layout.canvas
-        short_edge = rules.short_edge if request.short_edge == RELEASED_SHORT_EDGE else request.short_edge
-        return short_edge, rules.max_pixels * short_edge**2 // rules.short_edge**2
-
     def geometry_for(
         self, request: GenerationRequest, first_keyframe_size: tuple[int, int] | None = None
     ) -> Geometry:
-        """The canvas and frame counts of a validated request on this checkpoint.
-
-        FL2VA with aspect "auto" follows its first listed keyframe: pass that image's upright (width, height) if it is
-        already loaded, otherwise the file is probed here. A Ref2VA request without a duration takes its audio reference's.
-        """
+        """The canvas and frame counts of a validated request on this checkpoint (see `request_geometry`)."""
         vae_ratio, patch = self._spatial_factors(PARTITION_OF_TASK[request.task])
-        frames = frames_for_duration(resolve_duration_seconds(request, media_inputs.probe_media))
-        if request.width is not None and request.height is not None:
-            height, width = request.height, request.width
-        else:
-            if first_keyframe_size is None and request.task == "fl2va" and request.aspect_ratio == "auto":
-                info = media_inputs.probe_media(request.keyframes[0])
-                first_keyframe_size = (info.width, info.height)
-            short_edge, max_pixels = self._canvas_rule(request)
-            height, width = resolve_canvas(
-                *resolve_aspect(request, first_keyframe_size),
-                multiple=vae_ratio * patch,
-                short_edge=short_edge,
-                max_pixels=max_pixels,
-            )
-        return Geometry.from_canvas(height, width, frames, vae_spatial_ratio=vae_ratio, patch=patch)
+        return request_geometry(request, self.layout.canvas, vae_ratio, patch, first_keyframe_size)
 
     def prepare_conditioning(
         self, request: GenerationRequest, models: Models
@@ -323,7 +341,7 @@ class Engine:
                 source = media_inputs.read_audio_source(reference.path, start_seconds, max_seconds)
                 return NormalizedReference("audio", audio=_reference_audio(source, max_seconds))
             info = media_inputs.probe_media(reference)
-            short_edge, max_pixels = self._canvas_rule(request)
+            short_edge, max_pixels = canvas_rule(request, self.layout.canvas)
             height, width = resolve_canvas(
                 info.width, info.height, multiple=multiple, short_edge=short_edge, max_pixels=max_pixels
             )

@@ -12,8 +12,8 @@ Contract:
 
 Danger: these checks exist so that the app never calls into a shared `Engine` from a request thread (on a GPU
 that could load a 62 GiB partition next to the one a worker is using). The engine validates again when the job
-runs, and its geometry (reported in `JobStarted` and the sidecar) is the authority: `expected_geometry` mirrors
-`Engine.geometry_for` and is only a preview of it.
+runs, and its geometry (reported in `JobStarted` and the sidecar) is the authority; `expected_geometry` is the
+same function (`h3engine.engine.request_geometry`) applied to the facts captured here.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from h3engine.checkpoint.layout import CanvasRules
-from h3engine.engine import Engine
+from h3engine.engine import Engine, request_geometry
 from h3engine.errors import RequestError
-from h3engine.geometry import RELEASED_SHORT_EDGE, Geometry, frames_for_duration, resolve_canvas
+from h3engine.geometry import Geometry
 from h3engine.media.inputs import probe_media
-from h3engine.request import GenerationRequest, resolve_aspect, resolve_duration_seconds, validate
+from h3engine.request import GenerationRequest, validate
 
 
 @dataclass(frozen=True)
@@ -62,23 +62,5 @@ def check_request(request: GenerationRequest, facts: CheckpointFacts) -> list[st
 
 
 def expected_geometry(request: GenerationRequest, facts: CheckpointFacts) -> Geometry:
-    """The canvas and frame counts of a request that passed `check_request` (mirrors Engine.geometry_for)."""
-    frames = frames_for_duration(resolve_duration_seconds(request, probe_media))
-    if request.width is not None and request.height is not None:
-        height, width = request.height, request.width
-    else:
-        first_keyframe_size = None
-        if request.keyframes:
-            info = probe_media(request.keyframes[0])
-            first_keyframe_size = (info.width, info.height)
-        aspect = resolve_aspect(request, first_keyframe_size)
-        # The released short edge stands for the checkpoint's own rule (32 px on tiny checkpoints).
-        rules = facts.canvas
-        short_edge = rules.short_edge if request.short_edge == RELEASED_SHORT_EDGE else request.short_edge
-        max_pixels = rules.max_pixels * short_edge**2 // rules.short_edge**2
-        height, width = resolve_canvas(
-            *aspect, multiple=facts.canvas_multiple, short_edge=short_edge, max_pixels=max_pixels
-        )
-    return Geometry.from_canvas(
-        height, width, frames, vae_spatial_ratio=facts.vae_spatial_ratio, patch=facts.patch
-    )
+    """The canvas and frame counts of a request that passed `check_request` (what the engine will use)."""
+    return request_geometry(request, facts.canvas, facts.vae_spatial_ratio, facts.patch)
