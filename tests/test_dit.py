@@ -424,3 +424,90 @@ def test_state_dict_round_trips_the_checkpoint_qkv_order(tiny_state: dict[str, t
         stacked[(heads + 1) * head_dim : (heads + 2) * head_dim],
         interleaved[(3 + 1) * head_dim : (3 + 2) * head_dim],
     )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# AdaLN modulation cache
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _step_timesteps() -> list[torch.Tensor]:
+    return [
+        torch.tensor([0.999, 0.42, 0.67]),
+        torch.tensor([0.999, 0.5, 0.7]),
+        torch.tensor([0.999, 0.61, 0.8]),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_schedule_modulation_gives_the_per_forward_tables_and_outputs(tiny_state, dtype) -> None:
+    model = our_model(tiny_state, dtype)
+    request = tiny_request(dtype)
+    steps = _step_timesteps()
+    with torch.no_grad():
+        tables = model.schedule_modulation(steps, torch.device("cpu"))
+        for timesteps, step_tables in zip(steps, tables, strict=True):
+            direct = model.modulation(timesteps)
+            for cached, computed in zip(step_tables.blocks, direct.blocks, strict=True):
+                for name in (
+                    "shift_attn",
+                    "scale_plus_one_attn",
+                    "gate_attn",
+                    "shift_ffn",
+                    "scale_plus_one_ffn",
+                ):
+                    assert torch.equal(getattr(cached, name), getattr(computed, name))
+                assert torch.equal(cached.gate_ffn, computed.gate_ffn)
+            assert all(torch.equal(a, b) for a, b in zip(step_tables.final, direct.final, strict=True))
+        # A forward fed the cached tables equals the plain forward at the same timesteps ...
+        arguments = request.as_h3_arguments()
+        timesteps = arguments[3]
+        plain = model(*arguments)
+        cached = model(*arguments, modulation=model.schedule_modulation([timesteps], torch.device("cpu"))[0])
+        assert torch.equal(plain[0], cached[0]) and torch.equal(plain[1], cached[1])
+        # ... and tables of other timesteps give another output (the tables are really used).
+        other = model(*arguments, modulation=tables[1])
+        assert not torch.equal(other[0], plain[0])
+
+
+def test_modulation_cache_hits_and_is_cleared_by_loading(tiny_state) -> None:
+    model = our_model(tiny_state, torch.float32)
+    steps = _step_timesteps()
+    with torch.no_grad():
+        first = model.schedule_modulation(steps, torch.device("cpu"))
+        assert model.schedule_modulation([t.clone() for t in steps], torch.device("cpu")) is first
+        model.load_state_dict(tiny_state)
+        assert model.schedule_modulation(steps, torch.device("cpu")) is not first
+        # Old schedules are evicted beyond the cache size.
+        for shift in range(4):
+            model.schedule_modulation([t * (0.5 + 0.1 * shift) for t in steps], torch.device("cpu"))
+        assert len(model._modulation_cache) == 2
+
+
+def test_offloaded_adaln_gives_the_same_tables(tiny_state) -> None:
+    model = our_model(tiny_state, torch.float32)
+    steps = _step_timesteps()
+    with torch.no_grad():
+        resident = model.schedule_modulation(steps, torch.device("cpu"))
+        model.offload_adaln()
+        offloaded = model.schedule_modulation(steps, torch.device("cpu"))
+    assert offloaded is not resident
+    for a, b in zip(resident, offloaded, strict=True):
+        assert all(torch.equal(x.gate_attn, y.gate_attn) for x, y in zip(a.blocks, b.blocks, strict=True))
+        assert torch.equal(a.final[0], b.final[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_offloaded_adaln_on_the_gpu_matches_the_resident_model(tiny_state) -> None:
+    device = torch.device("cuda")
+    model = our_model(tiny_state, torch.bfloat16).to(device)
+    request = tiny_request(torch.bfloat16)
+    arguments = [t.to(device) for t in request.as_h3_arguments()]
+    with torch.no_grad():
+        expected = model(*arguments)
+        model.offload_adaln()
+        assert all(p.device.type == "cpu" for p in model.blocks[0].adaln_proj.parameters())
+        assert model.blocks[0].attn.qkv_proj.weight.device.type == "cuda"
+        tables = model.schedule_modulation([request.timesteps], device)[0]
+        actual = model(*arguments, modulation=tables)
+    assert torch.equal(expected[0], actual[0]) and torch.equal(expected[1], actual[1])

@@ -26,6 +26,7 @@ full state dict is loaded.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from h3engine.errors import CheckpointError
+from h3engine.ops import attention as attention_ops
 
 # Rows carry one AdaLN entry per (timestep, modality); modality tags are 0 video, 1 text, 2 audio.
 NUM_MODALITIES = 3
@@ -42,6 +44,8 @@ NUM_MODALITIES = 3
 NUM_BLOCK_MODULATIONS = 6
 # The sinusoidal timestep features use the classic 10000 period.
 TIMESTEP_MAX_PERIOD = 10000.0
+# Schedules whose AdaLN tables `H3DiT.schedule_modulation` keeps (~1 GB each at the released size, 50 steps).
+MODULATION_CACHE_SCHEDULES = 2
 
 NATIVE_CLASS_NAME = "MiniMaxH3DiTModel"
 DIFFUSERS_CLASS_NAME = "MiniMaxH3Transformer3DModel"
@@ -332,13 +336,10 @@ AttentionKernel = Callable[[Tensor, Tensor, Tensor], Tensor]
 def attention(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
     """Full bidirectional attention over one packed document: [S, heads, head_dim] in and out, no mask.
 
-    The single call site of the attention kernel: faster kernels are dispatched here. Scale is 1/sqrt(head_dim).
+    The single call site of the attention kernel; `h3engine.ops.attention` picks the backend (FA4, cuDNN, SDPA).
+    Scale is 1/sqrt(head_dim).
     """
-    # SDPA's fused kernels (flash, cuDNN, CPU flash) only take 4-D [batch, heads, S, head_dim]; a 3-D call falls
-    # back to the unfused math path, which rounds differently in bf16 and is far slower.
-    query, key, value = (tensor.transpose(0, 1).unsqueeze(0) for tensor in (query, key, value))
-    output = F.scaled_dot_product_attention(query, key, value)
-    return output.squeeze(0).transpose(0, 1)
+    return attention_ops.attention(query, key, value)
 
 
 def rope_inverse_frequencies(
@@ -523,8 +524,11 @@ class AdaLNProjection(nn.Module):
         super().__init__()
         self.linear = nn.Linear(config.time_embed_dim, out_features, dtype=dtype, device=device)
 
-    def forward(self, temb: Tensor) -> Tensor:
-        return self.linear(F.silu(temb).to(self.linear.weight.dtype))
+    def forward(self, temb: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
+        """`weight` / `bias` stand in for the module's own (the same values on another device)."""
+        weight = self.linear.weight if weight is None else weight
+        bias = self.linear.bias if bias is None else bias
+        return F.linear(F.silu(temb).to(weight.dtype), weight, bias)
 
 
 class RefinerBlock(nn.Module):
@@ -568,21 +572,39 @@ class DiTBlock(nn.Module):
         self.mlp = SwiGLU(config, dtype, device)
         self.adaln_proj = AdaLNProjection(config, config.adaln_out_features, dtype, device)
 
-    def forward(self, hidden: Tensor, temb: Tensor, layout: PackedLayout) -> Tensor:
+    def modulation(
+        self, temb: Tensor, weight: Tensor | None = None, bias: Tensor | None = None
+    ) -> BlockModulation:
+        """This block's AdaLN tables for the M timesteps of `temb` (optionally with the projection's weights given,
+        e.g. streamed from CPU memory)."""
         # Output features are [modality][6 chunks][hidden], so a [M*3, 6, hidden] view puts the AdaLN table
         # row (timestep_index * 3 + tag) first.
-        table = self.adaln_proj(temb).view(-1, NUM_BLOCK_MODULATIONS, self.hidden_size)
+        table = self.adaln_proj(temb, weight, bias).view(-1, NUM_BLOCK_MODULATIONS, self.hidden_size)
         shift_attn, scale_attn, gate_attn, shift_ffn, scale_ffn, gate_ffn = table.unbind(dim=1)
-        rows = layout.adaln_index
-
         # `1 + scale` is taken on the [M*3, hidden] table before the per-row gather: the same bf16 additions as
-        # after it, but on a dozen rows instead of the whole sequence. index_select is the fast row gather.
-        modulated = self.norm1(hidden) * gather_rows(1.0 + scale_attn, rows) + gather_rows(shift_attn, rows)
-        attended = self.attn(modulated, layout.rope_cos_sin, layout.attend)
-        hidden = hidden + gather_rows(gate_attn, rows) * attended
+        # after it, but on a dozen rows instead of the whole sequence.
+        return BlockModulation(
+            shift_attn=shift_attn.contiguous(),
+            scale_plus_one_attn=1.0 + scale_attn,
+            gate_attn=gate_attn.contiguous(),
+            shift_ffn=shift_ffn.contiguous(),
+            scale_plus_one_ffn=1.0 + scale_ffn,
+            gate_ffn=gate_ffn.contiguous(),
+        )
 
-        modulated = self.norm2(hidden) * gather_rows(1.0 + scale_ffn, rows) + gather_rows(shift_ffn, rows)
-        return hidden + gather_rows(gate_ffn, rows) * self.mlp(modulated)
+    def forward(self, hidden: Tensor, modulation: BlockModulation, layout: PackedLayout) -> Tensor:
+        rows = layout.adaln_index
+        # index_select is the fast row gather.
+        modulated = self.norm1(hidden) * gather_rows(modulation.scale_plus_one_attn, rows) + gather_rows(
+            modulation.shift_attn, rows
+        )
+        attended = self.attn(modulated, layout.rope_cos_sin, layout.attend)
+        hidden = hidden + gather_rows(modulation.gate_attn, rows) * attended
+
+        modulated = self.norm2(hidden) * gather_rows(modulation.scale_plus_one_ffn, rows) + gather_rows(
+            modulation.shift_ffn, rows
+        )
+        return hidden + gather_rows(modulation.gate_ffn, rows) * self.mlp(modulated)
 
 
 class FinalLayer(nn.Module):
@@ -599,14 +621,47 @@ class FinalLayer(nn.Module):
             config.hidden_size, config.audio_in_channels, dtype=torch.float32, device=device
         )
 
-    def forward(self, hidden: Tensor, temb: Tensor, layout: PackedLayout) -> tuple[Tensor, Tensor]:
-        shift, scale = self.adaln_proj(temb).chunk(2, dim=-1)
+    def modulation(
+        self, temb: Tensor, weight: Tensor | None = None, bias: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(1 + scale, shift) tables [M, hidden] for the M timesteps of `temb`."""
+        shift, scale = self.adaln_proj(temb, weight, bias).chunk(2, dim=-1)
+        return 1.0 + scale, shift.contiguous()
+
+    def forward(
+        self, hidden: Tensor, modulation: tuple[Tensor, Tensor], layout: PackedLayout
+    ) -> tuple[Tensor, Tensor]:
+        scale_plus_one, shift = modulation
         rows = layout.timestep_index
-        modulated = self.norm(hidden) * gather_rows(1.0 + scale, rows) + gather_rows(shift, rows)
+        modulated = self.norm(hidden) * gather_rows(scale_plus_one, rows) + gather_rows(shift, rows)
         # The modulation runs in the compute dtype; the heads are fp32 islands and produce fp32 velocities.
         video_velocity = self.video_out(modulated[layout.video_index].to(torch.float32))
         audio_velocity = self.audio_out(modulated[layout.audio_index].to(torch.float32))
         return video_velocity, audio_velocity
+
+
+@dataclass(frozen=True)
+class BlockModulation:
+    """One block's AdaLN tables for one forward: [M*3, hidden] each, row timestep_index * 3 + modality tag."""
+
+    shift_attn: Tensor
+    scale_plus_one_attn: Tensor
+    gate_attn: Tensor
+    shift_ffn: Tensor
+    scale_plus_one_ffn: Tensor
+    gate_ffn: Tensor
+
+
+@dataclass(frozen=True)
+class StepModulation:
+    """Every AdaLN table of one forward: one `BlockModulation` per block and the final layer's (1 + scale, shift).
+
+    It depends only on the forward's M distinct timesteps, so a request computes it once per step of its schedule
+    (`H3DiT.schedule_modulation`) and the 13 B AdaLN parameters need not stay on the GPU.
+    """
+
+    blocks: tuple[BlockModulation, ...]
+    final: tuple[Tensor, Tensor]
 
 
 @dataclass(frozen=True)
@@ -653,6 +708,9 @@ class H3DiT(nn.Module):
         self.token_refiner = TokenRefiner(config, dtype, device)
         self.blocks = nn.ModuleList(DiTBlock(config, dtype, device) for _ in range(config.num_layers))
         self.final_layer = FinalLayer(config, dtype, device)
+        # Schedule timesteps -> AdaLN tables of every step (see `schedule_modulation`); not part of the state.
+        self._modulation_cache: OrderedDict[tuple, list[StepModulation]] = OrderedDict()
+        self.register_load_state_dict_post_hook(lambda module, keys: module._modulation_cache.clear())
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -703,10 +761,19 @@ class H3DiT(nn.Module):
         video_index: Tensor,
         audio_index: Tensor,
         text_index: Tensor,
+        layout: PackedLayout | None = None,
+        modulation: StepModulation | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """One packed request -> (video velocity [Nv, C*prod(patch)] fp32, audio velocity [Na, Ca] fp32)."""
-        layout = self.prepare_layout(timestep_index, tags, positions, video_index, audio_index, text_index)
-        return self.forward_with_layout(video_rows, audio_rows, text_states, timesteps, layout)
+        """One packed request -> (video velocity [Nv, C*prod(patch)] fp32, audio velocity [Na, Ca] fp32).
+
+        A denoising loop passes the request-static `layout` (from `prepare_layout` on the same index tensors) and
+        this step's `modulation` (from `schedule_modulation`) so that neither is rebuilt every step.
+        """
+        if layout is None:
+            layout = self.prepare_layout(
+                timestep_index, tags, positions, video_index, audio_index, text_index
+            )
+        return self.forward_with_layout(video_rows, audio_rows, text_states, timesteps, layout, modulation)
 
     def check_packed_inputs(
         self,
@@ -738,8 +805,9 @@ class H3DiT(nn.Module):
         text_states: Tensor,
         timesteps: Tensor,
         layout: PackedLayout,
+        modulation: StepModulation | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """`forward` with the request-static tensors already prepared."""
+        """`forward` with the request-static tensors (and optionally this step's AdaLN tables) already prepared."""
         self.check_packed_inputs(
             video_rows,
             audio_rows,
@@ -759,8 +827,65 @@ class H3DiT(nn.Module):
         hidden.index_copy_(0, layout.video_index, video.to(hidden.dtype))
         hidden.index_copy_(0, layout.audio_index, audio.to(hidden.dtype))
 
+        if modulation is None:
+            modulation = self.modulation(timesteps)
+        for block, block_modulation in zip(self.blocks, modulation.blocks, strict=True):
+            hidden = block(hidden, block_modulation, layout)
+        return self.final_layer(hidden, modulation.final, layout)
+
+    # AdaLN modulation ----------------------------------------------------------------------------------------
+
+    def _adaln_projections(self) -> list[nn.Module]:
+        return [block.adaln_proj for block in self.blocks] + [self.final_layer.adaln_proj]
+
+    def offload_adaln(self) -> None:
+        """Move every AdaLN projection (13 B parameters at the released size) to CPU memory, pinned when CUDA is
+        present; `schedule_modulation` streams them to the compute device when it builds tables."""
+        pin = torch.cuda.is_available()
+        for projection in self._adaln_projections():
+            for parameter in projection.parameters():
+                data = parameter.data.to("cpu")
+                parameter.data = data.pin_memory() if pin else data
+        self._modulation_cache.clear()
+
+    def modulation(self, timesteps: Tensor) -> StepModulation:
+        """Every AdaLN table of one forward with these M timesteps (fp32 [M], on the compute device)."""
+        return self._compute_modulation([timesteps])[0]
+
+    def schedule_modulation(self, step_timesteps: list[Tensor], device: torch.device) -> list[StepModulation]:
+        """The AdaLN tables of every forward of a request on `device`, one per entry of `step_timesteps` (CPU).
+
+        Each step's tables come from exactly the computation a forward does (same shapes, so the same values); the
+        projections' weights are read once for all steps (streamed to `device` when offloaded). The tables of the
+        last `MODULATION_CACHE_SCHEDULES` schedules are kept, keyed by the timestep values, so repeated requests
+        with the same schedule skip the work. Loading weights clears the cache.
+        """
+        cache_key = (str(device), tuple(tuple(t.tolist()) for t in step_timesteps))
+        if cache_key in self._modulation_cache:
+            self._modulation_cache.move_to_end(cache_key)
+            return self._modulation_cache[cache_key]
+        result = self._compute_modulation([timesteps.to(device) for timesteps in step_timesteps])
+        self._modulation_cache[cache_key] = result
+        while len(self._modulation_cache) > MODULATION_CACHE_SCHEDULES:
+            self._modulation_cache.popitem(last=False)
+        return result
+
+    def _compute_modulation(self, step_timesteps: list[Tensor]) -> list[StepModulation]:
+        device = step_timesteps[0].device
         # temb stays fp32 ([M, time_embed_dim]); each AdaLN projection casts only after its SiLU.
-        temb = self.time_embedder(timesteps)
+        step_tembs = [self.time_embedder(timesteps) for timesteps in step_timesteps]
+        block_tables: list[list[BlockModulation]] = [[] for _ in step_timesteps]
         for block in self.blocks:
-            hidden = block(hidden, temb, layout)
-        return self.final_layer(hidden, temb, layout)
+            weight, bias = _on_device(block.adaln_proj.linear, device)
+            for tables, temb in zip(block_tables, step_tembs, strict=True):
+                tables.append(block.modulation(temb, weight, bias))
+        weight, bias = _on_device(self.final_layer.adaln_proj.linear, device)
+        return [
+            StepModulation(blocks=tuple(tables), final=self.final_layer.modulation(temb, weight, bias))
+            for tables, temb in zip(block_tables, step_tembs, strict=True)
+        ]
+
+
+def _on_device(linear: nn.Linear, device: torch.device) -> tuple[Tensor, Tensor]:
+    """A linear's weight and bias on `device` (a copy when they live elsewhere, e.g. offloaded to pinned CPU)."""
+    return linear.weight.to(device, non_blocking=True), linear.bias.to(device, non_blocking=True)

@@ -45,7 +45,15 @@ from torch import Tensor
 from h3engine.checkpoint.dit_keys import native_state_shapes
 from h3engine.checkpoint.safetensors_io import WeightFiles
 from h3engine.errors import CheckpointError
-from h3engine.models.dit import Attention, DiTConfig, H3DiT, PackedLayout, SwiGLU, attention
+from h3engine.models.dit import (
+    Attention,
+    DiTConfig,
+    H3DiT,
+    PackedLayout,
+    StepModulation,
+    SwiGLU,
+    attention,
+)
 from h3engine.parallel.collectives import all_gather_rows, heads_to_sequence, sequence_to_heads
 from h3engine.parallel.groups import DiTGroups, GroupMembership
 from h3engine.parallel.linear import (
@@ -173,6 +181,7 @@ class SequenceParallelDiT(H3DiT):
         text_states: Tensor,
         timesteps: Tensor,
         layout: SequenceShardedLayout,
+        modulation: StepModulation | None = None,
     ) -> tuple[Tensor, Tensor]:
         """`forward` with the request-static tensors prepared; full velocities on every rank."""
         self.check_packed_inputs(
@@ -194,10 +203,11 @@ class SequenceParallelDiT(H3DiT):
         hidden.index_copy_(0, layout.video_slots, video.to(hidden.dtype))
         hidden.index_copy_(0, layout.audio_slots, audio.to(hidden.dtype))
 
-        temb = self.time_embedder(timesteps)
-        for block in self.blocks:
-            hidden = block(hidden, temb, layout.local)
-        video_velocity, audio_velocity = self.final_layer(hidden, temb, layout.local)
+        if modulation is None:
+            modulation = self.modulation(timesteps)
+        for block, block_modulation in zip(self.blocks, modulation.blocks, strict=True):
+            hidden = block(hidden, block_modulation, layout.local)
+        video_velocity, audio_velocity = self.final_layer(hidden, modulation.final, layout.local)
 
         velocities = all_gather_rows(torch.cat((video_velocity, audio_velocity), dim=1), self.sequence_group)
         video_channels = video_velocity.shape[1]

@@ -1,0 +1,137 @@
+"""Full (unmasked) attention over one packed document: the one dispatch point for the attention kernel.
+
+Contract
+--------
+`attention(query, key, value)` takes [S, heads, head_dim] tensors and returns [S, heads, head_dim], softmax scale
+1/sqrt(head_dim). The backend is chosen once per (device, dtype, head_dim), fastest exact one first:
+
+* ``fa4``: FlashAttention-4 (`flash_attn.cute.flash_attn_func`, the `flash-attn-4` wheel) on Hopper and newer, in
+  bf16/fp16 (662 TFLOP/s at the released 768p shape on an H200);
+* ``cudnn``: torch's cuDNN SDPA kernel (560 TFLOP/s there);
+* ``sdpa``: torch's own SDPA dispatch (flash / memory-efficient / CPU flash / math), the reference twin and the
+  fallback everywhere else, e.g. on the CPU and in fp32.
+
+All three are exact attention (no approximation); they differ only in bf16 rounding. `H3_ATTENTION=sdpa|cudnn|fa4`
+forces one (`sdpa` is the reference); a forced backend that cannot run raises instead of falling back.
+
+Danger
+------
+A backend that fails on its first call (a missing CUDA library, an unsupported shape) is dropped for that key with
+a warning and the next one is tried, so a broken FA4 install costs speed, never a request.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("fa4", "cudnn", "sdpa")
+FORCE_ENVIRONMENT_VARIABLE = "H3_ATTENTION"
+
+# (device type, device index, dtype, head_dim) -> backends known to fail there.
+_failed: dict[tuple, set[str]] = {}
+
+
+def sdpa_attention(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    """The reference twin: torch's SDPA dispatch on [1, heads, S, head_dim] views."""
+    # SDPA's fused kernels (flash, cuDNN, CPU flash) only take 4-D [batch, heads, S, head_dim]; a 3-D call falls
+    # back to the unfused math path, which rounds differently in bf16 and is far slower.
+    query, key, value = (tensor.transpose(0, 1).unsqueeze(0) for tensor in (query, key, value))
+    return F.scaled_dot_product_attention(query, key, value).squeeze(0).transpose(0, 1)
+
+
+def cudnn_attention(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        return sdpa_attention(query, key, value)
+
+
+@functools.cache
+def _fa4_function() -> Callable | None:
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as error:  # a broken install (missing CUDA DSL libraries) is a missing backend
+        logger.warning("FlashAttention-4 is installed but does not import (%s); not using it", error)
+        return None
+    return flash_attn_func
+
+
+def fa4_attention(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    flash_attn_func = _fa4_function()
+    if flash_attn_func is None:
+        raise RuntimeError("FlashAttention-4 (flash_attn.cute) is not importable")
+    output = flash_attn_func(query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0))
+    # Some versions return (out, lse), others out alone.
+    output = output[0] if isinstance(output, tuple) else output
+    return output.squeeze(0)
+
+
+_IMPLEMENTATIONS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "fa4": fa4_attention,
+    "cudnn": cudnn_attention,
+    "sdpa": sdpa_attention,
+}
+
+
+def forced_backend() -> str | None:
+    forced = os.environ.get(FORCE_ENVIRONMENT_VARIABLE, "").strip().lower() or None
+    if forced is not None and forced not in BACKENDS:
+        raise ValueError(f"{FORCE_ENVIRONMENT_VARIABLE}={forced!r}: expected one of {', '.join(BACKENDS)}")
+    return forced
+
+
+def candidate_backends(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[str]:
+    """The backends worth trying for this device, dtype and head size, fastest first (`sdpa` always last)."""
+    forced = forced_backend()
+    if forced is not None:
+        return [forced]
+    candidates = []
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        major, _ = torch.cuda.get_device_capability(device)
+        if major >= 9 and head_dim % 8 == 0 and 8 <= head_dim <= 256 and _fa4_function() is not None:
+            candidates.append("fa4")
+        if torch.backends.cuda.cudnn_sdp_enabled():
+            candidates.append("cudnn")
+    candidates.append("sdpa")
+    return candidates
+
+
+def _key(tensor: Tensor) -> tuple:
+    return (tensor.device.type, tensor.device.index, tensor.dtype, tensor.shape[-1])
+
+
+def selected_backend(query: Tensor) -> str:
+    """The backend `attention` will use for tensors like `query` (before any first-call failure)."""
+    failed = _failed.get(_key(query), set())
+    candidates = candidate_backends(query.device, query.dtype, query.shape[-1])
+    return next(name for name in candidates if name not in failed)
+
+
+def attention(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    """Bidirectional attention over one packed document, [S, heads, head_dim] in and out."""
+    cache_key = _key(query)
+    failed = _failed.setdefault(cache_key, set())
+    candidates = candidate_backends(query.device, query.dtype, query.shape[-1])
+    for name in candidates:
+        if name in failed:
+            continue
+        if len(candidates) == 1 or name == "sdpa":
+            return _IMPLEMENTATIONS[name](query, key, value)
+        try:
+            return _IMPLEMENTATIONS[name](query, key, value)
+        except Exception as error:  # noqa: BLE001 - any failure of an optional fast path falls back
+            failed.add(name)
+            logger.warning("attention backend %s failed (%s); falling back", name, error)
+    raise RuntimeError("no attention backend left")  # unreachable: sdpa is always a candidate
