@@ -23,6 +23,7 @@ RUN pip install torch==2.14.1 torchvision==0.29.1 && pip install -r /app/require
 
 COPY pyproject.toml app.py /app/
 COPY h3engine /app/h3engine
+COPY kernels /app/kernels
 COPY ui /app/ui
 COPY assets /app/assets
 

@@ -19,7 +19,8 @@ from h3engine.checkpoint.dit_keys import (
     random_native_state,
 )
 from h3engine.errors import CheckpointError
-from h3engine.models.dit import FP32_PARAMETER_NAMES, DiTConfig, H3DiT, MultiAxisRope, apply_rope
+from h3engine.models.dit import FP32_PARAMETER_NAMES, DiTConfig, H3DiT, MultiAxisRope
+from kernels.reference.rope import rotate_first_channels
 
 SEED = 1234
 # Measured on CPU (torch 2.13): 0.0 for both velocities (bit-identical).
@@ -244,7 +245,7 @@ def test_rope_rotates_pairs_c_and_c_plus_half_and_passes_the_tail() -> None:
     cos, sin = rope.cos_sin(positions, torch.float32)
     assert cos.shape == (1, 96)
     hidden = torch.randn(1, 1, 128)
-    rotated = apply_rope(hidden, cos, sin)
+    rotated = rotate_first_channels(hidden, cos, sin)
     assert torch.equal(rotated[..., 96:], hidden[..., 96:])
     for channel, axis, frequency in ((0, 0, 0), (17, 1, 1), (47, 2, 15)):
         angle = positions[0, axis].item() * rope.inv_freq[frequency].item()

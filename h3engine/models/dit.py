@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from h3engine import ops
 from h3engine.errors import CheckpointError
 from h3engine.ops import attention as attention_ops
 
@@ -352,24 +353,6 @@ def rope_inverse_frequencies(
     return 1.0 / (rope_theta**exponents)
 
 
-def apply_rope(hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half (NeoX) rotation of the first cos.shape[-1] channels of each head; the rest pass through.
-
-    hidden [S, heads, head_dim]; cos/sin [S, rotary_dim], already in hidden's dtype.
-    """
-    rotary_dim = cos.shape[-1]
-    rotated_part, passed_part = hidden[..., :rotary_dim], hidden[..., rotary_dim:]
-    first_half, second_half = rotated_part.chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    rotated = rotated_part * cos + torch.cat((-second_half, first_half), dim=-1) * sin
-    return torch.cat((rotated, passed_part), dim=-1)
-
-
-def gather_rows(table: Tensor, rows: Tensor) -> Tensor:
-    """table[rows] for a small [N, hidden] table and a long row index (index_select beats advanced indexing)."""
-    return table.index_select(0, rows)
-
-
 def timestep_sinusoid(timesteps: Tensor, dim: int) -> Tensor:
     """[M] t in [0, 1] (not scaled by 1000) -> [M, dim] fp32 features, cos half first, then sin."""
     half = dim // 2
@@ -482,7 +465,19 @@ class Attention(nn.Module):
     @staticmethod
     def _interleave_saved_qkv(module, state_dict, prefix, local_metadata) -> None:
         key = prefix + "qkv_proj.weight"
-        state_dict[key] = stacked_to_interleaved_qkv(state_dict[key], module.num_heads)
+        if key in state_dict:  # an FP8-quantized layer has no bf16 weight to save
+            state_dict[key] = stacked_to_interleaved_qkv(state_dict[key], module.num_heads)
+
+    def _project_qkv(self, hidden: Tensor) -> tuple[Tensor, ...]:
+        """q, k and v as three GEMMs on the stacked weight's row blocks (contiguous outputs).
+
+        An FP8 layer (`h3engine.models.fp8.Fp8Linear`, which holds no bf16 weight) provides `forward_chunks`, which
+        quantizes `hidden` once for the three GEMMs (duck-typed: fp8 imports this module, not the other way round).
+        """
+        forward_chunks = getattr(self.qkv_proj, "forward_chunks", None)
+        if forward_chunks is not None:
+            return forward_chunks(hidden, 3)
+        return tuple(F.linear(hidden, weight) for weight in self.qkv_proj.weight.chunk(3))
 
     def forward(
         self,
@@ -491,13 +486,13 @@ class Attention(nn.Module):
         attend: AttentionKernel = attention,
     ) -> Tensor:
         sequence_length = hidden.shape[0]
-        query_weight, key_weight, value_weight = self.qkv_proj.weight.chunk(3)
         heads = (sequence_length, self.num_heads, self.head_dim)
-        query = self.q_norm(F.linear(hidden, query_weight).view(heads))
-        key = self.k_norm(F.linear(hidden, key_weight).view(heads))
-        value = F.linear(hidden, value_weight).view(heads)
-        if rope_cos_sin is not None:
-            query, key = apply_rope(query, *rope_cos_sin), apply_rope(key, *rope_cos_sin)
+        query, key, value = (projection.view(heads) for projection in self._project_qkv(hidden))
+        # Per-head RMS norm (rounded), then the partial rotate-half RoPE (`apply_rope`'s rounding), fused.
+        cos, sin = rope_cos_sin if rope_cos_sin is not None else (None, None)
+        query, key = ops.qk_norm_rope(
+            query, key, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin
+        )
         output = attend(query, key, value)
         return self.out_proj(output.reshape(sequence_length, self.num_heads * self.head_dim))
 
@@ -511,8 +506,7 @@ class SwiGLU(nn.Module):
         self.fc2 = nn.Linear(config.ffn_dim, config.hidden_size, bias=False, dtype=dtype, device=device)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        gate, value = self.fc1(hidden).chunk(2, dim=-1)
-        return self.fc2(F.silu(gate) * value)
+        return self.fc2(ops.swiglu(self.fc1(hidden)))
 
 
 class AdaLNProjection(nn.Module):
@@ -593,18 +587,24 @@ class DiTBlock(nn.Module):
         )
 
     def forward(self, hidden: Tensor, modulation: BlockModulation, layout: PackedLayout) -> Tensor:
-        rows = layout.adaln_index
-        # index_select is the fast row gather.
-        modulated = self.norm1(hidden) * gather_rows(modulation.scale_plus_one_attn, rows) + gather_rows(
-            modulation.shift_attn, rows
+        # Each op gathers its table rows per packed row: table[adaln_index] (see `h3engine.ops` for the rounding).
+        rows, tables = layout.adaln_index, modulation
+        modulated = ops.modulated_rms_norm(
+            hidden, self.norm1.weight, self.norm1.eps, tables.scale_plus_one_attn, tables.shift_attn, rows
         )
         attended = self.attn(modulated, layout.rope_cos_sin, layout.attend)
-        hidden = hidden + gather_rows(modulation.gate_attn, rows) * attended
-
-        modulated = self.norm2(hidden) * gather_rows(modulation.scale_plus_one_ffn, rows) + gather_rows(
-            modulation.shift_ffn, rows
+        # hidden + gate_attn * attended, and the FFN's modulated norm of that sum, in one pass.
+        hidden, modulated = ops.gated_residual_rms_norm(
+            hidden,
+            tables.gate_attn,
+            rows,
+            attended,
+            self.norm2.weight,
+            self.norm2.eps,
+            tables.scale_plus_one_ffn,
+            tables.shift_ffn,
         )
-        return hidden + gather_rows(modulation.gate_ffn, rows) * self.mlp(modulated)
+        return ops.gated_residual(hidden, tables.gate_ffn, rows, self.mlp(modulated))
 
 
 class FinalLayer(nn.Module):
@@ -632,8 +632,9 @@ class FinalLayer(nn.Module):
         self, hidden: Tensor, modulation: tuple[Tensor, Tensor], layout: PackedLayout
     ) -> tuple[Tensor, Tensor]:
         scale_plus_one, shift = modulation
-        rows = layout.timestep_index
-        modulated = self.norm(hidden) * gather_rows(scale_plus_one, rows) + gather_rows(shift, rows)
+        modulated = ops.modulated_rms_norm(
+            hidden, self.norm.weight, self.norm.eps, scale_plus_one, shift, layout.timestep_index
+        )
         # The modulation runs in the compute dtype; the heads are fp32 islands and produce fp32 velocities.
         video_velocity = self.video_out(modulated[layout.video_index].to(torch.float32))
         audio_velocity = self.audio_out(modulated[layout.audio_index].to(torch.float32))

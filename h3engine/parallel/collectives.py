@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from h3engine import ops
 from h3engine.parallel.groups import GroupMembership
 
 
@@ -50,8 +51,7 @@ def sequence_to_heads(tensor: Tensor, group: GroupMembership) -> Tensor:
     if group.size == 1:
         return tensor
     # Chunk j of the send buffer (dim 0) goes to rank j: it must hold the head block that rank j will own.
-    per_rank_heads = tensor.unflatten(-2, (group.size, tensor.shape[-2] // group.size))
-    send = per_rank_heads.movedim(-3, 0).contiguous()
+    send = ops.pack_heads_for_exchange(tensor, group.size)
     received = send.new_empty(send.shape)
     dist.all_to_all_single(received, send, group=group.process_group)
     # Chunk i received came from rank i, i.e. it holds rows [i*local_rows, (i+1)*local_rows): rank-major order.
@@ -66,4 +66,4 @@ def heads_to_sequence(tensor: Tensor, group: GroupMembership) -> Tensor:
     received = send.new_empty(send.shape)
     dist.all_to_all_single(received, send, group=group.process_group)
     # Chunk i holds rank i's head block for this rank's rows; head blocks go back next to each other in rank order.
-    return received.movedim(0, -3).flatten(-3, -2)
+    return ops.unpack_exchanged_heads(received)

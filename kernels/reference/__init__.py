@@ -1,0 +1,20 @@
+"""Plain-torch twins of the fused kernels: the model's own expressions, op for op, so the roundings are its own.
+
+Each twin is what `h3engine.ops` runs when no Triton kernel applies (CPU tensors, `H3_KERNELS=reference`,
+unsupported shapes) and what the Triton kernels are tested against.
+"""
+
+from kernels.reference.activation import swiglu
+from kernels.reference.norms import gated_residual, gated_residual_rms_norm, modulated_rms_norm
+from kernels.reference.relayout import pack_heads_for_exchange, unpack_exchanged_heads
+from kernels.reference.rope import qk_norm_rope
+
+__all__ = [
+    "gated_residual",
+    "gated_residual_rms_norm",
+    "modulated_rms_norm",
+    "pack_heads_for_exchange",
+    "qk_norm_rope",
+    "swiglu",
+    "unpack_exchanged_heads",
+]

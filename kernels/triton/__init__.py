@@ -1,0 +1,41 @@
+"""Triton kernels for the DiT block's elementwise ops, the twins of `kernels.reference` (same names, same results).
+
+Each op `name` comes with `supports_name(...)`, taking the op's arguments: True when the kernel handles those
+shapes, strides and dtypes (bf16, fp16, fp32). Device placement is the caller's check (`h3engine.ops` sends only
+CUDA tensors here); under TRITON_INTERPRET=1 the kernels also run on CPU tensors, which the CPU tests use.
+Importing this package needs `triton`.
+"""
+
+from kernels.triton.activation import supports_swiglu, swiglu
+from kernels.triton.norms import (
+    gated_residual,
+    gated_residual_rms_norm,
+    modulated_rms_norm,
+    supports_gated_residual,
+    supports_gated_residual_rms_norm,
+    supports_modulated_rms_norm,
+)
+from kernels.triton.relayout import (
+    pack_heads_for_exchange,
+    supports_pack_heads_for_exchange,
+    supports_unpack_exchanged_heads,
+    unpack_exchanged_heads,
+)
+from kernels.triton.rope import qk_norm_rope, supports_qk_norm_rope
+
+__all__ = [
+    "gated_residual",
+    "gated_residual_rms_norm",
+    "modulated_rms_norm",
+    "pack_heads_for_exchange",
+    "qk_norm_rope",
+    "supports_gated_residual",
+    "supports_gated_residual_rms_norm",
+    "supports_modulated_rms_norm",
+    "supports_pack_heads_for_exchange",
+    "supports_qk_norm_rope",
+    "supports_swiglu",
+    "supports_unpack_exchanged_heads",
+    "swiglu",
+    "unpack_exchanged_heads",
+]
