@@ -16,13 +16,17 @@ diffusers. Timing: warm-up forwards, then CUDA-event timing of `--runs` forwards
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import importlib.metadata
+import importlib.util
 import json
+import os
 import re
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import diffusers
@@ -35,8 +39,11 @@ sys.path.insert(0, str(REPOSITORY_ROOT / "tests"))
 
 from _dit_helpers import PackedRequest, build_packed_request, max_relative_error  # noqa: E402
 
+from h3engine import ops  # noqa: E402
 from h3engine.checkpoint.dit_keys import native_to_diffusers, random_native_tensor  # noqa: E402
 from h3engine.models.dit import DiTConfig, H3DiT  # noqa: E402
+from h3engine.models.fp8 import quantize_dit_linears  # noqa: E402
+from h3engine.ops import attention as attention_ops  # noqa: E402
 
 VIDEO_SHIFT, AUDIO_SHIFT = 12.0, 3.0
 
@@ -81,6 +88,11 @@ def t2va_request(config: DiTConfig, tiny: bool, seed: int) -> PackedRequest:
 
 def forward_flops(config: DiTConfig, request: PackedRequest) -> float:
     """Useful FLOPs of one forward (2 per MAC), from the shapes; ~3.57e15 at the released size (H3_SPEC §10)."""
+    return sum(forward_flop_parts(config, request).values())
+
+
+def forward_flop_parts(config: DiTConfig, request: PackedRequest) -> dict[str, float]:
+    """The forward's FLOPs split into attention (QK^T and PV) and everything else (GEMMs, mostly)."""
     sequence = request.tags.numel()
     text = request.text_index.numel()
     num_timesteps = request.timesteps.numel()
@@ -90,8 +102,10 @@ def forward_flops(config: DiTConfig, request: PackedRequest) -> float:
     def attention_per_layer(rows: int) -> int:
         return 4 * rows * rows * inner  # QK^T and PV, S^2 * inner MACs each
 
-    blocks = config.num_layers * (linear_per_row * sequence + attention_per_layer(sequence))
-    refiner = config.num_refiner_layers * (linear_per_row * text + attention_per_layer(text))
+    attention = config.num_layers * attention_per_layer(sequence)
+    attention += config.num_refiner_layers * attention_per_layer(text)
+    blocks = config.num_layers * linear_per_row * sequence
+    refiner = config.num_refiner_layers * linear_per_row * text
     adaln = (
         2
         * num_timesteps
@@ -113,7 +127,7 @@ def forward_flops(config: DiTConfig, request: PackedRequest) -> float:
             + text * config.text_dim
         )
     )
-    return float(blocks + refiner + adaln + time_mlp + projections)
+    return {"attention": float(attention), "linear": float(blocks + refiner + adaln + time_mlp + projections)}
 
 
 def synchronize(device: torch.device) -> None:
@@ -197,59 +211,158 @@ def gpu_label(device: torch.device) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
 
 
+# Ceilings measured on the H200 (../shared/docs/GPU_NOTES.md): bf16 GEMM 8192^3 and FlashAttention-4 at this shape.
+GEMM_CEILING_TFLOPS = 751.0
+ATTENTION_CEILING_TFLOPS = 662.0
+
+
+@contextlib.contextmanager
+def reference_kernels() -> Iterator[None]:
+    """Our plain-torch twins everywhere: the reference ops and torch's SDPA dispatch for attention."""
+    previous = os.environ.get(attention_ops.FORCE_ENVIRONMENT_VARIABLE)
+    os.environ[attention_ops.FORCE_ENVIRONMENT_VARIABLE] = "sdpa"
+    try:
+        with ops.force_reference():
+            yield
+    finally:
+        if previous is None:
+            del os.environ[attention_ops.FORCE_ENVIRONMENT_VARIABLE]
+        else:
+            os.environ[attention_ops.FORCE_ENVIRONMENT_VARIABLE] = previous
+
+
+def relative_l2(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((actual.double() - reference.double()).norm() / reference.double().norm())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny config and layout (smoke test)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--runs", type=int, default=3, help="timed forwards per model (median reported)")
+    parser.add_argument("--runs", type=int, default=3, help="timed forwards per variant (median reported)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also time ours with FP8 linear layers (error against our bf16); diffusers is then not run",
+    )
     parser.add_argument("--output-dir", type=Path, default=REPOSITORY_ROOT / "benchmarks" / "results")
     args = parser.parse_args()
 
     device = torch.device(args.device)
     config = DiTConfig.tiny() if args.tiny else DiTConfig.released()
     request = t2va_request(config, args.tiny, args.seed).to(device)
-    flops = forward_flops(config, request)
+    flop_parts = forward_flop_parts(config, request)
+    flops = sum(flop_parts.values())
+    floor_s = flop_parts["linear"] / (GEMM_CEILING_TFLOPS * 1e12) + flop_parts["attention"] / (
+        ATTENTION_CEILING_TFLOPS * 1e12
+    )
     print(
         f"layout: {request.text_index.numel()} text + {request.audio_index.numel()} audio + "
-        f"{request.video_index.numel()} video rows, M = {request.timesteps.numel()}, {flops:.3e} FLOP per forward"
+        f"{request.video_index.numel()} video rows, M = {request.timesteps.numel()}, {flops:.3e} FLOP per forward "
+        f"({flop_parts['attention'] / flops:.0%} attention), floor {floor_s:.3f} s"
     )
+    arguments = request.as_h3_arguments()
+    timed: dict[str, list[float]] = {}
+    outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     with torch.no_grad():
         began = time.perf_counter()
         ours = build_ours(config, device, args.seed)
         synchronize(device)
         print(f"ours built in {time.perf_counter() - began:.1f} s")
-        ours_seconds, (ours_video, ours_audio) = time_forward(
-            lambda: ours(*request.as_h3_arguments()), device, args.warmup, args.runs
-        )
-        print(f"ours: median {statistics.median(ours_seconds):.4f} s over {ours_seconds}")
+        # What the denoising loop does: the layout and the AdaLN tables are built once per request, not per step.
+        layout = ours.prepare_layout(*arguments[4:])
+        modulation = ours.modulation(request.timesteps)
+        implementations = {
+            "attention": attention_ops.selected_backend(
+                torch.empty(1, 1, config.head_dim, device=device, dtype=ours.compute_dtype)
+            ),
+            "swiglu": ops.implementation(
+                "swiglu", torch.empty(2, 2 * config.ffn_dim, device=device, dtype=ours.compute_dtype)
+            ),
+        }
 
-        began = time.perf_counter()
-        reference = move_into_diffusers(ours, config, device)
-        synchronize(device)
-        print(f"weights moved into diffusers in {time.perf_counter() - began:.1f} s")
-        kwargs = request.as_diffusers_kwargs()
+        def run_ours() -> tuple[torch.Tensor, torch.Tensor]:
+            return ours(*arguments, layout=layout, modulation=modulation)
 
-        def run_reference() -> tuple[torch.Tensor, torch.Tensor]:
-            video, audio = reference(**kwargs, return_dict=False)
-            return video[0], audio[0]
+        variants = {"ours": run_ours}
+        with reference_kernels():
+            variants_reference = {"ours_reference_kernels": run_ours}
+        for name, run in variants.items():
+            timed[name], outputs[name] = time_forward(run, device, args.warmup, args.runs)
+            print(f"{name}: median {statistics.median(timed[name]):.4f} s over {timed[name]}")
+        for name, run in variants_reference.items():
+            with reference_kernels():
+                timed[name], outputs[name] = time_forward(run, device, args.warmup, args.runs)
+            print(f"{name}: median {statistics.median(timed[name]):.4f} s over {timed[name]}")
 
-        reference_seconds, (reference_video, reference_audio) = time_forward(
-            run_reference, device, args.warmup, args.runs
-        )
-        print(f"diffusers: median {statistics.median(reference_seconds):.4f} s over {reference_seconds}")
+        if args.fp8:
+            began = time.perf_counter()
+            converted = quantize_dit_linears(ours)
+            synchronize(device)
+            print(f"{converted} linear layers quantized to FP8 in {time.perf_counter() - began:.1f} s")
+            timed["ours_fp8"], outputs["ours_fp8"] = time_forward(run_ours, device, args.warmup, args.runs)
+            print(f"ours_fp8: median {statistics.median(timed['ours_fp8']):.4f} s over {timed['ours_fp8']}")
+        else:
+            began = time.perf_counter()
+            reference = move_into_diffusers(ours, config, device)
+            synchronize(device)
+            print(f"weights moved into diffusers in {time.perf_counter() - began:.1f} s")
+            kwargs = request.as_diffusers_kwargs()
 
-    ours_median, reference_median = statistics.median(ours_seconds), statistics.median(reference_seconds)
-    video_error = max_relative_error(ours_video, reference_video)
-    audio_error = max_relative_error(ours_audio, reference_audio)
+            def run_reference() -> tuple[torch.Tensor, torch.Tensor]:
+                video, audio = reference(**kwargs, return_dict=False)
+                return video[0], audio[0]
+
+            timed["diffusers"], outputs["diffusers"] = time_forward(
+                run_reference, device, args.warmup, args.runs
+            )
+            print(
+                f"diffusers: median {statistics.median(timed['diffusers']):.4f} s over {timed['diffusers']}"
+            )
+
+    medians = {name: statistics.median(seconds) for name, seconds in timed.items()}
+    baseline = "diffusers" if "diffusers" in outputs else "ours_reference_kernels"
+    errors = {}
+    for name in outputs:
+        if name == baseline:
+            continue
+        video, audio = outputs[name]
+        errors[f"{name}_vs_{baseline}"] = {
+            "video_max_relative": max_relative_error(video, outputs[baseline][0]),
+            "audio_max_relative": max_relative_error(audio, outputs[baseline][1]),
+            "video_relative_l2": relative_l2(video, outputs[baseline][0]),
+            "audio_relative_l2": relative_l2(audio, outputs[baseline][1]),
+        }
+    if baseline != "ours_reference_kernels":
+        # Kernels on vs off: the fused ops and the fast attention against our plain-torch twins.
+        errors["ours_vs_ours_reference_kernels"] = {
+            "video_relative_l2": relative_l2(outputs["ours"][0], outputs["ours_reference_kernels"][0]),
+            "audio_relative_l2": relative_l2(outputs["ours"][1], outputs["ours_reference_kernels"][1]),
+            "video_max_relative": max_relative_error(
+                outputs["ours"][0], outputs["ours_reference_kernels"][0]
+            ),
+            "audio_max_relative": max_relative_error(
+                outputs["ours"][1], outputs["ours_reference_kernels"][1]
+            ),
+        }
+    if "ours_fp8" in outputs:
+        errors["ours_fp8_vs_ours"] = {
+            "video_relative_l2": relative_l2(outputs["ours_fp8"][0], outputs["ours"][0]),
+            "audio_relative_l2": relative_l2(outputs["ours_fp8"][1], outputs["ours"][1]),
+        }
     result = {
         "benchmark": "dit_forward",
         "config": "tiny" if args.tiny else "released",
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        "triton": importlib.metadata.version("triton") if importlib.util.find_spec("triton") else None,
+        "flash_attn_4": importlib.metadata.version("flash-attn-4")
+        if importlib.util.find_spec("flash_attn")
+        else None,
         "diffusers": diffusers.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "shapes": {
@@ -264,35 +377,49 @@ def main() -> None:
             "text_states_shape": list(request.text_states.shape),
         },
         "dtype": "bfloat16 with the released fp32 islands",
-        "attention": {
-            "ours": "torch SDPA (default backend choice)",
-            "diffusers": "default attention backend",
+        "variants": {
+            "ours": "fused Triton ops + the fastest attention backend, layout and AdaLN tables prepared per request",
+            "ours_reference_kernels": "the same model with the plain-torch twins and torch SDPA attention",
+            "ours_fp8": "ours with FP8 (e4m3, per-channel weight / per-row activation scales) block linears",
+            "diffusers": "MiniMaxH3Transformer3DModel, default attention backend, AdaLN per forward",
         },
+        "implementations": implementations,
         "warmup": args.warmup,
         "runs": args.runs,
-        "ours_seconds": ours_seconds,
-        "diffusers_seconds": reference_seconds,
-        "ours_median_s": ours_median,
-        "diffusers_median_s": reference_median,
-        "ratio_ours_over_diffusers": ours_median / reference_median,
+        "seconds": timed,
+        "median_s": medians,
         "flop_per_forward": flops,
-        "ours_tflops": flops / ours_median / 1e12,
-        "diffusers_tflops": flops / reference_median / 1e12,
+        "flop_parts": flop_parts,
+        "tflops": {name: flops / median / 1e12 for name, median in medians.items()},
+        "floor_s": floor_s,
+        "floor_definition": f"linear FLOPs at {GEMM_CEILING_TFLOPS} + attention FLOPs at {ATTENTION_CEILING_TFLOPS} "
+        "TFLOP/s (H200 ceilings, GPU_NOTES.md)",
+        "fraction_of_floor": {name: floor_s / median for name, median in medians.items()},
         "peak_gpu_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30
         if device.type == "cuda"
         else None,
-        "max_relative_error": {"video": video_error, "audio": audio_error},
-        "error_definition": "max |ours - diffusers| / max |diffusers| per velocity",
+        "errors": errors,
+        "error_definition": "max_relative: max |a - b| / max |b| per velocity; relative_l2: ||a - b|| / ||b||",
     }
-    print(
-        f"ours {ours_median:.4f} s ({result['ours_tflops']:.0f} TFLOP/s), diffusers {reference_median:.4f} s "
-        f"({result['diffusers_tflops']:.0f} TFLOP/s), ratio ours/diffusers {result['ratio_ours_over_diffusers']:.3f}"
-    )
-    print(f"max relative error: video {video_error:.3e}, audio {audio_error:.3e}")
+    if "diffusers" in medians:
+        result["ratio_ours_over_diffusers"] = medians["ours"] / medians["diffusers"]
+        result["ratio_reference_kernels_over_diffusers"] = (
+            medians["ours_reference_kernels"] / medians["diffusers"]
+        )
+    if "ours_fp8" in medians:
+        result["ratio_fp8_over_ours"] = medians["ours_fp8"] / medians["ours"]
+    for name, median in medians.items():
+        print(
+            f"{name:>24}: {median:.4f} s  {flops / median / 1e12:6.0f} TFLOP/s  {floor_s / median:.0%} of floor"
+        )
+    for name, error in errors.items():
+        print(f"{name}: " + ", ".join(f"{key} {value:.2e}" for key, value in error.items()))
+    if "ratio_ours_over_diffusers" in result:
+        print(f"ratio ours/diffusers {result['ratio_ours_over_diffusers']:.3f}")
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
     date = datetime.date.today().strftime("%Y%m%d")
-    suffix = "_tiny" if args.tiny else ""
+    suffix = ("_tiny" if args.tiny else "") + ("_fp8" if args.fp8 else "")
     output_path = args.output_dir / f"dit_forward_{gpu_label(device)}_{date}{suffix}.json"
     output_path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {output_path}")

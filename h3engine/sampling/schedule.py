@@ -115,8 +115,9 @@ class Schedule:
         return 1.0 - self.audio_sigmas[:-1]
 
 
-def _fp32_scalar(value: float | torch.Tensor, device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(value, dtype=torch.float32).to(device)
+def _fp32_scalar(value: float | torch.Tensor) -> torch.Tensor:
+    """The value rounded to an fp32 scalar on the CPU (the schedule lives there)."""
+    return torch.as_tensor(value, dtype=torch.float32).cpu()
 
 
 def euler_step(
@@ -136,7 +137,9 @@ def euler_step(
     if sample.dtype != torch.float32:
         raise TypeError(f"the sampler state must stay fp32, got {sample.dtype}")
     velocity = velocity.to(torch.float32)
-    noise_fraction = 1 - _fp32_scalar(timestep, sample.device)
+    # The scalar arithmetic runs in fp32 on the CPU (IEEE: the same bits as on the GPU) and enters the GPU ops as
+    # Python numbers, so a step copies nothing to the device and never waits for it.
+    noise_fraction = (1 - _fp32_scalar(timestep)).item()
     clean_estimate = sample + noise_fraction * velocity
-    ratio = _fp32_scalar(sigma_next, sample.device) / _fp32_scalar(sigma, sample.device)
-    return ratio * sample + (1.0 - ratio) * clean_estimate
+    ratio = _fp32_scalar(sigma_next) / _fp32_scalar(sigma)
+    return ratio.item() * sample + (1.0 - ratio).item() * clean_estimate

@@ -1,0 +1,39 @@
+"""On a GPU, the denoising loop's steady state never makes the host wait for the device (no .item(), no blocking
+copies): torch's sync debug mode turns any synchronizing call between the first and the last step into an error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h3engine.checkpoint.tiny import make_tiny_checkpoint
+from h3engine.engine import Engine
+from h3engine.request import GenerationRequest
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_steps_after_the_first_do_not_synchronize(tmp_path) -> None:
+    engine = Engine.from_checkpoint(make_tiny_checkpoint(tmp_path / "tiny", seed=5), "cuda", torch.bfloat16)
+    checked_steps = []
+
+    def on_step(event) -> None:
+        # Armed after step 1 (the loop's prologue may copy), disarmed after the last step (decode may copy).
+        if event.step == event.total:
+            torch.cuda.set_sync_debug_mode(0)
+        else:
+            torch.cuda.set_sync_debug_mode("error")
+            checked_steps.append(event.step + 1)
+
+    try:
+        engine.generate(GenerationRequest(task="t2va", prompt="a red kite", steps=6, seed=1), on_step=on_step)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert checked_steps == [2, 3, 4, 5, 6]
+    # The mode really raises on a synchronizing call (so the test can fail).
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            torch.ones(1, device="cuda").item()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
