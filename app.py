@@ -4,8 +4,10 @@ Contract: command line and environment -> `AppConfig`; load the engine replicas;
 `queue()`; `launch()`. With `--world-size 1` (the default) each of `--devices` is a replica holding a whole `Engine`
 in this process; with `--world-size N` every N consecutive devices (or N CPU ranks with `--devices cpu`) form a
 resident worker group of N processes, laid out by `--dit-sp`, `--dit-tp`, `--encoder-tp` and `--vae-ranks`
-(h3engine.runtime.workers; defaults: the profile of that size). With no checkpoint configured (no `--checkpoint`, `H3_CHECKPOINT` unset or
-empty) it runs on a tiny random-weight checkpoint that it makes once in a cache folder and says so in a banner.
+(h3engine.runtime.workers; defaults: the profile of that size). `--memory-profile` picks where the models live on
+each device (h3engine.placement; shown in the page header). With no checkpoint configured (no `--checkpoint`,
+`H3_CHECKPOINT` unset or empty) it runs on a tiny random-weight checkpoint that it makes once in a cache folder and
+says so in a banner.
 
 Safety defaults: binds 127.0.0.1 unless `--host` / `H3_HOST` says otherwise; `--share` and `--auth` are opt-in;
 uploads are limited to `--max-file-size`; besides uploads, only the outputs folder is served.
@@ -59,6 +61,7 @@ class AppConfig:
     # --dit-sp, --dit-tp, --encoder-tp, --vae-ranks; None: the profile's value.
     layout_flags: tuple[int | None, int | None, int | None, int | None]
     dtype: str | None
+    memory_profile: str
     host: str
     port: int
     share: bool
@@ -107,6 +110,13 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     parser.add_argument("--dtype", default=None, help="bfloat16 (released precision, default) or float32")
     parser.add_argument(
+        "--memory-profile",
+        default=environ.get("H3_MEMORY_PROFILE") or "resident",
+        metavar="{resident,low-memory}",
+        help="resident (default): every model stays on the GPU; low-memory: models wait in host memory and each "
+        "phase moves onto the GPU only the ones it runs (smaller GPUs; slower); env H3_MEMORY_PROFILE",
+    )
+    parser.add_argument(
         "--host", default=environ.get("H3_HOST") or "127.0.0.1", help="address to bind; env H3_HOST"
     )
     parser.add_argument(
@@ -150,6 +160,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppC
         world_size=args.world_size,
         layout_flags=(args.dit_sp, args.dit_tp, args.encoder_tp, args.vae_ranks),
         dtype=args.dtype,
+        memory_profile=args.memory_profile,
         host=args.host,
         port=args.port,
         share=args.share,
@@ -170,7 +181,12 @@ def _load_engines(checkpoint: Path, config: AppConfig) -> list[Engine | ProcessR
     for name in config.devices:
         device = resolve_device(name)
         engines.append(
-            Engine.from_checkpoint(checkpoint, device=device, dtype=resolve_dtype(config.dtype, device))
+            Engine.from_checkpoint(
+                checkpoint,
+                device=device,
+                dtype=resolve_dtype(config.dtype, device),
+                memory_profile=config.memory_profile,
+            )
         )
     return engines
 
@@ -188,7 +204,7 @@ def _start_worker_groups(checkpoint: Path, config: AppConfig) -> list[ProcessRep
     try:
         for devices in replica_device_groups(config.devices, config.world_size):
             logger.info("starting a worker group on %s (%s)", ", ".join(devices), layout.describe())
-            replicas.append(ProcessReplica(checkpoint, devices, layout, config.dtype))
+            replicas.append(ProcessReplica(checkpoint, devices, layout, config.dtype, config.memory_profile))
     except BaseException:
         for replica in replicas:
             replica.close()
@@ -263,6 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         examples_path=EXAMPLES_PATH,
         repository_root=REPOSITORY_ROOT,
         checkpoint_label=str(checkpoint),
+        memory_profile=config.memory_profile,
         banner_markdown=banner,
     )
     demo = ui.build_ui(front, options)

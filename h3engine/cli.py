@@ -7,6 +7,7 @@ Devices: one device (`--device`, default cuda when present) runs the engine in t
 through the same engine front as the app, on a resident worker group (h3engine.runtime.workers): `--gpus N`,
 `--devices 0,1,...`, or `--world-size N` (with `--device cpu`: N CPU ranks over gloo). `--dit-sp`, `--dit-tp`,
 `--encoder-tp` and `--vae-ranks` choose the group's layout (defaults: the profile of its size).
+`--memory-profile` (resident or low-memory, see h3engine.placement) applies to the engine and to every rank.
 
 Exit codes: 0 success; 2 a bad request, input file, layout flag or checkpoint (one line on stderr naming the field,
 flag or file); 1 an internal error (one line on stderr; `--debug` adds the traceback, for the in-process engine);
@@ -97,6 +98,18 @@ def _build_parser() -> argparse.ArgumentParser:
     ranks.add_argument("--vae-ranks", type=int, default=None, help="ranks sharing the video decode")
     generate.add_argument("--dtype", default=None, help="bfloat16 (released precision) or float32")
     generate.add_argument(
+        "--memory-profile",
+        default="resident",
+        metavar="{resident,low-memory}",
+        help="resident (default): every model stays on the GPU; low-memory: models wait in host memory and each "
+        "phase moves onto the GPU only the ones it runs (smaller GPUs; slower)",
+    )
+    generate.add_argument(
+        "--fp8-linear",
+        action="store_true",
+        help="quantize the DiT blocks' linear layers to FP8 (faster on Hopper, not the released precision; one GPU)",
+    )
+    generate.add_argument(
         "--out", required=True, help="output .mp4 path (a .json sidecar is written beside it)"
     )
     generate.add_argument(
@@ -173,8 +186,10 @@ def _generate(args: argparse.Namespace) -> int:
     from h3engine.engine import resolve_device
     from h3engine.media.inputs import probe_media
     from h3engine.parallel.groups import RuntimeLayout
+    from h3engine.placement import check_memory_profile
     from h3engine.runtime.workers import rank_devices
 
+    check_memory_profile(args.memory_profile)
     out_path = Path(args.out)
     if out_path.suffix.lower() != ".mp4":
         raise RequestError(f"--out: the output must be an .mp4 path, got '{args.out}'")
@@ -190,6 +205,8 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise RequestError(str(error)) from None
     save_tensors_path = Path(args.save_tensors) if args.save_tensors else None
+    if args.fp8_linear and len(devices) > 1:
+        raise RequestError("--fp8-linear: FP8 linear layers run on one GPU only (no worker group)")
     if len(devices) == 1:
         return _generate_in_process(args, request, resolve_device(devices[0]), out_path, save_tensors_path)
     return _generate_on_workers(args, request, devices, layout, out_path, save_tensors_path)
@@ -208,7 +225,13 @@ def _generate_in_process(
 ) -> int:
     from h3engine.engine import Engine, resolve_dtype
 
-    engine = Engine.from_checkpoint(args.checkpoint, device=device, dtype=resolve_dtype(args.dtype, device))
+    engine = Engine.from_checkpoint(
+        args.checkpoint,
+        device=device,
+        dtype=resolve_dtype(args.dtype, device),
+        memory_profile=args.memory_profile,
+        fp8_linear=args.fp8_linear,
+    )
     for warning in engine.validate(request):
         print(f"warning: {warning}", file=sys.stderr)
     written = engine.generate_to_file(
@@ -234,7 +257,7 @@ def _generate_on_workers(
     from h3engine.runtime.messages import JobFailed, JobFinished, StepProgress
     from h3engine.runtime.workers import ProcessReplica
 
-    replica = ProcessReplica(args.checkpoint, devices, layout, args.dtype)
+    replica = ProcessReplica(args.checkpoint, devices, layout, args.dtype, args.memory_profile)
     print(f"worker group ready on {', '.join(devices)}: {layout.describe()}", file=sys.stderr)
     front = EngineFront([replica], out_path.parent)
     try:

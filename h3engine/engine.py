@@ -12,6 +12,10 @@ Contract:
   pipeline; `generate_to_file` is `generate` and then `write_outputs`. A worker group (h3engine.runtime.rank) calls
   these halves itself: its rank 0 prepares and writes, every rank generates. The `_load_*` methods are the one
   place that builds each model, so a rank's engine swaps in its shards there.
+* `memory_profile` (h3engine.placement): "resident" (default) keeps every component on the compute device;
+  "low-memory" keeps them in host memory and moves each onto the device only for the phase that runs it
+  (conditioning encode, text encode, denoise, decode). Either way, on a GPU the DiT's AdaLN projections (~26 GB at
+  the released size) live in pinned host memory from load on: only the request's AdaLN tables need the GPU.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from h3engine.media.mux import write_mp4
 from h3engine.media.outputs import output_paths, save_tensors, write_sidecar
 from h3engine.models.text_encoder import H3TextEncoder, load_tokenizer
 from h3engine.pipeline import GenerationOutput, Models, StepEvent, run_generation
+from h3engine.placement import Placement
 from h3engine.presentation import (
     Presentation,
     keyframe_presentation,
@@ -171,7 +176,16 @@ class _PartitionSources:
 
 
 class Engine:
-    def __init__(self, layout: CheckpointLayout, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        layout: CheckpointLayout,
+        device: torch.device,
+        dtype: torch.dtype,
+        memory_profile: str = "resident",
+        fp8_linear: bool = False,
+    ) -> None:
+        self.placement = self._make_placement(memory_profile, device)
+        self.fp8_linear = fp8_linear
         self.layout = layout
         self.device = device
         self.dtype = dtype
@@ -196,9 +210,19 @@ class Engine:
 
     @classmethod
     def from_checkpoint(
-        cls, folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16
+        cls,
+        folder: str | Path,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+        memory_profile: str = "resident",
+        fp8_linear: bool = False,
     ) -> Engine:
-        return cls(detect_layout(folder), torch.device(device), dtype)
+        return cls(detect_layout(folder), torch.device(device), dtype, memory_profile, fp8_linear)
+
+    def _make_placement(self, memory_profile: str, device: torch.device) -> Placement:
+        """The profile's `Placement` (RequestError naming --memory-profile for an unknown one), made before
+        anything loads."""
+        return Placement(memory_profile, device)
 
     @property
     def checkpoint_id(self) -> str:
@@ -220,19 +244,20 @@ class Engine:
     def models_for_partition(self, partition: str) -> Models:
         sources = self._sources[partition]
         paths = sources.paths
+        adopt = self.placement.adopt
         tokenizer = self._module("tokenizer", paths.tokenizer, lambda: load_tokenizer(paths.tokenizer))
         text_encoder = self._module(
-            "text_encoder", paths.text_encoder, lambda: self._load_text_encoder(paths.text_encoder)
+            "text_encoder", paths.text_encoder, lambda: adopt(self._load_text_encoder(paths.text_encoder))
         )
         text_encoder.verify_tokenizer(tokenizer)
         processor = self._module("processor", paths.processor, lambda: load_processor(paths.processor))
         return Models(
-            dit=self._module("dit", paths.dit, lambda: self._load_dit(sources.dit)),
+            dit=self._module("dit", paths.dit, lambda: adopt(self._prepare_dit(self._load_dit(sources.dit)))),
             video_vae=self._module(
-                "video_vae", paths.video_vae, lambda: self._load_video_vae(sources.video_vae)
+                "video_vae", paths.video_vae, lambda: adopt(self._load_video_vae(sources.video_vae))
             ),
             audio_vae=self._module(
-                "audio_vae", paths.audio_vae, lambda: self._load_audio_vae(sources.audio_vae)
+                "audio_vae", paths.audio_vae, lambda: adopt(self._load_audio_vae(sources.audio_vae))
             ),
             text_encoder=text_encoder,
             tokenizer=tokenizer,
@@ -240,19 +265,36 @@ class Engine:
             video_decode_autocast=torch.float16
             if self.device.type == "cuda" and self.dtype != torch.float32
             else None,
+            placement=self.placement,
         )
 
+    # The loaders build each component on `placement.load_device`: the compute device, or host memory under the
+    # low-memory profile.
+
     def _load_text_encoder(self, folder: Path) -> H3TextEncoder:
-        return H3TextEncoder.load(folder, device=self.device, dtype=self.dtype)
+        return H3TextEncoder.load(folder, device=self.placement.load_device, dtype=self.dtype)
 
     def _load_dit(self, source: ComponentSource) -> torch.nn.Module:
-        return source.load(self.device)
+        return source.load(self.placement.load_device)
 
     def _load_video_vae(self, source: ComponentSource) -> torch.nn.Module | None:
-        return source.load(self.device)
+        return source.load(self.placement.load_device)
 
     def _load_audio_vae(self, source: ComponentSource) -> torch.nn.Module | None:
-        return source.load(self.device)
+        return source.load(self.placement.load_device)
+
+    def _prepare_dit(self, dit: torch.nn.Module) -> torch.nn.Module:
+        """On a GPU, the DiT's AdaLN projections go to pinned host memory: `H3DiT.schedule_modulation` streams
+        them to the device once per request schedule, and the placement leaves pinned tensors where they are.
+        With `fp8_linear`, the blocks' linears are then quantized (h3engine.models.fp8; off by default: not the
+        released precision)."""
+        if self.device.type == "cuda":
+            dit.offload_adaln()
+        if self.fp8_linear:
+            from h3engine.models.fp8 import quantize_dit_linears
+
+            quantize_dit_linears(dit)
+        return dit
 
     # --- requests ---------------------------------------------------------------------------------------
 
@@ -301,7 +343,9 @@ class Engine:
             fitted = fit_keyframes(images, geometry.height, geometry.width)
             presentation = keyframe_presentation(models.tokenizer, models.processor, request.prompt, fitted)
             anchors = [keyframe.position for keyframe in request.keyframes]
-            return geometry, presentation, encode_keyframes(models.video_vae, fitted, anchors)
+            with models.resident_for("conditioning"):
+                conditions = encode_keyframes(models.video_vae, fitted, anchors)
+            return geometry, presentation, conditions
         geometry = self.geometry_for(request)
         if request.task == "ref2va":
             references = [
@@ -311,7 +355,9 @@ class Engine:
             presentation = reference_presentation(
                 models.tokenizer, models.processor, request.prompt, references
             )
-            return geometry, presentation, encode_references(models.video_vae, models.audio_vae, references)
+            with models.resident_for("conditioning"):
+                conditions = encode_references(models.video_vae, models.audio_vae, references)
+            return geometry, presentation, conditions
         return geometry, text_presentation(models.tokenizer, request.prompt), EncodedConditions(task="t2va")
 
     def _normalized_reference(
@@ -460,6 +506,8 @@ class Engine:
                 "engine_version": __version__,
                 "device": str(self.device),
                 "dtype": str(self.dtype).removeprefix("torch."),
+                "memory_profile": self.placement.profile,
+                "fp8_linear": self.fp8_linear,
                 "geometry": {
                     "width": geometry.width,
                     "height": geometry.height,

@@ -13,6 +13,11 @@ before every step and a `True` raises `GenerationCancelled` (nothing is decoded)
 `run_generation` is `denoise_request` (encode, pack, denoise: latents) followed by `decode`. A worker group runs the
 two halves itself: every rank denoises (its sharded models return full results on every rank), then the VAE group
 decodes with `decode_on_group`, and only VAE rank 0 ends up with the video and the audio.
+
+Memory profiles: each phase (text encode, denoise, decode; the engine's conditioning encode) runs inside
+`Models.resident_for(phase)`, which under the low-memory profile brings that phase's components onto the compute
+device and sends them home afterwards (h3engine.placement); the phase timings include the copies onto the device
+(both VAEs' in `video_decode_s`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +35,7 @@ from h3engine.errors import GenerationCancelled
 from h3engine.geometry import Geometry
 from h3engine.parallel.groups import GroupMembership
 from h3engine.parallel.vae import decode_video_and_audio
+from h3engine.placement import PHASE_COMPONENTS, Placement
 from h3engine.presentation import Presentation
 from h3engine.sampling.noise import InitialNoise, draw_initial_noise, noise_condition_rows
 from h3engine.sampling.packing import (
@@ -77,6 +84,12 @@ class Models:
     # SGLang's released decode recipe (fp32 weights, fp16 autocast) on a GPU at the released precision; None decodes
     # in fp32 (parity runs, the CPU).
     video_decode_autocast: torch.dtype | None = None
+    # The engine's memory profile (the default: everything resident, phases are no-ops).
+    placement: Placement = field(default_factory=Placement)
+
+    def resident_for(self, phase: str) -> AbstractContextManager[None]:
+        """Hold this phase's components (`placement.PHASE_COMPONENTS`) on the compute device for the block."""
+        return self.placement.resident_for(phase, [getattr(self, name) for name in PHASE_COMPONENTS[phase]])
 
 
 def _synchronize(device: torch.device) -> None:
@@ -109,24 +122,45 @@ def denoise(
     """Run every step of the schedule on the packed rows; returns the final (video_rows, audio_rows), fp32."""
     first_video_target = layout.num_condition_video_rows
     first_audio_target = layout.num_condition_audio_rows
+    device = video_rows.device
+    # Request-static work, done before the loop: every step's row timesteps (CPU), the AdaLN tables of the whole
+    # schedule (cached on the DiT per schedule), and the RoPE tables and row indices of each distinct per-row
+    # timestep index (it changes only where two modalities' timesteps coincide, e.g. both 0 at the first step).
+    step_rows = [
+        row_timesteps(layout, float(schedule.video_timesteps[step]), float(schedule.audio_timesteps[step]))
+        for step in range(schedule.num_steps)
+    ]
+    step_modulation = dit.schedule_modulation([timesteps for timesteps, _ in step_rows], device)
+    packed_layouts: dict[bytes, object] = {}
     started = time.perf_counter()
     for step in range(schedule.num_steps):
         if should_cancel is not None and should_cancel():
             raise GenerationCancelled("generation cancelled")
-        timesteps, timestep_index = row_timesteps(
-            layout, float(schedule.video_timesteps[step]), float(schedule.audio_timesteps[step])
-        )
+        timesteps, timestep_index = step_rows[step]
+        index_key = timestep_index.numpy().tobytes()
+        timestep_index = timestep_index.to(device, non_blocking=True)
+        if index_key not in packed_layouts:
+            packed_layouts[index_key] = dit.prepare_layout(
+                timestep_index,
+                layout.tags,
+                layout.positions,
+                layout.video_index,
+                layout.audio_index,
+                layout.text_index,
+            )
         video_velocity, audio_velocity = dit(
             video_rows,
             audio_rows,
             text_states,
-            timesteps.to(video_rows.device),
-            timestep_index.to(video_rows.device),
+            timesteps.to(device, non_blocking=True),
+            timestep_index,
             layout.tags,
             layout.positions,
             layout.video_index,
             layout.audio_index,
             layout.text_index,
+            layout=packed_layouts[index_key],
+            modulation=step_modulation[step],
         )
         video_rows[first_video_target:] = euler_step(
             video_rows[first_video_target:],
@@ -166,16 +200,17 @@ def decode(
     timings = {}
     device = video_latents.device
     started = time.perf_counter()
-    pixels = models.video_vae.decode(
-        models.video_vae.denormalize_latents(video_latents), autocast_dtype=models.video_decode_autocast
-    )
-    video = _frames_from_pixels(models.video_vae, pixels)
-    _synchronize(device)
-    timings["video_decode_s"] = time.perf_counter() - started
-    started = time.perf_counter()
-    audio = models.audio_vae.decode_stereo(models.audio_vae.denormalize_latents(audio_latents))
-    _synchronize(device)
-    timings["audio_decode_s"] = time.perf_counter() - started
+    with models.resident_for("decode"):
+        pixels = models.video_vae.decode(
+            models.video_vae.denormalize_latents(video_latents), autocast_dtype=models.video_decode_autocast
+        )
+        video = _frames_from_pixels(models.video_vae, pixels)
+        _synchronize(device)
+        timings["video_decode_s"] = time.perf_counter() - started
+        started = time.perf_counter()
+        audio = models.audio_vae.decode_stereo(models.audio_vae.denormalize_latents(audio_latents))
+        _synchronize(device)
+        timings["audio_decode_s"] = time.perf_counter() - started
     return video.cpu(), audio.float().cpu(), timings
 
 
@@ -190,22 +225,23 @@ def decode_on_group(
     if vae_group.size == 1:
         return decode(models, video_latents, audio_latents)
     started = time.perf_counter()
-    # Only rank 0 holds the audio VAE; the other ranks never read the audio latents.
-    if models.audio_vae is not None:
-        audio_latents = models.audio_vae.denormalize_latents(audio_latents)
-    decoded = decode_video_and_audio(
-        models.video_vae,
-        models.audio_vae,
-        models.video_vae.denormalize_latents(video_latents),
-        audio_latents,
-        vae_group,
-        models.video_decode_autocast,
-    )
-    if decoded is None:
-        return None
-    pixels, waveform = decoded
-    video = _frames_from_pixels(models.video_vae, pixels)
-    _synchronize(video.device)
+    with models.resident_for("decode"):
+        # Only rank 0 holds the audio VAE; the other ranks never read the audio latents.
+        if models.audio_vae is not None:
+            audio_latents = models.audio_vae.denormalize_latents(audio_latents)
+        decoded = decode_video_and_audio(
+            models.video_vae,
+            models.audio_vae,
+            models.video_vae.denormalize_latents(video_latents),
+            audio_latents,
+            vae_group,
+            models.video_decode_autocast,
+        )
+        if decoded is None:
+            return None
+        pixels, waveform = decoded
+        video = _frames_from_pixels(models.video_vae, pixels)
+        _synchronize(video.device)
     return video.cpu(), waveform.float().cpu(), {"decode_s": time.perf_counter() - started}
 
 
@@ -268,8 +304,9 @@ def denoise_request(
     """Encode the presentation, pack the condition rows and the seed's noise, and run every step."""
     timings = {}
     started = time.perf_counter()
-    text_states = encode_presentation(models, presentation, device)
-    _synchronize(device)
+    with models.resident_for("text_encode"):
+        text_states = encode_presentation(models, presentation, device)
+        _synchronize(device)
     timings["text_encode_s"] = time.perf_counter() - started
 
     layout = conditions.layout(presentation.row_tags, geometry)
@@ -296,17 +333,18 @@ def denoise_request(
     audio_rows = torch.cat([condition_audio_rows, noise.audio_rows]).to(device)
 
     started = time.perf_counter()
-    video_rows, audio_rows = denoise(
-        models.dit,
-        text_states,
-        layout_on(layout, device),
-        video_rows,
-        audio_rows,
-        schedule,
-        on_step,
-        should_cancel,
-    )
-    _synchronize(device)
+    with models.resident_for("denoise"):
+        video_rows, audio_rows = denoise(
+            models.dit,
+            text_states,
+            layout_on(layout, device),
+            video_rows,
+            audio_rows,
+            schedule,
+            on_step,
+            should_cancel,
+        )
+        _synchronize(device)
     timings["denoise_s"] = time.perf_counter() - started
 
     video_latents = unpatchify_video(

@@ -42,6 +42,7 @@ class UiOptions:
     examples_path: Path
     repository_root: Path
     checkpoint_label: str
+    memory_profile: str = "resident"
     banner_markdown: str | None = None
 
 
@@ -53,6 +54,7 @@ def build_ui(front: EngineFront, options: UiOptions) -> gr.Blocks:
         gr.Markdown(
             "# MiniMax H3: video with sound\n"
             f"Checkpoint: `{options.checkpoint_label}` · engine replicas: {front.replicas} · "
+            f"memory profile: {options.memory_profile} · "
             "24 fps video with 32 kHz stereo audio"
         )
         if options.banner_markdown:

@@ -115,6 +115,7 @@ class WorkerSpec:
     encoder_layout: EncoderLayout
     vae_layout: VAELayout
     init_method: str  # the rendezvous of this incarnation of the group
+    memory_profile: str = "resident"  # every rank's engine runs under it (h3engine.placement)
 
     @property
     def world_size(self) -> int:
@@ -196,21 +197,30 @@ class ShardedEngine(Engine):
     """
 
     def __init__(
-        self, layout: CheckpointLayout, device: torch.device, dtype: torch.dtype, groups: RankGroups
+        self,
+        layout: CheckpointLayout,
+        device: torch.device,
+        dtype: torch.dtype,
+        groups: RankGroups,
+        memory_profile: str = "resident",
     ) -> None:
         self.groups = groups  # the loaders below read it while Engine.__init__ loads the first partition
-        super().__init__(layout, device, dtype)
+        super().__init__(layout, device, dtype, memory_profile)
 
     def _load_text_encoder(self, folder: Path) -> H3TextEncoder:
         if self.groups.encoder.tp.size == 1:
             return super()._load_text_encoder(folder)
         config, weight_files = open_text_encoder_files(folder)
-        return load_text_encoder_shard(weight_files, config, self.groups.encoder, self.dtype, self.device)
+        return load_text_encoder_shard(
+            weight_files, config, self.groups.encoder, self.dtype, self.placement.load_device
+        )
 
     def _load_dit(self, source: ComponentSource) -> torch.nn.Module:
         if self.groups.dit.sp.size == 1 and self.groups.dit.tp.size == 1:
             return super()._load_dit(source)
-        return load_dit_shard(source.files, source.config, self.groups.dit, self.dtype, self.device)
+        return load_dit_shard(
+            source.files, source.config, self.groups.dit, self.dtype, self.placement.load_device
+        )
 
     def _load_video_vae(self, source: ComponentSource) -> torch.nn.Module | None:
         return super()._load_video_vae(source) if self.groups.vae is not None else None
@@ -373,7 +383,9 @@ def _start(rank: int, spec: WorkerSpec) -> tuple[ShardedEngine, RankGroups]:
     elif device.type == "cuda":
         torch.cuda.set_device(device)
     groups = RankGroups.create(rank, spec)
-    engine = ShardedEngine(detect_layout(spec.checkpoint), device, resolve_dtype(spec.dtype, device), groups)
+    engine = ShardedEngine(
+        detect_layout(spec.checkpoint), device, resolve_dtype(spec.dtype, device), groups, spec.memory_profile
+    )
     return engine, groups
 
 

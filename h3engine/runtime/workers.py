@@ -2,9 +2,10 @@
 
 Contract
 --------
-* `ProcessReplica(checkpoint, devices, layout, dtype)` checks the layout against the checkpoint's models (a
-  RequestError whose message starts with the flag), starts one worker group, a process per entry of `devices`
-  running h3engine.runtime.rank, and waits until every rank has loaded its shards (a CheckpointError naming the
+* `ProcessReplica(checkpoint, devices, layout, dtype, memory_profile)` checks the layout against the checkpoint's
+  models and the memory profile's name (a RequestError whose message starts with the flag), starts one worker
+  group, a process per entry of `devices` running h3engine.runtime.rank (every rank's engine under that memory
+  profile, h3engine.placement), and waits until every rank has loaded its shards (a CheckpointError naming the
   file when the checkpoint is broken). It is a `Replica` of `EngineFront`: the app and the CLI get the same
   `JobHandle` and the same messages as from an in-process engine.
 * A job: the command goes to every rank; rank 0's messages come back through its pipe and are published on the
@@ -49,6 +50,7 @@ from h3engine.checkpoint.loader import dit_source
 from h3engine.errors import CheckpointError, RequestError
 from h3engine.parallel.groups import RuntimeLayout
 from h3engine.parallel.text_encoder import open_text_encoder_files
+from h3engine.placement import check_memory_profile
 from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.front import (
     CANCELLED_BEFORE_START_MESSAGE,
@@ -161,9 +163,15 @@ def replica_device_groups(devices: Sequence[str | None], world_size: int) -> lis
 
 
 def validated_spec(
-    checkpoint: CheckpointLayout, devices: Sequence[str], layout: RuntimeLayout, dtype: str | None
+    checkpoint: CheckpointLayout,
+    devices: Sequence[str],
+    layout: RuntimeLayout,
+    dtype: str | None,
+    memory_profile: str = "resident",
 ) -> WorkerSpec:
-    """The layout checked against every partition's DiT and text encoder (RequestError naming the flag)."""
+    """The layout checked against every partition's DiT and text encoder, and the memory profile's name
+    (RequestError naming the flag)."""
+    check_memory_profile(memory_profile)
     if layout.world_size != len(devices):
         raise RequestError(
             f"the layout is for {layout.world_size} ranks, but {len(devices)} devices were given"
@@ -187,6 +195,7 @@ def validated_spec(
         encoder_layout=encoder_layout,
         vae_layout=layout.vae_layout(),
         init_method="",  # each incarnation gets its own rendezvous
+        memory_profile=memory_profile,
     )
 
 
@@ -350,10 +359,11 @@ class ProcessReplica:
         devices: Sequence[str],
         layout: RuntimeLayout | None = None,
         dtype: str | None = None,
+        memory_profile: str = "resident",
     ) -> None:
         layout = layout if layout is not None else RuntimeLayout.choose(len(devices))
         self.layout = layout
-        self.spec = validated_spec(detect_layout(checkpoint), devices, layout, dtype)
+        self.spec = validated_spec(detect_layout(checkpoint), devices, layout, dtype, memory_profile)
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._job_numbers = itertools.count()
