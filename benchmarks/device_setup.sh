@@ -2,14 +2,18 @@
 # Source on the GPU machine (no registry there): installs the wheels carried under .dev/ into /tmp/site and puts them
 # on PYTHONPATH. .dev/fa4/fa4site.tar.xz holds FlashAttention-4 and its CuTe DSL dependencies unpacked
 # (flash-attn-4 4.0.0b36, nvidia-cutlass-dsl 4.8.1 + libs, apache-tvm-ffi, torch-c-dlpack-ext, quack-kernels), for
-# Python 3.12; .dev/diffusers and .dev/av hold wheels. Anything already unpacked in /tmp stays (warm machine).
+# Python 3.12 (xz with a 256 MiB dictionary: 59 MB); .dev/diffusers and .dev/av hold wheels. Anything already unpacked in /tmp stays (warm machine).
 if [ -f .dev/fa4/fa4site.tar.xz ] && [ ! -d /tmp/fa4site ]; then
   tar -xJf .dev/fa4/fa4site.tar.xz -C /tmp
+fi
+# diffusers 0.42.1 and importlib_metadata unpacked (xz packs them smaller than their wheels).
+if [ -f .dev/fa4/diffusers_site.tar.xz ] && [ ! -d /tmp/dsite ]; then
+  tar -xJf .dev/fa4/diffusers_site.tar.xz -C /tmp
 fi
 for folder in .dev/diffusers .dev/av; do
   if compgen -G "$folder/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$folder"/*.whl
   fi
 done
-export PYTHONPATH="/tmp/site:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="/tmp/site:/tmp/dsite:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1

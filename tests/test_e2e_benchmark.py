@@ -1,0 +1,127 @@
+"""The end-to-end benchmark (benchmarks/e2e.py) in its tiny CPU mode: the JSON it writes holds every field, with
+positive times and finite outputs, for a K-of-N extrapolated run and for a resident run of every step."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from h3engine.media.mux import probe_mp4
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "e2e.py"
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    spec = importlib.util.spec_from_file_location("e2e_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def run_tiny(e2e, output_dir: Path, *options: str) -> dict:
+    path = e2e.main(
+        [
+            "--tiny",
+            "--device",
+            "cpu",
+            "--seconds",
+            "0.9",
+            "--text-rows",
+            "24",
+            "--output-dir",
+            str(output_dir),
+            *options,
+        ]
+    )
+    assert path.parent == output_dir and path.name.startswith("e2e_cpu_") and path.name.endswith("_tiny.json")
+    return json.loads(path.read_text())
+
+
+def check_common_fields(result: dict, steps: int, timed_steps: int) -> None:
+    assert result["config"] == "tiny" and result["task"] == "t2va" and result["device"] == "cpu"
+    for key in ("python", "torch", "transformers", "date"):
+        assert result[key]
+    assert set(result["build_s"]) == {"text_encoder", "dit", "video_vae", "audio_vae"}
+    assert all(seconds > 0 for seconds in result["build_s"].values())
+    phases = result["phases_s"]
+    for name in ("text_encode", "denoise_timed", "video_decode", "audio_decode", "decode_total", "mux"):
+        assert phases[name] > 0, name
+    assert phases["denoise_prep"] >= 0
+    assert phases["decode_total"] >= phases["video_decode"] + phases["audio_decode"]
+
+    assert result["schedule"] == {"recipe": "sglang", "steps": steps, "timed_steps": timed_steps}
+    assert len(result["step_s"]) == timed_steps and all(seconds > 0 for seconds in result["step_s"])
+    assert math.isclose(result["step_mean_s"], sum(result["step_s"]) / timed_steps)
+    # The events bracket the DiT forward and the update of each step, inside the pipeline's own loop timer.
+    assert sum(result["step_s"]) <= phases["denoise_timed"]
+    expected_request = (
+        phases["text_encode"]
+        + phases["denoise_prep"]
+        + result["denoise_s"]
+        + phases["decode_total"]
+        + phases["mux"]
+    )
+    assert math.isclose(result["request_s"], expected_request)
+
+    shapes = result["shapes"]
+    assert shapes["text_rows"] == result["tokenizer"]["text_rows"] == 24
+    assert result["tokenizer"]["max_token_id"] < result["tokenizer"]["model_vocab_size"]
+    assert shapes["sequence_rows"] == shapes["text_rows"] + shapes["video_rows"] + shapes["audio_rows"]
+    rows_per_frame = (shapes["latent_h"] // 2) * (shapes["latent_w"] // 2)
+    assert shapes["video_rows"] == shapes["latent_frames"] * rows_per_frame
+    assert shapes["audio_rows"] == 2 * shapes["audio_latents_per_channel"]
+    assert result["outputs"]["video"]["shape"] == [shapes["frames"], shapes["height"], shapes["width"], 3]
+    assert set(result["outputs"]) == {"text_states", "video_latents", "audio_latents", "video", "audio"}
+    assert all(summary["finite"] for summary in result["outputs"].values())
+    assert result["outputs_finite"] is True
+    # Random weights that leave nothing degenerate: every output varies.
+    assert all(summary["std"] > 0 for summary in result["outputs"].values())
+    assert result["peak_gpu_memory_gib"] is None
+
+
+def test_timed_prefix_is_extrapolated_and_keeps_no_mp4(e2e, tmp_path):
+    result = run_tiny(e2e, tmp_path, "--steps", "3", "--timed-steps", "2")
+    check_common_fields(result, steps=3, timed_steps=2)
+    assert result["extrapolated"] is True
+    # Warm by default: the first step is the warm-up, the second gives the rate of all three.
+    assert result["warmup"] is True
+    assert result["denoise_outside_steps_s"] >= 0
+    assert math.isclose(result["denoise_s"], result["denoise_outside_steps_s"] + result["step_s"][1] * 3)
+    first_calls = result["first_call_s"]
+    assert set(first_calls) == {"text_encode", "decode_one_window", "dit_first_step"}
+    assert all(seconds > 0 for seconds in first_calls.values())
+    assert first_calls["dit_first_step"] == result["step_s"][0]
+    assert result["mp4"] is None
+    assert not list(tmp_path.glob("*.mp4"))
+
+
+def test_resident_full_run_keeps_the_mp4(e2e, tmp_path):
+    result = run_tiny(e2e, tmp_path, "--steps", "1", "--resident", "--no-warmup")
+    check_common_fields(result, steps=1, timed_steps=1)
+    assert result["extrapolated"] is False
+    assert result["warmup"] is False and result["first_call_s"] is None
+    assert result["denoise_s"] == result["phases_s"]["denoise_timed"]
+    assert result["order"].startswith("resident")
+    probe = probe_mp4(result["mp4"])
+    assert probe["frame_count"] == result["shapes"]["frames"]
+    assert (probe["width"], probe["height"]) == (result["shapes"]["width"], result["shapes"]["height"])
+
+
+@pytest.mark.parametrize(
+    "steps_options",
+    [
+        ("--steps", "2", "--timed-steps", "3"),  # beyond the schedule
+        ("--steps", "3", "--timed-steps", "1"),  # no step left after the warm-up
+    ],
+)
+def test_bad_step_counts_are_refused(e2e, tmp_path, steps_options):
+    with pytest.raises(SystemExit):
+        e2e.main(["--tiny", "--device", "cpu", *steps_options, "--output-dir", str(tmp_path)])
