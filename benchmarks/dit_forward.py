@@ -217,18 +217,32 @@ ATTENTION_CEILING_TFLOPS = 662.0
 
 
 @contextlib.contextmanager
-def reference_kernels() -> Iterator[None]:
-    """Our plain-torch twins everywhere: the reference ops and torch's SDPA dispatch for attention."""
+def kernel_choice(reference_ops: bool, attention_backend: str | None) -> Iterator[None]:
+    """Force our plain-torch twins for the fused ops and/or one attention backend inside the block."""
     previous = os.environ.get(attention_ops.FORCE_ENVIRONMENT_VARIABLE)
-    os.environ[attention_ops.FORCE_ENVIRONMENT_VARIABLE] = "sdpa"
+    if attention_backend is not None:
+        os.environ[attention_ops.FORCE_ENVIRONMENT_VARIABLE] = attention_backend
     try:
-        with ops.force_reference():
+        with ops.force_reference() if reference_ops else contextlib.nullcontext():
             yield
     finally:
         if previous is None:
-            del os.environ[attention_ops.FORCE_ENVIRONMENT_VARIABLE]
+            os.environ.pop(attention_ops.FORCE_ENVIRONMENT_VARIABLE, None)
         else:
             os.environ[attention_ops.FORCE_ENVIRONMENT_VARIABLE] = previous
+
+
+# Variant -> (reference ops?, forced attention backend): "ours" is the engine's default choice, the reference one our
+# plain-torch twins (torch's default SDPA dispatch, what diffusers runs); the others split the difference by cause.
+KERNEL_VARIANTS = {
+    "ours": (False, None),
+    "ours_reference_kernels": (True, "sdpa"),
+}
+ERROR_BREAKDOWN_VARIANTS = {
+    "ours_fused_ops_sdpa_attention": (False, "sdpa"),
+    "ours_reference_ops_fast_attention": (True, None),
+    "ours_reference_ops_cudnn_attention": (True, "cudnn"),
+}
 
 
 def relative_l2(actual: torch.Tensor, reference: torch.Tensor) -> float:
@@ -246,6 +260,11 @@ def main() -> None:
         "--fp8",
         action="store_true",
         help="also time ours with FP8 linear layers (error against our bf16); diffusers is then not run",
+    )
+    parser.add_argument(
+        "--error-breakdown",
+        action="store_true",
+        help="also run fused ops with SDPA, reference ops with the fast attention, and reference ops with cuDNN",
     )
     parser.add_argument("--output-dir", type=Path, default=REPOSITORY_ROOT / "benchmarks" / "results")
     args = parser.parse_args()
@@ -287,15 +306,14 @@ def main() -> None:
         def run_ours() -> tuple[torch.Tensor, torch.Tensor]:
             return ours(*arguments, layout=layout, modulation=modulation)
 
-        variants = {"ours": run_ours}
-        with reference_kernels():
-            variants_reference = {"ours_reference_kernels": run_ours}
-        for name, run in variants.items():
-            timed[name], outputs[name] = time_forward(run, device, args.warmup, args.runs)
-            print(f"{name}: median {statistics.median(timed[name]):.4f} s over {timed[name]}")
-        for name, run in variants_reference.items():
-            with reference_kernels():
-                timed[name], outputs[name] = time_forward(run, device, args.warmup, args.runs)
+        variants = dict(KERNEL_VARIANTS)
+        if args.error_breakdown:
+            variants.update(ERROR_BREAKDOWN_VARIANTS)
+            if device.type != "cuda":
+                del variants["ours_reference_ops_cudnn_attention"]  # cuDNN attention needs a GPU
+        for name, (reference_ops, attention_backend) in variants.items():
+            with kernel_choice(reference_ops, attention_backend):
+                timed[name], outputs[name] = time_forward(run_ours, device, args.warmup, args.runs)
             print(f"{name}: median {statistics.median(timed[name]):.4f} s over {timed[name]}")
 
         if args.fp8:
@@ -336,6 +354,12 @@ def main() -> None:
             "video_relative_l2": relative_l2(video, outputs[baseline][0]),
             "audio_relative_l2": relative_l2(audio, outputs[baseline][1]),
         }
+    for name in ERROR_BREAKDOWN_VARIANTS:
+        if name in outputs:
+            errors[f"{name}_vs_ours_reference_kernels"] = {
+                "video_relative_l2": relative_l2(outputs[name][0], outputs["ours_reference_kernels"][0]),
+                "audio_relative_l2": relative_l2(outputs[name][1], outputs["ours_reference_kernels"][1]),
+            }
     if baseline != "ours_reference_kernels":
         # Kernels on vs off: the fused ops and the fast attention against our plain-torch twins.
         errors["ours_vs_ours_reference_kernels"] = {
@@ -380,6 +404,9 @@ def main() -> None:
         "variants": {
             "ours": "fused Triton ops + the fastest attention backend, layout and AdaLN tables prepared per request",
             "ours_reference_kernels": "the same model with the plain-torch twins and torch SDPA attention",
+            "ours_fused_ops_sdpa_attention": "fused Triton ops, torch SDPA attention (error breakdown)",
+            "ours_reference_ops_fast_attention": "plain-torch ops, the fastest attention backend (error breakdown)",
+            "ours_reference_ops_cudnn_attention": "plain-torch ops, torch's cuDNN attention (error breakdown)",
             "ours_fp8": "ours with FP8 (e4m3, per-channel weight / per-row activation scales) block linears",
             "diffusers": "MiniMaxH3Transformer3DModel, default attention backend, AdaLN per forward",
         },
@@ -420,6 +447,7 @@ def main() -> None:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     date = datetime.date.today().strftime("%Y%m%d")
     suffix = ("_tiny" if args.tiny else "") + ("_fp8" if args.fp8 else "")
+    suffix += "_error_breakdown" if args.error_breakdown else ""
     output_path = args.output_dir / f"dit_forward_{gpu_label(device)}_{date}{suffix}.json"
     output_path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {output_path}")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from enum import IntEnum
 from fractions import Fraction
 from pathlib import Path
@@ -66,6 +67,9 @@ for _required_encoder in (H264_ENCODER, AAC_ENCODER):
 
 # swscale's RGB -> YUV step: BT.709 matrix, limited range; ACCURATE_RND avoids swscale's fast
 # approximate rounding so the conversion is as exact as 8 bits allow.
+# Threads converting frames ahead of the encoder (x264 runs its own threads besides).
+FRAME_CONVERSION_THREADS = min(8, os.cpu_count() or 1)
+
 _YUV_CONVERSION = {
     "format": "yuv420p",
     "dst_colorspace": Colorspace.ITU709,
@@ -229,19 +233,25 @@ def _encode_mp4(
         audio_stream.codec_context.time_base = Fraction(1, AUDIO_SAMPLE_RATE)
         samples_per_audio_frame = audio_stream.codec_context.frame_size or 1024
 
-        next_audio_sample = 0
-        for index in range(frame_count):
+        def yuv_frame(index: int) -> av.VideoFrame:
             rgb = av.VideoFrame.from_ndarray(_frame_as_uint8(video, index), format="rgb24")
             yuv = rgb.reformat(**_YUV_CONVERSION)
             yuv.pts = index
             yuv.time_base = Fraction(1, fps)
-            container.mux(video_stream.encode(yuv))
-            # Keep audio up to the end of this video frame so the muxer can interleave by time.
-            audio_until = audio_samples_for_frames(index + 1, fps)
-            while next_audio_sample < audio_until:
-                next_audio_sample = _encode_audio_frame(
-                    container, audio_stream, waveform, next_audio_sample, samples_per_audio_frame
-                )
+            return yuv
+
+        next_audio_sample = 0
+        # Quantization and colour conversion (numpy and swscale release the GIL) run on worker threads ahead of
+        # the encoder, in frame order; a bad frame's error surfaces here and the partial file is discarded.
+        with ThreadPoolExecutor(max_workers=FRAME_CONVERSION_THREADS) as pool:
+            for index, yuv in enumerate(pool.map(yuv_frame, range(frame_count))):
+                container.mux(video_stream.encode(yuv))
+                # Keep audio up to the end of this video frame so the muxer can interleave by time.
+                audio_until = audio_samples_for_frames(index + 1, fps)
+                while next_audio_sample < audio_until:
+                    next_audio_sample = _encode_audio_frame(
+                        container, audio_stream, waveform, next_audio_sample, samples_per_audio_frame
+                    )
         while next_audio_sample < waveform.shape[1]:
             next_audio_sample = _encode_audio_frame(
                 container, audio_stream, waveform, next_audio_sample, samples_per_audio_frame

@@ -10,8 +10,8 @@ short table is printed last.
 Shapes: hidden 5376, 56 heads x 128 with 96 rotated channels, FFN 14,336, bf16; AdaLN tables of M = 2 timesteps
 (6 rows); the Ulysses relayouts of an sp = --sequence-parallel group (stacked q/k/v sent, attention output back).
 
-    python benchmarks/kernels.py                                                    # GPU, JSON to results/
-    TRITON_INTERPRET=1 python benchmarks/kernels.py --tiny --device cpu --output-dir /tmp   # smoke test
+    python benchmarks/ops_kernels.py                                                    # GPU, JSON to results/
+    TRITON_INTERPRET=1 python benchmarks/ops_kernels.py --tiny --device cpu --output-dir /tmp   # smoke test
 """
 
 from __future__ import annotations

@@ -1,0 +1,66 @@
+"""bf16 GEMM rate at the DiT's block shapes (768p / 5 s: 38,222 packed rows), to place the forward's time against the
+751 TFLOP/s 8192^3 ceiling: q/k/v as three GEMMs (what the model runs) or one, out_proj, fc1, fc2.
+
+    python benchmarks/gemm_shapes.py --output-dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import torch
+import triton.testing
+
+ROWS, HIDDEN, INNER, FFN = 38_222, 5376, 7168, 14336
+SHAPES = {
+    "q_or_k_or_v": (ROWS, HIDDEN, INNER, 3),
+    "qkv_fused": (ROWS, HIDDEN, 3 * INNER, 1),
+    "out_proj": (ROWS, INNER, HIDDEN, 1),
+    "fc1": (ROWS, HIDDEN, 2 * FFN, 1),
+    "fc2": (ROWS, FFN, HIDDEN, 1),
+    "square_8192": (8192, 8192, 8192, 0),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args()
+    results = {}
+    block_ms = 0.0
+    for name, (m, k, n, per_block) in SHAPES.items():
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        ms = triton.testing.do_bench(lambda a=a, w=w: torch.nn.functional.linear(a, w), warmup=50, rep=300)
+        tflops = 2 * m * k * n / ms / 1e9
+        results[name] = {"m": m, "k": k, "n": n, "ms": ms, "tflops": tflops, "per_block": per_block}
+        if name != "qkv_fused":
+            block_ms += ms * per_block
+        print(f"{name:>12}: {ms:8.3f} ms  {tflops:6.0f} TFLOP/s")
+        del a, w
+    results["block_linear_ms_three_qkv_gemms"] = block_ms
+    results["block_linear_ms_fused_qkv"] = (
+        block_ms - 3 * results["q_or_k_or_v"]["ms"] + results["qkv_fused"]["ms"]
+    )
+    print(
+        f"block linears: {block_ms:.2f} ms (three q/k/v GEMMs), {results['block_linear_ms_fused_qkv']:.2f} ms (fused)"
+    )
+    record = {
+        "benchmark": "gemm_shapes",
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "results": results,
+    }
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    label = torch.cuda.get_device_name().replace(" ", "_")
+    (args.output_dir / f"gemm_shapes_{label}_{datetime.date.today():%Y%m%d}.json").write_text(
+        json.dumps(record, indent=2) + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
