@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from h3engine.models.dit import DiTConfig
 
 # Latent frame k spans (5/3) * [1, 4, 4, 4, 4][k mod 5] rotary units (1 unit = 1/40 s).
 FRAME_SPAN_PATTERN = (1.0, 4.0, 4.0, 4.0, 4.0)
@@ -192,3 +196,24 @@ def max_relative_error(actual: Tensor, reference: Tensor) -> float:
     """max |actual - reference| / max |reference| (fp64), the error measure used by the DiT tests and benchmark."""
     actual, reference = actual.double(), reference.double()
     return ((actual - reference).abs().max() / reference.abs().max()).item()
+
+
+def tiny_fl2va_request(config: DiTConfig, text_dtype: torch.dtype, seed: int) -> PackedRequest:
+    """FL2VA-like on the tiny DiT: 10 text rows (2 vision rows tagged video), 1 keyframe at t=0.999, 4 target
+    frames, audio."""
+    return build_packed_request(
+        text_rows=10,
+        vision_rows_in_text=2,
+        condition_frames=1,
+        latent_frames=4,
+        latent_height=8,
+        latent_width=12,
+        audio_latents_per_channel=9,
+        video_channels=config.video_in_channels,
+        audio_channels=config.audio_in_channels,
+        text_dim=config.text_dim,
+        text_dtype=text_dtype,
+        video_timestep=0.42,
+        audio_timestep=0.67,
+        seed=seed,
+    )

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from _dit_helpers import PackedRequest, build_packed_request, max_relative_error
+from _dit_helpers import PackedRequest, max_relative_error, tiny_fl2va_request
 from diffusers import MiniMaxH3Transformer3DModel
 
 from h3engine.checkpoint.dit_keys import (
@@ -84,24 +84,7 @@ def released_native_shapes() -> dict[str, tuple[int, ...]]:
 
 
 def tiny_request(text_dtype: torch.dtype) -> PackedRequest:
-    """FL2VA-like: 10 text rows (2 vision rows tagged video), 1 keyframe at t=0.999, 4 target frames, audio."""
-    config = DiTConfig.tiny()
-    return build_packed_request(
-        text_rows=10,
-        vision_rows_in_text=2,
-        condition_frames=1,
-        latent_frames=4,
-        latent_height=8,
-        latent_width=12,
-        audio_latents_per_channel=9,
-        video_channels=config.video_in_channels,
-        audio_channels=config.audio_in_channels,
-        text_dim=config.text_dim,
-        text_dtype=text_dtype,
-        video_timestep=0.42,
-        audio_timestep=0.67,
-        seed=SEED + 1,
-    )
+    return tiny_fl2va_request(DiTConfig.tiny(), text_dtype, SEED + 1)
 
 
 def our_model(state: dict[str, torch.Tensor], dtype: torch.dtype) -> H3DiT:

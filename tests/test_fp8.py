@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dit_helpers import PackedRequest, build_packed_request, max_relative_error
+from _dit_helpers import PackedRequest, max_relative_error, tiny_fl2va_request
 from torch import nn
 
 import h3engine.models.fp8 as fp8
@@ -197,23 +197,7 @@ def test_fp8_linear_refuses_meta_and_non_matrix_weights() -> None:
 
 
 def tiny_request(text_dtype: torch.dtype) -> PackedRequest:
-    config = DiTConfig.tiny()
-    return build_packed_request(
-        text_rows=10,
-        vision_rows_in_text=2,
-        condition_frames=1,
-        latent_frames=4,
-        latent_height=8,
-        latent_width=12,
-        audio_latents_per_channel=9,
-        video_channels=config.video_in_channels,
-        audio_channels=config.audio_in_channels,
-        text_dim=config.text_dim,
-        text_dtype=text_dtype,
-        video_timestep=0.42,
-        audio_timestep=0.67,
-        seed=SEED + 1,
-    )
+    return tiny_fl2va_request(DiTConfig.tiny(), text_dtype, SEED + 1)
 
 
 def tiny_dit(state: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu") -> H3DiT:

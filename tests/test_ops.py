@@ -43,6 +43,7 @@ from h3engine.models.dit import (
 from h3engine.parallel import collectives
 from h3engine.parallel.groups import GroupMembership
 from kernels import reference
+from kernels.reference.rope import rotate_first_channels
 
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -56,14 +57,9 @@ def gather_rows(table: Tensor, rows: Tensor) -> Tensor:
 
 
 def apply_rope(hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """The model's pre-fusion RoPE: rotate-half of the first cos.shape[-1] channels, each product and the sum
-    rounded to the activation dtype; the other channels pass through."""
-    rotary_dim = cos.shape[-1]
-    rotated_part, passed_part = hidden[..., :rotary_dim], hidden[..., rotary_dim:]
-    first_half, second_half = rotated_part.chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    rotated = rotated_part * cos + torch.cat((-second_half, first_half), dim=-1) * sin
-    return torch.cat((rotated, passed_part), dim=-1)
+    """The model's pre-fusion RoPE (rotate-half of the first cos.shape[-1] channels; its semantics are pinned
+    against explicit angles in tests/test_dit.py)."""
+    return rotate_first_channels(hidden, cos, sin)
 
 
 # --------------------------------------------------------------------------------------------------------------
