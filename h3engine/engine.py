@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from h3engine import __version__
+from h3engine import __version__, ops
 from h3engine.checkpoint.layout import (
     PARTITION_OF_TASK,
     CanvasRules,
@@ -61,6 +61,7 @@ from h3engine.media import inputs as media_inputs
 from h3engine.media.mux import write_mp4
 from h3engine.media.outputs import output_paths, save_tensors, write_sidecar
 from h3engine.models.text_encoder import H3TextEncoder, load_tokenizer
+from h3engine.ops import attention as attention_ops
 from h3engine.pipeline import GenerationOutput, Models, StepEvent, run_generation
 from h3engine.placement import Placement
 from h3engine.presentation import (
@@ -296,6 +297,17 @@ class Engine:
             quantize_dit_linears(dit)
         return dit
 
+    def kernel_report(self) -> dict[str, str]:
+        """Which attention backend and which implementation of the fused DiT ops this engine runs (h3engine.ops):
+        e.g. {"attention": "fa4", "fused_ops": "triton"} on a Hopper GPU, {"attention": "sdpa", "fused_ops":
+        "reference"} on the CPU. The DiT's head size decides the attention choice; 128 is the released one."""
+        head_dim = next(iter(self._sources.values())).dit.config.head_dim
+        probe = torch.empty(1, 1, head_dim, device=self.device, dtype=self.dtype)
+        return {
+            "attention": attention_ops.selected_backend(probe),
+            "fused_ops": ops.implementation("swiglu", probe.view(1, head_dim)),
+        }
+
     # --- requests ---------------------------------------------------------------------------------------
 
     def parse_request(self, payload: Mapping[str, Any]) -> GenerationRequest:
@@ -508,6 +520,7 @@ class Engine:
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "memory_profile": self.placement.profile,
                 "fp8_linear": self.fp8_linear,
+                "kernels": self.kernel_report(),
                 "geometry": {
                     "width": geometry.width,
                     "height": geometry.height,

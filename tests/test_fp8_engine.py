@@ -35,7 +35,10 @@ def test_fp8_linear_quantizes_the_blocks_and_changes_the_output_a_little(checkpo
     error = (actual.video_latents - expected.video_latents).norm() / expected.video_latents.norm()
     assert 0 < error < 0.2, error
     written = quantized.generate_to_file(request, tmp_path / "fp8.mp4")
-    assert json.loads(written.sidecar.read_text())["fp8_linear"] is True
+    sidecar = json.loads(written.sidecar.read_text())
+    assert sidecar["fp8_linear"] is True
+    # What ran is recorded: on the CPU, the plain-torch twins and torch's SDPA.
+    assert sidecar["kernels"] == {"attention": "sdpa", "fused_ops": "reference"}
 
 
 def test_cli_refuses_fp8_on_a_worker_group(capsys, tmp_path) -> None:

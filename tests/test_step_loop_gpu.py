@@ -30,6 +30,9 @@ def test_steps_after_the_first_do_not_synchronize(tmp_path) -> None:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert checked_steps == [2, 3, 4, 5, 6]
+    # On a GPU the fused Triton ops and a fast attention backend run.
+    report = engine.kernel_report()
+    assert report["fused_ops"] == "triton" and report["attention"] in ("fa4", "cudnn"), report
     # The mode really raises on a synchronizing call (so the test can fail).
     torch.cuda.set_sync_debug_mode("error")
     try:
