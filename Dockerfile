@@ -23,7 +23,7 @@ RUN pip install torch==2.14.1 torchvision==0.29.1 && pip install -r /app/require
 # FlashAttention-4, the fastest exact attention on Hopper and newer (h3engine.ops.attention); without it (or if it
 # fails to import) attention runs on torch's cuDNN kernel. `--build-arg WITH_FA4=0` leaves it out.
 ARG WITH_FA4=1
-RUN if [ "$WITH_FA4" = 1 ]; then pip install --pre "flash-attn-4==4.0.0b36" "nvidia-cutlass-dsl[cu13]==4.8.1"; fi
+RUN if [ "$WITH_FA4" = 1 ]; then pip install --pre "flash-attn-4[cu13]==4.0.0b36" "nvidia-cutlass-dsl[cu13]==4.8.1"; fi
 
 COPY pyproject.toml app.py /app/
 COPY h3engine /app/h3engine
