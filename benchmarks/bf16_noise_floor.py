@@ -25,7 +25,7 @@ REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPOSITORY_ROOT))
 sys.path.insert(0, str(REPOSITORY_ROOT / "tests"))
 
-from _dit_helpers import build_packed_request  # noqa: E402
+from _dit_helpers import build_packed_request, relative_l2  # noqa: E402
 
 from h3engine.checkpoint.dit_keys import random_native_state  # noqa: E402
 from h3engine.models.dit import DiTConfig, H3DiT  # noqa: E402
@@ -47,10 +47,6 @@ CONFIG = DiTConfig(
     time_embed_dim=128,
     rope_freq_dim=8,
 )
-
-
-def relative_l2(actual: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((actual.double() - reference.double()).norm() / reference.double().norm())
 
 
 def main() -> None:

@@ -18,11 +18,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import importlib.metadata
-import importlib.util
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -37,8 +34,9 @@ REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPOSITORY_ROOT))
 sys.path.insert(0, str(REPOSITORY_ROOT / "tests"))
 
-from _dit_helpers import PackedRequest, build_packed_request, max_relative_error  # noqa: E402
+from _dit_helpers import PackedRequest, build_packed_request, max_relative_error, relative_l2  # noqa: E402
 
+from benchmarks._common import device_label, package_version, synchronize  # noqa: E402
 from h3engine import ops  # noqa: E402
 from h3engine.checkpoint.dit_keys import native_to_diffusers, random_native_tensor  # noqa: E402
 from h3engine.models.dit import DiTConfig, H3DiT  # noqa: E402
@@ -130,11 +128,6 @@ def forward_flop_parts(config: DiTConfig, request: PackedRequest) -> dict[str, f
     return {"attention": float(attention), "linear": float(blocks + refiner + adaln + time_mlp + projections)}
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_forward(
     run: Callable[[], tuple[torch.Tensor, torch.Tensor]], device: torch.device, warmup: int, runs: int
 ) -> tuple[list[float], tuple[torch.Tensor, torch.Tensor]]:
@@ -206,11 +199,6 @@ def move_into_diffusers(ours: H3DiT, config: DiTConfig, device: torch.device) ->
     return reference.eval()
 
 
-def gpu_label(device: torch.device) -> str:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
-
-
 # Ceilings measured on the H200 (../shared/docs/GPU_NOTES.md): bf16 GEMM 8192^3 and FlashAttention-4 at this shape.
 GEMM_CEILING_TFLOPS = 751.0
 ATTENTION_CEILING_TFLOPS = 662.0
@@ -243,10 +231,6 @@ ERROR_BREAKDOWN_VARIANTS = {
     "ours_reference_ops_fast_attention": (True, None),
     "ours_reference_ops_cudnn_attention": (True, "cudnn"),
 }
-
-
-def relative_l2(actual: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((actual.double() - reference.double()).norm() / reference.double().norm())
 
 
 def main() -> None:
@@ -383,10 +367,8 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "triton": importlib.metadata.version("triton") if importlib.util.find_spec("triton") else None,
-        "flash_attn_4": importlib.metadata.version("flash-attn-4")
-        if importlib.util.find_spec("flash_attn")
-        else None,
+        "triton": package_version("triton"),
+        "flash_attn_4": package_version("flash-attn-4"),
         "diffusers": diffusers.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "shapes": {
@@ -448,7 +430,7 @@ def main() -> None:
     date = datetime.date.today().strftime("%Y%m%d")
     suffix = ("_tiny" if args.tiny else "") + ("_fp8" if args.fp8 else "")
     suffix += "_error_breakdown" if args.error_breakdown else ""
-    output_path = args.output_dir / f"dit_forward_{gpu_label(device)}_{date}{suffix}.json"
+    output_path = args.output_dir / f"dit_forward_{device_label(device)}_{date}{suffix}.json"
     output_path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {output_path}")
 

@@ -42,12 +42,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import importlib.metadata
 import json
 import math
 import os
 import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -65,6 +63,7 @@ sys.path.insert(0, str(REPOSITORY_ROOT))
 
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig  # noqa: E402
 
+from benchmarks._common import device_label, package_version, synchronize  # noqa: E402
 from h3engine.checkpoint import audio_vae_keys, video_vae_keys  # noqa: E402
 from h3engine.checkpoint.dit_keys import random_native_tensor  # noqa: E402
 from h3engine.checkpoint.loader import ComponentSource  # noqa: E402
@@ -312,11 +311,6 @@ def first_steps(schedule: Schedule, count: int) -> Schedule:
     return SchedulePrefix(schedule.video_sigmas[: count + 1], schedule.audio_sigmas[: count + 1])
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def free_device_memory(device: torch.device) -> None:
     """Give a dropped model's device memory back (a CPU run has nothing to measure, so it skips the collection)."""
     if device.type == "cuda":
@@ -418,18 +412,6 @@ def tensor_summary(tensor: torch.Tensor) -> dict[str, Any]:
 
 def parameter_count(module: torch.nn.Module) -> int:
     return sum(parameter.numel() for parameter in module.parameters())
-
-
-def device_label(device: torch.device) -> str:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
-
-
-def package_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 # --------------------------------------------------------------------------------------------------------------

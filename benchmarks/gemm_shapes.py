@@ -9,10 +9,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 from pathlib import Path
 
 import torch
 import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import device_label  # noqa: E402
 
 ROWS, HIDDEN, INNER, FFN = 38_222, 5376, 7168, 14336
 SHAPES = {
@@ -56,7 +61,7 @@ def main() -> None:
         "results": results,
     }
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    label = torch.cuda.get_device_name().replace(" ", "_")
+    label = device_label(torch.device("cuda"))
     (args.output_dir / f"gemm_shapes_{label}_{datetime.date.today():%Y%m%d}.json").write_text(
         json.dumps(record, indent=2) + "\n"
     )

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import importlib.metadata
 import json
-import re
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ import triton.testing
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPOSITORY_ROOT))
 
+from benchmarks._common import device_label  # noqa: E402
 from h3engine import ops  # noqa: E402
 from h3engine.models.dit import DiTConfig  # noqa: E402
 from kernels import reference  # noqa: E402
@@ -214,11 +214,6 @@ def measure(
     if copy_gbps is not None:
         entry["triton_fraction_of_copy"] = entry["triton_gbps"] / copy_gbps
     return entry
-
-
-def device_label(device: torch.device) -> str:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
 
 
 def main() -> None:

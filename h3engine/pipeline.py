@@ -131,23 +131,28 @@ def denoise(
         for step in range(schedule.num_steps)
     ]
     step_modulation = dit.schedule_modulation([timesteps for timesteps, _ in step_rows], device)
-    packed_layouts: dict[bytes, object] = {}
+    # Per-row timestep index (CPU bytes) -> (that index on the device, its prepared DiT layout).
+    packed_layouts: dict[bytes, tuple[torch.Tensor, object]] = {}
     started = time.perf_counter()
     for step in range(schedule.num_steps):
         if should_cancel is not None and should_cancel():
             raise GenerationCancelled("generation cancelled")
         timesteps, timestep_index = step_rows[step]
         index_key = timestep_index.numpy().tobytes()
-        timestep_index = timestep_index.to(device, non_blocking=True)
         if index_key not in packed_layouts:
-            packed_layouts[index_key] = dit.prepare_layout(
+            timestep_index = timestep_index.to(device, non_blocking=True)
+            packed_layouts[index_key] = (
                 timestep_index,
-                layout.tags,
-                layout.positions,
-                layout.video_index,
-                layout.audio_index,
-                layout.text_index,
+                dit.prepare_layout(
+                    timestep_index,
+                    layout.tags,
+                    layout.positions,
+                    layout.video_index,
+                    layout.audio_index,
+                    layout.text_index,
+                ),
             )
+        timestep_index, packed_layout = packed_layouts[index_key]
         video_velocity, audio_velocity = dit(
             video_rows,
             audio_rows,
@@ -159,7 +164,7 @@ def denoise(
             layout.video_index,
             layout.audio_index,
             layout.text_index,
-            layout=packed_layouts[index_key],
+            layout=packed_layout,
             modulation=step_modulation[step],
         )
         video_rows[first_video_target:] = euler_step(

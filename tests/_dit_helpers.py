@@ -198,6 +198,11 @@ def max_relative_error(actual: Tensor, reference: Tensor) -> float:
     return ((actual - reference).abs().max() / reference.abs().max()).item()
 
 
+def relative_l2(actual: Tensor, reference: Tensor) -> float:
+    """||actual - reference|| / ||reference||, in float64."""
+    return float((actual.double() - reference.double()).norm() / reference.double().norm())
+
+
 def tiny_fl2va_request(config: DiTConfig, text_dtype: torch.dtype, seed: int) -> PackedRequest:
     """FL2VA-like on the tiny DiT: 10 text rows (2 vision rows tagged video), 1 keyframe at t=0.999, 4 target
     frames, audio."""

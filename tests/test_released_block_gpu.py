@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _dit_helpers import relative_l2
 
 from h3engine import ops
 from h3engine.checkpoint.dit_keys import random_native_tensor
@@ -18,10 +19,6 @@ from h3engine.ops import attention as attention_ops
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 ROWS = 4103  # odd on purpose
-
-
-def relative_l2(actual: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((actual.double() - reference.double()).norm() / reference.double().norm())
 
 
 def released_block(dtype: torch.dtype, generator_seed: int) -> DiTBlock:

@@ -65,11 +65,11 @@ for _required_encoder in (H264_ENCODER, AAC_ENCODER):
     if _required_encoder not in av.codecs_available:
         raise ImportError(f"PyAV's FFmpeg build has no {_required_encoder!r} encoder; write_mp4 cannot work")
 
-# swscale's RGB -> YUV step: BT.709 matrix, limited range; ACCURATE_RND avoids swscale's fast
-# approximate rounding so the conversion is as exact as 8 bits allow.
 # Threads converting frames ahead of the encoder (x264 runs its own threads besides).
 FRAME_CONVERSION_THREADS = min(8, os.cpu_count() or 1)
 
+# swscale's RGB -> YUV step: BT.709 matrix, limited range; ACCURATE_RND avoids swscale's fast
+# approximate rounding so the conversion is as exact as 8 bits allow.
 _YUV_CONVERSION = {
     "format": "yuv420p",
     "dst_colorspace": Colorspace.ITU709,
