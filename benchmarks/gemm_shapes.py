@@ -33,7 +33,40 @@ SHAPES = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument(
+        "--blas",
+        default="cublas",
+        help="comma-separated torch BLAS back ends to time (torch.backends.cuda.preferred_blas_library), e.g. "
+        "cublas,cublaslt; results are keyed by back end after the first",
+    )
     args = parser.parse_args()
+    backends = [name.strip() for name in args.blas.split(",") if name.strip()]
+    results = {}
+    for index, backend in enumerate(backends):
+        torch.backends.cuda.preferred_blas_library(backend)
+        print(f"BLAS back end: {backend}")
+        timed = time_shapes()
+        if index == 0:
+            results = timed
+        else:
+            results[f"blas_{backend}"] = timed
+    record = {
+        "benchmark": "gemm_shapes",
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "blas": backends[0],
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "results": results,
+    }
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    label = device_label(torch.device("cuda"))
+    (args.output_dir / f"gemm_shapes_{label}_{datetime.date.today():%Y%m%d}.json").write_text(
+        json.dumps(record, indent=2) + "\n"
+    )
+
+
+def time_shapes() -> dict:
+    """Each block shape's GEMM time with the current BLAS back end, and one block's linear time from them."""
     results = {}
     block_ms = 0.0
     for name, (m, k, n, per_block) in SHAPES.items():
@@ -53,18 +86,7 @@ def main() -> None:
     print(
         f"block linears: {block_ms:.2f} ms (three q/k/v GEMMs), {results['block_linear_ms_fused_qkv']:.2f} ms (fused)"
     )
-    record = {
-        "benchmark": "gemm_shapes",
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "results": results,
-    }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    label = device_label(torch.device("cuda"))
-    (args.output_dir / f"gemm_shapes_{label}_{datetime.date.today():%Y%m%d}.json").write_text(
-        json.dumps(record, indent=2) + "\n"
-    )
+    return results
 
 
 if __name__ == "__main__":

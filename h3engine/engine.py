@@ -299,14 +299,18 @@ class Engine:
 
     def kernel_report(self) -> dict[str, str]:
         """Which attention backend and which implementation of the fused DiT ops this engine runs (h3engine.ops):
-        e.g. {"attention": "fa4", "fused_ops": "triton"} on a Hopper GPU, {"attention": "sdpa", "fused_ops":
+        e.g. {"attention": "fa4", "fused_ops": "triton", "attention_tiles": "192x128"} on a Hopper GPU, {"attention": "sdpa", "fused_ops":
         "reference"} on the CPU. The DiT's head size decides the attention choice; 128 is the released one."""
         head_dim = next(iter(self._sources.values())).dit.config.head_dim
         probe = torch.empty(1, 1, head_dim, device=self.device, dtype=self.dtype)
-        return {
+        report = {
             "attention": attention_ops.selected_backend(probe),
             "fused_ops": ops.implementation("swiglu", probe.view(1, head_dim)),
         }
+        if report["attention"] == "fa4":
+            tiles = attention_ops.fa4_tiles(probe)
+            report["attention_tiles"] = "x".join(map(str, tiles["tile_mn"])) if tiles else "fa4 default"
+        return report
 
     # --- requests ---------------------------------------------------------------------------------------
 

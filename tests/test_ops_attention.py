@@ -80,3 +80,31 @@ def test_gpu_backends_match_the_reference(backend, shape) -> None:
     reference_error = (reference.double() - expected).norm() / expected.norm()
     # Both are exact attention with bf16 rounding: the same error against fp64 within a small factor.
     assert error <= 2 * reference_error, (error, reference_error)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1000, 4097, 38_222])
+def test_gpu_fa4_tuned_tiles_match_the_reference_without_host_syncs(rows, monkeypatch) -> None:
+    if attention_ops._fa4_function() is None:
+        pytest.skip("FlashAttention-4 is not installed on this GPU machine")
+    monkeypatch.setattr(attention_ops, "_untuned", set())
+    heads = 56 if rows == 38_222 else 3
+    query, key, value = random_qkv(rows, heads, 128, dtype=torch.bfloat16, device="cuda")
+    tiles = attention_ops.fa4_tiles(query)
+    major, _ = torch.cuda.get_device_capability()
+    if major == 9:
+        assert tiles is not None and tiles["tile_mn"] == (192, 128)
+    attention_ops.fa4_attention(query, key, value)  # compiles outside the sync check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        output = attention_ops.fa4_attention(query, key, value)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert not attention_ops._untuned, "the tuned FA4 call failed and fell back"
+    # Against float64 on a slice of the query rows (all keys): the same error as torch's SDPA within a small factor.
+    sample = slice(0, 512)
+    expected = explicit_attention(query[sample], key, value)
+    reference = attention_ops.sdpa_attention(query, key, value)[sample]
+    error = (output[sample].double() - expected).norm() / expected.norm()
+    reference_error = (reference.double() - expected).norm() / expected.norm()
+    assert error <= 2 * reference_error, (error, reference_error)

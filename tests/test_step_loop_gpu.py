@@ -33,6 +33,8 @@ def test_steps_after_the_first_do_not_synchronize(tmp_path) -> None:
     # On a GPU the fused Triton ops and a fast attention backend run.
     report = engine.kernel_report()
     assert report["fused_ops"] == "triton" and report["attention"] in ("fa4", "cudnn"), report
+    if report["attention"] == "fa4" and torch.cuda.get_device_capability()[0] == 9:
+        assert report["attention_tiles"] == "192x128", report
     # The mode really raises on a synchronizing call (so the test can fail).
     torch.cuda.set_sync_debug_mode("error")
     try:

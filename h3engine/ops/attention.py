@@ -5,8 +5,8 @@ Contract
 `attention(query, key, value)` takes [S, heads, head_dim] tensors and returns [S, heads, head_dim], softmax scale
 1/sqrt(head_dim). The backend is chosen once per (device, dtype, head_dim), fastest exact one first:
 
-* ``fa4``: FlashAttention-4 (`flash_attn.cute.flash_attn_func`, the `flash-attn-4` wheel) on Hopper and newer, in
-  bf16/fp16 (662 TFLOP/s at the released 768p shape on an H200);
+* ``fa4``: FlashAttention-4 (the `flash-attn-4` wheel) on Hopper and newer, in bf16/fp16 (675 TFLOP/s at the
+  released 768p shape on an H200 with its own tile choice, 691 with the tiles of `FA4_TUNED_TILES`);
 * ``cudnn``: torch's cuDNN SDPA kernel (560 TFLOP/s there);
 * ``sdpa``: torch's own SDPA dispatch (flash / memory-efficient / CPU flash / math), the reference twin and the
   fallback everywhere else, e.g. on the CPU and in fp32.
@@ -17,7 +17,9 @@ forces one (`sdpa` is the reference); a forced backend that cannot run raises in
 Danger
 ------
 A backend that fails on its first call (a missing CUDA library, an unsupported shape) is dropped for that key with
-a warning and the next one is tried, so a broken FA4 install costs speed, never a request.
+a warning and the next one is tried, so a broken FA4 install costs speed, never a request. The tuned FA4 tiles go
+through FA4's internal `_flash_attn_fwd` (its public function does not take tiles); if that call fails, FA4 runs
+with its own tiles from then on.
 """
 
 from __future__ import annotations
@@ -68,11 +70,48 @@ def _fa4_function() -> Callable | None:
     return flash_attn_func
 
 
+# (compute capability major, head_dim) -> FA4 forward settings that beat FA4's own choice. FA4 picks 128 x 128 tiles
+# with two MMA warp groups for head_dim 128 on Hopper; 192 x 128 tiles with three warp groups (no intra-warpgroup
+# overlap, which three groups do not support) run 60.6 ms instead of 62.1 at 38,222 rows x 56 heads on an H200, with
+# the same error against fp32 (benchmarks/attention_configs.py). Other pairs keep FA4's choice.
+FA4_TUNED_TILES: dict[tuple[int, int], dict] = {
+    (9, 128): {"tile_mn": (192, 128), "mma_pv_is_rs": True, "intra_wg_overlap": False, "num_threads": 512},
+}
+# Keys (as `_key`) whose tuned FA4 call failed once: they use FA4's own tiles.
+_untuned: set[tuple] = set()
+
+
+@functools.cache
+def _fa4_forward_with_tiles() -> Callable | None:
+    try:
+        from flash_attn.cute.interface import _flash_attn_fwd
+    except Exception:  # noqa: BLE001 - another FA4 version: its public function still works
+        return None
+    return _flash_attn_fwd
+
+
+def fa4_tiles(query: Tensor) -> dict | None:
+    """The tuned FA4 settings `fa4_attention` passes for tensors like `query`, or None for FA4's own choice."""
+    if query.device.type != "cuda" or _key(query) in _untuned or _fa4_forward_with_tiles() is None:
+        return None
+    major, _ = torch.cuda.get_device_capability(query.device)
+    return FA4_TUNED_TILES.get((major, query.shape[-1]))
+
+
 def fa4_attention(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
     flash_attn_func = _fa4_function()
     if flash_attn_func is None:
         raise RuntimeError("FlashAttention-4 (flash_attn.cute) is not importable")
-    output = flash_attn_func(query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0))
+    batched = (query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0))
+    tiles = fa4_tiles(query)
+    if tiles is not None:
+        try:
+            # (out, lse, ...): out is [1, S, heads, head_dim].
+            return _fa4_forward_with_tiles()(*batched, **tiles)[0].squeeze(0)
+        except Exception as error:  # noqa: BLE001 - the tuned tiles are optional, FA4's own still run
+            _untuned.add(_key(query))
+            logger.warning("FlashAttention-4 with tiles %s failed (%s); using its own tiles", tiles, error)
+    output = flash_attn_func(*batched)
     # Some versions return (out, lse), others out alone.
     output = output[0] if isinstance(output, tuple) else output
     return output.squeeze(0)
