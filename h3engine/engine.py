@@ -9,7 +9,8 @@ Contract:
   the MP4 (and then its JSON sidecar, and optionally the tensors) atomically, so a file under the output name is
   always complete.
 * `generate` is `prepare` (validate, read the inputs, encode the conditioning: a `PreparedRequest`) and then the
-  pipeline; `generate_to_file` is `generate` and then `write_outputs`. A worker group (h3engine.runtime.rank) calls
+  pipeline; `generate_to_file` is `generate` writing the MP4 while the video decodes (`pipeline.decode`) and then
+  `write_outputs` for the rest. A worker group (h3engine.runtime.rank) calls
   these halves itself: its rank 0 prepares and writes, every rank generates. The `_load_*` methods are the one
   place that builds each model, so a rank's engine swaps in its shards there.
 * `memory_profile` (h3engine.placement): "resident" (default) keeps every component on the compute device;
@@ -453,7 +454,9 @@ class Engine:
         request: GenerationRequest,
         on_step: Callable[[StepEvent], None] | None = None,
         should_cancel: Callable[[], bool] | None = None,
+        mp4_path: Path | None = None,
     ) -> tuple[GenerationOutput, Geometry]:
+        """The request's video and audio tensors; with `mp4_path`, also its MP4, written while the video decodes."""
         prepared = self.prepare(request)
         with torch.inference_mode():
             output = run_generation(
@@ -467,6 +470,7 @@ class Engine:
                 self.device,
                 on_step=on_step,
                 should_cancel=should_cancel,
+                mp4_path=mp4_path,
             )
         output.timings["conditioning_s"] = prepared.conditioning_s
         return output, prepared.geometry
@@ -479,11 +483,15 @@ class Engine:
         on_step: Callable[[StepEvent], None] | None = None,
         should_cancel: Callable[[], bool] | None = None,
     ) -> WrittenFiles:
-        output_paths(out_path)  # a bad output name fails before the work, not after it
+        video_path, _ = output_paths(out_path)  # a bad output name fails before the work, not after it
         # Hashed before generating, so the sidecar names the bytes the conditioning was read from.
         inputs = input_records(request)
-        output, geometry = self.generate(request, on_step=on_step, should_cancel=should_cancel)
-        return self.write_outputs(request, inputs, output, geometry, out_path, save_tensors_path)
+        output, geometry = self.generate(
+            request, on_step=on_step, should_cancel=should_cancel, mp4_path=video_path
+        )
+        return self.write_outputs(
+            request, inputs, output, geometry, out_path, save_tensors_path, mp4_written=True
+        )
 
     def write_outputs(
         self,
@@ -493,13 +501,16 @@ class Engine:
         geometry: Geometry,
         out_path: Path,
         save_tensors_path: Path | None = None,
+        mp4_written: bool = False,
     ) -> WrittenFiles:
-        """The MP4, then (optionally) the tensors, then the sidecar, each atomically: a visible sidecar means the
-        rest is complete. `inputs` are the request's `input_records`."""
+        """The MP4 (unless `mp4_written`: the decode already wrote it), then (optionally) the tensors, then the
+        sidecar, each atomically: a visible sidecar means the rest is complete. `inputs` are the request's
+        `input_records`."""
         video_path, sidecar_path = output_paths(out_path)
-        started = time.perf_counter()
-        write_mp4(video_path, output.video, output.audio)
-        output.timings["mux_s"] = time.perf_counter() - started
+        if not mp4_written:
+            started = time.perf_counter()
+            write_mp4(video_path, output.video, output.audio)
+            output.timings["mux_s"] = time.perf_counter() - started
         tensors_path = None
         if save_tensors_path is not None:
             tensors_path = save_tensors(

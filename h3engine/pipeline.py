@@ -2,37 +2,42 @@
 
 Contract: `run_generation` takes already-loaded models, a request's presentation (the text encoder's input, see
 `presentation`) and its encoded conditioning (`conditioning.EncodedConditions`, empty for T2VA) and returns float
-tensors (no files are written here). The loop follows the released recipe: one guidance-free DiT forward per step on
-the whole packed sequence; only the generated rows are ever written, so conditioning rows (visual ones noised once to
+tensors (it writes the MP4 only when given its path). The loop follows the released recipe: one guidance-free DiT
+forward per step on the whole packed sequence; only the generated rows are ever written, so conditioning rows (visual ones noised once to
 t = 0.999 with the request's condition noise, reference audio clean) are re-fed unchanged; the scheduler state (latent
 rows, sigmas, the Euler update) stays fp32 whatever the DiT's compute dtype.
 
 Progress and cancellation: `on_step` is called after every step with a small `StepEvent`; `should_cancel` is polled
 before every step and a `True` raises `GenerationCancelled` (nothing is decoded).
 
-`run_generation` is `denoise_request` (encode, pack, denoise: latents) followed by `decode`. A worker group runs the
+`run_generation` is `denoise_request` (encode, pack, denoise: latents) followed by `decode`, which can also write the
+MP4 while the video decodes (the mux then costs little more than encoding the last window). A worker group runs the
 two halves itself: every rank denoises (its sharded models return full results on every rank), then the VAE group
 decodes with `decode_on_group`, and only VAE rank 0 ends up with the video and the audio.
 
 Memory profiles: each phase (text encode, denoise, decode; the engine's conditioning encode) runs inside
 `Models.resident_for(phase)`, which under the low-memory profile brings that phase's components onto the compute
 device and sends them home afterwards (h3engine.placement); the phase timings include the copies onto the device
-(both VAEs' in `video_decode_s`).
+(both VAEs' in `audio_decode_s`, which runs first).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from h3engine.conditioning import EncodedConditions
 from h3engine.errors import GenerationCancelled
 from h3engine.geometry import Geometry
+from h3engine.media.mux import write_mp4
+from h3engine.media.progressive import ProgressiveFrames
 from h3engine.parallel.groups import GroupMembership
 from h3engine.parallel.vae import decode_video_and_audio
 from h3engine.placement import PHASE_COMPONENTS, Placement
@@ -199,36 +204,84 @@ def _frames_from_pixels(video_vae: torch.nn.Module, pixels: torch.Tensor) -> tor
 
 
 def decode(
-    models: Models, video_latents: torch.Tensor, audio_latents: torch.Tensor
+    models: Models,
+    video_latents: torch.Tensor,
+    audio_latents: torch.Tensor,
+    mp4_path: Path | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Normalized latents ([1, C, T, h, w] and [2, C, A]) -> video [F, H, W, 3] in [0, 1], audio [2, N]."""
+    """Normalized latents ([1, C, T, h, w] and [2, C, A]) -> video [F, H, W, 3] in [0, 1], audio [2, N], on the host.
+
+    With `mp4_path`, the MP4 is written while the video decodes: the audio decodes first (it is tiny), then a writer
+    thread runs `write_mp4` on a `ProgressiveFrames` that each decoded window extends, so frames are encoded while
+    the later windows decode. A failure on either side leaves no file (the writer's own atomic write) and raises:
+    the decode's own error, or `Mp4WriteError` (caused by the writer's) when only the writer failed.
+    Timings: `audio_decode_s`, `video_decode_s` (including the copies to the host), and with a file `mux_s` (the
+    writer's whole run) and `mux_after_decode_s` (what it took after the last window).
+    """
     timings = {}
-    device = video_latents.device
-    started = time.perf_counter()
+    video_vae = models.video_vae
     with models.resident_for("decode"):
-        pixels = models.video_vae.decode(
-            models.video_vae.denormalize_latents(video_latents), autocast_dtype=models.video_decode_autocast
-        )
-        video = _frames_from_pixels(models.video_vae, pixels)
-        _synchronize(device)
-        timings["video_decode_s"] = time.perf_counter() - started
         started = time.perf_counter()
-        audio = models.audio_vae.decode_stereo(models.audio_vae.denormalize_latents(audio_latents))
-        _synchronize(device)
+        audio = (
+            models.audio_vae.decode_stereo(models.audio_vae.denormalize_latents(audio_latents)).float().cpu()
+        )
         timings["audio_decode_s"] = time.perf_counter() - started
-    return video.cpu(), audio.float().cpu(), timings
+        started = time.perf_counter()
+        latents = video_vae.denormalize_latents(video_latents)
+        video = ProgressiveFrames(*video_vae.decoded_video_shape(latents.shape))
+        writer = None if mp4_path is None else _start_mp4_writer(mp4_path, video, audio)
+        try:
+            for pixels in video_vae.decode_pieces(latents, autocast_dtype=models.video_decode_autocast):
+                video.append(_frames_from_pixels(video_vae, pixels))
+        except BaseException as error:
+            video.fail(error)
+            if writer is not None:
+                concurrent.futures.wait([writer])  # its partial file is removed before the error goes up
+            raise
+        decoded = time.perf_counter()
+        timings["video_decode_s"] = decoded - started
+    if writer is not None:
+        try:
+            timings["mux_s"] = writer.result()
+        except Exception as error:
+            raise Mp4WriteError(f"writing {mp4_path.name} failed: {error}") from error
+        timings["mux_after_decode_s"] = time.perf_counter() - decoded
+    return video.frames, audio, timings
+
+
+class Mp4WriteError(Exception):
+    """The MP4 writer of `decode` failed (its error is the cause); the decoded tensors were fine."""
+
+
+def _start_mp4_writer(path: Path, video: ProgressiveFrames, audio: torch.Tensor) -> concurrent.futures.Future:
+    """`write_mp4(path, video, audio)` on its own thread; the future's result is the seconds it took."""
+
+    def write() -> float:
+        started = time.perf_counter()
+        write_mp4(path, video, audio)
+        return time.perf_counter() - started
+
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mp4-writer")
+    future = executor.submit(write)
+    executor.shutdown(wait=False)
+    return future
 
 
 def decode_on_group(
-    models: Models, video_latents: torch.Tensor, audio_latents: torch.Tensor, vae_group: GroupMembership
+    models: Models,
+    video_latents: torch.Tensor,
+    audio_latents: torch.Tensor,
+    vae_group: GroupMembership,
+    mp4_path: Path | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]] | None:
     """`decode` with the video tiles split over a VAE group (h3engine.parallel.vae); None on all but VAE rank 0.
 
     Every member calls it with the same latents. Rank 0 decodes the audio while the others finish their tiles, so
-    one timing, `decode_s`, covers both. A group of one is plain `decode`.
+    one timing, `decode_s`, covers both. A group of one is plain `decode`, which writes the MP4 at `mp4_path` while
+    it decodes (a larger group ignores `mp4_path`: the caller writes the file afterwards).
     """
     if vae_group.size == 1:
-        return decode(models, video_latents, audio_latents)
+        return decode(models, video_latents, audio_latents, mp4_path)
     started = time.perf_counter()
     with models.resident_for("decode"):
         # Only rank 0 holds the audio VAE; the other ranks never read the audio latents.
@@ -374,9 +427,11 @@ def run_generation(
     device: torch.device,
     on_step: Callable[[StepEvent], None] | None = None,
     should_cancel: Callable[[], bool] | None = None,
+    mp4_path: Path | None = None,
 ) -> GenerationOutput:
-    """One request of any task: the presentation and the encoded conditioning decide which one it is."""
+    """One request of any task: the presentation and the encoded conditioning decide which one it is. With
+    `mp4_path` the MP4 is written there while the video decodes (see `decode`)."""
     latents = denoise_request(
         models, presentation, conditions, geometry, schedule, seed, recipe, device, on_step, should_cancel
     )
-    return latents.output(*decode(models, latents.video_latents, latents.audio_latents))
+    return latents.output(*decode(models, latents.video_latents, latents.audio_latents, mp4_path))

@@ -28,7 +28,7 @@ from ui.handlers import (
     remove_reference,
     request_values,
 )
-from ui.history import find_entry, history_rows, list_history
+from ui.history import find_entry, history_rows, list_history, result_markdown
 from ui.inputs import InputStore, label_references, reference_kind, reference_labels
 
 
@@ -165,3 +165,15 @@ def test_every_bundled_example_loads_with_existing_files() -> None:
             ]:
                 assert os.path.isfile(path), path
     assert load_examples(ASSETS / "missing.json", REPOSITORY_ROOT) == {"t2va": [], "fl2va": [], "ref2va": []}
+
+
+def test_result_table_counts_the_mux_that_ran_alongside_the_decode_once() -> None:
+    overlapped = {"denoise_s": 10.0, "video_decode_s": 2.0, "mux_s": 1.5, "mux_after_decode_s": 0.25}
+    table = result_markdown(1, 64, 48, 24, 24, overlapped)
+    assert "| MP4 mux (alongside the video decode) | 1.50 |" in table
+    assert "| MP4 mux after the video decode | 0.25 |" in table
+    assert table.endswith("| **Total** | **12.25** |")
+    # A mux after the decode (a VAE group larger than one) counts whole.
+    assert result_markdown(1, 64, 48, 24, 24, {"decode_s": 2.0, "mux_s": 1.5}).endswith(
+        "| **Total** | **3.50** |"
+    )

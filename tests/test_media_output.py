@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 
 import av
 import numpy as np
@@ -20,6 +22,7 @@ from h3engine.media.mux import (
     write_mp4,
 )
 from h3engine.media.outputs import atomic_output, output_paths, save_tensors, write_sidecar
+from h3engine.media.progressive import FramesUnavailable, ProgressiveFrames
 
 FRAMES, HEIGHT, WIDTH = 22, 48, 64
 RATE = 32_000
@@ -309,3 +312,73 @@ def test_tensors_round_trip_as_float32(tmp_path) -> None:
     with pytest.raises(ValueError, match="floating"):
         save_tensors(tmp_path / "ints.safetensors", {"index": torch.arange(4)})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.safetensors"]
+
+
+# ---------------------------------------------------------------------------------------------------- progressive
+
+
+def fill_progressively(
+    frames: ProgressiveFrames, video: torch.Tensor, piece: int, fail_after: int | None = None
+):
+    """A producer thread appending `video` `piece` frames at a time (slowly), or failing after `fail_after` frames."""
+
+    def produce() -> None:
+        for start in range(0, video.shape[0], piece):
+            if fail_after is not None and start >= fail_after:
+                frames.fail(RuntimeError("decoder exploded"))
+                return
+            time.sleep(0.01)
+            frames.append(video[start : start + piece])
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    return thread
+
+
+def test_progressive_frames_mux_the_same_frames_as_the_whole_video(tmp_path, monkeypatch) -> None:
+    # x264's threads make the bytes vary from run to run (whole tensors too), so the check is on what the encoder is
+    # given: the same 8-bit frames, all of them, and a complete file.
+    encoded: dict[str, dict[int, np.ndarray]] = {"whole": {}, "progressive": {}}
+    target = "whole"
+    frame_as_uint8 = mux._frame_as_uint8
+
+    def recording(video, index):
+        encoded[target][index] = frame_as_uint8(video, index)
+        return encoded[target][index]
+
+    monkeypatch.setattr(mux, "_frame_as_uint8", recording)
+    video = torch.from_numpy(moving_pattern()).float() / 255
+    audio = stereo_sine(audio_samples_for_frames(FRAMES, 24))
+    write_mp4(tmp_path / "whole.mp4", video, audio)
+    target = "progressive"
+    frames = ProgressiveFrames(FRAMES, HEIGHT, WIDTH)
+    assert frames.shape == video.shape and frames.written == 0
+    producer = fill_progressively(frames, video, piece=5)
+    write_mp4(tmp_path / "progressive.mp4", frames, audio)
+    producer.join()
+    assert frames.written == FRAMES and torch.equal(frames.frames, video)
+    assert sorted(encoded["progressive"]) == list(range(FRAMES))
+    assert all(np.array_equal(encoded["progressive"][i], encoded["whole"][i]) for i in range(FRAMES))
+    assert probe_mp4(tmp_path / "progressive.mp4")["frame_count"] == FRAMES
+
+
+def test_a_failed_producer_leaves_no_file(tmp_path) -> None:
+    video = torch.from_numpy(moving_pattern()).float() / 255
+    frames = ProgressiveFrames(FRAMES, HEIGHT, WIDTH)
+    producer = fill_progressively(frames, video, piece=5, fail_after=10)
+    with pytest.raises(FramesUnavailable, match="decoder exploded"):
+        write_mp4(tmp_path / "clip.mp4", frames, stereo_sine(1000))
+    producer.join()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_progressive_frames_refuse_what_does_not_fit() -> None:
+    frames = ProgressiveFrames(4, 2, 2)
+    with pytest.raises(ValueError, match="cannot append"):
+        frames.append(torch.zeros(5, 2, 2, 3))
+    with pytest.raises(ValueError, match="cannot append"):
+        frames.append(torch.zeros(1, 2, 4, 3))
+    frames.append(torch.ones(4, 2, 2, 3, dtype=torch.float16))
+    assert frames[3].dtype == torch.float32 and frames[3].sum() == 12
+    with pytest.raises(IndexError):
+        frames[4]

@@ -414,6 +414,27 @@ def test_triton_kernel_qk_norm_rope(dtype: torch.dtype, shape: tuple[int, int, i
 
 
 @needs_triton_device
+@pytest.mark.parametrize("rows_per_program", [2, 3, 4])
+def test_triton_kernel_qk_norm_rope_row_blocks_change_only_the_launch(rows_per_program: int) -> None:
+    # 7 rows: the last row block is partial for every block size here.
+    sequence_length, heads, head_dim, rotary_dim = 7, 5, 24, 16
+    kernels_triton = triton_kernels()
+    query = draw((sequence_length, heads, head_dim), torch.float16, 20, scale=2.0)
+    key = draw((sequence_length, heads, head_dim), torch.float16, 21, scale=2.0)
+    weights = [draw((head_dim,), torch.float16, seed, scale=0.5, offset=1.0) for seed in (22, 23)]
+    angles = draw((sequence_length, rotary_dim // 2), torch.float32, 24, scale=3.0).repeat(1, 2)
+    cos, sin = angles.cos().to(torch.float16), angles.sin().to(torch.float16)
+    single = kernels_triton.qk_norm_rope(query, key, *weights, EPS, cos, sin, rows_per_program=1)
+    blocked = kernels_triton.qk_norm_rope(
+        query, key, *weights, EPS, cos, sin, rows_per_program=rows_per_program
+    )
+    assert torch.equal(blocked[0], single[0]) and torch.equal(blocked[1], single[1])
+    assert torch.equal(
+        single[0], apply_rope(reference.qk_norm_rope(query, key, *weights, EPS, None, None)[0], cos, sin)
+    )
+
+
+@needs_triton_device
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("shape", SWIGLU_SHAPES)
 def test_triton_kernel_swiglu(dtype: torch.dtype, shape: tuple[int, int]) -> None:

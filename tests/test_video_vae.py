@@ -167,6 +167,13 @@ def test_decode_matches_diffusers(
             expected = reference.decode(latents).sample
         assert outputs[tiled].shape == expected.shape
         assert relative_error(outputs[tiled], expected) <= MAX_RELATIVE_ERROR
+        # The same frames piece by piece (one per window, and the last window's tail), final as they come.
+        with torch.no_grad():
+            pieces = list(ours.decode_pieces(latents))
+        windows = ours.plan_decode(latents.shape).window_count
+        assert len(pieces) == windows + (ours.config.token_drop > 0) and windows == 1 + (latent_frames > 7)
+        assert torch.equal(torch.cat(pieces, dim=2), outputs[tiled])
+        assert ours.decoded_video_shape(latents.shape) == tuple(outputs[tiled].shape[2:])
     decoded_frames = {3: 9, 7: 22, 8: 26, 12: 39}[latent_frames]
     assert outputs[True].shape == (batch, 3, decoded_frames, 40, 56)
     # Tiling is part of the function (positions are per tile), so the two must differ.

@@ -7,7 +7,8 @@ Contract of `write_mp4`:
   matrix in limited ("TV") range and the stream is tagged BT.709 (matrix, primaries, transfer) so that
   browsers do not have to guess; an untagged stream is read as BT.601 by some players and BT.709 by others.
 * Frames: [F, H, W, 3] RGB, numpy array or torch tensor (any device), either uint8 (used as is) or floating
-  point in [0, 1]. Floats are quantized as `round(x * 255)` with ties to even, in their own precision: the
+  point in [0, 1]; or a `ProgressiveFrames` still being decoded (each frame is encoded as soon as it exists).
+  Floats are quantized as `round(x * 255)` with ties to even, in their own precision: the
   rule of numpy's and torch's `round`, which is what the diffusers reference uses for its 8-bit frames, so our
   8-bit frames equal the reference's.
   Floats outside [0, 1] or non-finite raise ValueError (they mean a wrong pixel convention, not noise).
@@ -48,6 +49,7 @@ import torch
 from av.video.reformatter import ColorPrimaries, ColorRange, Colorspace, ColorTrc, Interpolation
 
 from h3engine.media.outputs import atomic_output
+from h3engine.media.progressive import ProgressiveFrames
 
 H264_ENCODER = "libx264"
 AAC_ENCODER = "aac"
@@ -80,7 +82,7 @@ _YUV_CONVERSION = {
 
 def write_mp4(
     path: str | os.PathLike[str],
-    video: torch.Tensor | np.ndarray,
+    video: torch.Tensor | np.ndarray | ProgressiveFrames,
     audio: torch.Tensor | np.ndarray,
     *,
     fps: int = OUTPUT_FPS,
@@ -117,8 +119,8 @@ def audio_samples_for_frames(frame_count: int, fps: int, sample_rate: int = AUDI
     return (2 * frame_count * sample_rate + fps) // (2 * fps)
 
 
-def _check_video_layout(video: torch.Tensor | np.ndarray) -> None:
-    if not isinstance(video, torch.Tensor | np.ndarray):
+def _check_video_layout(video: torch.Tensor | np.ndarray | ProgressiveFrames) -> None:
+    if not isinstance(video, torch.Tensor | np.ndarray | ProgressiveFrames):
         raise ValueError(f"video must be a torch.Tensor or numpy.ndarray, got {type(video).__name__}")
     if video.ndim != 4 or video.shape[-1] != 3:
         raise ValueError(f"video must have shape [frames, height, width, 3], got {tuple(video.shape)}")
@@ -129,15 +131,15 @@ def _check_video_layout(video: torch.Tensor | np.ndarray) -> None:
         )
     if height % 2 or width % 2:
         raise ValueError(f"yuv420p needs an even width and height, got width {width} and height {height}")
-    if isinstance(video, torch.Tensor):
-        supported = video.dtype == torch.uint8 or video.is_floating_point()
+    if isinstance(video, torch.Tensor | ProgressiveFrames):
+        supported = video.dtype == torch.uint8 or video.dtype.is_floating_point
     else:
         supported = video.dtype == np.uint8 or np.issubdtype(video.dtype, np.floating)
     if not supported:
         raise ValueError(f"video must be uint8 or floating point in [0, 1], got dtype {video.dtype}")
 
 
-def _frame_as_uint8(video: torch.Tensor | np.ndarray, index: int) -> np.ndarray:
+def _frame_as_uint8(video: torch.Tensor | np.ndarray | ProgressiveFrames, index: int) -> np.ndarray:
     """Frame `index` as a C-contiguous uint8 [H, W, 3] array (validated and quantized if floating)."""
     frame = video[index]
     if isinstance(frame, torch.Tensor):
@@ -202,7 +204,7 @@ def _fit_waveform_length(waveform: np.ndarray, sample_count: int) -> np.ndarray:
 
 def _encode_mp4(
     target: Path,
-    video: torch.Tensor | np.ndarray,
+    video: torch.Tensor | np.ndarray | ProgressiveFrames,
     waveform: np.ndarray,
     *,
     fps: int,

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -1131,7 +1131,15 @@ class VideoVAE(nn.Module):
         )
 
     def assemble_decode(self, plan: DecodePlan, windows: Iterable[Sequence[torch.Tensor]]) -> torch.Tensor:
-        """Decoded tiles, one sequence per window in plan order -> pixels [B, 3, F, H, W].
+        """Decoded tiles, one sequence per window in plan order -> pixels [B, 3, F, H, W]: `assembled_pieces`
+        joined along the frame axis."""
+        return torch.cat(list(self.assembled_pieces(plan, windows)), dim=2)
+
+    def assembled_pieces(
+        self, plan: DecodePlan, windows: Iterable[Sequence[torch.Tensor]]
+    ) -> Iterator[torch.Tensor]:
+        """Decoded tiles, one sequence per window in plan order -> the output's frames [B, 3, n, H, W] in order,
+        each piece final as soon as its window is decoded (`decoded_frame_count(plan)` frames in all).
 
         Each window's tiles are stitched; each window's first clip (minus `frame_pre_padding` leading frames) is
         emitted, cross-faded with the previous window's tail, and its tail is carried to the next window; the
@@ -1141,8 +1149,15 @@ class VideoVAE(nn.Module):
         clip_frames = config.latents_per_clip * config.temporal_compression_ratio
         carries_tail = config.token_drop > 0
         rows, columns = plan.grid
-        pieces: list[torch.Tensor] = []
+        remaining = self.decoded_frame_count(plan)
         carried_tail = None
+
+        def kept(piece: torch.Tensor) -> torch.Tensor:
+            nonlocal remaining
+            piece = piece[:, :, :remaining]
+            remaining -= piece.shape[2]
+            return piece
+
         for tiles in windows:
             window = stitch_tiles(
                 [list(tiles[row * columns : (row + 1) * columns]) for row in range(rows)],
@@ -1152,14 +1167,23 @@ class VideoVAE(nn.Module):
             head = window[:, :, config.frame_pre_padding : clip_frames]
             if carried_tail is not None:
                 head = cross_fade(carried_tail, head, config.window_crossfade_frames, dim=2)
-            pieces.append(head)
+            yield kept(head)
             if carries_tail:
                 carried_tail = window[:, :, clip_frames + config.frame_pre_padding : 2 * clip_frames]
         if carried_tail is not None:
-            pieces.append(carried_tail)
-        frames = torch.cat(pieces, dim=2)
-        surplus = self._padding_frames(plan.original_count, plan.pad_latents)
-        return frames[:, :, : frames.shape[2] - surplus] if surplus else frames
+            yield kept(carried_tail)
+
+    def decoded_frame_count(self, plan: DecodePlan) -> int:
+        """Frames `assemble_decode` returns for `plan`, from the plan alone (the same slicing, on lengths)."""
+        config = self.config
+        clip_frames = config.latents_per_clip * config.temporal_compression_ratio
+        total = tail = 0
+        for window in range(plan.window_count):
+            window_frames = self.decoded_tile_shape(1, plan.window_tiles(window)[0])[2]
+            total += max(0, min(clip_frames, window_frames) - config.frame_pre_padding)
+            if config.token_drop > 0:
+                tail = max(0, min(2 * clip_frames, window_frames) - clip_frames - config.frame_pre_padding)
+        return total + tail - self._padding_frames(plan.original_count, plan.pad_latents)
 
     def decode(self, latents: torch.Tensor, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Un-normalized latents [B, C, T, h, w] -> ImageNet-normalized pixels [B, 3, F, H, W] (fp32).
@@ -1170,16 +1194,31 @@ class VideoVAE(nn.Module):
         The same three steps as the parallel decode (`h3engine.parallel.vae`), with every tile decoded here:
         `plan_decode`, one `decode_tile` per planned tile, `assemble_decode`.
         """
+        return torch.cat(list(self.decode_pieces(latents, autocast_dtype)), dim=2)
+
+    def decode_pieces(
+        self, latents: torch.Tensor, autocast_dtype: torch.dtype | None = None
+    ) -> Iterator[torch.Tensor]:
+        """`decode`'s output in frame order, one piece per decoded window (`assembled_pieces`): a consumer can use
+        the first frames while the later windows decode; `decoded_video_shape(latents.shape)` says how many."""
         plan = self.plan_decode(latents.shape)
         latents = self.prepare_decode_latents(latents, plan)
-        with decode_autocast(latents.device, autocast_dtype):
-            return self.assemble_decode(
-                plan,
-                (
-                    [self.decode_tile(latents, tile) for tile in plan.window_tiles(window)]
-                    for window in range(plan.window_count)
-                ),
-            )
+
+        def decoded_window(window: int) -> list[torch.Tensor]:
+            # Autocast covers the decoder calls only, never the consumer's code between two pieces (stitching and
+            # cross-fading are elementwise: autocast leaves them alone either way).
+            with decode_autocast(latents.device, autocast_dtype):
+                return [self.decode_tile(latents, tile) for tile in plan.window_tiles(window)]
+
+        yield from self.assembled_pieces(
+            plan, (decoded_window(window) for window in range(plan.window_count))
+        )
+
+    def decoded_video_shape(self, latent_shape: Sequence[int]) -> tuple[int, int, int]:
+        """(frames, height, width) of what `decode` returns for latents of `latent_shape` [B, C, T, h, w]."""
+        ratio = self.config.spatial_compression_ratio
+        frames = self.decoded_frame_count(self.plan_decode(latent_shape))
+        return frames, latent_shape[-2] * ratio, latent_shape[-1] * ratio
 
     def _padding_frames(self, original_count: int, pad_latents: int) -> int:
         """Pixel frames produced by the repeated padding latents: a clip's last latent covers only

@@ -56,6 +56,7 @@ from h3engine.checkpoint.layout import CheckpointLayout, detect_layout
 from h3engine.checkpoint.loader import ComponentSource
 from h3engine.engine import Engine, PreparedRequest, input_records, resolve_dtype
 from h3engine.errors import GenerationCancelled, H3Error
+from h3engine.media.outputs import output_paths
 from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.parallel.collectives import all_reduce_sum
 from h3engine.parallel.dit import load_dit_shard
@@ -74,7 +75,7 @@ from h3engine.parallel.groups import (
 )
 from h3engine.parallel.text_encoder import load_text_encoder_shard, open_text_encoder_files
 from h3engine.parallel.vae import AUDIO_DECODE_RANK
-from h3engine.pipeline import decode_on_group, denoise_request
+from h3engine.pipeline import Mp4WriteError, decode_on_group, denoise_request
 from h3engine.request import GenerationRequest
 from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.front import (
@@ -346,11 +347,22 @@ def serve_job(
                 should_cancel=_cancel_vote(groups, cancel_job, job.job_number),
             )
             decoded = None
+            # A VAE group of one writes the MP4 while it decodes; a larger one leaves it to write_outputs.
+            mp4_written = groups.vae is not None and groups.vae.size == 1
             if groups.vae is not None:
-                decoded = decode_on_group(models, latents.video_latents, latents.audio_latents, groups.vae)
+                decoded = decode_on_group(
+                    models,
+                    latents.video_latents,
+                    latents.audio_latents,
+                    groups.vae,
+                    output_paths(Path(job.out_path))[0] if mp4_written else None,
+                )
     except GenerationCancelled:
         if groups.rank == 0:
             outbox.post(JobFailed(job.job_id, "cancelled", CANCELLED_MESSAGE))
+        return
+    except Mp4WriteError as error:  # the file of a VAE group of one: this rank's failure alone
+        _report_output_failure(job, error.__cause__ or error, outbox)
         return
     if decoded is None:
         return  # not rank 0: its part is done
@@ -360,13 +372,19 @@ def serve_job(
         output.timings["conditioning_s"] = prepared.conditioning_s
         save_tensors_path = Path(job.save_tensors_path) if job.save_tensors_path else None
         written = engine.write_outputs(
-            request, inputs, output, prepared.geometry, Path(job.out_path), save_tensors_path
+            request, inputs, output, prepared.geometry, Path(job.out_path), save_tensors_path, mp4_written
         )
         outbox.post(job_finished(job.job_id, written))
-    except H3Error as error:
+    except Exception as error:
+        _report_output_failure(job, error, outbox)
+
+
+def _report_output_failure(job: RunJob, error: BaseException, outbox: Outbox) -> None:
+    """A failure writing a job's files (rank 0's alone: the group stays up): a request error names its cause."""
+    if isinstance(error, H3Error):
         outbox.post(JobFailed(job.job_id, "request", str(error)))
-    except Exception:
-        logger.exception("job %s: writing the outputs failed", job.job_id)
+    else:
+        logger.error("job %s: writing the outputs failed", job.job_id, exc_info=error)
         outbox.post(JobFailed(job.job_id, "engine", ENGINE_FAILURE_MESSAGE))
 
 
