@@ -25,6 +25,7 @@ SHAPES = {
     "qkv_fused": (ROWS, HIDDEN, 3 * INNER, 1),
     "out_proj": (ROWS, INNER, HIDDEN, 1),
     "fc1": (ROWS, HIDDEN, 2 * FFN, 1),
+    "fc1_half": (ROWS, HIDDEN, FFN, 0),  # gate or value alone: would fc1 as two GEMMs be faster?
     "fc2": (ROWS, FFN, HIDDEN, 1),
     "square_8192": (8192, 8192, 8192, 0),
 }
@@ -40,10 +41,23 @@ def main() -> None:
         "cublas,cublaslt; results are keyed by back end after the first",
     )
     args = parser.parse_args()
+    args.output_dir.mkdir(parents=True, exist_ok=True)
     backends = [name.strip() for name in args.blas.split(",") if name.strip()]
     results = {}
     for index, backend in enumerate(backends):
-        torch.backends.cuda.preferred_blas_library(backend)
+        if backend == "tunableop":
+            # PyTorch's TunableOp: every GEMM shape is timed over the BLAS libraries' algorithms on first use and
+            # the fastest kept (results in the output folder, loadable by a later process).
+            torch.backends.cuda.preferred_blas_library("cublas")
+            torch.cuda.tunable.enable(True)
+            torch.cuda.tunable.tuning_enable(True)
+            torch.cuda.tunable.set_filename(str(args.output_dir / "tunableop_results.csv"))
+            torch.cuda.tunable.set_max_tuning_duration(200)  # ms per candidate algorithm
+            if hasattr(torch.cuda.tunable, "set_cublaslt_requested_algo_count"):
+                torch.cuda.tunable.set_cublaslt_requested_algo_count(32)
+        else:
+            torch.cuda.tunable.enable(False)
+            torch.backends.cuda.preferred_blas_library(backend)
         print(f"BLAS back end: {backend}")
         timed = time_shapes()
         if index == 0:

@@ -228,6 +228,11 @@ def main() -> None:
     parser.add_argument("--rep-ms", type=int, default=500, help="do_bench measuring time per op and variant")
     parser.add_argument("--cpu-runs", type=int, default=3, help="timed runs per op on CPU (smoke test only)")
     parser.add_argument("--output-dir", type=Path, default=REPOSITORY_ROOT / "benchmarks" / "results")
+    parser.add_argument(
+        "--qk-norm-rope-launches",
+        action="store_true",
+        help="also time the qk_norm_rope kernel over rows per program x warps (launch tuning)",
+    )
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -236,6 +241,9 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     config = DiTConfig.tiny() if args.tiny else DiTConfig.released()
     sequence_length = 64 if args.tiny else RELEASED_SEQUENCE_LENGTH
+    if config.num_heads % args.sequence_parallel:
+        # The relayouts split the heads over the group (the tiny config's 2 heads: a group of 2).
+        args.sequence_parallel = config.num_heads
     copy_gbps = copy_bandwidth_gbps(device, args.warmup_ms, args.rep_ms)
     if copy_gbps is not None:
         print(f"device-to-device copy: {copy_gbps:.0f} GB/s")
@@ -248,6 +256,38 @@ def main() -> None:
             print(
                 f"{entry['op']}: triton {entry['triton_ms']:.3f} ms, reference {entry['reference_ms']:.3f} ms"
             )
+
+    launches = []
+    if args.qk_norm_rope_launches:
+        with torch.no_grad():
+            case = next(
+                build
+                for build in build_cases(config, sequence_length, args.sequence_parallel, dtype, device)
+                if build.__name__ == "qk_norm_rope"
+            )()
+            single = triton_kernels.qk_norm_rope(*case.arguments)
+            for rows_per_program in (1, 2, 4, 8):
+                for num_warps in (2, 4, 8):
+
+                    def run(rows_per_program=rows_per_program, num_warps=num_warps):
+                        return triton_kernels.qk_norm_rope(
+                            *case.arguments, rows_per_program=rows_per_program, num_warps=num_warps
+                        )
+
+                    same = all(torch.equal(a, b) for a, b in zip(run(), single, strict=True))
+                    ms = median_ms(run, device, args.warmup_ms, args.rep_ms, args.cpu_runs)
+                    launches.append(
+                        {
+                            "rows_per_program": rows_per_program,
+                            "num_warps": num_warps,
+                            "ms": ms,
+                            "gbps": case.bytes_moved / ms / 1e6,
+                            "bit_identical": same,
+                        }
+                    )
+                    print(
+                        f"qk_norm_rope rows/program {rows_per_program} warps {num_warps}: {ms:.3f} ms, same {same}"
+                    )
 
     report = {
         "benchmark": "kernels",
@@ -266,6 +306,7 @@ def main() -> None:
         "bytes_definition": "each input read once and each output written once (AdaLN tables, weights left out)",
         "copy_gbps": copy_gbps,
         "results": results,
+        "qk_norm_rope_launches": launches or None,
     }
     args.output_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")

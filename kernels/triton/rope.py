@@ -2,8 +2,8 @@
 
 Contract
 --------
-Same arguments and results as the reference. One program per (row, block of heads) handles that block for both
-query and key, so each row's cos/sin are read once. Inputs may be strided views (e.g. [S, heads*D] GEMM outputs
+Same arguments and results as the reference. One program per (block of rows, block of heads) handles that block
+for both query and key, so each row's cos/sin are read once. Inputs may be strided views (e.g. [S, heads*D] GEMM outputs
 viewed as [S, heads, D], or slices of a fused QKV output): any row and head strides, unit channel stride. Outputs
 are new contiguous [S, heads, D] tensors.
 
@@ -25,6 +25,8 @@ from kernels.triton.common import LAUNCH_OPTIONS, SUPPORTED_DTYPES, div_rn, num_
 MAX_HEAD_DIM = 1024
 # Heads per program: the candidates, largest first; `_heads_per_program` picks the one that pads least.
 HEAD_BLOCK_CANDIDATES = (8, 4, 2, 1)
+# Rows per program (each a [heads-block, D] tile of the query and of the key).
+ROWS_PER_PROGRAM = 1
 
 
 @triton.jit
@@ -35,6 +37,7 @@ def _norm_rope_heads(
     out_ptr,
     weight_ptr,
     row,
+    row_valid,
     heads,
     channels,
     partners,
@@ -48,7 +51,7 @@ def _norm_rope_heads(
 ):
     """Normalize and rotate one [heads-block, D] tile of one row; masked lanes are neither read nor written."""
     dtype = out_ptr.dtype.element_ty
-    in_tile = (heads < HEADS)[:, None] & (channels < HEAD_DIM)[None, :]
+    in_tile = (heads < HEADS)[:, None] & (channels < HEAD_DIM)[None, :] & row_valid
     head_base = in_ptr + row * row_stride + heads[:, None].to(tl.int64) * head_stride
     hidden = tl.load(head_base + channels[None, :], mask=in_tile, other=0.0).to(tl.float32)
     weight = tl.load(weight_ptr + channels, mask=channels < HEAD_DIM, other=0.0).to(tl.float32)
@@ -85,14 +88,15 @@ def _qk_norm_rope_kernel(
     sin_stride,
     query_out_ptr,
     key_out_ptr,
+    sequence_length,
     eps,
     HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ROTARY: tl.constexpr,
     HEAD_BLOCK: tl.constexpr,
     DIM_BLOCK: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)
     channels = tl.arange(0, DIM_BLOCK)
     half = ROTARY // 2
@@ -100,45 +104,52 @@ def _qk_norm_rope_kernel(
     partners = tl.where(first_half, channels + half, tl.where(channels < ROTARY, channels - half, channels))
     signs = tl.where(first_half, -1.0, 1.0)
     rotary_channel = channels < ROTARY
-    # Channels >= ROTARY keep their normed value: their cos/sin lanes are never read.
-    cos = tl.load(cos_ptr + row * cos_stride + channels, mask=rotary_channel, other=1.0).to(tl.float32)
-    sin = tl.load(sin_ptr + row * sin_stride + channels, mask=rotary_channel, other=0.0).to(tl.float32)
-    _norm_rope_heads(
-        query_ptr,
-        query_row_stride,
-        query_head_stride,
-        query_out_ptr,
-        query_weight_ptr,
-        row,
-        heads,
-        channels,
-        partners,
-        signs,
-        cos,
-        sin,
-        eps,
-        HEADS,
-        HEAD_DIM,
-        ROTARY,
-    )
-    _norm_rope_heads(
-        key_ptr,
-        key_row_stride,
-        key_head_stride,
-        key_out_ptr,
-        key_weight_ptr,
-        row,
-        heads,
-        channels,
-        partners,
-        signs,
-        cos,
-        sin,
-        eps,
-        HEADS,
-        HEAD_DIM,
-        ROTARY,
-    )
+    # ROW_BLOCK rows per program (unrolled, so their loads are in flight together).
+    for offset in tl.static_range(ROW_BLOCK):
+        row = tl.program_id(0).to(tl.int64) * ROW_BLOCK + offset
+        row_valid = row < sequence_length
+        # Channels >= ROTARY keep their normed value: their cos/sin lanes are never read.
+        table_lanes = rotary_channel & row_valid
+        cos = tl.load(cos_ptr + row * cos_stride + channels, mask=table_lanes, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + row * sin_stride + channels, mask=table_lanes, other=0.0).to(tl.float32)
+        _norm_rope_heads(
+            query_ptr,
+            query_row_stride,
+            query_head_stride,
+            query_out_ptr,
+            query_weight_ptr,
+            row,
+            row_valid,
+            heads,
+            channels,
+            partners,
+            signs,
+            cos,
+            sin,
+            eps,
+            HEADS,
+            HEAD_DIM,
+            ROTARY,
+        )
+        _norm_rope_heads(
+            key_ptr,
+            key_row_stride,
+            key_head_stride,
+            key_out_ptr,
+            key_weight_ptr,
+            row,
+            row_valid,
+            heads,
+            channels,
+            partners,
+            signs,
+            cos,
+            sin,
+            eps,
+            HEADS,
+            HEAD_DIM,
+            ROTARY,
+        )
 
 
 def _heads_per_program(heads: int) -> int:
@@ -192,8 +203,12 @@ def qk_norm_rope(
     eps: float,
     cos: Tensor | None,
     sin: Tensor | None,
+    rows_per_program: int = ROWS_PER_PROGRAM,
+    num_warps: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(RoPE(RMSNorm(query)), RoPE(RMSNorm(key))) as new contiguous [S, heads, D] tensors."""
+    """(RoPE(RMSNorm(query)), RoPE(RMSNorm(key))) as new contiguous [S, heads, D] tensors.
+
+    `rows_per_program` and `num_warps` (default: from the tile size) only change the launch (for tuning)."""
     sequence_length, heads, head_dim = query.shape
     query_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     key_out = torch.empty_like(query_out)
@@ -204,7 +219,7 @@ def qk_norm_rope(
     cos_table, sin_table = (query, query) if cos is None else (cos, sin)
     head_block = _heads_per_program(heads)
     dim_block = triton.next_power_of_2(head_dim)
-    _qk_norm_rope_kernel[(sequence_length, triton.cdiv(heads, head_block))](
+    _qk_norm_rope_kernel[(triton.cdiv(sequence_length, rows_per_program), triton.cdiv(heads, head_block))](
         query,
         query.stride(0),
         query.stride(1),
@@ -219,13 +234,15 @@ def qk_norm_rope(
         sin_table.stride(0),
         query_out,
         key_out,
+        sequence_length,
         eps,
         HEADS=heads,
         HEAD_DIM=head_dim,
         ROTARY=rotary_dim,
         HEAD_BLOCK=head_block,
         DIM_BLOCK=dim_block,
-        num_warps=num_warps_for(head_block * dim_block),
+        ROW_BLOCK=rows_per_program,
+        num_warps=num_warps or num_warps_for(head_block * dim_block),
         **LAUNCH_OPTIONS,
     )
     return query_out, key_out
