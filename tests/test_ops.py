@@ -39,6 +39,7 @@ from h3engine.models.dit import (
     RMSNorm,
     SwiGLU,
     attention,
+    run_blocks,
 )
 from h3engine.parallel import collectives
 from h3engine.parallel.groups import GroupMembership
@@ -201,6 +202,36 @@ def test_dit_block_attention_and_final_layer_equal_the_unfused_expressions(dtype
         video_velocity, audio_velocity = final(hidden, (scale_plus_one, shift), layout)
         assert torch.equal(video_velocity, final.video_out(modulated[layout.video_index].to(torch.float32)))
         assert torch.equal(audio_velocity, final.audio_out(modulated[layout.audio_index].to(torch.float32)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_run_blocks_fuses_across_blocks_and_equals_block_after_block(dtype: torch.dtype) -> None:
+    config = DiTConfig.tiny()
+    blocks = [randomized(DiTBlock(config, dtype, "cpu"), seed=10 + index) for index in range(3)]
+    layout = tiny_layout(config, sequence_length=23, num_timesteps=2, dtype=dtype)
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(23, config.hidden_size, generator=generator).to(dtype)
+    temb = torch.randn(2, config.time_embed_dim, generator=generator)
+    fused_calls = []
+    with torch.no_grad():
+        tables = [block.modulation(temb) for block in blocks]
+        expected = hidden
+        for block, block_tables in zip(blocks, tables, strict=True):
+            expected = block(expected, block_tables, layout)
+        original = ops.gated_residual_rms_norm
+
+        def counting(*arguments):
+            fused_calls.append(len(arguments))
+            return original(*arguments)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ops, "gated_residual_rms_norm", counting)
+            result = run_blocks(blocks, tables, hidden, layout)
+    # One fused residual + norm inside each block and one across each of the two junctions; on the CPU the ops are
+    # the plain-torch twins, whose fused form is the unfused chain itself.
+    assert len(fused_calls) == 3 + 2
+    assert torch.equal(result, expected)
+    assert run_blocks([], [], hidden, layout) is hidden
 
 
 class _LoopbackExchange:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -587,12 +587,36 @@ class DiTBlock(nn.Module):
             gate_ffn=gate_ffn.contiguous(),
         )
 
+    def attention_input(self, hidden: Tensor, modulation: BlockModulation, layout: PackedLayout) -> Tensor:
+        """The first modulated norm: norm1(hidden) * (1 + scale_attn) + shift_attn, per packed row."""
+        return ops.modulated_rms_norm(
+            hidden,
+            self.norm1.weight,
+            self.norm1.eps,
+            modulation.scale_plus_one_attn,
+            modulation.shift_attn,
+            layout.adaln_index,
+        )
+
     def forward(self, hidden: Tensor, modulation: BlockModulation, layout: PackedLayout) -> Tensor:
+        hidden, _ = self.forward_from(
+            hidden, self.attention_input(hidden, modulation, layout), modulation, layout
+        )
+        return hidden
+
+    def forward_from(
+        self,
+        hidden: Tensor,
+        modulated: Tensor,
+        modulation: BlockModulation,
+        layout: PackedLayout,
+        following: tuple[DiTBlock, BlockModulation] | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The block from its attention input `modulated` (`attention_input(hidden, ...)`) on: (new hidden, the
+        `following` block's attention input of it, or None without a following block). The last gated residual and
+        the next block's first norm then run as one op, one pass over the sequence instead of two."""
         # Each op gathers its table rows per packed row: table[adaln_index] (see `h3engine.ops` for the rounding).
         rows, tables = layout.adaln_index, modulation
-        modulated = ops.modulated_rms_norm(
-            hidden, self.norm1.weight, self.norm1.eps, tables.scale_plus_one_attn, tables.shift_attn, rows
-        )
         attended = self.attn(modulated, layout.rope_cos_sin, layout.attend)
         # hidden + gate_attn * attended, and the FFN's modulated norm of that sum, in one pass.
         hidden, modulated = ops.gated_residual_rms_norm(
@@ -605,7 +629,35 @@ class DiTBlock(nn.Module):
             tables.scale_plus_one_ffn,
             tables.shift_ffn,
         )
-        return ops.gated_residual(hidden, tables.gate_ffn, rows, self.mlp(modulated))
+        update = self.mlp(modulated)
+        if following is None:
+            return ops.gated_residual(hidden, tables.gate_ffn, rows, update), None
+        block, next_tables = following
+        return ops.gated_residual_rms_norm(
+            hidden,
+            tables.gate_ffn,
+            rows,
+            update,
+            block.norm1.weight,
+            block.norm1.eps,
+            next_tables.scale_plus_one_attn,
+            next_tables.shift_attn,
+        )
+
+
+def run_blocks(
+    blocks: Sequence[DiTBlock], modulations: Sequence[BlockModulation], hidden: Tensor, layout: PackedLayout
+) -> Tensor:
+    """The DiT blocks in order on the packed rows. Each block's last gated residual is fused with the next block's
+    first modulated norm (`DiTBlock.forward_from`): the same ops as block after block, one pass fewer each."""
+    chain = list(zip(blocks, modulations, strict=True))
+    if not chain:
+        return hidden
+    modulated = chain[0][0].attention_input(hidden, chain[0][1], layout)
+    for index, (block, modulation) in enumerate(chain):
+        following = chain[index + 1] if index + 1 < len(chain) else None
+        hidden, modulated = block.forward_from(hidden, modulated, modulation, layout, following)
+    return hidden
 
 
 class FinalLayer(nn.Module):
@@ -831,8 +883,7 @@ class H3DiT(nn.Module):
 
         if modulation is None:
             modulation = self.modulation(timesteps)
-        for block, block_modulation in zip(self.blocks, modulation.blocks, strict=True):
-            hidden = block(hidden, block_modulation, layout)
+        hidden = run_blocks(self.blocks, modulation.blocks, hidden, layout)
         return self.final_layer(hidden, modulation.final, layout)
 
     # AdaLN modulation ----------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from h3engine.models.dit import (
     StepModulation,
     SwiGLU,
     attention,
+    run_blocks,
 )
 from h3engine.parallel.collectives import all_gather_rows, heads_to_sequence, sequence_to_heads
 from h3engine.parallel.groups import DiTGroups, GroupMembership
@@ -205,8 +206,7 @@ class SequenceParallelDiT(H3DiT):
 
         if modulation is None:
             modulation = self.modulation(timesteps)
-        for block, block_modulation in zip(self.blocks, modulation.blocks, strict=True):
-            hidden = block(hidden, block_modulation, layout.local)
+        hidden = run_blocks(self.blocks, modulation.blocks, hidden, layout.local)
         video_velocity, audio_velocity = self.final_layer(hidden, modulation.final, layout.local)
 
         velocities = all_gather_rows(torch.cat((video_velocity, audio_velocity), dim=1), self.sequence_group)
