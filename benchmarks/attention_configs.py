@@ -32,7 +32,9 @@ CONFIGS = [
     (128, 192, True, True, 384),
     (128, 176, True, False, 384),
     (192, 128, True, False, 512),
+    (192, 128, False, False, 512),
     (192, 112, True, False, 512),
+    (192, 96, True, False, 512),
 ]
 REFERENCE_QUERY_ROWS = 2048
 

@@ -108,3 +108,10 @@ def test_gpu_fa4_tuned_tiles_match_the_reference_without_host_syncs(rows, monkey
     error = (output[sample].double() - expected).norm() / expected.norm()
     reference_error = (reference.double() - expected).norm() / expected.norm()
     assert error <= 2 * reference_error, (error, reference_error)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_candidates_leave_out_head_sizes_the_fast_kernels_do_not_take() -> None:
+    device = torch.device("cuda")
+    assert attention_ops.candidate_backends(device, torch.bfloat16, 12) == ["sdpa"]
+    assert attention_ops.candidate_backends(device, torch.bfloat16, 128)[-2:] == ["cudnn", "sdpa"]

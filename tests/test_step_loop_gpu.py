@@ -30,11 +30,11 @@ def test_steps_after_the_first_do_not_synchronize(tmp_path) -> None:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert checked_steps == [2, 3, 4, 5, 6]
-    # On a GPU the fused Triton ops and a fast attention backend run.
+    # On a GPU the fused Triton ops run; the tiny DiT's 12-channel heads fit neither FA4 nor cuDNN (multiples of 8),
+    # so its attention is SDPA, chosen up front rather than after a failing call (the released heads of 128 take
+    # FA4: tests/test_ops_attention.py).
     report = engine.kernel_report()
-    assert report["fused_ops"] == "triton" and report["attention"] in ("fa4", "cudnn"), report
-    if report["attention"] == "fa4" and torch.cuda.get_device_capability()[0] == 9:
-        assert report["attention_tiles"] == "192x128", report
+    assert report == {"attention": "sdpa", "fused_ops": "triton"}, report
     # The mode really raises on a synchronizing call (so the test can fail).
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -25,8 +25,12 @@ from kernels.triton.common import LAUNCH_OPTIONS, SUPPORTED_DTYPES, div_rn, num_
 MAX_HEAD_DIM = 1024
 # Heads per program: the candidates, largest first; `_heads_per_program` picks the one that pads least.
 HEAD_BLOCK_CANDIDATES = (8, 4, 2, 1)
-# Rows per program (each a [heads-block, D] tile of the query and of the key).
+# Rows per program (each a [heads-block, D] tile of the query and of the key), and half the warps the shared rule
+# gives a tile of this size: at the released shape (38,222 x 56 x 128, 8 heads per program) 2 warps take 0.73 ms
+# against 0.89 with 4, bit-identical; more rows per program are slower (benchmarks/ops_kernels.py
+# --qk-norm-rope-launches).
 ROWS_PER_PROGRAM = 1
+WARP_DIVISOR = 2
 
 
 @triton.jit
@@ -242,7 +246,7 @@ def qk_norm_rope(
         HEAD_BLOCK=head_block,
         DIM_BLOCK=dim_block,
         ROW_BLOCK=rows_per_program,
-        num_warps=num_warps or num_warps_for(head_block * dim_block),
+        num_warps=num_warps or max(1, num_warps_for(head_block * dim_block) // WARP_DIVISOR),
         **LAUNCH_OPTIONS,
     )
     return query_out, key_out
