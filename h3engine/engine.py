@@ -10,9 +10,9 @@ Contract:
   always complete.
 * `generate` is `prepare` (validate, read the inputs, encode the conditioning: a `PreparedRequest`) and then the
   pipeline; `generate_to_file` is `generate` writing the MP4 while the video decodes (`pipeline.decode`) and then
-  `write_outputs` for the rest. A worker group (h3engine.runtime.rank) calls
-  these halves itself: its rank 0 prepares and writes, every rank generates. The `_load_*` methods are the one
-  place that builds each model, so a rank's engine swaps in its shards there.
+  `write_outputs` for the rest. A worker group (h3engine.runtime.rank) calls these halves itself: its rank 0
+  prepares and writes, every rank generates. The `_load_*` methods are the one place that builds each model, so a
+  rank's engine swaps in its shards there.
 * `memory_profile` (h3engine.placement): "resident" (default) keeps every component on the compute device;
   "low-memory" keeps them in host memory and moves each onto the device only for the phase that runs it
   (conditioning encode, text encode, denoise, decode). Either way, on a GPU the DiT's AdaLN projections (~26 GB at
@@ -300,8 +300,9 @@ class Engine:
 
     def kernel_report(self) -> dict[str, str]:
         """Which attention backend and which implementation of the fused DiT ops this engine runs (h3engine.ops):
-        e.g. {"attention": "fa4", "fused_ops": "triton", "attention_tiles": "192x128"} on a Hopper GPU, {"attention": "sdpa", "fused_ops":
-        "reference"} on the CPU. The DiT's head size decides the attention choice; 128 is the released one."""
+        e.g. {"attention": "fa4", "fused_ops": "triton", "attention_tiles": "192x128"} on a Hopper GPU,
+        {"attention": "sdpa", "fused_ops": "reference"} on the CPU. The DiT's head size decides the attention
+        choice; 128 is the released one."""
         head_dim = next(iter(self._sources.values())).dit.config.head_dim
         probe = torch.empty(1, 1, head_dim, device=self.device, dtype=self.dtype)
         report = {

@@ -3,9 +3,9 @@
 Contract: `run_generation` takes already-loaded models, a request's presentation (the text encoder's input, see
 `presentation`) and its encoded conditioning (`conditioning.EncodedConditions`, empty for T2VA) and returns float
 tensors (it writes the MP4 only when given its path). The loop follows the released recipe: one guidance-free DiT
-forward per step on the whole packed sequence; only the generated rows are ever written, so conditioning rows (visual ones noised once to
-t = 0.999 with the request's condition noise, reference audio clean) are re-fed unchanged; the scheduler state (latent
-rows, sigmas, the Euler update) stays fp32 whatever the DiT's compute dtype.
+forward per step on the whole packed sequence; only the generated rows are ever written, so conditioning rows
+(visual ones noised once to t = 0.999 with the request's condition noise, reference audio clean) are re-fed
+unchanged; the scheduler state (latent rows, sigmas, the Euler update) stays fp32 whatever the DiT's compute dtype.
 
 Progress and cancellation: `on_step` is called after every step with a small `StepEvent`; `should_cancel` is polled
 before every step and a `True` raises `GenerationCancelled` (nothing is decoded).
