@@ -21,6 +21,7 @@ A CUDA variant (skipped without a GPU) runs the same parity check on real GPUs.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -37,6 +38,7 @@ from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.cli import main
 from h3engine.engine import Engine
 from h3engine.errors import RequestError
+from h3engine.media.mux import probe_mp4
 from h3engine.parallel.groups import PROFILES, RuntimeLayout
 from h3engine.request import GenerationRequest, Keyframe, Reference
 from h3engine.runtime.front import EngineFront, JobHandle
@@ -60,7 +62,13 @@ EVENT_TIMEOUT_S = 120
 DEATH_REPORT_LIMIT_S = 5.0
 PREVIEW_EVERY = 2
 STEPS = 3
-LAYOUTS = {"sp2": RuntimeLayout.choose(2, dit_sp=2), "tp2": RuntimeLayout.choose(2, dit_tp=2)}
+LAYOUTS = {
+    "sp2": RuntimeLayout.choose(2, dit_sp=2),
+    "tp2": RuntimeLayout.choose(2, dit_tp=2),
+    # The VAE on rank 0 alone: it writes the MP4 while it decodes (pipeline.decode with a path).
+    "sp2_vae1": RuntimeLayout.choose(2, dit_sp=2, vae_ranks=1),
+}
+COMPARED_LAYOUTS = ["sp2", "tp2"]
 REQUESTS = {
     "t2va": GenerationRequest(
         task="t2va", prompt="a red kite over the hills", steps=STEPS, seed=SEED, duration_seconds=4.0
@@ -292,7 +300,7 @@ def test_cli_refuses_a_bad_layout_with_exit_code_2(checkpoint, tmp_path, capsys)
 # --------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout_name", list(LAYOUTS))
+@pytest.mark.parametrize("layout_name", COMPARED_LAYOUTS)
 @pytest.mark.parametrize("task", list(REQUESTS))
 def test_generations_equal_the_single_process_engine(
     groups, single_process_tensors, layout_name, task, tmp_path
@@ -312,6 +320,15 @@ def test_generations_equal_the_single_process_engine(
     assert [event.step for event in events if isinstance(event, PreviewFrame)] == [2, 3]
     finished = events[-1]
     assert Path(finished.video_path) == tmp_path / f"{task}.mp4" and Path(finished.sidecar_path).is_file()
+
+
+def test_a_vae_rank_alone_writes_the_mp4_while_it_decodes(groups, single_process_tensors, tmp_path) -> None:
+    front, _ = groups.get("sp2_vae1")
+    events = generate_and_compare(front, "t2va", single_process_tensors["t2va"], tmp_path)
+    finished = events[-1]
+    timings = json.loads(Path(finished.sidecar_path).read_text())["timings_s"]
+    assert {"video_decode_s", "mux_s", "mux_after_decode_s"} <= set(timings), timings
+    assert probe_mp4(finished.video_path)["frame_count"] == front.expected_geometry(REQUESTS["t2va"]).frames
 
 
 def test_a_bad_request_fails_only_itself(groups, tmp_path) -> None:
