@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import statistics
 import sys
@@ -34,7 +33,7 @@ import triton.testing
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPOSITORY_ROOT))
 
-from benchmarks._common import device_label  # noqa: E402
+from benchmarks._common import device_label, package_version  # noqa: E402
 from h3engine import ops  # noqa: E402
 from h3engine.models.dit import DiTConfig  # noqa: E402
 from kernels import reference  # noqa: E402
@@ -295,7 +294,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "triton": importlib.metadata.version("triton"),
+        "triton": package_version("triton"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "dtype": args.dtype,
         "sequence_length": sequence_length,

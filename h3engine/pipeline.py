@@ -138,6 +138,8 @@ def denoise(
     step_modulation = dit.schedule_modulation([timesteps for timesteps, _ in step_rows], device)
     # Per-row timestep index (CPU bytes) -> (that index on the device, its prepared DiT layout).
     packed_layouts: dict[bytes, tuple[torch.Tensor, object]] = {}
+    # What the DiT reads of the request's rows besides the timestep index, in its argument order.
+    row_layout = (layout.tags, layout.positions, layout.video_index, layout.audio_index, layout.text_index)
     started = time.perf_counter()
     for step in range(schedule.num_steps):
         if should_cancel is not None and should_cancel():
@@ -146,17 +148,7 @@ def denoise(
         index_key = timestep_index.numpy().tobytes()
         if index_key not in packed_layouts:
             timestep_index = timestep_index.to(device, non_blocking=True)
-            packed_layouts[index_key] = (
-                timestep_index,
-                dit.prepare_layout(
-                    timestep_index,
-                    layout.tags,
-                    layout.positions,
-                    layout.video_index,
-                    layout.audio_index,
-                    layout.text_index,
-                ),
-            )
+            packed_layouts[index_key] = (timestep_index, dit.prepare_layout(timestep_index, *row_layout))
         timestep_index, packed_layout = packed_layouts[index_key]
         video_velocity, audio_velocity = dit(
             video_rows,
@@ -164,11 +156,7 @@ def denoise(
             text_states,
             timesteps.to(device, non_blocking=True),
             timestep_index,
-            layout.tags,
-            layout.positions,
-            layout.video_index,
-            layout.audio_index,
-            layout.text_index,
+            *row_layout,
             layout=packed_layout,
             modulation=step_modulation[step],
         )

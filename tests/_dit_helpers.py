@@ -203,11 +203,13 @@ def relative_l2(actual: Tensor, reference: Tensor) -> float:
     return float((actual.double() - reference.double()).norm() / reference.double().norm())
 
 
-def tiny_fl2va_request(config: DiTConfig, text_dtype: torch.dtype, seed: int) -> PackedRequest:
-    """FL2VA-like on the tiny DiT: 10 text rows (2 vision rows tagged video), 1 keyframe at t=0.999, 4 target
-    frames, audio."""
+def tiny_fl2va_request(
+    config: DiTConfig, text_dtype: torch.dtype, seed: int, text_rows: int = 10
+) -> PackedRequest:
+    """FL2VA-like on the tiny DiT: `text_rows` text rows (2 vision rows tagged video), 1 keyframe at t=0.999, 4
+    target frames, audio."""
     return build_packed_request(
-        text_rows=10,
+        text_rows=text_rows,
         vision_rows_in_text=2,
         condition_frames=1,
         latent_frames=4,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _dit_helpers import PackedRequest, build_packed_request
+from _dit_helpers import PackedRequest, tiny_fl2va_request
 
 from h3engine.checkpoint.safetensors_io import WeightFiles
 from h3engine.models.dit import DiTConfig
@@ -31,22 +31,7 @@ TINY_LAYOUTS = [(2, 1), (1, 2)]
 
 def packed_request(config: DiTConfig) -> PackedRequest:
     """11 text rows (2 vision rows), one keyframe (t = 0.999), audio, 4 target frames: 149 rows in all."""
-    return build_packed_request(
-        text_rows=11,
-        vision_rows_in_text=2,
-        condition_frames=1,
-        latent_frames=4,
-        latent_height=8,
-        latent_width=12,
-        audio_latents_per_channel=9,
-        video_channels=config.video_in_channels,
-        audio_channels=config.audio_in_channels,
-        text_dim=config.text_dim,
-        text_dtype=torch.float32,
-        video_timestep=0.42,
-        audio_timestep=0.67,
-        seed=SEED + 1,
-    )
+    return tiny_fl2va_request(config, torch.float32, SEED + 1, text_rows=11)
 
 
 class RecordingWeightFiles(WeightFiles):
