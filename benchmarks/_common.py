@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+from collections.abc import Callable
 
 import torch
 
@@ -26,3 +27,69 @@ def package_version(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+# Kernel-name fragments that place a CUDA kernel in one of the forward's cost groups (first match wins).
+KERNEL_GROUPS = (
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "cublas")),
+    ("torch_elementwise", ("at::native", "elementwise", "reduce_kernel", "cat_", "copy")),
+    ("fused_ops", ("_kernel",)),  # our Triton kernels are named *_kernel
+)
+
+
+def kernel_group(name: str) -> str:
+    """The cost group of a CUDA kernel by its name: attention, gemm, fused_ops or other."""
+    lowered = name.lower()
+    for group, fragments in KERNEL_GROUPS:
+        if any(fragment in lowered for fragment in fragments):
+            return group
+    return "other"
+
+
+def kernel_profile(run: Callable[[], object], device: torch.device, top: int = 25) -> dict[str, object]:
+    """Where one call of `run` spends GPU time: kernel time per group, the busiest kernels, and the idle time
+    between kernels (the span from the first kernel's start to the last one's end, minus the busy union)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        run()
+        synchronize(device)
+    kernels = [
+        (event.name, event.time_range.start, event.time_range.end)
+        for event in profiler.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    if not kernels:
+        return {"kernels": 0}
+    kernels.sort(key=lambda kernel: kernel[1])
+    busy_us, covered_until = 0.0, kernels[0][1]
+    for _, start, end in kernels:
+        busy_us += max(0.0, end - max(start, covered_until))
+        covered_until = max(covered_until, end)
+    span_us = kernels[-1][2] - kernels[0][1]
+    by_name: dict[str, list[float]] = {}
+    for name, start, end in kernels:
+        by_name.setdefault(name, []).append(end - start)
+    groups: dict[str, float] = {}
+    for name, durations in by_name.items():
+        groups[kernel_group(name)] = groups.get(kernel_group(name), 0.0) + sum(durations) / 1000.0
+    busiest = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
+    return {
+        "kernels": len(kernels),
+        "span_ms": span_us / 1000.0,
+        "busy_ms": busy_us / 1000.0,
+        "idle_ms": (span_us - busy_us) / 1000.0,
+        "group_ms": groups,
+        "top_kernels": [
+            {
+                "name": name[:160],
+                "group": kernel_group(name),
+                "calls": len(durations),
+                "total_ms": sum(durations) / 1000.0,
+                "mean_ms": sum(durations) / len(durations) / 1000.0,
+            }
+            for name, durations in busiest
+        ],
+    }

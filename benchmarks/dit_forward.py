@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPOSITORY_ROOT / "tests"))
 
 from _dit_helpers import PackedRequest, build_packed_request, max_relative_error, relative_l2  # noqa: E402
 
-from benchmarks._common import device_label, package_version, synchronize  # noqa: E402
+from benchmarks._common import device_label, kernel_profile, package_version, synchronize  # noqa: E402
 from h3engine import ops  # noqa: E402
 from h3engine.checkpoint.dit_keys import native_to_diffusers, random_native_tensor  # noqa: E402
 from h3engine.models.dit import DiTConfig, H3DiT  # noqa: E402
@@ -220,6 +220,47 @@ def kernel_choice(reference_ops: bool, attention_backend: str | None) -> Iterato
             os.environ[attention_ops.FORCE_ENVIRONMENT_VARIABLE] = previous
 
 
+@contextlib.contextmanager
+def blas_library(model: H3DiT, library: str, layers: tuple[str, ...]) -> Iterator[None]:
+    """Run the named block linears (e.g. ("attn.out_proj",), or () for every GEMM) on one torch BLAS library
+    (torch.backends.cuda.preferred_blas_library), the rest on the default: which GEMMs would gain from cuBLASLt."""
+    default = torch.backends.cuda.preferred_blas_library()
+    if not layers:
+        torch.backends.cuda.preferred_blas_library(library)
+        try:
+            yield
+        finally:
+            torch.backends.cuda.preferred_blas_library(default)
+        return
+    wrapped = [block.get_submodule(name) for block in model.blocks for name in layers]
+
+    def switched(forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        def run(hidden: torch.Tensor) -> torch.Tensor:
+            torch.backends.cuda.preferred_blas_library(library)
+            try:
+                return forward(hidden)
+            finally:
+                torch.backends.cuda.preferred_blas_library(default)
+
+        return run
+
+    for module in wrapped:
+        module.forward = switched(module.forward)
+    try:
+        yield
+    finally:
+        for module in wrapped:
+            del module.forward  # back to the class's forward
+
+
+# Variant -> (BLAS library, the block linears it runs; () = all): --blas-experiments.
+BLAS_VARIANTS = {
+    "ours_cublaslt_all_gemms": ("cublaslt", ()),
+    "ours_cublaslt_out_proj": ("cublaslt", ("attn.out_proj",)),
+    "ours_cublaslt_out_proj_fc2": ("cublaslt", ("attn.out_proj", "mlp.fc2")),
+}
+
+
 # Variant -> (reference ops?, forced attention backend): "ours" is the engine's default choice, the reference one our
 # plain-torch twins (torch's default SDPA dispatch, what diffusers runs); the others split the difference by cause.
 KERNEL_VARIANTS = {
@@ -249,6 +290,16 @@ def main() -> None:
         "--error-breakdown",
         action="store_true",
         help="also run fused ops with SDPA, reference ops with the fast attention, and reference ops with cuDNN",
+    )
+    parser.add_argument(
+        "--blas-experiments",
+        action="store_true",
+        help="also time ours with cuBLASLt for every GEMM, for out_proj only, and for out_proj and fc2 (GPU)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one forward of ours: kernel time per group (attention, GEMM, fused ops), top kernels, idle",
     )
     parser.add_argument("--output-dir", type=Path, default=REPOSITORY_ROOT / "benchmarks" / "results")
     args = parser.parse_args()
@@ -299,6 +350,21 @@ def main() -> None:
             with kernel_choice(reference_ops, attention_backend):
                 timed[name], outputs[name] = time_forward(run_ours, device, args.warmup, args.runs)
             print(f"{name}: median {statistics.median(timed[name]):.4f} s over {timed[name]}")
+        if args.blas_experiments and device.type == "cuda":
+            for name, (library, layers) in BLAS_VARIANTS.items():
+                with blas_library(ours, library, layers):
+                    timed[name], outputs[name] = time_forward(run_ours, device, args.warmup, args.runs)
+                print(f"{name}: median {statistics.median(timed[name]):.4f} s over {timed[name]}")
+        profile = kernel_profile(run_ours, device) if args.profile else None
+        if profile is not None:
+            print(
+                f"profile of ours: span {profile.get('span_ms', 0):.1f} ms, idle {profile.get('idle_ms', 0):.1f} ms, "
+                f"{profile.get('group_ms')}"
+            )
+            for kernel in profile.get("top_kernels", [])[:12]:
+                print(
+                    f"  {kernel['total_ms']:9.2f} ms {kernel['calls']:5d} x  {kernel['group']:>9}  {kernel['name'][:90]}"
+                )
 
         if args.fp8:
             began = time.perf_counter()
@@ -389,6 +455,10 @@ def main() -> None:
             "ours_fused_ops_sdpa_attention": "fused Triton ops, torch SDPA attention (error breakdown)",
             "ours_reference_ops_fast_attention": "plain-torch ops, the fastest attention backend (error breakdown)",
             "ours_reference_ops_cudnn_attention": "plain-torch ops, torch's cuDNN attention (error breakdown)",
+            **{
+                name: f"ours with {library} for {', '.join(layers) or 'every GEMM'}"
+                for name, (library, layers) in BLAS_VARIANTS.items()
+            },
             "ours_fp8": "ours with FP8 (e4m3, per-channel weight / per-row activation scales) block linears",
             "diffusers": "MiniMaxH3Transformer3DModel, default attention backend, AdaLN per forward",
         },
@@ -408,6 +478,7 @@ def main() -> None:
         if device.type == "cuda"
         else None,
         "errors": errors,
+        "profile_of_ours": profile,
         "error_definition": "max_relative: max |a - b| / max |b| per velocity; relative_l2: ||a - b|| / ||b||",
     }
     if "diffusers" in medians:

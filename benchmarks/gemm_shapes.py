@@ -88,11 +88,24 @@ def time_shapes() -> dict:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         ms = triton.testing.do_bench(lambda a=a, w=w: torch.nn.functional.linear(a, w), warmup=50, rep=300)
         tflops = 2 * m * k * n / ms / 1e9
-        results[name] = {"m": m, "k": k, "n": n, "ms": ms, "tflops": tflops, "per_block": per_block}
+        # The same product with the weight stored transposed ([k, n], a plain a @ w): BLAS sees other operand
+        # layouts and may pick another kernel.
+        w_kn = w.t().contiguous()
+        ms_kn = triton.testing.do_bench(lambda a=a, w_kn=w_kn: a @ w_kn, warmup=50, rep=300)
+        results[name] = {
+            "m": m,
+            "k": k,
+            "n": n,
+            "ms": ms,
+            "tflops": tflops,
+            "per_block": per_block,
+            "weight_kn_ms": ms_kn,
+            "weight_kn_tflops": 2 * m * k * n / ms_kn / 1e9,
+        }
         if name != "qkv_fused":
             block_ms += ms * per_block
-        print(f"{name:>12}: {ms:8.3f} ms  {tflops:6.0f} TFLOP/s")
-        del a, w
+        print(f"{name:>12}: {ms:8.3f} ms  {tflops:6.0f} TFLOP/s   weight [k, n]: {ms_kn:8.3f} ms")
+        del a, w, w_kn
     results["block_linear_ms_three_qkv_gemms"] = block_ms
     results["block_linear_ms_fused_qkv"] = (
         block_ms - 3 * results["q_or_k_or_v"]["ms"] + results["qkv_fused"]["ms"]
