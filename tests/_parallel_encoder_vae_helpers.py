@@ -43,13 +43,15 @@ ENCODER_RUNS = {
 # world size -> the --vae-ranks runs; 1 of 2 and 3 of 4 leave ranks out of the VAE group.
 VAE_RUNS = {2: [2, 1], 4: [4, 3]}
 # name -> (video latent shape [B, C, T, h, w], audio latent count, autocast dtype). With 32 px tiles and 16 px
-# overlap the 40 x 56 px canvas is 2 x 3 tiles: 12 decoder calls over two windows, and 6 (batch 2, T padded from
-# 3 to 7) under the released fp16 autocast recipe, which do not divide evenly over 4 or 3 ranks.
+# overlap the 40 x 56 px canvas is 2 x 3 tiles; at 4 tiles per decoder call each window's 6 tiles make two calls of
+# 3: 4 calls over two windows, and 2 (batch 2, T padded from 3 to 7) under the released fp16 autocast recipe, which
+# do not divide evenly over 3 ranks (and leave ranks without a call).
 VAE_CASES = {
     "two_windows": ((1, 4, 12, 10, 14), 9, None),
     "padded_batch2_fp16": ((2, 4, 3, 10, 14), 5, torch.float16),
 }
 SMALL_TILE, SMALL_OVERLAP = 32, 16
+TILES_PER_CALL = 4
 
 
 def encoder_inputs() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -69,6 +71,7 @@ def tiny_video_vae() -> VideoVAE:
     vae = VideoVAE(config).eval()
     vae.load_state_dict(video_vae_keys.random_native_state(config, SEED), strict=True)
     vae.set_tiling(True, SMALL_TILE, SMALL_OVERLAP)
+    vae.decode_batch_tiles = TILES_PER_CALL
     return vae
 
 

@@ -69,15 +69,15 @@ def test_a_decode_failure_stops_the_writer_and_leaves_no_file(
     models, latents, tmp_path: Path, monkeypatch
 ) -> None:
     calls = []
-    decode_tile = models.video_vae.decode_tile
+    decode_batch = models.video_vae.decode_batch
 
-    def failing_in_the_second_window(latents, tile):
-        calls.append(tile)
+    def failing_in_the_second_window(latents, tiles):
+        calls.extend(tiles)
         if len(calls) > models.video_vae.plan_decode(latents.shape).tiles_per_window:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return decode_tile(latents, tile)
+        return decode_batch(latents, tiles)
 
-    monkeypatch.setattr(models.video_vae, "decode_tile", failing_in_the_second_window)
+    monkeypatch.setattr(models.video_vae, "decode_batch", failing_in_the_second_window)
     with pytest.raises(RuntimeError, match="illegal memory access"), torch.inference_mode():
         decode(models, *latents, mp4_path=tmp_path / "clip.mp4")
     assert len(calls) > 1  # the first window was decoded (and handed to the writer) before the failure

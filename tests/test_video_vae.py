@@ -16,7 +16,7 @@ from diffusers import AutoencoderKLMiniMaxH3
 
 from h3engine.checkpoint import video_vae_keys
 from h3engine.errors import CheckpointError
-from h3engine.models.video_vae import VideoVAE, VideoVAEConfig, tile_layout
+from h3engine.models.video_vae import DecodePlan, DecodeTile, VideoVAE, VideoVAEConfig, tile_layout
 
 MAX_RELATIVE_ERROR = 1e-5
 SMALL_TILE, SMALL_OVERLAP = 32, 16
@@ -178,6 +178,48 @@ def test_decode_matches_diffusers(
     assert outputs[True].shape == (batch, 3, decoded_frames, 40, 56)
     # Tiling is part of the function (positions are per tile), so the two must differ.
     assert relative_error(outputs[True], outputs[False]) > 1e-3
+
+
+def test_decoder_calls_batch_the_tiles_of_one_window(models: tuple[VideoVAE, AutoencoderKLMiniMaxH3]) -> None:
+    ours, _ = models
+    ours.set_tiling(True, SMALL_TILE, SMALL_OVERLAP)
+    plan = ours.plan_decode((1, 4, 12, 10, 14))  # two windows of 2 x 3 tiles
+    assert plan.call_batches(16) == (range(0, 6), range(6, 12))
+    assert plan.call_batches(4) == (range(0, 3), range(3, 6), range(6, 9), range(9, 12))  # split evenly
+    assert plan.call_batches(5) == (range(0, 3), range(3, 6), range(6, 9), range(9, 12))
+    assert plan.call_batches(1) == tuple(range(index, index + 1) for index in range(12))
+    with pytest.raises(ValueError, match="at least one tile"):
+        plan.call_batches(0)
+    # Tiles of another extent (a shortened last column) never share a call with the others.
+    tile = DecodeTile(frames=(0, 7), rows=(0, 8), columns=(0, 8))
+    short = DecodeTile(frames=(0, 7), rows=(0, 8), columns=(8, 12))
+    uneven = DecodePlan(1, 0, 1, (1, 5), (), (16,) * 4, (tile, tile, tile, tile, short))
+    assert uneven.call_batches(3) == (range(0, 2), range(2, 4), range(4, 5))
+
+
+def test_batched_decoder_calls_equal_one_tile_per_call(
+    models: tuple[VideoVAE, AutoencoderKLMiniMaxH3],
+) -> None:
+    ours, _ = models
+    ours.set_tiling(True, SMALL_TILE, SMALL_OVERLAP)
+    latents = torch.randn(2, 4, 8, 10, 14, generator=torch.Generator().manual_seed(3))
+    outputs = {}
+    try:
+        for tiles_per_call in (1, 4, 16):
+            ours.decode_batch_tiles = tiles_per_call
+            with torch.no_grad():
+                outputs[tiles_per_call] = ours.decode(latents)
+        plan = ours.plan_decode(latents.shape)
+        prepared = ours.prepare_decode_latents(latents, plan)
+        with pytest.raises(ValueError, match="not whole decoder calls"):
+            ours.decode_tiles(prepared, plan, range(0, 2))  # two of the window's 6 tiles (one call of 6)
+    finally:
+        ours.decode_batch_tiles = VideoVAE(ours.config).decode_batch_tiles
+    # Each sample of a call is its own tile (attention never mixes the batch): equal up to fp32 summation order.
+    assert relative_error(outputs[4], outputs[1]) <= 1e-6
+    assert relative_error(outputs[16], outputs[1]) <= 1e-6
+    with pytest.raises(ValueError, match="tiles of one extent"):
+        ours.decode_batch(prepared, [plan.tiles[0], DecodeTile(frames=(0, 7), rows=(0, 4), columns=(0, 8))])
 
 
 def test_decode_matches_diffusers_with_two_rope_frequencies(tiny_config: VideoVAEConfig) -> None:

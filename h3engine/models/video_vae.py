@@ -8,10 +8,11 @@ Contract
 * `VideoVAE.decode(latents)` takes UN-normalized latents `[B, C, T, h, w]` (see `denormalize_latents`) and returns
   pixels `[B, 3, F, 16h, 16w]` in the same ImageNet-normalized space (the caller applies `x*std + mean` and clamps).
   Latents are decoded in windows of 7 (5 + 2 overlap); consecutive windows are cross-faded over 5 frames.
-* `decode` is three steps that can be run apart: `plan_decode` lists every decoder call (one per spatial tile of
-  each temporal window), `decode_tile` makes one call, `assemble_decode` stitches the outputs and cross-fades the
-  windows. The calls are independent, so `h3engine.parallel.vae` spreads them over ranks and assembles the same
-  tensors in the same order: the result is bit-identical to one process.
+* `decode` is three steps that can be run apart: `plan_decode` lists every tile (one per spatial tile of each
+  temporal window) and `DecodePlan.call_batches` groups them into decoder calls (up to `decode_batch_tiles` tiles of
+  one window stacked along the batch axis), `decode_tiles` makes calls, `assemble_decode` stitches the outputs and
+  cross-fades the windows. The calls are independent, so `h3engine.parallel.vae` spreads whole calls over ranks and
+  assembles the same tensors in the same order: the result is bit-identical to one process.
 * Spatial tiling (256 px tiles, >= 64 px overlap, linear cross-fade) is ON in the released recipe for both
   directions. It is part of the function, not a memory trick: the decoder's RoPE positions are normalized to the
   extent of the tile it sees, so switching tiling off (or changing the tile size) changes the pixels.
@@ -88,6 +89,8 @@ _NATIVE_DEFAULT_NORM_EPS = 1e-6
 _NATIVE_DEFAULT_FFN_MULT = 4
 _NATIVE_DEFAULT_DECODER_EPS = 1e-5
 _NATIVE_DEFAULT_REGISTER_TOKENS = 4
+# Decoder calls take up to this many tiles at once (a 768p window is 28 tiles of 1,797 tokens: two calls of 14).
+DECODE_BATCH_TILES = 16
 
 
 @dataclass(frozen=True)
@@ -922,6 +925,36 @@ class DecodePlan:
     def window_tiles(self, window: int) -> tuple[DecodeTile, ...]:
         return self.tiles[window * self.tiles_per_window : (window + 1) * self.tiles_per_window]
 
+    def call_batches(self, max_tiles: int) -> tuple[range, ...]:
+        """The decoder calls as runs of tile indices, in plan order: consecutive tiles of one window with the same
+        latent shape, at most `max_tiles` per call, a longer run split into near-equal calls (the longer first).
+
+        A batch is one decoder call over its tiles stacked along the batch axis (`VideoVAE.decode_batch`); the
+        single-process and the parallel decode make the very same calls, so their outputs stay bit-identical.
+        """
+        if max_tiles < 1:
+            raise ValueError(f"a decoder call takes at least one tile, got max_tiles={max_tiles}")
+        batches: list[range] = []
+        for window in range(self.window_count):
+            start = window * self.tiles_per_window
+            stop = start + self.tiles_per_window
+            while start < stop:
+                run_end = start + 1
+                while run_end < stop and _tile_extent(self.tiles[run_end]) == _tile_extent(self.tiles[start]):
+                    run_end += 1
+                calls = math.ceil((run_end - start) / max_tiles)
+                longer, remainder = divmod(run_end - start, calls)
+                for call in range(calls):
+                    size = longer + int(call < remainder)
+                    batches.append(range(start, start + size))
+                    start += size
+        return tuple(batches)
+
+
+def _tile_extent(tile: DecodeTile) -> tuple[int, int, int]:
+    """A tile's latent frames, rows and columns: tiles with equal extents can share one decoder call."""
+    return tuple(stop - start for start, stop in (tile.frames, tile.rows, tile.columns))
+
 
 # ==================================================================================================== the VAE
 
@@ -940,6 +973,8 @@ class VideoVAE(nn.Module):
         self.decoder_tiling = config.decoder_tiling
         self.tile_size = config.tile_size
         self.tile_overlap_min = config.tile_overlap_min
+        # Tiles per decoder call (`DecodePlan.call_batches`): fewer holds less activation memory at once.
+        self.decode_batch_tiles = DECODE_BATCH_TILES
 
     def set_tiling(self, enabled: bool, tile_size: int | None = None, overlap_min: int | None = None) -> None:
         """Switch spatial tiling for both directions and optionally change the tile geometry (pixels)."""
@@ -1115,9 +1150,34 @@ class VideoVAE(nn.Module):
 
     def decode_tile(self, latents: torch.Tensor, tile: DecodeTile) -> torch.Tensor:
         """One decoder call on prepared latents: [B, C, t, h', w'] -> pixels `decoded_tile_shape(B, tile)`."""
-        return self.decoder(
-            self.post_quant_conv(latents[:, :, slice(*tile.frames), slice(*tile.rows), slice(*tile.columns)])
-        )
+        return self.decode_batch(latents, [tile])[0]
+
+    def decode_batch(self, latents: torch.Tensor, tiles: Sequence[DecodeTile]) -> list[torch.Tensor]:
+        """One decoder call on tiles of equal extent stacked along the batch axis (the tokens of one tile never
+        meet another's: attention is per sample): each tile's pixels `decoded_tile_shape(B, tile)`, in order.
+        Several tiles per call keep the decoder's GEMMs large (a 768p tile alone is 1,797 tokens)."""
+        crops = [
+            latents[:, :, slice(*tile.frames), slice(*tile.rows), slice(*tile.columns)] for tile in tiles
+        ]
+        if len({crop.shape for crop in crops}) != 1:
+            raise ValueError(
+                f"one decoder call needs tiles of one extent, got {[tuple(c.shape) for c in crops]}"
+            )
+        stacked = crops[0] if len(crops) == 1 else torch.cat(crops, dim=0)
+        return list(self.decoder(self.post_quant_conv(stacked)).split(latents.shape[0], dim=0))
+
+    def decode_tiles(
+        self, latents: torch.Tensor, plan: DecodePlan, indices: Iterable[int]
+    ) -> list[torch.Tensor]:
+        """The planned tiles `indices` (whole `plan.call_batches` runs, in order) decoded, one output per tile."""
+        wanted = list(indices)
+        calls = [batch for batch in plan.call_batches(self.decode_batch_tiles) if batch.start in set(wanted)]
+        if [index for batch in calls for index in batch] != wanted:
+            raise ValueError(f"tiles {wanted} are not whole decoder calls of the plan, in order")
+        outputs: list[torch.Tensor] = []
+        for batch in calls:
+            outputs += self.decode_batch(latents, [plan.tiles[index] for index in batch])
+        return outputs
 
     def decoded_tile_shape(self, batch: int, tile: DecodeTile) -> tuple[int, int, int, int, int]:
         config = self.config
@@ -1207,8 +1267,9 @@ class VideoVAE(nn.Module):
         def decoded_window(window: int) -> list[torch.Tensor]:
             # Autocast covers the decoder calls only, never the consumer's code between two pieces (stitching and
             # cross-fading are elementwise: autocast leaves them alone either way).
+            first = window * plan.tiles_per_window
             with decode_autocast(latents.device, autocast_dtype):
-                return [self.decode_tile(latents, tile) for tile in plan.window_tiles(window)]
+                return self.decode_tiles(latents, plan, range(first, first + plan.tiles_per_window))
 
         yield from self.assembled_pieces(
             plan, (decoded_window(window) for window in range(plan.window_count))

@@ -7,8 +7,9 @@ every rank of the VAE group with the same (un-normalized) latents. It returns `(
 rank 0 and None on the others:
 
 * pixels: exactly `video_vae.decode(video_latents, autocast_dtype)`, bit for bit. `VideoVAE.plan_decode` lists
-  the decoder calls (one per spatial tile of each temporal window); `tile_share` gives each rank a contiguous run
-  of them; every rank makes its calls with `VideoVAE.decode_tile`, the outputs are gathered to rank 0 without any
+  the tiles (one per spatial tile of each temporal window) and `DecodePlan.call_batches` the decoder calls over
+  them; `tile_share` gives each rank a contiguous run of calls; every rank makes its calls with
+  `VideoVAE.decode_tiles`, the outputs are gathered to rank 0 without any
   arithmetic (copied into one flat buffer per rank, in the decoder's output dtype), and rank 0 runs
   `VideoVAE.assemble_decode` on the very tensors one process would have made. Each call sees the same latents
   and the same shapes as in one process, so nothing but the place of the computation changes.
@@ -47,6 +48,15 @@ def tile_share(tile_count: int, ranks: int, rank: int) -> range:
     return range(start, start + shorter + int(rank >= shorter_count))
 
 
+def rank_tiles(video_vae: VideoVAE, plan: DecodePlan, ranks: int, rank: int) -> range:
+    """The plan's tile indices `rank` decodes: its `tile_share` of the decoder calls (`DecodePlan.call_batches`)."""
+    calls = plan.call_batches(video_vae.decode_batch_tiles)
+    share = tile_share(len(calls), ranks, rank)
+    if not share:
+        return range(0)
+    return range(calls[share.start].start, calls[share.stop - 1].stop)
+
+
 def _gather_tiles_to_first_rank(
     video_vae: VideoVAE,
     plan: DecodePlan,
@@ -62,7 +72,7 @@ def _gather_tiles_to_first_rank(
     dtype = video_vae.decoder.proj_out.weight.dtype
     device = video_vae.decoder.proj_out.weight.device
     shapes = [video_vae.decoded_tile_shape(batch, tile) for tile in plan.tiles]
-    shares = [tile_share(len(plan.tiles), group.size, rank) for rank in range(group.size)]
+    shares = [rank_tiles(video_vae, plan, group.size, rank) for rank in range(group.size)]
     share_elements = [sum(torch.Size(shapes[index]).numel() for index in share) for share in shares]
     buffer = torch.zeros(max(share_elements), dtype=dtype, device=device)
     offset = 0
@@ -103,9 +113,9 @@ def decode_video_and_audio(
         raise ValueError(f"VAE rank {AUDIO_DECODE_RANK} decodes the audio and needs the audio VAE")
     plan = video_vae.plan_decode(video_latents.shape)
     latents = video_vae.prepare_decode_latents(video_latents, plan)
-    share = tile_share(len(plan.tiles), group.size, group.rank)
+    share = rank_tiles(video_vae, plan, group.size, group.rank)
     with decode_autocast(latents.device, autocast_dtype):
-        local_tiles = [video_vae.decode_tile(latents, plan.tiles[index]) for index in share]
+        local_tiles = video_vae.decode_tiles(latents, plan, share)
     waveform = audio_vae.decode_stereo(audio_latents) if group.rank == AUDIO_DECODE_RANK else None
     tiles = _gather_tiles_to_first_rank(video_vae, plan, latents.shape[0], local_tiles, group)
     if tiles is None:
