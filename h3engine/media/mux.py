@@ -69,6 +69,9 @@ for _required_encoder in (H264_ENCODER, AAC_ENCODER):
 
 # Threads converting frames ahead of the encoder (x264 runs its own threads besides).
 FRAME_CONVERSION_THREADS = min(8, os.cpu_count() or 1)
+# x264 threading: frame threads (several frames in flight), as the ffmpeg command line runs it. PyAV's default,
+# slice threads, splits every frame into slices instead: less parallel work per frame and a different bitstream.
+ENCODER_THREAD_TYPE = "FRAME"
 
 # swscale's RGB -> YUV step: BT.709 matrix, limited range; ACCURATE_RND avoids swscale's fast
 # approximate rounding so the conversion is as exact as 8 bits allow.
@@ -227,6 +230,7 @@ def _encode_mp4(
         video_stream.codec_context.color_trc = ColorTrc.BT709
         video_stream.codec_context.color_primaries = ColorPrimaries.BT709
         video_stream.options = {"crf": f"{crf:g}", "preset": preset}
+        video_stream.codec_context.thread_type = ENCODER_THREAD_TYPE
 
         audio_stream = container.add_stream(
             AAC_ENCODER, rate=AUDIO_SAMPLE_RATE, layout="stereo", format="fltp"

@@ -1148,12 +1148,8 @@ class VideoVAE(nn.Module):
             latents = torch.cat([latents, latents[:, :, -1:].expand(-1, -1, plan.pad_latents, -1, -1)], dim=2)
         return latents
 
-    def decode_tile(self, latents: torch.Tensor, tile: DecodeTile) -> torch.Tensor:
-        """One decoder call on prepared latents: [B, C, t, h', w'] -> pixels `decoded_tile_shape(B, tile)`."""
-        return self.decode_batch(latents, [tile])[0]
-
     def decode_batch(self, latents: torch.Tensor, tiles: Sequence[DecodeTile]) -> list[torch.Tensor]:
-        """One decoder call on tiles of equal extent stacked along the batch axis (the tokens of one tile never
+        """One decoder call on prepared latents for tiles of equal extent stacked along the batch axis (the tokens of one tile never
         meet another's: attention is per sample): each tile's pixels `decoded_tile_shape(B, tile)`, in order.
         Several tiles per call keep the decoder's GEMMs large (a 768p tile alone is 1,797 tokens)."""
         crops = [
@@ -1171,7 +1167,8 @@ class VideoVAE(nn.Module):
     ) -> list[torch.Tensor]:
         """The planned tiles `indices` (whole `plan.call_batches` runs, in order) decoded, one output per tile."""
         wanted = list(indices)
-        calls = [batch for batch in plan.call_batches(self.decode_batch_tiles) if batch.start in set(wanted)]
+        starts = set(wanted)
+        calls = [batch for batch in plan.call_batches(self.decode_batch_tiles) if batch.start in starts]
         if [index for batch in calls for index in batch] != wanted:
             raise ValueError(f"tiles {wanted} are not whole decoder calls of the plan, in order")
         outputs: list[torch.Tensor] = []
@@ -1252,7 +1249,7 @@ class VideoVAE(nn.Module):
         recipe (fp16 autocast with the reference's fp32 islands; see the module docstring).
 
         The same three steps as the parallel decode (`h3engine.parallel.vae`), with every tile decoded here:
-        `plan_decode`, one `decode_tile` per planned tile, `assemble_decode`.
+        `plan_decode`, `decode_tiles` over every planned call, `assemble_decode`.
         """
         return torch.cat(list(self.decode_pieces(latents, autocast_dtype)), dim=2)
 
