@@ -14,6 +14,7 @@ import datetime
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,6 +49,42 @@ def decoder_flops(vae: VideoVAE, latent_shape: tuple[int, ...]) -> tuple[int, fl
     return tokens, float(flops)
 
 
+def decode_and_mux_runs(
+    vae: VideoVAE, latents: torch.Tensor, args: argparse.Namespace, autocast_dtype: torch.dtype | None
+) -> dict[str, dict[str, float]]:
+    """The engine's decode with the MP4 written while it decodes, per x264 thread type: its timings."""
+    from benchmarks.e2e import build_audio_vae
+    from h3engine.media import mux
+    from h3engine.models.audio_vae import AudioVAEConfig
+    from h3engine.pipeline import Models, decode
+
+    audio_config = AudioVAEConfig.tiny() if args.tiny else AudioVAEConfig.released()
+    audio_vae = build_audio_vae(audio_config, latents.device, args.seed)
+    audio_latents = torch.randn(
+        2, audio_config.latent_channels, 9 if args.tiny else 207, device=latents.device
+    )
+    models = Models(
+        dit=None,
+        video_vae=vae,
+        audio_vae=audio_vae,
+        text_encoder=None,
+        tokenizer=None,
+        video_decode_autocast=autocast_dtype,
+    )
+    default = mux.ENCODER_THREAD_TYPE
+    runs = {}
+    with tempfile.TemporaryDirectory() as folder, torch.no_grad():
+        for thread_type in args.mux_thread_types.split(","):
+            mux.ENCODER_THREAD_TYPE = thread_type
+            _, _, timings = decode(
+                models, latents, audio_latents, mp4_path=Path(folder) / f"{thread_type}.mp4"
+            )
+            runs[thread_type.lower()] = timings
+            print(f"decode and mux, x264 {thread_type.lower()} threads: {timings}")
+    mux.ENCODER_THREAD_TYPE = default
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny config and latents (smoke test)")
@@ -60,6 +97,12 @@ def main() -> None:
         help="comma-separated decoder batch sizes to time (VideoVAE.decode_batch_tiles); the last one is profiled",
     )
     parser.add_argument("--output-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument(
+        "--mux-thread-types",
+        default="",
+        help="also run the engine's decode with the MP4 written alongside (h3engine.pipeline.decode), once per x264 "
+        "thread type listed (e.g. SLICE,FRAME): decode, writer and after-decode seconds",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     config = VideoVAEConfig.tiny() if args.tiny else VideoVAEConfig.released()
@@ -106,6 +149,9 @@ def main() -> None:
         print(
             f"  {kernel['total_ms']:9.2f} ms {kernel['calls']:5d} x  {kernel['group']:>17}  {kernel['name'][:90]}"
         )
+    mux_runs = {}
+    if args.mux_thread_types:
+        mux_runs = decode_and_mux_runs(vae, latents, args, autocast_dtype)
     record = {
         "benchmark": "video_decode",
         "config": "tiny" if args.tiny else "released",
@@ -123,6 +169,7 @@ def main() -> None:
         "variants": variants,
         "profiled": f"tiles_per_call_{vae.decode_batch_tiles}",
         "profile": profile,
+        "decode_and_mux": mux_runs,
     }
     args.output_dir.mkdir(parents=True, exist_ok=True)
     suffix = "_tiny" if args.tiny else ""
