@@ -892,7 +892,7 @@ def stitch_tiles(
 
 @dataclass(frozen=True)
 class DecodeTile:
-    """One decoder call of `VideoVAE.decode`: latent [start, stop) ranges of the prepared (padded) latents along
+    """One tile of `VideoVAE.decode` (one decoder input): latent [start, stop) ranges of the prepared (padded) latents along
     frames (one temporal window), rows and columns (one spatial tile of that window)."""
 
     frames: tuple[int, int]
@@ -902,12 +902,13 @@ class DecodeTile:
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """Every decoder call of one `VideoVAE.decode`, and what putting their outputs back together needs.
+    """Every tile of one `VideoVAE.decode`, and what putting their outputs back together needs.
 
     `tiles` lists the windows in order, each as its `grid` (tile rows x tile columns) in row-major order: the
-    order the single-process decode makes the calls in. Overlaps are in pixels. Every tile is independent of the
-    others (the decoder's positions are relative to the tile it sees), so the calls may run anywhere, in any
-    order, as long as `assemble_decode` receives each output in its planned place.
+    order the single-process decode decodes them in (`call_batches` groups them into decoder calls). Overlaps are
+    in pixels. Every tile is independent of the others (the decoder's positions are relative to the tile it sees),
+    so the calls may run anywhere, in any order, as long as `assemble_decode` receives each output in its planned
+    place.
     """
 
     original_count: int
@@ -1089,7 +1090,7 @@ class VideoVAE(nn.Module):
     # ---------------------------------------------------------------------------------------------- decode
 
     def plan_decode(self, latent_shape: Sequence[int]) -> DecodePlan:
-        """Every decoder call `decode` makes for latents of `latent_shape` ([B, C, T, h, w]), in its order.
+        """Every tile `decode` decodes for latents of `latent_shape` ([B, C, T, h, w]), in its order.
 
         Windows of `latents_per_clip + window_overlap_latents` (5 + 2) latents start every `latents_per_clip`; T
         that is not 5n+2 is padded by repeating the last latent (see `prepare_decode_latents`). Each window is cut
@@ -1149,9 +1150,9 @@ class VideoVAE(nn.Module):
         return latents
 
     def decode_batch(self, latents: torch.Tensor, tiles: Sequence[DecodeTile]) -> list[torch.Tensor]:
-        """One decoder call on prepared latents for tiles of equal extent stacked along the batch axis (the tokens of one tile never
-        meet another's: attention is per sample): each tile's pixels `decoded_tile_shape(B, tile)`, in order.
-        Several tiles per call keep the decoder's GEMMs large (a 768p tile alone is 1,797 tokens)."""
+        """One decoder call on prepared latents for tiles of equal extent stacked along the batch axis (the tokens
+        of one tile never meet another's: attention is per sample): each tile's pixels `decoded_tile_shape(B,
+        tile)`, in order. Several tiles per call keep the decoder's GEMMs large (a 768p tile is 1,797 tokens)."""
         crops = [
             latents[:, :, slice(*tile.frames), slice(*tile.rows), slice(*tile.columns)] for tile in tiles
         ]
