@@ -222,6 +222,22 @@ def test_batched_decoder_calls_equal_one_tile_per_call(
         ours.decode_batch(prepared, [plan.tiles[0], DecodeTile(frames=(0, 7), rows=(0, 4), columns=(0, 8))])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_batched_decoder_calls_on_cuda_under_the_fp16_recipe(tiny_config: VideoVAEConfig) -> None:
+    ours = VideoVAE(tiny_config).eval()
+    ours.load_state_dict(video_vae_keys.random_native_state(tiny_config, seed=7), strict=True)
+    ours = ours.cuda()
+    ours.set_tiling(True, SMALL_TILE, SMALL_OVERLAP)
+    latents = torch.randn(1, 4, 12, 10, 14, generator=torch.Generator().manual_seed(5)).cuda()
+    outputs = {}
+    for tiles_per_call in (1, 6):  # each window: 6 tiles, one per call or all in one call
+        ours.decode_batch_tiles = tiles_per_call
+        with torch.no_grad():
+            outputs[tiles_per_call] = ours.decode(latents, autocast_dtype=torch.float16)
+    # The released recipe computes in fp16: batching may at most move a GEMM's fp16 rounding.
+    assert relative_error(outputs[6], outputs[1]) <= 1e-3
+
+
 def test_decode_matches_diffusers_with_two_rope_frequencies(tiny_config: VideoVAEConfig) -> None:
     # The §12 tiny decoder rotates 6 channels: one frequency per axis equal to 1, for which 2*pi*pos is blind to a
     # shift of the positions by 1 and to rope_theta. Head size 16 gives frequencies (1, 100^-0.5) per axis.
