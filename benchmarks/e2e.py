@@ -72,6 +72,7 @@ from h3engine.checkpoint.text_encoder_files import build_tiny_tokenizer, tiny_te
 from h3engine.checkpoint.tiny import TINY_CANVAS  # noqa: E402
 from h3engine.conditioning import EncodedConditions  # noqa: E402
 from h3engine.geometry import Geometry  # noqa: E402
+from h3engine.media import mux  # noqa: E402
 from h3engine.models.audio_vae import AudioVAE, AudioVAEConfig  # noqa: E402
 from h3engine.models.dit import DiTConfig, H3DiT  # noqa: E402
 from h3engine.models.text_encoder import H3TextEncoder  # noqa: E402
@@ -626,6 +627,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
             else "float32",
             "audio_decode": "float32",
         },
+        "video_decode_tiles_per_call": video_vae.decode_batch_tiles,
+        "x264_thread_type": mux.ENCODER_THREAD_TYPE,
         "tokenizer": {
             "name": "tiny byte-level BPE of the tiny checkpoints (text_encoder_files.build_tiny_tokenizer)",
             "prompt": args.prompt,

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from h3engine.media.mux import probe_mp4
+from h3engine.models.video_vae import DECODE_BATCH_TILES
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "e2e.py"
 
@@ -50,6 +51,9 @@ def check_common_fields(result: dict, steps: int, timed_steps: int) -> None:
     for key in ("python", "torch", "transformers", "date"):
         assert result[key]
     assert set(result["build_s"]) == {"text_encoder", "dit", "video_vae", "audio_vae"}
+    # The decode and mux settings the times were made with.
+    assert result["video_decode_tiles_per_call"] == DECODE_BATCH_TILES
+    assert result["x264_thread_type"] == "FRAME"
     assert all(seconds > 0 for seconds in result["build_s"].values())
     phases = result["phases_s"]
     for name in (
