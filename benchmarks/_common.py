@@ -39,7 +39,7 @@ KERNEL_GROUPS = (
 
 
 def kernel_group(name: str) -> str:
-    """The cost group of a CUDA kernel by its name: attention, gemm, fused_ops or other."""
+    """The cost group of a CUDA kernel by its name: one of KERNEL_GROUPS' names, or other."""
     lowered = name.lower()
     for group, fragments in KERNEL_GROUPS:
         if any(fragment in lowered for fragment in fragments):
@@ -74,7 +74,8 @@ def kernel_profile(run: Callable[[], object], device: torch.device, top: int = 2
         by_name.setdefault(name, []).append(end - start)
     groups: dict[str, float] = {}
     for name, durations in by_name.items():
-        groups[kernel_group(name)] = groups.get(kernel_group(name), 0.0) + sum(durations) / 1000.0
+        group = kernel_group(name)
+        groups[group] = groups.get(group, 0.0) + sum(durations) / 1000.0
     busiest = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]
     return {
         "kernels": len(kernels),

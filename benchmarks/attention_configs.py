@@ -11,6 +11,7 @@ import argparse
 import datetime
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -50,8 +51,8 @@ def sustained_ms(run, seconds: float, gemms: list[tuple[torch.Tensor, torch.Tens
     """The attention's median time when it runs as in a forward: between a block's GEMMs, for `seconds`, on a GPU
     that has reached its power limit (short do_bench bursts run at higher clocks). Median over the second half."""
     times = []
-    began = datetime.datetime.now()
-    while (datetime.datetime.now() - began).total_seconds() < seconds:
+    began = time.perf_counter()
+    while time.perf_counter() - began < seconds:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         run()
@@ -101,11 +102,9 @@ def main() -> None:
     gemms = []
     if args.sustained_s > 0:
         block_input = {
-            size: torch.randn(ROWS, size, device="cuda", dtype=torch.bfloat16) for size in (HIDDEN, FFN)
+            size: torch.randn(ROWS, size, device="cuda", dtype=torch.bfloat16)
+            for size in (HIDDEN, FFN, HEADS * HEAD_DIM)
         }
-        block_input[HEADS * HEAD_DIM] = torch.randn(
-            ROWS, HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16
-        )
         gemms = [
             (
                 block_input[size_in],
