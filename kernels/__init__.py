@@ -1,4 +1,4 @@
-"""Fused kernels for the DiT block's memory-bound ops, each with a plain-torch reference twin.
+"""Fused kernels for the memory-bound ops of the DiT block and the video decoder, each with a torch twin.
 
 `kernels.reference` holds the twins: literally the model's current torch expressions, runnable anywhere, and the
 definition of every op's result (including each bf16 rounding point). `kernels.triton` holds the Triton kernels

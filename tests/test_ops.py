@@ -306,6 +306,8 @@ NORM_SHAPES = [(1, 16, 1), (7, 40, 5)] + ([(5, 64, 3), (301, 5376, 6), (64, 3000
 ROPE_SHAPES = [(3, 2, 12, 12), (4, 3, 12, 8), (2, 2, 128, 96)] + (
     [(2, 5, 16, 2), (257, 56, 128, 96), (33, 7, 80, 48)] if HAS_CUDA else []
 )
+# (rows, hidden) of the video decoder's fp32-stream norms: tiny widths, past a power of two, the released 2048.
+DECODER_NORM_SHAPES = [(1, 16), (7, 40)] + ([(5, 64), (301, 2048), (64, 3000)] if HAS_CUDA else [])
 SWIGLU_SHAPES = [(1, 1), (5, 37)] + ([(3, 64), (129, 14336), (77, 3000)] if HAS_CUDA else [])
 # (rows, lead, heads, head_dim, size): stacked q/k/v lead axis, no lead, two lead axes with one rank, released.
 RELAYOUT_SHAPES = [(5, (3,), 8, 6, 4), (3, (), 6, 12, 3), (4, (2, 3), 4, 5, 1)] + (
@@ -466,6 +468,42 @@ def test_triton_kernel_qk_norm_rope_row_blocks_change_only_the_launch(rows_per_p
 
 
 @needs_triton_device
+@pytest.mark.parametrize("out_dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("update_dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("shape", DECODER_NORM_SHAPES)
+def test_triton_kernel_decoder_scaled_residual_and_norm(
+    out_dtype: torch.dtype, update_dtype: torch.dtype, shape: tuple[int, int]
+) -> None:
+    sequence_length, width = shape
+    kernels_triton = triton_kernels()
+    # The fp32 stream as a strided row view; the update in the GEMM's dtype; fp32 layer scale and norm weight.
+    hidden = draw((2 * sequence_length, width), torch.float32, 30, scale=4.0)[::2]
+    update = draw((sequence_length, width), update_dtype, 31, scale=2.0)
+    scale = draw((width,), torch.float32, 32, scale=0.5)
+    weight = draw((width,), torch.float32, 33, scale=0.5, offset=1.0)
+    arguments = (hidden, update, scale, weight, EPS, out_dtype)
+    assert kernels_triton.supports_scaled_residual_rms_norm_to(*arguments)
+
+    expected_hidden, expected_normed = reference.scaled_residual_rms_norm_to(*arguments)
+    new_hidden, normed = kernels_triton.scaled_residual_rms_norm_to(*arguments)
+    assert new_hidden.dtype == torch.float32 and torch.equal(new_hidden, expected_hidden)
+    assert_rounding_level(normed, expected_normed, norm_fp32_ulps(width))
+    # The norm alone, on the new stream (its rounding may differ from the fused kernel's in fp32 ulps).
+    assert_rounding_level(
+        kernels_triton.rms_norm_to(expected_hidden, weight, EPS, out_dtype),
+        expected_normed,
+        norm_fp32_ulps(width),
+    )
+    # A stream stored in the update's dtype is widened exactly before the norm.
+    narrow = update.to(update_dtype)
+    assert_rounding_level(
+        kernels_triton.rms_norm_to(narrow, weight, EPS, out_dtype),
+        reference.rms_norm_to(narrow, weight, EPS, out_dtype),
+        norm_fp32_ulps(width),
+    )
+
+
+@needs_triton_device
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("shape", SWIGLU_SHAPES)
 def test_triton_kernel_swiglu(dtype: torch.dtype, shape: tuple[int, int]) -> None:
@@ -517,6 +555,21 @@ def test_triton_kernel_support_checks_reject_what_they_cannot_run() -> None:
     )
     assert not kernels_triton.supports_gated_residual(hidden, table.half(), rows, hidden)
     assert not kernels_triton.supports_swiglu(draw((4, 7), torch.float32, 19))
+    vector = hidden[0]
+    assert kernels_triton.supports_scaled_residual_rms_norm_to(
+        hidden, hidden, vector, vector, EPS, torch.float16
+    )
+    # An fp16 stream or scale would round the residual in fp16; a table of scales is not one vector.
+    assert not kernels_triton.supports_scaled_residual_rms_norm_to(
+        hidden.half(), hidden, vector, vector, EPS, torch.float16
+    )
+    assert not kernels_triton.supports_scaled_residual_rms_norm_to(
+        hidden, hidden, vector.half(), vector, EPS, torch.float16
+    )
+    assert not kernels_triton.supports_scaled_residual_rms_norm_to(
+        hidden, hidden, table, vector, EPS, torch.float16
+    )
+    assert not kernels_triton.supports_rms_norm_to(hidden, vector, EPS, torch.float64)
     query = draw((3, 2, 12), torch.float32, 20)
     weight = query[0, 0]
     cos = draw((3, 6), torch.float32, 21)

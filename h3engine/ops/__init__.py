@@ -1,4 +1,5 @@
-"""The single call site of the fused DiT-block ops: a Triton kernel where one applies, the torch twin otherwise.
+"""The single call site of the fused DiT-block and video-decoder ops: a Triton kernel where one applies, the torch
+twin otherwise.
 
 (Attention has its own dispatch point, `h3engine.ops.attention`.)
 
@@ -136,6 +137,19 @@ def qk_norm_rope(
     """Per-head RMSNorm of query and key [S, heads, D], then rotate-half RoPE of the first R = cos.shape[-1]
     channels (cos/sin [S, R], or both None for no rotation)."""
     return _run("qk_norm_rope", query, key, q_weight, k_weight, eps, cos, sin)
+
+
+def rms_norm_to(hidden: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> Tensor:
+    """F.rms_norm(hidden.float(), (H,), weight.float(), eps).to(out_dtype); [S, H] -> [S, H]."""
+    return _run("rms_norm_to", hidden, weight, eps, out_dtype)
+
+
+def scaled_residual_rms_norm_to(
+    hidden: Tensor, update: Tensor, scale: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """(new = hidden + update * scale, rms_norm_to(new, weight, eps, out_dtype)): the video decoder's layer-scaled
+    residual on its fp32 stream and the next norm, rounded to the GEMM dtype."""
+    return _run("scaled_residual_rms_norm_to", hidden, update, scale, weight, eps, out_dtype)
 
 
 def swiglu(fused: Tensor) -> Tensor:

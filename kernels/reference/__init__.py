@@ -5,7 +5,13 @@ unsupported shapes) and what the Triton kernels are tested against.
 """
 
 from kernels.reference.activation import swiglu
-from kernels.reference.norms import gated_residual, gated_residual_rms_norm, modulated_rms_norm
+from kernels.reference.norms import (
+    gated_residual,
+    gated_residual_rms_norm,
+    modulated_rms_norm,
+    rms_norm_to,
+    scaled_residual_rms_norm_to,
+)
 from kernels.reference.relayout import pack_heads_for_exchange, unpack_exchanged_heads
 from kernels.reference.rope import qk_norm_rope
 
@@ -15,6 +21,8 @@ __all__ = [
     "modulated_rms_norm",
     "pack_heads_for_exchange",
     "qk_norm_rope",
+    "rms_norm_to",
+    "scaled_residual_rms_norm_to",
     "swiglu",
     "unpack_exchanged_heads",
 ]

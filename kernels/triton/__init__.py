@@ -1,4 +1,4 @@
-"""Triton kernels for the DiT block's elementwise ops, the twins of `kernels.reference` (same names, same results).
+"""Triton kernels for the DiT block's (and the video decoder's) elementwise ops, the twins of `kernels.reference` (same names, same results).
 
 Each op `name` comes with `supports_name(...)`, taking the op's arguments: True when the kernel handles those
 shapes, strides and dtypes (bf16, fp16, fp32). Device placement is the caller's check (`h3engine.ops` sends only
@@ -11,9 +11,13 @@ from kernels.triton.norms import (
     gated_residual,
     gated_residual_rms_norm,
     modulated_rms_norm,
+    rms_norm_to,
+    scaled_residual_rms_norm_to,
     supports_gated_residual,
     supports_gated_residual_rms_norm,
     supports_modulated_rms_norm,
+    supports_rms_norm_to,
+    supports_scaled_residual_rms_norm_to,
 )
 from kernels.triton.relayout import (
     pack_heads_for_exchange,
@@ -29,11 +33,15 @@ __all__ = [
     "modulated_rms_norm",
     "pack_heads_for_exchange",
     "qk_norm_rope",
+    "rms_norm_to",
+    "scaled_residual_rms_norm_to",
     "supports_gated_residual",
     "supports_gated_residual_rms_norm",
     "supports_modulated_rms_norm",
     "supports_pack_heads_for_exchange",
     "supports_qk_norm_rope",
+    "supports_rms_norm_to",
+    "supports_scaled_residual_rms_norm_to",
     "supports_swiglu",
     "supports_unpack_exchanged_heads",
     "swiglu",

@@ -1,4 +1,5 @@
-"""Triton twins of `kernels.reference.norms`: modulated RMSNorm, gated residual, and the two fused.
+"""Triton twins of `kernels.reference.norms`: modulated RMSNorm, gated residual, the two fused, and the video
+decoder's fp32 RMSNorm (alone or after its layer-scaled residual) rounded to the GEMM dtype.
 
 Contract
 --------
@@ -8,7 +9,8 @@ rows come from L2. `gated_residual` runs one program per (row, column tile). Row
 (e.g. the [R, 6, H] AdaLN table's unbound chunks) are free. Outputs are new contiguous tensors.
 
 Rounding: `F.rms_norm` is x * rstd * weight in fp32 with one rounding, then `* scale` rounds, `+ shift` rounds;
-the gated residual rounds the product, then the sum. Only rstd can differ from torch's (summation order of the
+the gated residual rounds the product, then the sum. The decoder's ops compute the residual and the norm in fp32
+(each op rounding to fp32 as torch's does) and round the normed row once to `out_dtype`. Only rstd can differ from torch's (summation order of the
 mean square, libdevice rsqrtf like torch's CUDA kernel), which moves a normed value by at most one ulp, rarely.
 
 Danger
@@ -28,6 +30,7 @@ from kernels.triton.common import (
     INDEX_DTYPES,
     LAUNCH_OPTIONS,
     MAX_NORM_WIDTH,
+    SUPPORTED_DTYPES,
     div_rn,
     num_warps_for,
     round_to,
@@ -110,6 +113,38 @@ def _gated_residual_kernel(
     tl.store(out_ptr + row * WIDTH + columns, summed.to(dtype), mask=in_row)
 
 
+@triton.jit
+def _scaled_residual_rms_norm_kernel(
+    hidden_ptr,
+    hidden_stride,
+    update_ptr,
+    update_stride,
+    scale_ptr,
+    new_hidden_ptr,
+    weight_ptr,
+    out_ptr,
+    eps,
+    WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    columns = tl.arange(0, BLOCK)
+    in_row = columns < WIDTH
+    hidden = tl.load(hidden_ptr + row * hidden_stride + columns, mask=in_row, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        update = tl.load(update_ptr + row * update_stride + columns, mask=in_row, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + columns, mask=in_row, other=0.0)
+        hidden = hidden + update * scale
+        tl.store(new_hidden_ptr + row * WIDTH + columns, hidden, mask=in_row)
+
+    mean_square = div_rn(tl.sum(hidden * hidden, axis=0), WIDTH * 1.0)
+    inverse_rms = rsqrt(mean_square + eps)
+    weight = tl.load(weight_ptr + columns, mask=in_row, other=0.0).to(tl.float32)
+    normed = hidden * inverse_rms * weight
+    tl.store(out_ptr + row * WIDTH + columns, normed.to(out_ptr.dtype.element_ty), mask=in_row)
+
+
 def _supports_rows(rows: Tensor, sequence_length: int) -> bool:
     return rows.shape == (sequence_length,) and rows.dtype in INDEX_DTYPES and rows.stride(0) == 1
 
@@ -157,6 +192,33 @@ def supports_gated_residual_rms_norm(
 ) -> bool:
     return supports_gated_residual(hidden, gate, rows, update) and supports_modulated_rms_norm(
         hidden, weight, eps, scale_plus_one, shift, rows
+    )
+
+
+def supports_rms_norm_to(hidden: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> bool:
+    if hidden.dim() != 2 or not 1 <= hidden.shape[1] <= MAX_NORM_WIDTH:
+        return False
+    width = hidden.shape[1]
+    return (
+        rows_of(hidden, width)
+        and weight.shape == (width,)
+        and weight.stride(0) == 1
+        and weight.dtype in SUPPORTED_DTYPES
+        and out_dtype in SUPPORTED_DTYPES
+    )
+
+
+def supports_scaled_residual_rms_norm_to(
+    hidden: Tensor, update: Tensor, scale: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype
+) -> bool:
+    # An fp32 stream and fp32 scale make every promotion fp32, whatever the update's dtype.
+    return (
+        supports_rms_norm_to(hidden, weight, eps, out_dtype)
+        and hidden.dtype == scale.dtype == torch.float32
+        and rows_of(update, hidden.shape[1])
+        and update.shape == hidden.shape
+        and scale.shape == (hidden.shape[1],)
+        and scale.stride(0) == 1
     )
 
 
@@ -250,3 +312,53 @@ def gated_residual(hidden: Tensor, gate: Tensor, rows: Tensor, update: Tensor) -
         **LAUNCH_OPTIONS,
     )
     return out
+
+
+def _launch_scaled_residual_norm(
+    hidden: Tensor,
+    update: Tensor,
+    scale: Tensor,
+    new_hidden: Tensor,
+    weight: Tensor,
+    eps: float,
+    out: Tensor,
+    residual: bool,
+) -> None:
+    sequence_length, width = hidden.shape
+    if sequence_length == 0:
+        return
+    block = triton.next_power_of_2(width)
+    _scaled_residual_rms_norm_kernel[(sequence_length,)](
+        hidden,
+        hidden.stride(0),
+        update,
+        update.stride(0),
+        scale,
+        new_hidden,
+        weight,
+        out,
+        eps,
+        WIDTH=width,
+        BLOCK=block,
+        RESIDUAL=residual,
+        num_warps=num_warps_for(block),
+        **LAUNCH_OPTIONS,
+    )
+
+
+def rms_norm_to(hidden: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> Tensor:
+    """fp32 RMSNorm of every row, rounded once to `out_dtype`: [S, H] -> new contiguous [S, H]."""
+    out = torch.empty(hidden.shape, dtype=out_dtype, device=hidden.device)
+    # The update/scale/new-hidden pointers are unused when RESIDUAL is off; any tensor fills the slots.
+    _launch_scaled_residual_norm(hidden, hidden, weight, out, weight, eps, out, residual=False)
+    return out
+
+
+def scaled_residual_rms_norm_to(
+    hidden: Tensor, update: Tensor, scale: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """(hidden + update * scale in fp32, its RMSNorm rounded to `out_dtype`), reading each input row once."""
+    new_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+    out = torch.empty(hidden.shape, dtype=out_dtype, device=hidden.device)
+    _launch_scaled_residual_norm(hidden, update, scale, new_hidden, weight, eps, out, residual=True)
+    return new_hidden, out
