@@ -14,6 +14,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKLMiniMaxH3
 
+from h3engine import ops
 from h3engine.checkpoint import video_vae_keys
 from h3engine.errors import CheckpointError
 from h3engine.models.video_vae import DecodePlan, DecodeTile, VideoVAE, VideoVAEConfig, tile_layout
@@ -275,6 +276,32 @@ def test_released_width_matches_diffusers() -> None:
     assert relative_error(decoded, expected) <= MAX_RELATIVE_ERROR
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decoder_fused_kernels_on_cuda_equal_the_torch_twins() -> None:
+    # The released decoder width (2048 = 32 heads x 64, 48 rotated channels, 8192-wide SwiGLU) with two blocks, so
+    # the norm fused into a block's last residual feeds the next block. fp16 recipe, as the engine decodes.
+    config = dataclasses.replace(VideoVAEConfig.released(), decoder_num_layers=2)
+    native = video_vae_keys.random_native_state(config, seed=6)
+    with torch.device("meta"):
+        ours = VideoVAE(config)
+    ours.load_state_dict(native, strict=True, assign=True)
+    ours.decoder.rope.reset_computed_buffers(torch.device("cpu"))
+    ours = ours.cuda().eval()
+    ours.set_tiling(True, 32, 16)
+    latents = torch.randn(1, 24, 7, 3, 4, generator=torch.Generator().manual_seed(6)).cuda()
+    stream = torch.randn(8, config.decoder_hidden_size, device="cuda")
+    block = ours.decoder.transformer_blocks[0]
+    fused_call = (stream, stream.half(), block.scale1, block.norm2.weight, 1e-5, torch.float16)
+    with torch.no_grad():
+        assert ops.implementation("scaled_residual_rms_norm_to", *fused_call) == "triton"
+        fused = ours.decode(latents, autocast_dtype=torch.float16)
+        with ops.force_reference():
+            twins = ours.decode(latents, autocast_dtype=torch.float16)
+    assert torch.isfinite(fused).all()
+    # The kernels round like the twins except one-ulp norm differences in rare elements.
+    assert relative_error(fused, twins) <= 1e-3
+
+
 def test_decode_rejects_latent_counts_without_a_window(
     models: tuple[VideoVAE, AutoencoderKLMiniMaxH3],
 ) -> None:
@@ -294,8 +321,10 @@ def test_fp16_autocast_recipe_keeps_fp32_islands(models: tuple[VideoVAE, Autoenc
     dtypes: dict[str, torch.dtype] = {}
 
     def recorder(name: str):
-        def record(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
-            dtypes.setdefault(name, output.dtype)
+        def record(module: torch.nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
+            # A decoder block returns (residual stream, next norm's output).
+            first = output[0] if isinstance(output, tuple) else output
+            dtypes.setdefault(name, first.dtype)
 
         return record
 

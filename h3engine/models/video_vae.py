@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from h3engine import ops
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -687,13 +689,13 @@ class DecoderRotaryEmbedding(nn.Module):
             return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def _rotate_leading_channels(tensor: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the first cos.shape[-1] channels of the last axis; the rest passes through."""
-    rope_dim = cos.shape[-1]
-    rotated, passthrough = tensor[..., :rope_dim], tensor[..., rope_dim:]
-    first_half, second_half = rotated.chunk(2, dim=-1)
-    swapped = torch.cat([-second_half, first_half], dim=-1)
-    return torch.cat([rotated * cos + swapped * sin, passthrough], dim=-1)
+def _matmul_dtype(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype a linear layer computes in here: autocast's while it is on for the tensor's device, else the
+    weight's."""
+    device_type = hidden_states.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
 
 
 class DecoderAttention(nn.Module):
@@ -709,19 +711,23 @@ class DecoderAttention(nn.Module):
         self.to_qkv = nn.Linear(hidden, 3 * hidden)
         self.to_out = nn.Linear(hidden, hidden)
 
-    def forward(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        batch, tokens, _ = hidden_states.shape
-        qkv = self.to_qkv(hidden_states).view(batch, tokens, self.heads, 3 * self.head_dim)
-        query, key, value = (part.transpose(1, 2) for part in qkv.split(self.head_dim, dim=-1))
-        with _autocast_off(value):
-            # The reference normalizes Q and K in fp32 whatever the compute dtype, then returns to it.
-            query = F.rms_norm(query.float(), (self.head_dim,), eps=self.eps).to(value.dtype)
-            key = F.rms_norm(key.float(), (self.head_dim,), eps=self.eps).to(value.dtype)
-        cos, sin = (table.to(value.dtype) for table in rotary)
-        query = _rotate_leading_channels(query, cos, sin)
-        key = _rotate_leading_channels(key, cos, sin)
+    def forward(
+        self, normed: torch.Tensor, batch: int, rotary: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """`normed` [batch * tokens, hidden] (token rows of `batch` sequences) -> [batch * tokens, hidden];
+        `rotary` is (cos, sin) [batch * tokens, rope_dim] in the projection's dtype."""
+        rows = normed.shape[0]
+        qkv = self.to_qkv(normed).view(rows, self.heads, 3 * self.head_dim)
+        query, key, value = qkv.split(self.head_dim, dim=-1)
+        # The reference normalizes Q and K in fp32 and rounds back to the compute dtype once, then rotates:
+        # qk_norm_rope widens to fp32 inside its norm (a unit weight stands for "no affine").
+        unit_weight = torch.ones(self.head_dim, dtype=query.dtype, device=query.device)
+        with _autocast_off(query):
+            query, key = ops.qk_norm_rope(query, key, unit_weight, unit_weight, self.eps, *rotary)
+        per_sequence = (batch, rows // batch, self.heads, self.head_dim)
+        query, key, value = (part.view(per_sequence).transpose(1, 2) for part in (query, key, value))
         attended = F.scaled_dot_product_attention(query, key, value)
-        return self.to_out(attended.transpose(1, 2).reshape(batch, tokens, self.heads * self.head_dim))
+        return self.to_out(attended.transpose(1, 2).reshape(rows, self.heads * self.head_dim))
 
 
 class DecoderFeedForward(nn.Module):
@@ -732,19 +738,14 @@ class DecoderFeedForward(nn.Module):
         self.w1 = nn.Linear(config.decoder_hidden_size, 2 * config.decoder_ffn_inner_dim)
         self.w2 = nn.Linear(config.decoder_ffn_inner_dim, config.decoder_hidden_size)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w1(hidden_states).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
-
-
-def _rms_norm_fp32(hidden_states: torch.Tensor, norm: nn.RMSNorm) -> torch.Tensor:
-    """Affine RMSNorm computed in fp32 with autocast off (the reference's fp32 normalization island)."""
-    with _autocast_off(hidden_states):
-        return F.rms_norm(hidden_states.float(), norm.normalized_shape, norm.weight.float(), norm.eps)
+    def forward(self, normed: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> [rows, hidden]."""
+        return self.w2(ops.swiglu(self.w1(normed)))
 
 
 class DecoderBlock(nn.Module):
-    """x += scale1 * attn(rms(x)); x += scale2 * ffn(rms(x)). The residual stream, RMSNorms and scales are fp32."""
+    """x += scale1 * attn(rms(x)); x += scale2 * ffn(rms(x)). The residual stream, RMSNorms and scales are fp32;
+    each RMSNorm rounds once to the dtype of the GEMM it feeds."""
 
     def __init__(self, config: VideoVAEConfig) -> None:
         super().__init__()
@@ -756,11 +757,29 @@ class DecoderBlock(nn.Module):
         self.ff = DecoderFeedForward(config)
         self.scale2 = nn.Parameter(torch.zeros(hidden))
 
-    def forward(self, hidden_states: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        hidden_states = (
-            hidden_states + self.attn(_rms_norm_fp32(hidden_states, self.norm1), rotary) * self.scale1
-        )
-        return hidden_states + self.ff(_rms_norm_fp32(hidden_states, self.norm2)) * self.scale2
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        normed: torch.Tensor,
+        batch: int,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        next_norm: nn.RMSNorm | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One block on the flat fp32 stream [batch * tokens, hidden], given `normed` = norm1(stream) in the GEMM
+        dtype. Returns the new stream and `next_norm`(new stream) in that dtype: the next block's norm1 fused
+        into this block's last residual (None after the last block)."""
+        attended = self.attn(normed, batch, rotary)
+        with _autocast_off(hidden_states):
+            hidden_states, normed = ops.scaled_residual_rms_norm_to(
+                hidden_states, attended, self.scale1, self.norm2.weight, self.norm2.eps, normed.dtype
+            )
+        fed = self.ff(normed)
+        with _autocast_off(hidden_states):
+            if next_norm is None:
+                return hidden_states + fed * self.scale2, None
+            return ops.scaled_residual_rms_norm_to(
+                hidden_states, fed, self.scale2, next_norm.weight, next_norm.eps, normed.dtype
+            )
 
 
 class ViTDecoder(nn.Module):
@@ -803,9 +822,19 @@ class ViTDecoder(nn.Module):
             ],
             dim=1,
         )
-        rotary = self.rope(frames, height, width, hidden_states.shape[1] - num_patches, dtype=latents.dtype)
-        for block in self.transformer_blocks:
-            hidden_states = block(hidden_states, rotary)
+        tokens = hidden_states.shape[1]
+        rotary = self.rope(frames, height, width, tokens - num_patches, dtype=latents.dtype)
+        hidden_states = hidden_states.reshape(batch * tokens, -1)
+        blocks = list(self.transformer_blocks)
+        gemm_dtype = _matmul_dtype(hidden_states, blocks[0].attn.to_qkv.weight)
+        # Every sequence of the batch has the same extent, so the same angles; one row per token row.
+        rotary = tuple(table.to(gemm_dtype).repeat(batch, 1) for table in rotary)
+        with _autocast_off(hidden_states):
+            normed = ops.rms_norm_to(hidden_states, blocks[0].norm1.weight, blocks[0].norm1.eps, gemm_dtype)
+        for index, block in enumerate(blocks):
+            next_norm = blocks[index + 1].norm1 if index + 1 < len(blocks) else None
+            hidden_states, normed = block(hidden_states, normed, batch, rotary, next_norm)
+        hidden_states = hidden_states.view(batch, tokens, -1)
         with _autocast_off(hidden_states):
             hidden_states = F.layer_norm(
                 hidden_states[:, :num_patches].float(),
