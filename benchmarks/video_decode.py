@@ -10,6 +10,7 @@ kernel group, busiest kernels) to show where the time goes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import statistics
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import device_label, kernel_profile, package_version, synchronize  # noqa: E402
 from benchmarks.e2e import build_video_vae  # noqa: E402
+from h3engine import ops  # noqa: E402
 from h3engine.models.video_vae import DECODE_BATCH_TILES, VideoVAE, VideoVAEConfig  # noqa: E402
 
 RELEASED_LATENTS = (1, 24, 37, 48, 84)
@@ -74,12 +76,13 @@ def decode_and_mux_runs(
     default = mux.ENCODER_THREAD_TYPE
     runs = {}
     with tempfile.TemporaryDirectory() as folder, torch.no_grad():
-        for thread_type in args.mux_thread_types.split(","):
+        for run, thread_type in enumerate(args.mux_thread_types.split(",")):
             mux.ENCODER_THREAD_TYPE = thread_type
             _, _, timings = decode(
                 models, latents, audio_latents, mp4_path=Path(folder) / f"{thread_type}.mp4"
             )
-            runs[thread_type.lower()] = timings
+            # Keyed by run: a thread type listed twice keeps both runs.
+            runs[f"run{run}_{thread_type.lower()}"] = timings
             print(f"decode and mux, x264 {thread_type.lower()} threads: {timings}")
     mux.ENCODER_THREAD_TYPE = default
     return runs
@@ -103,6 +106,11 @@ def main() -> None:
         help="also run the engine's decode with the MP4 written alongside (h3engine.pipeline.decode), once per x264 "
         "thread type listed (e.g. SLICE,FRAME): decode, writer and after-decode seconds",
     )
+    parser.add_argument(
+        "--reference-ops",
+        action="store_true",
+        help="also time each variant with h3engine.ops forced to the torch twins (no Triton elementwise kernels)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     config = VideoVAEConfig.tiny() if args.tiny else VideoVAEConfig.released()
@@ -118,21 +126,31 @@ def main() -> None:
 
     variants: dict[str, dict] = {}
     first_video = None
+    op_choices = [("", contextlib.nullcontext)]
+    if args.reference_ops:
+        op_choices.append(("_reference_ops", ops.force_reference))
+    # The fused ops' variants run last, so the profiled decode (the last batch size listed) uses them.
+    runs = [
+        (int(value), suffix, choice)
+        for suffix, choice in reversed(op_choices)
+        for value in args.tiles_per_call.split(",")
+    ]
     with torch.no_grad():
-        for tiles_per_call in [int(value) for value in args.tiles_per_call.split(",")]:
+        for tiles_per_call, op_suffix, op_choice in runs:
             vae.decode_batch_tiles = tiles_per_call
-            decode()  # warm-up
-            seconds = []
-            for _ in range(args.runs):
-                synchronize(device)
-                began = time.perf_counter()
-                pieces = decode()
-                synchronize(device)
-                seconds.append(time.perf_counter() - began)
+            with op_choice():
+                decode()  # warm-up
+                seconds = []
+                for _ in range(args.runs):
+                    synchronize(device)
+                    began = time.perf_counter()
+                    pieces = decode()
+                    synchronize(device)
+                    seconds.append(time.perf_counter() - began)
             video = torch.cat(pieces, dim=2)
             first_video = video if first_video is None else first_video
             median = statistics.median(seconds)
-            name = f"tiles_per_call_{tiles_per_call}"
+            name = f"tiles_per_call_{tiles_per_call}{op_suffix}"
             variants[name] = {
                 "decoder_calls": len(vae.plan_decode(latent_shape).call_batches(tiles_per_call)),
                 "seconds": seconds,
