@@ -19,6 +19,7 @@ from h3engine.checkpoint.dit_keys import (
     random_native_state,
 )
 from h3engine.errors import CheckpointError
+from h3engine.models import dit as dit_module
 from h3engine.models.dit import FP32_PARAMETER_NAMES, DiTConfig, H3DiT, MultiAxisRope
 from kernels.reference.rope import rotate_first_channels
 
@@ -493,5 +494,37 @@ def test_offloaded_adaln_on_the_gpu_matches_the_resident_model(tiny_state) -> No
         assert all(p.device.type == "cpu" for p in model.blocks[0].adaln_proj.parameters())
         assert model.blocks[0].attn.qkv_proj.weight.device.type == "cuda"
         tables = model.schedule_modulation([request.timesteps], device)[0]
+        actual = model(*arguments, modulation=tables)
+    assert torch.equal(expected[0], actual[0]) and torch.equal(expected[1], actual[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tables_built_on_their_own_stream_are_waited_for(tiny_state, monkeypatch) -> None:
+    # A schedule's tables are built on a stream of their own while the forward is queued on the current one. Here
+    # each projection's streaming starts with a ~25 ms GPU sleep on the building stream, so a forward that did not
+    # wait for its tables would read them before they exist.
+    device = torch.device("cuda")
+    model = our_model(tiny_state, torch.bfloat16).to(device)
+    model.offload_adaln()
+    request = tiny_request(torch.bfloat16)
+    arguments = [t.to(device) for t in request.as_h3_arguments()]
+    timesteps = [request.timesteps]
+    with torch.no_grad():
+        settled = model.schedule_modulation(timesteps, device)[0]
+        torch.cuda.synchronize()
+        expected = model(*arguments, modulation=settled)
+        torch.cuda.synchronize()
+        model._modulation_cache.clear()  # `settled` stays referenced: the new tables get other memory
+
+        streamed = dit_module._on_device
+
+        def slow_on_device(linear: torch.nn.Linear, to: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+            torch.cuda._sleep(50_000_000)
+            return streamed(linear, to)
+
+        monkeypatch.setattr(dit_module, "_on_device", slow_on_device)
+        tables = model.schedule_modulation(timesteps, device)[0]
+        assert tables is not settled and tables.blocks[-1].ready is not None
+        assert not tables.final_ready.query()  # still being built when the forward is queued
         actual = model(*arguments, modulation=tables)
     assert torch.equal(expected[0], actual[0]) and torch.equal(expected[1], actual[1])

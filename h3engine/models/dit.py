@@ -25,10 +25,11 @@ full state dict is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -653,9 +654,13 @@ def run_blocks(
     chain = list(zip(blocks, modulations, strict=True))
     if not chain:
         return hidden
-    modulated = chain[0][0].attention_input(hidden, chain[0][1], layout)
+    # Tables may still be in flight on the stream that builds a schedule's (`H3DiT.schedule_modulation`): each
+    # block waits for its own and, for the fused next norm, the following block's.
+    modulated = chain[0][0].attention_input(hidden, chain[0][1].wait(), layout)
     for index, (block, modulation) in enumerate(chain):
         following = chain[index + 1] if index + 1 < len(chain) else None
+        if following is not None:
+            following[1].wait()
         hidden, modulated = block.forward_from(hidden, modulated, modulation, layout, following)
     return hidden
 
@@ -704,6 +709,23 @@ class BlockModulation:
     shift_ffn: Tensor
     scale_plus_one_ffn: Tensor
     gate_ffn: Tensor
+    # Marks the tables computed when another CUDA stream built them (`H3DiT.schedule_modulation`); None otherwise.
+    ready: torch.cuda.Event | None = None
+
+    def tables(self) -> tuple[Tensor, ...]:
+        return (
+            self.shift_attn,
+            self.scale_plus_one_attn,
+            self.gate_attn,
+            self.shift_ffn,
+            self.scale_plus_one_ffn,
+            self.gate_ffn,
+        )
+
+    def wait(self) -> BlockModulation:
+        """These tables, once the current CUDA stream has been made to wait until they are computed."""
+        _wait_for(self.ready, self.shift_attn.device)
+        return self
 
 
 @dataclass(frozen=True)
@@ -716,6 +738,32 @@ class StepModulation:
 
     blocks: tuple[BlockModulation, ...]
     final: tuple[Tensor, Tensor]
+    final_ready: torch.cuda.Event | None = None
+
+    def final_tables(self) -> tuple[Tensor, Tensor]:
+        """The final layer's tables, once the current CUDA stream has been made to wait until they are computed."""
+        _wait_for(self.final_ready, self.final[0].device)
+        return self.final
+
+
+def _wait_for(event: torch.cuda.Event | None, device: torch.device) -> None:
+    """Make the current stream of `device` (where the tables live and are read) wait for `event`."""
+    if event is not None:
+        torch.cuda.current_stream(device).wait_event(event)
+
+
+def _handed_over(
+    tensors: Sequence[Tensor], reading_stream: torch.cuda.Stream | None
+) -> torch.cuda.Event | None:
+    """Tensors just computed on the current CUDA stream, to be read on `reading_stream`: the allocator keeps their
+    memory until the reader's queued work is done, and the returned event marks them computed. None on a CPU."""
+    if reading_stream is None:
+        return None
+    for tensor in tensors:
+        tensor.record_stream(reading_stream)
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 @dataclass(frozen=True)
@@ -884,7 +932,7 @@ class H3DiT(nn.Module):
         if modulation is None:
             modulation = self.modulation(timesteps)
         hidden = run_blocks(self.blocks, modulation.blocks, hidden, layout)
-        return self.final_layer(hidden, modulation.final, layout)
+        return self.final_layer(hidden, modulation.final_tables(), layout)
 
     # AdaLN modulation ----------------------------------------------------------------------------------------
 
@@ -928,17 +976,33 @@ class H3DiT(nn.Module):
 
     def _compute_modulation(self, step_timesteps: list[Tensor]) -> list[StepModulation]:
         device = step_timesteps[0].device
-        # temb stays fp32 ([M, time_embed_dim]); each AdaLN projection casts only after its SiLU.
-        step_tembs = [self.time_embedder(timesteps) for timesteps in step_timesteps]
-        block_tables: list[list[BlockModulation]] = [[] for _ in step_timesteps]
-        for block in self.blocks:
-            weight, bias = _on_device(block.adaln_proj.linear, device)
-            for tables, temb in zip(block_tables, step_tembs, strict=True):
-                tables.append(block.modulation(temb, weight, bias))
-        weight, bias = _on_device(self.final_layer.adaln_proj.linear, device)
+        # On a GPU the tables are built on a stream of their own, so the first forward starts at once and each block
+        # waits only for its own tables (`run_blocks`): streaming one block's offloaded projection takes ~10 ms, a
+        # block's forward ~100 ms at the released size, so the ~0.5 s of streaming hides under the first step.
+        reading_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        building_stream = torch.cuda.Stream(device) if reading_stream is not None else None
+        if building_stream is not None:
+            building_stream.wait_stream(reading_stream)
+            for timesteps in step_timesteps:
+                timesteps.record_stream(building_stream)
+        with torch.cuda.stream(building_stream) if building_stream is not None else contextlib.nullcontext():
+            # temb stays fp32 ([M, time_embed_dim]); each AdaLN projection casts only after its SiLU.
+            step_tembs = [self.time_embedder(timesteps) for timesteps in step_timesteps]
+            block_tables: list[list[BlockModulation]] = [[] for _ in step_timesteps]
+            for block in self.blocks:
+                weight, bias = _on_device(block.adaln_proj.linear, device)
+                computed = [block.modulation(temb, weight, bias) for temb in step_tembs]
+                ready = _handed_over(
+                    [table for tables in computed for table in tables.tables()], reading_stream
+                )
+                for tables, step_computed in zip(block_tables, computed, strict=True):
+                    tables.append(replace(step_computed, ready=ready))
+            weight, bias = _on_device(self.final_layer.adaln_proj.linear, device)
+            finals = [self.final_layer.modulation(temb, weight, bias) for temb in step_tembs]
+            final_ready = _handed_over([table for final in finals for table in final], reading_stream)
         return [
-            StepModulation(blocks=tuple(tables), final=self.final_layer.modulation(temb, weight, bias))
-            for tables, temb in zip(block_tables, step_tembs, strict=True)
+            StepModulation(blocks=tuple(tables), final=final, final_ready=final_ready)
+            for tables, final in zip(block_tables, finals, strict=True)
         ]
 
 

@@ -207,7 +207,7 @@ class SequenceParallelDiT(H3DiT):
         if modulation is None:
             modulation = self.modulation(timesteps)
         hidden = run_blocks(self.blocks, modulation.blocks, hidden, layout.local)
-        video_velocity, audio_velocity = self.final_layer(hidden, modulation.final, layout.local)
+        video_velocity, audio_velocity = self.final_layer(hidden, modulation.final_tables(), layout.local)
 
         velocities = all_gather_rows(torch.cat((video_velocity, audio_velocity), dim=1), self.sequence_group)
         video_channels = video_velocity.shape[1]
