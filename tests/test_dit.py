@@ -514,7 +514,7 @@ def test_tables_built_on_their_own_stream_are_waited_for(tiny_state, monkeypatch
         torch.cuda.synchronize()
         expected = model(*arguments, modulation=settled)
         torch.cuda.synchronize()
-        model._modulation_cache.clear()  # `settled` stays referenced: the new tables get other memory
+        model.clear_modulation_cache()  # `settled` stays referenced: the new tables get other memory
 
         streamed = dit_module._on_device
 

@@ -82,6 +82,10 @@ def check_common_fields(result: dict, steps: int, timed_steps: int) -> None:
         phases["text_encode"] + phases["denoise_prep"] + result["denoise_s"] + phases["decode_and_mux"]
     )
     assert math.isclose(result["request_s"], expected_request)
+    # A second request's first steps on the warm DiT, its AdaLN tables rebuilt.
+    repeat = result["warm_repeat"]
+    assert len(repeat["step_s"]) == min(2, steps) and all(seconds > 0 for seconds in repeat["step_s"])
+    assert repeat["denoise_outside_steps_s"] >= 0
 
     shapes = result["shapes"]
     assert shapes["text_rows"] == result["tokenizer"]["text_rows"] == 24
@@ -103,16 +107,26 @@ def test_timed_prefix_is_extrapolated_and_keeps_no_mp4(e2e, tmp_path):
     result = run_tiny(e2e, tmp_path, "--steps", "3", "--timed-steps", "2")
     check_common_fields(result, steps=3, timed_steps=2)
     assert result["extrapolated"] is True
-    # Warm by default: the first step is the warm-up, the second gives the rate of all three.
+    # Warm by default: the first step is the warm-up; a warm request's first step (AdaLN tables built alongside)
+    # stands in for it, the second gives the rate of the other two.
     assert result["warmup"] is True
     assert result["denoise_outside_steps_s"] >= 0
-    assert math.isclose(result["denoise_s"], result["denoise_outside_steps_s"] + result["step_s"][1] * 3)
+    warm_first = result["warm_repeat"]["step_s"][0]
+    assert math.isclose(
+        result["denoise_s"], result["denoise_outside_steps_s"] + warm_first + result["step_s"][1] * 2
+    )
     first_calls = result["first_call_s"]
     assert set(first_calls) == {"text_encode", "decode_one_window", "dit_first_step"}
     assert all(seconds > 0 for seconds in first_calls.values())
     assert first_calls["dit_first_step"] == result["step_s"][0]
     assert result["mp4"] is None
     assert not list(tmp_path.glob("*.mp4"))
+
+
+def test_without_a_repeat_the_rate_covers_every_step(e2e, tmp_path):
+    result = run_tiny(e2e, tmp_path, "--steps", "3", "--timed-steps", "2", "--repeat-steps", "0")
+    assert result["warm_repeat"] is None
+    assert math.isclose(result["denoise_s"], result["denoise_outside_steps_s"] + result["step_s"][1] * 3)
 
 
 def test_resident_full_run_keeps_the_mp4(e2e, tmp_path):
@@ -132,6 +146,7 @@ def test_resident_full_run_keeps_the_mp4(e2e, tmp_path):
     [
         ("--steps", "2", "--timed-steps", "3"),  # beyond the schedule
         ("--steps", "3", "--timed-steps", "1"),  # no step left after the warm-up
+        ("--steps", "2", "--repeat-steps", "3"),  # a repeat beyond the schedule
     ],
 )
 def test_bad_step_counts_are_refused(e2e, tmp_path, steps_options):

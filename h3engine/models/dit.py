@@ -950,6 +950,10 @@ class H3DiT(nn.Module):
         if torch.cuda.is_available():
             # Packed into slabs: pinned one by one, each 520 MB weight would take a 1 GiB pinned block.
             pin_in_place(parameters)
+        self.clear_modulation_cache()
+
+    def clear_modulation_cache(self) -> None:
+        """Forget every schedule's tables (the next `schedule_modulation` builds them again)."""
         self._modulation_cache.clear()
 
     def modulation(self, timesteps: Tensor) -> StepModulation:
