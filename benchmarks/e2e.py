@@ -80,7 +80,14 @@ from h3engine.models.audio_vae import AudioVAE, AudioVAEConfig  # noqa: E402
 from h3engine.models.dit import DiTConfig, H3DiT  # noqa: E402
 from h3engine.models.text_encoder import H3TextEncoder  # noqa: E402
 from h3engine.models.video_vae import VideoVAE, VideoVAEConfig  # noqa: E402
-from h3engine.pipeline import Models, StepEvent, decode, denoise_request, encode_presentation  # noqa: E402
+from h3engine.pipeline import (  # noqa: E402
+    DenoisedLatents,
+    Models,
+    StepEvent,
+    decode,
+    denoise_request,
+    encode_presentation,
+)
 from h3engine.presentation import Presentation, text_presentation  # noqa: E402
 from h3engine.sampling.schedule import Schedule  # noqa: E402
 
@@ -562,22 +569,29 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     free_device_memory(device)
 
     dit = resident["dit"] if args.resident else build("dit", build_diffusion)
+    denoise_models = Models(
+        dit=dit, video_vae=None, audio_vae=None, text_encoder=EncodedText(text_states), tokenizer=None
+    )
+
+    def denoise_steps(models: Models, step_count: int, timer: StepTimer) -> DenoisedLatents:
+        """The request's first `step_count` steps, each timed by `timer`."""
+        with torch.inference_mode():
+            return denoise_request(
+                models,
+                presentation,
+                conditions,
+                geometry,
+                first_steps(schedule, step_count),
+                args.seed,
+                RECIPE,
+                device,
+                on_step=timer.after_step,
+                should_cancel=timer.before_step,
+            )
+
     timer = StepTimer(device)
-    with torch.inference_mode(), phases.span("denoise_request"):
-        latents = denoise_request(
-            Models(
-                dit=dit, video_vae=None, audio_vae=None, text_encoder=EncodedText(text_states), tokenizer=None
-            ),
-            presentation,
-            conditions,
-            geometry,
-            first_steps(schedule, timed_steps),
-            args.seed,
-            RECIPE,
-            device,
-            on_step=timer.after_step,
-            should_cancel=timer.before_step,
-        )
+    with phases.span("denoise_request"):
+        latents = denoise_steps(denoise_models, timed_steps, timer)
     step_seconds = timer.seconds()
     warm_repeat = None
     if args.repeat_steps:
@@ -585,25 +599,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         # what a warm server's request pays around its first step, the tables' streaming included.
         dit.clear_modulation_cache()
         repeat_timer = StepTimer(device)
-        with torch.inference_mode():
-            repeat = denoise_request(
-                Models(
-                    dit=dit,
-                    video_vae=None,
-                    audio_vae=None,
-                    text_encoder=EncodedText(text_states),
-                    tokenizer=None,
-                ),
-                presentation,
-                conditions,
-                geometry,
-                first_steps(schedule, args.repeat_steps),
-                args.seed,
-                RECIPE,
-                device,
-                on_step=repeat_timer.after_step,
-                should_cancel=repeat_timer.before_step,
-            )
+        repeat = denoise_steps(denoise_models, args.repeat_steps, repeat_timer)
         repeat_seconds = repeat_timer.seconds()
         warm_repeat = {
             "adaln_tables": "rebuilt (the DiT's table cache cleared first)",
@@ -611,6 +607,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
             "denoise_outside_steps_s": repeat.timings["denoise_s"] - sum(repeat_seconds),
         }
         del repeat
+    del denoise_models
     stats["video_latents"] = tensor_summary(latents.video_latents)
     stats["audio_latents"] = tensor_summary(latents.audio_latents)
     del dit

@@ -250,15 +250,23 @@ def test_decode_matches_diffusers_with_two_rope_frequencies(tiny_config: VideoVA
         assert relative_error(ours.decode(latents), reference.decode(latents).sample) <= MAX_RELATIVE_ERROR
 
 
-def test_released_width_matches_diffusers() -> None:
-    # The released architecture (6 encoder levels, 32-group norms, 32 heads x 64 with 48 rotated channels = 8
-    # frequencies per axis, 4 register tokens, 24 latent channels) with a single decoder block to stay cheap.
-    config = dataclasses.replace(VideoVAEConfig.released(), decoder_num_layers=1)
-    native = video_vae_keys.random_native_state(config, seed=4)
+def released_width_vae(
+    decoder_layers: int, seed: int
+) -> tuple[VideoVAEConfig, dict[str, torch.Tensor], VideoVAE]:
+    """The released VAE architecture with a few decoder blocks, random native weights: (config, state, model)."""
+    config = dataclasses.replace(VideoVAEConfig.released(), decoder_num_layers=decoder_layers)
+    native = video_vae_keys.random_native_state(config, seed=seed)
     with torch.device("meta"):
         ours = VideoVAE(config)
     ours.load_state_dict(native, strict=True, assign=True)
     ours.decoder.rope.reset_computed_buffers(torch.device("cpu"))
+    return config, native, ours
+
+
+def test_released_width_matches_diffusers() -> None:
+    # The released architecture (6 encoder levels, 32-group norms, 32 heads x 64 with 48 rotated channels = 8
+    # frequencies per axis, 4 register tokens, 24 latent channels) with a single decoder block to stay cheap.
+    config, native, ours = released_width_vae(decoder_layers=1, seed=4)
     reference = AutoencoderKLMiniMaxH3.from_config(config.to_diffusers()).eval()
     reference.load_state_dict(video_vae_keys.native_to_diffusers(native, config), strict=True)
     ours.set_tiling(True, 32, 16)  # 2 x 2 latent tiles with a 1-latent overlap at spatial ratio 16
@@ -280,12 +288,7 @@ def test_released_width_matches_diffusers() -> None:
 def test_decoder_fused_kernels_on_cuda_equal_the_torch_twins() -> None:
     # The released decoder width (2048 = 32 heads x 64, 48 rotated channels, 8192-wide SwiGLU) with two blocks, so
     # the norm fused into a block's last residual feeds the next block. fp16 recipe, as the engine decodes.
-    config = dataclasses.replace(VideoVAEConfig.released(), decoder_num_layers=2)
-    native = video_vae_keys.random_native_state(config, seed=6)
-    with torch.device("meta"):
-        ours = VideoVAE(config)
-    ours.load_state_dict(native, strict=True, assign=True)
-    ours.decoder.rope.reset_computed_buffers(torch.device("cpu"))
+    config, _, ours = released_width_vae(decoder_layers=2, seed=6)
     ours = ours.cuda().eval()
     ours.set_tiling(True, 32, 16)
     latents = torch.randn(1, 24, 7, 3, 4, generator=torch.Generator().manual_seed(6)).cuda()
