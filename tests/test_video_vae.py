@@ -12,12 +12,20 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from diffusers import AutoencoderKLMiniMaxH3
 
 from h3engine import ops
 from h3engine.checkpoint import video_vae_keys
 from h3engine.errors import CheckpointError
-from h3engine.models.video_vae import DecodePlan, DecodeTile, VideoVAE, VideoVAEConfig, tile_layout
+from h3engine.models.video_vae import (
+    DecodePlan,
+    DecodeTile,
+    VideoVAE,
+    VideoVAEConfig,
+    decode_autocast,
+    tile_layout,
+)
 
 MAX_RELATIVE_ERROR = 1e-5
 SMALL_TILE, SMALL_OVERLAP = 32, 16
@@ -315,6 +323,77 @@ def test_decode_rejects_latent_counts_without_a_window(
         ours.decode(latents)
     with pytest.raises((RuntimeError, ValueError)), torch.no_grad():
         reference.decode(latents)
+
+
+def rotate_leading_channels(tensor: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rope_dim = cos.shape[-1]
+    rotated, passthrough = tensor[..., :rope_dim], tensor[..., rope_dim:]
+    first_half, second_half = rotated.chunk(2, dim=-1)
+    return torch.cat(
+        [rotated * cos + torch.cat([-second_half, first_half], dim=-1) * sin, passthrough], dim=-1
+    )
+
+
+def unfused_decoder_block(
+    block: torch.nn.Module, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """A decoder block as the module wrote it before the fused ops: hidden [B, T, H] fp32, rotary [T, R]."""
+
+    def rms_norm_fp32(values: torch.Tensor, norm: torch.nn.RMSNorm) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return F.rms_norm(values.float(), norm.normalized_shape, norm.weight.float(), norm.eps)
+
+    attn, batch, tokens = block.attn, hidden.shape[0], hidden.shape[1]
+    qkv = attn.to_qkv(rms_norm_fp32(hidden, block.norm1)).view(batch, tokens, attn.heads, 3 * attn.head_dim)
+    query, key, value = (part.transpose(1, 2) for part in qkv.split(attn.head_dim, dim=-1))
+    with torch.autocast("cpu", enabled=False):
+        query = F.rms_norm(query.float(), (attn.head_dim,), eps=attn.eps).to(value.dtype)
+        key = F.rms_norm(key.float(), (attn.head_dim,), eps=attn.eps).to(value.dtype)
+    cos, sin = (table.to(value.dtype) for table in rotary)
+    query, key = rotate_leading_channels(query, cos, sin), rotate_leading_channels(key, cos, sin)
+    attended = F.scaled_dot_product_attention(query, key, value).transpose(1, 2).reshape(batch, tokens, -1)
+    hidden = hidden + attn.to_out(attended) * block.scale1
+    gate, up = block.ff.w1(rms_norm_fp32(hidden, block.norm2)).chunk(2, dim=-1)
+    return hidden + block.ff.w2(F.silu(gate) * up) * block.scale2
+
+
+@pytest.mark.parametrize("autocast_dtype", [None, torch.float16])
+def test_decoder_blocks_equal_their_unfused_expressions(
+    tiny_config: VideoVAEConfig, autocast_dtype: torch.dtype | None
+) -> None:
+    # On the CPU the ops run their torch twins: the blocks (norms fused into residuals across blocks included) must
+    # give the unfused expressions' bits, in fp32 and under the fp16 recipe. Two blocks, two rotary frequencies.
+    config = dataclasses.replace(tiny_config, decoder_num_layers=2, decoder_attention_head_dim=16)
+    ours = VideoVAE(config).eval()
+    ours.load_state_dict(video_vae_keys.random_native_state(config, seed=9), strict=True)
+    blocks = ours.decoder.transformer_blocks
+    captured: dict[str, object] = {}
+
+    # Hooks that return None (a returned value would replace the block's arguments or output).
+    def keep_input(module: torch.nn.Module, args: tuple) -> None:
+        captured.setdefault("input", args)
+
+    def keep_output(module: torch.nn.Module, args: tuple, output: tuple) -> None:
+        captured.setdefault("output", output[0])
+
+    hooks = [blocks[0].register_forward_pre_hook(keep_input), blocks[-1].register_forward_hook(keep_output)]
+    latents = torch.randn(2, 4, 7, 8, 12, generator=torch.Generator().manual_seed(9))
+    try:
+        with torch.no_grad():
+            ours.decode(latents, autocast_dtype=autocast_dtype)  # the hooks keep the first decoder call
+            stream, _, batch, rotary, _ = captured["input"]
+            tokens = stream.shape[0] // batch
+            expected = stream.view(batch, tokens, -1)
+            with decode_autocast(latents.device, autocast_dtype):
+                for block in blocks:
+                    expected = unfused_decoder_block(
+                        block, expected, tuple(table[:tokens] for table in rotary)
+                    )
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert batch == 2 and expected.dtype == torch.float32
+    assert torch.equal(captured["output"].view(batch, tokens, -1), expected)
 
 
 def test_fp16_autocast_recipe_keeps_fp32_islands(models: tuple[VideoVAE, AutoencoderKLMiniMaxH3]) -> None:

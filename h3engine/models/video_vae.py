@@ -29,6 +29,9 @@ Precision (the danger)
   the output: `post_quant_conv` runs under autocast, so the embedded tokens are rounded to fp16 before they join the
   fp32 residual stream, and the per-axis positions (and cos/sin) are computed in the dtype of that conv's output.
   diffusers' fp16 path differs here (it keeps positions in fp32); neither is bit-reproducible across kernels.
+* The decoder blocks' elementwise work goes through `h3engine.ops` (fp32 RMSNorm rounded to the GEMM dtype, fused
+  with the layer-scaled residual; QK-norm + RoPE; SwiGLU): Triton kernels on CUDA, elsewhere their torch twins, which
+  give the bits of the unfused expressions (tests/test_video_vae.py, in fp32 and under fp16 autocast).
 """
 
 from __future__ import annotations
