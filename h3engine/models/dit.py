@@ -966,7 +966,9 @@ class H3DiT(nn.Module):
         Each step's tables come from exactly the computation a forward does (same shapes, so the same values); the
         projections' weights are read once for all steps (streamed to `device` when offloaded). The tables of the
         last `MODULATION_CACHE_SCHEDULES` schedules are kept, keyed by the timestep values, so repeated requests
-        with the same schedule skip the work. Loading weights clears the cache.
+        with the same schedule skip the work. Loading weights clears the cache. On a GPU the tables are built on a
+        stream of their own and may still be in flight when this returns: readers wait through
+        `BlockModulation.wait` / `StepModulation.final_tables` (`run_blocks` and the forwards do).
         """
         cache_key = (str(device), tuple(tuple(t.tolist()) for t in step_timesteps))
         if cache_key in self._modulation_cache:

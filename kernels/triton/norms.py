@@ -10,8 +10,9 @@ rows come from L2. `gated_residual` runs one program per (row, column tile). Row
 
 Rounding: `F.rms_norm` is x * rstd * weight in fp32 with one rounding, then `* scale` rounds, `+ shift` rounds;
 the gated residual rounds the product, then the sum. The decoder's ops compute the residual and the norm in fp32
-(each op rounding to fp32 as torch's does) and round the normed row once to `out_dtype`. Only rstd can differ from torch's (summation order of the
-mean square, libdevice rsqrtf like torch's CUDA kernel), which moves a normed value by at most one ulp, rarely.
+(each op rounding to fp32 as torch's does) and round the normed row once to `out_dtype`. Only rstd can differ
+from torch's (summation order of the mean square, libdevice rsqrtf like torch's CUDA kernel), which moves a normed
+value by at most one ulp, rarely.
 
 Danger
 ------
