@@ -50,8 +50,11 @@ def app(tmp_path_factory):
 
 @pytest.fixture()
 def page(app):
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
+    # Assertions wait as long as page actions: Playwright's `expect` keeps its own 5 s default otherwise, shorter
+    # than a 4-step generation with decode and mux can take on a loaded 2-core machine (seen twice).
+    expect.set_options(timeout=TIMEOUT_MS)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
