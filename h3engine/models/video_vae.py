@@ -924,8 +924,8 @@ def stitch_tiles(
 
 @dataclass(frozen=True)
 class DecodeTile:
-    """One tile of `VideoVAE.decode` (one decoder input): latent [start, stop) ranges of the prepared (padded) latents along
-    frames (one temporal window), rows and columns (one spatial tile of that window)."""
+    """One tile of `VideoVAE.decode` (one decoder input): latent [start, stop) ranges of the prepared (padded)
+    latents along frames (one temporal window), rows and columns (one spatial tile of that window)."""
 
     frames: tuple[int, int]
     rows: tuple[int, int]

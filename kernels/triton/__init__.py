@@ -1,4 +1,5 @@
-"""Triton kernels for the DiT block's (and the video decoder's) elementwise ops, the twins of `kernels.reference` (same names, same results).
+"""Triton kernels for the elementwise ops of the DiT block and the video decoder, the twins of `kernels.reference`
+(same names, same results).
 
 Each op `name` comes with `supports_name(...)`, taking the op's arguments: True when the kernel handles those
 shapes, strides and dtypes (bf16, fp16, fp32). Device placement is the caller's check (`h3engine.ops` sends only
