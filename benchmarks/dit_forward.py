@@ -281,19 +281,6 @@ ERROR_BREAKDOWN_VARIANTS = {
 }
 
 
-PRIORITY_VARIANTS = {"ours_first_half_prioritized": (-1, 0), "ours_second_half_prioritized": (0, -1)}
-
-
-@contextlib.contextmanager
-def attribute_set_to(owner: object, name: str, value: object) -> Iterator[None]:
-    previous = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, previous)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny config and layout (smoke test)")
@@ -315,11 +302,6 @@ def main() -> None:
         "--blas-experiments",
         action="store_true",
         help="also time ours with cuBLASLt for every GEMM, for out_proj only, and for out_proj and fc2 (GPU)",
-    )
-    parser.add_argument(
-        "--stream-priorities",
-        action="store_true",
-        help="also time ours with one row half's stream at a higher CUDA priority than the other's (GPU)",
     )
     parser.add_argument(
         "--profile",
@@ -375,12 +357,6 @@ def main() -> None:
             with kernel_choice(*choice):
                 timed[name], outputs[name] = time_forward(run_ours, device, args.warmup, args.runs)
             print(f"{name}: median {statistics.median(timed[name]):.4f} s over {timed[name]}")
-        if args.stream_priorities and device.type == "cuda":
-            # The first half's stream at a higher CUDA priority than the second's (same values).
-            for name, priorities in PRIORITY_VARIANTS.items():
-                with attribute_set_to(dit_module, "HALF_STREAM_PRIORITIES", priorities):
-                    timed[name], outputs[name] = time_forward(run_ours, device, args.warmup, args.runs)
-                print(f"{name}: median {statistics.median(timed[name]):.4f} s over {timed[name]}")
         if args.blas_experiments and device.type == "cuda":
             for name, (library, layers) in BLAS_VARIANTS.items():
                 with blas_library(ours, library, layers):
@@ -489,10 +465,6 @@ def main() -> None:
             "ours": "fused Triton ops + the fastest attention backend, layout and AdaLN tables prepared per request, "
             "the blocks' row-wise work in two row halves on two CUDA streams",
             "ours_one_stream": "ours with every block on one stream (no row halves)",
-            **{
-                name: f"ours with the halves' stream priorities {priorities}"
-                for name, priorities in PRIORITY_VARIANTS.items()
-            },
             "ours_reference_kernels": "the same model with the plain-torch twins and torch SDPA attention",
             "ours_fused_ops_sdpa_attention": "fused Triton ops, torch SDPA attention (error breakdown)",
             "ours_reference_ops_fast_attention": "plain-torch ops, the fastest attention backend (error breakdown)",

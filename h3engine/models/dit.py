@@ -756,21 +756,16 @@ def row_streams(enabled: bool) -> Iterator[None]:
         _row_streams = previous
 
 
-# CUDA priorities of the two halves' streams (lower is higher; 0 is the default).
-HALF_STREAM_PRIORITIES = (0, 0)
-# The halves' streams per (CUDA device, priorities), made once.
-_side_streams: dict[tuple, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+# Two side streams per CUDA device, made once.
+_side_streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
 
 
 def _streams_of(device: torch.device) -> tuple[torch.cuda.Stream, ...] | tuple[None, None]:
     if device.type != "cuda":
         return None, None
-    key = (device, HALF_STREAM_PRIORITIES)
-    if key not in _side_streams:
-        _side_streams[key] = tuple(
-            torch.cuda.Stream(device, priority=priority) for priority in HALF_STREAM_PRIORITIES
-        )
-    return _side_streams[key]
+    if device not in _side_streams:
+        _side_streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    return _side_streams[device]
 
 
 @dataclass
