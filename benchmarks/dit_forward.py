@@ -39,7 +39,6 @@ from _dit_helpers import PackedRequest, build_packed_request, max_relative_error
 from benchmarks._common import device_label, kernel_profile, package_version, synchronize  # noqa: E402
 from h3engine import ops  # noqa: E402
 from h3engine.checkpoint.dit_keys import native_to_diffusers, random_native_tensor  # noqa: E402
-from h3engine.models import dit as dit_module  # noqa: E402
 from h3engine.models.dit import DiTConfig, H3DiT  # noqa: E402
 from h3engine.models.fp8 import quantize_dit_linears  # noqa: E402
 from h3engine.ops import attention as attention_ops  # noqa: E402
@@ -206,17 +205,13 @@ ATTENTION_CEILING_TFLOPS = 662.0
 
 
 @contextlib.contextmanager
-def kernel_choice(reference_ops: bool, attention_backend: str | None, row_streams: bool) -> Iterator[None]:
-    """Force our plain-torch twins for the fused ops and/or one attention backend inside the block, and split the
-    blocks into row halves on two streams or not."""
+def kernel_choice(reference_ops: bool, attention_backend: str | None) -> Iterator[None]:
+    """Force our plain-torch twins for the fused ops and/or one attention backend inside the block."""
     previous = os.environ.get(attention_ops.FORCE_ENVIRONMENT_VARIABLE)
     if attention_backend is not None:
         os.environ[attention_ops.FORCE_ENVIRONMENT_VARIABLE] = attention_backend
     try:
-        with (
-            ops.force_reference() if reference_ops else contextlib.nullcontext(),
-            dit_module.row_streams(row_streams),
-        ):
+        with ops.force_reference() if reference_ops else contextlib.nullcontext():
             yield
     finally:
         if previous is None:
@@ -268,16 +263,14 @@ BLAS_VARIANTS = {
 
 # Variant -> (reference ops?, forced attention backend): "ours" is the engine's default choice, the reference one our
 # plain-torch twins (torch's default SDPA dispatch, what diffusers runs); the others split the difference by cause.
-# name -> (plain-torch twins for the fused ops, forced attention backend or None, row halves on two streams).
 KERNEL_VARIANTS = {
-    "ours": (False, None, True),
-    "ours_one_stream": (False, None, False),
-    "ours_reference_kernels": (True, "sdpa", False),
+    "ours": (False, None),
+    "ours_reference_kernels": (True, "sdpa"),
 }
 ERROR_BREAKDOWN_VARIANTS = {
-    "ours_fused_ops_sdpa_attention": (False, "sdpa", False),
-    "ours_reference_ops_fast_attention": (True, None, False),
-    "ours_reference_ops_cudnn_attention": (True, "cudnn", False),
+    "ours_fused_ops_sdpa_attention": (False, "sdpa"),
+    "ours_reference_ops_fast_attention": (True, None),
+    "ours_reference_ops_cudnn_attention": (True, "cudnn"),
 }
 
 
@@ -353,8 +346,8 @@ def main() -> None:
             variants.update(ERROR_BREAKDOWN_VARIANTS)
             if device.type != "cuda":
                 del variants["ours_reference_ops_cudnn_attention"]  # cuDNN attention needs a GPU
-        for name, choice in variants.items():
-            with kernel_choice(*choice):
+        for name, (reference_ops, attention_backend) in variants.items():
+            with kernel_choice(reference_ops, attention_backend):
                 timed[name], outputs[name] = time_forward(run_ours, device, args.warmup, args.runs)
             print(f"{name}: median {statistics.median(timed[name]):.4f} s over {timed[name]}")
         if args.blas_experiments and device.type == "cuda":
@@ -429,11 +422,6 @@ def main() -> None:
                 outputs["ours"][1], outputs["ours_reference_kernels"][1]
             ),
         }
-    # Row halves on two streams against the same kernels on one stream (bit-identical when the GEMMs are).
-    errors["ours_vs_ours_one_stream"] = {
-        "video_max_relative": max_relative_error(outputs["ours"][0], outputs["ours_one_stream"][0]),
-        "audio_max_relative": max_relative_error(outputs["ours"][1], outputs["ours_one_stream"][1]),
-    }
     if "ours_fp8" in outputs:
         errors["ours_fp8_vs_ours"] = {
             "video_relative_l2": relative_l2(outputs["ours_fp8"][0], outputs["ours"][0]),
@@ -462,9 +450,7 @@ def main() -> None:
         },
         "dtype": "bfloat16 with the released fp32 islands",
         "variants": {
-            "ours": "fused Triton ops + the fastest attention backend, layout and AdaLN tables prepared per request, "
-            "the blocks' row-wise work in two row halves on two CUDA streams",
-            "ours_one_stream": "ours with every block on one stream (no row halves)",
+            "ours": "fused Triton ops + the fastest attention backend, layout and AdaLN tables prepared per request",
             "ours_reference_kernels": "the same model with the plain-torch twins and torch SDPA attention",
             "ours_fused_ops_sdpa_attention": "fused Triton ops, torch SDPA attention (error breakdown)",
             "ours_reference_ops_fast_attention": "plain-torch ops, the fastest attention backend (error breakdown)",
@@ -497,7 +483,6 @@ def main() -> None:
     }
     if "diffusers" in medians:
         result["ratio_ours_over_diffusers"] = medians["ours"] / medians["diffusers"]
-        result["ratio_ours_one_stream_over_diffusers"] = medians["ours_one_stream"] / medians["diffusers"]
         result["ratio_reference_kernels_over_diffusers"] = (
             medians["ours_reference_kernels"] / medians["diffusers"]
         )

@@ -15,7 +15,6 @@ must then equal the reference chain applied to them exactly, which pins every ro
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import subprocess
@@ -28,7 +27,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from h3engine import ops
-from h3engine.models import dit as dit_module
 from h3engine.models.dit import (
     NUM_BLOCK_MODULATIONS,
     Attention,
@@ -42,7 +40,6 @@ from h3engine.models.dit import (
     SwiGLU,
     attention,
     run_blocks,
-    run_blocks_in_row_halves,
 )
 from h3engine.parallel import collectives
 from h3engine.parallel.groups import GroupMembership
@@ -235,38 +232,6 @@ def test_run_blocks_fuses_across_blocks_and_equals_block_after_block(dtype: torc
     assert len(fused_calls) == 3 + 2
     assert torch.equal(result, expected)
     assert run_blocks([], [], hidden, layout) is hidden
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("sequence_length", [23, 600])
-def test_row_halves_equal_the_whole_sequence(dtype: torch.dtype, sequence_length: int) -> None:
-    # The split point is a multiple of HALF_ALIGNMENT rows: 600 rows split 256 + 344 as released, 23 rows 8 + 15 with
-    # an alignment of 8 (a one-row half would make the CPU's fp32 GEMM take its matrix-vector path, other bits).
-    config = DiTConfig.tiny()
-    blocks = [randomized(DiTBlock(config, dtype, "cpu"), seed=30 + index) for index in range(3)]
-    layout = tiny_layout(config, sequence_length=sequence_length, num_timesteps=2, dtype=dtype)
-    generator = torch.Generator().manual_seed(4)
-    hidden = torch.randn(sequence_length, config.hidden_size, generator=generator).to(dtype)
-    temb = torch.randn(2, config.time_embed_dim, generator=generator)
-    projections = []
-    original = Attention.project_into
-
-    def recording(attn, hidden_rows, *arguments):
-        projections.append(hidden_rows.shape[0])
-        return original(attn, hidden_rows, *arguments)
-
-    with torch.no_grad():
-        tables = [block.modulation(temb) for block in blocks]
-        expected = run_blocks(blocks, tables, hidden, layout)
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(Attention, "project_into", recording)
-            if sequence_length == 23:
-                patch.setattr(dit_module, "HALF_ALIGNMENT", 8)
-            result = run_blocks_in_row_halves(blocks, tables, hidden, layout)
-    split = 8 if sequence_length == 23 else 256
-    assert projections == [split, sequence_length - split] * 3
-    assert torch.equal(result, expected)
-    assert run_blocks_in_row_halves([], [], hidden, layout) is hidden
 
 
 class _LoopbackExchange:
@@ -480,17 +445,6 @@ def test_triton_kernel_qk_norm_rope(dtype: torch.dtype, shape: tuple[int, int, i
     assert torch.equal(rotated_query, apply_rope(normed_query, cos, sin))
     assert torch.equal(rotated_key, apply_rope(normed_key, cos, sin))
 
-    # Written into a row block of larger buffers instead (rows 2..S+1 of S + 5): the same values, the rest kept.
-    query_buffer, key_buffer = (
-        torch.full((sequence_length + 5, heads, head_dim), -7.0, dtype=dtype, device=DEVICE) for _ in range(2)
-    )
-    outputs = (query_buffer[2 : 2 + sequence_length], key_buffer[2 : 2 + sequence_length])
-    assert kernels_triton.supports_qk_norm_rope_into(*arguments, cos, sin, *outputs)
-    assert kernels_triton.qk_norm_rope_into(*arguments, cos, sin, *outputs) is None
-    assert torch.equal(outputs[0], rotated_query) and torch.equal(outputs[1], rotated_key)
-    for buffer in (query_buffer, key_buffer):
-        assert bool((buffer[:2] == -7.0).all()) and bool((buffer[2 + sequence_length :] == -7.0).all())
-
 
 @needs_triton_device
 @pytest.mark.parametrize("rows_per_program", [2, 3, 4])
@@ -621,17 +575,6 @@ def test_triton_kernel_support_checks_reject_what_they_cannot_run() -> None:
     cos = draw((3, 6), torch.float32, 21)
     assert not kernels_triton.supports_qk_norm_rope(query, query, weight, weight, EPS, cos[:, :5], cos[:, :5])
     assert not kernels_triton.supports_qk_norm_rope(query, query, weight, weight, EPS, cos, None)
-    strided_out = torch.empty(query.shape[0], query.shape[1], 2 * query.shape[2], device=DEVICE)[..., ::2]
-    good_out = torch.empty_like(query)
-    assert kernels_triton.supports_qk_norm_rope_into(
-        query, query, weight, weight, EPS, cos, cos, good_out, good_out
-    )
-    assert not kernels_triton.supports_qk_norm_rope_into(
-        query, query, weight, weight, EPS, cos, cos, strided_out, good_out
-    )
-    assert not kernels_triton.supports_qk_norm_rope_into(
-        query, query, weight, weight, EPS, cos, cos, good_out, good_out[:-1]
-    )
     assert not kernels_triton.supports_pack_heads_for_exchange(query, 3)
     assert not kernels_triton.supports_pack_heads_for_exchange(query.transpose(1, 2), 2)
 
@@ -700,49 +643,3 @@ def test_cuda_swiglu_addresses_past_two_to_the_31_elements() -> None:
     out = triton_kernels().swiglu(fused)
     assert fused.numel() > 2**31
     assert torch.equal(out[-4:], reference.swiglu(fused[-4:]))
-
-
-@needs_cuda
-def test_row_halves_on_two_streams_equal_one_stream_on_cuda() -> None:
-    # 6,000 rows (> MIN_ROWS_FOR_HALVES): run_blocks takes the two-stream path by default. A second run makes each
-    # half's stream sleep ~10 ms before its operand projection and its block tail, so work that skipped a fork or a
-    # join (or read a buffer reused too early) would see other values.
-    config = dataclasses.replace(DiTConfig.tiny(), hidden_size=256, num_heads=4, head_dim=64, ffn_dim=512)
-    sequence_length = 6000
-    assert sequence_length >= dit_module.MIN_ROWS_FOR_HALVES
-    blocks = [
-        randomized(DiTBlock(config, torch.bfloat16, "cpu"), seed=40 + index).cuda() for index in range(4)
-    ]
-    layout = tiny_layout(config, sequence_length=sequence_length, num_timesteps=2, dtype=torch.bfloat16)
-    layout = PackedLayout(
-        rope_cos_sin=tuple(table.cuda() for table in layout.rope_cos_sin),
-        adaln_index=layout.adaln_index.cuda(),
-        timestep_index=layout.timestep_index.cuda(),
-        video_index=layout.video_index.cuda(),
-        audio_index=layout.audio_index.cuda(),
-        text_index=layout.text_index.cuda(),
-    )
-    generator = torch.Generator().manual_seed(5)
-    hidden = torch.randn(sequence_length, config.hidden_size, generator=generator).to(torch.bfloat16).cuda()
-    temb = torch.randn(2, config.time_embed_dim, generator=generator).cuda()
-    with torch.no_grad():
-        tables = [block.modulation(temb) for block in blocks]
-        with dit_module.row_streams(False):
-            expected = run_blocks(blocks, tables, hidden, layout)
-        halves = run_blocks(blocks, tables, hidden, layout)
-        project_into, finish = Attention.project_into, DiTBlock.finish
-
-        def sleeping(method):
-            def wrapper(*arguments, **keywords):
-                torch.cuda._sleep(20_000_000)
-                return method(*arguments, **keywords)
-
-            return wrapper
-
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(Attention, "project_into", sleeping(project_into))
-            patch.setattr(DiTBlock, "finish", sleeping(finish))
-            slowed = run_blocks(blocks, tables, hidden, layout)
-            slowed_again = run_blocks(blocks, tables, hidden, layout)
-    assert torch.equal(halves, expected)
-    assert torch.equal(slowed, expected) and torch.equal(slowed_again, expected)

@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -499,39 +498,6 @@ class Attention(nn.Module):
         output = attend(query, key, value)
         return self.out_proj(output.reshape(sequence_length, self.num_heads * self.head_dim))
 
-    def project_into(
-        self,
-        hidden: Tensor,
-        rope_cos_sin: tuple[Tensor, Tensor],
-        query_out: Tensor,
-        key_out: Tensor,
-        value_out: Tensor,
-    ) -> None:
-        """`forward`'s attention operands of `hidden`'s rows, written into `query_out` / `key_out` / `value_out`
-        [rows, heads, head_dim] (row blocks of whole-sequence buffers; the same values as `forward`'s)."""
-        forward_chunks = getattr(self.qkv_proj, "forward_chunks", None)
-        if forward_chunks is not None:
-            query, key, value = forward_chunks(hidden, 3)
-            value_out.view_as(value).copy_(value)
-        else:
-            query_weight, key_weight, value_weight = self.qkv_proj.weight.chunk(3)
-            query, key = F.linear(hidden, query_weight), F.linear(hidden, key_weight)
-            # F.linear on 2-D input without bias is this product (same GEMM), here written in place.
-            torch.mm(hidden, value_weight.t(), out=value_out.view(hidden.shape[0], -1))
-        heads = query_out.shape
-        cos, sin = rope_cos_sin
-        ops.qk_norm_rope_into(
-            query.view(heads),
-            key.view(heads),
-            self.q_norm.weight,
-            self.k_norm.weight,
-            self.q_norm.eps,
-            cos,
-            sin,
-            query_out,
-            key_out,
-        )
-
 
 class SwiGLU(nn.Module):
     """fc2(silu(gate) * value) with fc1 rows stored [gate; value] (the gate is the FIRST half)."""
@@ -622,21 +588,20 @@ class DiTBlock(nn.Module):
             gate_ffn=gate_ffn.contiguous(),
         )
 
-    def attention_input(self, hidden: Tensor, modulation: BlockModulation, rows: Tensor) -> Tensor:
-        """The first modulated norm: norm1(hidden) * (1 + scale_attn) + shift_attn, per packed row (`rows`: each
-        row's AdaLN table row, `PackedLayout.adaln_index`)."""
+    def attention_input(self, hidden: Tensor, modulation: BlockModulation, layout: PackedLayout) -> Tensor:
+        """The first modulated norm: norm1(hidden) * (1 + scale_attn) + shift_attn, per packed row."""
         return ops.modulated_rms_norm(
             hidden,
             self.norm1.weight,
             self.norm1.eps,
             modulation.scale_plus_one_attn,
             modulation.shift_attn,
-            rows,
+            layout.adaln_index,
         )
 
     def forward(self, hidden: Tensor, modulation: BlockModulation, layout: PackedLayout) -> Tensor:
         hidden, _ = self.forward_from(
-            hidden, self.attention_input(hidden, modulation, layout.adaln_index), modulation, layout
+            hidden, self.attention_input(hidden, modulation, layout), modulation, layout
         )
         return hidden
 
@@ -651,38 +616,27 @@ class DiTBlock(nn.Module):
         """The block from its attention input `modulated` (`attention_input(hidden, ...)`) on: (new hidden, the
         `following` block's attention input of it, or None without a following block). The last gated residual and
         the next block's first norm then run as one op, one pass over the sequence instead of two."""
+        # Each op gathers its table rows per packed row: table[adaln_index] (see `h3engine.ops` for the rounding).
+        rows, tables = layout.adaln_index, modulation
         attended = self.attn(modulated, layout.rope_cos_sin, layout.attend)
-        return self.finish(hidden, attended, modulation, layout.adaln_index, following)
-
-    def finish(
-        self,
-        hidden: Tensor,
-        attended: Tensor,
-        modulation: BlockModulation,
-        rows: Tensor,
-        following: tuple[DiTBlock, BlockModulation] | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """`forward_from` after the attention: from its projected output `attended` on (any block of rows, with
-        `rows` their AdaLN table rows)."""
-        # Each op gathers its table rows per packed row: table[rows] (see `h3engine.ops` for the rounding).
         # hidden + gate_attn * attended, and the FFN's modulated norm of that sum, in one pass.
         hidden, modulated = ops.gated_residual_rms_norm(
             hidden,
-            modulation.gate_attn,
+            tables.gate_attn,
             rows,
             attended,
             self.norm2.weight,
             self.norm2.eps,
-            modulation.scale_plus_one_ffn,
-            modulation.shift_ffn,
+            tables.scale_plus_one_ffn,
+            tables.shift_ffn,
         )
         update = self.mlp(modulated)
         if following is None:
-            return ops.gated_residual(hidden, modulation.gate_ffn, rows, update), None
+            return ops.gated_residual(hidden, tables.gate_ffn, rows, update), None
         block, next_tables = following
         return ops.gated_residual_rms_norm(
             hidden,
-            modulation.gate_ffn,
+            tables.gate_ffn,
             rows,
             update,
             block.norm1.weight,
@@ -696,167 +650,19 @@ def run_blocks(
     blocks: Sequence[DiTBlock], modulations: Sequence[BlockModulation], hidden: Tensor, layout: PackedLayout
 ) -> Tensor:
     """The DiT blocks in order on the packed rows. Each block's last gated residual is fused with the next block's
-    first modulated norm (`DiTBlock.forward_from`): the same ops as block after block, one pass fewer each.
-
-    On a GPU with enough rows the work runs in two row halves on two streams (`run_blocks_in_row_halves`)."""
-    if hidden.device.type == "cuda" and row_streams_enabled() and hidden.shape[0] >= MIN_ROWS_FOR_HALVES:
-        return run_blocks_in_row_halves(blocks, modulations, hidden, layout)
+    first modulated norm (`DiTBlock.forward_from`): the same ops as block after block, one pass fewer each."""
     chain = list(zip(blocks, modulations, strict=True))
     if not chain:
         return hidden
     # Tables may still be in flight on the stream that builds a schedule's (`H3DiT.schedule_modulation`): each
     # block waits for its own and, for the fused next norm, the following block's.
-    modulated = chain[0][0].attention_input(hidden, chain[0][1].wait(), layout.adaln_index)
+    modulated = chain[0][0].attention_input(hidden, chain[0][1].wait(), layout)
     for index, (block, modulation) in enumerate(chain):
         following = chain[index + 1] if index + 1 < len(chain) else None
         if following is not None:
             following[1].wait()
         hidden, modulated = block.forward_from(hidden, modulated, modulation, layout, following)
     return hidden
-
-
-# Row halves on two streams ------------------------------------------------------------------------------------
-#
-# Only the attention kernel mixes rows; every other op of a block (GEMMs, norms, SwiGLU, residuals) is row-wise.
-# So between two attention calls the rows can run as two halves, each on a CUDA stream of its own: the memory-bound
-# elementwise kernels of one half then run while the other half's GEMMs hold the tensor cores, instead of leaving
-# them idle (~2 % of a released-size forward is such kernels). The values are those of `run_blocks`.
-
-# `H3_ROW_STREAMS=off` in the environment (read at import) keeps every block on one stream; "on"/unset splits.
-ROW_STREAMS_ENVIRONMENT_VARIABLE = "H3_ROW_STREAMS"
-# Sequences shorter than this stay on one stream (the split only pays where kernels fill the GPU).
-MIN_ROWS_FOR_HALVES = 4096
-# The split point is a multiple of this many rows, so that each half fills whole GEMM row tiles.
-HALF_ALIGNMENT = 256
-
-
-def _row_streams_from_environment() -> bool:
-    choice = os.environ.get(ROW_STREAMS_ENVIRONMENT_VARIABLE, "on").strip().lower()
-    if choice not in ("on", "off", ""):
-        raise ValueError(f"{ROW_STREAMS_ENVIRONMENT_VARIABLE}={choice!r}: expected 'on' or 'off' (or unset)")
-    return choice != "off"
-
-
-_row_streams = _row_streams_from_environment()
-
-
-def row_streams_enabled() -> bool:
-    return _row_streams
-
-
-@contextlib.contextmanager
-def row_streams(enabled: bool) -> Iterator[None]:
-    """Split (or not) `run_blocks`' work into row halves on two streams inside the block (benchmarks, tests)."""
-    global _row_streams
-    previous = _row_streams
-    _row_streams = enabled
-    try:
-        yield
-    finally:
-        _row_streams = previous
-
-
-# Two side streams per CUDA device, made once.
-_side_streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
-
-
-def _streams_of(device: torch.device) -> tuple[torch.cuda.Stream, ...] | tuple[None, None]:
-    if device.type != "cuda":
-        return None, None
-    if device not in _side_streams:
-        _side_streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-    return _side_streams[device]
-
-
-@dataclass
-class _RowHalf:
-    """One half's rows and its running state: the residual stream and the next attention's modulated input."""
-
-    rows: slice
-    adaln_rows: Tensor
-    rope_cos_sin: tuple[Tensor, Tensor]
-    stream: torch.cuda.Stream | None
-    hidden: Tensor
-    modulated: Tensor | None = None
-
-    def running(self) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-
-
-def run_blocks_in_row_halves(
-    blocks: Sequence[DiTBlock], modulations: Sequence[BlockModulation], hidden: Tensor, layout: PackedLayout
-) -> Tensor:
-    """`run_blocks` with everything but the attention kernel in two row halves, each on its own CUDA stream (in
-    turn on a CPU). Per block: the halves write their attention operands into whole-sequence buffers; the current
-    stream waits for both and runs the attention; then each half, on its stream, takes its rows of the attention
-    output through the output projection, the residuals and the FFN, and projects the next block's operands.
-
-    Memory: tensors a half allocates are only used on its stream; what crosses streams (the operand buffers, the
-    attention output, the input) is allocated on the current stream, which waits for both halves before it runs
-    anything after their reads, and every half starts by waiting for the current stream. So the caching allocator's
-    per-stream reuse needs no `record_stream`, and the last hidden halves may be freed once concatenated: a half's
-    stream touches memory again only after it has waited for the current stream's later work.
-    """
-    chain = list(zip(blocks, modulations, strict=True))
-    if not chain:
-        return hidden
-    sequence_length = hidden.shape[0]
-    split = min(max(round(sequence_length / 2 / HALF_ALIGNMENT) * HALF_ALIGNMENT, 1), sequence_length - 1)
-    cos, sin = layout.rope_cos_sin
-    halves = [
-        _RowHalf(rows, layout.adaln_index[rows], (cos[rows], sin[rows]), stream, hidden[rows])
-        for rows, stream in zip(
-            (slice(0, split), slice(split, sequence_length)), _streams_of(hidden.device), strict=True
-        )
-    ]
-    current = torch.cuda.current_stream(hidden.device) if hidden.device.type == "cuda" else None
-
-    def fork() -> None:
-        for half in halves:
-            if half.stream is not None:
-                half.stream.wait_stream(current)
-
-    def join() -> None:
-        for half in halves:
-            if half.stream is not None:
-                current.wait_stream(half.stream)
-
-    def operand_buffers(block: DiTBlock) -> tuple[Tensor, Tensor, Tensor]:
-        shape = (sequence_length, block.attn.num_heads, block.attn.head_dim)
-        return tuple(hidden.new_empty(shape) for _ in range(3))
-
-    first_block, first_tables = chain[0]
-    operands = operand_buffers(first_block)
-    fork()
-    for half in halves:
-        with half.running():
-            half.modulated = first_block.attention_input(half.hidden, first_tables.wait(), half.adaln_rows)
-            first_block.attn.project_into(
-                half.modulated, half.rope_cos_sin, *(buffer[half.rows] for buffer in operands)
-            )
-    for index, (block, modulation) in enumerate(chain):
-        join()
-        attended = layout.attend(*operands).flatten(1)
-        following = chain[index + 1] if index + 1 < len(chain) else None
-        # The buffers just read may be reused for the next ones: the halves write those after the attention.
-        operands = None
-        operands = operand_buffers(following[0]) if following is not None else None
-        fork()
-        for half in halves:
-            with half.running():
-                if following is not None:
-                    following[1].wait()
-                projected = block.attn.out_proj(attended[half.rows])
-                # This block's tables were waited for on this stream with the previous block (or the first).
-                half.hidden, half.modulated = block.finish(
-                    half.hidden, projected, modulation, half.adaln_rows, following
-                )
-                if following is not None:
-                    following[0].attn.project_into(
-                        half.modulated, half.rope_cos_sin, *(buffer[half.rows] for buffer in operands)
-                    )
-    join()
-    return torch.cat([half.hidden for half in halves])
 
 
 class FinalLayer(nn.Module):

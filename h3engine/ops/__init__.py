@@ -14,8 +14,7 @@ kernel's `supports_*` accepts the shapes, strides and dtypes (bf16, fp16, fp32);
 Results: elementwise chains (gated residual, RoPE, SwiGLU on CUDA, the relayouts) are bit-identical to the
 reference. Inside the RMSNorm ops (QK-norm included) the normed value may differ by one ulp of the dtype in rare
 elements (the mean square is summed in another order; rsqrt is libdevice's), and the ops after it carry that on;
-the rest of each chain rounds exactly like the reference. Triton outputs are new contiguous tensors
-(the `_into` ops write given ones).
+the rest of each chain rounds exactly like the reference. Triton outputs are new contiguous tensors.
 
 `H3_KERNELS=reference` in the environment (read at import) forces the reference everywhere; `force_reference()`
 does so for a `with` block (tests, benchmarks). Any other value than "reference" or "auto"/unset is an error.
@@ -138,22 +137,6 @@ def qk_norm_rope(
     """Per-head RMSNorm of query and key [S, heads, D], then rotate-half RoPE of the first R = cos.shape[-1]
     channels (cos/sin [S, R], or both None for no rotation)."""
     return _run("qk_norm_rope", query, key, q_weight, k_weight, eps, cos, sin)
-
-
-def qk_norm_rope_into(
-    query: Tensor,
-    key: Tensor,
-    q_weight: Tensor,
-    k_weight: Tensor,
-    eps: float,
-    cos: Tensor | None,
-    sin: Tensor | None,
-    query_out: Tensor,
-    key_out: Tensor,
-) -> None:
-    """`qk_norm_rope` written into `query_out` / `key_out` [S, heads, D] instead of new tensors (the Triton kernel
-    takes contiguous ones, e.g. row blocks of whole-sequence buffers)."""
-    _run("qk_norm_rope_into", query, key, q_weight, k_weight, eps, cos, sin, query_out, key_out)
 
 
 def rms_norm_to(hidden: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype) -> Tensor:

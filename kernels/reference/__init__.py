@@ -13,7 +13,7 @@ from kernels.reference.norms import (
     scaled_residual_rms_norm_to,
 )
 from kernels.reference.relayout import pack_heads_for_exchange, unpack_exchanged_heads
-from kernels.reference.rope import qk_norm_rope, qk_norm_rope_into
+from kernels.reference.rope import qk_norm_rope
 
 __all__ = [
     "gated_residual",
@@ -21,7 +21,6 @@ __all__ = [
     "modulated_rms_norm",
     "pack_heads_for_exchange",
     "qk_norm_rope",
-    "qk_norm_rope_into",
     "rms_norm_to",
     "scaled_residual_rms_norm_to",
     "swiglu",

@@ -42,21 +42,3 @@ def qk_norm_rope(
     if cos is None or sin is None:
         raise ValueError("qk_norm_rope: cos and sin must both be tensors or both be None")
     return rotate_first_channels(query, cos, sin), rotate_first_channels(key, cos, sin)
-
-
-def qk_norm_rope_into(
-    query: Tensor,
-    key: Tensor,
-    q_weight: Tensor,
-    k_weight: Tensor,
-    eps: float,
-    cos: Tensor | None,
-    sin: Tensor | None,
-    query_out: Tensor,
-    key_out: Tensor,
-) -> None:
-    """`qk_norm_rope` written into `query_out` / `key_out` [S, heads, D] (e.g. row blocks of whole-sequence
-    buffers)."""
-    normed_query, normed_key = qk_norm_rope(query, key, q_weight, k_weight, eps, cos, sin)
-    query_out.copy_(normed_query)
-    key_out.copy_(normed_key)

@@ -26,12 +26,7 @@ from kernels.triton.relayout import (
     supports_unpack_exchanged_heads,
     unpack_exchanged_heads,
 )
-from kernels.triton.rope import (
-    qk_norm_rope,
-    qk_norm_rope_into,
-    supports_qk_norm_rope,
-    supports_qk_norm_rope_into,
-)
+from kernels.triton.rope import qk_norm_rope, supports_qk_norm_rope
 
 __all__ = [
     "gated_residual",
@@ -39,7 +34,6 @@ __all__ = [
     "modulated_rms_norm",
     "pack_heads_for_exchange",
     "qk_norm_rope",
-    "qk_norm_rope_into",
     "rms_norm_to",
     "scaled_residual_rms_norm_to",
     "supports_gated_residual",
@@ -47,7 +41,6 @@ __all__ = [
     "supports_modulated_rms_norm",
     "supports_pack_heads_for_exchange",
     "supports_qk_norm_rope",
-    "supports_qk_norm_rope_into",
     "supports_rms_norm_to",
     "supports_scaled_residual_rms_norm_to",
     "supports_swiglu",

@@ -5,7 +5,7 @@ Contract
 Same arguments and results as the reference. One program per (block of rows, block of heads) handles that block
 for both query and key, so each row's cos/sin are read once. Inputs may be strided views (e.g. [S, heads*D] GEMM outputs
 viewed as [S, heads, D], or slices of a fused QKV output): any row and head strides, unit channel stride. Outputs
-are new contiguous [S, heads, D] tensors (`qk_norm_rope_into` writes given contiguous ones instead).
+are new contiguous [S, heads, D] tensors.
 
 Each channel c < R also loads its rotate-half partner (c + R/2 or c - R/2, an L1 hit) and normalizes it with the
 same head's rstd, so the rotation needs no data movement between lanes. Rounding: the RMSNorm output rounds once
@@ -213,63 +213,11 @@ def qk_norm_rope(
     """(RoPE(RMSNorm(query)), RoPE(RMSNorm(key))) as new contiguous [S, heads, D] tensors.
 
     `rows_per_program` and `num_warps` (default: from the tile size) only change the launch (for tuning)."""
+    sequence_length, heads, head_dim = query.shape
     query_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     key_out = torch.empty_like(query_out)
-    _launch_qk_norm_rope(
-        query, key, q_weight, k_weight, eps, cos, sin, query_out, key_out, rows_per_program, num_warps
-    )
-    return query_out, key_out
-
-
-def supports_qk_norm_rope_into(
-    query: Tensor,
-    key: Tensor,
-    q_weight: Tensor,
-    k_weight: Tensor,
-    eps: float,
-    cos: Tensor | None,
-    sin: Tensor | None,
-    query_out: Tensor,
-    key_out: Tensor,
-) -> bool:
-    return supports_qk_norm_rope(query, key, q_weight, k_weight, eps, cos, sin) and all(
-        out.shape == query.shape and out.dtype == query.dtype and out.is_contiguous()
-        for out in (query_out, key_out)
-    )
-
-
-def qk_norm_rope_into(
-    query: Tensor,
-    key: Tensor,
-    q_weight: Tensor,
-    k_weight: Tensor,
-    eps: float,
-    cos: Tensor | None,
-    sin: Tensor | None,
-    query_out: Tensor,
-    key_out: Tensor,
-) -> None:
-    """`qk_norm_rope` written into the contiguous `query_out` / `key_out` (e.g. row blocks of whole-sequence
-    buffers) instead of new tensors."""
-    _launch_qk_norm_rope(query, key, q_weight, k_weight, eps, cos, sin, query_out, key_out)
-
-
-def _launch_qk_norm_rope(
-    query: Tensor,
-    key: Tensor,
-    q_weight: Tensor,
-    k_weight: Tensor,
-    eps: float,
-    cos: Tensor | None,
-    sin: Tensor | None,
-    query_out: Tensor,
-    key_out: Tensor,
-    rows_per_program: int = ROWS_PER_PROGRAM,
-    num_warps: int | None = None,
-) -> None:
-    sequence_length, heads, head_dim = query.shape
     if sequence_length == 0 or heads == 0:
-        return
+        return query_out, key_out
     rotary_dim = 0 if cos is None else cos.shape[-1]
     # Without rotation the table pointers are never read; the query stands in for them.
     cos_table, sin_table = (query, query) if cos is None else (cos, sin)
@@ -301,3 +249,4 @@ def _launch_qk_norm_rope(
         num_warps=num_warps or max(1, num_warps_for(head_block * dim_block) // WARP_DIVISOR),
         **LAUNCH_OPTIONS,
     )
+    return query_out, key_out
