@@ -9,6 +9,8 @@ each device (h3engine.placement; shown in the page header). With no checkpoint c
 `H3_CHECKPOINT` unset or empty) it runs on a tiny random-weight checkpoint that it makes once in a cache folder and
 says so in a banner.
 
+GPU replicas make one short warm-up run before they take jobs (`--no-warm-up` skips it).
+
 Safety defaults: binds 127.0.0.1 unless `--host` / `H3_HOST` says otherwise; `--share` and `--auth` are opt-in;
 uploads are limited to `--max-file-size`; besides uploads, only the outputs folder is served.
 
@@ -69,6 +71,7 @@ class AppConfig:
     max_file_size: str
     queue_size: int
     preview_every: int
+    warm_up: bool = True  # GPU replicas run `WARM_UP_REQUEST` before taking jobs (h3engine.runtime.front)
 
 
 def _default_cache_dir(environ: Mapping[str, str]) -> Path:
@@ -136,6 +139,13 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     parser.add_argument("--queue-size", type=int, default=DEFAULT_QUEUE_SIZE, help="most requests waiting")
     parser.add_argument("--preview-every", type=int, default=5, help="live preview every N denoising steps")
+    parser.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="skip the short warm-up run each GPU replica makes at start (its kernel compiles then fall on the "
+        "first request instead)",
+    )
     return parser
 
 
@@ -168,6 +178,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppC
         max_file_size=args.max_file_size,
         queue_size=args.queue_size,
         preview_every=args.preview_every,
+        warm_up=args.warm_up,
     )
 
 
@@ -241,6 +252,12 @@ def _tiny_engines(config: AppConfig) -> tuple[Path, list[Engine | ProcessReplica
     return folder, _load_engines(folder, config)
 
 
+def _computes_on_cuda(replica: Engine | ProcessReplica) -> bool:
+    """Whether the replica's models run on a GPU (only there does the first request pay compiles)."""
+    devices = [str(replica.device)] if hasattr(replica, "device") else list(replica.spec.devices)
+    return any(device.startswith("cuda") for device in devices)
+
+
 def random_weights_banner(folder: Path) -> str:
     return (
         "**Random weights.** No checkpoint was configured, so this app runs on a tiny random-weight checkpoint "
@@ -273,7 +290,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     import ui
     from h3engine.runtime.front import EngineFront
 
-    front = EngineFront(engines, config.outputs_dir, preview_every=config.preview_every)
+    front = EngineFront(
+        engines,
+        config.outputs_dir,
+        preview_every=config.preview_every,
+        warm_up=config.warm_up and any(_computes_on_cuda(replica) for replica in engines),
+    )
     options = ui.UiOptions(
         outputs_dir=config.outputs_dir,
         examples_path=EXAMPLES_PATH,

@@ -89,6 +89,7 @@ from h3engine.pipeline import (  # noqa: E402
     encode_presentation,
 )
 from h3engine.presentation import Presentation, text_presentation  # noqa: E402
+from h3engine.runtime.front import WARM_UP_REQUEST  # noqa: E402
 from h3engine.sampling.schedule import Schedule  # noqa: E402
 
 RECIPE = "sglang"  # the serving recipe: N forwards for N steps
@@ -479,8 +480,17 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         help="after the request's steps, time the first K steps of a second request on the warm DiT with its AdaLN "
         "tables rebuilt ('warm_repeat' in the JSON; default min(2, --steps); 0: skip)",
     )
+    parser.add_argument(
+        "--warm-up-run",
+        action="store_true",
+        help="with --resident: before the request, run the app's warm-up (h3engine.runtime.front.WARM_UP_REQUEST: "
+        "its duration at this canvas, one step, decoded) and report its time ('warm_up_run_s'); with --no-warmup "
+        "the request's first-call times then show what the warm-up leaves",
+    )
     parser.add_argument("--output-dir", type=Path, default=REPOSITORY_ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
+    if args.warm_up_run and not args.resident:
+        parser.error("--warm-up-run needs --resident (it runs on the models the request then uses)")
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     if args.timed_steps is not None and not 1 <= args.timed_steps <= args.steps:
@@ -498,6 +508,42 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU is available here (use --tiny --device cpu for the smoke test)")
     return args
+
+
+def run_app_warm_up(
+    resident: dict[str, torch.nn.Module],
+    args: argparse.Namespace,
+    device: torch.device,
+    video_decode_autocast: torch.dtype | None,
+    presentation: Presentation,
+) -> float:
+    """What the app's warm-up runs (`WARM_UP_REQUEST`: its duration at this canvas, its steps, decoded), on the
+    resident models; the seconds it took."""
+    geometry = configs_for(args.tiny, WARM_UP_REQUEST.duration_seconds).geometry
+    models = Models(
+        dit=resident["dit"],
+        video_vae=resident["video_vae"],
+        audio_vae=resident["audio_vae"],
+        text_encoder=resident["text_encoder"],
+        tokenizer=None,
+        video_decode_autocast=video_decode_autocast,
+    )
+    schedule = Schedule.build(WARM_UP_REQUEST.steps, recipe=RECIPE)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        latents = denoise_request(
+            models,
+            presentation,
+            EncodedConditions(task="t2va"),
+            geometry,
+            schedule,
+            args.seed,
+            RECIPE,
+            device,
+        )
+        decode(models, latents.video_latents, latents.audio_latents)
+    synchronize(device)
+    return time.perf_counter() - started
 
 
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
@@ -555,6 +601,11 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         resident["text_encoder"] = build("text_encoder", build_encoder)
         resident["dit"] = build("dit", build_diffusion)
         resident["video_vae"], resident["audio_vae"] = build_vaes()
+
+    warm_up_run_s = None
+    if args.warm_up_run:
+        warm_up_run_s = run_app_warm_up(resident, args, device, video_decode_autocast, presentation)
+        print(f"warm-up run in {warm_up_run_s:.1f} s", flush=True)
 
     encoder = resident["text_encoder"] if args.resident else build("text_encoder", build_encoder)
     encoder_attention = encoder.model.config._attn_implementation
@@ -740,6 +791,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         "written while the video decodes, mux_after_decode is what the writer took after the last window)",
         "warmup": args.warmup,
         "first_call_s": first_calls.seconds or None,
+        "warm_up_run_s": warm_up_run_s,
         "peak_gpu_memory_gib": max(peaks.values()) if peaks else None,
         "peak_gpu_memory_gib_by_span": peaks or None,
         "model_gpu_memory_gib": builds.resident_gib or None,

@@ -4,7 +4,8 @@ What is compared: the exact message sequence of a job (queue position, start wit
 progress message per step with a consistent ETA, previews every N steps, the finished files); cancel of a
 waiting job (immediate) and of a running one (at the next step, replica free afterwards); an engine exception
 becomes one fixed sentence without its text or a traceback, and the replica keeps serving; two replicas run two
-jobs at once; messages pickle (they must cross a process boundary later). The preview reads only the newest
+jobs at once; messages pickle (they must cross a process boundary later); a warm-up runs before the first job
+and leaves no files, and a failed one leaves the replica serving. The preview reads only the newest
 latent frame, never writes the loop's rows, and equals an independent numpy computation of the documented map.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +23,7 @@ from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.engine import Engine
 from h3engine.media.preview import PREVIEW_SHORT_EDGE, channel_to_rgb_weights, latent_preview_rgb
 from h3engine.request import GenerationRequest, Keyframe
-from h3engine.runtime.front import ENGINE_FAILURE_MESSAGE, EngineFront, JobHandle
+from h3engine.runtime.front import ENGINE_FAILURE_MESSAGE, WARM_UP_REQUEST, EngineFront, JobHandle
 from h3engine.runtime.messages import (
     TERMINAL_EVENTS,
     JobFailed,
@@ -192,3 +194,49 @@ def test_preview_reads_only_the_newest_latent_frame() -> None:
     assert np.array_equal(latent_preview_rgb(older, latent_frames, latent_h, latent_w, patch), image)
     with pytest.raises(ValueError, match="expected 84 video rows"):
         latent_preview_rgb(rows[:-1], latent_frames, latent_h, latent_w, patch)
+
+
+def test_a_warm_up_runs_before_the_first_job_and_leaves_no_files(engines, tmp_path, monkeypatch) -> None:
+    calls, wrote_video = [], []
+    generate_to_file = engines[0].generate_to_file
+
+    def recording(request, out_path, **keywords):
+        calls.append((request, out_path))
+        written = generate_to_file(request, out_path, **keywords)
+        wrote_video.append(out_path.is_file())
+        return written
+
+    monkeypatch.setattr(engines[0], "generate_to_file", recording)
+    outputs = tmp_path / "outputs"
+    front = EngineFront(engines[:1], outputs, warm_up=True)
+    try:
+        request = GenerationRequest(task="t2va", prompt="after the warm-up", steps=2)
+        events = _events_until_done(front.submit(request))
+    finally:
+        front.shutdown()
+    assert isinstance(events[-1], JobFinished)
+    # The job waited for the warm-up, which ran like a job into a folder of its own, now gone.
+    assert [call[0] for call in calls] == [WARM_UP_REQUEST, request]
+    warm_up_folder = calls[0][1].parent
+    assert wrote_video == [True, True] and warm_up_folder != outputs and not warm_up_folder.exists()
+    assert sorted(path.name for path in outputs.iterdir()) == sorted(
+        Path(path).name for path in (events[-1].video_path, events[-1].sidecar_path)
+    )
+
+
+def test_a_failed_warm_up_leaves_the_replica_serving(engines, tmp_path, monkeypatch, caplog) -> None:
+    generate_to_file = engines[0].generate_to_file
+
+    def fail_the_warm_up(request, out_path, **keywords):
+        if request == WARM_UP_REQUEST:
+            raise RuntimeError("a kernel that does not compile")
+        return generate_to_file(request, out_path, **keywords)
+
+    monkeypatch.setattr(engines[0], "generate_to_file", fail_the_warm_up)
+    front = EngineFront(engines[:1], tmp_path / "outputs", warm_up=True)
+    try:
+        events = _events_until_done(front.submit(GenerationRequest(task="t2va", prompt="x", steps=2)))
+    finally:
+        front.shutdown()
+    assert isinstance(events[-1], JobFinished)
+    assert "the warm-up run did not finish" in caplog.text

@@ -13,6 +13,10 @@ Contract:
   every denoising step), its tensors are dropped and, on a GPU, the allocator cache is emptied, so the replica
   is free for the next job. Cancelling a finished job does nothing.
 * `shutdown()` cancels everything, joins the workers and closes the replicas (a worker group's processes end).
+* With `warm_up=True`, each worker first runs `WARM_UP_REQUEST` on its replica (like a job, into a temporary
+  folder that is then deleted) before it takes jobs: a process's first generation pays one-time costs (kernel
+  compiles, cuDNN plans, library handles; ~10 s at the released size on an H200), which the app pays at start
+  instead of in its first user's request. Jobs submitted meanwhile wait in the queue.
 * `check(request)` / `expected_geometry(request)` run the model-free checks of h3engine.runtime.checks; callers
   use them before `submit`, so an invalid request never takes a place in the queue. The worker validates again
   with the engine itself, and its RequestError becomes a `JobFailed(kind="request")` with the engine's message.
@@ -35,6 +39,7 @@ import json
 import logging
 import queue
 import secrets
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -69,6 +74,9 @@ ENGINE_FAILURE_MESSAGE = "The engine failed while generating this video; the det
 CANCELLED_MESSAGE = "Cancelled."
 CANCELLED_BEFORE_START_MESSAGE = "Cancelled before it started."
 SHUTTING_DOWN_MESSAGE = "The app is shutting down."
+# What a warm-up runs: the shortest duration at the verified canvas, one step. It uses the same kernels as any request
+# (the DiT's head size, the video decoder's full-size tiles).
+WARM_UP_REQUEST = GenerationRequest(task="t2va", prompt="A warm-up run.", duration_seconds=4.0, steps=1)
 
 
 class JobHandle:
@@ -198,6 +206,7 @@ class EngineFront:
         replicas: Sequence[Engine | Replica],
         outputs_dir: str | Path,
         preview_every: int = DEFAULT_PREVIEW_EVERY,
+        warm_up: bool = False,
     ) -> None:
         if not replicas:
             raise ValueError("EngineFront needs at least one engine replica")
@@ -206,6 +215,7 @@ class EngineFront:
         self.outputs_dir = Path(outputs_dir)
         self.outputs_dir.mkdir(parents=True, exist_ok=True)
         self.preview_every = preview_every
+        self.warm_up = warm_up
         self._replicas: list[Replica] = [
             EngineReplica(replica) if isinstance(replica, Engine) else replica for replica in replicas
         ]
@@ -308,7 +318,27 @@ class EngineFront:
             self._announce_positions()
             return handle
 
+    def _warm_up(self, index: int, replica: Replica) -> None:
+        with tempfile.TemporaryDirectory(prefix="h3-warm-up-") as folder:
+            handle = JobHandle(f"warm-up-{index}", WARM_UP_REQUEST, Path(folder) / "warm-up.mp4", None)
+            with self._condition:
+                if self._stopping:
+                    return
+                self._running[index] = handle  # so that `shutdown` cancels it
+            started = time.perf_counter()
+            try:
+                result = replica.run(handle, index, self.preview_every)
+            finally:
+                with self._condition:
+                    del self._running[index]
+        if isinstance(result, JobFailed):
+            logger.warning("replica %d: the warm-up run did not finish (%s)", index, result.message)
+        else:
+            logger.info("replica %d warmed up in %.1f s", index, time.perf_counter() - started)
+
     def _worker_loop(self, index: int, replica: Replica) -> None:
+        if self.warm_up:
+            self._warm_up(index, replica)
         while (handle := self._take(index)) is not None:
             try:
                 handle._finish(replica.run(handle, index, self.preview_every))
