@@ -32,7 +32,9 @@ on a GPU the tables of the schedule (one pass over the 13 B offloaded projection
 own while the first step runs, so that warm first step stands in for the cold one. The denoise time is then the
 denoise time spent outside the steps (the loop's set-up) + the warm first step + the mean of the later steps x
 (N - 1) (without a repeat: the mean x N); the first calls are reported apart.
-`--no-warmup` reports this process's own first-call times instead. `--timed-steps K` runs only the first K steps of
+`--no-warmup` reports this process's own first-call times instead; `--warm-up-run` (with `--resident`) first runs
+what the app's warm-up runs (h3engine.runtime.front.WARM_UP_REQUEST's shape), so that with `--no-warmup` the
+request's own first calls show what a first request pays after it. `--timed-steps K` runs only the first K steps of
 the N-step schedule (`extrapolated: true`); the latents are then only partly denoised, which changes no decode or
 mux time, and the MP4 is written but not kept. `--seconds` changes the requested duration (5 s by default; the
 smoke test asks 0.9 s: 22 frames, the fewest the video VAE decodes).

@@ -240,3 +240,37 @@ def test_a_failed_warm_up_leaves_the_replica_serving(engines, tmp_path, monkeypa
         front.shutdown()
     assert isinstance(events[-1], JobFinished)
     assert "the warm-up run did not finish" in caplog.text
+
+
+class _WaitingReplica:
+    """A replica whose runs last until they are cancelled (what a long warm-up looks like to the front)."""
+
+    facts = None
+
+    def __init__(self) -> None:
+        self.requests = []
+
+    def run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFailed:
+        self.requests.append(handle.request)
+        deadline = time.monotonic() + EVENT_TIMEOUT_S
+        while not handle.cancel_requested and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return JobFailed(handle.job_id, "cancelled", "Cancelled.")
+
+    def close(self) -> None:
+        pass
+
+
+def test_shutdown_cancels_a_warm_up_that_is_still_running(tmp_path) -> None:
+    replica = _WaitingReplica()
+    front = EngineFront([replica], tmp_path / "outputs", warm_up=True)
+    deadline = time.monotonic() + EVENT_TIMEOUT_S
+    while not replica.requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    waiting = front.submit(GenerationRequest(task="t2va", prompt="queued behind the warm-up", steps=2))
+    assert replica.requests == [WARM_UP_REQUEST] and front.waiting == 1
+    started = time.monotonic()
+    front.shutdown(timeout=EVENT_TIMEOUT_S)
+    assert time.monotonic() - started < 10
+    assert replica.requests == [WARM_UP_REQUEST]  # the queued job never ran
+    assert _events_until_done(waiting)[-1].kind == "cancelled"
