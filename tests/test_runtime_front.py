@@ -14,6 +14,7 @@ from __future__ import annotations
 import pickle
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -245,9 +246,8 @@ def test_a_failed_warm_up_leaves_the_replica_serving(engines, tmp_path, monkeypa
 class _WaitingReplica:
     """A replica whose runs last until they are cancelled (what a long warm-up looks like to the front)."""
 
-    facts = None
-
-    def __init__(self) -> None:
+    def __init__(self, tasks: tuple[str, ...] = ("t2va", "fl2va", "ref2va")) -> None:
+        self.facts = SimpleNamespace(tasks=tasks)
         self.requests = []
 
     def run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFailed:
@@ -274,3 +274,16 @@ def test_shutdown_cancels_a_warm_up_that_is_still_running(tmp_path) -> None:
     assert time.monotonic() - started < 10
     assert replica.requests == [WARM_UP_REQUEST]  # the queued job never ran
     assert _events_until_done(waiting)[-1].kind == "cancelled"
+
+
+def test_no_warm_up_where_the_checkpoint_does_not_serve_its_task(tmp_path) -> None:
+    replica = _WaitingReplica(tasks=("ref2va",))
+    front = EngineFront([replica], tmp_path / "outputs", warm_up=True)
+    try:
+        handle = front.submit(GenerationRequest(task="ref2va", prompt="first", steps=2))
+        deadline = time.monotonic() + EVENT_TIMEOUT_S
+        while not replica.requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert replica.requests == [handle.request]  # the job ran first: no warm-up before it
+    finally:
+        front.shutdown(timeout=EVENT_TIMEOUT_S)

@@ -14,7 +14,7 @@ Contract:
   is free for the next job. Cancelling a finished job does nothing.
 * `shutdown()` cancels everything, joins the workers and closes the replicas (a worker group's processes end).
 * With `warm_up=True`, each worker first runs `WARM_UP_REQUEST` on its replica (like a job, into a temporary
-  folder that is then deleted) before it takes jobs: a process's first generation pays one-time costs (kernel
+  folder that is then deleted; skipped where the checkpoint does not serve T2VA) before it takes jobs: a process's first generation pays one-time costs (kernel
   compiles, cuDNN plans, library handles; ~10 s at the released size on an H200), which the app pays at start
   instead of in its first user's request. Jobs submitted meanwhile wait in the queue.
 * `check(request)` / `expected_geometry(request)` run the model-free checks of h3engine.runtime.checks; callers
@@ -319,6 +319,11 @@ class EngineFront:
             return handle
 
     def _warm_up(self, index: int, replica: Replica) -> None:
+        if WARM_UP_REQUEST.task not in replica.facts.tasks:  # e.g. a checkpoint of the Ref2VA partition alone
+            logger.info(
+                "replica %d: no warm-up, the checkpoint does not serve %s", index, WARM_UP_REQUEST.task
+            )
+            return
         with tempfile.TemporaryDirectory(prefix="h3-warm-up-") as folder:
             handle = JobHandle(f"warm-up-{index}", WARM_UP_REQUEST, Path(folder) / "warm-up.mp4", None)
             with self._condition:
