@@ -29,7 +29,7 @@ import contextlib
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -713,14 +713,8 @@ class BlockModulation:
     ready: torch.cuda.Event | None = None
 
     def tables(self) -> tuple[Tensor, ...]:
-        return (
-            self.shift_attn,
-            self.scale_plus_one_attn,
-            self.gate_attn,
-            self.shift_ffn,
-            self.scale_plus_one_ffn,
-            self.gate_ffn,
-        )
+        """The six tables, in field order (`ready` is not one)."""
+        return tuple(getattr(self, field.name) for field in fields(self) if field.name != "ready")
 
     def wait(self) -> BlockModulation:
         """These tables, once the current CUDA stream has been made to wait until they are computed."""

@@ -14,9 +14,10 @@ Contract:
   is free for the next job. Cancelling a finished job does nothing.
 * `shutdown()` cancels everything, joins the workers and closes the replicas (a worker group's processes end).
 * With `warm_up=True`, each worker first runs `WARM_UP_REQUEST` on its replica (like a job, into a temporary
-  folder that is then deleted; skipped where the checkpoint does not serve T2VA) before it takes jobs: a process's first generation pays one-time costs (kernel
-  compiles, cuDNN plans, library handles; ~10 s at the released size on an H200), which the app pays at start
-  instead of in its first user's request. Jobs submitted meanwhile wait in the queue.
+  folder that is then deleted; skipped where the checkpoint does not serve T2VA) before it takes jobs: a process's
+  first generation pays one-time costs (kernel compiles, cuDNN plans, library handles; ~10 s at the released size
+  on an H200), which the app pays at start instead of in its first user's request. Jobs submitted meanwhile wait
+  in the queue.
 * `check(request)` / `expected_geometry(request)` run the model-free checks of h3engine.runtime.checks; callers
   use them before `submit`, so an invalid request never takes a place in the queue. The worker validates again
   with the engine itself, and its RequestError becomes a `JobFailed(kind="request")` with the engine's message.
