@@ -8,6 +8,9 @@ Both models do not fit on one H200 at once (2 x 66 GB), so: build ours (meta, th
 filled tensor by tensor), time it and keep its velocities on the GPU, then move its weights into a meta-built
 diffusers model group by group (converted with `native_to_diffusers`), freeing ours as it goes, and time
 diffusers. Timing: warm-up forwards, then CUDA-event timing of `--runs` forwards, median reported.
+`--interleaved PAIRS` keeps ours alive beside diffusers (shared tensors; only the split q/k/v and the swapped fc1
+exist twice, ~25 GiB) and then times ours and diffusers in alternation, which cancels a drift of the GPU's speed
+over the run.
 
     python benchmarks/dit_forward.py                              # GPU, released size, JSON to benchmarks/results
     python benchmarks/dit_forward.py --tiny --device cpu --output-dir /tmp   # smoke test
@@ -151,6 +154,30 @@ def time_forward(
     return seconds, output
 
 
+def interleaved_pairs(
+    run_ours: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    run_reference: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    pairs: int,
+) -> list[tuple[float, float]]:
+    """(ours s, reference s) per pair, timed back to back; even pairs run ours first, odd ones the reference (ABBA),
+    so a drift of the GPU's speed over the run (temperature, clocks) weighs on both alike."""
+
+    def seconds(run: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> float:
+        return time_forward(run, device, warmup=0, runs=1)[0][0]
+
+    timed = []
+    for index in range(pairs):
+        if index % 2 == 0:
+            ours_s = seconds(run_ours)
+            reference_s = seconds(run_reference)
+        else:
+            reference_s = seconds(run_reference)
+            ours_s = seconds(run_ours)
+        timed.append((ours_s, reference_s))
+    return timed
+
+
 def build_ours(config: DiTConfig, device: torch.device, seed: int) -> H3DiT:
     """Ours, built on meta and assigned random tensors drawn straight on `device` (no 66 GB host copy)."""
     model = H3DiT(config, dtype=torch.bfloat16, device="meta")
@@ -163,11 +190,15 @@ def build_ours(config: DiTConfig, device: torch.device, seed: int) -> H3DiT:
     return model.eval()
 
 
-def move_into_diffusers(ours: H3DiT, config: DiTConfig, device: torch.device) -> MiniMaxH3Transformer3DModel:
+def move_into_diffusers(
+    ours: H3DiT, config: DiTConfig, device: torch.device, keep_ours: bool = False
+) -> MiniMaxH3Transformer3DModel:
     """Hand ours' weights to a meta-built diffusers model one group at a time, freeing ours as it goes.
 
     Renamed tensors are shared (no copy); split/swapped ones are new, so the peak is ours + one block.
     The fp32 islands keep their dtype, which is exactly where diffusers' `_keep_in_fp32_modules` keeps fp32.
+    With `keep_ours` ours stays usable: both models share the renamed tensors, and the split/swapped ones (q/k/v,
+    fc1: ~25 GiB at the released size) exist twice.
     """
     with torch.device("meta"):
         reference = MiniMaxH3Transformer3DModel.from_config(config.to_diffusers())
@@ -180,12 +211,14 @@ def move_into_diffusers(ours: H3DiT, config: DiTConfig, device: torch.device) ->
         result = reference.load_state_dict(native_to_diffusers(partial), strict=False, assign=True)
         assert not result.unexpected_keys, result.unexpected_keys
         del partial
-        module.to_empty(device="meta")
+        if not keep_ours:
+            module.to_empty(device="meta")
     remaining = {key: tensor for key, tensor in ours.state_dict().items() if not tensor.is_meta}
     result = reference.load_state_dict(native_to_diffusers(remaining), strict=False, assign=True)
     assert not result.unexpected_keys, result.unexpected_keys
     del remaining
-    ours.to_empty(device="meta")
+    if not keep_ours:
+        ours.to_empty(device="meta")
     # diffusers recomputes inv_freq at construction (non-persistent); on meta it must be rebuilt, its own way.
     reference.rope.inv_freq = type(reference.rope)(config.rope_freq_dim, config.rope_theta).inv_freq.to(
         device
@@ -297,6 +330,14 @@ def main() -> None:
         help="also time ours with cuBLASLt for every GEMM, for out_proj only, and for out_proj and fc2 (GPU)",
     )
     parser.add_argument(
+        "--interleaved",
+        type=int,
+        default=0,
+        metavar="PAIRS",
+        help="after the usual variants, time PAIRS (ours, diffusers) pairs in one process with both models resident, "
+        "alternating which goes first (ABBA), and report the per-pair ratios (cancels drift across the run)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="profile one forward of ours: kernel time per group (attention, GEMM, fused ops), top kernels, idle",
@@ -320,6 +361,7 @@ def main() -> None:
     arguments = request.as_h3_arguments()
     timed: dict[str, list[float]] = {}
     outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    interleaved_ratios: list[float] = []
 
     with torch.no_grad():
         began = time.perf_counter()
@@ -375,7 +417,7 @@ def main() -> None:
             print(f"ours_fp8: median {statistics.median(timed['ours_fp8']):.4f} s over {timed['ours_fp8']}")
         else:
             began = time.perf_counter()
-            reference = move_into_diffusers(ours, config, device)
+            reference = move_into_diffusers(ours, config, device, keep_ours=args.interleaved > 0)
             synchronize(device)
             print(f"weights moved into diffusers in {time.perf_counter() - began:.1f} s")
             kwargs = request.as_diffusers_kwargs()
@@ -390,6 +432,12 @@ def main() -> None:
             print(
                 f"diffusers: median {statistics.median(timed['diffusers']):.4f} s over {timed['diffusers']}"
             )
+            if args.interleaved > 0:
+                pairs = interleaved_pairs(run_ours, run_reference, device, args.interleaved)
+                timed["ours_interleaved"] = [ours_s for ours_s, _ in pairs]
+                timed["diffusers_interleaved"] = [reference_s for _, reference_s in pairs]
+                interleaved_ratios = [ours_s / reference_s for ours_s, reference_s in pairs]
+                print(f"interleaved pairs (ours, diffusers): {pairs}, ratios {interleaved_ratios}")
 
     medians = {name: statistics.median(seconds) for name, seconds in timed.items()}
     baseline = "diffusers" if "diffusers" in outputs else "ours_reference_kernels"
@@ -486,6 +534,13 @@ def main() -> None:
         result["ratio_reference_kernels_over_diffusers"] = (
             medians["ours_reference_kernels"] / medians["diffusers"]
         )
+    if interleaved_ratios:
+        result["interleaved_pair_ratios"] = interleaved_ratios
+        result["ratio_interleaved_median_of_pairs"] = statistics.median(interleaved_ratios)
+        result["interleaving"] = (
+            "both models resident, pairs timed back to back, pair i runs ours first when i is even and diffusers "
+            "first when it is odd (ABBA); ratio per pair = ours / diffusers"
+        )
     if "ours_fp8" in medians:
         result["ratio_fp8_over_ours"] = medians["ours_fp8"] / medians["ours"]
     for name, median in medians.items():
@@ -496,11 +551,14 @@ def main() -> None:
         print(f"{name}: " + ", ".join(f"{key} {value:.2e}" for key, value in error.items()))
     if "ratio_ours_over_diffusers" in result:
         print(f"ratio ours/diffusers {result['ratio_ours_over_diffusers']:.3f}")
+    if interleaved_ratios:
+        print(f"interleaved: median of pair ratios {result['ratio_interleaved_median_of_pairs']:.4f}")
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
     date = datetime.date.today().strftime("%Y%m%d")
     suffix = ("_tiny" if args.tiny else "") + ("_fp8" if args.fp8 else "")
     suffix += "_error_breakdown" if args.error_breakdown else ""
+    suffix += "_interleaved" if interleaved_ratios else ""
     output_path = args.output_dir / f"dit_forward_{device_label(device)}_{date}{suffix}.json"
     output_path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {output_path}")
