@@ -42,6 +42,7 @@ from _dit_helpers import PackedRequest, build_packed_request, max_relative_error
 from benchmarks._common import device_label, kernel_profile, package_version, synchronize  # noqa: E402
 from h3engine import ops  # noqa: E402
 from h3engine.checkpoint.dit_keys import native_to_diffusers, random_native_tensor  # noqa: E402
+from h3engine.models import dit as dit_module  # noqa: E402
 from h3engine.models.dit import DiTConfig, H3DiT  # noqa: E402
 from h3engine.models.fp8 import quantize_dit_linears  # noqa: E402
 from h3engine.ops import attention as attention_ops  # noqa: E402
@@ -307,6 +308,65 @@ ERROR_BREAKDOWN_VARIANTS = {
 }
 
 
+def fp32_reference_forward(
+    model: H3DiT, arguments: tuple, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same forward computed in fp32 throughout: the yardstick against which both bf16 models' errors are measured.
+
+    At the released size the fp32 model would not fit beside the bf16 one, so the weights stay bf16 in memory and are
+    widened where they are used (exactly: bf16 -> fp32 is lossless): the small tensors (norms, biases, embedders, the
+    text refiner, the heads) for good, each block's linear weights only while that block runs, each AdaLN projection
+    while its tables are built (fp32 tables). The fused ops run as their torch twins and attention through torch's
+    SDPA (on CUDA its memory-efficient kernel; the math one would need S^2 memory); TF32 stays off. `model` keeps
+    its small tensors in fp32 afterwards (use it for nothing else).
+    """
+    for name, parameter in model.named_parameters():
+        block_linear = name.startswith("blocks.") and parameter.ndim == 2
+        if not block_linear and ".adaln_proj." not in name:
+            parameter.data = parameter.data.float()
+    for block in model.blocks:
+        linears = [
+            parameter
+            for name, parameter in block.named_parameters()
+            if parameter.ndim == 2 and not name.startswith("adaln_proj.")
+        ]
+
+        def widened(*args: object, _forward=block.forward_from, _linears=linears, **kwargs: object) -> object:
+            narrow = [parameter.data for parameter in _linears]
+            for parameter in _linears:
+                parameter.data = parameter.data.float()
+            try:
+                return _forward(*args, **kwargs)
+            finally:
+                for parameter, data in zip(_linears, narrow, strict=True):
+                    parameter.data = data
+
+        block.forward_from = widened
+
+    def fp32_on_device(linear: torch.nn.Linear, target: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return linear.weight.to(target, torch.float32), linear.bias.to(target, torch.float32)
+
+    sdpa_choice = (
+        torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION])
+        if device.type == "cuda"
+        else contextlib.nullcontext()
+    )
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    on_device = dit_module._on_device
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dit_module._on_device = fp32_on_device
+    try:
+        with kernel_choice(reference_ops=True, attention_backend="sdpa"), sdpa_choice:
+            assert model.compute_dtype == torch.float32
+            layout = model.prepare_layout(*arguments[4:])  # fp32 RoPE tables
+            return model(*arguments, layout=layout)
+    finally:
+        dit_module._on_device = on_device
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        for block in model.blocks:
+            del block.forward_from
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny config and layout (smoke test)")
@@ -338,6 +398,12 @@ def main() -> None:
         "alternating which goes first (ABBA), and report the per-pair ratios (cancels drift across the run)",
     )
     parser.add_argument(
+        "--fp32-reference",
+        action="store_true",
+        help="keep ours beside diffusers and, at the end, compute the forward in fp32 (weights widened where used) to "
+        "measure every variant's error against it",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="profile one forward of ours: kernel time per group (attention, GEMM, fused ops), top kernels, idle",
@@ -362,6 +428,7 @@ def main() -> None:
     timed: dict[str, list[float]] = {}
     outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     interleaved_ratios: list[float] = []
+    fp32_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     with torch.no_grad():
         began = time.perf_counter()
@@ -417,7 +484,9 @@ def main() -> None:
             print(f"ours_fp8: median {statistics.median(timed['ours_fp8']):.4f} s over {timed['ours_fp8']}")
         else:
             began = time.perf_counter()
-            reference = move_into_diffusers(ours, config, device, keep_ours=args.interleaved > 0)
+            reference = move_into_diffusers(
+                ours, config, device, keep_ours=args.interleaved > 0 or args.fp32_reference
+            )
             synchronize(device)
             print(f"weights moved into diffusers in {time.perf_counter() - began:.1f} s")
             kwargs = request.as_diffusers_kwargs()
@@ -438,6 +507,15 @@ def main() -> None:
                 timed["diffusers_interleaved"] = [reference_s for _, reference_s in pairs]
                 interleaved_ratios = [ours_s / reference_s for ours_s, reference_s in pairs]
                 print(f"interleaved pairs (ours, diffusers): {pairs}, ratios {interleaved_ratios}")
+            del reference, run_reference
+            if args.fp32_reference:
+                synchronize(device)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                began = time.perf_counter()
+                fp32_outputs = fp32_reference_forward(ours, arguments, device)
+                synchronize(device)
+                print(f"fp32 reference forward in {time.perf_counter() - began:.1f} s")
 
     medians = {name: statistics.median(seconds) for name, seconds in timed.items()}
     baseline = "diffusers" if "diffusers" in outputs else "ours_reference_kernels"
@@ -470,6 +548,14 @@ def main() -> None:
                 outputs["ours"][1], outputs["ours_reference_kernels"][1]
             ),
         }
+    if fp32_outputs is not None:
+        for name, (video, audio) in outputs.items():
+            errors[f"{name}_vs_fp32_reference"] = {
+                "video_relative_l2": relative_l2(video, fp32_outputs[0]),
+                "audio_relative_l2": relative_l2(audio, fp32_outputs[1]),
+                "video_max_relative": max_relative_error(video, fp32_outputs[0]),
+                "audio_max_relative": max_relative_error(audio, fp32_outputs[1]),
+            }
     if "ours_fp8" in outputs:
         errors["ours_fp8_vs_ours"] = {
             "video_relative_l2": relative_l2(outputs["ours_fp8"][0], outputs["ours"][0]),
@@ -509,6 +595,7 @@ def main() -> None:
             },
             "ours_fp8": "ours with FP8 (e4m3, per-channel weight / per-row activation scales) block linears",
             "diffusers": "MiniMaxH3Transformer3DModel, default attention backend, AdaLN per forward",
+            "fp32_reference": "errors *_vs_fp32_reference: ours' forward in fp32 throughout (fp32_reference_forward)",
         },
         "implementations": implementations,
         "warmup": args.warmup,
@@ -559,6 +646,7 @@ def main() -> None:
     suffix = ("_tiny" if args.tiny else "") + ("_fp8" if args.fp8 else "")
     suffix += "_error_breakdown" if args.error_breakdown else ""
     suffix += "_interleaved" if interleaved_ratios else ""
+    suffix += "_fp32_reference" if fp32_outputs is not None else ""
     output_path = args.output_dir / f"dit_forward_{device_label(device)}_{date}{suffix}.json"
     output_path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {output_path}")
