@@ -10,7 +10,8 @@ diffusers model group by group (converted with `native_to_diffusers`), freeing o
 diffusers. Timing: warm-up forwards, then CUDA-event timing of `--runs` forwards, median reported.
 `--interleaved PAIRS` keeps ours alive beside diffusers (shared tensors; only the split q/k/v and the swapped fc1
 exist twice, ~25 GiB) and then times ours and diffusers in alternation, which cancels a drift of the GPU's speed
-over the run.
+over the run. `--fp32-reference` then computes the same forward in fp32 (`fp32_reference_forward`) and reports
+every variant's error against it.
 
     python benchmarks/dit_forward.py                              # GPU, released size, JSON to benchmarks/results
     python benchmarks/dit_forward.py --tiny --device cpu --output-dir /tmp   # smoke test
