@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -19,6 +21,26 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (host timers are meaningless without it); a no-op on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def sustained_ms(
+    run: Callable[[], object], seconds: float, between: Callable[[], object] | None = None
+) -> float:
+    """Milliseconds per call of `run` on a GPU that has reached its power limit, as inside a forward (short do_bench
+    bursts run at higher clocks): calls back to back for `seconds` (each followed by `between`, untimed, when given),
+    the median (upper, for an even count) over the second half."""
+    times = []
+    began = time.perf_counter()
+    while time.perf_counter() - began < seconds:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        if between is not None:
+            between()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median_high(times[len(times) // 2 :])
 
 
 def package_version(name: str) -> str | None:

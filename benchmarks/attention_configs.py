@@ -11,15 +11,15 @@ import argparse
 import datetime
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import device_label, package_version  # noqa: E402
+from benchmarks._common import device_label, package_version, sustained_ms  # noqa: E402
 from h3engine.ops import attention as attention_ops  # noqa: E402
 
 ROWS, HEADS, HEAD_DIM = 38_222, 56, 128
@@ -45,24 +45,6 @@ BLOCK_GEMMS = [(HIDDEN, HEADS * HEAD_DIM)] * 3 + [
     (HIDDEN, 2 * FFN),
     (FFN, HIDDEN),
 ]
-
-
-def sustained_ms(run, seconds: float, gemms: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """The attention's median time when it runs as in a forward: between a block's GEMMs, for `seconds`, on a GPU
-    that has reached its power limit (short do_bench bursts run at higher clocks). Median over the second half."""
-    times = []
-    began = time.perf_counter()
-    while time.perf_counter() - began < seconds:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        for rows, weight in gemms:
-            torch.nn.functional.linear(rows, weight)
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    second_half = sorted(times[len(times) // 2 :])
-    return second_half[len(second_half) // 2]
 
 
 def fp32_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: int) -> torch.Tensor:
@@ -124,7 +106,9 @@ def main() -> None:
         error = results[name]["relative_l2_vs_fp32"]
         line = f"{name:>28}: {ms:7.2f} ms {flops / ms / 1e9:6.0f} TFLOP/s  vs fp32 {error:.2e}"
         if gemms:
-            sustained = sustained_ms(run, args.sustained_s, gemms)
+            sustained = sustained_ms(
+                run, args.sustained_s, between=lambda: [F.linear(rows, weight) for rows, weight in gemms]
+            )
             results[name].update({"sustained_ms": sustained, "sustained_tflops": flops / sustained / 1e9})
             line += f"  between GEMMs: {sustained:7.2f} ms {flops / sustained / 1e9:6.0f} TFLOP/s"
         print(line)

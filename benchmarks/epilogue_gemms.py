@@ -20,7 +20,6 @@ import argparse
 import datetime
 import functools
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -33,7 +32,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import device_label, package_version  # noqa: E402
+from benchmarks._common import device_label, package_version, sustained_ms  # noqa: E402
 from h3engine import ops  # noqa: E402
 
 ROWS, HIDDEN, HEADS, HEAD_DIM, FFN = 38_222, 5376, 56, 128, 14336
@@ -50,20 +49,6 @@ CONFIGS = [
     (128, 256, 2, 1, False),
     (128, 192, 1, 2, True),
 ]
-
-
-def sustained_ms(run: Callable[[], object], seconds: float) -> float:
-    """Median ms of `run` over the second half of `seconds` of back-to-back calls."""
-    times = []
-    began = time.perf_counter()
-    while time.perf_counter() - began < seconds:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[len(times) // 2 :])
 
 
 def relative_l2(value: torch.Tensor, expected: torch.Tensor) -> float:
