@@ -144,37 +144,35 @@ def main() -> None:
                 expected,
             )
 
-    best = {}
-    for shape in shapes:
-        timed = {
-            name: entry["sustained_ms"]
-            for name, entry in results.items()
-            if name.startswith(f"{shape}/quack_") and "sustained_ms" in entry
-        }
-        if timed:
-            best[shape] = min(timed, key=timed.get)
-    print(f"best quack config per shape (sustained): {best}")
-
-    @functools.cache
-    def best_config(shape: str, tile_n_multiple: int = 1):
-        """The fastest sustained quack config of `shape` whose tile_n the epilogue accepts (quack's default else)."""
+    def fastest_config(shape: str, tile_n_multiple: int = 1) -> tuple[int, int, int, int, bool] | None:
+        """The quack config of `shape` with the shortest sustained time among those whose tile_n is a multiple."""
         timed = {
             config: results.get(f"{shape}/quack_{config_name(config)}", {}).get("sustained_ms")
             for config in configs
             if config[1] % tile_n_multiple == 0
         }
         timed = {config: ms for config, ms in timed.items() if ms is not None}
-        chosen = min(timed, key=timed.get) if timed else CONFIGS[0]
+        return min(timed, key=timed.get) if timed else None
+
+    best = {
+        shape: f"{shape}/quack_{config_name(config)}"
+        for shape in shapes
+        if (config := fastest_config(shape)) is not None
+    }
+    print(f"best quack config per shape (sustained): {best}")
+
+    @functools.cache
+    def best_config(shape: str, tile_n_multiple: int = 1):
+        """The fastest sustained quack config of `shape` whose tile_n the epilogue accepts (quack's default else)."""
+        chosen = fastest_config(shape, tile_n_multiple) or CONFIGS[0]
         print(f"{shape} epilogue (tile_n multiple of {tile_n_multiple}): {config_name(chosen)}")
         epilogue_configs[f"{shape}_tile_n_multiple_of_{tile_n_multiple}"] = config_name(chosen)
         return quack_config(*chosen)
 
     if "fc1" in shapes:
         a, w = x[HIDDEN], weights["fc1"]
-        expected = (
-            F.silu((a[:CHECK_ROWS].float() @ w.float().t())[:, :FFN])
-            * (a[:CHECK_ROWS].float() @ w.float().t())[:, FFN:]
-        )
+        gate, value = (a[:CHECK_ROWS].float() @ w.float().t()).chunk(2, dim=-1)
+        expected = F.silu(gate) * value
         record("fc1_swiglu/cublas_then_ours", lambda: ops.swiglu(F.linear(a, w)), expected)
         post = torch.empty(ROWS, FFN, device=device, dtype=torch.bfloat16)
         interleaved = w.view(2, FFN, HIDDEN).transpose(0, 1).reshape(2 * FFN, HIDDEN).contiguous()
