@@ -43,8 +43,8 @@ from h3engine.models.dit import (
 )
 from h3engine.parallel import collectives
 from h3engine.parallel.groups import GroupMembership
-from kernels import reference
-from kernels.reference.rope import rotate_first_channels
+from h3engine.kernels import reference
+from h3engine.kernels.reference.rope import rotate_first_channels
 
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -316,7 +316,7 @@ RELAYOUT_SHAPES = [(5, (3,), 8, 6, 4), (3, (), 6, 12, 3), (4, (2, 3), 4, 5, 1)] 
 
 
 def triton_kernels():
-    from kernels import triton as kernels_triton
+    from h3engine.kernels import triton as kernels_triton
 
     return kernels_triton
 

@@ -5,8 +5,8 @@ twin otherwise.
 
 Contract
 --------
-Every op here has the signature and result of its twin in `kernels.reference` (the model's own torch expressions;
-see there for shapes and each rounding point). Per call, the Triton kernel (`kernels.triton`) runs when triton
+Every op here has the signature and result of its twin in `h3engine.kernels.reference` (the model's own torch expressions;
+see there for shapes and each rounding point). Per call, the Triton kernel (`h3engine.kernels.triton`) runs when triton
 imports, every tensor argument is on one CUDA device, no autograd graph is being recorded through them, and the
 kernel's `supports_*` accepts the shapes, strides and dtypes (bf16, fp16, fp32); otherwise the reference runs.
 `implementation(name, *args)` says which one a call with those arguments would run.
@@ -35,10 +35,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from kernels import reference
+from h3engine.kernels import reference
 
 try:
-    from kernels import triton as triton_kernels
+    from h3engine.kernels import triton as triton_kernels
 except ImportError:  # torch builds without triton (e.g. CPU-only wheels) always use the reference
     triton_kernels = None
 

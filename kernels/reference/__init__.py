@@ -4,16 +4,16 @@ Each twin is what `h3engine.ops` runs when no Triton kernel applies (CPU tensors
 unsupported shapes) and what the Triton kernels are tested against.
 """
 
-from kernels.reference.activation import swiglu
-from kernels.reference.norms import (
+from .activation import swiglu
+from .norms import (
     gated_residual,
     gated_residual_rms_norm,
     modulated_rms_norm,
     rms_norm_to,
     scaled_residual_rms_norm_to,
 )
-from kernels.reference.relayout import pack_heads_for_exchange, unpack_exchanged_heads
-from kernels.reference.rope import qk_norm_rope
+from .relayout import pack_heads_for_exchange, unpack_exchanged_heads
+from .rope import qk_norm_rope
 
 __all__ = [
     "gated_residual",

@@ -1,4 +1,4 @@
-"""Triton kernels for the elementwise ops of the DiT block and the video decoder, the twins of `kernels.reference`
+"""Triton kernels for the elementwise ops of the DiT block and the video decoder, the twins of `h3engine.kernels.reference`
 (same names, same results).
 
 Each op `name` comes with `supports_name(...)`, taking the op's arguments: True when the kernel handles those
@@ -7,8 +7,8 @@ CUDA tensors here); under TRITON_INTERPRET=1 the kernels also run on CPU tensors
 Importing this package needs `triton`.
 """
 
-from kernels.triton.activation import supports_swiglu, swiglu
-from kernels.triton.norms import (
+from .activation import supports_swiglu, swiglu
+from .norms import (
     gated_residual,
     gated_residual_rms_norm,
     modulated_rms_norm,
@@ -20,13 +20,13 @@ from kernels.triton.norms import (
     supports_rms_norm_to,
     supports_scaled_residual_rms_norm_to,
 )
-from kernels.triton.relayout import (
+from .relayout import (
     pack_heads_for_exchange,
     supports_pack_heads_for_exchange,
     supports_unpack_exchanged_heads,
     unpack_exchanged_heads,
 )
-from kernels.triton.rope import qk_norm_rope, supports_qk_norm_rope
+from .rope import qk_norm_rope, supports_qk_norm_rope
 
 __all__ = [
     "gated_residual",

@@ -1,4 +1,4 @@
-"""Triton twin of `kernels.reference.activation.swiglu`: silu(gate) * value from fc1's [S, 2F] output in one pass.
+"""Triton twin of `h3engine.kernels.reference.activation.swiglu`: silu(gate) * value from fc1's [S, 2F] output in one pass.
 
 Contract
 --------
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton.common import LAUNCH_OPTIONS, SUPPORTED_DTYPES, div_rn, exp, num_warps_for, round_to
+from .common import LAUNCH_OPTIONS, SUPPORTED_DTYPES, div_rn, exp, num_warps_for, round_to
 
 # Column tile: 2048 elements divides the released F = 14,336 into 7 tiles exactly.
 COLUMN_TILE = 2048

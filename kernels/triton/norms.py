@@ -1,4 +1,4 @@
-"""Triton twins of `kernels.reference.norms`: modulated RMSNorm, gated residual, the two fused, and the video
+"""Triton twins of `h3engine.kernels.reference.norms`: modulated RMSNorm, gated residual, the two fused, and the video
 decoder's fp32 RMSNorm (alone or after its layer-scaled residual) rounded to the GEMM dtype.
 
 Contract
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton.common import (
+from .common import (
     INDEX_DTYPES,
     LAUNCH_OPTIONS,
     MAX_NORM_WIDTH,

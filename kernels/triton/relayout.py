@@ -1,4 +1,4 @@
-"""Triton twins of `kernels.reference.relayout`: the Ulysses send/receive permutations as one strided copy each.
+"""Triton twins of `h3engine.kernels.reference.relayout`: the Ulysses send/receive permutations as one strided copy each.
 
 Contract
 --------
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton.common import LAUNCH_OPTIONS, SUPPORTED_DTYPES, num_warps_for
+from .common import LAUNCH_OPTIONS, SUPPORTED_DTYPES, num_warps_for
 
 # Chunk tile: one program copies up to this many elements of a head block.
 CHUNK_TILE = 4096

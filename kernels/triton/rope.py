@@ -1,4 +1,4 @@
-"""Triton twin of `kernels.reference.rope.qk_norm_rope`: QK RMSNorm + partial rotate-half RoPE in one pass.
+"""Triton twin of `h3engine.kernels.reference.rope.qk_norm_rope`: QK RMSNorm + partial rotate-half RoPE in one pass.
 
 Contract
 --------
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton.common import LAUNCH_OPTIONS, SUPPORTED_DTYPES, div_rn, num_warps_for, round_to, rsqrt
+from .common import LAUNCH_OPTIONS, SUPPORTED_DTYPES, div_rn, num_warps_for, round_to, rsqrt
 
 # Head dims up to this many channels (a [heads-per-program, D] tile in registers); wider ones use the reference.
 MAX_HEAD_DIM = 1024
