@@ -24,7 +24,7 @@ import yaml
 
 from h3engine.checkpoint import audio_vae_keys, dit_keys, video_vae_keys
 from h3engine.checkpoint.layout import CheckpointLayout, PartitionPaths, read_json
-from h3engine.checkpoint.safetensors_io import WeightFiles
+from h3engine.checkpoint.safetensors_io import WeightFiles, placed
 from h3engine.errors import CheckpointError
 from h3engine.models.audio_vae import AudioVAE, AudioVAEConfig
 from h3engine.models.dit import DiTConfig, H3DiT
@@ -73,16 +73,14 @@ class ComponentSource:
         else:
             file_state = {key: self.files.tensor(key) for key in file_names}
             native = self.from_file_names(file_state)
-            state = {
-                key: native[key].to(device=device, dtype=tensor.dtype) for key, tensor in expected.items()
-            }
+            state = {key: placed(native[key], device, tensor.dtype) for key, tensor in expected.items()}
         module.load_state_dict(state, strict=True, assign=True)
         _materialize_computed_buffers(module, device)
         return module.eval().requires_grad_(False)
 
     def _read(self, key: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         try:
-            return self.files.tensor(key).to(device=device, dtype=dtype)
+            return placed(self.files.tensor(key), device, dtype)
         except CheckpointError:
             raise
         except Exception as error:

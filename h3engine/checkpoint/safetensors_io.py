@@ -39,6 +39,17 @@ _DTYPES = {
 _MAX_HEADER_BYTES = 100_000_000
 
 
+def placed(tensor: torch.Tensor, device: torch.device | str | None, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` on `device` in `dtype`, always as a new contiguous allocation of its own.
+
+    A tensor read from a file can start at any 8-byte offset of a read buffer, and `.to()` keeps it there when device
+    and dtype already match. CPU GEMM libraries choose kernels by alignment, so such a weight can round differently
+    from the same values loaded another way (another layout, another rank plan); a fresh allocation makes every
+    loaded weight's memory layout the same whatever its path from the file.
+    """
+    return torch.empty(tensor.shape, dtype=dtype, device=device).copy_(tensor)
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     file: Path

@@ -38,7 +38,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import (
     Qwen3VLVisionRotaryEmbedding,
 )
 
-from h3engine.checkpoint.safetensors_io import WeightFiles
+from h3engine.checkpoint.safetensors_io import WeightFiles, placed
 from h3engine.errors import CheckpointError
 
 # H3 conditions on `hidden_states[50]`: the output of the 50th decoder layer (index 0 is the embedding output).
@@ -126,7 +126,7 @@ class H3TextEncoder(nn.Module):
             info = weight_files.infos[key]
             if not info.dtype.is_floating_point:
                 raise CheckpointError(f"{info.file}: key {key} is stored as {info.dtype}, not a float")
-            self._assign_tensor(key, weight_files.tensor(key).to(device=device, dtype=dtype))
+            self._assign_tensor(key, placed(weight_files.tensor(key), device, dtype))
 
     def _assign_tensor(self, key: str, tensor: torch.Tensor) -> None:
         owner_name, _, leaf_name = key.rpartition(".")

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from h3engine.checkpoint.dit_keys import native_state_shapes
-from h3engine.checkpoint.safetensors_io import WeightFiles
+from h3engine.checkpoint.safetensors_io import WeightFiles, placed
 from h3engine.errors import CheckpointError
 from h3engine.models.dit import (
     Attention,
@@ -277,7 +277,7 @@ def load_dit_shard(
     for key, expected in model.state_dict().items():
         if key not in sharded:
             try:
-                replicated[key] = weight_files.tensor(key).to(device=device, dtype=expected.dtype)
+                replicated[key] = placed(weight_files.tensor(key), device, expected.dtype)
             except CheckpointError:
                 raise
             except Exception as error:  # safetensors raises its own error types

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from h3engine.checkpoint.safetensors_io import WeightFiles
+from h3engine.checkpoint.safetensors_io import WeightFiles, placed
 from h3engine.errors import CheckpointError
 from h3engine.models.dit import interleaved_to_stacked_qkv
 from h3engine.parallel.collectives import all_reduce_sum
@@ -77,7 +77,7 @@ class ParallelLinear(nn.Module):
             shard = self._read_shard(weight_files, key)
         except Exception as error:  # safetensors raises its own error types
             raise CheckpointError(f"{info.file}: cannot read this rank's part of '{key}' ({error})") from None
-        shard = shard.to(device=device, dtype=self.weight.dtype).contiguous()
+        shard = placed(shard, device, self.weight.dtype)
         if shard.shape != self.weight.shape:
             raise RuntimeError(
                 f"'{key}': read a {list(shard.shape)} shard for a {list(self.weight.shape)} weight"
