@@ -96,7 +96,11 @@ def test_written_clip_is_browser_playable_h264_aac_faststart(tmp_path) -> None:
     # Order and content survive: every decoded frame is closest to its own source frame.
     error = np.abs(decoded[:, None].astype(np.int16) - video[None].astype(np.int16)).mean(axis=(2, 3, 4))
     assert (error.argmin(axis=1) == np.arange(FRAMES)).all()
-    assert np.diag(error).max() < 3.0
+    # Quality: x264's mode decisions follow the CPU's SIMD paths, so the same encode lands differently per machine
+    # (mean error of the worst frame 2.95 and 3.02 on two AMD EPYC machines with PyAV 18.1.0). A real fault (a
+    # wrong colour matrix or range, a lost frame, a collapsed bitrate) costs tens of code values or breaks the
+    # order check above; 4 (1.6 % of full scale) leaves a third of margin over what encoders were seen to do.
+    assert np.diag(error).max() < 4.0
 
 
 def test_frame_timestamps_are_constant_rate(tmp_path) -> None:
