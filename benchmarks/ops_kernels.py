@@ -35,10 +35,10 @@ sys.path.insert(0, str(REPOSITORY_ROOT))
 
 from benchmarks._common import device_label, package_version  # noqa: E402
 from h3engine import ops  # noqa: E402
-from h3engine.models.dit import DiTConfig  # noqa: E402
 from h3engine.kernels import reference  # noqa: E402
 from h3engine.kernels import triton as triton_kernels  # noqa: E402
 from h3engine.kernels.triton.common import INTERPRETING  # noqa: E402
+from h3engine.models.dit import DiTConfig  # noqa: E402
 
 # The 768p / 5 s T2VA layout: 512 text + 414 audio + 37,296 video rows; M = 2 timesteps -> 6 AdaLN table rows.
 RELEASED_SEQUENCE_LENGTH = 38_222

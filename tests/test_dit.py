@@ -19,9 +19,9 @@ from h3engine.checkpoint.dit_keys import (
     random_native_state,
 )
 from h3engine.errors import CheckpointError
+from h3engine.kernels.reference.rope import rotate_first_channels
 from h3engine.models import dit as dit_module
 from h3engine.models.dit import FP32_PARAMETER_NAMES, DiTConfig, H3DiT, MultiAxisRope
-from h3engine.kernels.reference.rope import rotate_first_channels
 
 SEED = 1234
 # Measured on CPU (torch 2.13): 0.0 for both velocities (bit-identical).

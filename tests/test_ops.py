@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from h3engine import ops
+from h3engine.kernels import reference
+from h3engine.kernels.reference.rope import rotate_first_channels
 from h3engine.models.dit import (
     NUM_BLOCK_MODULATIONS,
     Attention,
@@ -43,8 +45,6 @@ from h3engine.models.dit import (
 )
 from h3engine.parallel import collectives
 from h3engine.parallel.groups import GroupMembership
-from h3engine.kernels import reference
-from h3engine.kernels.reference.rope import rotate_first_channels
 
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
