@@ -18,12 +18,13 @@ RUN apt-get update \
 # The torch wheels bring their own CUDA libraries; the base image supplies the driver-facing runtime layout.
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-COPY requirements.txt /app/requirements.txt
-RUN pip install torch==2.14.1 torchvision==0.29.1 && pip install -r /app/requirements.txt
+# The locked sets (exact versions, hashes; see README). requirements-gpu.txt is requirements.txt plus
 # FlashAttention-4, the fastest exact attention on Hopper and newer (h3engine.ops.attention); without it (or if it
 # fails to import) attention runs on torch's cuDNN kernel. `--build-arg WITH_FA4=0` leaves it out.
+COPY requirements.txt requirements-gpu.txt /app/
 ARG WITH_FA4=1
-RUN if [ "$WITH_FA4" = 1 ]; then pip install --pre "flash-attn-4[cu13]==4.0.0b36" "nvidia-cutlass-dsl[cu13]==4.8.1"; fi
+RUN if [ "$WITH_FA4" = 1 ]; then lock=requirements-gpu.txt; else lock=requirements.txt; fi \
+    && pip install --require-hashes --no-deps -r /app/$lock
 
 COPY pyproject.toml app.py /app/
 COPY h3engine /app/h3engine
