@@ -24,7 +24,7 @@ keeps it, as the engine's resident profile does (text encoder 51.5 GB + DiT 40.2
 + VAEs 11 GB). Build times are reported apart from the request's phases (a resident server builds once).
 
 Timing: phases are host timers between device synchronizations; each DiT step is timed on the device's clock
-(CUDA events) through the pipeline's hooks, `should_cancel` (polled right before a step) and `on_step` (called
+(CUDA events) through the pipeline's hooks, `should_cancel` (its last poll before a step) and `on_step` (called
 right after it). By default the times are a warm server's: the text encode and the decode (of one window) run once
 untimed first, and the first DiT step counts as the DiT's warm-up. After the request's steps, the first K steps of
 a second request run on the warm DiT with its AdaLN tables rebuilt (`--repeat-steps K`, default 2; `warm_repeat`):
@@ -333,11 +333,13 @@ def free_device_memory(device: torch.device) -> None:
 
 
 class StepTimer:
-    """Each DiT step's time on the device's own clock, through the pipeline's hooks: `before_step` is the
-    `should_cancel` poll that precedes every step, `after_step` the `on_step` call that follows it."""
+    """Each DiT step's time on the device's own clock, through the pipeline's hooks: a step starts at the last
+    `should_cancel` poll before it (`before_step`; the pipeline polls between its other phases too) and ends at
+    the `on_step` call that follows it (`after_step`)."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
+        self._last_poll: Any = None
         self._starts: list[Any] = []
         self._ends: list[Any] = []
 
@@ -349,10 +351,11 @@ class StepTimer:
         return event
 
     def before_step(self) -> bool:
-        self._starts.append(self._mark())
+        self._last_poll = self._mark()
         return False  # never cancels
 
     def after_step(self, event: StepEvent) -> None:
+        self._starts.append(self._last_poll)
         self._ends.append(self._mark())
 
     def seconds(self) -> list[float]:

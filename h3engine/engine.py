@@ -5,9 +5,12 @@ Contract:
   (configs and safetensors headers: keys, shapes, truncation) and loads the models of the first partition, so a
   broken checkpoint fails here with the file and key named, before any request is accepted. The other partition's
   models are loaded on first use; on a GPU only one DiT partition stays resident.
-* `parse_request` / `validate` never touch the models; `generate` returns float tensors; `generate_to_file` writes
-  the MP4 (and then its JSON sidecar, and optionally the tensors) atomically, so a file under the output name is
-  always complete.
+* `parse_request` / `validate` never touch the models; `generate` returns float tensors; `generate_to_file` checks
+  its output names before any work, then writes the MP4, the optional tensors and the JSON sidecar into staging
+  files that appear under their names together, only when all are complete (h3engine.media.outputs.staged).
+* Cancellation: `should_cancel` is polled between the phases (before each input file is read, before the
+  conditioning encode, before the text encode, before every denoising step, after the last one) and between the
+  video decoder's windows; a `True` raises GenerationCancelled and nothing is written.
 * `generate` is `prepare` (validate, read the inputs, encode the conditioning: a `PreparedRequest`) and then the
   pipeline; `generate_to_file` is `generate` writing the MP4 while the video decodes (`pipeline.decode`) and then
   `write_outputs` for the rest. A worker group (h3engine.runtime.rank) calls these halves itself: its rank 0
@@ -60,10 +63,10 @@ from h3engine.geometry import (
 )
 from h3engine.media import inputs as media_inputs
 from h3engine.media.mux import write_mp4
-from h3engine.media.outputs import output_paths, save_tensors, write_sidecar
+from h3engine.media.outputs import OutputFiles, StagedOutputs, save_tensors, staged, write_sidecar
 from h3engine.models.text_encoder import H3TextEncoder, load_tokenizer
 from h3engine.ops import attention as attention_ops
-from h3engine.pipeline import GenerationOutput, Models, StepEvent, run_generation
+from h3engine.pipeline import GenerationOutput, Models, StepEvent, check_cancelled, run_generation
 from h3engine.placement import Placement
 from h3engine.presentation import (
     Presentation,
@@ -145,13 +148,6 @@ def request_geometry(
             max_pixels=max_pixels,
         )
     return Geometry.from_canvas(height, width, frames, vae_spatial_ratio=vae_spatial_ratio, patch=patch)
-
-
-@dataclass(frozen=True)
-class WrittenFiles:
-    video: Path
-    sidecar: Path
-    tensors: Path | None
 
 
 @dataclass(frozen=True)
@@ -351,28 +347,37 @@ class Engine:
         return request_geometry(request, self.layout.canvas, vae_ratio, patch, first_keyframe_size)
 
     def prepare_conditioning(
-        self, request: GenerationRequest, models: Models
+        self,
+        request: GenerationRequest,
+        models: Models,
+        should_cancel: Callable[[], bool] | None = None,
     ) -> tuple[Geometry, Presentation, EncodedConditions]:
         """Read the request's input files, put them on the model's rates and canvases, build the text encoder's
-        presentation and encode the conditioning latents."""
+        presentation and encode the conditioning latents (`should_cancel` is polled before each file and before
+        the encode)."""
         if request.task == "fl2va":
-            images = [media_inputs.load_image(keyframe.path) for keyframe in request.keyframes]
+            images = []
+            for keyframe in request.keyframes:
+                check_cancelled(should_cancel)
+                images.append(media_inputs.load_image(keyframe.path))
             geometry = self.geometry_for(request, first_keyframe_size=images[0].size)
             fitted = fit_keyframes(images, geometry.height, geometry.width)
             presentation = keyframe_presentation(models.tokenizer, models.processor, request.prompt, fitted)
             anchors = [keyframe.position for keyframe in request.keyframes]
+            check_cancelled(should_cancel)
             with models.resident_for("conditioning"):
                 conditions = encode_keyframes(models.video_vae, fitted, anchors)
             return geometry, presentation, conditions
         geometry = self.geometry_for(request)
         if request.task == "ref2va":
-            references = [
-                self._normalized_reference(request, index, geometry)
-                for index in range(len(request.references))
-            ]
+            references = []
+            for index in range(len(request.references)):
+                check_cancelled(should_cancel)
+                references.append(self._normalized_reference(request, index, geometry))
             presentation = reference_presentation(
                 models.tokenizer, models.processor, request.prompt, references
             )
+            check_cancelled(should_cancel)
             with models.resident_for("conditioning"):
                 conditions = encode_references(models.video_vae, models.audio_vae, references)
             return geometry, presentation, conditions
@@ -438,7 +443,9 @@ class Engine:
             audio_shift=request.audio_flow_shift,
         )
 
-    def prepare(self, request: GenerationRequest) -> PreparedRequest:
+    def prepare(
+        self, request: GenerationRequest, should_cancel: Callable[[], bool] | None = None
+    ) -> PreparedRequest:
         """Validate the request, read its input files and encode its conditioning (RequestError naming the field)."""
         self.validate(request)
         partition = self.layout.for_task(request.task).partition
@@ -446,7 +453,7 @@ class Engine:
         schedule = self.schedule_for(request)
         with torch.inference_mode():
             started = time.perf_counter()
-            geometry, presentation, conditions = self.prepare_conditioning(request, models)
+            geometry, presentation, conditions = self.prepare_conditioning(request, models, should_cancel)
             conditioning_s = time.perf_counter() - started
         return PreparedRequest(partition, schedule, geometry, presentation, conditions, conditioning_s)
 
@@ -458,7 +465,7 @@ class Engine:
         mp4_path: Path | None = None,
     ) -> tuple[GenerationOutput, Geometry]:
         """The request's video and audio tensors; with `mp4_path`, also its MP4, written while the video decodes."""
-        prepared = self.prepare(request)
+        prepared = self.prepare(request, should_cancel)
         with torch.inference_mode():
             output = run_generation(
                 self.models_for_partition(prepared.partition),
@@ -483,16 +490,17 @@ class Engine:
         save_tensors_path: Path | None = None,
         on_step: Callable[[StepEvent], None] | None = None,
         should_cancel: Callable[[], bool] | None = None,
-    ) -> WrittenFiles:
-        video_path, _ = output_paths(out_path)  # a bad output name fails before the work, not after it
+    ) -> OutputFiles:
+        """`generate` into `out_path` (MP4), its sidecar and optionally `save_tensors_path`; all or nothing appears."""
+        files = checked_output_files(out_path, save_tensors_path)
         # Hashed before generating, so the sidecar names the bytes the conditioning was read from.
         inputs = input_records(request)
-        output, geometry = self.generate(
-            request, on_step=on_step, should_cancel=should_cancel, mp4_path=video_path
-        )
-        return self.write_outputs(
-            request, inputs, output, geometry, out_path, save_tensors_path, mp4_written=True
-        )
+        with staged(files) as staging:
+            output, geometry = self.generate(
+                request, on_step=on_step, should_cancel=should_cancel, mp4_path=staging.files.video
+            )
+            self.write_outputs(request, inputs, output, geometry, staging, mp4_written=True)
+            return staging.commit()
 
     def write_outputs(
         self,
@@ -500,22 +508,19 @@ class Engine:
         inputs: list[dict[str, Any]],
         output: GenerationOutput,
         geometry: Geometry,
-        out_path: Path,
-        save_tensors_path: Path | None = None,
+        staging: StagedOutputs,
         mp4_written: bool = False,
-    ) -> WrittenFiles:
-        """The MP4 (unless `mp4_written`: the decode already wrote it), then (optionally) the tensors, then the
-        sidecar, each atomically: a visible sidecar means the rest is complete. `inputs` are the request's
+    ) -> None:
+        """Fill `staging`'s files: the MP4 (unless `mp4_written`: the decode already wrote it there), the tensors
+        when asked for, the sidecar (which names the final video). The caller commits. `inputs` are the request's
         `input_records`."""
-        video_path, sidecar_path = output_paths(out_path)
         if not mp4_written:
             started = time.perf_counter()
-            write_mp4(video_path, output.video, output.audio)
+            write_mp4(staging.files.video, output.video, output.audio)
             output.timings["mux_s"] = time.perf_counter() - started
-        tensors_path = None
-        if save_tensors_path is not None:
-            tensors_path = save_tensors(
-                save_tensors_path,
+        if staging.files.tensors is not None:
+            save_tensors(
+                staging.files.tensors,
                 {
                     "video": output.video,
                     "audio": output.audio,
@@ -524,7 +529,7 @@ class Engine:
                 },
             )
         write_sidecar(
-            sidecar_path,
+            staging.files.sidecar,
             {
                 "request": request.to_dict(),
                 "inputs": inputs,
@@ -546,10 +551,22 @@ class Engine:
                     "audio_latents": geometry.audio_latents,
                 },
                 "timings_s": output.timings,
-                "video": video_path.name,
+                "video": staging.final.video.name,
             },
         )
-        return WrittenFiles(video_path, sidecar_path, tensors_path)
+
+
+def checked_output_files(out_path: Path | str, save_tensors_path: Path | str | None = None) -> OutputFiles:
+    """The request's output files, or RequestError naming the argument, before any work is done."""
+    try:
+        files = OutputFiles.beside(out_path, save_tensors_path)
+    except ValueError as error:
+        raise RequestError(f"out_path: {error}") from None
+    problem = files.problem()
+    if problem is not None:
+        path, message = problem
+        raise RequestError(f"{'save_tensors_path' if path == files.tensors else 'out_path'}: {message}")
+    return files
 
 
 def _reference_audio(source: Any, max_seconds: float) -> torch.Tensor:

@@ -8,7 +8,9 @@ forward per step on the whole packed sequence; only the generated rows are ever 
 unchanged; the scheduler state (latent rows, sigmas, the Euler update) stays fp32 whatever the DiT's compute dtype.
 
 Progress and cancellation: `on_step` is called after every step with a small `StepEvent`; `should_cancel` is polled
-before every step and a `True` raises `GenerationCancelled` (nothing is decoded).
+before the text encode, before every step and after the last one (on a worker group every rank polls at the same
+points: it is a collective vote there), and `decode` polls its own between the video decoder's windows; a `True`
+raises `GenerationCancelled` and nothing is written.
 
 `run_generation` is `denoise_request` (encode, pack, denoise: latents) followed by `decode`, which can also write the
 MP4 while the video decodes (the mux then costs little more than encoding the last window). A worker group runs the
@@ -51,6 +53,12 @@ from h3engine.sampling.packing import (
     unpatchify_video,
 )
 from h3engine.sampling.schedule import Schedule, euler_step
+
+
+def check_cancelled(should_cancel: Callable[[], bool] | None) -> None:
+    """Raise GenerationCancelled when `should_cancel` says so (a None never cancels)."""
+    if should_cancel is not None and should_cancel():
+        raise GenerationCancelled("generation cancelled")
 
 
 @dataclass(frozen=True)
@@ -142,8 +150,7 @@ def denoise(
     row_layout = (layout.tags, layout.positions, layout.video_index, layout.audio_index, layout.text_index)
     started = time.perf_counter()
     for step in range(schedule.num_steps):
-        if should_cancel is not None and should_cancel():
-            raise GenerationCancelled("generation cancelled")
+        check_cancelled(should_cancel)
         timesteps, timestep_index = step_rows[step]
         index_key = timestep_index.numpy().tobytes()
         if index_key not in packed_layouts:
@@ -196,6 +203,7 @@ def decode(
     video_latents: torch.Tensor,
     audio_latents: torch.Tensor,
     mp4_path: Path | None = None,
+    should_cancel: Callable[[], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Normalized latents ([1, C, T, h, w] and [2, C, A]) -> video [F, H, W, 3] in [0, 1], audio [2, N], on the host.
 
@@ -220,6 +228,7 @@ def decode(
         writer = None if mp4_path is None else _start_mp4_writer(mp4_path, video, audio)
         try:
             for pixels in video_vae.decode_pieces(latents, autocast_dtype=models.video_decode_autocast):
+                check_cancelled(should_cancel)
                 video.append(_frames_from_pixels(video_vae, pixels))
         except BaseException as error:
             video.fail(error)
@@ -261,15 +270,17 @@ def decode_on_group(
     audio_latents: torch.Tensor,
     vae_group: GroupMembership,
     mp4_path: Path | None = None,
+    should_cancel: Callable[[], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]] | None:
     """`decode` with the video tiles split over a VAE group (h3engine.parallel.vae); None on all but VAE rank 0.
 
     Every member calls it with the same latents. Rank 0 decodes the audio while the others finish their tiles, so
     one timing, `decode_s`, covers both. A group of one is plain `decode`, which writes the MP4 at `mp4_path` while
-    it decodes (a larger group ignores `mp4_path`: the caller writes the file afterwards).
+    it decodes and polls `should_cancel` (this rank's own check, no collective) between windows; a larger group
+    ignores both (the caller writes the file afterwards; its ranks vote on cancelling before the decode).
     """
     if vae_group.size == 1:
-        return decode(models, video_latents, audio_latents, mp4_path)
+        return decode(models, video_latents, audio_latents, mp4_path, should_cancel)
     started = time.perf_counter()
     with models.resident_for("decode"):
         # Only rank 0 holds the audio VAE; the other ranks never read the audio latents.
@@ -349,6 +360,7 @@ def denoise_request(
 ) -> DenoisedLatents:
     """Encode the presentation, pack the condition rows and the seed's noise, and run every step."""
     timings = {}
+    check_cancelled(should_cancel)
     started = time.perf_counter()
     with models.resident_for("text_encode"):
         text_states = encode_presentation(models, presentation, device)
@@ -392,6 +404,7 @@ def denoise_request(
         )
         _synchronize(device)
     timings["denoise_s"] = time.perf_counter() - started
+    check_cancelled(should_cancel)
 
     video_latents = unpatchify_video(
         video_rows[layout.num_condition_video_rows :],
@@ -422,4 +435,5 @@ def run_generation(
     latents = denoise_request(
         models, presentation, conditions, geometry, schedule, seed, recipe, device, on_step, should_cancel
     )
-    return latents.output(*decode(models, latents.video_latents, latents.audio_latents, mp4_path))
+    decoded = decode(models, latents.video_latents, latents.audio_latents, mp4_path, should_cancel)
+    return latents.output(*decoded)

@@ -152,7 +152,8 @@ def test_a_cancelled_request_leaves_every_component_home(low_memory) -> None:
     polls = itertools.count()
     request = GenerationRequest(task="t2va", prompt="A quiet pond.", duration_seconds=4, steps=2)
     with pytest.raises(GenerationCancelled):
-        engine.generate(request, should_cancel=lambda: next(polls) == 0)  # before the first step
+        # Poll 0 comes before the text encode, poll 1 before the first step.
+        engine.generate(request, should_cancel=lambda: next(polls) == 1)
     assert [(event, phase) for event, phase, _ in placement.log] == [
         ("enter", "text_encode"),
         ("leave", "text_encode"),

@@ -11,11 +11,15 @@ Contract:
 * `write_sidecar` writes UTF-8 JSON with sorted keys and a 2-space indent; NaN/Infinity are refused because
   the browser's `JSON.parse` cannot read them.
 * `save_tensors` writes safetensors with every tensor as contiguous CPU float32.
+* A request's files (MP4, optional tensors, sidecar) appear together or not at all: `staged(OutputFiles)` gives
+  each one a hidden staging file, the writers fill those (each through its own `atomic_output`), and `commit()`
+  renames them into place with the sidecar last, so a listed sidecar always finds its MP4. Leaving the block
+  without `commit()` (an error, a cancel, an early return) removes every staging file.
 
 Danger: the temporary file lives in the destination folder on purpose. `os.replace` is only atomic within one
-file system, so a temp file in /tmp would turn the rename into a copy. Its name starts with a dot and ends in
-`.partial`, so a history scan for `*.mp4` / `*.json` never lists it. Callers that write an MP4 and its sidecar
-should write the MP4 first: then a visible sidecar implies a complete MP4 next to it.
+file system, so a temp file in /tmp would turn the rename into a copy. Its name starts with a dot, carries the
+writing process's id and ends in `.partial` (`.NAME.PID-TOKEN.partial`), so a history scan for `*.mp4` / `*.json`
+never lists it and a later start can tell a dead writer's leftovers (h3engine.leftovers) from a live one's.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import json
 import os
 import secrets
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +52,9 @@ def output_paths(out_mp4: str | os.PathLike[str]) -> tuple[Path, Path]:
 def _new_partial_path(final_path: Path) -> Path:
     """Create (exclusively) an empty hidden temp file next to `final_path` and return its path."""
     for _attempt in range(16):
-        candidate = final_path.with_name(f".{final_path.name}.{secrets.token_hex(6)}{PARTIAL_SUFFIX}")
+        candidate = final_path.with_name(
+            f".{final_path.name}.{os.getpid()}-{secrets.token_hex(6)}{PARTIAL_SUFFIX}"
+        )
         try:
             # O_EXCL: never adopt a file someone else is writing. Mode 0o666 lets the process umask decide
             # the final permissions, as a plain open() would (mkstemp would force 0o600 on the result).
@@ -96,6 +103,82 @@ def atomic_output(final_path: str | os.PathLike[str]) -> Iterator[Path]:
         partial_path.unlink(missing_ok=True)
         raise
     _flush_folder_entry(final_path.parent)
+
+
+@dataclass(frozen=True)
+class OutputFiles:
+    """The files one request leaves behind: its MP4, its JSON sidecar and, when asked for, its tensors."""
+
+    video: Path
+    sidecar: Path
+    tensors: Path | None = None
+
+    @classmethod
+    def beside(
+        cls, out_mp4: str | os.PathLike[str], tensors: str | os.PathLike[str] | None = None
+    ) -> OutputFiles:
+        video, sidecar = output_paths(out_mp4)
+        return cls(video, sidecar, None if tensors is None else Path(tensors))
+
+    def in_commit_order(self) -> list[Path]:
+        """The sidecar last: once it is visible, everything it names is complete."""
+        return [self.video, *([self.tensors] if self.tensors is not None else []), self.sidecar]
+
+    def problem(self) -> tuple[Path, str] | None:
+        """Which file could not be written and why, checked before any work (None when all can)."""
+        paths = self.in_commit_order()
+        if len({path.resolve() for path in paths}) < len(paths):
+            return self.tensors, f"{self.tensors} would overwrite the video or its sidecar"
+        for path in paths:
+            if path.is_dir():
+                return path, f"{path} is a folder"
+            if not path.parent.is_dir():
+                return path, f"folder {path.parent} does not exist"
+        return None
+
+
+class StagedOutputs:
+    """Hidden staging files for one request's `OutputFiles`; see `staged`."""
+
+    def __init__(self, final: OutputFiles) -> None:
+        self.final = final
+        created: list[Path] = []
+        try:
+            for path in final.in_commit_order():
+                created.append(_new_partial_path(path))
+        except BaseException:
+            for path in created:
+                path.unlink(missing_ok=True)
+            raise
+        self._staging = created
+        self.files = OutputFiles(created[0], created[-1], created[1] if final.tensors is not None else None)
+        self._committed = False
+
+    def commit(self) -> OutputFiles:
+        """Flush every staging file and rename each into place, the sidecar last; returns the final files."""
+        for path in self._staging:
+            _flush_to_disk(path)
+        for path, final_path in zip(self._staging, self.final.in_commit_order(), strict=True):
+            os.replace(path, final_path)
+        self._committed = True
+        for folder in {path.parent for path in self.final.in_commit_order()}:
+            _flush_folder_entry(folder)
+        return self.final
+
+    def discard(self) -> None:
+        if not self._committed:
+            for path in self._staging:
+                path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def staged(final: OutputFiles) -> Iterator[StagedOutputs]:
+    """Write a request's files into `StagedOutputs.files`, then `commit()`; without a commit nothing appears."""
+    staging = StagedOutputs(final)
+    try:
+        yield staging
+    finally:
+        staging.discard()
 
 
 def write_sidecar(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> Path:

@@ -40,7 +40,7 @@ import json
 import logging
 import queue
 import secrets
-import tempfile
+import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -49,9 +49,11 @@ from typing import Protocol
 
 import torch
 
-from h3engine.engine import Engine, WrittenFiles
+from h3engine.engine import Engine, checked_output_files
 from h3engine.errors import GenerationCancelled, H3Error
 from h3engine.geometry import FPS, Geometry
+from h3engine.leftovers import WARM_UP_FOLDER_PREFIX, owned_temp_folder
+from h3engine.media.outputs import OutputFiles
 from h3engine.media.preview import latent_preview_rgb
 from h3engine.pipeline import StepEvent
 from h3engine.request import GenerationRequest
@@ -266,10 +268,9 @@ class EngineFront:
     ) -> JobHandle:
         job_id = secrets.token_hex(4)
         if out_path is None:
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            out_path = self.outputs_dir / f"{stamp}-{request.task}-{job_id}.mp4"
-        tensors_path = Path(save_tensors_path) if save_tensors_path is not None else None
-        handle = JobHandle(job_id, request, Path(out_path), tensors_path)
+            out_path = self.outputs_dir / stamped_output_name(request.task, job_id)
+        files = checked_output_files(out_path, save_tensors_path)  # RequestError before the job takes a place
+        handle = JobHandle(job_id, request, files.video, files.tensors)
         with self._condition:
             if self._stopping:
                 raise RuntimeError("the engine front is shut down")
@@ -325,8 +326,9 @@ class EngineFront:
                 "replica %d: no warm-up, the checkpoint does not serve %s", index, WARM_UP_REQUEST.task
             )
             return
-        with tempfile.TemporaryDirectory(prefix="h3-warm-up-") as folder:
-            handle = JobHandle(f"warm-up-{index}", WARM_UP_REQUEST, Path(folder) / "warm-up.mp4", None)
+        folder = owned_temp_folder(WARM_UP_FOLDER_PREFIX)
+        try:
+            handle = JobHandle(f"warm-up-{index}", WARM_UP_REQUEST, folder / "warm-up.mp4", None)
             with self._condition:
                 if self._stopping:
                     return
@@ -337,6 +339,8 @@ class EngineFront:
             finally:
                 with self._condition:
                     del self._running[index]
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
         if isinstance(result, JobFailed):
             logger.warning("replica %d: the warm-up run did not finish (%s)", index, result.message)
         else:
@@ -370,7 +374,12 @@ def job_started(job_id: str, replica_index: int, submitted_at: float, geometry: 
     )
 
 
-def job_finished(job_id: str, written: WrittenFiles) -> JobFinished:
+def stamped_output_name(task: str, job_id: str) -> str:
+    """A job's default MP4 name in the outputs folder (h3engine.leftovers.STAMPED_OUTPUT_NAME matches it)."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{task}-{job_id}.mp4"
+
+
+def job_finished(job_id: str, written: OutputFiles) -> JobFinished:
     """The terminal message of a job whose files are on disk, read back from its sidecar."""
     sidecar = json.loads(written.sidecar.read_text(encoding="utf-8"))
     return JobFinished(

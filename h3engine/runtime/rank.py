@@ -17,8 +17,9 @@ One job, on every rank:
 2. Every rank denoises; text states and velocities move between ranks inside the sharded models' collectives.
    Before each step the ranks vote on cancelling (rank r says yes when `cancel_job` holds this job's number; a sum
    over the control group), so all of them stop before the same step and none is left waiting in a collective.
-3. The VAE group decodes (tiles split over its ranks, the audio on rank 0); rank 0 writes the MP4, the tensors and
-   the sidecar atomically (`Engine.write_outputs`) and sends the terminal message.
+3. The ranks vote once more after the last step; the VAE group decodes (tiles split over its ranks, the audio on
+   rank 0; a VAE group of one checks its own cancel slot between windows); rank 0 writes the MP4, the tensors and
+   the sidecar into staging files (`Engine.write_outputs`), commits them together and sends the terminal message.
 Only rank 0 reports on jobs. Its messages leave through an `Outbox`, a thread that owns the pipe: progress and
 previews are dropped when the front falls behind, terminal messages never, and the denoising loop never waits.
 
@@ -36,6 +37,7 @@ cancel) is taken once and shared before anyone acts on it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -56,7 +58,7 @@ from h3engine.checkpoint.layout import CheckpointLayout, detect_layout
 from h3engine.checkpoint.loader import ComponentSource
 from h3engine.engine import Engine, PreparedRequest, input_records, resolve_dtype
 from h3engine.errors import GenerationCancelled, H3Error
-from h3engine.media.outputs import output_paths
+from h3engine.media.outputs import OutputFiles, staged
 from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.parallel.collectives import all_reduce_sum
 from h3engine.parallel.dit import load_dit_shard
@@ -285,7 +287,7 @@ def _exit_with_parent() -> None:
 
 
 def _prepare_on_first_rank(
-    engine: ShardedEngine, groups: RankGroups, job: RunJob, outbox: Outbox
+    engine: ShardedEngine, groups: RankGroups, job: RunJob, outbox: Outbox, cancel_job: Any
 ) -> tuple[PreparedRequest | None, list[dict[str, Any]]]:
     """Rank 0 prepares the request and every rank receives the result; None (everywhere) ends the job here."""
     prepared, inputs = None, []
@@ -297,7 +299,9 @@ def _prepare_on_first_rank(
             outbox.post(job_started(job.job_id, job.replica_index, job.submitted_at, geometry))
             # Hashed before generating, so the sidecar names the bytes the conditioning was read from.
             inputs = input_records(request)
-            prepared = engine.prepare(request)
+            prepared = engine.prepare(request, _own_cancel_check(cancel_job, job.job_number))
+        except GenerationCancelled:
+            outbox.post(JobFailed(job.job_id, "cancelled", CANCELLED_MESSAGE))
         except H3Error as error:
             outbox.post(JobFailed(job.job_id, "request", str(error)))
         except Exception:
@@ -308,6 +312,11 @@ def _prepare_on_first_rank(
         dist.broadcast_object_list(shared, src=0, group=groups.control.process_group)
         prepared = shared[0]
     return prepared, inputs
+
+
+def _own_cancel_check(cancel_job: Any, job_number: int) -> Callable[[], bool]:
+    """`should_cancel` for work one rank does alone (rank 0's preparation, a VAE group of one's decode)."""
+    return lambda: cancel_job.value == job_number
 
 
 def _cancel_vote(groups: RankGroups, cancel_job: Any, job_number: int) -> Callable[[], bool]:
@@ -324,7 +333,7 @@ def serve_job(
     engine: ShardedEngine, groups: RankGroups, job: RunJob, outbox: Outbox, cancel_job: Any
 ) -> None:
     """Run one job on this rank (see the module docstring); raises only on a failure that breaks the group."""
-    prepared, inputs = _prepare_on_first_rank(engine, groups, job, outbox)
+    prepared, inputs = _prepare_on_first_rank(engine, groups, job, outbox, cancel_job)
     if prepared is None:
         return
     request = job.request
@@ -332,51 +341,52 @@ def serve_job(
     on_step = None
     if groups.rank == 0:
         on_step = step_reporter(job.job_id, prepared.geometry, job.preview_every, outbox.offer)
-    try:
-        with torch.inference_mode():
-            latents = denoise_request(
-                models,
-                prepared.presentation,
-                prepared.conditions,
-                prepared.geometry,
-                prepared.schedule,
-                request.seed,
-                request.recipe,
-                engine.device,
-                on_step=on_step,
-                should_cancel=_cancel_vote(groups, cancel_job, job.job_number),
-            )
-            decoded = None
-            # A VAE group of one writes the MP4 while it decodes; a larger one leaves it to write_outputs.
-            mp4_written = groups.vae is not None and groups.vae.size == 1
-            if groups.vae is not None:
-                decoded = decode_on_group(
+    # Rank 0 writes every file into staging files; they appear only when it commits them (after the sidecar).
+    files = OutputFiles.beside(job.out_path, job.save_tensors_path)
+    with staged(files) if groups.rank == 0 else contextlib.nullcontext() as staging:
+        try:
+            with torch.inference_mode():
+                latents = denoise_request(
                     models,
-                    latents.video_latents,
-                    latents.audio_latents,
-                    groups.vae,
-                    output_paths(Path(job.out_path))[0] if mp4_written else None,
+                    prepared.presentation,
+                    prepared.conditions,
+                    prepared.geometry,
+                    prepared.schedule,
+                    request.seed,
+                    request.recipe,
+                    engine.device,
+                    on_step=on_step,
+                    should_cancel=_cancel_vote(groups, cancel_job, job.job_number),
                 )
-    except GenerationCancelled:
-        if groups.rank == 0:
-            outbox.post(JobFailed(job.job_id, "cancelled", CANCELLED_MESSAGE))
-        return
-    except Mp4WriteError as error:  # the file of a VAE group of one: this rank's failure alone
-        _report_output_failure(job, error.__cause__ or error, outbox)
-        return
-    if decoded is None:
-        return  # not rank 0: its part is done
-    # From here on rank 0 works alone, so a failure is this job's only: it is reported, the group stays up.
-    try:
-        output = latents.output(*decoded)
-        output.timings["conditioning_s"] = prepared.conditioning_s
-        save_tensors_path = Path(job.save_tensors_path) if job.save_tensors_path else None
-        written = engine.write_outputs(
-            request, inputs, output, prepared.geometry, Path(job.out_path), save_tensors_path, mp4_written
-        )
-        outbox.post(job_finished(job.job_id, written))
-    except Exception as error:
-        _report_output_failure(job, error, outbox)
+                decoded = None
+                # A VAE group of one writes the MP4 while it decodes; a larger one leaves it to write_outputs.
+                mp4_written = groups.vae is not None and groups.vae.size == 1
+                if groups.vae is not None:
+                    decoded = decode_on_group(
+                        models,
+                        latents.video_latents,
+                        latents.audio_latents,
+                        groups.vae,
+                        staging.files.video if mp4_written else None,
+                        _own_cancel_check(cancel_job, job.job_number),
+                    )
+        except GenerationCancelled:
+            if groups.rank == 0:
+                outbox.post(JobFailed(job.job_id, "cancelled", CANCELLED_MESSAGE))
+            return
+        except Mp4WriteError as error:  # the file of a VAE group of one: this rank's failure alone
+            _report_output_failure(job, error.__cause__ or error, outbox)
+            return
+        if decoded is None:
+            return  # not rank 0: its part is done
+        # From here on rank 0 works alone, so a failure is this job's only: it is reported, the group stays up.
+        try:
+            output = latents.output(*decoded)
+            output.timings["conditioning_s"] = prepared.conditioning_s
+            engine.write_outputs(request, inputs, output, prepared.geometry, staging, mp4_written)
+            outbox.post(job_finished(job.job_id, staging.commit()))
+        except Exception as error:
+            _report_output_failure(job, error, outbox)
 
 
 def _report_output_failure(job: RunJob, error: BaseException, outbox: Outbox) -> None:

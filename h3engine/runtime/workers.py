@@ -24,8 +24,9 @@ Danger
 ------
 A group's pipes and shared slot belong to one incarnation: after a failure nothing of the old group is reused (a
 rank killed while writing may have left half a message in its pipe). The rendezvous is a FileStore in a fresh
-temporary folder per incarnation, removed when the group ends; NCCL wants one rank per GPU, so a device appears
-once per group.
+temporary folder per incarnation (`h3-workers-PID-*`), removed when the group ends; a `ProcessReplica` removes the
+ones of dead processes when it starts (h3engine.leftovers). NCCL wants one rank per GPU, so a device appears once
+per group.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import dataclasses
 import itertools
 import logging
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -48,6 +48,7 @@ import torch.multiprocessing
 from h3engine.checkpoint.layout import CheckpointLayout, detect_layout
 from h3engine.checkpoint.loader import dit_source
 from h3engine.errors import CheckpointError, RequestError
+from h3engine.leftovers import WORKER_FOLDER_PREFIX, owned_temp_folder, remove_dead_temp_folders
 from h3engine.parallel.groups import RuntimeLayout
 from h3engine.parallel.text_encoder import open_text_encoder_files
 from h3engine.placement import check_memory_profile
@@ -207,7 +208,7 @@ class WorkerGroup:
 
     def __init__(self, spec: WorkerSpec) -> None:
         context = torch.multiprocessing.get_context("spawn")
-        self._store_dir = Path(tempfile.mkdtemp(prefix="h3-workers-"))
+        self._store_dir = owned_temp_folder(WORKER_FOLDER_PREFIX)
         spec = dataclasses.replace(spec, init_method=f"file://{self._store_dir / 'store'}")
         self.cancel_job = context.RawValue("q", NO_JOB)
         self.processes: list[Any] = []
@@ -371,6 +372,7 @@ class ProcessReplica:
         self._starting: WorkerGroup | None = None
         self._restart: threading.Thread | None = None
         self._restart_error: str | None = None
+        remove_dead_temp_folders(WORKER_FOLDER_PREFIX)
         group = WorkerGroup(self.spec)
         try:
             self.facts = group.wait_ready(self._closed)

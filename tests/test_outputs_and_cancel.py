@@ -1,0 +1,299 @@
+"""A request's files appear together or not at all; every long phase polls for cancel; a killed run's leftovers go
+at the next start (tiny CPU engine).
+
+What is checked: output names are refused before any work (a folder, a missing folder, a tensors file over the
+video); a failure writing the tensors leaves no MP4; a commit renames the sidecar last; cancelling at each poll of a
+request (input files, conditioning encode, text encode, every step, after the last step, each decoder window)
+stops it and leaves no file; `h3engine.leftovers` removes exactly the staging files and folders of dead processes
+and sidecar-less stamped MP4s, including after a real SIGKILL of the CLI (alone and with a worker group).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from h3engine import engine as engine_module
+from h3engine.checkpoint.tiny import make_tiny_checkpoint
+from h3engine.engine import Engine
+from h3engine.errors import GenerationCancelled, RequestError
+from h3engine.leftovers import (
+    WORKER_FOLDER_PREFIX,
+    remove_dead_temp_folders,
+    remove_output_leftovers,
+)
+from h3engine.media import outputs
+from h3engine.media.outputs import OutputFiles, staged
+from h3engine.request import GenerationRequest, Keyframe, Reference
+from h3engine.runtime.front import EngineFront, stamped_output_name
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+ASSETS = REPOSITORY / "assets"
+STEPS = 2
+REQUESTS = {
+    "t2va": GenerationRequest(task="t2va", prompt="A kite climbs.", steps=STEPS, duration_seconds=4),
+    "fl2va": GenerationRequest(
+        task="fl2va",
+        prompt="The kite climbs.",
+        steps=STEPS,
+        duration_seconds=4,
+        keyframes=(
+            Keyframe(str(ASSETS / "fl2va" / "first.png"), "first"),
+            Keyframe(str(ASSETS / "fl2va" / "last.png"), "last"),
+        ),
+    ),
+    "ref2va": GenerationRequest(
+        task="ref2va",
+        prompt="<Picture 1> speaks in the voice of <Audio 1>.",
+        steps=STEPS,
+        duration_seconds=4,
+        references=(
+            Reference("image", str(ASSETS / "ref2va" / "picture1.png")),
+            Reference("audio", str(ASSETS / "ref2va" / "audio1.wav")),
+        ),
+    ),
+}
+# Polls before the text encode: one per input file, one before the conditioning encode.
+POLLS_BEFORE_TEXT_ENCODE = {"t2va": 0, "fl2va": 3, "ref2va": 3}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("outputs") / "checkpoint", seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint) -> Engine:
+    return Engine.from_checkpoint(checkpoint, device="cpu", dtype=torch.float32)
+
+
+def counting_cancel(cancel_at: int | None) -> tuple[Callable[[], bool], list[int]]:
+    polls: list[int] = []
+
+    def should_cancel() -> bool:
+        polls.append(1)
+        return cancel_at is not None and len(polls) >= cancel_at
+
+    return should_cancel, polls
+
+
+# --- output names and staging -------------------------------------------------------------------------------------
+
+
+def test_output_names_are_refused_before_any_work(engine, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(engine, "generate", lambda *args, **kwargs: pytest.fail("work started"))
+    (tmp_path / "taken.mp4").mkdir()
+    cases = [
+        (tmp_path / "taken.mp4", None, "out_path: .*taken.mp4 is a folder"),
+        (tmp_path / "missing" / "out.mp4", None, "out_path: folder .*missing does not exist"),
+        (tmp_path / "out.mp4", tmp_path / "missing" / "t.safetensors", "save_tensors_path: folder .*missing"),
+        (
+            tmp_path / "out.mp4",
+            tmp_path / "out.json",
+            "save_tensors_path: .*overwrite the video or its sidecar",
+        ),
+        (tmp_path / "out.mov", None, "out_path: .*must end in '.mp4'"),
+    ]
+    for out_path, tensors_path, message in cases:
+        with pytest.raises(RequestError, match=message):
+            engine.generate_to_file(REQUESTS["t2va"], out_path, save_tensors_path=tensors_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["taken.mp4"]
+
+
+def test_the_front_refuses_output_names_before_queueing(engine, tmp_path) -> None:
+    front = EngineFront([engine], tmp_path)
+    try:
+        with pytest.raises(RequestError, match="save_tensors_path: folder"):
+            front.submit(REQUESTS["t2va"], tmp_path / "a.mp4", tmp_path / "missing" / "a.safetensors")
+    finally:
+        front.shutdown()
+
+
+def test_a_failed_tensors_write_leaves_no_video_and_no_staging_file(engine, tmp_path, monkeypatch) -> None:
+    def failing_save(path, tensors):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(engine_module, "save_tensors", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        engine.generate_to_file(
+            REQUESTS["t2va"], tmp_path / "out.mp4", save_tensors_path=tmp_path / "t.safetensors"
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_whole_request_commits_its_three_files_sidecar_last(engine, tmp_path, monkeypatch) -> None:
+    renamed: list[str] = []
+    replace = os.replace
+
+    def recording_replace(source, target):
+        renamed.append(Path(target).name)
+        replace(source, target)
+
+    monkeypatch.setattr(outputs.os, "replace", recording_replace)
+    written = engine.generate_to_file(REQUESTS["t2va"], tmp_path / "out.mp4", tmp_path / "out.safetensors")
+    assert written == OutputFiles(tmp_path / "out.mp4", tmp_path / "out.json", tmp_path / "out.safetensors")
+    # Each writer first fills its staging file (atomically, through its own hidden partial), then the commit.
+    assert renamed[-3:] == ["out.mp4", "out.safetensors", "out.json"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out.json", "out.mp4", "out.safetensors"]
+
+
+def test_leaving_a_staged_block_without_commit_removes_every_staging_file(tmp_path) -> None:
+    files = OutputFiles.beside(tmp_path / "a.mp4", tmp_path / "a.safetensors")
+    with staged(files) as staging:
+        for path in staging.files.in_commit_order():
+            assert path.exists() and path.name.startswith(".") and path.name.endswith(".partial")
+            path.write_bytes(b"data")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="boom"), staged(files) as staging:
+        raise ValueError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- cancellation ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("task", sorted(REQUESTS))
+def test_every_poll_of_a_request_can_cancel_it_and_leaves_no_file(engine, task, tmp_path) -> None:
+    request = REQUESTS[task]
+    should_cancel, polls = counting_cancel(None)
+    engine.generate_to_file(request, tmp_path / "full.mp4", should_cancel=should_cancel)
+    first_keyframe_size = Image.open(request.keyframes[0].path).size if request.keyframes else None
+    geometry = engine.geometry_for(request, first_keyframe_size)
+    video_vae = engine.models_for_partition(engine.layout.for_task(task).partition).video_vae
+    plan = video_vae.plan_decode((1, 1, geometry.latent_frames, geometry.latent_h, geometry.latent_w))
+    # The decoder yields a piece per window, and the carried tail last when windows overlap (token_drop).
+    pieces = plan.window_count + (1 if video_vae.config.token_drop > 0 else 0)
+    # Inputs and conditioning, text encode, every step, after the last step, every decoded piece.
+    expected = POLLS_BEFORE_TEXT_ENCODE[task] + 1 + STEPS + 1 + pieces
+    assert len(polls) == expected
+    # The first polls (inputs, conditioning, text encode), the step loop's first, and the last three (after the
+    # loop and the decoder windows): every phase, without running every step count twice.
+    positions = sorted(
+        set(range(1, POLLS_BEFORE_TEXT_ENCODE[task] + 3)) | set(range(expected - 2, expected + 1))
+    )
+    for position in positions:
+        folder = tmp_path / f"cancel-at-{position}"
+        folder.mkdir()
+        should_cancel, polls = counting_cancel(position)
+        with pytest.raises(GenerationCancelled):
+            engine.generate_to_file(
+                request,
+                folder / "out.mp4",
+                save_tensors_path=folder / "out.safetensors",
+                should_cancel=should_cancel,
+            )
+        assert len(polls) == position
+        assert list(folder.iterdir()) == [], f"cancel at poll {position} left {list(folder.iterdir())}"
+
+
+# --- leftovers --------------------------------------------------------------------------------------------------------
+
+
+def dead_pid() -> int:
+    finished = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    return int(finished.stdout)
+
+
+def test_only_dead_writers_staging_files_and_unpaired_stamped_videos_are_removed(tmp_path) -> None:
+    dead, alive = dead_pid(), os.getpid()
+    nested = tmp_path / "user"
+    nested.mkdir()
+    stamped = stamped_output_name("t2va", "0123abcd")
+    paired = stamped_output_name("fl2va", "89abcdef")
+    doomed = [
+        tmp_path / f".out.mp4.{dead}-0123456789ab.partial",
+        tmp_path / f"..out.mp4.{dead}-0123456789ab.partial.{dead}-ba9876543210.partial",
+        nested / f".x.json.{dead}-00000000ffff.partial",
+        tmp_path / stamped,
+    ]
+    kept = [
+        tmp_path / f".out.mp4.{alive}-0123456789ab.partial",  # a live writer's
+        tmp_path / ".notes.partial",  # not our naming
+        tmp_path / "holiday.mp4",  # not our naming, no sidecar
+        tmp_path / paired,
+        tmp_path / paired.replace(".mp4", ".json"),
+    ]
+    for path in doomed + kept:
+        path.write_bytes(b"x")
+    assert sorted(remove_output_leftovers(tmp_path)) == sorted(doomed)
+    assert all(path.exists() for path in kept) and not any(path.exists() for path in doomed)
+
+
+def test_only_dead_processes_temp_folders_are_removed(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = tmp_path / f"{WORKER_FOLDER_PREFIX}{dead_pid()}-abc"
+    live = tmp_path / f"{WORKER_FOLDER_PREFIX}{os.getpid()}-abc"
+    other = tmp_path / f"{WORKER_FOLDER_PREFIX}old-style"
+    for folder in (dead, live, other):
+        (folder / "store").mkdir(parents=True)
+    assert remove_dead_temp_folders(WORKER_FOLDER_PREFIX) == [dead]
+    assert live.is_dir() and other.is_dir() and not dead.exists()
+
+
+def start_cli(checkpoint: Path, out: Path, temp: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "h3engine", "generate", "--checkpoint", str(checkpoint), "--prompt", "long"]
+        + ["--steps", "1000", "--duration", "15", "--device", "cpu", "--out", str(out), *extra],
+        cwd=REPOSITORY,
+        env={**os.environ, "TMPDIR": str(temp)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for(condition: Callable[[], bool], process: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert process.poll() is None, f"the CLI ended early: {process.stderr.read()}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_a_sigkilled_cli_leaves_staging_files_that_the_next_start_removes(checkpoint, tmp_path) -> None:
+    folder, temp = tmp_path / "out", tmp_path / "tmp"
+    folder.mkdir()
+    temp.mkdir()
+    process = start_cli(
+        checkpoint, folder / "clip.mp4", temp, "--save-tensors", str(folder / "clip.safetensors")
+    )
+    wait_for(lambda: len(list(folder.iterdir())) == 3, process)  # the staging files exist from the start
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    left = sorted(path.name for path in folder.iterdir())
+    assert len(left) == 3 and all(name.startswith(".") and name.endswith(".partial") for name in left)
+    assert len(remove_output_leftovers(folder)) == 3
+    assert list(folder.iterdir()) == []
+
+
+def test_a_sigkilled_worker_group_leaves_a_rendezvous_folder_that_the_next_start_removes(
+    checkpoint, tmp_path, monkeypatch
+) -> None:
+    folder, temp = tmp_path / "out", tmp_path / "tmp"
+    folder.mkdir()
+    temp.mkdir()
+    process = start_cli(checkpoint, folder / "clip.mp4", temp, "--world-size", "2")
+    wait_for(lambda: any(temp.glob(f"{WORKER_FOLDER_PREFIX}{process.pid}-*")), process)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert len(list(temp.glob(f"{WORKER_FOLDER_PREFIX}{process.pid}-*"))) == 1
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    from h3engine.runtime.workers import ProcessReplica
+
+    replica = ProcessReplica(checkpoint, ["cpu"])
+    try:
+        assert not list(temp.glob(f"{WORKER_FOLDER_PREFIX}{process.pid}-*"))
+    finally:
+        replica.close()
