@@ -9,8 +9,12 @@ through the same engine front as the app, on a resident worker group (h3engine.r
 `--encoder-tp` and `--vae-ranks` choose the group's layout (defaults: the profile of its size).
 `--memory-profile` (resident or low-memory, see h3engine.placement) applies to the engine and to every rank.
 
-Exit codes: 0 success; 2 a bad request, input file, layout flag or checkpoint (one line on stderr naming the field,
-flag or file); 1 an internal error (one line on stderr; `--debug` adds the traceback, for the in-process engine);
+Order of the checks: the output flags, the request and its files (headers only) are checked before torch is even
+imported, so a mistake costs well under a second; then the device and layout flags (they need torch to count GPUs)
+and the prompt's token bound (the checkpoint's tokenizer alone); only then does any model load.
+
+Exit codes: 0 success; 2 a bad request, input file, output, layout flag or checkpoint (one line on stderr naming the
+field, flag or file); 1 an internal error (one line on stderr; `--debug` adds the traceback, for the in-process engine);
 130 interrupted (Ctrl-C), 143 terminated (SIGTERM): a running generation is cancelled and every worker process
 ends. Nothing is written under the output name unless the whole generation succeeded.
 """
@@ -27,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from h3engine.errors import H3Error, RequestError
-from h3engine.request import REFERENCE_KINDS, GenerationRequest, from_dict, validate
+from h3engine.request import REFERENCE_KINDS, GenerationRequest, check_prompt_tokens, from_dict, validate
 
 if TYPE_CHECKING:  # torch is imported only once a generation really starts
     import torch
@@ -35,6 +39,9 @@ if TYPE_CHECKING:  # torch is imported only once a generation really starts
     from h3engine.parallel.groups import RuntimeLayout
 
 EXIT_TERMINATED = 143
+# FP8 GEMMs (`torch._scaled_mm`) exist from compute capability 8.9 (Ada) on; elsewhere h3engine.models.fp8 emulates
+# them in fp32, which is slower than bf16 and only adds quantization noise.
+FP8_MIN_CAPABILITY = (8, 9)
 
 
 class Terminated(BaseException):
@@ -182,34 +189,96 @@ def _request_payload(args: argparse.Namespace) -> dict:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    # Imported here so that `--help` and argument errors never pay for importing torch.
-    from h3engine.engine import resolve_device
+    # Everything below up to the device flags runs without torch (PyAV and Pillow read the file headers), so a
+    # mistake in the request, its files or the output flags is refused in well under a second.
     from h3engine.media.inputs import probe_media
+
+    out_path, save_tensors_path = _checked_outputs(args.out, args.save_tensors)
+    _check_utf8_flag("--checkpoint", args.checkpoint)
+    request = from_dict(_request_payload(args))
+    # The canvas multiple of explicit width/height depends on the checkpoint and is checked once it is known.
+    validate(request, probe_media, canvas_multiple=1)
+
+    # Imported here: they need torch (GPU counts, layouts), which `--help` and the checks above never pay for.
+    from h3engine.engine import resolve_device
     from h3engine.parallel.groups import RuntimeLayout
     from h3engine.placement import check_memory_profile
     from h3engine.runtime.workers import rank_devices
 
     check_memory_profile(args.memory_profile)
-    out_path = Path(args.out)
-    if out_path.suffix.lower() != ".mp4":
-        raise RequestError(f"--out: the output must be an .mp4 path, got '{args.out}'")
-    if not out_path.parent.is_dir():
-        raise RequestError(f"--out: folder '{out_path.parent}' does not exist")
-    request = from_dict(_request_payload(args))
-    # The request and its files are checked before the checkpoint loads (minutes at the released size); the canvas
-    # multiple of explicit width/height depends on the checkpoint and is checked once it is known.
-    validate(request, probe_media, canvas_multiple=1)
     devices = rank_devices(args.device, args.world_size, args.gpus, args.devices)
     try:
         layout = RuntimeLayout.choose(len(devices), args.dit_sp, args.dit_tp, args.encoder_tp, args.vae_ranks)
     except ValueError as error:
         raise RequestError(str(error)) from None
-    save_tensors_path = Path(args.save_tensors) if args.save_tensors else None
     if args.fp8_linear and len(devices) > 1:
         raise RequestError("--fp8-linear: FP8 linear layers run on one GPU only (no worker group)")
-    if len(devices) == 1:
-        return _generate_in_process(args, request, resolve_device(devices[0]), out_path, save_tensors_path)
+    device = resolve_device(devices[0]) if len(devices) == 1 else None
+    if args.fp8_linear and device is not None:
+        _check_fp8_device(device)
+    # The checkpoint's tokenizer alone (milliseconds); the checkpoint itself loads after this (minutes at the
+    # released size).
+    _check_prompt_tokens(args.checkpoint, request)
+    if device is not None:
+        return _generate_in_process(args, request, device, out_path, save_tensors_path)
     return _generate_on_workers(args, request, devices, layout, out_path, save_tensors_path)
+
+
+def _check_utf8_flag(flag: str, value: str) -> None:
+    """A path Python decoded from bytes that are not UTF-8 opens, but the sidecar that records it (and the MP4 muxer)
+    cannot take it; refuse it before any work."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestError(
+            f"{flag}: must be valid UTF-8 text; character {error.start} of the path is {value[error.start]!r}, "
+            "a byte that is not UTF-8"
+        ) from None
+
+
+def _checked_outputs(out: str, save_tensors: str | None) -> tuple[Path, Path | None]:
+    """`--out` and `--save-tensors` as paths, checked before any work: nothing is written until the end, so a path
+    that cannot be written would otherwise fail after the whole generation."""
+    from h3engine.media.outputs import OutputFiles
+
+    _check_utf8_flag("--out", out)
+    if save_tensors is not None:
+        _check_utf8_flag("--save-tensors", save_tensors)
+    if Path(out).suffix.lower() != ".mp4":
+        raise RequestError(f"--out: the output must be an .mp4 path, got '{out}'")
+    files = OutputFiles.beside(out, save_tensors)
+    problem = files.problem()
+    if problem is not None:
+        role, message = problem
+        raise RequestError(f"{'--out' if role == 'video' else '--save-tensors'}: {message}")
+    return files.video, files.tensors
+
+
+def _check_fp8_device(device: torch.device) -> None:
+    import torch
+
+    if device.type != "cuda":
+        raise RequestError(
+            f"--fp8-linear: FP8 linear layers need a CUDA GPU of compute capability "
+            f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer; on {device.type} they would only emulate "
+            "FP8 (slower, and not the released precision): drop the flag"
+        )
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        raise RequestError(
+            f"--fp8-linear: FP8 linear layers need compute capability {FP8_MIN_CAPABILITY[0]}."
+            f"{FP8_MIN_CAPABILITY[1]} or newer, {device} has {capability[0]}.{capability[1]} (they would only be "
+            "emulated): drop the flag"
+        )
+
+
+def _check_prompt_tokens(checkpoint: str, request: GenerationRequest) -> None:
+    """The prompt's token bound with the tokenizer of the partition serving the task; no model is loaded."""
+    from h3engine.checkpoint.layout import detect_layout
+    from h3engine.presentation import prompt_token_counter
+
+    tokenizer_folder = detect_layout(checkpoint).for_task(request.task).tokenizer
+    check_prompt_tokens(request.prompt, prompt_token_counter(tokenizer_folder))
 
 
 def _print_step(step: int, total: int, elapsed_s: float) -> None:

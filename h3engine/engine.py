@@ -72,6 +72,7 @@ from h3engine.presentation import (
     Presentation,
     keyframe_presentation,
     load_processor,
+    prompt_token_counter,
     reference_presentation,
     text_presentation,
 )
@@ -330,7 +331,12 @@ class Engine:
             raise RequestError(f"task: this checkpoint has no partition serving '{request.task}'")
         partition = PARTITION_OF_TASK.get(request.task, next(iter(self._sources)))
         vae_ratio, patch = self._spatial_factors(partition)
-        warnings = validate(request, media_inputs.probe_media, canvas_multiple=vae_ratio * patch)
+        warnings = validate(
+            request,
+            media_inputs.probe_media,
+            canvas_multiple=vae_ratio * patch,
+            count_prompt_tokens=prompt_token_counter(self.layout.partitions[partition].tokenizer),
+        )
         if request.task == "ref2va" and request.keyframes:
             # SGLang's schema admits them, but no reference implementation we follow lays them out next to
             # references; dropping them silently would generate something the user did not ask for.
@@ -564,8 +570,8 @@ def checked_output_files(out_path: Path | str, save_tensors_path: Path | str | N
         raise RequestError(f"out_path: {error}") from None
     problem = files.problem()
     if problem is not None:
-        path, message = problem
-        raise RequestError(f"{'save_tensors_path' if path == files.tensors else 'out_path'}: {message}")
+        role, message = problem
+        raise RequestError(f"{'out_path' if role == 'video' else 'save_tensors_path'}: {message}")
     return files
 
 

@@ -13,6 +13,8 @@ Contract:
   as the reference does; tokenizing the joined string could merge tokens across the seams.
 * `row_tags` marks each row: 1 text, 0 for every row of a vision block (start, pads, end), which the DiT modulates
   as video.
+* `prompt_token_counter(tokenizer_folder)` counts a prompt's own rows (tokenized as above) without loading any model,
+  for the request's token bound (`h3engine.request.check_prompt_tokens`).
 
 Danger: the pixel tensors are batched per modality (all images in one processor call, all videos in another) while
 the tokens follow request order; Qwen fills the n-th image (video) pad run with the n-th image (video) of its batch,
@@ -21,7 +23,8 @@ so the two orders agree only because both keep request order within a modality.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +36,7 @@ from transformers import PreTrainedTokenizerBase, Qwen3VLProcessor
 from h3engine.conditioning import NormalizedReference
 from h3engine.errors import CheckpointError
 from h3engine.geometry import FPS
-from h3engine.models.text_encoder import TEXT_ROW_TAG, VIDEO_ROW_TAG
+from h3engine.models.text_encoder import TEXT_ROW_TAG, VIDEO_ROW_TAG, load_tokenizer
 
 # The rate the text encoder reads a reference video at (the normalized clip itself runs at 24 fps).
 QWEN_VIDEO_SAMPLE_FPS = 2.0
@@ -89,6 +92,27 @@ class _TokenStream:
             row_tags=torch.tensor(self.row_tags, dtype=torch.long),
             vision_inputs=vision_inputs,
         )
+
+
+@functools.lru_cache(maxsize=8)
+def prompt_token_counter(tokenizer_folder: Path) -> Callable[[str], int]:
+    """How many rows the prompt itself gives the text encoder: the checkpoint's tokenizer, no special tokens.
+
+    Reads `tokenizer.json` with the `tokenizers` library (the fast tokenizer's own backend: the same ids, loaded in
+    milliseconds); a folder without one is loaded the engine's way. Cached per folder.
+    """
+    folder = Path(tokenizer_folder)
+    json_path = folder / "tokenizer.json"
+    if json_path.is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            backend = Tokenizer.from_file(str(json_path))
+        except Exception as error:  # the Rust library raises plain Exceptions for unreadable files
+            raise CheckpointError(f"{json_path}: cannot read the tokenizer ({error})") from error
+        return lambda text: len(backend.encode(text, add_special_tokens=False).ids)
+    tokenizer = load_tokenizer(folder)
+    return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def text_presentation(tokenizer: PreTrainedTokenizerBase, prompt: str) -> Presentation:

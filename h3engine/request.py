@@ -12,6 +12,10 @@ Contract:
   the verified configuration. Rules that need facts about the media files (clip durations, soundtracks, image
   sizes) use a `MediaInfo` supplied by the caller's probe; without a probe those rules are skipped, so a request
   that passes without one can still fail once its files are read.
+* Every number and every text has an upper bound derived from the model's limits (the constants below say why):
+  the canvas, shifts, steps, start times, image sizes, and the prompt in characters (here) and in tokens
+  (`check_prompt_tokens`, or `validate(..., count_prompt_tokens=...)`, with the checkpoint's tokenizer). Prompts and
+  paths must be valid UTF-8.
 
 Danger: every later stage trusts a validated request. A value that slips through (a NaN duration, a 2**70 step
 count, a canvas that is not a multiple of the latent grid) turns into a crash or a hang deep inside a worker
@@ -37,6 +41,7 @@ from h3engine.geometry import (
     MAX_ASPECT_RATIO,
     MIN_ASPECT_RATIO,
     PRESET_ASPECT_RATIOS,
+    RELEASED_MAX_PIXELS,
     RELEASED_PATCH,
     RELEASED_SHORT_EDGE,
     RELEASED_VAE_SPATIAL_RATIO,
@@ -73,6 +78,30 @@ MAX_SEED = 2**63 - 1
 # or an allocation failure inside a worker.
 MAX_STEPS = 1000
 MAX_CANVAS_SIDE = 4096
+# The largest short edge the released model encodes at all: Ref2VA normalizes image references to 2048.
+MAX_SHORT_EDGE = 2048
+# The released area cap (768 x 1344) scaled to that short edge the way the canvas rule scales it (2048 x 3584,
+# 7,340,032 pixels): no canvas may be larger, explicit width x height included.
+MAX_CANVAS_PIXELS = RELEASED_MAX_PIXELS * MAX_SHORT_EDGE**2 // RELEASED_SHORT_EDGE**2
+# Sigma shifts (released: 12 video, 3 audio). Within this range every fp32 sigma grid of up to MAX_STEPS steps keeps
+# all its points (from ~8,300 on, a 1,000-step grid collapses near sigma 1 and the run fails after loading).
+MIN_FLOW_SHIFT = 0.001
+MAX_FLOW_SHIFT = 1000.0
+# The prompt. The reference pipelines truncate nothing; the official prompts run to ~4,400 characters (~1,000
+# tokens). 8,192 tokens keep the text encode within about a second at the released size (Qwen3-VL-32B to layer
+# 50: ~0.4 PFLOP) and the text rows under a quarter of the 768p / 5 s DiT sequence; 32,768 characters bound the
+# tokenizer's own work and, at ~4 characters a token, let English text reach the token bound. The bound counts the
+# prompt's own tokens: the labels the engine adds stay under 200 tokens (12 labels, at most 15 s of 2 fps video
+# timestamps), and the vision blocks follow from the reference limits above.
+MAX_PROMPT_CHARACTERS = 32_768
+MAX_PROMPT_TOKENS = 8_192
+# Images (keyframes, image references), judged from the probed header before any pixel is decoded. Each side must
+# span one 16-pixel patch (the video VAE's spatial factor, Qwen's vision patch); the largest picture the model
+# works on is a 4:1 reference normalized to a 2048 short edge, 8192 x 2048, so no side may be longer and no image
+# may hold more pixels (16,777,216, also stock Qwen3-VL's image pixel limit). Video frames share the minimum.
+MIN_IMAGE_SIDE = 16
+MAX_IMAGE_SIDE = 8192
+MAX_IMAGE_PIXELS = 8192 * 2048
 
 # SGLang fills in this seed when a request in its shape carries none; keeping it reproduces its outputs.
 SGLANG_DEFAULT_SEED = 42
@@ -421,17 +450,22 @@ def validate(
     media_durations: MediaProbe | None = None,
     *,
     canvas_multiple: int = RELEASED_CANVAS_MULTIPLE,
+    count_prompt_tokens: Callable[[str], int] | None = None,
 ) -> list[str]:
     """Check `request` against the task rules; return warnings, raise `RequestError` naming the field.
 
     `media_durations` probes a reference (keyframes are probed as image references) for the rules that need
     file facts; without it those rules are skipped, and FL2VA's aspect "auto" stays unresolved until the
     keyframe is read. `canvas_multiple` is what an explicit width/height must be a multiple of (32 for the
-    released checkpoint, smaller for tiny test checkpoints).
+    released checkpoint, smaller for tiny test checkpoints). `count_prompt_tokens` (the checkpoint's tokenizer,
+    e.g. `h3engine.presentation.prompt_token_counter`) adds the token bound, checked before any file is probed;
+    without it only the character bound applies.
     """
     if not isinstance(request, GenerationRequest):
         _fail("request", f"must be a GenerationRequest, got {_describe(request)}")
     _check_scalars(request)
+    if count_prompt_tokens is not None:
+        check_prompt_tokens(request.prompt, count_prompt_tokens)
     warnings = _check_canvas(request, canvas_multiple)
     keyframes = _checked_keyframes(request.keyframes)
     references = _checked_references(request.references)
@@ -452,6 +486,7 @@ def _check_scalars(request: GenerationRequest) -> None:
         _fail("task", f"must be one of {', '.join(TASKS)}, got {_describe(request.task)}")
     if not isinstance(request.prompt, str) or not request.prompt.strip():
         _fail("prompt", f"must be a non-empty string, got {_describe(request.prompt)}")
+    _check_prompt_characters(request.prompt)
     for token in RESERVED_PROMPT_TOKENS:
         if token in request.prompt:
             _fail(
@@ -469,10 +504,35 @@ def _check_scalars(request: GenerationRequest) -> None:
         _check_finite_number(value, field)
         if value <= 0:
             _fail(field, f"must be positive, got {_describe(value)}")
+        if not MIN_FLOW_SHIFT <= value <= MAX_FLOW_SHIFT:
+            _fail(
+                field,
+                f"must be within [{MIN_FLOW_SHIFT:g}, {MAX_FLOW_SHIFT:g}] (released: 12 video, 3 audio), "
+                f"got {_describe(value)}",
+            )
+
+
+def check_prompt_tokens(prompt: str, count_prompt_tokens: Callable[[str], int]) -> None:
+    """Refuse a prompt longer than MAX_PROMPT_TOKENS tokens as `count_prompt_tokens` (the checkpoint's tokenizer,
+    no special tokens added) counts them; the character bound is checked first, so the count stays cheap."""
+    _check_prompt_characters(prompt)
+    tokens = count_prompt_tokens(prompt)
+    if tokens > MAX_PROMPT_TOKENS:
+        _fail(
+            "prompt",
+            f"must be at most {MAX_PROMPT_TOKENS:,} tokens of the checkpoint's tokenizer, got {tokens:,}; "
+            "shorten it",
+        )
+
+
+def _check_prompt_characters(prompt: str) -> None:
+    if len(prompt) > MAX_PROMPT_CHARACTERS:
+        _fail("prompt", f"must be at most {MAX_PROMPT_CHARACTERS:,} characters, got {len(prompt):,}")
+    _check_utf8(prompt, "prompt")
 
 
 def _check_canvas(request: GenerationRequest, canvas_multiple: int) -> list[str]:
-    _check_integer_range(request.short_edge, "short_edge", 1, None)
+    _check_integer_range(request.short_edge, "short_edge", 1, MAX_SHORT_EDGE)
     if not isinstance(request.aspect_ratio, str) or (
         request.aspect_ratio != "auto" and request.aspect_ratio not in PRESET_ASPECT_RATIOS
     ):
@@ -496,6 +556,12 @@ def _check_canvas(request: GenerationRequest, canvas_multiple: int) -> list[str]
         _check_integer_range(value, field, canvas_multiple, MAX_CANVAS_SIDE)
         if value % canvas_multiple:
             _fail(field, f"must be a multiple of {canvas_multiple}, got {value}")
+    if request.width * request.height > MAX_CANVAS_PIXELS:
+        _fail(
+            "width, height",
+            f"the canvas may have at most {MAX_CANVAS_PIXELS:,} pixels (2048x3584, the area cap at the largest "
+            f"short edge), got {request.width}x{request.height} = {request.width * request.height:,}",
+        )
     if request.aspect_ratio != "auto":
         _fail(
             "aspect_ratio",
@@ -539,6 +605,12 @@ def _checked_references(references: Any) -> tuple[Reference, ...]:
             _check_finite_number(reference.start_seconds, f"{field}.start_seconds")
             if reference.start_seconds < 0:
                 _fail(f"{field}.start_seconds", f"must be >= 0, got {_describe(reference.start_seconds)}")
+            if reference.start_seconds >= MAX_CLIP_SECONDS:
+                _fail(
+                    f"{field}.start_seconds",
+                    f"must be less than {MAX_CLIP_SECONDS:g} s (a reference clip lasts at most "
+                    f"{MAX_CLIP_SECONDS:g} s), got {_describe(reference.start_seconds)}",
+                )
     return tuple(references)
 
 
@@ -632,10 +704,17 @@ def _check_reference_media(request: GenerationRequest, probe: MediaProbe) -> Non
         field = f"references[{index}]"
         info = probe(reference)
         if reference.kind == "image":
-            _check_image_ratio(_image_size(info, field, "reference image"), field, "reference image")
+            size = _image_size(info, field, "reference image", reference.path)
+            _check_image_ratio(size, field, "reference image")
             continue
         if reference.kind == "video" and not _has_size(info):
             _fail(field, f"video file has no video stream: {_describe(reference.path)}")
+        if reference.kind == "video" and min(info.width, info.height) < MIN_IMAGE_SIDE:
+            _fail(
+                field,
+                f"video {_path_name(reference.path)} frames are {info.width}x{info.height} pixels; each side must "
+                f"be at least {MIN_IMAGE_SIDE}",
+            )
         if reference.kind == "audio" and not info.has_audio:
             _fail(field, f"audio file has no audio stream: {_describe(reference.path)}")
         seconds = _clip_seconds(info, field)
@@ -688,7 +767,10 @@ def _checked_keyframe_sizes(request: GenerationRequest, probe: MediaProbe) -> tu
     """Every keyframe must be a readable image; the first listed one's size is returned (it anchors 'auto')."""
     sizes = [
         _image_size(
-            probe(Reference(kind="image", path=keyframe.path)), f"keyframes[{index}]", "keyframe image"
+            probe(Reference(kind="image", path=keyframe.path)),
+            f"keyframes[{index}]",
+            "keyframe image",
+            keyframe.path,
         )
         for index, keyframe in enumerate(request.keyframes)
     ]
@@ -699,10 +781,20 @@ def _has_size(info: MediaInfo) -> bool:
     return _is_integer(info.width) and _is_integer(info.height) and info.width > 0 and info.height > 0
 
 
-def _image_size(info: MediaInfo, field: str, what: str) -> tuple[int, int]:
+def _image_size(info: MediaInfo, field: str, what: str, path: str) -> tuple[int, int]:
     if not _has_size(info):
         _fail(field, f"{what} has no usable size, got {_describe(info.width)}x{_describe(info.height)}")
-    return info.width, info.height
+    width, height = info.width, info.height
+    size = f"{what} {_path_name(path)} is {_describe(width)}x{_describe(height)} pixels"
+    if min(width, height) < MIN_IMAGE_SIDE:
+        _fail(field, f"{size}; each side must be at least {MIN_IMAGE_SIDE}")
+    if max(width, height) > MAX_IMAGE_SIDE or width * height > MAX_IMAGE_PIXELS:
+        _fail(
+            field,
+            f"{size}; at most {MAX_IMAGE_SIDE} pixels a side and {MAX_IMAGE_PIXELS:,} pixels in all are read "
+            f"(the model's largest picture is 8192x2048): downscale it",
+        )
+    return width, height
 
 
 def _check_image_ratio(size: tuple[int, int], field: str, what: str) -> None:
@@ -787,10 +879,25 @@ def _check_local_path(value: Any, field: str) -> None:
         _fail(field, f"must be a non-empty path, got {_describe(value)}")
     if "\x00" in value:
         _fail(field, "must not contain a NUL character")
+    # Such a name opens, but the UTF-8 sidecar that records it could not be written after the generation.
+    _check_utf8(value, field)
     if _uri_scheme(value) is not None:
         _fail(
             field,
             f"must be a local path, not a URI (from_dict turns file:// URIs into paths), got {_describe(value)}",
+        )
+
+
+def _check_utf8(value: str, field: str) -> None:
+    """Refuse lone surrogates: what Python makes of bytes that are not UTF-8 (command-line arguments, file names) or
+    of half a UTF-16 pair in JSON. The tokenizer, the sidecar and the MP4 muxer would all fail on them later."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        _fail(
+            field,
+            f"must be valid UTF-8 text; character {error.start} is {value[error.start]!r}, a lone surrogate "
+            "(a byte that is not UTF-8, or half a UTF-16 pair)",
         )
 
 
@@ -807,6 +914,12 @@ _SHORT_REPR = _ShortRepr()
 _SHORT_REPR.maxlevel = 2
 _SHORT_REPR.maxstring = 48
 _SHORT_REPR.maxother = 48
+
+
+def _path_name(path: str) -> str:
+    """A file's path for messages: whole (as `repr`) unless it is absurdly long."""
+    text = repr(path)
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _describe(value: Any) -> str:

@@ -201,6 +201,43 @@ def test_image_format_is_read_from_content(tmp_path: Path) -> None:
             probe_media(Reference(kind="image", path=str(path)))
 
 
+def png_header_only(path: Path, width: int, height: int) -> Path:
+    """A PNG whose header declares width x height over a few bytes of data: only a header-only reader stays cheap."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    body = chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + body)
+    return path
+
+
+def test_image_sizes_outside_the_model_range_are_refused_from_the_header(tmp_path: Path) -> None:
+    tiny = tmp_path / "tiny.png"
+    noisy_image(1, 1, seed=4).save(tiny)
+    huge = png_header_only(tmp_path / "huge.png", 8190, 8190)
+    for path, field, size in ((tiny, "keyframes[0]", "1x1"), (huge, "keyframes[0]", "8190x8190")):
+        request = GenerationRequest(task="fl2va", prompt="p", keyframes=(Keyframe(str(path), "first"),))
+        with pytest.raises(RequestError) as caught:
+            validate(request, media_durations=probe_media)
+        message = str(caught.value)
+        assert message.startswith(f"{field}: keyframe image {str(path)!r} is {size} pixels; "), message
+    reference = GenerationRequest(task="ref2va", prompt="p", references=(Reference("image", str(huge)),))
+    with pytest.raises(RequestError, match=r"^references\[0\]: reference image .*huge\.png' is 8190x8190"):
+        validate(reference, media_durations=probe_media)
+    # The loader refuses them too, from the header (the huge one's pixel data is not even there to decode).
+    with pytest.raises(RequestError) as caught:
+        load_image(huge)
+    assert str(caught.value) == (
+        f"{str(huge)!r}: image has 8190x8190 pixels; at most 8192 pixels a side and 16,777,216 in all are read"
+    )
+    with pytest.raises(
+        RequestError, match=r"tiny\.png': image has 1x1 pixels; each side must be at least 16"
+    ):
+        load_image(tiny)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Video
 

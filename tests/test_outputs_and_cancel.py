@@ -93,21 +93,23 @@ def counting_cancel(cancel_at: int | None) -> tuple[Callable[[], bool], list[int
 def test_output_names_are_refused_before_any_work(engine, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(engine, "generate", lambda *args, **kwargs: pytest.fail("work started"))
     (tmp_path / "taken.mp4").mkdir()
+    (tmp_path / "link.safetensors").symlink_to(tmp_path / "out.json")
     cases = [
-        (tmp_path / "taken.mp4", None, "out_path: .*taken.mp4 is a folder"),
-        (tmp_path / "missing" / "out.mp4", None, "out_path: folder .*missing does not exist"),
+        (tmp_path / "taken.mp4", None, "out_path: .*taken.mp4' is a folder"),
+        (tmp_path / "missing" / "out.mp4", None, "out_path: folder .*missing' does not exist"),
         (tmp_path / "out.mp4", tmp_path / "missing" / "t.safetensors", "save_tensors_path: folder .*missing"),
+        (tmp_path / "out.mp4", tmp_path / "out.json", "save_tensors_path: must be a .safetensors path"),
         (
             tmp_path / "out.mp4",
-            tmp_path / "out.json",
-            "save_tensors_path: .*overwrite the video or its sidecar",
+            tmp_path / "link.safetensors",
+            "save_tensors_path: .* is the video or its sidecar",
         ),
         (tmp_path / "out.mov", None, "out_path: .*must end in '.mp4'"),
     ]
     for out_path, tensors_path, message in cases:
         with pytest.raises(RequestError, match=message):
             engine.generate_to_file(REQUESTS["t2va"], out_path, save_tensors_path=tensors_path)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["taken.mp4"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["link.safetensors", "taken.mp4"]
 
 
 def test_the_front_refuses_output_names_before_queueing(engine, tmp_path) -> None:

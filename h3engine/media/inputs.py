@@ -5,8 +5,9 @@ Contract:
 * `load_image(path)`: a JPEG, PNG or WEBP file (recognised by its content, never by its extension) as an RGB
   `PIL.Image.Image`, turned upright by its EXIF orientation with `ImageOps.exif_transpose` and then converted
   with `convert("RGB")`, the order and calls of the reference loader (an alpha channel is dropped, not
-  composited). Animated files give their first frame. The pixel count is checked against `MAX_IMAGE_PIXELS`
-  from the header, before anything is decoded.
+  composited). Animated files give their first frame. The size is checked from the header, before anything is
+  decoded, against the model's image bounds (`h3engine.request`: `MIN_IMAGE_SIDE`, `MAX_IMAGE_SIDE`,
+  `MAX_IMAGE_PIXELS`).
 * `load_video(path, start_seconds, max_seconds, resize_to=None)`: the frames of the first video stream as uint8
   [F, H, W, 3] RGB on the model's 24 fps clock, upright by the stream's display rotation, and the soundtrack
   (first audio stream) as a `LoadedAudio`, or None when the file has no audio stream. The 24 fps clock is the
@@ -31,7 +32,9 @@ Contract:
   downmix), and the result is resampled to 32 kHz with PyAV's `AudioResampler` and fitted to exactly
   `ceil(n * 32000 / rate)` samples, the output length of the reference's resampler.
 * `probe_media(reference)` reads headers and container metadata only (and, for a video, decodes its first
-  frame to learn the upright size); it is what `request.validate` takes as `media_durations`. A video's
+  frame to learn the upright size); it is what `request.validate` takes as `media_durations`. An image outside
+  the size bounds is reported at its stored size, without reading its EXIF orientation (Pillow decodes a whole PNG
+  to find it), for `validate` to refuse under the field's name; the bounds do not depend on the orientation. A video's
   duration is the shorter of its video and soundtrack durations, so that `validate`'s start-time and derived
   duration rules hold for both streams.
 * Every failure due to the file or the window, whatever the library raised, is a `RequestError` whose message
@@ -66,14 +69,20 @@ from av.audio.resampler import AudioResampler
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from h3engine.errors import RequestError
-from h3engine.request import Keyframe, MediaInfo, Reference
+from h3engine.request import (
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGE_SIDE,
+    MIN_IMAGE_SIDE,
+    Keyframe,
+    MediaInfo,
+    Reference,
+)
 
 MODEL_FPS = 24
 MODEL_SAMPLE_RATE = 32_000
 MODEL_CHANNELS = 2
 
 MAX_FILE_BYTES = 2 * 1024**3
-MAX_IMAGE_PIXELS = 8192 * 8192
 # DCI 4K (4096 x 2160) and UHD fit; a 15 s window of such frames is still ~10 GB as uint8, which is why
 # `load_video` can resize while it decodes.
 MAX_VIDEO_FRAME_PIXELS = 4096 * 2304
@@ -160,7 +169,9 @@ def load_image(path: str | os.PathLike[str]) -> Image.Image:
         return upright.convert("RGB")
 
 
-def _open_image_header(file: BinaryIO, path: str | os.PathLike[str]) -> Image.Image:
+def _open_image_header(
+    file: BinaryIO, path: str | os.PathLike[str], *, check_size: bool = True
+) -> Image.Image:
     try:
         image = Image.open(file, formats=list(IMAGE_FORMATS))
     except UnidentifiedImageError as error:
@@ -170,11 +181,20 @@ def _open_image_header(file: BinaryIO, path: str | os.PathLike[str]) -> Image.Im
     if image.format not in _IMAGE_FORMATS_AS_OPENED:
         raise RequestError(f"{_name(path)}: not a JPEG, PNG or WEBP image (found {image.format})")
     width, height = image.size
-    if width * height > MAX_IMAGE_PIXELS:
+    if check_size and min(width, height) < MIN_IMAGE_SIDE:
         raise RequestError(
-            f"{_name(path)}: image has {width}x{height} pixels, more than the limit of {MAX_IMAGE_PIXELS:,}"
+            f"{_name(path)}: image has {width}x{height} pixels; each side must be at least {MIN_IMAGE_SIDE}"
+        )
+    if check_size and not _image_fits(width, height):
+        raise RequestError(
+            f"{_name(path)}: image has {width}x{height} pixels; at most {MAX_IMAGE_SIDE} pixels a side and "
+            f"{MAX_IMAGE_PIXELS:,} in all are read"
         )
     return image
+
+
+def _image_fits(width: int, height: int) -> bool:
+    return max(width, height) <= MAX_IMAGE_SIDE and width * height <= MAX_IMAGE_PIXELS
 
 
 def _upright_image_size(image: Image.Image) -> tuple[int, int]:
@@ -533,7 +553,10 @@ def probe_media(reference: Reference | Keyframe) -> MediaInfo:
 
 def _probe_image(path: Any) -> MediaInfo:
     with _opened(path, "image") as file, _decoding(path, "image"):
-        width, height = _upright_image_size(_open_image_header(file, path))
+        image = _open_image_header(file, path, check_size=False)
+        width, height = image.size
+        if min(width, height) >= MIN_IMAGE_SIDE and _image_fits(width, height):
+            width, height = _upright_image_size(image)
     return MediaInfo(duration_seconds=None, has_audio=False, width=width, height=height)
 
 

@@ -31,13 +31,16 @@ import secrets
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-from safetensors.torch import save_file
+if (
+    TYPE_CHECKING
+):  # torch is imported by `save_tensors` alone: the CLI checks output names before importing it
+    import torch
 
 MP4_SUFFIX = ".mp4"
 SIDECAR_SUFFIX = ".json"
+TENSORS_SUFFIX = ".safetensors"
 PARTIAL_SUFFIX = ".partial"
 
 
@@ -124,16 +127,28 @@ class OutputFiles:
         """The sidecar last: once it is visible, everything it names is complete."""
         return [self.video, *([self.tensors] if self.tensors is not None else []), self.sidecar]
 
-    def problem(self) -> tuple[Path, str] | None:
-        """Which file could not be written and why, checked before any work (None when all can)."""
-        paths = self.in_commit_order()
-        if len({path.resolve() for path in paths}) < len(paths):
-            return self.tensors, f"{self.tensors} would overwrite the video or its sidecar"
-        for path in paths:
-            if path.is_dir():
-                return path, f"{path} is a folder"
+    def problem(self) -> tuple[Literal["video", "tensors"], str] | None:
+        """What cannot be written, checked before any work: ("video" or "tensors", why), or None. The sidecar's
+        problems are the video's (its name follows from the video's)."""
+        if self.tensors is not None:
+            if self.tensors.suffix.lower() != TENSORS_SUFFIX:
+                return "tensors", f"must be a {TENSORS_SUFFIX} path, got '{self.tensors}'"
+            if self.tensors.is_dir():
+                return "tensors", f"'{self.tensors}' is a folder; give the path of a file"
+            # With its own suffix it can only meet the others through a link.
+            if self.tensors.resolve() in (self.video.resolve(), self.sidecar.resolve()):
+                return "tensors", f"'{self.tensors}' is the video or its sidecar; give a path of its own"
+        if self.video.is_dir():
+            return "video", f"'{self.video}' is a folder; give the path of an {MP4_SUFFIX} file"
+        if self.sidecar.is_dir():
+            return "video", f"its sidecar '{self.sidecar}' is a folder; choose another name"
+        for role, path in (("video", self.video), ("tensors", self.tensors)):
+            if path is None:
+                continue
             if not path.parent.is_dir():
-                return path, f"folder {path.parent} does not exist"
+                return role, f"folder '{path.parent}' does not exist"
+            if not os.access(path.parent, os.W_OK | os.X_OK):
+                return role, f"folder '{path.parent}' is not writable"
         return None
 
 
@@ -201,6 +216,9 @@ def save_tensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tenso
     every int64/int32 value exactly. The copies also break any storage sharing between entries, which
     safetensors would otherwise reject.
     """
+    import torch
+    from safetensors.torch import save_file
+
     prepared: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         if not isinstance(name, str):
@@ -212,6 +230,7 @@ def save_tensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tenso
                 f"tensor {name!r} has dtype {tensor.dtype}; only floating-point tensors are saved"
             )
         prepared[name] = tensor.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+
     final_path = Path(path)
     with atomic_output(final_path) as partial_path:
         save_file(prepared, str(partial_path))

@@ -4,11 +4,13 @@ Contract:
 * File facts come from `h3engine.media.inputs.probe_media`, the probe the engine's own validation uses (headers
   only; an unreadable file raises RequestError naming it).
 * `CheckpointFacts.from_engine(engine)` captures, once at start-up, the few checkpoint facts the checks need
-  (served tasks, canvas rules, the VAE ratio and DiT patch) from the models the engine loaded for its first
-  partition. MiniMax H3's partitions share the video VAE and the DiT patch, so one partition's facts hold for all.
-* `check_request(request, facts)` runs every rule `validate` knows (including the file rules) plus "does this
-  checkpoint serve the task"; `expected_geometry(request, facts)` is the canvas and frame count the app shows
-  next to the settings.
+  (served tasks, canvas rules, the VAE ratio and DiT patch, the tokenizer folder) from the models the engine loaded
+  for its first partition. MiniMax H3's partitions share the video VAE, the DiT patch and the tokenizer, so one
+  partition's facts hold for all.
+* `check_request(request, facts)` runs every rule `validate` knows (including the file rules and, with a tokenizer
+  folder, the prompt's token bound, counted by `h3engine.presentation.prompt_token_counter` before any file is
+  probed) plus "does this checkpoint serve the task"; `expected_geometry(request, facts)` is the canvas and frame
+  count the app shows next to the settings.
 
 Danger: these checks exist so that the app never calls into a shared `Engine` from a request thread (on a GPU
 that could load a 62 GiB partition next to the one a worker is using). The engine validates again when the job
@@ -19,12 +21,14 @@ same function (`h3engine.engine.request_geometry`) applied to the facts captured
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from h3engine.checkpoint.layout import CanvasRules
 from h3engine.engine import Engine, request_geometry
 from h3engine.errors import RequestError
 from h3engine.geometry import Geometry
 from h3engine.media.inputs import probe_media
+from h3engine.presentation import prompt_token_counter
 from h3engine.request import GenerationRequest, validate
 
 
@@ -34,6 +38,8 @@ class CheckpointFacts:
     canvas: CanvasRules
     vae_spatial_ratio: int
     patch: int
+    # The tokenizer folder of the first partition, for the prompt's token bound (None: characters only).
+    tokenizer: Path | None = None
 
     @property
     def canvas_multiple(self) -> int:
@@ -42,18 +48,23 @@ class CheckpointFacts:
     @classmethod
     def from_engine(cls, engine: Engine) -> CheckpointFacts:
         # The first partition is loaded by Engine's constructor, so this reads resident modules only.
-        models = engine.models_for_partition(next(iter(engine.layout.partitions)))
+        partition = next(iter(engine.layout.partitions))
+        models = engine.models_for_partition(partition)
         return cls(
             tasks=engine.layout.tasks,
             canvas=engine.layout.canvas,
             vae_spatial_ratio=models.video_vae.config.spatial_compression_ratio,
             patch=models.dit.config.patch_size[-1],
+            tokenizer=engine.layout.partitions[partition].tokenizer,
         )
 
 
 def check_request(request: GenerationRequest, facts: CheckpointFacts) -> list[str]:
     """Raise RequestError (message starts with the field) or return the warnings of a request that will run."""
-    warnings = validate(request, probe_media, canvas_multiple=facts.canvas_multiple)
+    count_tokens = None if facts.tokenizer is None else prompt_token_counter(facts.tokenizer)
+    warnings = validate(
+        request, probe_media, canvas_multiple=facts.canvas_multiple, count_prompt_tokens=count_tokens
+    )
     if request.task not in facts.tasks:
         raise RequestError(
             f"task: this checkpoint cannot serve '{request.task}' (it serves {', '.join(facts.tasks)})"

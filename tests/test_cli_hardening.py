@@ -1,0 +1,227 @@
+"""The CLI refuses what it can before any work (issue 17, "Hardening"): a bad request, input file or output flag
+costs neither a torch import nor a checkpoint load, exits 2 and prints one line naming the field or flag; the
+prompt's token bound is checked with the checkpoint's tokenizer before the checkpoint loads; `--fp8-linear` is
+refused where it would do nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from h3engine.cli import main
+
+REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
+# Runs `python -m h3engine` in a fresh interpreter, then reports its exit code and whether torch was imported.
+RUNNER = """
+import json, runpy, sys
+try:
+    runpy.run_module("h3engine", run_name="__main__", alter_sys=True)
+    code = 0
+except SystemExit as done:
+    code = done.code
+print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
+"""
+# A long but fair prompt: ~15,000 characters (under the character bound) that the tiny test tokenizer turns
+# into ~10,800 tokens (over the token bound).
+LONG_PROMPT = "Waves roll onto a beach. " * 600
+
+
+def run_cli(capsys, *arguments: str) -> tuple[int, str]:
+    code = main(["generate", *arguments])
+    return code, capsys.readouterr().err
+
+
+def cli_arguments(tmp_path: Path, *extra: str | bytes, checkpoint: Path | None = None) -> list[str | bytes]:
+    return [
+        "generate",
+        "--checkpoint",
+        str(checkpoint or tmp_path / "no-checkpoint"),
+        "--prompt",
+        "a fox in the snow",
+        "--out",
+        str(tmp_path / "clip.mp4"),
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "starts"),
+    [
+        (["--duration", "30"], "error: duration_seconds: must be within [4, 15] s"),
+        (["--short-edge", "100000"], "error: short_edge: must be <= 2048, got 100000"),
+        (["--prompt", b"a fox \xff in snow"], "error: prompt: must be valid UTF-8 text"),
+        (["--first-frame", "/nonexistent/first.png"], "error: '/nonexistent/first.png': cannot open"),
+        (["--out", "{tmp}/folder.mp4"], "error: --out: "),
+        (["--save-tensors", "{tmp}/missing/t.safetensors"], "error: --save-tensors: folder "),
+    ],
+    ids=["duration", "short-edge", "non-utf8-prompt", "missing-keyframe", "out-is-folder", "tensors-folder"],
+)
+def test_bad_requests_exit_2_without_importing_torch(tmp_path: Path, extra: list, starts: str) -> None:
+    (tmp_path / "folder.mp4").mkdir()
+    extra = [item.replace("{tmp}", str(tmp_path)) if isinstance(item, str) else item for item in extra]
+    command = [sys.executable, "-c", RUNNER, *cli_arguments(tmp_path, *extra)]
+    started = time.monotonic()
+    result = subprocess.run(command, cwd=REPOSITORY_ROOT, capture_output=True, timeout=120)
+    elapsed = time.monotonic() - started
+    stderr = result.stderr.decode("utf-8", "replace")
+    report = json.loads(result.stdout.decode().strip().splitlines()[-1])
+    assert report == {"code": 2, "torch": False}, stderr
+    assert stderr.startswith(starts), stderr
+    assert stderr.count("\n") == 1, stderr
+    # ~0.5 s on an idle 2-core CPU (it was ~7 s with the torch import); generous for a loaded machine.
+    assert elapsed < 10, elapsed
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["folder.mp4"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Output flags, checked up front
+
+
+def test_out_must_not_be_a_folder(capsys, tmp_path: Path) -> None:
+    (tmp_path / "clip.mp4").mkdir()
+    code, stderr = run_cli(capsys, *cli_arguments(tmp_path)[1:])
+    assert code == 2
+    assert stderr == f"error: --out: '{tmp_path / 'clip.mp4'}' is a folder; give the path of an .mp4 file\n"
+
+
+def test_out_sidecar_must_not_be_a_folder(capsys, tmp_path: Path) -> None:
+    (tmp_path / "clip.json").mkdir()
+    code, stderr = run_cli(capsys, *cli_arguments(tmp_path)[1:])
+    assert code == 2
+    assert stderr.startswith(f"error: --out: its sidecar '{tmp_path / 'clip.json'}' is a folder"), stderr
+
+
+def test_out_folder_must_be_writable(capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Root may write anywhere, so the folder's refusal is simulated where the CLI asks for it.
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != locked and real_access(path, mode))
+    code, stderr = run_cli(capsys, *cli_arguments(tmp_path, "--out", str(locked / "clip.mp4"))[1:])
+    assert code == 2
+    assert stderr == f"error: --out: folder '{locked}' is not writable\n"
+
+
+@pytest.mark.parametrize(
+    ("name", "wording"),
+    [
+        ("missing/t.safetensors", "error: --save-tensors: folder '{tmp}/missing' does not exist\n"),
+        ("t.pt", "error: --save-tensors: must be a .safetensors path, got '{tmp}/t.pt'\n"),
+        ("t.safetensors/", "error: --save-tensors: '{tmp}/t.safetensors' is a folder; give the path of a file\n"),
+        ("to-sidecar.safetensors", "error: --save-tensors: '{tmp}/to-sidecar.safetensors' is the video or "
+         "its sidecar; give a path of its own\n"),
+    ],
+    ids=["missing-folder", "suffix", "folder", "same-as-sidecar"],
+)  # fmt: skip
+def test_save_tensors_is_checked_up_front(capsys, tmp_path: Path, name: str, wording: str) -> None:
+    (tmp_path / "t.safetensors").mkdir()
+    (tmp_path / "to-sidecar.safetensors").symlink_to(tmp_path / "clip.json")
+    code, stderr = run_cli(capsys, *cli_arguments(tmp_path, "--save-tensors", str(tmp_path / name))[1:])
+    assert code == 2
+    assert stderr == wording.replace("{tmp}", str(tmp_path))
+
+
+def test_non_utf8_output_and_checkpoint_paths_are_refused(capsys, tmp_path: Path) -> None:
+    bad = os.fsdecode(b"clip-\xff.mp4")
+    code, stderr = run_cli(capsys, *cli_arguments(tmp_path, "--out", str(tmp_path / bad))[1:])
+    assert code == 2 and stderr.startswith("error: --out: must be valid UTF-8 text"), stderr
+    code, stderr = run_cli(capsys, *cli_arguments(tmp_path, checkpoint=tmp_path / os.fsdecode(b"\xfe"))[1:])
+    assert code == 2 and stderr.startswith("error: --checkpoint: must be valid UTF-8 text"), stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks that need torch (devices) or the checkpoint's tokenizer, still before any model loads
+
+
+def test_fp8_linear_is_refused_on_the_cpu(capsys, tmp_path: Path) -> None:
+    code, stderr = run_cli(capsys, *cli_arguments(tmp_path, "--device", "cpu", "--fp8-linear")[1:])
+    assert code == 2, stderr
+    assert stderr.startswith("error: --fp8-linear: FP8 linear layers need a CUDA GPU"), stderr
+    assert stderr.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fp8_linear_needs_compute_capability_8_9(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from h3engine import cli
+    from h3engine.errors import RequestError
+
+    gpu = torch.device("cuda:0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    with pytest.raises(RequestError, match=r"^--fp8-linear: .* 8\.9 or newer, cuda:0 has 8\.0"):
+        cli._check_fp8_device(gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    cli._check_fp8_device(gpu)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_only_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A native FL2VA partition with the tiny tokenizer and empty model folders: loading it would fail, so a
+    refusal that names the prompt proves the token check ran before the checkpoint loads."""
+    from h3engine.checkpoint.text_encoder_files import write_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("tokenizer-only")
+    partition = root / "FL2VA"
+    for folder in ("transformer", "video_vae", "audio_vae", "text_encoder", "tokenizer", "processor"):
+        (partition / folder).mkdir(parents=True)
+    release = {
+        "partition": "fl2va",
+        "tasks": ["t2va", "fl2va"],
+        "sigma_shift_scales": {"video": 12.0, "audio": 3.0},
+    }
+    (partition / "model_index.json").write_text(json.dumps({"_minimax_h3": release}))
+    write_tiny_tokenizer(partition / "tokenizer")
+    return root
+
+
+def test_prompt_token_counter_counts_what_the_text_encoder_reads(tokenizer_only_checkpoint: Path) -> None:
+    from h3engine.models.text_encoder import load_tokenizer
+    from h3engine.presentation import prompt_token_counter, text_presentation
+
+    folder = tokenizer_only_checkpoint / "FL2VA" / "tokenizer"
+    count = prompt_token_counter(folder)
+    tokenizer = load_tokenizer(folder)
+    for prompt in ("a fox", "<d>[English] Hello there.</d> <Picture 1> 你好, café", LONG_PROMPT):
+        assert count(prompt) == text_presentation(tokenizer, prompt).num_rows
+    assert 8_192 < count(LONG_PROMPT) and len(LONG_PROMPT) < 32_768
+
+
+def test_check_request_applies_the_token_bound(tokenizer_only_checkpoint: Path) -> None:
+    from h3engine.checkpoint.layout import CanvasRules
+    from h3engine.errors import RequestError
+    from h3engine.request import GenerationRequest
+    from h3engine.runtime.checks import CheckpointFacts, check_request
+
+    facts = CheckpointFacts(
+        tasks=("t2va", "fl2va"),
+        canvas=CanvasRules(),
+        vae_spatial_ratio=16,
+        patch=2,
+        tokenizer=tokenizer_only_checkpoint / "FL2VA" / "tokenizer",
+    )
+    assert check_request(GenerationRequest(task="t2va", prompt="a fox"), facts) == []
+    with pytest.raises(
+        RequestError, match="^prompt: must be at most 8,192 tokens of the checkpoint's tokenizer"
+    ):
+        check_request(GenerationRequest(task="t2va", prompt=LONG_PROMPT), facts)
+
+
+def test_cli_checks_the_token_bound_before_loading(
+    capsys, tmp_path: Path, tokenizer_only_checkpoint: Path
+) -> None:
+    arguments = cli_arguments(tmp_path, "--device", "cpu", checkpoint=tokenizer_only_checkpoint)[1:]
+    arguments[arguments.index("--prompt") + 1] = LONG_PROMPT
+    code, stderr = run_cli(capsys, *arguments)
+    assert code == 2, stderr
+    assert stderr.startswith(
+        "error: prompt: must be at most 8,192 tokens of the checkpoint's tokenizer, got "
+    ), stderr
+    assert stderr.count("\n") == 1
