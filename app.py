@@ -12,10 +12,16 @@ says so in a banner.
 GPU replicas make one short warm-up run before they take jobs (`--no-warm-up` skips it).
 
 Safety defaults: binds 127.0.0.1 unless `--host` / `H3_HOST` says otherwise; `--share` and `--auth` are opt-in;
-uploads are limited to `--max-file-size`; besides uploads, only the outputs folder is served.
+uploads are limited to `--max-file-size`. Users are kept apart (ui.access): each user (`--auth`) or browser session
+has its own History and results folder, and a result's MP4 / JSON are served only as copies in Gradio's cache under
+unguessable names, sent to the session that made or restored them; the outputs folder itself (with the stored
+inputs) is not served. `--shared-history` is the single-user mode: one History for everyone and the outputs folder
+served. Gradio's cache is swept of our files (uploads and served copies) older than `CACHE_MAX_AGE_S` every
+`CACHE_SWEEP_S`, and emptied of them at exit (Gradio's `delete_cache`).
 
-Exit codes: 2 when the checkpoint or an option is unusable (one line on stderr naming it), 0 on a clean stop
-(Ctrl-C or SIGTERM: running jobs are cancelled, the worker threads joined and every worker process ended).
+Exit codes: 2 when the checkpoint or an option is unusable (one line on stderr naming it; options, the port, the
+outputs folder and the devices are checked before any model is loaded), 0 on a clean stop (Ctrl-C or SIGTERM:
+running jobs are cancelled, the worker threads joined and every worker process ended).
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shutil
 import signal
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,8 +40,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import gradio as gr
+
     from h3engine.engine import Engine
     from h3engine.runtime.workers import ProcessReplica
+    from ui.access import AccessPolicy
 
 # Gradio would otherwise phone home at import and launch; the app must work with no network at all.
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -43,6 +54,10 @@ EXAMPLES_PATH = REPOSITORY_ROOT / "assets" / "examples.json"
 DEFAULT_PORT = 7860
 DEFAULT_MAX_FILE_SIZE = "200mb"
 DEFAULT_QUEUE_SIZE = 32
+# Gradio's delete_cache: every CACHE_SWEEP_S, our files in its cache older than CACHE_MAX_AGE_S go; all at exit.
+CACHE_SWEEP_S = 3600
+CACHE_MAX_AGE_S = 24 * 3600
+FILE_SIZE_UNITS = {"b": 1, "kb": 1024, "mb": 1024**2, "gb": 1024**3, "tb": 1024**4}
 # Light events (swap, history, examples) may run side by side; generation has its own limit (the replica count).
 LIGHT_EVENT_CONCURRENCY = 8
 
@@ -51,6 +66,13 @@ logger = logging.getLogger("h3app")
 
 class ConfigError(Exception):
     """An option or the checkpoint cannot be used; the message names it."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad option raises ConfigError (one line naming it) instead of printing the usage."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message.removeprefix("argument "))
 
 
 @dataclass(frozen=True)
@@ -68,10 +90,11 @@ class AppConfig:
     port: int
     share: bool
     auth: tuple[str, str] | None
-    max_file_size: str
+    max_file_size: int  # bytes
     queue_size: int
     preview_every: int
     warm_up: bool = True  # GPU replicas run `WARM_UP_REQUEST` before taking jobs (h3engine.runtime.front)
+    shared_history: bool = False  # one History and outputs folder for everyone (ui.access)
 
 
 def _default_cache_dir(environ: Mapping[str, str]) -> Path:
@@ -80,7 +103,8 @@ def _default_cache_dir(environ: Mapping[str, str]) -> Path:
 
 
 def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python app.py", description="MiniMax H3 browser app")
+    # Defaults from the environment stay strings: argparse converts them like the options, with the same errors.
+    parser = _OneLineParser(prog="python app.py", description="MiniMax H3 browser app")
     parser.add_argument(
         "--checkpoint",
         default=environ.get("H3_CHECKPOINT") or None,
@@ -99,7 +123,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument(
         "--world-size",
         type=int,
-        default=int(environ.get("H3_WORLD_SIZE") or 1),
+        default=environ.get("H3_WORLD_SIZE") or "1",
         help="ranks per replica: N > 1 runs each replica as a resident group of N worker processes, one per GPU "
         "(CPU ranks over gloo with --devices cpu); env H3_WORLD_SIZE",
     )
@@ -125,7 +149,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument(
         "--port",
         type=int,
-        default=int(environ.get("H3_PORT") or environ.get("GRADIO_SERVER_PORT") or DEFAULT_PORT),
+        default=environ.get("H3_PORT") or environ.get("GRADIO_SERVER_PORT") or str(DEFAULT_PORT),
         help="port; env H3_PORT",
     )
     parser.add_argument("--share", action="store_true", help="also open a public Gradio share link (opt-in)")
@@ -136,6 +160,12 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-file-size", default=DEFAULT_MAX_FILE_SIZE, help="upload size limit, e.g. 200mb"
+    )
+    parser.add_argument(
+        "--shared-history",
+        action="store_true",
+        help="one History and outputs folder for everyone, the outputs folder served (a personal machine); "
+        "default: each user (--auth) or browser session sees only its own results",
     )
     parser.add_argument("--queue-size", type=int, default=DEFAULT_QUEUE_SIZE, help="most requests waiting")
     parser.add_argument("--preview-every", type=int, default=5, help="live preview every N denoising steps")
@@ -162,6 +192,8 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppC
         raise ConfigError("--queue-size and --preview-every must be at least 1")
     if args.world_size < 1:
         raise ConfigError(f"--world-size must be at least 1, got {args.world_size}")
+    if not 1 <= args.port <= 65535:
+        raise ConfigError(f"--port: must be within 1-65535, got {args.port}")
     return AppConfig(
         checkpoint=Path(args.checkpoint).expanduser() if args.checkpoint else None,
         outputs_dir=Path(args.outputs).expanduser().resolve(),
@@ -175,11 +207,88 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppC
         port=args.port,
         share=args.share,
         auth=auth,
-        max_file_size=args.max_file_size,
+        max_file_size=parse_file_size(args.max_file_size),
         queue_size=args.queue_size,
         preview_every=args.preview_every,
         warm_up=args.warm_up,
+        shared_history=args.shared_history,
     )
+
+
+def parse_file_size(text: str) -> int:
+    """'200mb' -> bytes: a whole number and a unit (b, kb, mb, gb, tb; powers of 1024, as Gradio counts)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([a-z]+)\s*", text.lower())
+    if match is None or match.group(2) not in FILE_SIZE_UNITS or int(match.group(1)) < 1:
+        raise ConfigError(
+            f"--max-file-size: expected a whole number and a unit ({', '.join(FILE_SIZE_UNITS)}), e.g. 200mb, "
+            f"got {text!r}"
+        )
+    return int(match.group(1)) * FILE_SIZE_UNITS[match.group(2)]
+
+
+def check_before_loading(config: AppConfig) -> None:
+    """What can fail without a model, checked before any is loaded: devices, dtype, memory profile, the worker
+    layout, the outputs folder and the address to listen on (ConfigError naming the option)."""
+    import torch
+
+    from h3engine.engine import DTYPES
+
+    for name in config.devices:
+        if name is None:
+            continue
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise ConfigError(f"--devices: unknown device {name!r}") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"--devices: only cpu and cuda devices are supported, got {name!r}")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ConfigError(
+                f"--devices: {name} asked for, but {torch.cuda.device_count()} GPUs are visible"
+            )
+    if config.dtype is not None and config.dtype not in DTYPES:
+        raise ConfigError(f"--dtype: expected one of {', '.join(DTYPES)}, got {config.dtype!r}")
+    from h3engine.placement import MEMORY_PROFILES
+
+    if config.memory_profile not in MEMORY_PROFILES:
+        raise ConfigError(
+            f"--memory-profile: expected one of {', '.join(MEMORY_PROFILES)}, got {config.memory_profile!r}"
+        )
+    if config.world_size > 1 or any(flag is not None for flag in config.layout_flags):
+        from h3engine.errors import RequestError
+        from h3engine.parallel.groups import RuntimeLayout
+        from h3engine.runtime.workers import replica_device_groups
+
+        try:
+            RuntimeLayout.choose(config.world_size, *config.layout_flags)
+            replica_device_groups(config.devices, config.world_size)
+        except (ValueError, RequestError) as error:
+            raise ConfigError(str(error)) from None
+    try:
+        config.outputs_dir.mkdir(parents=True, exist_ok=True)
+        probe = config.outputs_dir / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(
+            f"--outputs: cannot write to {config.outputs_dir} ({error.strerror or error})"
+        ) from None
+    _check_can_listen(config.host, config.port)
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    try:
+        family, kind, protocol, _name, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as error:
+        raise ConfigError(f"--host: cannot resolve {host!r} ({error})") from None
+    with socket.socket(family, kind, protocol) as probe:
+        probe.setsockopt(
+            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+        )  # as the server does: TIME_WAIT is no clash
+        try:
+            probe.bind(address)
+        except OSError as error:
+            raise ConfigError(f"--port: cannot listen on {host}:{port} ({error.strerror or error})") from None
 
 
 def _load_engines(checkpoint: Path, config: AppConfig) -> list[Engine | ProcessReplica]:
@@ -258,10 +367,12 @@ def _computes_on_cuda(replica: Engine | ProcessReplica) -> bool:
     return any(device.startswith("cuda") for device in devices)
 
 
-def random_weights_banner(folder: Path) -> str:
+def random_weights_banner(folder: Path | None) -> str:
+    """`folder`: the tiny checkpoint's folder, shown only where the page may carry server paths."""
+    where = f" in `{folder}`" if folder is not None else " in its cache folder"
     return (
         "**Random weights.** No checkpoint was configured, so this app runs on a tiny random-weight checkpoint "
-        f"it made in `{folder}`. Every step runs for real, but the videos are noise. To use the released "
+        f"it made{where}. Every step runs for real, but the videos are noise. To use the released "
         "MiniMax H3 weights, start `python app.py --checkpoint DIR` or set `H3_CHECKPOINT=DIR`."
     )
 
@@ -271,6 +382,21 @@ def _stop_on_sigterm(signal_number: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def remove_leftovers(outputs_dir: Path) -> None:
+    """What a killed predecessor left: staging files and unpaired stamped MP4s under the outputs folder, the warm-up
+    and worker folders in the temp folder (only those of dead processes; each removal is logged)."""
+    from h3engine.leftovers import (
+        WARM_UP_FOLDER_PREFIX,
+        WORKER_FOLDER_PREFIX,
+        remove_dead_temp_folders,
+        remove_output_leftovers,
+    )
+
+    remove_output_leftovers(outputs_dir)
+    for prefix in (WARM_UP_FOLDER_PREFIX, WORKER_FOLDER_PREFIX):
+        remove_dead_temp_folders(prefix)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per internal request otherwise
@@ -278,9 +404,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         config = parse_config(argv, os.environ)
+        check_before_loading(config)
+        remove_leftovers(config.outputs_dir)
         if config.checkpoint is None:
             checkpoint, engines = _tiny_engines(config)
-            banner = random_weights_banner(checkpoint)
+            banner = random_weights_banner(checkpoint if config.shared_history else None)
         else:
             checkpoint, engines, banner = config.checkpoint, _load_engines(config.checkpoint, config), None
     except (ConfigError, H3Error) as error:
@@ -300,11 +428,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         outputs_dir=config.outputs_dir,
         examples_path=EXAMPLES_PATH,
         repository_root=REPOSITORY_ROOT,
-        checkpoint_label=str(checkpoint),
+        # The page config is the same for everyone: only a single-user app shows the server path.
+        checkpoint_label=str(checkpoint) if config.shared_history else checkpoint.name,
         memory_profile=config.memory_profile,
         banner_markdown=banner,
     )
-    demo = ui.build_ui(front, options)
+    access = ui.AccessPolicy(
+        config.outputs_dir, config.shared_history, max_age_s=CACHE_MAX_AGE_S, sweep_every_s=CACHE_SWEEP_S
+    )
+    demo = ui.build_ui(front, options, access, delete_cache=(CACHE_SWEEP_S, CACHE_MAX_AGE_S))
     demo.queue(default_concurrency_limit=LIGHT_EVENT_CONCURRENCY, max_size=config.queue_size)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
@@ -314,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             share=config.share,
             auth=config.auth,
             max_file_size=config.max_file_size,
-            allowed_paths=[str(config.outputs_dir)],
+            allowed_paths=[str(config.outputs_dir)] if config.shared_history else [],
             theme=ui.THEME,
             css=ui.CSS,
             show_error=False,
@@ -326,7 +458,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     finally:
         front.shutdown()
+        _delete_cached_files(demo, access)
     return 0
+
+
+def _delete_cached_files(demo: gr.Blocks, access: AccessPolicy) -> None:
+    """At exit: our served copies (ui.access), and the uploads Gradio's delete_cache tracks. Gradio deletes those
+    in the server's shutdown, which a still-connected browser can hold past the 5 s Gradio waits: run it again."""
+    from gradio.route_utils import delete_files_created_by_app
+
+    access.sweep(None)
+    delete_files_created_by_app(demo, age=None)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import threading
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from h3engine.errors import H3Error, RequestError
 from h3engine.request import REFERENCE_KINDS, GenerationRequest, check_prompt_tokens, from_dict, validate
@@ -48,10 +48,15 @@ class Terminated(BaseException):
     """SIGTERM arrived; raised in the main thread so that `finally` blocks stop the workers (like Ctrl-C)."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in the CLI's one-line form (`error: ...`, exit 2), without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m h3engine", description="MiniMax H3 audio-video generation"
-    )
+    parser = _Parser(prog="python -m h3engine", description="MiniMax H3 audio-video generation")
     parser.add_argument("--debug", action="store_true", help="print tracebacks of internal errors")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -354,7 +359,10 @@ def _raise_terminated(signal_number: int, frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    try:
+        args = _build_parser().parse_args(argv)
+    except SystemExit as done:  # --help (0) or an argument error (2, already printed)
+        return 0 if done.code is None else int(done.code)
     # Only the main thread may take signals (main() also runs inside tests and other programs' threads).
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous_handler = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None

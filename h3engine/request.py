@@ -697,12 +697,23 @@ def _remembering(media_durations: MediaProbe) -> MediaProbe:
     return probe
 
 
+def _probed(probe: MediaProbe, reference: Reference, field: str) -> MediaInfo:
+    """The probe's facts; its RequestError (which names the file) gets the field in front."""
+    try:
+        return probe(reference)
+    except RequestError as error:
+        message = str(error)
+        if message.startswith(field):
+            raise
+        raise RequestError(f"{field}: {message}") from None
+
+
 def _check_reference_media(request: GenerationRequest, probe: MediaProbe) -> None:
     """The rules that need file facts: streams, clip lengths and totals, image ratios, derived duration."""
     total_seconds = {"video": 0.0, "audio": 0.0}
     for index, reference in enumerate(request.references):
         field = f"references[{index}]"
-        info = probe(reference)
+        info = _probed(probe, reference, field)
         if reference.kind == "image":
             size = _image_size(info, field, "reference image", reference.path)
             _check_image_ratio(size, field, "reference image")
@@ -767,7 +778,7 @@ def _checked_keyframe_sizes(request: GenerationRequest, probe: MediaProbe) -> tu
     """Every keyframe must be a readable image; the first listed one's size is returned (it anchors 'auto')."""
     sizes = [
         _image_size(
-            probe(Reference(kind="image", path=keyframe.path)),
+            _probed(probe, Reference(kind="image", path=keyframe.path), f"keyframes[{index}]"),
             f"keyframes[{index}]",
             "keyframe image",
             keyframe.path,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -34,7 +35,12 @@ class RunningApp:
         return self.log_path.read_text(errors="replace")[-characters:]
 
     def mp4_files(self) -> set[Path]:
-        return set(self.outputs_dir.glob("*.mp4"))
+        """Every result MP4, in any user's or session's folder (not the stored inputs)."""
+        return {
+            path
+            for path in self.outputs_dir.rglob("*.mp4")
+            if path.relative_to(self.outputs_dir).parts[0] != "inputs"
+        }
 
 
 def _free_port() -> int:
@@ -140,3 +146,31 @@ def assert_browser_playable(path: str | Path, expected_frames: int) -> StreamFac
     )
     assert abs(facts.audio_seconds - facts.video_seconds) <= AAC_FRAME_SECONDS + 1e-3, facts
     return facts
+
+
+def event_index(config: dict, elem_id: str, trigger: str) -> int:
+    """The fn_index of the event `trigger` ("load", "click") that reads or writes the component `elem_id`."""
+    (component,) = [c["id"] for c in config["components"] if c.get("props", {}).get("elem_id") == elem_id]
+    for index, dependency in enumerate(config["dependencies"]):
+        triggers = {event for _target, event in dependency["targets"]}
+        if trigger in triggers and component in dependency["inputs"] + dependency["outputs"]:
+            return index
+    raise LookupError(f"no {trigger} event touches #{elem_id}")
+
+
+def call_event(url: str, session_hash: str, fn_index: int, data: list) -> dict:
+    """Runs one event as the browser does (join the queue, read the session's event stream); returns the final
+    message: {"success": bool, "output": {"data": [...]} or {"error": ...}}. For the app's private events, which
+    gradio_client does not call."""
+    import httpx
+
+    with httpx.Client(base_url=url, timeout=120) as http:
+        body = {"data": data, "fn_index": fn_index, "session_hash": session_hash, "trigger_id": None}
+        http.post("gradio_api/queue/join", json=body).raise_for_status()
+        with http.stream("GET", "gradio_api/queue/data", params={"session_hash": session_hash}) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data:"):
+                    message = json.loads(line.removeprefix("data:"))
+                    if message.get("msg") == "process_completed":
+                        return message
+    raise RuntimeError("the event stream ended without a result")

@@ -2,14 +2,16 @@
 
 What is compared: every endpoint (/t2va, /fl2va, /ref2va) returns an MP4 whose streams, read back with PyAV, are
 H.264 yuv420p at 24 fps with the frame count of the requested duration (124 frames for 5 s) and AAC 32 kHz stereo
-lasting as long as the video (within one AAC frame); invalid requests are refused before queueing with the
-request validator's own message; besides uploads only the outputs folder is served; a cancelled generation stops (the engine is free for the next request at
-once and leaves no MP4 behind); two requests submitted together both complete. Steps are kept at 2 so the
+lasting as long as the video (within one AAC frame); invalid requests, wrong types, out-of-range slider values and
+unknown dropdown values included, are refused before queueing with a ValidationError naming the field; a result is
+served to its client, but neither the outputs folder nor anything outside it is; a cancelled generation stops (the
+engine is free for the next request at once and leaves no MP4 behind); two requests submitted together both complete. Steps are kept at 2 so the
 file runs in well under a minute on two cores.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.error
 import urllib.request
@@ -84,6 +86,23 @@ def test_ref2va_returns_a_browser_playable_mp4(client) -> None:
         ("/t2va", dict(prompt="   "), "prompt: must be a non-empty string"),
         ("/t2va", dict(prompt="x", steps=5000), "steps: must be <= 1000, got 5000"),
         ("/t2va", dict(prompt="x", flow_shift=-1.0), "flow_shift: must be positive"),
+        # Types, slider ranges and dropdown choices: Gradio's own checks answered these with a bare HTTP 400.
+        ("/t2va", dict(prompt="x", duration_seconds=3), r"duration_seconds: .*\[4, 15\]"),
+        ("/t2va", dict(prompt="x", duration_seconds="five"), "duration_seconds: "),
+        ("/t2va", dict(prompt="x", aspect_ratio="7:5"), "aspect_ratio: .*16:9"),
+        ("/t2va", dict(prompt="x", seed="abc"), "seed: must be an integer"),
+        ("/t2va", dict(prompt="x", steps=2.5), "steps: must be an integer"),
+        ("/t2va", dict(prompt="x", randomize_seed="no"), "randomize_seed: must be true or false"),
+        ("/t2va", dict(prompt=["x"]), "prompt: "),
+        (
+            "/ref2va",
+            dict(
+                prompt="x",
+                references=[handle_file(ASSETS / "ref2va" / "picture1.png")],
+                duration_from_reference=1,
+            ),
+            "duration_from_reference: must be true or false",
+        ),
         (
             "/fl2va",
             dict(prompt="x", first_image=None, last_image=None),
@@ -138,15 +157,18 @@ def test_cancel_stops_a_running_generation(app, client) -> None:
     started = time.monotonic()
     result = client.predict(prompt="Right after.", seed=2, **SETTINGS, api_name="/t2va")
     assert time.monotonic() - started < 20
-    assert app.mp4_files() - before == {app.outputs_dir / Path(_video_path(result)).name}
+    assert {path.name for path in app.mp4_files() - before} == {Path(_video_path(result)).name}
 
 
-def test_only_uploads_and_the_outputs_folder_are_served(app) -> None:
+def test_a_result_is_served_but_not_the_outputs_folder(app, client) -> None:
+    result = client.predict(prompt="Served.", seed=5, **SETTINGS, api_name="/t2va")
+    # The client downloaded the MP4 and the sidecar from the URLs the app answered with.
+    video, sidecar = result[5]
+    assert Path(video).read_bytes()[4:8] == b"ftyp"
+    assert json.loads(Path(sidecar).read_text())["request"]["prompt"] == "Served."
     served = app.outputs_dir / "served.txt"
     served.write_text("in the outputs folder")
-    with urllib.request.urlopen(f"{app.url}gradio_api/file={served}") as response:
-        assert response.read() == b"in the outputs folder"
-    for outside in (REPOSITORY_ROOT / "app.py", app.outputs_dir.parent / "app.log"):
+    for outside in (served, REPOSITORY_ROOT / "app.py", app.outputs_dir.parent / "app.log"):
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(f"{app.url}gradio_api/file={outside}")
         assert refused.value.code == 403

@@ -57,7 +57,10 @@ def cli_arguments(tmp_path: Path, *extra: str | bytes, checkpoint: Path | None =
         (["--duration", "30"], "error: duration_seconds: must be within [4, 15] s"),
         (["--short-edge", "100000"], "error: short_edge: must be <= 2048, got 100000"),
         (["--prompt", b"a fox \xff in snow"], "error: prompt: must be valid UTF-8 text"),
-        (["--first-frame", "/nonexistent/first.png"], "error: '/nonexistent/first.png': cannot open"),
+        (
+            ["--first-frame", "/nonexistent/first.png"],
+            "error: keyframes[0]: '/nonexistent/first.png': cannot open",
+        ),
         (["--out", "{tmp}/folder.mp4"], "error: --out: "),
         (["--save-tensors", "{tmp}/missing/t.safetensors"], "error: --save-tensors: folder "),
     ],

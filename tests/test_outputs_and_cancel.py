@@ -299,3 +299,36 @@ def test_a_sigkilled_worker_group_leaves_a_rendezvous_folder_that_the_next_start
         assert not list(temp.glob(f"{WORKER_FOLDER_PREFIX}{process.pid}-*"))
     finally:
         replica.close()
+
+
+def test_the_app_removes_what_a_sigkilled_app_left_when_it_starts_again(tmp_path) -> None:
+    from _app_helpers import start_app, stop_app
+    from gradio_client import Client
+
+    app = start_app(tmp_path, embedded_default=True)
+    try:
+        client = Client(app.url, verbose=False)
+        client.submit(
+            prompt="A long one.",
+            duration_seconds=15,
+            aspect_ratio="16:9",
+            seed=1,
+            randomize_seed=False,
+            steps=1000,
+            api_name="/t2va",
+        )
+        deadline = time.monotonic() + 120
+        while not list(app.outputs_dir.rglob("*.partial")):
+            assert time.monotonic() < deadline and app.process.poll() is None, app.log_tail()
+            time.sleep(0.2)
+    finally:
+        app.process.send_signal(signal.SIGKILL)
+        app.process.wait()
+    left = list(app.outputs_dir.rglob("*.partial"))
+    assert left
+    again = start_app(tmp_path, embedded_default=True)
+    try:
+        assert not list(again.outputs_dir.rglob("*.partial"))
+        assert f"removed {len(left)} leftover(s) of a stopped run" in again.log_tail()
+    finally:
+        stop_app(again)

@@ -1,6 +1,7 @@
 """The browser app's user interface (Gradio): task tabs, the shared result column and history, their handlers."""
 
+from ui.access import AccessPolicy
 from ui.blocks import UiOptions, build_ui
 from ui.theme import CSS, THEME
 
-__all__ = ["CSS", "THEME", "UiOptions", "build_ui"]
+__all__ = ["CSS", "THEME", "AccessPolicy", "UiOptions", "build_ui"]

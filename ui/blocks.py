@@ -5,6 +5,9 @@ Contract: `build_ui(front, options)` returns a `gr.Blocks` (not yet queued or la
   Gradio queues it, and all three share the concurrency group "h3-engine" limited to the front's replica count.
 * Everything else (derived canvas, swap, last frame, reference rows, examples, history, cancel) is private: not
   part of the API.
+* The page config (`/config`, the same for everyone) holds no result and no server path: History is filled per
+  session by a `demo.load` event; app.py passes a checkpoint label and banner without server paths (unless
+  `--shared-history`, the single-user mode).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import gradio as gr
 from h3engine.errors import RequestError
 from h3engine.request import MAX_REFERENCES_OF_KIND
 from h3engine.runtime.front import EngineFront
+from ui.access import AccessPolicy
 from ui.examples import Example, load_examples
 from ui.handlers import (
     Handlers,
@@ -46,11 +50,18 @@ class UiOptions:
     banner_markdown: str | None = None
 
 
-def build_ui(front: EngineFront, options: UiOptions) -> gr.Blocks:
-    handlers = Handlers(front, options.outputs_dir)
+def build_ui(
+    front: EngineFront,
+    options: UiOptions,
+    access: AccessPolicy | None = None,
+    delete_cache: tuple[int, int] | None = None,
+) -> gr.Blocks:
+    """`access`: who sees which results (default: per user or session); `delete_cache`: Gradio's (every N s,
+    its files older than M s), for the uploads."""
+    handlers = Handlers(front, access or AccessPolicy(options.outputs_dir))
     examples = load_examples(options.examples_path, options.repository_root)
     builders = {"t2va": build_t2va_tab, "fl2va": build_fl2va_tab, "ref2va": build_ref2va_tab}
-    with gr.Blocks(title="MiniMax H3") as demo:
+    with gr.Blocks(title="MiniMax H3", delete_cache=delete_cache) as demo:
         gr.Markdown(
             "# MiniMax H3: video with sound\n"
             f"Checkpoint: `{options.checkpoint_label}` · engine replicas: {front.replicas} · "
@@ -71,7 +82,7 @@ def build_ui(front: EngineFront, options: UiOptions) -> gr.Blocks:
                             )
             with gr.Column(scale=2):
                 result = build_result_column()
-        history = build_history(handlers.history_samples())
+        history = build_history()
 
         generate_events = [_wire_generate(tab, handlers, result, front.replicas) for tab in tabs.values()]
         for event in generate_events:
@@ -93,8 +104,8 @@ def build_ui(front: EngineFront, options: UiOptions) -> gr.Blocks:
         for tab in tabs.values():
             restore_outputs += tab.inputs
 
-        def restore(row: list[Any]) -> dict[Any, Any]:
-            entry, request, values = handlers.restore(row)
+        def restore(row: list[Any], caller: gr.Request) -> dict[Any, Any]:
+            entry, request, values = handlers.restore(row, caller)
             updates: dict[Any, Any] = {task_tabs: gr.Tabs(selected=request.task)}
             updates.update(zip(result.outputs, handlers.result_of(entry), strict=True))
             updates.update(_tab_updates(tabs[request.task], values))

@@ -3,9 +3,12 @@
 Contract:
 * `parameter_names(task)` is the parameter list of the task's API endpoint (/t2va, /fl2va, /ref2va), in the order
   of `TaskTab.inputs`; the generate handlers and validators take their inputs in that order.
-* The validators run before Gradio queues an event: they build the request (without copying any file) and run
-  every model-free check; a failure marks the input it names, and API clients get it as a ValidationError.
-* The generate handlers are async generators: they copy the inputs into the outputs folder, submit the request,
+* The validators run before Gradio queues an event: they check the types of the inputs the request does not
+  check itself (the two checkboxes), build the request (without copying any file) and run every model-free check;
+  a failure marks the input it names, and API clients get it as a ValidationError. The settings reach them as
+  sent (ui.tabs: Gradio's own range and choice checks would answer an API client with a bare HTTP 400).
+* The generate handlers are async generators: they copy the inputs into the outputs folder, submit the request
+  (its MP4 and sidecar go to the caller's results folder, ui.access),
   and turn the front's messages into updates of the result column (`RESULT_FIELDS` order) and `gr.Progress`
   steps with an ETA. A RequestError shows as its own message, an engine failure as one sentence; tracebacks only
   go to the server log (h3engine.runtime.front logs them).
@@ -13,9 +16,13 @@ Contract:
   handler's `finally` then cancels the engine job, which stops before its next step. A handler that ends for
   any other reason (the browser went away) cancels its job the same way.
 
+* Every file a handler returns goes out through `AccessPolicy.publish` (a copy Gradio serves under an
+  unguessable name); History lists, and restores from, only the caller's results folder.
+
 Danger: every value here comes from a browser or an API client. Paths reach the engine only after Gradio
 accepted them as uploads (or they were copied from the history / examples into the outputs folder), and a
-history stem is looked up by `ui.history.find_entry`, which refuses anything but a plain file stem.
+history stem is looked up by `ui.history.find_entry` in the caller's own folder, which refuses anything but a
+plain file stem.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from h3engine.runtime.messages import (
     PreviewFrame,
     StepProgress,
 )
+from ui.access import AccessPolicy
 from ui.history import HistoryEntry, entry_markdown, find_entry, history_rows, list_history, result_markdown
 from ui.inputs import InputStore, last_frame_png, reference_kind
 from ui.tabs import DEFAULT_VALUES
@@ -67,6 +75,7 @@ POLL_INTERVAL_S = 0.1
 RANDOM_SEED_LIMIT = 2**31
 PLACEHOLDER_PROMPT = "(prompt)"
 _SCALAR_FIELDS = {"prompt", "aspect_ratio", "short_edge", "seed", "steps", "flow_shift", "audio_flow_shift"}
+_BOOLEAN_FIELDS = ("randomize_seed", "duration_from_reference")
 
 
 def parameter_names(task: str) -> tuple[str, ...]:
@@ -124,12 +133,19 @@ def build_request(
     )
 
 
+def check_input_types(values: TaskValues) -> None:
+    """The type checks GenerationRequest cannot make: its checkboxes are not request fields."""
+    for name in _BOOLEAN_FIELDS:
+        if name in values.values and not isinstance(values.values[name], bool):
+            raise RequestError(f"{name}: must be true or false, got {values.values[name]!r}")
+
+
 def failing_parameter(message: str, values: TaskValues) -> str:
     """The input a RequestError message is about: its field (`keyframes[1].path: ...`) or the file it names."""
     field = message.split(":", 1)[0].strip()
     head = re.split(r"[\[.,]", field, maxsplit=1)[0].strip()
     names = values.values
-    if head in _SCALAR_FIELDS:
+    if head in _SCALAR_FIELDS or head in _BOOLEAN_FIELDS:
         return head
     if head in ("width", "height"):
         return "aspect_ratio"
@@ -208,10 +224,10 @@ def swap_keyframes(first_image: str | None, last_image: str | None) -> tuple[str
 
 
 class Handlers:
-    def __init__(self, front: EngineFront, outputs_dir: Path) -> None:
+    def __init__(self, front: EngineFront, access: AccessPolicy) -> None:
         self.front = front
-        self.outputs_dir = outputs_dir
-        self.store = InputStore(outputs_dir)
+        self.access = access
+        self.store = InputStore(access.outputs_dir)
 
     # --- checks -----------------------------------------------------------------------------------------
 
@@ -219,6 +235,7 @@ class Handlers:
         def validate_inputs(*inputs: Any) -> list[dict[str, Any]]:
             values = TaskValues.from_inputs(task, inputs)
             try:
+                check_input_types(values)
                 # A random seed is drawn later; check the request with a valid placeholder.
                 seed = 0 if values.values["randomize_seed"] else None
                 self.front.check(build_request(values, seed=seed))
@@ -263,6 +280,7 @@ class Handlers:
         flow_shift: float,
         audio_flow_shift: float,
         short_edge: int,
+        request: gr.Request,
         progress: gr.Progress = gr.Progress(),
     ) -> AsyncIterator[tuple[Any, ...]]:
         """Text to video with sound. Returns status, preview, video, seed used, details, downloads."""
@@ -277,7 +295,7 @@ class Handlers:
             audio_flow_shift,
             short_edge,
         )
-        async for update in self._generate("t2va", inputs, progress):
+        async for update in self._generate("t2va", inputs, request, progress):
             yield update
 
     async def generate_fl2va(
@@ -293,6 +311,7 @@ class Handlers:
         flow_shift: float,
         audio_flow_shift: float,
         short_edge: int,
+        request: gr.Request,
         progress: gr.Progress = gr.Progress(),
     ) -> AsyncIterator[tuple[Any, ...]]:
         """First and/or last frame to video with sound. Returns status, preview, video, seed used, details, downloads."""
@@ -309,7 +328,7 @@ class Handlers:
             audio_flow_shift,
             short_edge,
         )
-        async for update in self._generate("fl2va", inputs, progress):
+        async for update in self._generate("fl2va", inputs, request, progress):
             yield update
 
     async def generate_ref2va(
@@ -325,6 +344,7 @@ class Handlers:
         flow_shift: float,
         audio_flow_shift: float,
         short_edge: int,
+        request: gr.Request,
         progress: gr.Progress = gr.Progress(),
     ) -> AsyncIterator[tuple[Any, ...]]:
         """Ordered image / video / audio references to video with sound. Returns status, preview, video, seed
@@ -342,20 +362,25 @@ class Handlers:
             audio_flow_shift,
             short_edge,
         )
-        async for update in self._generate("ref2va", inputs, progress):
+        async for update in self._generate("ref2va", inputs, request, progress):
             yield update
 
     async def _generate(
-        self, task: str, inputs: Sequence[Any], progress: gr.Progress
+        self, task: str, inputs: Sequence[Any], caller: gr.Request | None, progress: gr.Progress
     ) -> AsyncIterator[tuple[Any, ...]]:
         values = TaskValues.from_inputs(task, inputs)
-        seed = secrets.randbelow(RANDOM_SEED_LIMIT) if values.values["randomize_seed"] else None
         try:
+            check_input_types(values)
+            seed = secrets.randbelow(RANDOM_SEED_LIMIT) if values.values["randomize_seed"] else None
             request = build_request(values, seed=seed, keep=self.store.keep_file)
             self.front.check(request)
         except RequestError as error:
             raise gr.Error(str(error), title="Invalid request", print_exception=False) from None
-        handle = self.front.submit(request)
+        results_dir = self.access.results_dir(caller)
+        results_dir.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        out_path = results_dir / f"{stamp}-{request.task}-{secrets.token_hex(4)}.mp4"
+        handle = self.front.submit(request, out_path=out_path)
         try:
             async for update in self._follow(handle, progress):
                 yield update
@@ -408,52 +433,54 @@ class Handlers:
                 preview=preview.rgb if preview is not None else gr.skip(),
             )
 
-    @staticmethod
     def _finished(
-        event: JobFinished, preview: np.ndarray | None, queue_wait_s: float, wall_s: float
+        self, event: JobFinished, preview: np.ndarray | None, queue_wait_s: float, wall_s: float
     ) -> tuple[Any, ...]:
         timings = {"queue_wait_s": queue_wait_s, **event.timings_s}
         return result_update(
             status=f"Done in {wall_s:.1f} s.",
             preview=preview,
-            video=event.video_path,
+            video=self.access.publish(event.video_path),
             seed_used=event.seed,
             details=result_markdown(event.seed, event.width, event.height, event.frames, event.fps, timings),
-            downloads=[event.video_path, event.sidecar_path],
+            downloads=[self.access.publish(event.video_path), self.access.publish(event.sidecar_path)],
             last_result=event.video_path,
         )
 
     # --- history, examples, keyframes --------------------------------------------------------------------
 
-    def history_samples(self) -> list[list[str]]:
-        return history_rows(list_history(self.outputs_dir))
+    def history_samples(self, caller: gr.Request | None) -> list[list[str]]:
+        return history_rows(list_history(self.access.results_dir(caller)))
 
-    def refresh_history(self) -> gr.Dataset:
-        return gr.Dataset(samples=self.history_samples())
+    def refresh_history(self, request: gr.Request) -> gr.Dataset:
+        """The caller's own past results (loaded per session: the page config carries none)."""
+        return gr.Dataset(samples=self.history_samples(request))
 
-    def restore(self, row: list[Any] | None) -> tuple[HistoryEntry, GenerationRequest, dict[str, Any]]:
-        entry = find_entry(self.outputs_dir, row[0] if row else None)
+    def restore(
+        self, row: list[Any] | None, caller: gr.Request | None
+    ) -> tuple[HistoryEntry, GenerationRequest, dict[str, Any]]:
+        entry = find_entry(self.access.results_dir(caller), row[0] if row else None)
         if entry is None:
-            raise gr.Error("That result is no longer in the outputs folder.", print_exception=False)
+            raise gr.Error("That result is no longer in your history.", print_exception=False)
         try:
             request = from_dict(entry.sidecar["request"])
         except RequestError as error:
             raise gr.Error(f"Cannot restore {entry.stem}: {error}", print_exception=False) from None
-        return entry, request, request_values(request, self.store.keep_file)
+        return entry, request, request_values(request, self.access.publish)
 
     def result_of(self, entry: HistoryEntry) -> tuple[Any, ...]:
         return result_update(
             status=f"Restored {entry.stem}.",
             preview=None,
-            video=str(entry.video_path),
+            video=self.access.publish(entry.video_path),
             seed_used=int(entry.sidecar.get("seed", 0)),
             details=entry_markdown(entry),
-            downloads=[str(entry.video_path), str(entry.sidecar_path)],
+            downloads=[self.access.publish(entry.video_path), self.access.publish(entry.sidecar_path)],
             last_result=str(entry.video_path),
         )
 
     def example_values(self, request: GenerationRequest) -> dict[str, Any]:
-        return request_values(request, self.store.keep_file)
+        return request_values(request, self.access.publish)
 
     def use_last_frame(self, last_result: str | None) -> str:
         if not last_result or not Path(last_result).is_file():
@@ -461,6 +488,6 @@ class Handlers:
                 "There is no previous result yet: generate (or restore) one first.", print_exception=False
             )
         try:
-            return last_frame_png(last_result, self.store)
+            return self.access.publish(last_frame_png(last_result, self.store))
         except RequestError as error:
             raise gr.Error(str(error), print_exception=False) from None

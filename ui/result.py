@@ -67,12 +67,13 @@ def build_result_column() -> ResultColumn:
     return ResultColumn(status, preview, video, seed_used, details, downloads, cancel, gr.State(None))
 
 
-def build_history(rows: list[list[str]]) -> HistoryPanel:
+def build_history() -> HistoryPanel:
+    """Empty: the rows are the caller's own results, filled in per session (ui.blocks)."""
     with gr.Accordion("History (click a result to restore its settings)", open=True):
         table = gr.Dataset(
             components=["textbox"] * len(HISTORY_HEADERS),
             headers=HISTORY_HEADERS,
-            samples=rows,
+            samples=[],
             type="values",
             layout="table",
             samples_per_page=10,

@@ -4,11 +4,17 @@ Contract: `build_t2va_tab`, `build_fl2va_tab`, `build_ref2va_tab` are called ins
 `TaskTab` holding their components; `TaskTab.inputs` is the ordered input list of the task's generate endpoint,
 matching the parameters of the handler for that task (prompt, the task's media, then `SettingsControls.inputs`).
 Nothing here attaches events (ui.blocks wires them), so the layout can be read on its own.
+
+The prompt and the settings are "as sent" components: Gradio hands the handlers (and their validators) the value
+the browser or API client sent, unchecked and unconverted. Gradio's own checks (slider range, dropdown choices,
+number parsing) fail before the validator runs and reach an API client as a bare HTTP 400; the request's own
+validation (ui.handlers) names the field and the values it takes instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import gradio as gr
 
@@ -42,6 +48,20 @@ PROMPT_PLACEHOLDERS = {
     "fl2va": "Describe what happens between the first and the last frame, and what it sounds like.",
     "ref2va": "Cite the references by their labels, e.g. The robot from <Picture 1> speaks in the voice of <Audio 1>.",
 }
+
+
+ComponentT = TypeVar("ComponentT", bound=gr.components.Component)
+
+
+def as_sent(component: ComponentT) -> ComponentT:
+    """The component, passing the sent value through to the handler unchanged (see the module's docstring). An
+    attribute of this one object: a subclass of a Gradio component would make Gradio write a stub file beside it."""
+
+    def unchanged(payload: Any) -> Any:
+        return payload
+
+    component.preprocess = unchanged  # type: ignore[method-assign]
+    return component
 
 
 @dataclass
@@ -100,48 +120,60 @@ class TaskTab:
 
 def _settings_controls(task: str, derived_text: str) -> SettingsControls:
     with gr.Row():
-        duration = gr.Slider(
-            MIN_DURATION_SECONDS,
-            MAX_DURATION_SECONDS,
-            value=DEFAULT_VALUES["duration_seconds"],
-            step=0.5,
-            label="Duration (seconds)",
-            elem_id=f"{task}-duration",
+        duration = as_sent(
+            gr.Slider(
+                MIN_DURATION_SECONDS,
+                MAX_DURATION_SECONDS,
+                value=DEFAULT_VALUES["duration_seconds"],
+                step=0.5,
+                label="Duration (seconds)",
+                elem_id=f"{task}-duration",
+            )
         )
-        aspect_ratio = gr.Dropdown(
-            choices=[(AUTO_ASPECT_LABELS[task], "auto"), *PRESET_ASPECT_RATIOS],
-            value=DEFAULT_VALUES["aspect_ratio"],
-            label="Aspect ratio",
-            elem_id=f"{task}-aspect",
+        aspect_ratio = as_sent(
+            gr.Dropdown(
+                choices=[(AUTO_ASPECT_LABELS[task], "auto"), *PRESET_ASPECT_RATIOS],
+                value=DEFAULT_VALUES["aspect_ratio"],
+                label="Aspect ratio",
+                elem_id=f"{task}-aspect",
+            )
         )
     derived = gr.Markdown(derived_text, elem_classes="h3-derived", elem_id=f"{task}-derived")
     with gr.Row():
-        seed = gr.Number(value=DEFAULT_VALUES["seed"], precision=0, label="Seed", elem_id=f"{task}-seed")
-        randomize_seed = gr.Checkbox(
-            value=DEFAULT_VALUES["randomize_seed"], label="Random seed", elem_id=f"{task}-randomize"
+        seed = as_sent(
+            gr.Number(value=DEFAULT_VALUES["seed"], precision=0, label="Seed", elem_id=f"{task}-seed")
+        )
+        randomize_seed = as_sent(
+            gr.Checkbox(
+                value=DEFAULT_VALUES["randomize_seed"], label="Random seed", elem_id=f"{task}-randomize"
+            )
         )
     with gr.Accordion("Advanced", open=False, elem_id=f"{task}-advanced"):
         with gr.Row():
-            steps = gr.Number(
-                value=DEFAULT_VALUES["steps"], precision=0, label="Steps", elem_id=f"{task}-steps"
+            steps = as_sent(
+                gr.Number(value=DEFAULT_VALUES["steps"], precision=0, label="Steps", elem_id=f"{task}-steps")
             )
-            short_edge = gr.Number(
-                value=DEFAULT_VALUES["short_edge"],
-                precision=0,
-                label="Short edge (px)",
-                info=f"{VERIFIED_SHORT_EDGE} is the verified setting (the checkpoint's own canvas rule)",
+            short_edge = as_sent(
+                gr.Number(
+                    value=DEFAULT_VALUES["short_edge"],
+                    precision=0,
+                    label="Short edge (px)",
+                    info=f"{VERIFIED_SHORT_EDGE} is the verified setting (the checkpoint's own canvas rule)",
+                )
             )
         with gr.Row():
-            flow_shift = gr.Number(value=DEFAULT_VALUES["flow_shift"], label="Video flow shift")
-            audio_flow_shift = gr.Number(value=DEFAULT_VALUES["audio_flow_shift"], label="Audio flow shift")
+            flow_shift = as_sent(gr.Number(value=DEFAULT_VALUES["flow_shift"], label="Video flow shift"))
+            audio_flow_shift = as_sent(
+                gr.Number(value=DEFAULT_VALUES["audio_flow_shift"], label="Audio flow shift")
+            )
     return SettingsControls(
         duration, aspect_ratio, derived, seed, randomize_seed, steps, flow_shift, audio_flow_shift, short_edge
     )
 
 
 def _prompt(task: str) -> gr.Textbox:
-    return gr.Textbox(
-        label="Prompt", lines=4, placeholder=PROMPT_PLACEHOLDERS[task], elem_id=f"{task}-prompt"
+    return as_sent(
+        gr.Textbox(label="Prompt", lines=4, placeholder=PROMPT_PLACEHOLDERS[task], elem_id=f"{task}-prompt")
     )
 
 
@@ -211,10 +243,12 @@ def build_ref2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
     )
     # The labelled list with reorder / remove / insert buttons is rendered under this column by ui.blocks.
     reference_rows = gr.Column(elem_id="ref2va-reference-rows")
-    duration_from_reference = gr.Checkbox(
-        value=DEFAULT_VALUES["duration_from_reference"],
-        label="Take the duration from the one reference that carries audio",
-        elem_id="ref2va-duration-from-reference",
+    duration_from_reference = as_sent(
+        gr.Checkbox(
+            value=DEFAULT_VALUES["duration_from_reference"],
+            label="Take the duration from the one reference that carries audio",
+            elem_id="ref2va-duration-from-reference",
+        )
     )
     settings = _settings_controls("ref2va", derived_text)
     generate = _generate_button("ref2va")

@@ -1,0 +1,104 @@
+"""Who owns a result, where it is written, and how a file reaches the one browser that asked for it.
+
+Contract (the isolation model, README "Sharing the app"):
+* Per owner (the default): the owner of a request is the user who logged in (`--auth`), else the Gradio session
+  (one page load, or one gradio_client `Client`). Its results go to `<outputs>/users/<id>/` or
+  `<outputs>/sessions/<id>/`, `<id>` a SHA-256 digest of the user name or session hash (so no name a client
+  chooses can form a path). History lists and restores only the caller's own folder.
+* `--shared-history` (`AccessPolicy(shared=True)`): every result goes to the outputs folder itself and everyone
+  sees every result, as on a personal machine.
+* Serving: the outputs folder is never served as such (app.py allows it only with `--shared-history`). A file a
+  handler returns is first `publish`ed: copied into Gradio's upload cache under a folder named by
+  a keyed hash of its path, with a key drawn at start. Gradio serves that copy at `/gradio_api/file=<copy>`, a URL
+  that only the session receiving the handler's answer learns and that no one can derive from the result's name.
+  `sweep(age)` deletes the copies older than `age` (all of them with None): app.py calls it at exit, and `publish`
+  itself every `sweep_every_s`, for copies older than `max_age_s` (Gradio's `delete_cache` does not see these
+  copies: it tracks only the files of the components as built, not of each session's copy). The originals stay in
+  the outputs folder.
+
+Danger: session hashes are chosen by the client; they only ever reach the file system through a digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gradio.utils import get_upload_folder
+
+USERS_FOLDER = "users"
+SESSIONS_FOLDER = "sessions"
+OWNER_ID_CHARACTERS = 32
+COPY_PREFIX = "h3-"
+
+
+def owner_folder(username: str | None, session_hash: str | None) -> Path:
+    """The folder, relative to the outputs folder, of one user's (or, without a login, one session's) results."""
+    if username:
+        kind, name = USERS_FOLDER, username
+    else:
+        kind, name = SESSIONS_FOLDER, session_hash or "no-session"
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:OWNER_ID_CHARACTERS]
+    return Path(kind) / digest
+
+
+@dataclass
+class AccessPolicy:
+    outputs_dir: Path
+    shared: bool = False
+    # Where published copies go; default Gradio's upload cache (GRADIO_TEMP_DIR), the folder it serves them from.
+    serve_dir: Path | None = None
+    max_age_s: float = 24 * 3600
+    sweep_every_s: float = 3600
+    _key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
+    _published: set[Path] = field(default_factory=set, repr=False)
+    _swept_at: float = field(default_factory=time.monotonic, repr=False)
+
+    def results_dir(self, request: Any) -> Path:
+        """The caller's results folder (`request` is the event's gr.Request; None outside an event)."""
+        if self.shared:
+            return self.outputs_dir
+        username = getattr(request, "username", None)
+        session_hash = getattr(request, "session_hash", None)
+        return self.outputs_dir / owner_folder(username, session_hash)
+
+    def publish(self, path: str | os.PathLike[str]) -> str:
+        """A copy of `path` that Gradio serves, under a name only this process can compute; made once per path."""
+        source = Path(path).resolve()
+        tag = hmac.new(self._key, str(source).encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
+        if time.monotonic() - self._swept_at > self.sweep_every_s:
+            self.sweep(self.max_age_s)
+        folder = Path(self.serve_dir or get_upload_folder()).resolve() / f"{COPY_PREFIX}{tag[:40]}"
+        target = folder / source.name
+        if target.is_file():
+            os.utime(
+                target
+            )  # Gradio's delete_cache ages files by their ctime: a copy handed out again is fresh
+            return str(target)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._published.add(folder)
+        partial = folder / f".{source.name}.{secrets.token_hex(4)}.partial"
+        try:
+            shutil.copyfile(source, partial)  # a copy, not a link: touching it must not touch the original
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+        return str(target)
+
+    def sweep(self, max_age_s: float | None) -> None:
+        """Delete the copies this process published whose last hand-out is older than `max_age_s` (None: all)."""
+        self._swept_at = time.monotonic()
+        for folder in list(self._published):
+            for copy in folder.glob("*"):
+                if max_age_s is None or time.time() - copy.stat().st_ctime > max_age_s:
+                    copy.unlink(missing_ok=True)
+            if not folder.is_dir() or not any(folder.iterdir()):
+                shutil.rmtree(folder, ignore_errors=True)
+                self._published.discard(folder)
