@@ -17,7 +17,9 @@ has its own History and results folder, and a result's MP4 / JSON are served onl
 unguessable names, sent to the session that made or restored them; the outputs folder itself (with the stored
 inputs) is not served. `--shared-history` is the single-user mode: one History for everyone and the outputs folder
 served. Gradio's cache is swept of our files (uploads and served copies) older than `CACHE_MAX_AGE_S` every
-`CACHE_SWEEP_S`, and emptied of them at exit (Gradio's `delete_cache`).
+`CACHE_SWEEP_S`, and emptied of them at exit (Gradio's `delete_cache`); without GRADIO_TEMP_DIR the app has a cache
+of its own (`own_gradio_cache`), swept and removed whole. At start it removes what a killed predecessor left
+(`remove_leftovers`).
 
 Exit codes: 2 when the checkpoint or an option is unusable (one line on stderr naming it; options, the port, the
 outputs folder and the devices are checked before any model is loaded), 0 on a clean stop (Ctrl-C or SIGTERM:
@@ -386,6 +388,7 @@ def remove_leftovers(outputs_dir: Path) -> None:
     """What a killed predecessor left: staging files and unpaired stamped MP4s under the outputs folder, the warm-up
     and worker folders in the temp folder (only those of dead processes; each removal is logged)."""
     from h3engine.leftovers import (
+        GRADIO_FOLDER_PREFIX,
         WARM_UP_FOLDER_PREFIX,
         WORKER_FOLDER_PREFIX,
         remove_dead_temp_folders,
@@ -393,8 +396,22 @@ def remove_leftovers(outputs_dir: Path) -> None:
     )
 
     remove_output_leftovers(outputs_dir)
-    for prefix in (WARM_UP_FOLDER_PREFIX, WORKER_FOLDER_PREFIX):
+    for prefix in (WARM_UP_FOLDER_PREFIX, WORKER_FOLDER_PREFIX, GRADIO_FOLDER_PREFIX):
         remove_dead_temp_folders(prefix)
+
+
+def own_gradio_cache() -> Path | None:
+    """Without GRADIO_TEMP_DIR, a Gradio cache of this process's own (`h3-gradio-PID-*` in the temp folder; set
+    before gradio is imported, some of whose modules read it then): everything Gradio writes there (uploads, served
+    copies, live preview images) is ours, swept by age and removed at exit. With GRADIO_TEMP_DIR set (e.g. Docker's
+    /data/gradio, perhaps shared) only the files we know of are removed."""
+    if os.environ.get("GRADIO_TEMP_DIR"):
+        return None
+    from h3engine.leftovers import GRADIO_FOLDER_PREFIX, owned_temp_folder
+
+    folder = owned_temp_folder(GRADIO_FOLDER_PREFIX)
+    os.environ["GRADIO_TEMP_DIR"] = str(folder)
+    return folder
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -415,6 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
+    gradio_cache = own_gradio_cache()
     import ui
     from h3engine.runtime.front import EngineFront
 
@@ -434,7 +452,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         banner_markdown=banner,
     )
     access = ui.AccessPolicy(
-        config.outputs_dir, config.shared_history, max_age_s=CACHE_MAX_AGE_S, sweep_every_s=CACHE_SWEEP_S
+        config.outputs_dir,
+        config.shared_history,
+        max_age_s=CACHE_MAX_AGE_S,
+        sweep_every_s=CACHE_SWEEP_S,
+        owned_cache=gradio_cache,
     )
     demo = ui.build_ui(front, options, access, delete_cache=(CACHE_SWEEP_S, CACHE_MAX_AGE_S))
     demo.queue(default_concurrency_limit=LIGHT_EVENT_CONCURRENCY, max_size=config.queue_size)
@@ -456,9 +478,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             ssr_mode=False,
             footer_links=["api", "gradio", "settings"],
         )
+    except KeyboardInterrupt:
+        # Ctrl-C or SIGTERM before launch() reached its own blocking loop (which handles them itself): the server
+        # may already be up in its thread.
+        demo.close()
     finally:
         front.shutdown()
         _delete_cached_files(demo, access)
+        if gradio_cache is not None:
+            shutil.rmtree(gradio_cache, ignore_errors=True)
     return 0
 
 

@@ -2,7 +2,7 @@
 
 A SIGKILL (or a power cut) skips every `finally`: staging files stay in the outputs folder, and the worker runtime's
 rendezvous folder and the warm-up folder stay in the temp folder. Each of those names carries the id of the process
-that made it (`.NAME.PID-TOKEN.partial`, `h3-workers-PID-*`, `h3-warm-up-PID-*`), so a start removes exactly the
+that made it (`.NAME.PID-TOKEN.partial`, `h3-workers-PID-*`, `h3-warm-up-PID-*`, `h3-gradio-PID-*`), so a start removes exactly the
 ones whose process is gone and never a live writer's (another app on the same folder, a CLI run next to it).
 A sidecar-less MP4 under the front's stamped naming (`YYYYmmdd-HHMMSS-TASK-JOBID.mp4`) can only come from a commit
 cut between its two renames; it is removed too. Files of any other name are never touched.
@@ -32,6 +32,7 @@ STAMPED_OUTPUT_NAME = re.compile(
 )
 WORKER_FOLDER_PREFIX = "h3-workers-"
 WARM_UP_FOLDER_PREFIX = "h3-warm-up-"
+GRADIO_FOLDER_PREFIX = "h3-gradio-"  # the app's own Gradio cache when GRADIO_TEMP_DIR is not set
 
 
 def owned_temp_folder(prefix: str) -> Path:

@@ -50,12 +50,16 @@ def _free_port() -> int:
 
 
 def start_app(
-    folder: Path, embedded_default: bool = False, extra_arguments: Sequence[str] = ()
+    folder: Path,
+    embedded_default: bool = False,
+    extra_arguments: Sequence[str] = (),
+    gradio_temp_dir: bool = True,
 ) -> RunningApp:
     """Launch the app as a user would, with its own outputs, cache and Gradio temp folders.
 
     `embedded_default`: give no checkpoint, so the app makes its tiny random-weight default in the cache folder;
     otherwise a tiny checkpoint is made here and passed with --checkpoint. `extra_arguments` go to app.py as well.
+    Without `gradio_temp_dir`, GRADIO_TEMP_DIR is left unset and the temp folder is `folder`/tmp.
     """
     outputs_dir = folder / "outputs"
     port = _free_port()
@@ -66,6 +70,10 @@ def start_app(
         "H3_CACHE_DIR": str(folder / "cache"),
     }
     environment.pop("H3_CHECKPOINT", None)
+    if not gradio_temp_dir:  # the app then makes a Gradio cache of its own in the temp folder
+        (folder / "tmp").mkdir(exist_ok=True)
+        environment.pop("GRADIO_TEMP_DIR")
+        environment["TMPDIR"] = str(folder / "tmp")
     command = [sys.executable, str(REPOSITORY_ROOT / "app.py"), "--outputs", str(outputs_dir)]
     command += ["--port", str(port), "--devices", "cpu", *extra_arguments]
     if not embedded_default:

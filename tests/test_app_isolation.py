@@ -15,6 +15,7 @@ checked in plain Python.
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -196,3 +197,35 @@ def test_published_copies_have_unguessable_names_and_are_made_once(tmp_path) -> 
     assert copy.read_bytes() == b"video" and copy.name == "r.mp4" and copy.is_relative_to(tmp_path / "cache")
     assert policy.publish(result) == str(copy)
     assert AccessPolicy(tmp_path / "outputs", serve_dir=tmp_path / "cache").publish(result) != str(copy)
+
+
+def test_without_gradio_temp_dir_the_app_cache_is_its_own_and_goes_at_exit_previews_included(
+    tmp_path,
+) -> None:
+    running = start_app(tmp_path, gradio_temp_dir=False, extra_arguments=["--preview-every", "1"])
+    cache = tmp_path / "tmp" / f"h3-gradio-{running.process.pid}"
+    try:
+        matches = list((tmp_path / "tmp").glob(f"h3-gradio-{running.process.pid}-*"))
+        assert len(matches) == 1, list((tmp_path / "tmp").iterdir())
+        cache = matches[0]
+        client = Client(running.url, verbose=False, download_files=str(tmp_path / "downloads"))
+        result = client.predict(prompt="Previewed.", **SETTINGS, api_name="/t2va")
+        assert result[0].startswith("Done"), result[0]
+        files = [path for path in cache.rglob("*") if path.is_file()]
+        assert any(path.suffix in (".webp", ".png") for path in files), files  # a live preview image
+        assert any(path.suffix == ".mp4" for path in files), files  # the served copy
+    finally:
+        assert stop_app(running) == 0, running.log_tail()
+    assert not cache.exists()
+
+
+def test_a_sigkilled_apps_own_gradio_cache_goes_at_the_next_start(tmp_path) -> None:
+    first = start_app(tmp_path, embedded_default=True, gradio_temp_dir=False)
+    first.process.send_signal(signal.SIGKILL)
+    first.process.wait()
+    (left,) = (tmp_path / "tmp").glob(f"h3-gradio-{first.process.pid}-*")
+    second = start_app(tmp_path, embedded_default=True, gradio_temp_dir=False)
+    try:
+        assert not left.exists()
+    finally:
+        assert stop_app(second) == 0, second.log_tail()

@@ -57,6 +57,9 @@ class AccessPolicy:
     serve_dir: Path | None = None
     max_age_s: float = 24 * 3600
     sweep_every_s: float = 3600
+    # A Gradio cache this process alone uses (app.own_gradio_cache): `sweep` ages out every file in it, the preview
+    # images Gradio writes for us included.
+    owned_cache: Path | None = None
     _key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
     _published: set[Path] = field(default_factory=set, repr=False)
     _swept_at: float = field(default_factory=time.monotonic, repr=False)
@@ -78,9 +81,8 @@ class AccessPolicy:
         folder = Path(self.serve_dir or get_upload_folder()).resolve() / f"{COPY_PREFIX}{tag[:40]}"
         target = folder / source.name
         if target.is_file():
-            os.utime(
-                target
-            )  # Gradio's delete_cache ages files by their ctime: a copy handed out again is fresh
+            # Gradio's delete_cache ages files by their ctime: a copy handed out again is fresh.
+            os.utime(target)
             return str(target)
         folder.mkdir(parents=True, exist_ok=True)
         self._published.add(folder)
@@ -102,3 +104,7 @@ class AccessPolicy:
             if not folder.is_dir() or not any(folder.iterdir()):
                 shutil.rmtree(folder, ignore_errors=True)
                 self._published.discard(folder)
+        if self.owned_cache is not None and max_age_s is not None:
+            for path in self.owned_cache.rglob("*"):
+                if path.is_file() and time.time() - path.stat().st_ctime > max_age_s:
+                    path.unlink(missing_ok=True)
