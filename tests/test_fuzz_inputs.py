@@ -405,4 +405,6 @@ def test_a_sample_of_command_lines_as_processes_fail_fast_without_torch(bad_file
         assert lines[-1] == "no torch" and len(lines) == 2 and lines[0].startswith("error: "), finished.stderr
         assert elapsed < CASE_SECONDS, f"{argv}: {elapsed:.1f} s"
     assert set(children_of(os.getpid())) <= children_before
+    # Nor anything started by the runs that outlived them (it would carry the output folder in its command line).
+    assert subprocess.run(["pgrep", "-f", str(out_folder)], capture_output=True).stdout == b""
     assert list(out_folder.iterdir()) == []
