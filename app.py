@@ -233,7 +233,9 @@ def check_before_loading(config: AppConfig) -> None:
     layout, the outputs folder and the address to listen on (ConfigError naming the option)."""
     import torch
 
-    from h3engine.engine import DTYPES
+    from h3engine.engine import resolve_dtype
+    from h3engine.errors import RequestError
+    from h3engine.placement import check_memory_profile
 
     for name in config.devices:
         if name is None:
@@ -248,16 +250,12 @@ def check_before_loading(config: AppConfig) -> None:
             raise ConfigError(
                 f"--devices: {name} asked for, but {torch.cuda.device_count()} GPUs are visible"
             )
-    if config.dtype is not None and config.dtype not in DTYPES:
-        raise ConfigError(f"--dtype: expected one of {', '.join(DTYPES)}, got {config.dtype!r}")
-    from h3engine.placement import MEMORY_PROFILES
-
-    if config.memory_profile not in MEMORY_PROFILES:
-        raise ConfigError(
-            f"--memory-profile: expected one of {', '.join(MEMORY_PROFILES)}, got {config.memory_profile!r}"
-        )
+    try:
+        resolve_dtype(config.dtype, torch.device("cpu"))
+        check_memory_profile(config.memory_profile)
+    except RequestError as error:
+        raise ConfigError(str(error)) from None
     if config.world_size > 1 or any(flag is not None for flag in config.layout_flags):
-        from h3engine.errors import RequestError
         from h3engine.parallel.groups import RuntimeLayout
         from h3engine.runtime.workers import replica_device_groups
 
@@ -284,9 +282,8 @@ def _check_can_listen(host: str, port: int) -> None:
     except (OSError, UnicodeError) as error:
         raise ConfigError(f"--host: cannot resolve {host!r} ({error})") from None
     with socket.socket(family, kind, protocol) as probe:
-        probe.setsockopt(
-            socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
-        )  # as the server does: TIME_WAIT is no clash
+        # As the server does: a port in TIME_WAIT is no clash.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(address)
         except OSError as error:

@@ -41,7 +41,7 @@ import numpy as np
 
 from h3engine.errors import RequestError
 from h3engine.request import GenerationRequest, Keyframe, Reference, from_dict
-from h3engine.runtime.front import EngineFront, JobHandle
+from h3engine.runtime.front import EngineFront, JobHandle, stamped_output_name
 from h3engine.runtime.messages import (
     JobFailed,
     JobFinished,
@@ -378,8 +378,7 @@ class Handlers:
             raise gr.Error(str(error), title="Invalid request", print_exception=False) from None
         results_dir = self.access.results_dir(caller)
         results_dir.mkdir(parents=True, exist_ok=True)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        out_path = results_dir / f"{stamp}-{request.task}-{secrets.token_hex(4)}.mp4"
+        out_path = results_dir / stamped_output_name(request.task, secrets.token_hex(4))
         handle = self.front.submit(request, out_path=out_path)
         try:
             async for update in self._follow(handle, progress):
@@ -437,13 +436,14 @@ class Handlers:
         self, event: JobFinished, preview: np.ndarray | None, queue_wait_s: float, wall_s: float
     ) -> tuple[Any, ...]:
         timings = {"queue_wait_s": queue_wait_s, **event.timings_s}
+        video = self.access.publish(event.video_path)
         return result_update(
             status=f"Done in {wall_s:.1f} s.",
             preview=preview,
-            video=self.access.publish(event.video_path),
+            video=video,
             seed_used=event.seed,
             details=result_markdown(event.seed, event.width, event.height, event.frames, event.fps, timings),
-            downloads=[self.access.publish(event.video_path), self.access.publish(event.sidecar_path)],
+            downloads=[video, self.access.publish(event.sidecar_path)],
             last_result=event.video_path,
         )
 
@@ -469,13 +469,14 @@ class Handlers:
         return entry, request, request_values(request, self.access.publish)
 
     def result_of(self, entry: HistoryEntry) -> tuple[Any, ...]:
+        video = self.access.publish(entry.video_path)
         return result_update(
             status=f"Restored {entry.stem}.",
             preview=None,
-            video=self.access.publish(entry.video_path),
+            video=video,
             seed_used=int(entry.sidecar.get("seed", 0)),
             details=entry_markdown(entry),
-            downloads=[self.access.publish(entry.video_path), self.access.publish(entry.sidecar_path)],
+            downloads=[video, self.access.publish(entry.sidecar_path)],
             last_result=str(entry.video_path),
         )
 
