@@ -1,25 +1,14 @@
 """Memory profiles: where each model of a partition lives, and which of them a phase of a request puts on the GPU.
 
-Contract:
-* "resident" (the default): every component is loaded onto the compute device and stays there for the engine's
-  life; phases are no-ops. On one H200 the text encoder, the DiT (its AdaLN projections offloaded, see
-  `H3DiT.offload_adaln`) and both VAEs fit side by side.
-* "low-memory": every component is loaded into host memory (pinned by `pin_in_place` when the compute device is a
-  GPU), and each phase copies onto the compute device only the components it runs, dropping the copies when it
-  ends. In request order: "conditioning" (VAE encoders) -> "text_encode" (text encoder) -> "denoise" (DiT) ->
-  "decode" (VAEs); `PHASE_COMPONENTS` names the `pipeline.Models` fields of each. The GPU holds one phase's weights
-  and that phase's activations at a time.
-* `Placement.load_device` is where loaders build components; `adopt(module)` registers a loaded component (its
-  parameters and buffers as they are then: their "home" tensors); `resident_for(phase, modules)` is the one place a
-  phase begins and ends. Entering copies each home tensor to the compute device (`transfer`); leaving points every
-  parameter and buffer back at its home tensor (inference never writes weights, so nothing is copied back) and
-  empties the CUDA cache. The same modules run the same math under either profile, so outputs are bit-identical.
-* A tensor already in pinned host memory when its module is adopted stays home in every phase: the module streams
-  it itself (the DiT's offloaded AdaLN projections).
+* "resident" (the default): every component is loaded onto the compute device and stays there; phases are no-ops.
+* "low-memory": every component is loaded into host memory (pinned when the compute device is a GPU), and each
+  phase copies onto the compute device only the components it runs, dropping the copies when it ends. In request
+  order: "conditioning" (VAE encoders) -> "text_encode" -> "denoise" (DiT) -> "decode" (VAEs); `PHASE_COMPONENTS`
+  names the `pipeline.Models` fields of each. The same modules run the same math under either profile, so outputs
+  are bit-identical.
 
-Danger: adopt a module after its last load-time change (`offload_adaln`, weight folding): leaving a phase restores
-exactly what `adopt` recorded. Tensors a module makes during a phase and keeps outside its parameters and buffers
-(the DiT's cached AdaLN tables) stay where they were made.
+`Placement.load_device` is where loaders build components, `adopt(module)` registers a loaded one, and
+`resident_for(phase, modules)` is the one place a phase begins and ends.
 """
 
 from __future__ import annotations
@@ -133,7 +122,13 @@ class Placement:
         return torch.device("cpu") if self._moves else self.compute_device
 
     def adopt(self, module: ModuleT | None) -> ModuleT | None:
-        """Register a freshly loaded component (None: a component this rank does not hold); returns it."""
+        """Register a freshly loaded component (None: a component this rank does not hold); returns it.
+
+        Its parameters and buffers as they are now become its "home" tensors, so adopt a module after its last
+        load-time change (AdaLN offload, weight folding): leaving a phase restores exactly what was recorded. A tensor
+        already in pinned host memory stays home in every phase: the module streams it itself (the DiT's offloaded
+        AdaLN projections).
+        """
         if not self._moves or module is None:
             return module
         tensors = list(itertools.chain(module.parameters(), module.buffers()))
@@ -146,7 +141,13 @@ class Placement:
 
     @contextmanager
     def resident_for(self, phase: str, modules: Iterable[nn.Module | None]) -> Iterator[None]:
-        """Hold `modules` (a phase's components; None entries are skipped) on the compute device for the block."""
+        """Hold `modules` (a phase's components; None entries are skipped) on the compute device for the block.
+
+        Entering copies each home tensor to the compute device (`transfer`); leaving points every parameter and
+        buffer back at its home tensor (inference never writes weights, so nothing is copied back) and empties the
+        CUDA cache. Tensors a module makes during a phase and keeps outside its parameters and buffers (cached AdaLN
+        tables) stay where they were made.
+        """
         if phase not in PHASE_COMPONENTS:
             raise ValueError(f"unknown phase '{phase}', expected one of {', '.join(PHASE_COMPONENTS)}")
         if not self._moves:

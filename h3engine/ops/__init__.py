@@ -1,28 +1,14 @@
 """The single call site of the fused DiT-block and video-decoder ops: a Triton kernel where one applies, the torch
-twin otherwise.
+twin otherwise. (Attention has its own dispatch point, `h3engine.ops.attention`.)
 
-(Attention has its own dispatch point, `h3engine.ops.attention`.)
+Every op here has the signature and result of its twin in `h3engine.kernels.reference` (the model's own torch
+expressions; see there for shapes and rounding points). Elementwise chains (gated residual, RoPE, SwiGLU, the
+relayouts) are bit-identical to the twin; inside the RMSNorm ops the normed value may differ by one ulp in rare
+elements (another summation order, libdevice's rsqrt), and the ops after it carry that on. Triton outputs are new
+contiguous tensors. `H3_KERNELS=reference` (read at import) or `force_reference()` forces the twins.
 
-Contract
---------
-Every op here has the signature and result of its twin in `h3engine.kernels.reference` (the model's own torch expressions;
-see there for shapes and each rounding point). Per call, the Triton kernel (`h3engine.kernels.triton`) runs when triton
-imports, every tensor argument is on one CUDA device, no autograd graph is being recorded through them, and the
-kernel's `supports_*` accepts the shapes, strides and dtypes (bf16, fp16, fp32); otherwise the reference runs.
-`implementation(name, *args)` says which one a call with those arguments would run.
-
-Results: elementwise chains (gated residual, RoPE, SwiGLU on CUDA, the relayouts) are bit-identical to the
-reference. Inside the RMSNorm ops (QK-norm included) the normed value may differ by one ulp of the dtype in rare
-elements (the mean square is summed in another order; rsqrt is libdevice's), and the ops after it carry that on;
-the rest of each chain rounds exactly like the reference. Triton outputs are new contiguous tensors.
-
-`H3_KERNELS=reference` in the environment (read at import) forces the reference everywhere; `force_reference()`
-does so for a `with` block (tests, benchmarks). Any other value than "reference" or "auto"/unset is an error.
-
-Danger
-------
-The Triton kernels do not bounds-check the AdaLN `rows` index: an out-of-range entry reads stray memory where the
-reference raises. `force_reference` flips a process-wide switch (not per thread).
+Danger: the Triton kernels do not bounds-check the AdaLN `rows` index (an out-of-range entry reads stray memory
+where the twin raises); `force_reference` flips a process-wide switch, not a per-thread one.
 """
 
 from __future__ import annotations
@@ -71,6 +57,8 @@ def force_reference() -> Iterator[None]:
 
 
 def _triton_applies(name: str, args: tuple[Any, ...]) -> bool:
+    """Triton runs when it imports, every tensor is on one CUDA device, no autograd graph is recorded through them,
+    and the kernel's `supports_*` accepts the shapes, strides and dtypes (bf16, fp16, fp32)."""
     if _reference_forced or triton_kernels is None:
         return False
     tensors = [value for value in args if isinstance(value, Tensor)]

@@ -1,25 +1,15 @@
 """Full (unmasked) attention over one packed document: the one dispatch point for the attention kernel.
 
-Contract
---------
-`attention(query, key, value)` takes [S, heads, head_dim] tensors and returns [S, heads, head_dim], softmax scale
-1/sqrt(head_dim). The backend is chosen once per (device, dtype, head_dim), fastest exact one first:
+`attention(query, key, value)` takes and returns [S, heads, head_dim] tensors, softmax scale 1/sqrt(head_dim). The
+backend is chosen once per (device, dtype, head_dim), fastest exact one first: ``fa4`` (FlashAttention-4, Hopper
+and newer, bf16/fp16, with the tiles of `FA4_TUNED_TILES` at the released shapes), ``cudnn`` (torch's cuDNN SDPA
+kernel), ``sdpa`` (torch's own SDPA dispatch: the reference twin and the fallback everywhere else, e.g. the CPU
+and fp32). All three are exact attention and differ only in bf16 rounding. `H3_ATTENTION=sdpa|cudnn|fa4` forces
+one; a forced backend that cannot run raises instead of falling back. Their speeds are in benchmarks/NOTES.md.
 
-* ``fa4``: FlashAttention-4 (the `flash-attn-4` wheel) on Hopper and newer, in bf16/fp16 (675 TFLOP/s at the
-  released 768p shape on an H200 with its own tile choice, 691 with the tiles of `FA4_TUNED_TILES`);
-* ``cudnn``: torch's cuDNN SDPA kernel (560 TFLOP/s there);
-* ``sdpa``: torch's own SDPA dispatch (flash / memory-efficient / CPU flash / math), the reference twin and the
-  fallback everywhere else, e.g. on the CPU and in fp32.
-
-All three are exact attention (no approximation); they differ only in bf16 rounding. `H3_ATTENTION=sdpa|cudnn|fa4`
-forces one (`sdpa` is the reference); a forced backend that cannot run raises instead of falling back.
-
-Danger
-------
-A backend that fails on its first call (a missing CUDA library, an unsupported shape) is dropped for that key with
-a warning and the next one is tried, so a broken FA4 install costs speed, never a request. The tuned FA4 tiles go
-through FA4's internal `_flash_attn_fwd` (its public function does not take tiles); if that call fails, FA4 runs
-with its own tiles from then on.
+Danger: a backend that fails on its first call (a missing CUDA library, an unsupported shape) is dropped for that
+key with a warning and the next one is tried, so a broken FA4 install costs speed, never a request. The tuned
+tiles go through FA4's internal `_flash_attn_fwd`; if that call fails, FA4 runs with its own tiles from then on.
 """
 
 from __future__ import annotations
@@ -72,8 +62,8 @@ def _fa4_function() -> Callable | None:
 
 # (compute capability major, head_dim) -> FA4 forward settings that beat FA4's own choice. FA4 picks 128 x 128 tiles
 # with two MMA warp groups for head_dim 128 on Hopper; 192 x 128 tiles with three warp groups (no intra-warpgroup
-# overlap, which three groups do not support) run 60.6 ms instead of 62.1 at 38,222 rows x 56 heads on an H200, with
-# the same error against fp32 (benchmarks/attention_configs.py). Other pairs keep FA4's choice.
+# overlap, which three groups do not support) run faster at the released shapes on an H200, with the same error
+# against fp32 (benchmarks/attention_configs.py; numbers in benchmarks/NOTES.md). Other pairs keep FA4's choice.
 FA4_TUNED_TILES: dict[tuple[int, int], dict] = {
     (9, 128): {"tile_mn": (192, 128), "mma_pv_is_rs": True, "intra_wg_overlap": False, "num_threads": 512},
 }

@@ -1,20 +1,12 @@
 """Initial noise of a request, and the noise of its visual condition rows, from one integer seed.
 
-Two recipes draw different streams from the same seed (H3_SPEC.md §8.5); both draw fp32 on the CPU
-(so results do not depend on the accelerator) and return rows (video patchified, audio channel-major):
+Two recipes draw different streams from the same seed (H3_SPEC.md §8.5); both draw fp32 on the CPU (so results
+do not depend on the accelerator) and return rows (video patchified, audio channel-major). `draw_initial_noise`
+spells out each recipe's draws.
 
-* ``"sglang"`` (the serving path behind the README's reference outputs): the video noise
-  ``randn([1, C, T, h, w])`` from a CPU generator seeded ``seed``; the audio noise ``randn([2A, Ca])``
-  (already in row layout) from a *second* generator also seeded ``seed``; each visual condition from a
-  *fresh* generator seeded ``seed``, drawn as ``[1, C, T_target + n_conditions, h_c, w_c]`` and cut to
-  its first ``T_c`` frames.
-* ``"diffusers"`` (diffusers 0.42.1 with ``generator=torch.Generator().manual_seed(seed)``): one
-  generator consumed in order: one ``randn`` per visual condition at its latent shape, then the video
-  noise ``[1, C, T, h, w]``, then the audio noise ``[2A, Ca]``.
-
-Danger: draw order and draw shapes *are* the recipe; drawing a bigger tensor and slicing it, reordering
-draws or drawing rows instead of the latent tensor gives different noise for the same seed.
-Reference-audio rows are never noised by default (level 1.0), so no audio condition noise is drawn.
+Danger: draw order and draw shapes *are* the recipe; drawing a bigger tensor and slicing it, reordering draws or
+drawing rows instead of the latent tensor gives different noise for the same seed. Reference-audio rows are never
+noised by default (level 1.0), so no audio condition noise is drawn.
 """
 
 from __future__ import annotations
@@ -69,6 +61,15 @@ def draw_initial_noise(
 
     ``condition_shapes`` are the ``(latent_frames, latent_h, latent_w)`` of the visual conditions
     (FL2VA keyframes, Ref2VA image/video references) in packed order; empty for T2VA.
+
+    * ``"sglang"`` (the serving path behind the README's reference outputs): the video noise
+      ``randn([1, C, T, h, w])`` from a CPU generator seeded ``seed``; the audio noise ``randn([2A, Ca])``
+      (already in row layout) from a *second* generator also seeded ``seed``; each visual condition from a
+      *fresh* generator seeded ``seed``, drawn as ``[1, C, T_target + n_conditions, h_c, w_c]`` and cut to
+      its first ``T_c`` frames.
+    * ``"diffusers"`` (diffusers 0.42.1 with ``generator=torch.Generator().manual_seed(seed)``): one
+      generator consumed in order: one ``randn`` per visual condition at its latent shape, then the video
+      noise ``[1, C, T, h, w]``, then the audio noise ``[2A, Ca]``.
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")

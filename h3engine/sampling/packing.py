@@ -1,28 +1,17 @@
 """The packed DiT sequence: latents <-> rows, row order, modality tags, rotary positions, row timesteps.
 
-MiniMax H3 runs one single-stream DiT over one packed sequence per request (H3_SPEC.md §3):
-
+One single-stream DiT runs over one packed sequence per request (H3_SPEC.md §3):
     [ text rows (incl. Qwen vision blocks) | condition blocks | target audio | target video ]
+Condition blocks are FL2VA keyframes (one latent frame each, on the target canvas) or Ref2VA references in request
+order (image -> video rows; audio clip -> audio rows; video clip -> its soundtrack's audio rows, then its video
+rows). ``video_index`` / ``audio_index`` list every video / audio row, condition rows first, so the generated rows
+are always the tail of each modality.
 
-* condition blocks: FL2VA keyframes (one latent frame each, on the target canvas), or Ref2VA references
-  in request order (image -> video rows; audio clip -> audio rows; video clip -> its soundtrack's audio
-  rows then its video rows).
-* ``video_index`` lists every video row (condition rows first, then target rows) and ``audio_index``
-  every audio row (reference rows first); the DiT's video/audio inputs follow exactly these orders, so
-  the generated rows are always the *tail* of each modality.
-
-Positions are fp64 ``(t, h, w)`` rotary coordinates. One rotary unit is 1/40 s, shared by the audio
-latents (40/s) and the video latent frames (frame k spans ``5/3 * (1, 4, 4, 4, 4)[k % 5]`` units). The
-spatial axes are centred, normalised by the square root of the latent area and scaled by 32.
-
-Danger (bit parity of positions):
-* the spatial grid uses numpy ``linspace(endpoint=False)`` semantics in float64 (not torch.linspace);
-* frame times are ``origin + (sequential running sum of spans)``, added in that order;
-* the FL2VA "last" keyframe time uses numpy's *pairwise* sum of the spans, while the Ref2VA clock advance
-  uses Python's built-in ``sum()``. Both reference implementations do exactly this; the two differ in the
-  last ulp for long clips. Note that ``sum()`` of floats is a plain left-to-right sum up to Python 3.11
-  and a compensated (Neumaier) sum from Python 3.12 on, so the Ref2VA clock (and the references') depends
-  on the interpreter; we call the built-in on purpose to stay equal to the reference on the same Python.
+Positions are fp64 ``(t, h, w)`` rotary coordinates. One rotary unit is 1/40 s, shared by the audio latents
+(40/s) and the video latent frames (frame k spans ``5/3 * (1, 4, 4, 4, 4)[k % 5]`` units). The spatial axes are
+centred, normalised by the square root of the latent area and scaled by 32. Bit parity of positions depends on
+three summation details, each noted where it happens (`_spatial_axis`, `_frame_times`, `_pairwise_clip_span`,
+`ref2va_layout`).
 """
 
 from __future__ import annotations
@@ -197,7 +186,8 @@ def _frame_span(frame: int) -> float:
 
 
 def _frame_times(latent_frames: int, origin: float) -> torch.Tensor:
-    """Rotary time of each latent frame: ``origin + sum of the earlier spans`` (left-to-right sum)."""
+    """Rotary time of each latent frame: ``origin + sum of the earlier spans``, a sequential running sum added to
+    the origin in that order (as the reference does; another order changes the last bit)."""
     offsets = [0.0]
     for frame in range(latent_frames - 1):
         offsets.append(offsets[-1] + _frame_span(frame))
@@ -205,7 +195,8 @@ def _frame_times(latent_frames: int, origin: float) -> torch.Tensor:
 
 
 def _pairwise_clip_span(latent_frames: int) -> float:
-    """Rotary length of a whole clip, summed by numpy (pairwise), as the FL2VA "last" anchor is."""
+    """Rotary length of a whole clip, summed by numpy (pairwise), as the FL2VA "last" anchor is (the Ref2VA clock
+    uses Python's `sum()` instead; the two differ in the last ulp for long clips)."""
     return float(np.array([_frame_span(frame) for frame in range(latent_frames)], dtype=np.float64).sum())
 
 
@@ -360,6 +351,8 @@ def ref2va_layout(
             assembler.add_video(
                 _video_positions(_frame_times(reference.latent_frames, clock), grid), condition=True
             )
+            # Python's built-in sum() on purpose, as the reference: a plain left-to-right sum up to Python 3.11, a
+            # compensated (Neumaier) one from 3.12 on, so this clock depends on the interpreter like the reference's.
             clip_span = sum(_frame_span(frame) for frame in range(reference.latent_frames))
             clock += max(float(reference.audio_latents), clip_span)
         else:

@@ -1,23 +1,13 @@
 """Sigma schedules and the Euler update of MiniMax H3's rectified-flow sampler.
 
-Conventions: ``sigma`` is the noise fraction (1 = pure noise, 0 = clean); the DiT is conditioned on
-``t = 1 - sigma`` (t = 1 is clean, fed unscaled). Video and audio run separate schedules (shift 12 and 3)
-that always have the same number of grid points, one DiT forward per step for both.
+``sigma`` is the noise fraction (1 = pure noise, 0 = clean); the DiT is conditioned on ``t = 1 - sigma`` (t = 1 is
+clean, fed unscaled). Video and audio run separate schedules (shift 12 and 3) with the same number of grid points,
+one DiT forward per step for both. For a request of ``num_inference_steps = N`` (H3_SPEC.md §8.1), ``"sglang"``
+takes N + 1 grid points (N forwards, the README's serving path) and ``"diffusers"`` N grid points (N - 1 forwards,
+as diffusers 0.42.1's ``MiniMaxH3Scheduler``, whose ``set_timesteps(N)`` counts the terminal 0).
 
-Step-count recipes (H3_SPEC.md §8.1), for a request asking ``num_inference_steps = N``:
-* ``"sglang"``: N + 1 grid points -> N forwards (the README's serving path, 50 forwards by default).
-* ``"diffusers"``: N grid points -> N - 1 forwards, exactly diffusers 0.42.1's ``MiniMaxH3Scheduler``
-  (``set_timesteps(N)`` treats N as the grid size, terminal 0 included).
-
-Danger (bit parity):
-* The grid is built in fp32 on the CPU: ``linspace`` in fp32, then ``s*b / (1 + (s-1)*b)`` in fp32 with the
-  same operation order, then ``unique_consecutive`` (large N with a big shift collapses points near 1,
-  so the grid may be shorter than asked).
-* The Euler update takes sigma from two *different* sources: ``x0 = x + (1 - t) * v`` uses the timestep
-  the DiT saw, while the blend ratio uses the grid values. For sigma < 0.5, ``1 - (1 - sigma)`` is not
-  exact in fp32, so folding them into one ``x + (sigma_next - sigma) * -v`` changes the result.
-* Each multiply/add is a separate fp32 op, as in eager PyTorch. Do not ``torch.compile`` the update:
-  a fused multiply-add rounds once instead of twice and breaks parity.
+Danger (bit parity): the grid is built in fp32 on the CPU in the reference's operation order (`shifted_sigmas`), and
+the Euler update keeps the timestep the DiT saw apart from the grid's sigmas, one fp32 op at a time (`euler_step`).
 """
 
 from __future__ import annotations
@@ -36,7 +26,9 @@ RELEASED_AUDIO_SHIFT = 3.0
 def shifted_sigmas(num_points: int, shift: float) -> torch.Tensor:
     """The shifted sigma grid, fp32 on the CPU: ``num_points`` (or fewer, after dedup) values from 1 to 0.
 
-    The terminal 0 is always present: the shift maps 0 to exactly 0.
+    The terminal 0 is always present: the shift maps 0 to exactly 0. ``linspace`` in fp32, then
+    ``s*b / (1 + (s-1)*b)`` in fp32 in that operation order, then ``unique_consecutive``: a large N with a big
+    shift collapses points near 1, so the grid may be shorter than asked.
     """
     if num_points < 2:
         raise ValueError(f"a sigma grid needs at least 2 points (start and terminal 0), got {num_points}")
@@ -132,7 +124,9 @@ def euler_step(
     ``velocity`` is the DiT's data-ward prediction, so the clean estimate is ``x0 = x + (1 - t) * v``
     (plus sign); the new sample is the blend ``r * x + (1 - r) * x0`` with ``r = sigma_next / sigma``.
     ``timestep`` must be the value the DiT was conditioned on and ``sigma``/``sigma_next`` the grid values
-    (see the module docstring for why they are kept apart).
+    For sigma < 0.5, ``1 - (1 - sigma)`` is not exact in fp32, so folding both into one
+    ``x + (sigma_next - sigma) * -v`` changes the result. Each multiply/add is a separate fp32 op, as in eager
+    PyTorch: do not ``torch.compile`` it (a fused multiply-add rounds once instead of twice and breaks parity).
     """
     if sample.dtype != torch.float32:
         raise TypeError(f"the sampler state must stay fp32, got {sample.dtype}")
