@@ -12,6 +12,14 @@ import torch
 from _dit_helpers import PackedRequest, max_relative_error, tiny_fl2va_request
 from diffusers import MiniMaxH3Transformer3DModel
 
+from h3engine.checkpoint.dit_format import (
+    config_from_diffusers,
+    config_from_native,
+    config_to_diffusers,
+    config_to_native,
+    module_to_native,
+    native_to_module,
+)
 from h3engine.checkpoint.dit_keys import (
     diffusers_to_native,
     native_state_shapes,
@@ -90,12 +98,12 @@ def tiny_request(text_dtype: torch.dtype) -> PackedRequest:
 
 def our_model(state: dict[str, torch.Tensor], dtype: torch.dtype) -> H3DiT:
     model = H3DiT(DiTConfig.tiny(), dtype=dtype)
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(native_to_module(state, DiTConfig.tiny()), strict=True)
     return model.eval()
 
 
 def diffusers_fp32_model(state: dict[str, torch.Tensor]) -> MiniMaxH3Transformer3DModel:
-    model = MiniMaxH3Transformer3DModel.from_config(DiTConfig.tiny().to_diffusers())
+    model = MiniMaxH3Transformer3DModel.from_config(config_to_diffusers(DiTConfig.tiny()))
     model.load_state_dict(native_to_diffusers(state), strict=True)
     return model.eval()
 
@@ -246,7 +254,9 @@ def test_rope_rotates_pairs_c_and_c_plus_half_and_passes_the_tail() -> None:
 
 def test_key_map_round_trip_is_exact(tiny_state: dict[str, torch.Tensor]) -> None:
     converted = native_to_diffusers(tiny_state)
-    reference_state = MiniMaxH3Transformer3DModel.from_config(DiTConfig.tiny().to_diffusers()).state_dict()
+    reference_state = MiniMaxH3Transformer3DModel.from_config(
+        config_to_diffusers(DiTConfig.tiny())
+    ).state_dict()
     assert set(converted) == set(reference_state)
     assert all(converted[key].shape == reference_state[key].shape for key in converted)
     back = diffusers_to_native(converted, DiTConfig.tiny())
@@ -290,14 +300,14 @@ def test_random_native_state_is_deterministic_in_released_dtypes(tiny_state: dic
 
 def test_config_round_trips_and_diffusers_accepts_it() -> None:
     for config in (DiTConfig.tiny(), DiTConfig.released()):
-        assert DiTConfig.from_native(config.to_native()) == config
-        assert DiTConfig.from_diffusers(config.to_diffusers()) == config
-    model = MiniMaxH3Transformer3DModel.from_config(DiTConfig.tiny().to_diffusers())
-    assert DiTConfig.from_diffusers(dict(model.config)) == DiTConfig.tiny()
+        assert config_from_native(config_to_native(config)) == config
+        assert config_from_diffusers(config_to_diffusers(config)) == config
+    model = MiniMaxH3Transformer3DModel.from_config(config_to_diffusers(DiTConfig.tiny()))
+    assert config_from_diffusers(dict(model.config)) == DiTConfig.tiny()
 
 
 def test_native_config_matches_the_release() -> None:
-    native = DiTConfig.released().to_native()
+    native = config_to_native(DiTConfig.released())
     release = {
         "_class_name": "MiniMaxH3DiTModel",
         "hidden_size": 5376,
@@ -333,27 +343,27 @@ def test_native_config_matches_the_release() -> None:
     only_native_names = {
         k: v for k, v in release.items() if k not in ("num_refiner_layers", "ffn_dim", "freq_dim")
     }
-    assert DiTConfig.from_native(only_native_names) == DiTConfig.released()
+    assert config_from_native(only_native_names) == DiTConfig.released()
 
 
 def test_config_errors_name_the_field() -> None:
-    native = DiTConfig.released().to_native()
+    native = config_to_native(DiTConfig.released())
     missing = {k: v for k, v in native.items() if k not in ("latents_dim", "in_channels")}
     with pytest.raises(CheckpointError, match="latents_dim.*in_channels"):
-        DiTConfig.from_native(missing, source="FL2VA/transformer/config.json")
+        config_from_native(missing, source="FL2VA/transformer/config.json")
     with pytest.raises(
         CheckpointError, match="FL2VA/transformer/config.json.*ffn_hidden_size=1.*ffn_dim=14336"
     ):
-        DiTConfig.from_native({**native, "ffn_hidden_size": 1}, source="FL2VA/transformer/config.json")
+        config_from_native({**native, "ffn_hidden_size": 1}, source="FL2VA/transformer/config.json")
     with pytest.raises(CheckpointError, match="adaln_out_features"):
-        DiTConfig.from_native({**native, "adaln_out_features": 5})
+        config_from_native({**native, "adaln_out_features": 5})
     with pytest.raises(CheckpointError, match="_class_name"):
-        DiTConfig.from_native(DiTConfig.released().to_diffusers())
-    diffusers = DiTConfig.released().to_diffusers()
+        config_from_native(config_to_diffusers(DiTConfig.released()))
+    diffusers = config_to_diffusers(DiTConfig.released())
     with pytest.raises(CheckpointError, match="qk_norm_eps"):
-        DiTConfig.from_diffusers({k: v for k, v in diffusers.items() if k != "qk_norm_eps"})
+        config_from_diffusers({k: v for k, v in diffusers.items() if k != "qk_norm_eps"})
     with pytest.raises(CheckpointError, match="rotated channels"):
-        DiTConfig.from_diffusers({**diffusers, "rope_freq_dim": 32})
+        config_from_diffusers({**diffusers, "rope_freq_dim": 32})
     with pytest.raises(ValueError, match="head_dim must be even"):
         dataclasses.replace(DiTConfig.tiny(), head_dim=13)
     with pytest.raises(ValueError, match="num_layers"):
@@ -383,7 +393,7 @@ def test_released_model_on_meta_matches_the_native_checkpoint() -> None:
     assert stored_bytes == 66_280_430_144
 
     with torch.device("meta"):
-        reference = MiniMaxH3Transformer3DModel.from_config(DiTConfig.released().to_diffusers())
+        reference = MiniMaxH3Transformer3DModel.from_config(config_to_diffusers(DiTConfig.released()))
     reference_shapes = {key: tuple(tensor.shape) for key, tensor in reference.state_dict().items()}
     converted = native_to_diffusers(state)
     assert {key: tuple(tensor.shape) for key, tensor in converted.items()} == reference_shapes
@@ -394,10 +404,10 @@ def test_released_model_on_meta_matches_the_native_checkpoint() -> None:
 
 
 def test_state_dict_round_trips_the_checkpoint_qkv_order(tiny_state: dict[str, torch.Tensor]) -> None:
-    # QKV rows are stacked in memory but the state dict speaks the checkpoint's per-head interleaved order.
+    # QKV rows are stacked in memory; the converters speak the checkpoint's per-head interleaved order.
     model = H3DiT(DiTConfig.tiny(), dtype=torch.float32)
-    model.load_state_dict(tiny_state, strict=True)
-    saved = model.state_dict()
+    model.load_state_dict(native_to_module(tiny_state, DiTConfig.tiny()), strict=True)
+    saved = module_to_native(model.state_dict(), DiTConfig.tiny())
     for key, tensor in tiny_state.items():
         assert torch.equal(saved[key].to(tensor.dtype), tensor), key
     stacked = model.blocks[0].attn.qkv_proj.weight
@@ -461,7 +471,7 @@ def test_modulation_cache_hits_and_is_cleared_by_loading(tiny_state) -> None:
     with torch.no_grad():
         first = model.schedule_modulation(steps, torch.device("cpu"))
         assert model.schedule_modulation([t.clone() for t in steps], torch.device("cpu")) is first
-        model.load_state_dict(tiny_state)
+        model.load_state_dict(native_to_module(tiny_state, DiTConfig.tiny()))
         assert model.schedule_modulation(steps, torch.device("cpu")) is not first
         # Old schedules are evicted beyond the cache size.
         for shift in range(4):

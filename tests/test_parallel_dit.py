@@ -25,6 +25,7 @@ from _parallel_dit_helpers import (
     worker,
 )
 
+from h3engine.checkpoint.dit_format import native_to_module
 from h3engine.checkpoint.dit_keys import random_native_state
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.loader import dit_source
@@ -76,7 +77,7 @@ def tiny_dit_folder(tiny_checkpoint) -> Path:
 @pytest.fixture(scope="module")
 def eight_head_reference(eight_head_state) -> tuple[torch.Tensor, torch.Tensor]:
     model = H3DiT(EIGHT_HEADS, dtype=torch.float32)
-    model.load_state_dict(eight_head_state, strict=True)
+    model.load_state_dict(native_to_module(eight_head_state, EIGHT_HEADS), strict=True)
     return single_process_forward(model.eval(), EIGHT_HEADS)
 
 

@@ -9,9 +9,8 @@ t = 1 is clean, unscaled), per-row `timestep_index` and modality `tags` (0 video
 video and audio row, in the order of `video_index` / `audio_index` (condition rows included).
 
 `state_dict()` keys are exactly the native MiniMaxAI checkpoint keys (H3_SPEC §1.3), including the persistent
-fp32 buffer `rope.inv_freq`, so a native shard loads with no renaming and tensor-parallel shards are row slices:
-`attn.qkv_proj` rows are interleaved per head as [head, (q, k, v), head_dim] in the file (kept stacked in
-memory, see `Attention`) and `mlp.fc1` rows are [gate; value].
+fp32 buffer `rope.inv_freq`, and `mlp.fc1` rows are [gate; value] as in the file; `attn.qkv_proj` rows are held
+stacked [q; k; v] where the file interleaves them per head (h3engine.checkpoint.dit_format converts).
 
 Danger
 ------
@@ -29,15 +28,13 @@ import contextlib
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from h3engine import ops
-from h3engine.errors import CheckpointError
 from h3engine.ops import attention as attention_ops
 from h3engine.placement import pin_in_place
 
@@ -49,9 +46,6 @@ NUM_BLOCK_MODULATIONS = 6
 TIMESTEP_MAX_PERIOD = 10000.0
 # Schedules whose AdaLN tables `H3DiT.schedule_modulation` keeps (~1 GB each at the released size, 50 steps).
 MODULATION_CACHE_SCHEDULES = 2
-
-NATIVE_CLASS_NAME = "MiniMaxH3DiTModel"
-DIFFUSERS_CLASS_NAME = "MiniMaxH3Transformer3DModel"
 
 # State-dict keys that the release stores in fp32 and that must be computed in fp32 whatever the compute dtype.
 FP32_PARAMETER_NAMES: frozenset[str] = frozenset(
@@ -77,70 +71,10 @@ FP32_PARAMETER_NAMES: frozenset[str] = frozenset(
 # Configuration
 # --------------------------------------------------------------------------------------------------------------
 
-# Our field -> the names a native transformer/config.json may use for it (the release writes all of them and
-# they must agree). The three eps names are one field for us: the release sets them all to 1e-5.
-_NATIVE_FIELD_ALIASES: dict[str, tuple[str, ...]] = {
-    "hidden_size": ("hidden_size",),
-    "num_layers": ("num_layers",),
-    "num_refiner_layers": ("token_refiner_num_layers", "num_refiner_layers"),
-    "num_heads": ("num_attention_heads",),
-    "head_dim": ("attention_head_dim",),
-    "ffn_dim": ("ffn_hidden_size", "ffn_dim"),
-    "video_in_channels": ("latents_dim", "in_channels"),
-    "audio_in_channels": ("audio_latents_dim", "audio_in_channels"),
-    "patch_size": ("patch_size",),
-    "text_dim": ("text_dim",),
-    "timestep_dim": ("timestep_input_dim", "freq_dim"),
-    "time_hidden_dim": ("time_embed_hidden_size", "time_embed_hidden_dim"),
-    "time_embed_dim": ("time_embed_dim",),
-    "rope_freq_dim": ("rope_inv_freq_len", "rope_freq_dim"),
-    "rope_theta": ("rope_theta",),
-    "eps": ("norm_eps", "qk_norm_eps", "final_norm_eps"),
-}
-
-# Our field -> diffusers MiniMaxH3Transformer3DModel constructor argument(s).
-_DIFFUSERS_FIELD_NAMES: dict[str, tuple[str, ...]] = {
-    "hidden_size": ("hidden_size",),
-    "num_layers": ("num_layers",),
-    "num_refiner_layers": ("num_refiner_layers",),
-    "num_heads": ("num_attention_heads",),
-    "head_dim": ("attention_head_dim",),
-    "ffn_dim": ("ffn_dim",),
-    "video_in_channels": ("in_channels",),
-    "audio_in_channels": ("audio_in_channels",),
-    "patch_size": ("patch_size",),
-    "text_dim": ("text_dim",),
-    "timestep_dim": ("freq_dim",),
-    "time_hidden_dim": ("time_embed_hidden_dim",),
-    "time_embed_dim": ("time_embed_dim",),
-    "rope_freq_dim": ("rope_freq_dim",),
-    "rope_theta": ("rope_theta",),
-    "eps": ("norm_eps", "qk_norm_eps", "final_norm_eps"),
-}
-
-
-def _read_aliased_fields(
-    config: dict[str, Any], names_by_field: dict[str, tuple[str, ...]], require_all_names: bool, source: str
-) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for field_name, names in names_by_field.items():
-        present = [name for name in names if name in config]
-        missing = [name for name in names if name not in config]
-        if not present or (require_all_names and missing):
-            raise CheckpointError(
-                f"{source}: missing DiT config field {' / '.join(repr(n) for n in missing)}"
-            )
-        distinct = {repr(config[name]) for name in present}
-        if len(distinct) > 1:
-            found = ", ".join(f"{name}={config[name]!r}" for name in present)
-            raise CheckpointError(f"{source}: DiT config fields disagree ({found}); they must be equal")
-        values[field_name] = config[present[0]]
-    return values
-
 
 @dataclass(frozen=True)
 class DiTConfig:
-    """Architecture of the H3 DiT. Field names are ours; see `from_native` / `from_diffusers` for the files."""
+    """Architecture of the H3 DiT. Field names are ours; h3engine.checkpoint.dit_format reads the files."""
 
     hidden_size: int
     num_layers: int
@@ -269,63 +203,6 @@ class DiTConfig:
             rope_freq_dim=2,
         )
 
-    # Config files ------------------------------------------------------------------------------------------
-
-    @classmethod
-    def from_native(cls, config: dict[str, Any], source: str = "transformer/config.json") -> DiTConfig:
-        """Parse a native transformer/config.json; each field may appear under any of its aliases (all must agree)."""
-        class_name = config.get("_class_name", NATIVE_CLASS_NAME)
-        if class_name != NATIVE_CLASS_NAME:
-            raise CheckpointError(f"{source}: _class_name is {class_name!r}, expected {NATIVE_CLASS_NAME!r}")
-        values = _read_aliased_fields(config, _NATIVE_FIELD_ALIASES, require_all_names=False, source=source)
-        parsed = cls._from_values(values, source)
-        derived = {
-            "adaln_out_features": parsed.adaln_out_features,
-            "final_adaln_out_features": parsed.final_adaln_out_features,
-        }
-        for name, expected in derived.items():
-            if name in config and config[name] != expected:
-                raise CheckpointError(
-                    f"{source}: {name} is {config[name]!r}, the other fields imply {expected}"
-                )
-        return parsed
-
-    @classmethod
-    def from_diffusers(cls, config: dict[str, Any], source: str = "transformer/config.json") -> DiTConfig:
-        """Parse a diffusers MiniMaxH3Transformer3DModel config.json (every constructor argument required)."""
-        class_name = config.get("_class_name", DIFFUSERS_CLASS_NAME)
-        if class_name != DIFFUSERS_CLASS_NAME:
-            raise CheckpointError(
-                f"{source}: _class_name is {class_name!r}, expected {DIFFUSERS_CLASS_NAME!r}"
-            )
-        values = _read_aliased_fields(config, _DIFFUSERS_FIELD_NAMES, require_all_names=True, source=source)
-        return cls._from_values(values, source)
-
-    @classmethod
-    def _from_values(cls, values: dict[str, Any], source: str) -> DiTConfig:
-        try:
-            return cls(**values)
-        except (TypeError, ValueError) as error:
-            raise CheckpointError(f"{source}: invalid DiT config: {error}") from error
-
-    def to_native(self) -> dict[str, Any]:
-        """The native config.json dict, with both alias sets written the way the release does."""
-        native: dict[str, Any] = {"_class_name": NATIVE_CLASS_NAME}
-        for field_name, value in asdict(self).items():
-            for name in _NATIVE_FIELD_ALIASES[field_name]:
-                native[name] = list(value) if field_name == "patch_size" else value
-        native["adaln_out_features"] = self.adaln_out_features
-        native["final_adaln_out_features"] = self.final_adaln_out_features
-        return native
-
-    def to_diffusers(self) -> dict[str, Any]:
-        """A dict accepted by diffusers `MiniMaxH3Transformer3DModel.from_config`."""
-        converted: dict[str, Any] = {"_class_name": DIFFUSERS_CLASS_NAME}
-        for field_name, value in asdict(self).items():
-            for name in _DIFFUSERS_FIELD_NAMES[field_name]:
-                converted[name] = list(value) if field_name == "patch_size" else value
-        return converted
-
 
 # --------------------------------------------------------------------------------------------------------------
 # Functional pieces
@@ -425,23 +302,13 @@ class MultiAxisRope(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def interleaved_to_stacked_qkv(weight: Tensor, num_heads: int) -> Tensor:
-    """[head, (q, k, v), head_dim] rows (the checkpoint's order) -> [(q, k, v), head, head_dim] rows."""
-    return weight.unflatten(0, (num_heads, 3, -1)).transpose(0, 1).flatten(0, 2)
-
-
-def stacked_to_interleaved_qkv(weight: Tensor, num_heads: int) -> Tensor:
-    """Inverse of `interleaved_to_stacked_qkv`."""
-    return weight.unflatten(0, (3, num_heads, -1)).transpose(0, 1).flatten(0, 2)
-
-
 class Attention(nn.Module):
     """Self-attention with a fused QKV weight, per-head RMS QK-norm (before RoPE), no biases.
 
-    The checkpoint interleaves the QKV rows per head; in memory they are kept stacked [q; k; v] (converted by the
-    state-dict hooks, so `state_dict()` and loading still speak the checkpoint's order). Stacked rows let q, k and
-    v come from three GEMMs with contiguous weight slices and contiguous outputs: slicing one fused output per head
-    hands strided tensors to the QK-norm and the attention kernel, which then copy them (~1 % of a forward).
+    The checkpoint interleaves the QKV rows per head; the weight holds them stacked [q; k; v] (the checkpoint
+    loaders convert). Stacked rows let q, k and v come from three GEMMs with contiguous weight slices and
+    contiguous outputs: slicing one fused output per head hands strided tensors to the QK-norm and the attention
+    kernel, which then copy them.
     """
 
     def __init__(self, config: DiTConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
@@ -456,19 +323,6 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(
             config.inner_dim, config.hidden_size, bias=False, dtype=dtype, device=device
         )
-        self.register_load_state_dict_pre_hook(self._stack_loaded_qkv)
-        self._register_state_dict_hook(self._interleave_saved_qkv)
-
-    def _stack_loaded_qkv(self, module, state_dict, prefix, *args) -> None:
-        key = prefix + "qkv_proj.weight"
-        if key in state_dict:
-            state_dict[key] = interleaved_to_stacked_qkv(state_dict[key], self.num_heads).contiguous()
-
-    @staticmethod
-    def _interleave_saved_qkv(module, state_dict, prefix, local_metadata) -> None:
-        key = prefix + "qkv_proj.weight"
-        if key in state_dict:  # an FP8-quantized layer has no bf16 weight to save
-            state_dict[key] = stacked_to_interleaved_qkv(state_dict[key], module.num_heads)
 
     def _project_qkv(self, hidden: Tensor) -> tuple[Tensor, ...]:
         """q, k and v as three GEMMs on the stacked weight's row blocks (contiguous outputs).

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from h3engine.checkpoint.dit_format import interleaved_to_stacked_qkv
 from h3engine.checkpoint.safetensors_io import WeightFiles, placed
 from h3engine.errors import CheckpointError
-from h3engine.models.dit import interleaved_to_stacked_qkv
 from h3engine.parallel.collectives import all_reduce_sum
 from h3engine.parallel.groups import GroupMembership
 
