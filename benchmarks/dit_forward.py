@@ -41,10 +41,10 @@ sys.path.insert(0, str(REPOSITORY_ROOT / "tests"))
 from _dit_helpers import PackedRequest, build_packed_request, max_relative_error, relative_l2  # noqa: E402
 
 from benchmarks._common import device_label, kernel_profile, package_version, synchronize  # noqa: E402
+from h3engine import modulation as modulation_module  # noqa: E402
 from h3engine import ops  # noqa: E402
 from h3engine.checkpoint.dit_format import config_to_diffusers, module_to_diffusers, native_to_module  # noqa: E402
 from h3engine.checkpoint.dit_keys import random_native_tensor  # noqa: E402
-from h3engine.models import dit as dit_module  # noqa: E402
 from h3engine.models.dit import DiTConfig, H3DiT  # noqa: E402
 from h3engine.models.fp8 import quantize_dit_linears  # noqa: E402
 from h3engine.ops import attention as attention_ops  # noqa: E402
@@ -354,16 +354,17 @@ def fp32_reference_forward(
         else contextlib.nullcontext()
     )
     tf32 = torch.backends.cuda.matmul.allow_tf32
-    on_device = dit_module._on_device
+    on_device = modulation_module._on_device
     torch.backends.cuda.matmul.allow_tf32 = False
-    dit_module._on_device = fp32_on_device
+    modulation_module._on_device = fp32_on_device
     try:
         with kernel_choice(reference_ops=True, attention_backend="sdpa"), sdpa_choice:
             assert model.compute_dtype == torch.float32
             layout = model.prepare_layout(*arguments[4:])  # fp32 RoPE tables
-            return model(*arguments, layout=layout)
+            modulation = modulation_module.build_modulation(model, [arguments[3]])[0]  # fp32 tables
+            return model(*arguments, layout=layout, modulation=modulation)
     finally:
-        dit_module._on_device = on_device
+        modulation_module._on_device = on_device
         torch.backends.cuda.matmul.allow_tf32 = tf32
         for block in model.blocks:
             del block.forward_from

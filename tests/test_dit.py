@@ -12,6 +12,7 @@ import torch
 from _dit_helpers import PackedRequest, max_relative_error, tiny_fl2va_request
 from diffusers import MiniMaxH3Transformer3DModel
 
+from h3engine import modulation as modulation_module
 from h3engine.checkpoint.dit_format import (
     config_from_diffusers,
     config_from_native,
@@ -28,8 +29,8 @@ from h3engine.checkpoint.dit_keys import (
 )
 from h3engine.errors import CheckpointError
 from h3engine.kernels.reference.rope import rotate_first_channels
-from h3engine.models import dit as dit_module
 from h3engine.models.dit import FP32_PARAMETER_NAMES, DiTConfig, H3DiT, MultiAxisRope
+from h3engine.modulation import clear_modulation_cache, offload_adaln, schedule_modulation
 
 SEED = 1234
 # Measured on CPU (torch 2.13): 0.0 for both velocities (bit-identical).
@@ -440,7 +441,7 @@ def test_schedule_modulation_gives_the_per_forward_tables_and_outputs(tiny_state
     request = tiny_request(dtype)
     steps = _step_timesteps()
     with torch.no_grad():
-        tables = model.schedule_modulation(steps, torch.device("cpu"))
+        tables = schedule_modulation(model, steps, torch.device("cpu"))
         for timesteps, step_tables in zip(steps, tables, strict=True):
             direct = model.modulation(timesteps)
             for cached, computed in zip(step_tables.blocks, direct.blocks, strict=True):
@@ -458,7 +459,7 @@ def test_schedule_modulation_gives_the_per_forward_tables_and_outputs(tiny_state
         arguments = request.as_h3_arguments()
         timesteps = arguments[3]
         plain = model(*arguments)
-        cached = model(*arguments, modulation=model.schedule_modulation([timesteps], torch.device("cpu"))[0])
+        cached = model(*arguments, modulation=schedule_modulation(model, [timesteps], torch.device("cpu"))[0])
         assert torch.equal(plain[0], cached[0]) and torch.equal(plain[1], cached[1])
         # ... and tables of other timesteps give another output (the tables are really used).
         other = model(*arguments, modulation=tables[1])
@@ -469,23 +470,23 @@ def test_modulation_cache_hits_and_is_cleared_by_loading(tiny_state) -> None:
     model = our_model(tiny_state, torch.float32)
     steps = _step_timesteps()
     with torch.no_grad():
-        first = model.schedule_modulation(steps, torch.device("cpu"))
-        assert model.schedule_modulation([t.clone() for t in steps], torch.device("cpu")) is first
+        first = schedule_modulation(model, steps, torch.device("cpu"))
+        assert schedule_modulation(model, [t.clone() for t in steps], torch.device("cpu")) is first
         model.load_state_dict(native_to_module(tiny_state, DiTConfig.tiny()))
-        assert model.schedule_modulation(steps, torch.device("cpu")) is not first
+        assert schedule_modulation(model, steps, torch.device("cpu")) is not first
         # Old schedules are evicted beyond the cache size.
         for shift in range(4):
-            model.schedule_modulation([t * (0.5 + 0.1 * shift) for t in steps], torch.device("cpu"))
-        assert len(model._modulation_cache) == 2
+            schedule_modulation(model, [t * (0.5 + 0.1 * shift) for t in steps], torch.device("cpu"))
+        assert len(modulation_module._caches[model]) == 2
 
 
 def test_offloaded_adaln_gives_the_same_tables(tiny_state) -> None:
     model = our_model(tiny_state, torch.float32)
     steps = _step_timesteps()
     with torch.no_grad():
-        resident = model.schedule_modulation(steps, torch.device("cpu"))
-        model.offload_adaln()
-        offloaded = model.schedule_modulation(steps, torch.device("cpu"))
+        resident = schedule_modulation(model, steps, torch.device("cpu"))
+        offload_adaln(model)
+        offloaded = schedule_modulation(model, steps, torch.device("cpu"))
     assert offloaded is not resident
     for a, b in zip(resident, offloaded, strict=True):
         assert all(torch.equal(x.gate_attn, y.gate_attn) for x, y in zip(a.blocks, b.blocks, strict=True))
@@ -500,10 +501,10 @@ def test_offloaded_adaln_on_the_gpu_matches_the_resident_model(tiny_state) -> No
     arguments = [t.to(device) for t in request.as_h3_arguments()]
     with torch.no_grad():
         expected = model(*arguments)
-        model.offload_adaln()
+        offload_adaln(model)
         assert all(p.device.type == "cpu" for p in model.blocks[0].adaln_proj.parameters())
         assert model.blocks[0].attn.qkv_proj.weight.device.type == "cuda"
-        tables = model.schedule_modulation([request.timesteps], device)[0]
+        tables = schedule_modulation(model, [request.timesteps], device)[0]
         actual = model(*arguments, modulation=tables)
     assert torch.equal(expected[0], actual[0]) and torch.equal(expected[1], actual[1])
 
@@ -515,25 +516,25 @@ def test_tables_built_on_their_own_stream_are_waited_for(tiny_state, monkeypatch
     # wait for its tables would read them before they exist.
     device = torch.device("cuda")
     model = our_model(tiny_state, torch.bfloat16).to(device)
-    model.offload_adaln()
+    offload_adaln(model)
     request = tiny_request(torch.bfloat16)
     arguments = [t.to(device) for t in request.as_h3_arguments()]
     timesteps = [request.timesteps]
     with torch.no_grad():
-        settled = model.schedule_modulation(timesteps, device)[0]
+        settled = schedule_modulation(model, timesteps, device)[0]
         torch.cuda.synchronize()
         expected = model(*arguments, modulation=settled)
         torch.cuda.synchronize()
-        model.clear_modulation_cache()  # `settled` stays referenced: the new tables get other memory
+        clear_modulation_cache(model)  # `settled` stays referenced: the new tables get other memory
 
-        streamed = dit_module._on_device
+        streamed = modulation_module._on_device
 
         def slow_on_device(linear: torch.nn.Linear, to: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.cuda._sleep(50_000_000)
             return streamed(linear, to)
 
-        monkeypatch.setattr(dit_module, "_on_device", slow_on_device)
-        tables = model.schedule_modulation(timesteps, device)[0]
+        monkeypatch.setattr(modulation_module, "_on_device", slow_on_device)
+        tables = schedule_modulation(model, timesteps, device)[0]
         assert tables is not settled and tables.blocks[-1].ready is not None
         assert not tables.final_ready.query()  # still being built when the forward is queued
         actual = model(*arguments, modulation=tables)

@@ -24,11 +24,9 @@ full state dict is loaded.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +34,6 @@ from torch import Tensor, nn
 
 from h3engine import ops
 from h3engine.ops import attention as attention_ops
-from h3engine.placement import pin_in_place
 
 # Rows carry one AdaLN entry per (timestep, modality); modality tags are 0 video, 1 text, 2 audio.
 NUM_MODALITIES = 3
@@ -44,8 +41,6 @@ NUM_MODALITIES = 3
 NUM_BLOCK_MODULATIONS = 6
 # The sinusoidal timestep features use the classic 10000 period.
 TIMESTEP_MAX_PERIOD = 10000.0
-# Schedules whose AdaLN tables `H3DiT.schedule_modulation` keeps (~1 GB each at the released size, 50 steps).
-MODULATION_CACHE_SCHEDULES = 2
 
 # State-dict keys that the release stores in fp32 and that must be computed in fp32 whatever the compute dtype.
 FP32_PARAMETER_NAMES: frozenset[str] = frozenset(
@@ -508,8 +503,8 @@ def run_blocks(
     chain = list(zip(blocks, modulations, strict=True))
     if not chain:
         return hidden
-    # Tables may still be in flight on the stream that builds a schedule's (`H3DiT.schedule_modulation`): each
-    # block waits for its own and, for the fused next norm, the following block's.
+    # Tables may still be in flight on the stream that builds a schedule's (h3engine.modulation): each block waits
+    # for its own and, for the fused next norm, the following block's.
     modulated = chain[0][0].attention_input(hidden, chain[0][1].wait(), layout)
     for index, (block, modulation) in enumerate(chain):
         following = chain[index + 1] if index + 1 < len(chain) else None
@@ -563,16 +558,10 @@ class BlockModulation:
     shift_ffn: Tensor
     scale_plus_one_ffn: Tensor
     gate_ffn: Tensor
-    # Marks the tables computed when another CUDA stream built them (`H3DiT.schedule_modulation`); None otherwise.
-    ready: torch.cuda.Event | None = None
-
-    def tables(self) -> tuple[Tensor, ...]:
-        """The six tables, in field order (`ready` is not one)."""
-        return tuple(getattr(self, field.name) for field in fields(self) if field.name != "ready")
 
     def wait(self) -> BlockModulation:
-        """These tables, once the current CUDA stream has been made to wait until they are computed."""
-        _wait_for(self.ready, self.shift_attn.device)
+        """These tables, ready to be read; tables built on another CUDA stream (h3engine.modulation) first make the
+        reading stream wait for them."""
         return self
 
 
@@ -580,38 +569,16 @@ class BlockModulation:
 class StepModulation:
     """Every AdaLN table of one forward: one `BlockModulation` per block and the final layer's (1 + scale, shift).
 
-    It depends only on the forward's M distinct timesteps, so a request computes it once per step of its schedule
-    (`H3DiT.schedule_modulation`) and the 13 B AdaLN parameters need not stay on the GPU.
+    It depends only on the forward's M distinct timesteps, so a request can build the tables of every step of its
+    schedule once (h3engine.modulation) and pass each forward its step's.
     """
 
     blocks: tuple[BlockModulation, ...]
     final: tuple[Tensor, Tensor]
-    final_ready: torch.cuda.Event | None = None
 
     def final_tables(self) -> tuple[Tensor, Tensor]:
-        """The final layer's tables, once the current CUDA stream has been made to wait until they are computed."""
-        _wait_for(self.final_ready, self.final[0].device)
+        """The final layer's tables, ready to be read (see `BlockModulation.wait`)."""
         return self.final
-
-
-def _wait_for(event: torch.cuda.Event | None, device: torch.device) -> None:
-    """Make the current stream of `device` (where the tables live and are read) wait for `event`."""
-    if event is not None:
-        torch.cuda.current_stream(device).wait_event(event)
-
-
-def _handed_over(
-    tensors: Sequence[Tensor], reading_stream: torch.cuda.Stream | None
-) -> torch.cuda.Event | None:
-    """Tensors just computed on the current CUDA stream, to be read on `reading_stream`: the allocator keeps their
-    memory until the reader's queued work is done, and the returned event marks them computed. None on a CPU."""
-    if reading_stream is None:
-        return None
-    for tensor in tensors:
-        tensor.record_stream(reading_stream)
-    event = torch.cuda.Event()
-    event.record()
-    return event
 
 
 @dataclass(frozen=True)
@@ -637,6 +604,20 @@ class PackedLayout:
     def sequence_length(self) -> int:
         return self.adaln_index.shape[0]
 
+    @property
+    def local(self) -> PackedLayout:
+        """The layout of the rows this process holds: all of them (a sequence-parallel shard holds a block)."""
+        return self
+
+
+def packed_rows(sequence_length: int, *parts: tuple[Tensor, Tensor]) -> Tensor:
+    """[sequence_length, width] zeros in the first part's dtype, with each (rows, index) part's rows at its index."""
+    first = parts[0][0]
+    hidden = first.new_zeros(sequence_length, first.shape[1])
+    for rows, index in parts:
+        hidden.index_copy_(0, index, rows.to(hidden.dtype))
+    return hidden
+
 
 class H3DiT(nn.Module):
     """The H3 DiT over one packed request (see the module docstring for the contract and the fp32 islands)."""
@@ -658,9 +639,6 @@ class H3DiT(nn.Module):
         self.token_refiner = TokenRefiner(config, dtype, device)
         self.blocks = nn.ModuleList(DiTBlock(config, dtype, device) for _ in range(config.num_layers))
         self.final_layer = FinalLayer(config, dtype, device)
-        # Schedule timesteps -> AdaLN tables of every step (see `schedule_modulation`); not part of the state.
-        self._modulation_cache: OrderedDict[tuple, list[StepModulation]] = OrderedDict()
-        self.register_load_state_dict_post_hook(lambda module, keys: module._modulation_cache.clear())
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -717,7 +695,7 @@ class H3DiT(nn.Module):
         """One packed request -> (video velocity [Nv, C*prod(patch)] fp32, audio velocity [Na, Ca] fp32).
 
         A denoising loop passes the request-static `layout` (from `prepare_layout` on the same index tensors) and
-        this step's `modulation` (from `schedule_modulation`) so that neither is rebuilt every step.
+        this step's `modulation` (h3engine.modulation.schedule_modulation) so that neither is rebuilt every step.
         """
         if layout is None:
             layout = self.prepare_layout(
@@ -726,27 +704,17 @@ class H3DiT(nn.Module):
         return self.forward_with_layout(video_rows, audio_rows, text_states, timesteps, layout, modulation)
 
     def check_packed_inputs(
-        self,
-        video_rows: Tensor,
-        audio_rows: Tensor,
-        text_states: Tensor,
-        num_video_rows: int,
-        num_audio_rows: int,
-        num_text_rows: int,
+        self, video_rows: Tensor, audio_rows: Tensor, text_states: Tensor, layout: PackedLayout
     ) -> None:
         """Raise ValueError unless the row tensors have the layout's row counts and the config's widths."""
-        if video_rows.shape != (num_video_rows, self.config.video_patch_dim):
-            raise ValueError(
-                f"video_rows must be [Nv, {self.config.video_patch_dim}], got {list(video_rows.shape)}"
-            )
-        if audio_rows.shape != (num_audio_rows, self.config.audio_in_channels):
-            raise ValueError(
-                f"audio_rows must be [Na, {self.config.audio_in_channels}], got {list(audio_rows.shape)}"
-            )
-        if text_states.shape != (num_text_rows, self.config.text_dim):
-            raise ValueError(
-                f"text_states must be [Lt, {self.config.text_dim}], got {list(text_states.shape)}"
-            )
+        expected = {
+            "video_rows": (video_rows, layout.video_index.numel(), self.config.video_patch_dim, "Nv"),
+            "audio_rows": (audio_rows, layout.audio_index.numel(), self.config.audio_in_channels, "Na"),
+            "text_states": (text_states, layout.text_index.numel(), self.config.text_dim, "Lt"),
+        }
+        for name, (rows, count, width, symbol) in expected.items():
+            if rows.shape != (count, width):
+                raise ValueError(f"{name} must be [{symbol}, {width}], got {list(rows.shape)}")
 
     def forward_with_layout(
         self,
@@ -757,109 +725,48 @@ class H3DiT(nn.Module):
         layout: PackedLayout,
         modulation: StepModulation | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """`forward` with the request-static tensors (and optionally this step's AdaLN tables) already prepared."""
-        self.check_packed_inputs(
-            video_rows,
-            audio_rows,
-            text_states,
-            layout.video_index.numel(),
-            layout.audio_index.numel(),
-            layout.text_index.numel(),
-        )
+        """`forward` with the request-static tensors (and optionally this step's AdaLN tables) already prepared:
+        the rows are embedded into the packed sequence, run through the blocks, and the head reads them out."""
+        self.check_packed_inputs(video_rows, audio_rows, text_states, layout)
+        hidden = self.embed(video_rows, audio_rows, text_states, layout)
+        if modulation is None:
+            modulation = self.modulation(timesteps)
+        hidden = run_blocks(self.blocks, modulation.blocks, hidden, layout.local)
+        return self.head(hidden, modulation.final_tables(), layout)
 
-        # Video/audio rows go through their fp32 projections in fp32; the refined text sets the packed dtype.
+    def project_inputs(
+        self, video_rows: Tensor, audio_rows: Tensor, text_states: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(video, audio, text) rows of width hidden_size: video and audio through their fp32 patch projections in
+        fp32, text through the condition projection and the token refiner (its dtype sets the packed sequence's)."""
         video = self.video_patch_proj(video_rows.to(torch.float32))
         audio = self.audio_patch_proj(audio_rows.to(torch.float32))
         text = self.token_refiner(self.condition_proj(text_states.to(self.compute_dtype)))
+        return video, audio, text
 
-        hidden = text.new_zeros(layout.sequence_length, self.config.hidden_size)
-        hidden.index_copy_(0, layout.text_index, text)
-        hidden.index_copy_(0, layout.video_index, video.to(hidden.dtype))
-        hidden.index_copy_(0, layout.audio_index, audio.to(hidden.dtype))
+    def embed(
+        self, video_rows: Tensor, audio_rows: Tensor, text_states: Tensor, layout: PackedLayout
+    ) -> Tensor:
+        """The packed sequence [S, hidden] the blocks run on: each modality's projected rows at its positions."""
+        video, audio, text = self.project_inputs(video_rows, audio_rows, text_states)
+        return packed_rows(
+            layout.sequence_length,
+            (text, layout.text_index),
+            (video, layout.video_index),
+            (audio, layout.audio_index),
+        )
 
-        if modulation is None:
-            modulation = self.modulation(timesteps)
-        hidden = run_blocks(self.blocks, modulation.blocks, hidden, layout)
-        return self.final_layer(hidden, modulation.final_tables(), layout)
-
-    # AdaLN modulation ----------------------------------------------------------------------------------------
-
-    def _adaln_projections(self) -> list[nn.Module]:
-        return [block.adaln_proj for block in self.blocks] + [self.final_layer.adaln_proj]
-
-    def offload_adaln(self) -> None:
-        """Move every AdaLN projection (13 B parameters at the released size) to CPU memory, pinned when CUDA is
-        present; `schedule_modulation` streams them to the compute device when it builds tables."""
-        parameters = [
-            parameter for projection in self._adaln_projections() for parameter in projection.parameters()
-        ]
-        for parameter in parameters:
-            parameter.data = parameter.data.to("cpu")
-        if torch.cuda.is_available():
-            # Packed into slabs: pinned one by one, each 520 MB weight would take a 1 GiB pinned block.
-            pin_in_place(parameters)
-        self.clear_modulation_cache()
-
-    def clear_modulation_cache(self) -> None:
-        """Forget every schedule's tables (the next `schedule_modulation` builds them again)."""
-        self._modulation_cache.clear()
+    def head(
+        self, hidden: Tensor, final_tables: tuple[Tensor, Tensor], layout: PackedLayout
+    ) -> tuple[Tensor, Tensor]:
+        """The blocks' output -> fp32 (video, audio) velocities in the order of the layout's row indices."""
+        return self.final_layer(hidden, final_tables, layout)
 
     def modulation(self, timesteps: Tensor) -> StepModulation:
         """Every AdaLN table of one forward with these M timesteps (fp32 [M], on the compute device)."""
-        return self._compute_modulation([timesteps])[0]
-
-    def schedule_modulation(self, step_timesteps: list[Tensor], device: torch.device) -> list[StepModulation]:
-        """The AdaLN tables of every forward of a request on `device`, one per entry of `step_timesteps` (CPU).
-
-        Each step's tables come from exactly the computation a forward does (same shapes, so the same values); the
-        projections' weights are read once for all steps (streamed to `device` when offloaded). The tables of the
-        last `MODULATION_CACHE_SCHEDULES` schedules are kept, keyed by the timestep values, so repeated requests
-        with the same schedule skip the work. Loading weights clears the cache. On a GPU the tables are built on a
-        stream of their own and may still be in flight when this returns: readers wait through
-        `BlockModulation.wait` / `StepModulation.final_tables` (`run_blocks` and the forwards do).
-        """
-        cache_key = (str(device), tuple(tuple(t.tolist()) for t in step_timesteps))
-        if cache_key in self._modulation_cache:
-            self._modulation_cache.move_to_end(cache_key)
-            return self._modulation_cache[cache_key]
-        result = self._compute_modulation([timesteps.to(device) for timesteps in step_timesteps])
-        self._modulation_cache[cache_key] = result
-        while len(self._modulation_cache) > MODULATION_CACHE_SCHEDULES:
-            self._modulation_cache.popitem(last=False)
-        return result
-
-    def _compute_modulation(self, step_timesteps: list[Tensor]) -> list[StepModulation]:
-        device = step_timesteps[0].device
-        # On a GPU the tables are built on a stream of their own, so the first forward starts at once and each block
-        # waits only for its own tables (`run_blocks`): streaming one block's offloaded projection takes ~10 ms, a
-        # block's forward ~100 ms at the released size, so the ~0.5 s of streaming hides under the first step.
-        reading_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        building_stream = torch.cuda.Stream(device) if reading_stream is not None else None
-        if building_stream is not None:
-            building_stream.wait_stream(reading_stream)
-            for timesteps in step_timesteps:
-                timesteps.record_stream(building_stream)
-        with torch.cuda.stream(building_stream) if building_stream is not None else contextlib.nullcontext():
-            # temb stays fp32 ([M, time_embed_dim]); each AdaLN projection casts only after its SiLU.
-            step_tembs = [self.time_embedder(timesteps) for timesteps in step_timesteps]
-            block_tables: list[list[BlockModulation]] = [[] for _ in step_timesteps]
-            for block in self.blocks:
-                weight, bias = _on_device(block.adaln_proj.linear, device)
-                computed = [block.modulation(temb, weight, bias) for temb in step_tembs]
-                ready = _handed_over(
-                    [table for tables in computed for table in tables.tables()], reading_stream
-                )
-                for tables, step_computed in zip(block_tables, computed, strict=True):
-                    tables.append(replace(step_computed, ready=ready))
-            weight, bias = _on_device(self.final_layer.adaln_proj.linear, device)
-            finals = [self.final_layer.modulation(temb, weight, bias) for temb in step_tembs]
-            final_ready = _handed_over([table for final in finals for table in final], reading_stream)
-        return [
-            StepModulation(blocks=tuple(tables), final=final, final_ready=final_ready)
-            for tables, final in zip(block_tables, finals, strict=True)
-        ]
-
-
-def _on_device(linear: nn.Linear, device: torch.device) -> tuple[Tensor, Tensor]:
-    """A linear's weight and bias on `device` (a copy when they live elsewhere, e.g. offloaded to pinned CPU)."""
-    return linear.weight.to(device, non_blocking=True), linear.bias.to(device, non_blocking=True)
+        # temb stays fp32 ([M, time_embed_dim]); each AdaLN projection casts only after its SiLU.
+        temb = self.time_embedder(timesteps)
+        return StepModulation(
+            blocks=tuple(block.modulation(temb) for block in self.blocks),
+            final=self.final_layer.modulation(temb),
+        )

@@ -50,10 +50,9 @@ from h3engine.models.dit import (
     DiTConfig,
     H3DiT,
     PackedLayout,
-    StepModulation,
     SwiGLU,
     attention,
-    run_blocks,
+    packed_rows,
 )
 from h3engine.parallel.collectives import all_gather_rows, heads_to_sequence, sequence_to_heads
 from h3engine.parallel.groups import DiTGroups, GroupMembership
@@ -175,40 +174,29 @@ class SequenceParallelDiT(H3DiT):
             audio_slots=audio_slots,
         )
 
-    def forward_with_layout(
-        self,
-        video_rows: Tensor,
-        audio_rows: Tensor,
-        text_states: Tensor,
-        timesteps: Tensor,
-        layout: SequenceShardedLayout,
-        modulation: StepModulation | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """`forward` with the request-static tensors prepared; full velocities on every rank."""
-        self.check_packed_inputs(
-            video_rows,
-            audio_rows,
+    def embed(
+        self, video_rows: Tensor, audio_rows: Tensor, text_states: Tensor, layout: SequenceShardedLayout
+    ) -> Tensor:
+        """This rank's block of the packed sequence. Only its video and audio rows are projected; the refiner attends
+        over all text rows, so it runs on all of them (replicated over the Ulysses group) before the local ones are
+        kept."""
+        video, audio, text = self.project_inputs(
+            video_rows.index_select(0, layout.video_rows),
+            audio_rows.index_select(0, layout.audio_rows),
             text_states,
-            layout.video_index.numel(),
-            layout.audio_index.numel(),
-            layout.text_index.numel(),
         )
-        # Only this rank's video and audio rows are projected; the refiner attends over all text rows, so it runs
-        # on all of them (replicated over the Ulysses group) before the local ones are kept.
-        video = self.video_patch_proj(video_rows.index_select(0, layout.video_rows).to(torch.float32))
-        audio = self.audio_patch_proj(audio_rows.index_select(0, layout.audio_rows).to(torch.float32))
-        text = self.token_refiner(self.condition_proj(text_states.to(self.compute_dtype)))
+        return packed_rows(
+            layout.local.sequence_length,
+            (text.index_select(0, layout.text_rows), layout.text_slots),
+            (video, layout.video_slots),
+            (audio, layout.audio_slots),
+        )
 
-        hidden = text.new_zeros(layout.local.sequence_length, self.config.hidden_size)
-        hidden.index_copy_(0, layout.text_slots, text.index_select(0, layout.text_rows))
-        hidden.index_copy_(0, layout.video_slots, video.to(hidden.dtype))
-        hidden.index_copy_(0, layout.audio_slots, audio.to(hidden.dtype))
-
-        if modulation is None:
-            modulation = self.modulation(timesteps)
-        hidden = run_blocks(self.blocks, modulation.blocks, hidden, layout.local)
-        video_velocity, audio_velocity = self.final_layer(hidden, modulation.final_tables(), layout.local)
-
+    def head(
+        self, hidden: Tensor, final_tables: tuple[Tensor, Tensor], layout: SequenceShardedLayout
+    ) -> tuple[Tensor, Tensor]:
+        """The fp32 heads on every local row, gathered once; the request's rows are picked from the result."""
+        video_velocity, audio_velocity = super().head(hidden, final_tables, layout.local)
         velocities = all_gather_rows(torch.cat((video_velocity, audio_velocity), dim=1), self.sequence_group)
         video_channels = video_velocity.shape[1]
         return (
