@@ -8,22 +8,34 @@ what the release (or diffusers' `from_config`) reads. Our module's state-dict ke
 but `attn.qkv_proj.weight` is held stacked [q; k; v] (so q, k and v come from contiguous row blocks) where the
 native file interleaves its rows per head: `native_to_module` / `module_to_native` convert a state dict,
 `diffusers_to_module` / `module_to_diffusers` go through the diffusers key map of `dit_keys`.
+`as_native_files` shows a diffusers-layout DiT's weight files as a native one, row and column ranges included,
+so that tensor-parallel ranks read their shards from either layout with the same code.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from h3engine.checkpoint.dit_keys import diffusers_to_native, native_to_diffusers
+from h3engine.checkpoint.dit_keys import (
+    FC1_WEIGHT,
+    QKV_WEIGHT,
+    ROPE_KEY,
+    diffusers_keys,
+    diffusers_to_native,
+    native_state_shapes,
+    native_to_diffusers,
+)
+from h3engine.checkpoint.safetensors_io import TensorInfo, WeightFiles
 from h3engine.errors import CheckpointError
-from h3engine.models.dit import DiTConfig
+from h3engine.models.dit import DiTConfig, rope_inverse_frequencies
 
 NATIVE_CLASS_NAME = "MiniMaxH3DiTModel"
 DIFFUSERS_CLASS_NAME = "MiniMaxH3Transformer3DModel"
-QKV_SUFFIX = "attn.qkv_proj.weight"
 
 # Our field -> the names a native transformer/config.json may use for it (the release writes all of them and
 # they must agree). The three eps names are one field for us: the release sets them all to 1e-5.
@@ -168,7 +180,7 @@ def native_to_module(state: dict[str, Tensor], config: DiTConfig) -> dict[str, T
     """A native state dict (or part of one) as `H3DiT.load_state_dict` takes it: QKV rows stacked."""
     return {
         key: interleaved_to_stacked_qkv(tensor, config.num_heads).contiguous()
-        if key.endswith(QKV_SUFFIX)
+        if key.endswith(QKV_WEIGHT)
         else tensor
         for key, tensor in state.items()
     }
@@ -177,7 +189,7 @@ def native_to_module(state: dict[str, Tensor], config: DiTConfig) -> dict[str, T
 def module_to_native(state: dict[str, Tensor], config: DiTConfig) -> dict[str, Tensor]:
     """`H3DiT.state_dict()` (or part of it) in the native file's order: QKV rows interleaved per head."""
     return {
-        key: stacked_to_interleaved_qkv(tensor, config.num_heads) if key.endswith(QKV_SUFFIX) else tensor
+        key: stacked_to_interleaved_qkv(tensor, config.num_heads) if key.endswith(QKV_WEIGHT) else tensor
         for key, tensor in state.items()
     }
 
@@ -190,3 +202,77 @@ def diffusers_to_module(state: dict[str, Tensor], config: DiTConfig) -> dict[str
 def module_to_diffusers(state: dict[str, Tensor], config: DiTConfig) -> dict[str, Tensor]:
     """`H3DiT.state_dict()` as a diffusers MiniMaxH3Transformer3DModel state dict."""
     return native_to_diffusers(module_to_native(state, config))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Weight files read in the native layout
+# --------------------------------------------------------------------------------------------------------------
+
+
+def as_native_files(files: WeightFiles, config: DiTConfig) -> WeightFiles:
+    """`files` when they hold a native DiT, else (diffusers layout) a `DiffusersAsNativeFiles` view of them."""
+    if (
+        diffusers_keys("blocks.0." + QKV_WEIGHT)[0] in files.infos
+        and "blocks.0." + QKV_WEIGHT not in files.infos
+    ):
+        return DiffusersAsNativeFiles(files, config)
+    return files
+
+
+class DiffusersAsNativeFiles(WeightFiles):
+    """A diffusers-layout DiT's weight files under the native keys, shapes and row order.
+
+    A row range reads only the diffusers rows that hold it: the QKV rows of whole heads are the same heads' rows of
+    to_q, to_k and to_v, interleaved; fc1's [gate; value] rows are the other half of diffusers' [value; gate].
+    `rope.inv_freq`, which diffusers does not store, is computed from the config.
+    """
+
+    def __init__(self, files: WeightFiles, config: DiTConfig) -> None:
+        native_shapes = native_state_shapes(config)
+        meta = {key: torch.empty(shape, device="meta") for key, shape in native_shapes.items()}
+        files.check({key: tuple(tensor.shape) for key, tensor in native_to_diffusers(meta).items()})
+        infos = {}
+        for key, shape in native_shapes.items():
+            sources = diffusers_keys(key)
+            source = (
+                files.infos[sources[0]] if sources else TensorInfo(Path(files.description), torch.float32, ())
+            )
+            infos[key] = TensorInfo(source.file, source.dtype, shape)
+        super().__init__(infos, files.description)
+        self.files = files
+        self.config = config
+
+    def tensor(self, key: str) -> Tensor:
+        if key == ROPE_KEY:
+            return rope_inverse_frequencies(self.config.rope_freq_dim, self.config.rope_theta)
+        if key.endswith((QKV_WEIGHT, FC1_WEIGHT)):
+            return self.row_slice(key, 0, self.infos[key].shape[0])
+        return self.files.tensor(diffusers_keys(key)[0])
+
+    def row_slice(self, key: str, start: int, stop: int) -> Tensor:
+        sources = diffusers_keys(key)
+        if key.endswith(QKV_WEIGHT):
+            head_dim = self.config.head_dim
+            if start % (3 * head_dim) or stop % (3 * head_dim):
+                raise CheckpointError(f"'{key}': rows [{start}, {stop}) do not cover whole heads")
+            parts = [self.files.row_slice(source, start // 3, stop // 3) for source in sources]
+            return torch.stack([part.unflatten(0, (-1, head_dim)) for part in parts], dim=1).flatten(0, 2)
+        if key.endswith(FC1_WEIGHT):
+            rows = self.infos[key].shape[0]
+            half = rows // 2
+            pieces = [(max(start, low), min(stop, low + half)) for low in (0, half)]
+            return torch.cat(
+                [
+                    self.files.row_slice(
+                        sources[0], (first + half) % rows, (first + half) % rows + last - first
+                    )
+                    for first, last in pieces
+                    if first < last
+                ]
+            )
+        return self.files.row_slice(sources[0], start, stop)
+
+    def column_slice(self, key: str, start: int, stop: int) -> Tensor:
+        if key.endswith((QKV_WEIGHT, FC1_WEIGHT)):
+            return self.tensor(key)[:, start:stop]
+        return self.files.column_slice(diffusers_keys(key)[0], start, stop)

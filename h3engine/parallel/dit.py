@@ -3,9 +3,9 @@
 Contract
 --------
 `load_dit_shard(weight_files, config, groups, dtype, device)` builds this rank's DiT and reads only its shard of
-the native checkpoint. The module is called exactly like `H3DiT` (same arguments, the full packed request on
-every rank) and returns the full fp32 velocities on every rank, so the sampling loop runs unchanged and
-replicated. `parallelize_dit` builds the same module on `meta`, without weights.
+the checkpoint in either layout (a diffusers one is read as native: h3engine.checkpoint.dit_format). The module
+is called exactly like `H3DiT` (same arguments, the full packed request on every rank) and returns the full fp32
+velocities on every rank, so the sampling loop runs unchanged and replicated. `parallelize_dit` builds the same module on `meta`, without weights.
 
 Tensor parallelism (`groups.tp`) swaps named parallel layers into every attention and FFN, the token refiner's
 included: the QKV projection is split by heads and `out_proj` sums over the group; fc1 keeps its
@@ -31,7 +31,7 @@ Danger
 ------
 Every rank of the DiT group must call forward with identical inputs: the layers' collectives pair up across
 ranks by call order. bf16 results differ from one process at the bf16 rounding level (partial sums are reduced
-in bf16); fp32 agrees to rounding noise. Only the native checkpoint layout can be read by row ranges.
+in bf16); fp32 agrees to rounding noise.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from h3engine.checkpoint.dit_format import as_native_files
 from h3engine.checkpoint.dit_keys import native_state_shapes
 from h3engine.checkpoint.safetensors_io import WeightFiles, placed
 from h3engine.errors import CheckpointError
@@ -62,10 +63,6 @@ from h3engine.parallel.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-
-# The first block's QKV weight: fused in the native layout, split into to_q / to_k / to_v in the diffusers one.
-_NATIVE_QKV_KEY = "blocks.0.attn.qkv_proj.weight"
-_DIFFUSERS_QUERY_KEY = "transformer_blocks.0.attn.to_q.weight"
 
 
 @dataclass(frozen=True)
@@ -250,12 +247,9 @@ def load_dit_shard(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> H3DiT:
-    """Build this rank's DiT and read only its shard of the native checkpoint (replicated tensors whole)."""
-    if _NATIVE_QKV_KEY not in weight_files.infos and _DIFFUSERS_QUERY_KEY in weight_files.infos:
-        raise CheckpointError(
-            f"{weight_files.description}: the DiT is in the diffusers layout; sharded loading reads row ranges "
-            "of the native (MiniMaxAI) layout, so run this checkpoint with --dit-sp 1 --dit-tp 1"
-        )
+    """Build this rank's DiT and read only its shard of the checkpoint, in either layout (replicated tensors
+    whole)."""
+    weight_files = as_native_files(weight_files, config)
     weight_files.check(native_state_shapes(config))
     model = parallelize_dit(config, groups, dtype)
     sharded = {
