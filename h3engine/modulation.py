@@ -74,7 +74,7 @@ def offload_adaln(dit: H3DiT) -> None:
     for parameter in parameters:
         parameter.data = parameter.data.to("cpu")
     if torch.cuda.is_available():
-        # Packed into slabs: pinned one by one, each weight would take a pinned block of twice its size.
+        # Packed into slabs: pinned one by one, each weight would take a pinned block rounded up to a power of two.
         pin_in_place(parameters)
     clear_modulation_cache(dit)
 

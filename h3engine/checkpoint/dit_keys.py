@@ -1,11 +1,8 @@
 """Key maps between the native (MiniMaxAI) and diffusers layouts of the H3 DiT, and random native weights.
 
-Contract
---------
-`native_to_diffusers` and `diffusers_to_native` are pure, exact inverses (bit-identical values, same dtypes) and
-work on `meta` tensors, so the loader can derive the expected key/shape set of either layout without data.
-They map key by key, so a partial state (e.g. one block) converts on its own, except that a diffusers block's
-to_q / to_k / to_v must arrive together.
+`native_to_diffusers` and `diffusers_to_native` are pure, exact inverses (bit-identical values, same dtypes) that
+work on `meta` tensors too and map key by key (`diffusers_keys` / `native_key`), so a partial state converts on
+its own, except that a diffusers block's to_q / to_k / to_v must arrive together.
 
 Danger
 ------

@@ -1,25 +1,17 @@
 """The MiniMax H3 diffusion transformer ("H3-Omni-Transformer"), one packed request per forward.
 
-Contract
---------
 `H3DiT.forward` takes one packed request with no batch axis (H3_SPEC §2.1, §3): fp32 video rows
 [Nv, C*prod(patch)], fp32 audio rows [Na, Ca], text states [Lt, text_dim], the M distinct timesteps (fp32,
 t = 1 is clean, unscaled), per-row `timestep_index` and modality `tags` (0 video, 1 text, 2 audio), float64
 (t, h, w) `positions`, and the sequence positions of each modality's rows. It returns fp32 velocities for every
-video and audio row, in the order of `video_index` / `audio_index` (condition rows included).
+video and audio row, in the order of `video_index` / `audio_index` (condition rows included). `state_dict()` keys
+are the native checkpoint keys (H3_SPEC §1.3), `rope.inv_freq` included; `attn.qkv_proj` rows are held stacked
+[q; k; v] where the file interleaves them per head (h3engine.checkpoint.dit_format converts).
 
-`state_dict()` keys are exactly the native MiniMaxAI checkpoint keys (H3_SPEC §1.3), including the persistent
-fp32 buffer `rope.inv_freq`, and `mlp.fc1` rows are [gate; value] as in the file; `attn.qkv_proj` rows are held
-stacked [q; k; v] where the file interleaves them per head (h3engine.checkpoint.dit_format converts).
-
-Danger
-------
-The checkpoint is mixed precision. The twelve tensors in `FP32_PARAMETER_NAMES` (patch projections, time MLP,
-output heads) plus `rope.inv_freq` must stay fp32; everything else runs in the `dtype` given to the constructor.
-Never call `.to(torch.bfloat16)` / `.half()` on the whole module: that silently rounds the fp32 islands (and
-`inv_freq`) and shifts every output. Choose the compute dtype at construction instead.
-A module built on `meta` and materialized with `to_empty()` holds garbage, `rope.inv_freq` included, until a
-full state dict is loaded.
+Danger: the checkpoint is mixed precision. `FP32_PARAMETER_NAMES` (patch projections, time MLP, output heads,
+`rope.inv_freq`) must stay fp32, the rest runs in the constructor's `dtype`: never `.to(torch.bfloat16)` /
+`.half()` the whole module (that rounds the fp32 islands), choose the dtype at construction. A module built on
+`meta` and materialized with `to_empty()` holds garbage, `rope.inv_freq` included, until a full state is loaded.
 """
 
 from __future__ import annotations
@@ -27,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -159,44 +152,33 @@ class DiTConfig:
     @classmethod
     def released(cls) -> DiTConfig:
         """The released H3-Base DiT (H3_SPEC §1.2), 33,122,992,896 parameters."""
-        return cls(
-            hidden_size=5376,
-            num_layers=50,
-            num_refiner_layers=2,
-            num_heads=56,
-            head_dim=128,
-            ffn_dim=14336,
-            video_in_channels=24,
-            audio_in_channels=32,
-            patch_size=(1, 2, 2),
-            text_dim=5120,
-            timestep_dim=256,
-            time_hidden_dim=5376,
-            time_embed_dim=2688,
-            rope_freq_dim=16,
-            rope_theta=10000.0,
-            eps=1e-5,
-        )
+        return cls(**{name: released for name, (released, _) in _KNOWN_CONFIGS.items()})
 
     @classmethod
     def tiny(cls) -> DiTConfig:
         """Test configuration (H3_SPEC §12); hidden 16 != heads x head_dim 24 on purpose, all 12 channels rotated."""
-        return cls(
-            hidden_size=16,
-            num_layers=2,
-            num_refiner_layers=1,
-            num_heads=2,
-            head_dim=12,
-            ffn_dim=32,
-            video_in_channels=4,
-            audio_in_channels=4,
-            patch_size=(1, 2, 2),
-            text_dim=8,
-            timestep_dim=8,
-            time_hidden_dim=16,
-            time_embed_dim=8,
-            rope_freq_dim=2,
-        )
+        return cls(**{name: tiny for name, (_, tiny) in _KNOWN_CONFIGS.items()})
+
+
+# Field -> (released value, tiny value).
+_KNOWN_CONFIGS: dict[str, tuple[Any, Any]] = {
+    "hidden_size": (5376, 16),
+    "num_layers": (50, 2),
+    "num_refiner_layers": (2, 1),
+    "num_heads": (56, 2),
+    "head_dim": (128, 12),
+    "ffn_dim": (14336, 32),
+    "video_in_channels": (24, 4),
+    "audio_in_channels": (32, 4),
+    "patch_size": ((1, 2, 2), (1, 2, 2)),
+    "text_dim": (5120, 8),
+    "timestep_dim": (256, 8),
+    "time_hidden_dim": (5376, 16),
+    "time_embed_dim": (2688, 8),
+    "rope_freq_dim": (16, 2),
+    "rope_theta": (10000.0, 10000.0),
+    "eps": (1e-5, 1e-5),
+}
 
 
 # --------------------------------------------------------------------------------------------------------------

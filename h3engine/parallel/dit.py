@@ -1,37 +1,17 @@
 """The H3 DiT split over a DiT group: tensor parallel (heads, FFN) x Ulysses sequence parallel (packed rows).
 
-Contract
---------
 `load_dit_shard(weight_files, config, groups, dtype, device)` builds this rank's DiT and reads only its shard of
-the checkpoint in either layout (a diffusers one is read as native: h3engine.checkpoint.dit_format). The module
-is called exactly like `H3DiT` (same arguments, the full packed request on every rank) and returns the full fp32
-velocities on every rank, so the sampling loop runs unchanged and replicated. `parallelize_dit` builds the same module on `meta`, without weights.
+the checkpoint in either layout (a diffusers one is read as native: h3engine.checkpoint.dit_format);
+`parallelize_dit` builds the same module on `meta`, without weights. The module is called exactly like `H3DiT`
+(the full packed request on every rank) and returns the full fp32 velocities on every rank, so the sampling loop
+runs unchanged and replicated.
 
-Tensor parallelism (`groups.tp`) swaps named parallel layers into every attention and FFN, the token refiner's
-included: the QKV projection is split by heads and `out_proj` sums over the group; fc1 keeps its
-[gate; value] blocks split alike and fc2 sums. AdaLN projections, norms, patch projections, the time MLP and the
-output heads stay replicated. The model code is untouched: only its layers differ.
+Tensor parallelism (`groups.tp`) swaps parallel layers into every attention and FFN, the token refiner's included
+(QKV split by heads, fc1's [gate; value] halves split alike, out_proj and fc2 summed over the group); the rest
+stays replicated and the model code is untouched. Sequence parallelism: `SequenceParallelDiT`.
 
-Ulysses sequence parallelism (`groups.sp`, `SequenceParallelDiT`): the S packed rows are padded to a multiple of
-sp and rank r holds rows [r*S_pad/sp, (r+1)*S_pad/sp). Everything but attention is row-wise, so blocks run on
-local rows with local RoPE tables and local AdaLN gathers. Around attention one all-to-all trades rows for heads
-(every rank then holds all rows of 1/sp of its heads), attention runs, and a second all-to-all trades back. The
-text refiner (attention among text rows only, a small share of S) runs on all text rows on every rank. The fp32
-output heads run on every local row and the [S_pad, video + audio channels] result is gathered once; the wanted
-rows are picked from it.
-
-Padding rows (at most sp - 1, all at the end of the sequence): after the first all-to-all every rank holds the
-whole padded sequence for its heads, so the pad rows are sliced off before attention and the attention call is
-the same unmasked one, over the same real rows, as on one process (a key mask would rule out the flash kernels
-and leave pad queries to attend to something). Their attention output is zero; every other op is row-wise, so
-they never reach a real row (not even a non-finite one could: attention is the only op that mixes rows). They
-start as zero rows with AdaLN row 0 and zero RoPE tables.
-
-Danger
-------
-Every rank of the DiT group must call forward with identical inputs: the layers' collectives pair up across
-ranks by call order. bf16 results differ from one process at the bf16 rounding level (partial sums are reduced
-in bf16); fp32 agrees to rounding noise.
+Danger: every rank of the DiT group must call forward with identical inputs (the layers' collectives pair up by
+call order). bf16 results differ from one process at the bf16 rounding level (partial sums are reduced in bf16).
 """
 
 from __future__ import annotations
@@ -58,7 +38,7 @@ from h3engine.models.dit import (
 from h3engine.parallel.collectives import all_gather_rows, heads_to_sequence, sequence_to_heads
 from h3engine.parallel.groups import DiTGroups, GroupMembership
 from h3engine.parallel.linear import (
-    ColumnParallelLinear,
+    GateValueParallelLinear,
     ParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -111,7 +91,22 @@ def _rows_in_block(sequence_index: Tensor, start: int, stop: int) -> tuple[Tenso
 
 
 class SequenceParallelDiT(H3DiT):
-    """`H3DiT` whose forward runs on this Ulysses rank's block of packed rows (see the module docstring)."""
+    """`H3DiT` whose forward runs on this Ulysses rank's block of packed rows.
+
+    The S packed rows are padded to a multiple of sp and rank r holds rows [r*S_pad/sp, (r+1)*S_pad/sp). Everything
+    but attention is row-wise, so blocks run on local rows with local RoPE tables and local AdaLN gathers. Around
+    attention one all-to-all trades rows for heads (every rank then holds all rows of 1/sp of its heads), attention
+    runs, and a second all-to-all trades back. The text refiner (attention among text rows only, a small share of
+    S) runs on all text rows on every rank. The fp32 heads run on every local row and the [S_pad, video + audio
+    channels] result is gathered once; the wanted rows are picked from it. Only `prepare_layout`, `embed` (which
+    rows are local) and `head` (the gather) differ from `H3DiT`.
+
+    Padding rows (at most sp - 1, at the end): after the first all-to-all every rank holds the whole padded sequence
+    for its heads, so the pad rows are sliced off before attention, which is the same unmasked call over the same
+    real rows as on one process (a key mask would rule out the flash kernels and leave pad queries to attend to
+    something). Their attention output is zero; every other op is row-wise, so they never reach a real row (not even
+    a non-finite one could). They start as zero rows with AdaLN row 0 and zero RoPE tables.
+    """
 
     def __init__(
         self,
@@ -123,17 +118,9 @@ class SequenceParallelDiT(H3DiT):
         super().__init__(config, dtype, device)
         self.sequence_group = sequence_group
 
-    def prepare_layout(
-        self,
-        timestep_index: Tensor,
-        tags: Tensor,
-        positions: Tensor,
-        video_index: Tensor,
-        audio_index: Tensor,
-        text_index: Tensor,
-    ) -> SequenceShardedLayout:
-        """Validate the whole request as `H3DiT` does, then keep this rank's block of rows (zero-padded)."""
-        full = super().prepare_layout(timestep_index, tags, positions, video_index, audio_index, text_index)
+    def prepare_layout(self, *request: Tensor) -> SequenceShardedLayout:
+        """`H3DiT.prepare_layout` of the whole request (same arguments), then this rank's block of rows, padded."""
+        full = super().prepare_layout(*request)
         sequence_length = full.sequence_length
         ranks = self.sequence_group.size
         local_length = -(-sequence_length // ranks)
@@ -144,10 +131,10 @@ class SequenceParallelDiT(H3DiT):
             padding = [0, 0] * (per_row.dim() - 1) + [0, local_length * ranks - sequence_length]
             return F.pad(per_row, padding)[start:stop]
 
-        every_local_row = torch.arange(local_length, device=positions.device)
-        text_rows, text_slots = _rows_in_block(text_index, start, stop)
-        video_rows, video_slots = _rows_in_block(video_index, start, stop)
-        audio_rows, audio_slots = _rows_in_block(audio_index, start, stop)
+        every_local_row = torch.arange(local_length, device=full.adaln_index.device)
+        text_rows, text_slots = _rows_in_block(full.text_index, start, stop)
+        video_rows, video_slots = _rows_in_block(full.video_index, start, stop)
+        audio_rows, audio_slots = _rows_in_block(full.audio_index, start, stop)
         local = PackedLayout(
             rope_cos_sin=(local_block(full.rope_cos_sin[0]), local_block(full.rope_cos_sin[1])),
             adaln_index=local_block(full.adaln_index),
@@ -160,9 +147,9 @@ class SequenceParallelDiT(H3DiT):
         return SequenceShardedLayout(
             local=local,
             sequence_length=sequence_length,
-            video_index=video_index,
-            audio_index=audio_index,
-            text_index=text_index,
+            video_index=full.video_index,
+            audio_index=full.audio_index,
+            text_index=full.text_index,
             text_rows=text_rows,
             text_slots=text_slots,
             video_rows=video_rows,
@@ -214,9 +201,7 @@ def _apply_tensor_parallel(model: H3DiT, tp: GroupMembership) -> None:
             module.out_proj = RowParallelLinear(config.inner_dim, config.hidden_size, tp, dtype, device)
             module.num_heads = module.qkv_proj.local_heads
         elif isinstance(module, SwiGLU):
-            module.fc1 = ColumnParallelLinear(
-                config.hidden_size, 2 * config.ffn_dim, tp, dtype, device, segments=2
-            )
+            module.fc1 = GateValueParallelLinear(config.hidden_size, 2 * config.ffn_dim, tp, dtype, device)
             module.fc2 = RowParallelLinear(config.ffn_dim, config.hidden_size, tp, dtype, device)
 
 
