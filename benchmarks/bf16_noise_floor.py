@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPOSITORY_ROOT / "tests"))
 
 from _dit_helpers import build_packed_request, relative_l2  # noqa: E402
 
+from h3engine.checkpoint.dit_format import config_to_native, native_to_module  # noqa: E402
 from h3engine.checkpoint.dit_keys import random_native_state  # noqa: E402
 from h3engine.models.dit import DiTConfig, H3DiT  # noqa: E402
 
@@ -80,7 +81,7 @@ def main() -> None:
             ("bf16_math_sdpa", torch.bfloat16, SDPBackend.MATH),
         ):
             model = H3DiT(CONFIG, dtype=dtype)
-            model.load_state_dict(state)
+            model.load_state_dict(native_to_module(state, CONFIG))
             with sdpa_kernel([backend]):
                 outputs[name] = model(*request.as_h3_arguments())
             print(f"{name} done", flush=True)
@@ -99,7 +100,7 @@ def main() -> None:
         "benchmark": "bf16_noise_floor",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
-        "config": CONFIG.to_native(),
+        "config": config_to_native(CONFIG),
         "sequence": request.tags.numel(),
         "relative_l2": distances,
     }

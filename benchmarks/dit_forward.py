@@ -6,7 +6,7 @@ the released fp32 islands, the same values for both.
 
 Both models do not fit on one H200 at once (2 x 66 GB), so: build ours (meta, then materialized on the GPU and
 filled tensor by tensor), time it and keep its velocities on the GPU, then move its weights into a meta-built
-diffusers model group by group (converted with `native_to_diffusers`), freeing ours as it goes, and time
+diffusers model group by group (converted with `module_to_diffusers`), freeing ours as it goes, and time
 diffusers. Timing: warm-up forwards, then CUDA-event timing of `--runs` forwards, median reported.
 `--interleaved PAIRS` keeps ours alive beside diffusers (shared tensors; only the split q/k/v and the swapped fc1
 exist twice, ~25 GiB) and then times ours and diffusers in alternation, which cancels a drift of the GPU's speed
@@ -41,9 +41,10 @@ sys.path.insert(0, str(REPOSITORY_ROOT / "tests"))
 from _dit_helpers import PackedRequest, build_packed_request, max_relative_error, relative_l2  # noqa: E402
 
 from benchmarks._common import device_label, kernel_profile, package_version, synchronize  # noqa: E402
+from h3engine import modulation as modulation_module  # noqa: E402
 from h3engine import ops  # noqa: E402
-from h3engine.checkpoint.dit_keys import native_to_diffusers, random_native_tensor  # noqa: E402
-from h3engine.models import dit as dit_module  # noqa: E402
+from h3engine.checkpoint.dit_format import config_to_diffusers, module_to_diffusers, native_to_module  # noqa: E402
+from h3engine.checkpoint.dit_keys import random_native_tensor  # noqa: E402
 from h3engine.models.dit import DiTConfig, H3DiT  # noqa: E402
 from h3engine.models.fp8 import quantize_dit_linears  # noqa: E402
 from h3engine.ops import attention as attention_ops  # noqa: E402
@@ -188,7 +189,7 @@ def build_ours(config: DiTConfig, device: torch.device, seed: int) -> H3DiT:
         key: random_native_tensor(key, tuple(tensor.shape), config, generator).to(device)
         for key, tensor in model.state_dict().items()
     }
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(native_to_module(state, config), strict=True, assign=True)
     return model.eval()
 
 
@@ -203,20 +204,20 @@ def move_into_diffusers(
     fc1: ~25 GiB at the released size) exist twice.
     """
     with torch.device("meta"):
-        reference = MiniMaxH3Transformer3DModel.from_config(config.to_diffusers())
+        reference = MiniMaxH3Transformer3DModel.from_config(config_to_diffusers(config))
     groups: list[tuple[str, torch.nn.Module]] = [
         (f"blocks.{i}.", block) for i, block in enumerate(ours.blocks)
     ]
     groups += [(f"token_refiner.blocks.{i}.", block) for i, block in enumerate(ours.token_refiner.blocks)]
     for prefix, module in groups:
         partial = module.state_dict(prefix=prefix)
-        result = reference.load_state_dict(native_to_diffusers(partial), strict=False, assign=True)
+        result = reference.load_state_dict(module_to_diffusers(partial, config), strict=False, assign=True)
         assert not result.unexpected_keys, result.unexpected_keys
         del partial
         if not keep_ours:
             module.to_empty(device="meta")
     remaining = {key: tensor for key, tensor in ours.state_dict().items() if not tensor.is_meta}
-    result = reference.load_state_dict(native_to_diffusers(remaining), strict=False, assign=True)
+    result = reference.load_state_dict(module_to_diffusers(remaining, config), strict=False, assign=True)
     assert not result.unexpected_keys, result.unexpected_keys
     del remaining
     if not keep_ours:
@@ -353,16 +354,17 @@ def fp32_reference_forward(
         else contextlib.nullcontext()
     )
     tf32 = torch.backends.cuda.matmul.allow_tf32
-    on_device = dit_module._on_device
+    on_device = modulation_module._on_device
     torch.backends.cuda.matmul.allow_tf32 = False
-    dit_module._on_device = fp32_on_device
+    modulation_module._on_device = fp32_on_device
     try:
         with kernel_choice(reference_ops=True, attention_backend="sdpa"), sdpa_choice:
             assert model.compute_dtype == torch.float32
             layout = model.prepare_layout(*arguments[4:])  # fp32 RoPE tables
-            return model(*arguments, layout=layout)
+            modulation = modulation_module.build_modulation(model, [arguments[3]])[0]  # fp32 tables
+            return model(*arguments, layout=layout, modulation=modulation)
     finally:
-        dit_module._on_device = on_device
+        modulation_module._on_device = on_device
         torch.backends.cuda.matmul.allow_tf32 = tf32
         for block in model.blocks:
             del block.forward_from

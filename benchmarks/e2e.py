@@ -82,6 +82,7 @@ from h3engine.models.audio_vae import AudioVAE, AudioVAEConfig  # noqa: E402
 from h3engine.models.dit import DiTConfig, H3DiT  # noqa: E402
 from h3engine.models.text_encoder import H3TextEncoder  # noqa: E402
 from h3engine.models.video_vae import VideoVAE, VideoVAEConfig  # noqa: E402
+from h3engine.modulation import clear_modulation_cache, offload_adaln  # noqa: E402
 from h3engine.pipeline import (  # noqa: E402
     DenoisedLatents,
     Models,
@@ -225,7 +226,7 @@ def build_dit(config: DiTConfig, device: torch.device, seed: int) -> H3DiT:
     weights = InMemoryWeights(lambda key, shape: random_native_tensor(key, shape, config, generator))
     dit = _load_random("random DiT", config, lambda: H3DiT(config, dtype=torch.bfloat16), weights, device)
     if device.type == "cuda":
-        dit.offload_adaln()  # as the engine does on a GPU: the projections stream from pinned host memory
+        offload_adaln(dit)  # as the engine does on a GPU: the projections stream from pinned host memory
     return dit
 
 
@@ -653,7 +654,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     if args.repeat_steps:
         # A second request's first steps on the now warm DiT, its AdaLN tables rebuilt (as for a new schedule):
         # what a warm server's request pays around its first step, the tables' streaming included.
-        dit.clear_modulation_cache()
+        clear_modulation_cache(dit)
         repeat_timer = StepTimer(device)
         repeat = denoise_steps(denoise_models, args.repeat_steps, repeat_timer)
         repeat_seconds = repeat_timer.seconds()

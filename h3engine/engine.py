@@ -65,6 +65,7 @@ from h3engine.media import inputs as media_inputs
 from h3engine.media.mux import write_mp4
 from h3engine.media.outputs import OutputFiles, StagedOutputs, save_tensors, staged, write_sidecar
 from h3engine.models.text_encoder import H3TextEncoder, load_tokenizer
+from h3engine.modulation import offload_adaln
 from h3engine.ops import attention as attention_ops
 from h3engine.pipeline import GenerationOutput, Models, StepEvent, check_cancelled, run_generation
 from h3engine.placement import Placement
@@ -288,7 +289,7 @@ class Engine:
         With `fp8_linear`, the blocks' linears are then quantized (h3engine.models.fp8; off by default: not the
         released precision)."""
         if self.device.type == "cuda":
-            dit.offload_adaln()
+            offload_adaln(dit)
         if self.fp8_linear:
             from h3engine.models.fp8 import quantize_dit_linears
 

@@ -40,6 +40,7 @@ from h3engine.errors import GenerationCancelled
 from h3engine.geometry import Geometry
 from h3engine.media.mux import write_mp4
 from h3engine.media.progressive import ProgressiveFrames
+from h3engine.modulation import schedule_modulation
 from h3engine.parallel.groups import GroupMembership
 from h3engine.parallel.vae import decode_video_and_audio
 from h3engine.placement import PHASE_COMPONENTS, Placement
@@ -143,7 +144,7 @@ def denoise(
         row_timesteps(layout, float(schedule.video_timesteps[step]), float(schedule.audio_timesteps[step]))
         for step in range(schedule.num_steps)
     ]
-    step_modulation = dit.schedule_modulation([timesteps for timesteps, _ in step_rows], device)
+    step_modulation = schedule_modulation(dit, [timesteps for timesteps, _ in step_rows], device)
     # Per-row timestep index (CPU bytes) -> (that index on the device, its prepared DiT layout).
     packed_layouts: dict[bytes, tuple[torch.Tensor, object]] = {}
     # What the DiT reads of the request's rows besides the timestep index, in its argument order.

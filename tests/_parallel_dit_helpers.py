@@ -25,6 +25,8 @@ EIGHT_HEADS = dataclasses.replace(DiTConfig.tiny(), num_heads=8)
 TINY = DiTConfig.tiny()
 # (world size) -> the (dit_sp, dit_tp) layouts its workers run on the 8-head DiT.
 EIGHT_HEAD_LAYOUTS = {2: [(2, 1), (1, 2)], 4: [(4, 1), (1, 4), (2, 2)]}
+# The same DiT written in the diffusers layout: Ulysses 2 and TP 2 on two ranks, both at once on four.
+DIFFUSERS_LAYOUTS = {2: [(2, 1), (1, 2)], 4: [(2, 2)]}
 # The tiny checkpoint has 2 heads: world size 2 only.
 TINY_LAYOUTS = [(2, 1), (1, 2)]
 
@@ -83,14 +85,25 @@ def all_to_all_round_trip(world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return by_heads, heads_to_sequence(by_heads, groups.sp)
 
 
-def worker(rank: int, world_size: int, store: str, eight_heads: str, tiny: str, output: str) -> None:
+def worker(
+    rank: int,
+    world_size: int,
+    store: str,
+    eight_heads: str,
+    eight_heads_diffusers: str,
+    tiny: str,
+    output: str,
+) -> None:
     # Four workers share two busy cores: one thread each keeps them from fighting.
     torch.set_num_threads(1)
     initialize_process_group(
         rank, world_size, f"file://{store}", torch.device("cpu"), timeout=timedelta(seconds=120)
     )
     results = {
-        "eight_heads": run_layouts(EIGHT_HEADS, eight_heads, EIGHT_HEAD_LAYOUTS[world_size], world_size)
+        "eight_heads": run_layouts(EIGHT_HEADS, eight_heads, EIGHT_HEAD_LAYOUTS[world_size], world_size),
+        "eight_heads_diffusers": run_layouts(
+            EIGHT_HEADS, eight_heads_diffusers, DIFFUSERS_LAYOUTS[world_size], world_size, recording=True
+        ),
     }
     if world_size == 2:
         results["tiny"] = run_layouts(TINY, tiny, TINY_LAYOUTS, world_size, recording=True)

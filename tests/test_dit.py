@@ -12,6 +12,15 @@ import torch
 from _dit_helpers import PackedRequest, max_relative_error, tiny_fl2va_request
 from diffusers import MiniMaxH3Transformer3DModel
 
+from h3engine import modulation as modulation_module
+from h3engine.checkpoint.dit_format import (
+    config_from_diffusers,
+    config_from_native,
+    config_to_diffusers,
+    config_to_native,
+    module_to_native,
+    native_to_module,
+)
 from h3engine.checkpoint.dit_keys import (
     diffusers_to_native,
     native_state_shapes,
@@ -20,17 +29,14 @@ from h3engine.checkpoint.dit_keys import (
 )
 from h3engine.errors import CheckpointError
 from h3engine.kernels.reference.rope import rotate_first_channels
-from h3engine.models import dit as dit_module
 from h3engine.models.dit import FP32_PARAMETER_NAMES, DiTConfig, H3DiT, MultiAxisRope
+from h3engine.modulation import clear_modulation_cache, offload_adaln, schedule_modulation
 
 SEED = 1234
-# Measured on CPU (torch 2.13): 0.0 for both velocities (bit-identical).
 FP32_TOLERANCE = 1e-5
-# Measured on CPU (torch 2.13): 0.0 (bit-identical) against diffusers loaded the pipeline's way. One bf16 rounding
-# done differently anywhere shows up as ~5e-3 at the output (rounding temb before SiLU: 5.2e-3 / 7.4e-3; SDPA's
-# 3-D math path instead of the 4-D fused one: 4.3e-3), about the bf16 recipe's own distance from fp32 (5.8e-3 /
-# 7.4e-3). So the tolerance demands the same op sequence at every bf16 boundary and only leaves room for fp32-level
-# noise (e.g. selecting rows before vs after the fp32 heads).
+# One bf16 rounding done differently anywhere shows up at the bf16 recipe's own distance from fp32, far above this:
+# the tolerance demands the same op sequence at every bf16 boundary and only leaves room for fp32-level noise
+# (e.g. selecting rows before vs after the fp32 heads).
 BF16_TOLERANCE = 1e-4
 
 
@@ -90,12 +96,12 @@ def tiny_request(text_dtype: torch.dtype) -> PackedRequest:
 
 def our_model(state: dict[str, torch.Tensor], dtype: torch.dtype) -> H3DiT:
     model = H3DiT(DiTConfig.tiny(), dtype=dtype)
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(native_to_module(state, DiTConfig.tiny()), strict=True)
     return model.eval()
 
 
 def diffusers_fp32_model(state: dict[str, torch.Tensor]) -> MiniMaxH3Transformer3DModel:
-    model = MiniMaxH3Transformer3DModel.from_config(DiTConfig.tiny().to_diffusers())
+    model = MiniMaxH3Transformer3DModel.from_config(config_to_diffusers(DiTConfig.tiny()))
     model.load_state_dict(native_to_diffusers(state), strict=True)
     return model.eval()
 
@@ -246,7 +252,9 @@ def test_rope_rotates_pairs_c_and_c_plus_half_and_passes_the_tail() -> None:
 
 def test_key_map_round_trip_is_exact(tiny_state: dict[str, torch.Tensor]) -> None:
     converted = native_to_diffusers(tiny_state)
-    reference_state = MiniMaxH3Transformer3DModel.from_config(DiTConfig.tiny().to_diffusers()).state_dict()
+    reference_state = MiniMaxH3Transformer3DModel.from_config(
+        config_to_diffusers(DiTConfig.tiny())
+    ).state_dict()
     assert set(converted) == set(reference_state)
     assert all(converted[key].shape == reference_state[key].shape for key in converted)
     back = diffusers_to_native(converted, DiTConfig.tiny())
@@ -290,14 +298,14 @@ def test_random_native_state_is_deterministic_in_released_dtypes(tiny_state: dic
 
 def test_config_round_trips_and_diffusers_accepts_it() -> None:
     for config in (DiTConfig.tiny(), DiTConfig.released()):
-        assert DiTConfig.from_native(config.to_native()) == config
-        assert DiTConfig.from_diffusers(config.to_diffusers()) == config
-    model = MiniMaxH3Transformer3DModel.from_config(DiTConfig.tiny().to_diffusers())
-    assert DiTConfig.from_diffusers(dict(model.config)) == DiTConfig.tiny()
+        assert config_from_native(config_to_native(config)) == config
+        assert config_from_diffusers(config_to_diffusers(config)) == config
+    model = MiniMaxH3Transformer3DModel.from_config(config_to_diffusers(DiTConfig.tiny()))
+    assert config_from_diffusers(dict(model.config)) == DiTConfig.tiny()
 
 
 def test_native_config_matches_the_release() -> None:
-    native = DiTConfig.released().to_native()
+    native = config_to_native(DiTConfig.released())
     release = {
         "_class_name": "MiniMaxH3DiTModel",
         "hidden_size": 5376,
@@ -333,27 +341,27 @@ def test_native_config_matches_the_release() -> None:
     only_native_names = {
         k: v for k, v in release.items() if k not in ("num_refiner_layers", "ffn_dim", "freq_dim")
     }
-    assert DiTConfig.from_native(only_native_names) == DiTConfig.released()
+    assert config_from_native(only_native_names) == DiTConfig.released()
 
 
 def test_config_errors_name_the_field() -> None:
-    native = DiTConfig.released().to_native()
+    native = config_to_native(DiTConfig.released())
     missing = {k: v for k, v in native.items() if k not in ("latents_dim", "in_channels")}
     with pytest.raises(CheckpointError, match="latents_dim.*in_channels"):
-        DiTConfig.from_native(missing, source="FL2VA/transformer/config.json")
+        config_from_native(missing, source="FL2VA/transformer/config.json")
     with pytest.raises(
         CheckpointError, match="FL2VA/transformer/config.json.*ffn_hidden_size=1.*ffn_dim=14336"
     ):
-        DiTConfig.from_native({**native, "ffn_hidden_size": 1}, source="FL2VA/transformer/config.json")
+        config_from_native({**native, "ffn_hidden_size": 1}, source="FL2VA/transformer/config.json")
     with pytest.raises(CheckpointError, match="adaln_out_features"):
-        DiTConfig.from_native({**native, "adaln_out_features": 5})
+        config_from_native({**native, "adaln_out_features": 5})
     with pytest.raises(CheckpointError, match="_class_name"):
-        DiTConfig.from_native(DiTConfig.released().to_diffusers())
-    diffusers = DiTConfig.released().to_diffusers()
+        config_from_native(config_to_diffusers(DiTConfig.released()))
+    diffusers = config_to_diffusers(DiTConfig.released())
     with pytest.raises(CheckpointError, match="qk_norm_eps"):
-        DiTConfig.from_diffusers({k: v for k, v in diffusers.items() if k != "qk_norm_eps"})
+        config_from_diffusers({k: v for k, v in diffusers.items() if k != "qk_norm_eps"})
     with pytest.raises(CheckpointError, match="rotated channels"):
-        DiTConfig.from_diffusers({**diffusers, "rope_freq_dim": 32})
+        config_from_diffusers({**diffusers, "rope_freq_dim": 32})
     with pytest.raises(ValueError, match="head_dim must be even"):
         dataclasses.replace(DiTConfig.tiny(), head_dim=13)
     with pytest.raises(ValueError, match="num_layers"):
@@ -383,7 +391,7 @@ def test_released_model_on_meta_matches_the_native_checkpoint() -> None:
     assert stored_bytes == 66_280_430_144
 
     with torch.device("meta"):
-        reference = MiniMaxH3Transformer3DModel.from_config(DiTConfig.released().to_diffusers())
+        reference = MiniMaxH3Transformer3DModel.from_config(config_to_diffusers(DiTConfig.released()))
     reference_shapes = {key: tuple(tensor.shape) for key, tensor in reference.state_dict().items()}
     converted = native_to_diffusers(state)
     assert {key: tuple(tensor.shape) for key, tensor in converted.items()} == reference_shapes
@@ -394,10 +402,10 @@ def test_released_model_on_meta_matches_the_native_checkpoint() -> None:
 
 
 def test_state_dict_round_trips_the_checkpoint_qkv_order(tiny_state: dict[str, torch.Tensor]) -> None:
-    # QKV rows are stacked in memory but the state dict speaks the checkpoint's per-head interleaved order.
+    # QKV rows are stacked in memory; the converters speak the checkpoint's per-head interleaved order.
     model = H3DiT(DiTConfig.tiny(), dtype=torch.float32)
-    model.load_state_dict(tiny_state, strict=True)
-    saved = model.state_dict()
+    model.load_state_dict(native_to_module(tiny_state, DiTConfig.tiny()), strict=True)
+    saved = module_to_native(model.state_dict(), DiTConfig.tiny())
     for key, tensor in tiny_state.items():
         assert torch.equal(saved[key].to(tensor.dtype), tensor), key
     stacked = model.blocks[0].attn.qkv_proj.weight
@@ -430,7 +438,7 @@ def test_schedule_modulation_gives_the_per_forward_tables_and_outputs(tiny_state
     request = tiny_request(dtype)
     steps = _step_timesteps()
     with torch.no_grad():
-        tables = model.schedule_modulation(steps, torch.device("cpu"))
+        tables = schedule_modulation(model, steps, torch.device("cpu"))
         for timesteps, step_tables in zip(steps, tables, strict=True):
             direct = model.modulation(timesteps)
             for cached, computed in zip(step_tables.blocks, direct.blocks, strict=True):
@@ -448,7 +456,7 @@ def test_schedule_modulation_gives_the_per_forward_tables_and_outputs(tiny_state
         arguments = request.as_h3_arguments()
         timesteps = arguments[3]
         plain = model(*arguments)
-        cached = model(*arguments, modulation=model.schedule_modulation([timesteps], torch.device("cpu"))[0])
+        cached = model(*arguments, modulation=schedule_modulation(model, [timesteps], torch.device("cpu"))[0])
         assert torch.equal(plain[0], cached[0]) and torch.equal(plain[1], cached[1])
         # ... and tables of other timesteps give another output (the tables are really used).
         other = model(*arguments, modulation=tables[1])
@@ -459,23 +467,23 @@ def test_modulation_cache_hits_and_is_cleared_by_loading(tiny_state) -> None:
     model = our_model(tiny_state, torch.float32)
     steps = _step_timesteps()
     with torch.no_grad():
-        first = model.schedule_modulation(steps, torch.device("cpu"))
-        assert model.schedule_modulation([t.clone() for t in steps], torch.device("cpu")) is first
-        model.load_state_dict(tiny_state)
-        assert model.schedule_modulation(steps, torch.device("cpu")) is not first
+        first = schedule_modulation(model, steps, torch.device("cpu"))
+        assert schedule_modulation(model, [t.clone() for t in steps], torch.device("cpu")) is first
+        model.load_state_dict(native_to_module(tiny_state, DiTConfig.tiny()))
+        assert schedule_modulation(model, steps, torch.device("cpu")) is not first
         # Old schedules are evicted beyond the cache size.
         for shift in range(4):
-            model.schedule_modulation([t * (0.5 + 0.1 * shift) for t in steps], torch.device("cpu"))
-        assert len(model._modulation_cache) == 2
+            schedule_modulation(model, [t * (0.5 + 0.1 * shift) for t in steps], torch.device("cpu"))
+        assert len(modulation_module._caches[model]) == 2
 
 
 def test_offloaded_adaln_gives_the_same_tables(tiny_state) -> None:
     model = our_model(tiny_state, torch.float32)
     steps = _step_timesteps()
     with torch.no_grad():
-        resident = model.schedule_modulation(steps, torch.device("cpu"))
-        model.offload_adaln()
-        offloaded = model.schedule_modulation(steps, torch.device("cpu"))
+        resident = schedule_modulation(model, steps, torch.device("cpu"))
+        offload_adaln(model)
+        offloaded = schedule_modulation(model, steps, torch.device("cpu"))
     assert offloaded is not resident
     for a, b in zip(resident, offloaded, strict=True):
         assert all(torch.equal(x.gate_attn, y.gate_attn) for x, y in zip(a.blocks, b.blocks, strict=True))
@@ -490,10 +498,10 @@ def test_offloaded_adaln_on_the_gpu_matches_the_resident_model(tiny_state) -> No
     arguments = [t.to(device) for t in request.as_h3_arguments()]
     with torch.no_grad():
         expected = model(*arguments)
-        model.offload_adaln()
+        offload_adaln(model)
         assert all(p.device.type == "cpu" for p in model.blocks[0].adaln_proj.parameters())
         assert model.blocks[0].attn.qkv_proj.weight.device.type == "cuda"
-        tables = model.schedule_modulation([request.timesteps], device)[0]
+        tables = schedule_modulation(model, [request.timesteps], device)[0]
         actual = model(*arguments, modulation=tables)
     assert torch.equal(expected[0], actual[0]) and torch.equal(expected[1], actual[1])
 
@@ -501,29 +509,29 @@ def test_offloaded_adaln_on_the_gpu_matches_the_resident_model(tiny_state) -> No
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_tables_built_on_their_own_stream_are_waited_for(tiny_state, monkeypatch) -> None:
     # A schedule's tables are built on a stream of their own while the forward is queued on the current one. Here
-    # each projection's streaming starts with a ~25 ms GPU sleep on the building stream, so a forward that did not
+    # each projection's streaming starts with a GPU sleep on the building stream, so a forward that did not
     # wait for its tables would read them before they exist.
     device = torch.device("cuda")
     model = our_model(tiny_state, torch.bfloat16).to(device)
-    model.offload_adaln()
+    offload_adaln(model)
     request = tiny_request(torch.bfloat16)
     arguments = [t.to(device) for t in request.as_h3_arguments()]
     timesteps = [request.timesteps]
     with torch.no_grad():
-        settled = model.schedule_modulation(timesteps, device)[0]
+        settled = schedule_modulation(model, timesteps, device)[0]
         torch.cuda.synchronize()
         expected = model(*arguments, modulation=settled)
         torch.cuda.synchronize()
-        model.clear_modulation_cache()  # `settled` stays referenced: the new tables get other memory
+        clear_modulation_cache(model)  # `settled` stays referenced: the new tables get other memory
 
-        streamed = dit_module._on_device
+        streamed = modulation_module._on_device
 
         def slow_on_device(linear: torch.nn.Linear, to: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.cuda._sleep(50_000_000)
             return streamed(linear, to)
 
-        monkeypatch.setattr(dit_module, "_on_device", slow_on_device)
-        tables = model.schedule_modulation(timesteps, device)[0]
+        monkeypatch.setattr(modulation_module, "_on_device", slow_on_device)
+        tables = schedule_modulation(model, timesteps, device)[0]
         assert tables is not settled and tables.blocks[-1].ready is not None
         assert not tables.final_ready.query()  # still being built when the forward is queued
         actual = model(*arguments, modulation=tables)

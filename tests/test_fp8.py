@@ -15,6 +15,7 @@ from _dit_helpers import PackedRequest, max_relative_error, tiny_fl2va_request
 from torch import nn
 
 import h3engine.models.fp8 as fp8
+from h3engine.checkpoint.dit_format import native_to_module
 from h3engine.checkpoint.dit_keys import random_native_state
 from h3engine.checkpoint.safetensors_io import WeightFiles
 from h3engine.checkpoint.tiny import save_sharded
@@ -202,7 +203,7 @@ def tiny_request(text_dtype: torch.dtype) -> PackedRequest:
 
 def tiny_dit(state: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu") -> H3DiT:
     model = H3DiT(DiTConfig.tiny(), dtype=dtype)
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(native_to_module(state, DiTConfig.tiny()), strict=True)
     return model.to(device).eval()
 
 

@@ -25,7 +25,8 @@ from _parallel_dit_helpers import (
     worker,
 )
 
-from h3engine.checkpoint.dit_keys import random_native_state
+from h3engine.checkpoint.dit_format import as_native_files, diffusers_to_module, native_to_module
+from h3engine.checkpoint.dit_keys import native_to_diffusers, random_native_state
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.loader import dit_source
 from h3engine.checkpoint.safetensors_io import WeightFiles
@@ -35,8 +36,8 @@ from h3engine.models.dit import DiTConfig, H3DiT
 from h3engine.parallel.dit import load_dit_shard
 from h3engine.parallel.groups import ParallelLayout, create_dit_groups
 
-# Measured on CPU (torch 2.14.1, gloo), video / audio: Ulysses-only 0.0 / 0.0 (the same attention over the same
-# rows); TP2 and SP2 x TP2 1.8e-7 / 2.5e-7, TP4 1.8e-7 / 2.9e-7 (the split GEMMs' partial sums add in another order).
+# Ulysses alone runs the same attention over the same rows; tensor parallelism adds the split GEMMs' partial sums
+# in another order (fp32 rounding noise).
 TOLERANCE = 1e-5
 
 
@@ -64,6 +65,15 @@ def eight_head_folder(tmp_path_factory, eight_head_state) -> Path:
 
 
 @pytest.fixture(scope="module")
+def eight_head_diffusers_folder(tmp_path_factory, eight_head_state) -> Path:
+    """The same 8-head DiT written like a diffusers transformer folder."""
+    folder = tmp_path_factory.mktemp("eight_heads_diffusers")
+    index = "diffusion_pytorch_model.safetensors.index.json"
+    save_sharded(native_to_diffusers(eight_head_state), folder, "diffusion_pytorch_model", 2, index)
+    return folder
+
+
+@pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "checkpoint", seed=SEED)
 
@@ -76,7 +86,17 @@ def tiny_dit_folder(tiny_checkpoint) -> Path:
 @pytest.fixture(scope="module")
 def eight_head_reference(eight_head_state) -> tuple[torch.Tensor, torch.Tensor]:
     model = H3DiT(EIGHT_HEADS, dtype=torch.float32)
-    model.load_state_dict(eight_head_state, strict=True)
+    model.load_state_dict(native_to_module(eight_head_state, EIGHT_HEADS), strict=True)
+    return single_process_forward(model.eval(), EIGHT_HEADS)
+
+
+@pytest.fixture(scope="module")
+def eight_head_diffusers_reference(eight_head_diffusers_folder) -> tuple[torch.Tensor, torch.Tensor]:
+    """One process holding the whole diffusers-layout checkpoint, converted the single-process loader's way."""
+    files = WeightFiles.open(eight_head_diffusers_folder)
+    model = H3DiT(EIGHT_HEADS, dtype=torch.float32)
+    state = {key: files.tensor(key) for key in files.infos}
+    model.load_state_dict(diffusers_to_module(state, EIGHT_HEADS), strict=True)
     return single_process_forward(model.eval(), EIGHT_HEADS)
 
 
@@ -89,7 +109,7 @@ def tiny_reference(tiny_checkpoint) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def parallel_runs(tmp_path_factory, eight_head_folder, tiny_dit_folder):
+def parallel_runs(tmp_path_factory, eight_head_folder, eight_head_diffusers_folder, tiny_dit_folder):
     """world size -> every rank's results, spawning each world once for the whole module."""
     runs: dict[int, list[dict]] = {}
 
@@ -100,6 +120,7 @@ def parallel_runs(tmp_path_factory, eight_head_folder, tiny_dit_folder):
                 world_size,
                 str(scratch / "store"),
                 str(eight_head_folder),
+                str(eight_head_diffusers_folder),
                 str(tiny_dit_folder),
                 str(scratch),
             )
@@ -173,12 +194,23 @@ def test_layout_must_match_the_model(eight_head_folder) -> None:
         load_dit_shard(WeightFiles.open(eight_head_folder), EIGHT_HEADS, groups, torch.float32, "cpu")
 
 
-def test_diffusers_layout_is_refused_with_a_clear_error(tmp_path) -> None:
-    root = make_tiny_checkpoint(tmp_path / "diffusers", seed=SEED, layout="diffusers")
-    files = WeightFiles.open(detect_layout(root).for_task("t2va").dit)
-    groups = create_dit_groups(ParallelLayout.for_dit(TINY, 1))
-    with pytest.raises(CheckpointError, match="diffusers layout"):
-        load_dit_shard(files, TINY, groups, torch.float32, "cpu")
+def test_diffusers_layout_at_world_size_one_computes_exactly_the_single_process_model(
+    eight_head_diffusers_folder, eight_head_diffusers_reference, eight_head_reference
+) -> None:
+    # Both layouts hold the same weights: one process computes the same bits from either.
+    assert all(map(torch.equal, eight_head_diffusers_reference, eight_head_reference))
+    groups = create_dit_groups(ParallelLayout.for_dit(EIGHT_HEADS, 1))
+    files = WeightFiles.open(eight_head_diffusers_folder)
+    model = load_dit_shard(files, EIGHT_HEADS, groups, torch.float32, "cpu")
+    video, audio = single_process_forward(model, EIGHT_HEADS)
+    assert torch.equal(video, eight_head_diffusers_reference[0])
+    assert torch.equal(audio, eight_head_diffusers_reference[1])
+
+
+def test_shards_of_a_diffusers_layout_without_whole_heads_are_refused(eight_head_diffusers_folder) -> None:
+    files = as_native_files(WeightFiles.open(eight_head_diffusers_folder), EIGHT_HEADS)
+    with pytest.raises(CheckpointError, match="whole heads"):
+        files.row_slice("blocks.0.attn.qkv_proj.weight", 0, EIGHT_HEADS.head_dim)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -202,6 +234,31 @@ def test_parallel_forward_matches_single_process(
         audio_error = max_relative_error(audio, reference_audio)
         assert video_error <= TOLERANCE, f"rank {rank}: video error {video_error:.3g}"
         assert audio_error <= TOLERANCE, f"rank {rank}: audio error {audio_error:.3g}"
+
+
+@pytest.mark.parametrize(
+    "world_size, sp, tp", [(2, 2, 1), (2, 1, 2), (4, 2, 2)], ids=["ulysses2", "tp2", "ulysses2xtp2"]
+)
+def test_diffusers_layout_shards_match_single_process(
+    parallel_runs,
+    eight_head_diffusers_reference,
+    eight_head_diffusers_folder,
+    world_size: int,
+    sp: int,
+    tp: int,
+) -> None:
+    whole = sum(
+        torch.Size(info.shape).numel()
+        for info in WeightFiles.open(eight_head_diffusers_folder).infos.values()
+    )
+    for rank, results in enumerate(parallel_runs(world_size)):
+        (video, audio), reads = results["eight_heads_diffusers"][(sp, tp)]
+        video_error = max_relative_error(video, eight_head_diffusers_reference[0])
+        audio_error = max_relative_error(audio, eight_head_diffusers_reference[1])
+        assert video_error <= TOLERANCE, f"rank {rank}: video error {video_error:.3g}"
+        assert audio_error <= TOLERANCE, f"rank {rank}: audio error {audio_error:.3g}"
+        elements_read = sum(elements for *_, elements in reads)
+        assert elements_read < whole if tp > 1 else elements_read == whole, f"rank {rank}"
 
 
 def test_ulysses_all_to_all_trades_rows_for_heads(parallel_runs) -> None:

@@ -1,11 +1,8 @@
 """Key maps between the native (MiniMaxAI) and diffusers layouts of the H3 DiT, and random native weights.
 
-Contract
---------
-`native_to_diffusers` and `diffusers_to_native` are pure, exact inverses (bit-identical values, same dtypes) and
-work on `meta` tensors, so the loader can derive the expected key/shape set of either layout without data.
-They map key by key, so a partial state (e.g. one block) converts on its own, except that a diffusers block's
-to_q / to_k / to_v must arrive together.
+`native_to_diffusers` and `diffusers_to_native` are pure, exact inverses (bit-identical values, same dtypes) that
+work on `meta` tensors too and map key by key (`diffusers_keys` / `native_key`), so a partial state converts on
+its own, except that a diffusers block's to_q / to_k / to_v must arrive together.
 
 Danger
 ------
@@ -21,6 +18,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -44,49 +42,88 @@ _GLOBAL_RENAMES: dict[str, str] = {
     "final_layer.audio_out.": "audio_proj_out.",
 }
 
-# Block-local names (after "token_refiner.blocks.{i}." / "blocks.{i}.") with a one-to-one tensor; refiner
-# blocks have no AdaLN.
-_REFINER_BLOCK_RENAMES: dict[str, str] = {
-    "norm1.weight": "norm1.weight",
-    "norm2.weight": "norm2.weight",
-    "attn.q_norm.weight": "attn.norm_q.weight",
-    "attn.k_norm.weight": "attn.norm_k.weight",
-    "attn.out_proj.weight": "attn.to_out.0.weight",
-    "mlp.fc2.weight": "ff.net.2.weight",
-}
-_BLOCK_RENAMES: dict[str, str] = {
-    **_REFINER_BLOCK_RENAMES,
-    "adaln_proj.linear.weight": "adaln_proj.linear.weight",
-    "adaln_proj.linear.bias": "adaln_proj.linear.bias",
-}
-_NATIVE_QKV = "attn.qkv_proj.weight"
-_NATIVE_FC1 = "mlp.fc1.weight"
+# Block-local names (after "token_refiner.blocks.{i}." / "blocks.{i}.") -> diffusers name(s); refiner blocks have
+# no AdaLN. The fused QKV weight is three diffusers tensors; fc1 keeps one name but swaps its halves.
+QKV_WEIGHT = "attn.qkv_proj.weight"
+FC1_WEIGHT = "mlp.fc1.weight"
 _DIFFUSERS_QKV = ("attn.to_q.weight", "attn.to_k.weight", "attn.to_v.weight")
 _DIFFUSERS_FC1 = "ff.net.0.proj.weight"
-
-_NATIVE_BLOCK = re.compile(r"^(blocks|token_refiner\.blocks)\.(\d+)\.(.+)$")
-_DIFFUSERS_BLOCK = re.compile(r"^(transformer_blocks|token_refiner\.refiner_blocks)\.(\d+)\.(.+)$")
-_BLOCK_PREFIX_TO_DIFFUSERS = {
-    "blocks": "transformer_blocks",
-    "token_refiner.blocks": "token_refiner.refiner_blocks",
+_REFINER_BLOCK_RENAMES: dict[str, tuple[str, ...]] = {
+    "norm1.weight": ("norm1.weight",),
+    "norm2.weight": ("norm2.weight",),
+    "attn.q_norm.weight": ("attn.norm_q.weight",),
+    "attn.k_norm.weight": ("attn.norm_k.weight",),
+    QKV_WEIGHT: _DIFFUSERS_QKV,
+    "attn.out_proj.weight": ("attn.to_out.0.weight",),
+    FC1_WEIGHT: (_DIFFUSERS_FC1,),
+    "mlp.fc2.weight": ("ff.net.2.weight",),
 }
-_BLOCK_PREFIX_TO_NATIVE = {value: key for key, value in _BLOCK_PREFIX_TO_DIFFUSERS.items()}
-_NATIVE_RENAMES_BY_PREFIX = {"blocks": _BLOCK_RENAMES, "token_refiner.blocks": _REFINER_BLOCK_RENAMES}
-_DIFFUSERS_RENAMES_BY_PREFIX = {
-    "transformer_blocks": {target: source for source, target in _BLOCK_RENAMES.items()},
-    "token_refiner.refiner_blocks": {target: source for source, target in _REFINER_BLOCK_RENAMES.items()},
+_BLOCK_RENAMES: dict[str, tuple[str, ...]] = {
+    **_REFINER_BLOCK_RENAMES,
+    "adaln_proj.linear.weight": ("adaln_proj.linear.weight",),
+    "adaln_proj.linear.bias": ("adaln_proj.linear.bias",),
 }
-_DIFFUSERS_GLOBAL_RENAMES = {target: source for source, target in _GLOBAL_RENAMES.items()}
 
 
-def _rename_global(key: str, renames: dict[str, str]) -> str | None:
-    for source_prefix, target_prefix in renames.items():
-        if key.startswith(source_prefix):
-            return target_prefix + key[len(source_prefix) :]
-    return None
+def _inverse(renames: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    return {target: (source,) for source, targets in renames.items() for target in targets}
 
 
-def _swap_halves(weight: Tensor) -> Tensor:
+@dataclass(frozen=True)
+class _Naming:
+    """One direction of the key map: block-key pattern, block prefixes, block-local renames, global renames."""
+
+    name: str
+    block: re.Pattern[str]
+    block_prefixes: dict[str, str]
+    block_renames: dict[str, dict[str, tuple[str, ...]]]
+    global_renames: dict[str, str]
+
+    def translate(self, key: str) -> tuple[str, ...]:
+        block = self.block.match(key)
+        if block is None:
+            for source_prefix, target_prefix in self.global_renames.items():
+                if key.startswith(source_prefix):
+                    return (target_prefix + key[len(source_prefix) :],)
+            raise CheckpointError(f"unexpected {self.name} DiT key {key!r}")
+        prefix, index, local = block.groups()
+        targets = self.block_renames[prefix].get(local)
+        if targets is None:
+            raise CheckpointError(f"unexpected {self.name} DiT key {key!r}")
+        return tuple(f"{self.block_prefixes[prefix]}.{index}.{target}" for target in targets)
+
+
+_FROM_NATIVE = _Naming(
+    name="native",
+    block=re.compile(r"^(blocks|token_refiner\.blocks)\.(\d+)\.(.+)$"),
+    block_prefixes={"blocks": "transformer_blocks", "token_refiner.blocks": "token_refiner.refiner_blocks"},
+    block_renames={"blocks": _BLOCK_RENAMES, "token_refiner.blocks": _REFINER_BLOCK_RENAMES},
+    global_renames=_GLOBAL_RENAMES,
+)
+_FROM_DIFFUSERS = _Naming(
+    name="diffusers",
+    block=re.compile(r"^(transformer_blocks|token_refiner\.refiner_blocks)\.(\d+)\.(.+)$"),
+    block_prefixes={"transformer_blocks": "blocks", "token_refiner.refiner_blocks": "token_refiner.blocks"},
+    block_renames={
+        "transformer_blocks": _inverse(_BLOCK_RENAMES),
+        "token_refiner.refiner_blocks": _inverse(_REFINER_BLOCK_RENAMES),
+    },
+    global_renames={target: source for source, target in _GLOBAL_RENAMES.items()},
+)
+
+
+def diffusers_keys(native_key: str) -> tuple[str, ...]:
+    """The diffusers key(s) holding a native tensor: to_q, to_k, to_v for a QKV weight, none for rope.inv_freq."""
+    return () if native_key == ROPE_KEY else _FROM_NATIVE.translate(native_key)
+
+
+def native_key(diffusers_key: str) -> str:
+    """The native key a diffusers tensor belongs to (to_q, to_k and to_v all belong to the fused QKV weight)."""
+    return _FROM_DIFFUSERS.translate(diffusers_key)[0]
+
+
+def swap_halves(weight: Tensor) -> Tensor:
+    """fc1's [gate; value] rows <-> diffusers' [value; gate] (its own inverse)."""
     first, second = weight.chunk(2, dim=0)
     return torch.cat((second, first), dim=0)
 
@@ -102,29 +139,16 @@ def native_to_diffusers(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """Native DiT state dict -> diffusers MiniMaxH3Transformer3DModel state dict (drops rope.inv_freq)."""
     converted: dict[str, Tensor] = {}
     for key, tensor in state.items():
-        if key == ROPE_KEY:
-            continue
-        block = _NATIVE_BLOCK.match(key)
-        if block is None:
-            renamed = _rename_global(key, _GLOBAL_RENAMES)
-            if renamed is None:
-                raise CheckpointError(f"unexpected native DiT key {key!r}")
-            converted[renamed] = tensor
-            continue
-        prefix, index, local = block.groups()
-        native_prefix = f"{prefix}.{index}."
-        target_prefix = f"{_BLOCK_PREFIX_TO_DIFFUSERS[prefix]}.{index}."
-        if local == _NATIVE_QKV:
-            head_dim = _head_dim(state, native_prefix + "attn.q_norm.weight", key)
+        targets = diffusers_keys(key)
+        if key.endswith(QKV_WEIGHT):
+            head_dim = _head_dim(state, key.removesuffix(QKV_WEIGHT) + "attn.q_norm.weight", key)
             per_head = tensor.reshape(-1, 3, head_dim, tensor.shape[1])
-            for part, diffusers_local in enumerate(_DIFFUSERS_QKV):
-                converted[target_prefix + diffusers_local] = per_head[:, part].reshape(-1, tensor.shape[1])
-        elif local == _NATIVE_FC1:
-            converted[target_prefix + _DIFFUSERS_FC1] = _swap_halves(tensor)
-        elif local in _NATIVE_RENAMES_BY_PREFIX[prefix]:
-            converted[target_prefix + _NATIVE_RENAMES_BY_PREFIX[prefix][local]] = tensor
+            for part, target in enumerate(targets):
+                converted[target] = per_head[:, part].reshape(-1, tensor.shape[1])
+        elif key.endswith(FC1_WEIGHT):
+            converted[targets[0]] = swap_halves(tensor)
         else:
-            raise CheckpointError(f"unexpected native DiT key {key!r}")
+            converted.update(dict.fromkeys(targets, tensor))
     return converted
 
 
@@ -133,36 +157,24 @@ def diffusers_to_native(state: dict[str, Tensor], config: DiTConfig | None = Non
     rope_config = config if config is not None else DiTConfig.released()
     converted: dict[str, Tensor] = {}
     for key, tensor in state.items():
-        block = _DIFFUSERS_BLOCK.match(key)
-        if block is None:
-            renamed = _rename_global(key, _DIFFUSERS_GLOBAL_RENAMES)
-            if renamed is None:
-                raise CheckpointError(f"unexpected diffusers DiT key {key!r}")
-            converted[renamed] = tensor
-            continue
-        prefix, index, local = block.groups()
-        diffusers_prefix = f"{prefix}.{index}."
-        target_prefix = f"{_BLOCK_PREFIX_TO_NATIVE[prefix]}.{index}."
-        if local in _DIFFUSERS_QKV:
-            missing = [
-                diffusers_prefix + part for part in _DIFFUSERS_QKV if diffusers_prefix + part not in state
-            ]
+        target = native_key(key)
+        if target.endswith(QKV_WEIGHT):
+            prefix = key.removesuffix(next(part for part in _DIFFUSERS_QKV if key.endswith(part)))
+            missing = [prefix + part for part in _DIFFUSERS_QKV if prefix + part not in state]
             if missing:
                 raise CheckpointError(f"diffusers DiT key(s) {missing} missing next to {key!r}")
             # Merged once, when the query weight is met; the key and value weights are consumed with it.
-            if local != _DIFFUSERS_QKV[0]:
+            if key != prefix + _DIFFUSERS_QKV[0]:
                 continue
-            parts = [state[diffusers_prefix + part] for part in _DIFFUSERS_QKV]
-            head_dim = _head_dim(state, diffusers_prefix + "attn.norm_q.weight", key)
+            parts = [state[prefix + part] for part in _DIFFUSERS_QKV]
+            head_dim = _head_dim(state, prefix + "attn.norm_q.weight", key)
             in_features = tensor.shape[1]
             per_head = torch.stack([part.reshape(-1, head_dim, in_features) for part in parts], dim=1)
-            converted[target_prefix + _NATIVE_QKV] = per_head.reshape(-1, in_features)
-        elif local == _DIFFUSERS_FC1:
-            converted[target_prefix + _NATIVE_FC1] = _swap_halves(tensor)
-        elif local in _DIFFUSERS_RENAMES_BY_PREFIX[prefix]:
-            converted[target_prefix + _DIFFUSERS_RENAMES_BY_PREFIX[prefix][local]] = tensor
+            converted[target] = per_head.reshape(-1, in_features)
+        elif target.endswith(FC1_WEIGHT):
+            converted[target] = swap_halves(tensor)
         else:
-            raise CheckpointError(f"unexpected diffusers DiT key {key!r}")
+            converted[target] = tensor
     device = next(iter(state.values())).device if state else None
     converted[ROPE_KEY] = rope_inverse_frequencies(rope_config.rope_freq_dim, rope_config.rope_theta, device)
     return converted

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 import yaml
 
-from h3engine.checkpoint import audio_vae_keys, dit_keys, video_vae_keys
+from h3engine.checkpoint import audio_vae_keys, dit_format, video_vae_keys
 from h3engine.checkpoint.layout import CheckpointLayout, PartitionPaths, read_json
 from h3engine.checkpoint.safetensors_io import WeightFiles, placed
 from h3engine.errors import CheckpointError
 from h3engine.models.audio_vae import AudioVAE, AudioVAEConfig
-from h3engine.models.dit import DiTConfig, H3DiT
+from h3engine.models.dit import H3DiT
 from h3engine.models.video_vae import VideoVAE, VideoVAEConfig
 
 StateDict = dict[str, torch.Tensor]
@@ -69,7 +69,8 @@ class ComponentSource:
         self.files.check({key: tuple(tensor.shape) for key, tensor in file_names.items()})
         if self.to_file_names is _identity:
             # Native layout: stream tensor by tensor straight to the device, so the host never holds the whole model.
-            state = {key: self._read(key, tensor.dtype, device) for key, tensor in expected.items()}
+            file_state = {key: self._read(key, tensor.dtype, device) for key, tensor in expected.items()}
+            state = self.from_file_names(file_state)
         else:
             file_state = {key: self.files.tensor(key) for key in file_names}
             native = self.from_file_names(file_state)
@@ -114,7 +115,10 @@ def dit_source(layout: CheckpointLayout, paths: PartitionPaths, dtype: torch.dty
     config_path = paths.dit / "config.json"
     raw = read_json(config_path)
     try:
-        config = DiTConfig.from_native(raw) if layout.kind == "native" else DiTConfig.from_diffusers(raw)
+        if layout.kind == "native":
+            config = dit_format.config_from_native(raw)
+        else:
+            config = dit_format.config_from_diffusers(raw)
     except (KeyError, TypeError, ValueError) as error:
         raise CheckpointError(f"{config_path}: invalid DiT config ({error})") from None
     native = layout.kind == "native"
@@ -123,8 +127,11 @@ def dit_source(layout: CheckpointLayout, paths: PartitionPaths, dtype: torch.dty
         config=config,
         build=lambda: H3DiT(config, dtype=dtype),
         files=WeightFiles.open(paths.dit),
-        to_file_names=_identity if native else dit_keys.native_to_diffusers,
-        from_file_names=_identity if native else partial(dit_keys.diffusers_to_native, config=config),
+        # The file's names and shapes are the module's for the native layout: only the QKV row order differs.
+        to_file_names=_identity if native else partial(dit_format.module_to_diffusers, config=config),
+        from_file_names=partial(
+            dit_format.native_to_module if native else dit_format.diffusers_to_module, config=config
+        ),
     )
 
 

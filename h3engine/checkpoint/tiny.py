@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from h3engine.checkpoint import audio_vae_keys, dit_keys, video_vae_keys
+from h3engine.checkpoint import audio_vae_keys, dit_format, dit_keys, video_vae_keys
 from h3engine.checkpoint.layout import DIFFUSERS_PIPELINE_CLASS, NATIVE_PARTITION_FOLDERS
 from h3engine.checkpoint.text_encoder_files import (
     write_tiny_processor,
@@ -129,7 +129,7 @@ def _write_native(root: Path, seed: int) -> None:
             },
         )
         dit_state = dit_keys.random_native_state(dit_config, component_seed(seed, partition))
-        write_json(folder / "transformer" / "config.json", dit_config.to_native())
+        write_json(folder / "transformer" / "config.json", dit_format.config_to_native(dit_config))
         save_sharded(dit_state, folder / "transformer", "model", 2, "model.safetensors.index.json")
 
         wrapper, source = video_config.to_native()
@@ -191,7 +191,7 @@ def _write_diffusers(root: Path, seed: int) -> None:
         _write_diffusers_model(
             root / subfolder,
             "MiniMaxH3Transformer3DModel",
-            dit_config.to_diffusers(),
+            dit_format.config_to_diffusers(dit_config),
             dit_keys.native_to_diffusers(native),
         )
     video_native = video_vae_keys.random_native_state(video_config, component_seed(seed, "video_vae"))

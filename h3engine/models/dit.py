@@ -1,35 +1,24 @@
 """The MiniMax H3 diffusion transformer ("H3-Omni-Transformer"), one packed request per forward.
 
-Contract
---------
 `H3DiT.forward` takes one packed request with no batch axis (H3_SPEC §2.1, §3): fp32 video rows
 [Nv, C*prod(patch)], fp32 audio rows [Na, Ca], text states [Lt, text_dim], the M distinct timesteps (fp32,
 t = 1 is clean, unscaled), per-row `timestep_index` and modality `tags` (0 video, 1 text, 2 audio), float64
 (t, h, w) `positions`, and the sequence positions of each modality's rows. It returns fp32 velocities for every
-video and audio row, in the order of `video_index` / `audio_index` (condition rows included).
+video and audio row, in the order of `video_index` / `audio_index` (condition rows included). `state_dict()` keys
+are the native checkpoint keys (H3_SPEC §1.3), `rope.inv_freq` included; `attn.qkv_proj` rows are held stacked
+[q; k; v] where the file interleaves them per head (h3engine.checkpoint.dit_format converts).
 
-`state_dict()` keys are exactly the native MiniMaxAI checkpoint keys (H3_SPEC §1.3), including the persistent
-fp32 buffer `rope.inv_freq`, so a native shard loads with no renaming and tensor-parallel shards are row slices:
-`attn.qkv_proj` rows are interleaved per head as [head, (q, k, v), head_dim] in the file (kept stacked in
-memory, see `Attention`) and `mlp.fc1` rows are [gate; value].
-
-Danger
-------
-The checkpoint is mixed precision. The twelve tensors in `FP32_PARAMETER_NAMES` (patch projections, time MLP,
-output heads) plus `rope.inv_freq` must stay fp32; everything else runs in the `dtype` given to the constructor.
-Never call `.to(torch.bfloat16)` / `.half()` on the whole module: that silently rounds the fp32 islands (and
-`inv_freq`) and shifts every output. Choose the compute dtype at construction instead.
-A module built on `meta` and materialized with `to_empty()` holds garbage, `rope.inv_freq` included, until a
-full state dict is loaded.
+Danger: the checkpoint is mixed precision. `FP32_PARAMETER_NAMES` (patch projections, time MLP, output heads,
+`rope.inv_freq`) must stay fp32, the rest runs in the constructor's `dtype`: never `.to(torch.bfloat16)` /
+`.half()` the whole module (that rounds the fp32 islands), choose the dtype at construction. A module built on
+`meta` and materialized with `to_empty()` holds garbage, `rope.inv_freq` included, until a full state is loaded.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,9 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from h3engine import ops
-from h3engine.errors import CheckpointError
 from h3engine.ops import attention as attention_ops
-from h3engine.placement import pin_in_place
 
 # Rows carry one AdaLN entry per (timestep, modality); modality tags are 0 video, 1 text, 2 audio.
 NUM_MODALITIES = 3
@@ -47,11 +34,6 @@ NUM_MODALITIES = 3
 NUM_BLOCK_MODULATIONS = 6
 # The sinusoidal timestep features use the classic 10000 period.
 TIMESTEP_MAX_PERIOD = 10000.0
-# Schedules whose AdaLN tables `H3DiT.schedule_modulation` keeps (~1 GB each at the released size, 50 steps).
-MODULATION_CACHE_SCHEDULES = 2
-
-NATIVE_CLASS_NAME = "MiniMaxH3DiTModel"
-DIFFUSERS_CLASS_NAME = "MiniMaxH3Transformer3DModel"
 
 # State-dict keys that the release stores in fp32 and that must be computed in fp32 whatever the compute dtype.
 FP32_PARAMETER_NAMES: frozenset[str] = frozenset(
@@ -77,70 +59,10 @@ FP32_PARAMETER_NAMES: frozenset[str] = frozenset(
 # Configuration
 # --------------------------------------------------------------------------------------------------------------
 
-# Our field -> the names a native transformer/config.json may use for it (the release writes all of them and
-# they must agree). The three eps names are one field for us: the release sets them all to 1e-5.
-_NATIVE_FIELD_ALIASES: dict[str, tuple[str, ...]] = {
-    "hidden_size": ("hidden_size",),
-    "num_layers": ("num_layers",),
-    "num_refiner_layers": ("token_refiner_num_layers", "num_refiner_layers"),
-    "num_heads": ("num_attention_heads",),
-    "head_dim": ("attention_head_dim",),
-    "ffn_dim": ("ffn_hidden_size", "ffn_dim"),
-    "video_in_channels": ("latents_dim", "in_channels"),
-    "audio_in_channels": ("audio_latents_dim", "audio_in_channels"),
-    "patch_size": ("patch_size",),
-    "text_dim": ("text_dim",),
-    "timestep_dim": ("timestep_input_dim", "freq_dim"),
-    "time_hidden_dim": ("time_embed_hidden_size", "time_embed_hidden_dim"),
-    "time_embed_dim": ("time_embed_dim",),
-    "rope_freq_dim": ("rope_inv_freq_len", "rope_freq_dim"),
-    "rope_theta": ("rope_theta",),
-    "eps": ("norm_eps", "qk_norm_eps", "final_norm_eps"),
-}
-
-# Our field -> diffusers MiniMaxH3Transformer3DModel constructor argument(s).
-_DIFFUSERS_FIELD_NAMES: dict[str, tuple[str, ...]] = {
-    "hidden_size": ("hidden_size",),
-    "num_layers": ("num_layers",),
-    "num_refiner_layers": ("num_refiner_layers",),
-    "num_heads": ("num_attention_heads",),
-    "head_dim": ("attention_head_dim",),
-    "ffn_dim": ("ffn_dim",),
-    "video_in_channels": ("in_channels",),
-    "audio_in_channels": ("audio_in_channels",),
-    "patch_size": ("patch_size",),
-    "text_dim": ("text_dim",),
-    "timestep_dim": ("freq_dim",),
-    "time_hidden_dim": ("time_embed_hidden_dim",),
-    "time_embed_dim": ("time_embed_dim",),
-    "rope_freq_dim": ("rope_freq_dim",),
-    "rope_theta": ("rope_theta",),
-    "eps": ("norm_eps", "qk_norm_eps", "final_norm_eps"),
-}
-
-
-def _read_aliased_fields(
-    config: dict[str, Any], names_by_field: dict[str, tuple[str, ...]], require_all_names: bool, source: str
-) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for field_name, names in names_by_field.items():
-        present = [name for name in names if name in config]
-        missing = [name for name in names if name not in config]
-        if not present or (require_all_names and missing):
-            raise CheckpointError(
-                f"{source}: missing DiT config field {' / '.join(repr(n) for n in missing)}"
-            )
-        distinct = {repr(config[name]) for name in present}
-        if len(distinct) > 1:
-            found = ", ".join(f"{name}={config[name]!r}" for name in present)
-            raise CheckpointError(f"{source}: DiT config fields disagree ({found}); they must be equal")
-        values[field_name] = config[present[0]]
-    return values
-
 
 @dataclass(frozen=True)
 class DiTConfig:
-    """Architecture of the H3 DiT. Field names are ours; see `from_native` / `from_diffusers` for the files."""
+    """Architecture of the H3 DiT. Field names are ours; h3engine.checkpoint.dit_format reads the files."""
 
     hidden_size: int
     num_layers: int
@@ -230,101 +152,33 @@ class DiTConfig:
     @classmethod
     def released(cls) -> DiTConfig:
         """The released H3-Base DiT (H3_SPEC §1.2), 33,122,992,896 parameters."""
-        return cls(
-            hidden_size=5376,
-            num_layers=50,
-            num_refiner_layers=2,
-            num_heads=56,
-            head_dim=128,
-            ffn_dim=14336,
-            video_in_channels=24,
-            audio_in_channels=32,
-            patch_size=(1, 2, 2),
-            text_dim=5120,
-            timestep_dim=256,
-            time_hidden_dim=5376,
-            time_embed_dim=2688,
-            rope_freq_dim=16,
-            rope_theta=10000.0,
-            eps=1e-5,
-        )
+        return cls(**{name: released for name, (released, _) in _KNOWN_CONFIGS.items()})
 
     @classmethod
     def tiny(cls) -> DiTConfig:
         """Test configuration (H3_SPEC §12); hidden 16 != heads x head_dim 24 on purpose, all 12 channels rotated."""
-        return cls(
-            hidden_size=16,
-            num_layers=2,
-            num_refiner_layers=1,
-            num_heads=2,
-            head_dim=12,
-            ffn_dim=32,
-            video_in_channels=4,
-            audio_in_channels=4,
-            patch_size=(1, 2, 2),
-            text_dim=8,
-            timestep_dim=8,
-            time_hidden_dim=16,
-            time_embed_dim=8,
-            rope_freq_dim=2,
-        )
+        return cls(**{name: tiny for name, (_, tiny) in _KNOWN_CONFIGS.items()})
 
-    # Config files ------------------------------------------------------------------------------------------
 
-    @classmethod
-    def from_native(cls, config: dict[str, Any], source: str = "transformer/config.json") -> DiTConfig:
-        """Parse a native transformer/config.json; each field may appear under any of its aliases (all must agree)."""
-        class_name = config.get("_class_name", NATIVE_CLASS_NAME)
-        if class_name != NATIVE_CLASS_NAME:
-            raise CheckpointError(f"{source}: _class_name is {class_name!r}, expected {NATIVE_CLASS_NAME!r}")
-        values = _read_aliased_fields(config, _NATIVE_FIELD_ALIASES, require_all_names=False, source=source)
-        parsed = cls._from_values(values, source)
-        derived = {
-            "adaln_out_features": parsed.adaln_out_features,
-            "final_adaln_out_features": parsed.final_adaln_out_features,
-        }
-        for name, expected in derived.items():
-            if name in config and config[name] != expected:
-                raise CheckpointError(
-                    f"{source}: {name} is {config[name]!r}, the other fields imply {expected}"
-                )
-        return parsed
-
-    @classmethod
-    def from_diffusers(cls, config: dict[str, Any], source: str = "transformer/config.json") -> DiTConfig:
-        """Parse a diffusers MiniMaxH3Transformer3DModel config.json (every constructor argument required)."""
-        class_name = config.get("_class_name", DIFFUSERS_CLASS_NAME)
-        if class_name != DIFFUSERS_CLASS_NAME:
-            raise CheckpointError(
-                f"{source}: _class_name is {class_name!r}, expected {DIFFUSERS_CLASS_NAME!r}"
-            )
-        values = _read_aliased_fields(config, _DIFFUSERS_FIELD_NAMES, require_all_names=True, source=source)
-        return cls._from_values(values, source)
-
-    @classmethod
-    def _from_values(cls, values: dict[str, Any], source: str) -> DiTConfig:
-        try:
-            return cls(**values)
-        except (TypeError, ValueError) as error:
-            raise CheckpointError(f"{source}: invalid DiT config: {error}") from error
-
-    def to_native(self) -> dict[str, Any]:
-        """The native config.json dict, with both alias sets written the way the release does."""
-        native: dict[str, Any] = {"_class_name": NATIVE_CLASS_NAME}
-        for field_name, value in asdict(self).items():
-            for name in _NATIVE_FIELD_ALIASES[field_name]:
-                native[name] = list(value) if field_name == "patch_size" else value
-        native["adaln_out_features"] = self.adaln_out_features
-        native["final_adaln_out_features"] = self.final_adaln_out_features
-        return native
-
-    def to_diffusers(self) -> dict[str, Any]:
-        """A dict accepted by diffusers `MiniMaxH3Transformer3DModel.from_config`."""
-        converted: dict[str, Any] = {"_class_name": DIFFUSERS_CLASS_NAME}
-        for field_name, value in asdict(self).items():
-            for name in _DIFFUSERS_FIELD_NAMES[field_name]:
-                converted[name] = list(value) if field_name == "patch_size" else value
-        return converted
+# Field -> (released value, tiny value).
+_KNOWN_CONFIGS: dict[str, tuple[Any, Any]] = {
+    "hidden_size": (5376, 16),
+    "num_layers": (50, 2),
+    "num_refiner_layers": (2, 1),
+    "num_heads": (56, 2),
+    "head_dim": (128, 12),
+    "ffn_dim": (14336, 32),
+    "video_in_channels": (24, 4),
+    "audio_in_channels": (32, 4),
+    "patch_size": ((1, 2, 2), (1, 2, 2)),
+    "text_dim": (5120, 8),
+    "timestep_dim": (256, 8),
+    "time_hidden_dim": (5376, 16),
+    "time_embed_dim": (2688, 8),
+    "rope_freq_dim": (16, 2),
+    "rope_theta": (10000.0, 10000.0),
+    "eps": (1e-5, 1e-5),
+}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -425,23 +279,13 @@ class MultiAxisRope(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def interleaved_to_stacked_qkv(weight: Tensor, num_heads: int) -> Tensor:
-    """[head, (q, k, v), head_dim] rows (the checkpoint's order) -> [(q, k, v), head, head_dim] rows."""
-    return weight.unflatten(0, (num_heads, 3, -1)).transpose(0, 1).flatten(0, 2)
-
-
-def stacked_to_interleaved_qkv(weight: Tensor, num_heads: int) -> Tensor:
-    """Inverse of `interleaved_to_stacked_qkv`."""
-    return weight.unflatten(0, (3, num_heads, -1)).transpose(0, 1).flatten(0, 2)
-
-
 class Attention(nn.Module):
     """Self-attention with a fused QKV weight, per-head RMS QK-norm (before RoPE), no biases.
 
-    The checkpoint interleaves the QKV rows per head; in memory they are kept stacked [q; k; v] (converted by the
-    state-dict hooks, so `state_dict()` and loading still speak the checkpoint's order). Stacked rows let q, k and
-    v come from three GEMMs with contiguous weight slices and contiguous outputs: slicing one fused output per head
-    hands strided tensors to the QK-norm and the attention kernel, which then copy them (~1 % of a forward).
+    The checkpoint interleaves the QKV rows per head; the weight holds them stacked [q; k; v] (the checkpoint
+    loaders convert). Stacked rows let q, k and v come from three GEMMs with contiguous weight slices and
+    contiguous outputs: slicing one fused output per head hands strided tensors to the QK-norm and the attention
+    kernel, which then copy them.
     """
 
     def __init__(self, config: DiTConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
@@ -456,19 +300,6 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(
             config.inner_dim, config.hidden_size, bias=False, dtype=dtype, device=device
         )
-        self.register_load_state_dict_pre_hook(self._stack_loaded_qkv)
-        self._register_state_dict_hook(self._interleave_saved_qkv)
-
-    def _stack_loaded_qkv(self, module, state_dict, prefix, *args) -> None:
-        key = prefix + "qkv_proj.weight"
-        if key in state_dict:
-            state_dict[key] = interleaved_to_stacked_qkv(state_dict[key], self.num_heads).contiguous()
-
-    @staticmethod
-    def _interleave_saved_qkv(module, state_dict, prefix, local_metadata) -> None:
-        key = prefix + "qkv_proj.weight"
-        if key in state_dict:  # an FP8-quantized layer has no bf16 weight to save
-            state_dict[key] = stacked_to_interleaved_qkv(state_dict[key], module.num_heads)
 
     def _project_qkv(self, hidden: Tensor) -> tuple[Tensor, ...]:
         """q, k and v as three GEMMs on the stacked weight's row blocks (contiguous outputs).
@@ -654,8 +485,8 @@ def run_blocks(
     chain = list(zip(blocks, modulations, strict=True))
     if not chain:
         return hidden
-    # Tables may still be in flight on the stream that builds a schedule's (`H3DiT.schedule_modulation`): each
-    # block waits for its own and, for the fused next norm, the following block's.
+    # Tables may still be in flight on the stream that builds a schedule's (h3engine.modulation): each block waits
+    # for its own and, for the fused next norm, the following block's.
     modulated = chain[0][0].attention_input(hidden, chain[0][1].wait(), layout)
     for index, (block, modulation) in enumerate(chain):
         following = chain[index + 1] if index + 1 < len(chain) else None
@@ -709,16 +540,10 @@ class BlockModulation:
     shift_ffn: Tensor
     scale_plus_one_ffn: Tensor
     gate_ffn: Tensor
-    # Marks the tables computed when another CUDA stream built them (`H3DiT.schedule_modulation`); None otherwise.
-    ready: torch.cuda.Event | None = None
-
-    def tables(self) -> tuple[Tensor, ...]:
-        """The six tables, in field order (`ready` is not one)."""
-        return tuple(getattr(self, field.name) for field in fields(self) if field.name != "ready")
 
     def wait(self) -> BlockModulation:
-        """These tables, once the current CUDA stream has been made to wait until they are computed."""
-        _wait_for(self.ready, self.shift_attn.device)
+        """These tables, ready to be read; tables built on another CUDA stream (h3engine.modulation) first make the
+        reading stream wait for them."""
         return self
 
 
@@ -726,38 +551,16 @@ class BlockModulation:
 class StepModulation:
     """Every AdaLN table of one forward: one `BlockModulation` per block and the final layer's (1 + scale, shift).
 
-    It depends only on the forward's M distinct timesteps, so a request computes it once per step of its schedule
-    (`H3DiT.schedule_modulation`) and the 13 B AdaLN parameters need not stay on the GPU.
+    It depends only on the forward's M distinct timesteps, so a request can build the tables of every step of its
+    schedule once (h3engine.modulation) and pass each forward its step's.
     """
 
     blocks: tuple[BlockModulation, ...]
     final: tuple[Tensor, Tensor]
-    final_ready: torch.cuda.Event | None = None
 
     def final_tables(self) -> tuple[Tensor, Tensor]:
-        """The final layer's tables, once the current CUDA stream has been made to wait until they are computed."""
-        _wait_for(self.final_ready, self.final[0].device)
+        """The final layer's tables, ready to be read (see `BlockModulation.wait`)."""
         return self.final
-
-
-def _wait_for(event: torch.cuda.Event | None, device: torch.device) -> None:
-    """Make the current stream of `device` (where the tables live and are read) wait for `event`."""
-    if event is not None:
-        torch.cuda.current_stream(device).wait_event(event)
-
-
-def _handed_over(
-    tensors: Sequence[Tensor], reading_stream: torch.cuda.Stream | None
-) -> torch.cuda.Event | None:
-    """Tensors just computed on the current CUDA stream, to be read on `reading_stream`: the allocator keeps their
-    memory until the reader's queued work is done, and the returned event marks them computed. None on a CPU."""
-    if reading_stream is None:
-        return None
-    for tensor in tensors:
-        tensor.record_stream(reading_stream)
-    event = torch.cuda.Event()
-    event.record()
-    return event
 
 
 @dataclass(frozen=True)
@@ -783,6 +586,20 @@ class PackedLayout:
     def sequence_length(self) -> int:
         return self.adaln_index.shape[0]
 
+    @property
+    def local(self) -> PackedLayout:
+        """The layout of the rows this process holds: all of them (a sequence-parallel shard holds a block)."""
+        return self
+
+
+def packed_rows(sequence_length: int, *parts: tuple[Tensor, Tensor]) -> Tensor:
+    """[sequence_length, width] zeros in the first part's dtype, with each (rows, index) part's rows at its index."""
+    first = parts[0][0]
+    hidden = first.new_zeros(sequence_length, first.shape[1])
+    for rows, index in parts:
+        hidden.index_copy_(0, index, rows.to(hidden.dtype))
+    return hidden
+
 
 class H3DiT(nn.Module):
     """The H3 DiT over one packed request (see the module docstring for the contract and the fp32 islands)."""
@@ -804,9 +621,6 @@ class H3DiT(nn.Module):
         self.token_refiner = TokenRefiner(config, dtype, device)
         self.blocks = nn.ModuleList(DiTBlock(config, dtype, device) for _ in range(config.num_layers))
         self.final_layer = FinalLayer(config, dtype, device)
-        # Schedule timesteps -> AdaLN tables of every step (see `schedule_modulation`); not part of the state.
-        self._modulation_cache: OrderedDict[tuple, list[StepModulation]] = OrderedDict()
-        self.register_load_state_dict_post_hook(lambda module, keys: module._modulation_cache.clear())
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -863,7 +677,7 @@ class H3DiT(nn.Module):
         """One packed request -> (video velocity [Nv, C*prod(patch)] fp32, audio velocity [Na, Ca] fp32).
 
         A denoising loop passes the request-static `layout` (from `prepare_layout` on the same index tensors) and
-        this step's `modulation` (from `schedule_modulation`) so that neither is rebuilt every step.
+        this step's `modulation` (h3engine.modulation.schedule_modulation) so that neither is rebuilt every step.
         """
         if layout is None:
             layout = self.prepare_layout(
@@ -872,27 +686,17 @@ class H3DiT(nn.Module):
         return self.forward_with_layout(video_rows, audio_rows, text_states, timesteps, layout, modulation)
 
     def check_packed_inputs(
-        self,
-        video_rows: Tensor,
-        audio_rows: Tensor,
-        text_states: Tensor,
-        num_video_rows: int,
-        num_audio_rows: int,
-        num_text_rows: int,
+        self, video_rows: Tensor, audio_rows: Tensor, text_states: Tensor, layout: PackedLayout
     ) -> None:
         """Raise ValueError unless the row tensors have the layout's row counts and the config's widths."""
-        if video_rows.shape != (num_video_rows, self.config.video_patch_dim):
-            raise ValueError(
-                f"video_rows must be [Nv, {self.config.video_patch_dim}], got {list(video_rows.shape)}"
-            )
-        if audio_rows.shape != (num_audio_rows, self.config.audio_in_channels):
-            raise ValueError(
-                f"audio_rows must be [Na, {self.config.audio_in_channels}], got {list(audio_rows.shape)}"
-            )
-        if text_states.shape != (num_text_rows, self.config.text_dim):
-            raise ValueError(
-                f"text_states must be [Lt, {self.config.text_dim}], got {list(text_states.shape)}"
-            )
+        expected = {
+            "video_rows": (video_rows, layout.video_index.numel(), self.config.video_patch_dim, "Nv"),
+            "audio_rows": (audio_rows, layout.audio_index.numel(), self.config.audio_in_channels, "Na"),
+            "text_states": (text_states, layout.text_index.numel(), self.config.text_dim, "Lt"),
+        }
+        for name, (rows, count, width, symbol) in expected.items():
+            if rows.shape != (count, width):
+                raise ValueError(f"{name} must be [{symbol}, {width}], got {list(rows.shape)}")
 
     def forward_with_layout(
         self,
@@ -903,109 +707,48 @@ class H3DiT(nn.Module):
         layout: PackedLayout,
         modulation: StepModulation | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """`forward` with the request-static tensors (and optionally this step's AdaLN tables) already prepared."""
-        self.check_packed_inputs(
-            video_rows,
-            audio_rows,
-            text_states,
-            layout.video_index.numel(),
-            layout.audio_index.numel(),
-            layout.text_index.numel(),
-        )
+        """`forward` with the request-static tensors (and optionally this step's AdaLN tables) already prepared:
+        the rows are embedded into the packed sequence, run through the blocks, and the head reads them out."""
+        self.check_packed_inputs(video_rows, audio_rows, text_states, layout)
+        hidden = self.embed(video_rows, audio_rows, text_states, layout)
+        if modulation is None:
+            modulation = self.modulation(timesteps)
+        hidden = run_blocks(self.blocks, modulation.blocks, hidden, layout.local)
+        return self.head(hidden, modulation.final_tables(), layout)
 
-        # Video/audio rows go through their fp32 projections in fp32; the refined text sets the packed dtype.
+    def project_inputs(
+        self, video_rows: Tensor, audio_rows: Tensor, text_states: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(video, audio, text) rows of width hidden_size: video and audio through their fp32 patch projections in
+        fp32, text through the condition projection and the token refiner (its dtype sets the packed sequence's)."""
         video = self.video_patch_proj(video_rows.to(torch.float32))
         audio = self.audio_patch_proj(audio_rows.to(torch.float32))
         text = self.token_refiner(self.condition_proj(text_states.to(self.compute_dtype)))
+        return video, audio, text
 
-        hidden = text.new_zeros(layout.sequence_length, self.config.hidden_size)
-        hidden.index_copy_(0, layout.text_index, text)
-        hidden.index_copy_(0, layout.video_index, video.to(hidden.dtype))
-        hidden.index_copy_(0, layout.audio_index, audio.to(hidden.dtype))
+    def embed(
+        self, video_rows: Tensor, audio_rows: Tensor, text_states: Tensor, layout: PackedLayout
+    ) -> Tensor:
+        """The packed sequence [S, hidden] the blocks run on: each modality's projected rows at its positions."""
+        video, audio, text = self.project_inputs(video_rows, audio_rows, text_states)
+        return packed_rows(
+            layout.sequence_length,
+            (text, layout.text_index),
+            (video, layout.video_index),
+            (audio, layout.audio_index),
+        )
 
-        if modulation is None:
-            modulation = self.modulation(timesteps)
-        hidden = run_blocks(self.blocks, modulation.blocks, hidden, layout)
-        return self.final_layer(hidden, modulation.final_tables(), layout)
-
-    # AdaLN modulation ----------------------------------------------------------------------------------------
-
-    def _adaln_projections(self) -> list[nn.Module]:
-        return [block.adaln_proj for block in self.blocks] + [self.final_layer.adaln_proj]
-
-    def offload_adaln(self) -> None:
-        """Move every AdaLN projection (13 B parameters at the released size) to CPU memory, pinned when CUDA is
-        present; `schedule_modulation` streams them to the compute device when it builds tables."""
-        parameters = [
-            parameter for projection in self._adaln_projections() for parameter in projection.parameters()
-        ]
-        for parameter in parameters:
-            parameter.data = parameter.data.to("cpu")
-        if torch.cuda.is_available():
-            # Packed into slabs: pinned one by one, each 520 MB weight would take a 1 GiB pinned block.
-            pin_in_place(parameters)
-        self.clear_modulation_cache()
-
-    def clear_modulation_cache(self) -> None:
-        """Forget every schedule's tables (the next `schedule_modulation` builds them again)."""
-        self._modulation_cache.clear()
+    def head(
+        self, hidden: Tensor, final_tables: tuple[Tensor, Tensor], layout: PackedLayout
+    ) -> tuple[Tensor, Tensor]:
+        """The blocks' output -> fp32 (video, audio) velocities in the order of the layout's row indices."""
+        return self.final_layer(hidden, final_tables, layout)
 
     def modulation(self, timesteps: Tensor) -> StepModulation:
         """Every AdaLN table of one forward with these M timesteps (fp32 [M], on the compute device)."""
-        return self._compute_modulation([timesteps])[0]
-
-    def schedule_modulation(self, step_timesteps: list[Tensor], device: torch.device) -> list[StepModulation]:
-        """The AdaLN tables of every forward of a request on `device`, one per entry of `step_timesteps` (CPU).
-
-        Each step's tables come from exactly the computation a forward does (same shapes, so the same values); the
-        projections' weights are read once for all steps (streamed to `device` when offloaded). The tables of the
-        last `MODULATION_CACHE_SCHEDULES` schedules are kept, keyed by the timestep values, so repeated requests
-        with the same schedule skip the work. Loading weights clears the cache. On a GPU the tables are built on a
-        stream of their own and may still be in flight when this returns: readers wait through
-        `BlockModulation.wait` / `StepModulation.final_tables` (`run_blocks` and the forwards do).
-        """
-        cache_key = (str(device), tuple(tuple(t.tolist()) for t in step_timesteps))
-        if cache_key in self._modulation_cache:
-            self._modulation_cache.move_to_end(cache_key)
-            return self._modulation_cache[cache_key]
-        result = self._compute_modulation([timesteps.to(device) for timesteps in step_timesteps])
-        self._modulation_cache[cache_key] = result
-        while len(self._modulation_cache) > MODULATION_CACHE_SCHEDULES:
-            self._modulation_cache.popitem(last=False)
-        return result
-
-    def _compute_modulation(self, step_timesteps: list[Tensor]) -> list[StepModulation]:
-        device = step_timesteps[0].device
-        # On a GPU the tables are built on a stream of their own, so the first forward starts at once and each block
-        # waits only for its own tables (`run_blocks`): streaming one block's offloaded projection takes ~10 ms, a
-        # block's forward ~100 ms at the released size, so the ~0.5 s of streaming hides under the first step.
-        reading_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        building_stream = torch.cuda.Stream(device) if reading_stream is not None else None
-        if building_stream is not None:
-            building_stream.wait_stream(reading_stream)
-            for timesteps in step_timesteps:
-                timesteps.record_stream(building_stream)
-        with torch.cuda.stream(building_stream) if building_stream is not None else contextlib.nullcontext():
-            # temb stays fp32 ([M, time_embed_dim]); each AdaLN projection casts only after its SiLU.
-            step_tembs = [self.time_embedder(timesteps) for timesteps in step_timesteps]
-            block_tables: list[list[BlockModulation]] = [[] for _ in step_timesteps]
-            for block in self.blocks:
-                weight, bias = _on_device(block.adaln_proj.linear, device)
-                computed = [block.modulation(temb, weight, bias) for temb in step_tembs]
-                ready = _handed_over(
-                    [table for tables in computed for table in tables.tables()], reading_stream
-                )
-                for tables, step_computed in zip(block_tables, computed, strict=True):
-                    tables.append(replace(step_computed, ready=ready))
-            weight, bias = _on_device(self.final_layer.adaln_proj.linear, device)
-            finals = [self.final_layer.modulation(temb, weight, bias) for temb in step_tembs]
-            final_ready = _handed_over([table for final in finals for table in final], reading_stream)
-        return [
-            StepModulation(blocks=tuple(tables), final=final, final_ready=final_ready)
-            for tables, final in zip(block_tables, finals, strict=True)
-        ]
-
-
-def _on_device(linear: nn.Linear, device: torch.device) -> tuple[Tensor, Tensor]:
-    """A linear's weight and bias on `device` (a copy when they live elsewhere, e.g. offloaded to pinned CPU)."""
-    return linear.weight.to(device, non_blocking=True), linear.bias.to(device, non_blocking=True)
+        # temb stays fp32 ([M, time_embed_dim]); each AdaLN projection casts only after its SiLU.
+        temb = self.time_embedder(timesteps)
+        return StepModulation(
+            blocks=tuple(block.modulation(temb) for block in self.blocks),
+            final=self.final_layer.modulation(temb),
+        )

@@ -1,37 +1,17 @@
 """The H3 DiT split over a DiT group: tensor parallel (heads, FFN) x Ulysses sequence parallel (packed rows).
 
-Contract
---------
 `load_dit_shard(weight_files, config, groups, dtype, device)` builds this rank's DiT and reads only its shard of
-the native checkpoint. The module is called exactly like `H3DiT` (same arguments, the full packed request on
-every rank) and returns the full fp32 velocities on every rank, so the sampling loop runs unchanged and
-replicated. `parallelize_dit` builds the same module on `meta`, without weights.
+the checkpoint in either layout (a diffusers one is read as native: h3engine.checkpoint.dit_format);
+`parallelize_dit` builds the same module on `meta`, without weights. The module is called exactly like `H3DiT`
+(the full packed request on every rank) and returns the full fp32 velocities on every rank, so the sampling loop
+runs unchanged and replicated.
 
-Tensor parallelism (`groups.tp`) swaps named parallel layers into every attention and FFN, the token refiner's
-included: the QKV projection is split by heads and `out_proj` sums over the group; fc1 keeps its
-[gate; value] blocks split alike and fc2 sums. AdaLN projections, norms, patch projections, the time MLP and the
-output heads stay replicated. The model code is untouched: only its layers differ.
+Tensor parallelism (`groups.tp`) swaps parallel layers into every attention and FFN, the token refiner's included
+(QKV split by heads, fc1's [gate; value] halves split alike, out_proj and fc2 summed over the group); the rest
+stays replicated and the model code is untouched. Sequence parallelism: `SequenceParallelDiT`.
 
-Ulysses sequence parallelism (`groups.sp`, `SequenceParallelDiT`): the S packed rows are padded to a multiple of
-sp and rank r holds rows [r*S_pad/sp, (r+1)*S_pad/sp). Everything but attention is row-wise, so blocks run on
-local rows with local RoPE tables and local AdaLN gathers. Around attention one all-to-all trades rows for heads
-(every rank then holds all rows of 1/sp of its heads), attention runs, and a second all-to-all trades back. The
-text refiner (attention among text rows only, a small share of S) runs on all text rows on every rank. The fp32
-output heads run on every local row and the [S_pad, video + audio channels] result is gathered once; the wanted
-rows are picked from it.
-
-Padding rows (at most sp - 1, all at the end of the sequence): after the first all-to-all every rank holds the
-whole padded sequence for its heads, so the pad rows are sliced off before attention and the attention call is
-the same unmasked one, over the same real rows, as on one process (a key mask would rule out the flash kernels
-and leave pad queries to attend to something). Their attention output is zero; every other op is row-wise, so
-they never reach a real row (not even a non-finite one could: attention is the only op that mixes rows). They
-start as zero rows with AdaLN row 0 and zero RoPE tables.
-
-Danger
-------
-Every rank of the DiT group must call forward with identical inputs: the layers' collectives pair up across
-ranks by call order. bf16 results differ from one process at the bf16 rounding level (partial sums are reduced
-in bf16); fp32 agrees to rounding noise. Only the native checkpoint layout can be read by row ranges.
+Danger: every rank of the DiT group must call forward with identical inputs (the layers' collectives pair up by
+call order). bf16 results differ from one process at the bf16 rounding level (partial sums are reduced in bf16).
 """
 
 from __future__ import annotations
@@ -42,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from h3engine.checkpoint.dit_format import as_native_files
 from h3engine.checkpoint.dit_keys import native_state_shapes
 from h3engine.checkpoint.safetensors_io import WeightFiles, placed
 from h3engine.errors import CheckpointError
@@ -50,23 +31,18 @@ from h3engine.models.dit import (
     DiTConfig,
     H3DiT,
     PackedLayout,
-    StepModulation,
     SwiGLU,
     attention,
-    run_blocks,
+    packed_rows,
 )
 from h3engine.parallel.collectives import all_gather_rows, heads_to_sequence, sequence_to_heads
 from h3engine.parallel.groups import DiTGroups, GroupMembership
 from h3engine.parallel.linear import (
-    ColumnParallelLinear,
+    GateValueParallelLinear,
     ParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-
-# The first block's QKV weight: fused in the native layout, split into to_q / to_k / to_v in the diffusers one.
-_NATIVE_QKV_KEY = "blocks.0.attn.qkv_proj.weight"
-_DIFFUSERS_QUERY_KEY = "transformer_blocks.0.attn.to_q.weight"
 
 
 @dataclass(frozen=True)
@@ -115,7 +91,22 @@ def _rows_in_block(sequence_index: Tensor, start: int, stop: int) -> tuple[Tenso
 
 
 class SequenceParallelDiT(H3DiT):
-    """`H3DiT` whose forward runs on this Ulysses rank's block of packed rows (see the module docstring)."""
+    """`H3DiT` whose forward runs on this Ulysses rank's block of packed rows.
+
+    The S packed rows are padded to a multiple of sp and rank r holds rows [r*S_pad/sp, (r+1)*S_pad/sp). Everything
+    but attention is row-wise, so blocks run on local rows with local RoPE tables and local AdaLN gathers. Around
+    attention one all-to-all trades rows for heads (every rank then holds all rows of 1/sp of its heads), attention
+    runs, and a second all-to-all trades back. The text refiner (attention among text rows only, a small share of
+    S) runs on all text rows on every rank. The fp32 heads run on every local row and the [S_pad, video + audio
+    channels] result is gathered once; the wanted rows are picked from it. Only `prepare_layout`, `embed` (which
+    rows are local) and `head` (the gather) differ from `H3DiT`.
+
+    Padding rows (at most sp - 1, at the end): after the first all-to-all every rank holds the whole padded sequence
+    for its heads, so the pad rows are sliced off before attention, which is the same unmasked call over the same
+    real rows as on one process (a key mask would rule out the flash kernels and leave pad queries to attend to
+    something). Their attention output is zero; every other op is row-wise, so they never reach a real row (not even
+    a non-finite one could). They start as zero rows with AdaLN row 0 and zero RoPE tables.
+    """
 
     def __init__(
         self,
@@ -127,17 +118,9 @@ class SequenceParallelDiT(H3DiT):
         super().__init__(config, dtype, device)
         self.sequence_group = sequence_group
 
-    def prepare_layout(
-        self,
-        timestep_index: Tensor,
-        tags: Tensor,
-        positions: Tensor,
-        video_index: Tensor,
-        audio_index: Tensor,
-        text_index: Tensor,
-    ) -> SequenceShardedLayout:
-        """Validate the whole request as `H3DiT` does, then keep this rank's block of rows (zero-padded)."""
-        full = super().prepare_layout(timestep_index, tags, positions, video_index, audio_index, text_index)
+    def prepare_layout(self, *request: Tensor) -> SequenceShardedLayout:
+        """`H3DiT.prepare_layout` of the whole request (same arguments), then this rank's block of rows, padded."""
+        full = super().prepare_layout(*request)
         sequence_length = full.sequence_length
         ranks = self.sequence_group.size
         local_length = -(-sequence_length // ranks)
@@ -148,10 +131,10 @@ class SequenceParallelDiT(H3DiT):
             padding = [0, 0] * (per_row.dim() - 1) + [0, local_length * ranks - sequence_length]
             return F.pad(per_row, padding)[start:stop]
 
-        every_local_row = torch.arange(local_length, device=positions.device)
-        text_rows, text_slots = _rows_in_block(text_index, start, stop)
-        video_rows, video_slots = _rows_in_block(video_index, start, stop)
-        audio_rows, audio_slots = _rows_in_block(audio_index, start, stop)
+        every_local_row = torch.arange(local_length, device=full.adaln_index.device)
+        text_rows, text_slots = _rows_in_block(full.text_index, start, stop)
+        video_rows, video_slots = _rows_in_block(full.video_index, start, stop)
+        audio_rows, audio_slots = _rows_in_block(full.audio_index, start, stop)
         local = PackedLayout(
             rope_cos_sin=(local_block(full.rope_cos_sin[0]), local_block(full.rope_cos_sin[1])),
             adaln_index=local_block(full.adaln_index),
@@ -164,9 +147,9 @@ class SequenceParallelDiT(H3DiT):
         return SequenceShardedLayout(
             local=local,
             sequence_length=sequence_length,
-            video_index=video_index,
-            audio_index=audio_index,
-            text_index=text_index,
+            video_index=full.video_index,
+            audio_index=full.audio_index,
+            text_index=full.text_index,
             text_rows=text_rows,
             text_slots=text_slots,
             video_rows=video_rows,
@@ -175,40 +158,29 @@ class SequenceParallelDiT(H3DiT):
             audio_slots=audio_slots,
         )
 
-    def forward_with_layout(
-        self,
-        video_rows: Tensor,
-        audio_rows: Tensor,
-        text_states: Tensor,
-        timesteps: Tensor,
-        layout: SequenceShardedLayout,
-        modulation: StepModulation | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """`forward` with the request-static tensors prepared; full velocities on every rank."""
-        self.check_packed_inputs(
-            video_rows,
-            audio_rows,
+    def embed(
+        self, video_rows: Tensor, audio_rows: Tensor, text_states: Tensor, layout: SequenceShardedLayout
+    ) -> Tensor:
+        """This rank's block of the packed sequence. Only its video and audio rows are projected; the refiner attends
+        over all text rows, so it runs on all of them (replicated over the Ulysses group) before the local ones are
+        kept."""
+        video, audio, text = self.project_inputs(
+            video_rows.index_select(0, layout.video_rows),
+            audio_rows.index_select(0, layout.audio_rows),
             text_states,
-            layout.video_index.numel(),
-            layout.audio_index.numel(),
-            layout.text_index.numel(),
         )
-        # Only this rank's video and audio rows are projected; the refiner attends over all text rows, so it runs
-        # on all of them (replicated over the Ulysses group) before the local ones are kept.
-        video = self.video_patch_proj(video_rows.index_select(0, layout.video_rows).to(torch.float32))
-        audio = self.audio_patch_proj(audio_rows.index_select(0, layout.audio_rows).to(torch.float32))
-        text = self.token_refiner(self.condition_proj(text_states.to(self.compute_dtype)))
+        return packed_rows(
+            layout.local.sequence_length,
+            (text.index_select(0, layout.text_rows), layout.text_slots),
+            (video, layout.video_slots),
+            (audio, layout.audio_slots),
+        )
 
-        hidden = text.new_zeros(layout.local.sequence_length, self.config.hidden_size)
-        hidden.index_copy_(0, layout.text_slots, text.index_select(0, layout.text_rows))
-        hidden.index_copy_(0, layout.video_slots, video.to(hidden.dtype))
-        hidden.index_copy_(0, layout.audio_slots, audio.to(hidden.dtype))
-
-        if modulation is None:
-            modulation = self.modulation(timesteps)
-        hidden = run_blocks(self.blocks, modulation.blocks, hidden, layout.local)
-        video_velocity, audio_velocity = self.final_layer(hidden, modulation.final_tables(), layout.local)
-
+    def head(
+        self, hidden: Tensor, final_tables: tuple[Tensor, Tensor], layout: SequenceShardedLayout
+    ) -> tuple[Tensor, Tensor]:
+        """The fp32 heads on every local row, gathered once; the request's rows are picked from the result."""
+        video_velocity, audio_velocity = super().head(hidden, final_tables, layout.local)
         velocities = all_gather_rows(torch.cat((video_velocity, audio_velocity), dim=1), self.sequence_group)
         video_channels = video_velocity.shape[1]
         return (
@@ -229,9 +201,7 @@ def _apply_tensor_parallel(model: H3DiT, tp: GroupMembership) -> None:
             module.out_proj = RowParallelLinear(config.inner_dim, config.hidden_size, tp, dtype, device)
             module.num_heads = module.qkv_proj.local_heads
         elif isinstance(module, SwiGLU):
-            module.fc1 = ColumnParallelLinear(
-                config.hidden_size, 2 * config.ffn_dim, tp, dtype, device, segments=2
-            )
+            module.fc1 = GateValueParallelLinear(config.hidden_size, 2 * config.ffn_dim, tp, dtype, device)
             module.fc2 = RowParallelLinear(config.ffn_dim, config.hidden_size, tp, dtype, device)
 
 
@@ -262,12 +232,9 @@ def load_dit_shard(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> H3DiT:
-    """Build this rank's DiT and read only its shard of the native checkpoint (replicated tensors whole)."""
-    if _NATIVE_QKV_KEY not in weight_files.infos and _DIFFUSERS_QUERY_KEY in weight_files.infos:
-        raise CheckpointError(
-            f"{weight_files.description}: the DiT is in the diffusers layout; sharded loading reads row ranges "
-            "of the native (MiniMaxAI) layout, so run this checkpoint with --dit-sp 1 --dit-tp 1"
-        )
+    """Build this rank's DiT and read only its shard of the checkpoint, in either layout (replicated tensors
+    whole)."""
+    weight_files = as_native_files(weight_files, config)
     weight_files.check(native_state_shapes(config))
     model = parallelize_dit(config, groups, dtype)
     sharded = {

@@ -1,42 +1,23 @@
 """The parallel layouts of the three worker groups and their process groups: DiT, text encoder, VAE.
 
-Contract
---------
-Every layout is the user's choice, validated before anything starts; every error names the flag.
+Every layout is the user's choice, validated before anything starts; every error names the flag. DiT group
+(`ParallelLayout`, `--dit-sp` x `--dit-tp`, the whole default world): `create_dit_groups` gives this rank's
+`DiTGroups`. Text encoder (`EncoderLayout`, `--encoder-tp`): `create_encoder_groups` gives this rank's replica's
+tensor-parallel subgroup. VAE (`VAELayout`, `--vae-ranks`): the first `vae_ranks` ranks decode
+(h3engine.parallel.vae), `create_vae_group` gives this rank's membership or None. A worker group
+(`RuntimeLayout`) holds the four flags, each rank hosting its share of every component; `create_control_group`
+gives the gloo group of the runtime's small CPU-side exchanges. This is the only module that creates process
+groups: everything downstream receives a `GroupMembership` and calls `h3engine.parallel.collectives`, which do
+nothing for a group of one, so world size 1 needs no `torch.distributed` at all.
 
-* DiT group (`ParallelLayout`, `--dit-sp` x `--dit-tp`), validated against the DiT's head count and FFN width.
-  `create_dit_groups` turns a layout into this rank's `DiTGroups`: its coordinates and the two subgroups it
-  belongs to. Rank r of the DiT group sits at (sp_rank, tp_rank) = divmod(r, dit_tp): tensor-parallel partners
-  are neighbouring ranks (the collective of every layer) and Ulysses partners are `dit_tp` apart (two
-  all-to-alls per block). The DiT group is the whole default world.
-* Text-encoder group (`EncoderLayout`, `--encoder-tp`), validated against Qwen3-VL's attention heads, key/value
-  heads and MLP width. The world is cut into `world_size / encoder_tp` replicas of neighbouring ranks; each
-  replica runs the whole (tensor-parallel) encoder on the same prompt, so every rank ends up holding the text
-  states the DiT needs without a broadcast, and no rank holds more than 1/encoder_tp of the encoder.
-  `create_encoder_groups` gives this rank's `EncoderGroups` (its replica's tensor-parallel subgroup).
-* VAE group (`VAELayout`, `--vae-ranks`): the first `vae_ranks` ranks of the world decode (see
-  `h3engine.parallel.vae`); the others sit the decode out. `create_vae_group` gives this rank's membership, or
-  None for a rank outside the group. VAE-group rank 0 is world rank 0.
-
-* Worker group (`RuntimeLayout`): the four flags above for one group of `world_size` ranks, each rank hosting its
-  share of every component (rank r is DiT rank r, text-encoder rank r and, when r < vae_ranks, VAE rank r).
-  `RuntimeLayout.choose` fills the flags the user left out from the profile of that world size (`PROFILES`);
-  `dit_layout` / `encoder_layout` validate against the checkpoint's models. `create_control_group` gives the gloo
-  group the runtime uses for its small CPU-side exchanges (request broadcast, the per-step cancel vote).
-
-This is the only module that creates process groups. Everything downstream receives a `GroupMembership` and
-calls `h3engine.parallel.collectives`, which do nothing for a group of one, so world size 1 needs no
-`torch.distributed` at all.
-
-Danger
-------
-`torch.distributed.new_group` is collective over the whole world: every rank must create every subgroup, in the
-same order, even the ones it is not a member of. The `create_*` functions do exactly that, and must be called by
-all ranks with the same layout, and in the same order on every rank.
+Danger: `torch.distributed.new_group` is collective over the whole world: every rank must create every subgroup,
+in the same order, even the ones it is not a member of. The `create_*` functions do exactly that, and must be
+called by all ranks with the same layout, and in the same order on every rank.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -69,7 +50,10 @@ def _require_positive(flag: str, value: object) -> None:
 class ParallelLayout:
     """How the DiT group's `world_size` ranks split the work: `dit_sp` Ulysses ranks x `dit_tp` tensor ranks.
 
-    `dit_heads` / `dit_ffn_dim` are the model's (released defaults); use `for_dit` to take them from a config.
+    Validated against the DiT's head count and FFN width: `dit_heads` / `dit_ffn_dim` are the model's (released
+    defaults); use `for_dit` to take them from a config. Rank r sits at (sp_rank, tp_rank) = divmod(r, dit_tp):
+    tensor-parallel partners are neighbouring ranks (the collective of every layer) and Ulysses partners are
+    `dit_tp` apart (two all-to-alls per block).
     """
 
     world_size: int
@@ -131,8 +115,11 @@ class ParallelLayout:
 class EncoderLayout:
     """How the world runs the text encoder: replicas of `encoder_tp` tensor-parallel ranks each.
 
-    `heads` / `kv_heads` / `mlp_width` are the Qwen3-VL language model's (released defaults); use
-    `for_text_encoder` to take them from a config.
+    The world is cut into `world_size / encoder_tp` replicas of neighbouring ranks; each runs the whole
+    (tensor-parallel) encoder on the same prompt, so every rank ends up holding the text states the DiT needs
+    without a broadcast, and no rank holds more than 1/encoder_tp of the encoder. `heads` / `kv_heads` /
+    `mlp_width` are the Qwen3-VL language model's (released defaults); use `for_text_encoder` to take them from a
+    config.
     """
 
     world_size: int
@@ -214,8 +201,7 @@ class VAELayout:
 # Worker-group size -> (dit_sp, dit_tp, encoder_tp, vae_ranks) for the flags the user leaves out.
 PROFILES: dict[int, tuple[int, int, int, int]] = {
     1: (1, 1, 1, 1),
-    # Ulysses over both GPUs: the whole DiT on each (66 GB in bf16 next to half the 64 GB encoder on an H200),
-    # and no collective inside its GEMMs.
+    # Ulysses over both GPUs: the whole DiT on each (next to half the encoder), and no collective inside its GEMMs.
     2: (2, 1, 2, 2),
     # The released four-GPU profile; `--dit-sp 4 --dit-tp 1` is the Ulysses-4 alternative (SGLang's example).
     4: (2, 2, 4, 4),
@@ -225,9 +211,11 @@ PROFILES: dict[int, tuple[int, int, int, int]] = {
 
 @dataclass(frozen=True)
 class RuntimeLayout:
-    """One worker group: `world_size` ranks and the layout flags (see the module docstring).
+    """One worker group: `world_size` ranks and the layout flags, each rank hosting its share of every component
+    (rank r is DiT rank r, text-encoder rank r and, when r < vae_ranks, VAE rank r).
 
-    The checks here need no model; `dit_layout` and `encoder_layout` add the ones against the checkpoint's heads
+    `choose` fills the flags the user left out from the profile of that world size (`PROFILES`). The checks here
+    need no model; `dit_layout` and `encoder_layout` add the ones against the checkpoint's heads
     and widths. Errors are ValueErrors whose message starts with the flag.
     """
 
@@ -382,26 +370,29 @@ def _joined_world_rank(what: str, world_size: int) -> int:
     return dist.get_rank()
 
 
+def _own_subgroup(
+    ranks_of: Callable[[int], list[int]], count: int, index: int, size: int, rank_in_group: int
+) -> GroupMembership:
+    """This rank's membership of subgroup `index` among `count` disjoint subgroups of `size` ranks, subgroup i
+    being `ranks_of(i)`. Every rank creates every subgroup, in the same order, as new_group requires; subgroups of
+    one are never created (their collectives are no-ops, and the decision is the same on every rank)."""
+    own = GroupMembership.alone()
+    if size > 1:
+        for other in range(count):
+            group = dist.new_group(ranks_of(other))
+            if other == index:
+                own = GroupMembership(group, size, rank_in_group)
+    return own
+
+
 def create_dit_groups(layout: ParallelLayout) -> DiTGroups:
     """This rank's `DiTGroups`; collective over the default world (all ranks call it with the same layout)."""
     if layout.world_size == 1:
         return DiTGroups(layout, 0, GroupMembership.alone(), GroupMembership.alone())
     rank = _joined_world_rank("DiT", layout.world_size)
     sp_rank, tp_rank = layout.coordinates(rank)
-    # Subgroups of one are never created: their collectives are no-ops. The decision is the same on every rank,
-    # so the new_group calls still line up.
-    tp = GroupMembership.alone()
-    if layout.dit_tp > 1:
-        for other_sp_rank in range(layout.dit_sp):
-            group = dist.new_group(layout.tensor_parallel_ranks(other_sp_rank))
-            if other_sp_rank == sp_rank:
-                tp = GroupMembership(group, layout.dit_tp, tp_rank)
-    sp = GroupMembership.alone()
-    if layout.dit_sp > 1:
-        for other_tp_rank in range(layout.dit_tp):
-            group = dist.new_group(layout.sequence_parallel_ranks(other_tp_rank))
-            if other_tp_rank == tp_rank:
-                sp = GroupMembership(group, layout.dit_sp, sp_rank)
+    tp = _own_subgroup(layout.tensor_parallel_ranks, layout.dit_sp, sp_rank, layout.dit_tp, tp_rank)
+    sp = _own_subgroup(layout.sequence_parallel_ranks, layout.dit_tp, tp_rank, layout.dit_sp, sp_rank)
     return DiTGroups(layout, rank, sp, tp)
 
 
@@ -411,12 +402,8 @@ def create_encoder_groups(layout: EncoderLayout) -> EncoderGroups:
         return EncoderGroups(layout, 0, GroupMembership.alone())
     rank = _joined_world_rank("text-encoder", layout.world_size)
     replica, tp_rank = divmod(rank, layout.encoder_tp)
-    tp = GroupMembership.alone()
-    if layout.encoder_tp > 1:
-        for other_replica in range(layout.world_size // layout.encoder_tp):
-            group = dist.new_group(layout.tensor_parallel_ranks(other_replica))
-            if other_replica == replica:
-                tp = GroupMembership(group, layout.encoder_tp, tp_rank)
+    replicas = layout.world_size // layout.encoder_tp
+    tp = _own_subgroup(layout.tensor_parallel_ranks, replicas, replica, layout.encoder_tp, tp_rank)
     return EncoderGroups(layout, rank, tp)
 
 

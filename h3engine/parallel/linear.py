@@ -1,26 +1,17 @@
 """Tensor-parallel linear layers that own both their shard of the math and the reading of that shard.
 
-Contract
---------
 Each layer is built (usually on `meta`) with the full layer's sizes and its tensor-parallel group, holds only its
 rank's part of the weight, and fills it with `load_shard(weight_files, key, device)`, which reads exactly that
-part of the native checkpoint tensor and nothing else. Sharding and loading come from the same row or column
-ranges, so they cannot disagree. None of the split H3 linears has a bias, so these layers have none.
+part of the native checkpoint tensor. Sharding and loading come from the same ranges, so they cannot disagree.
+None of the split H3 linears has a bias. `ColumnParallelLinear` splits the output features: the rank holds its
+1/tp of each of the file's `segments` stacked row blocks (`GateValueParallelLinear`: fc1's [gate; value]), one
+row range per block, no communication. `QKVParallelLinear` splits the fused QKV by heads: the file interleaves
+rows per head, so a rank's heads are ONE row range, kept stacked [q; k; v] in memory like `Attention`.
+`RowParallelLinear` splits the input features: reads a column range and sums the partial products over the group.
 
-* `ColumnParallelLinear`: splits the output features. The file's rows may consist of `segments` equal stacked
-  blocks (fc1 is [gate; value]); the rank holds its 1/tp of each block, in block order (so fc1's local output is
-  still [gate; value] and `chunk(2)` still splits it). One row range per block is read. No communication.
-* `QKVParallelLinear`: the fused QKV projection, split by heads. The file interleaves the rows per head
-  ([head, (q, k, v), head_dim]), so a rank's heads are ONE contiguous row range; in memory the rank keeps them
-  stacked [q; k; v] like the single-process `Attention`.
-* `RowParallelLinear`: splits the input features (the rank's heads, or its FFN slice): reads a column range of
-  the file's weight and sums the partial products over the group.
-
-Danger
-------
-`RowParallelLinear` sums partial products in the compute dtype: in bf16 the result is not bit-identical to one
-GEMM over the full width (fp32 agrees to rounding noise). Its input must be the matching shard of the previous
-column-parallel layer (same group, same rank order), or the sum is silently wrong.
+Danger: `RowParallelLinear` sums partial products in the compute dtype (bf16 is not bit-identical to one GEMM;
+fp32 agrees to rounding noise). Its input must be the matching shard of the previous column-parallel layer (same
+group, same rank order), or the sum is silently wrong.
 """
 
 from __future__ import annotations
@@ -29,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from h3engine.checkpoint.dit_format import interleaved_to_stacked_qkv
 from h3engine.checkpoint.safetensors_io import WeightFiles, placed
 from h3engine.errors import CheckpointError
-from h3engine.models.dit import interleaved_to_stacked_qkv
 from h3engine.parallel.collectives import all_reduce_sum
 from h3engine.parallel.groups import GroupMembership
 
@@ -88,8 +79,8 @@ class ParallelLinear(nn.Module):
         raise NotImplementedError
 
 
-class ColumnParallelLinear(ParallelLinear):
-    """y_local = x W_local^T with W_local = this rank's 1/tp of each of the `segments` stacked row blocks."""
+class EvenlySplitLinear(ParallelLinear):
+    """A layer split evenly over its group; `_local_shape` says along which axis, and checks that it divides."""
 
     def __init__(
         self,
@@ -98,13 +89,23 @@ class ColumnParallelLinear(ParallelLinear):
         group: GroupMembership,
         dtype: torch.dtype,
         device: torch.device | str | None,
-        segments: int = 1,
     ) -> None:
-        self.segment_rows = _split(out_features, segments, "output features")
-        self.local_segment_rows = _split(self.segment_rows, group.size, "output rows per segment")
-        self.segments = segments
-        local_shape = (segments * self.local_segment_rows, in_features)
+        local_shape = self._local_shape(in_features, out_features, group.size)
         super().__init__(in_features, out_features, local_shape, group, dtype, device)
+
+    def _local_shape(self, in_features: int, out_features: int, parts: int) -> tuple[int, int]:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(EvenlySplitLinear):
+    """y_local = x W_local^T with W_local = this rank's 1/tp of each of the `segments` stacked row blocks."""
+
+    segments = 1
+
+    def _local_shape(self, in_features: int, out_features: int, parts: int) -> tuple[int, int]:
+        self.segment_rows = _split(out_features, self.segments, "output features")
+        self.local_segment_rows = _split(self.segment_rows, parts, "output rows per segment")
+        return self.segments * self.local_segment_rows, in_features
 
     def file_row_ranges(self) -> list[tuple[int, int]]:
         """The [start, stop) rows of the file tensor this rank holds, one range per segment, in local order."""
@@ -119,6 +120,12 @@ class ColumnParallelLinear(ParallelLinear):
 
     def _read_shard(self, weight_files: WeightFiles, key: str) -> Tensor:
         return torch.cat([weight_files.row_slice(key, start, stop) for start, stop in self.file_row_ranges()])
+
+
+class GateValueParallelLinear(ColumnParallelLinear):
+    """fc1 of a SwiGLU: rows [gate; value], each half split alike (the local output is still [gate; value])."""
+
+    segments = 2
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -140,21 +147,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         return interleaved_to_stacked_qkv(super()._read_shard(weight_files, key), self.local_heads)
 
 
-class RowParallelLinear(ParallelLinear):
+class RowParallelLinear(EvenlySplitLinear):
     """y = sum over ranks of x_local W[:, local columns]^T; every rank ends with the full output."""
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        group: GroupMembership,
-        dtype: torch.dtype,
-        device: torch.device | str | None,
-    ) -> None:
-        self.local_in_features = _split(in_features, group.size, "input features")
-        super().__init__(
-            in_features, out_features, (out_features, self.local_in_features), group, dtype, device
-        )
+    def _local_shape(self, in_features: int, out_features: int, parts: int) -> tuple[int, int]:
+        self.local_in_features = _split(in_features, parts, "input features")
+        return out_features, self.local_in_features
 
     def file_column_range(self) -> tuple[int, int]:
         start = self.group.rank * self.local_in_features

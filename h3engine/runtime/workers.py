@@ -177,11 +177,6 @@ def validated_spec(
         raise RequestError(
             f"the layout is for {layout.world_size} ranks, but {len(devices)} devices were given"
         )
-    if checkpoint.kind == "diffusers" and layout.dit_sp * layout.dit_tp > 1:
-        raise RequestError(
-            f"--dit-sp / --dit-tp: the DiT of {checkpoint.root} is in the diffusers layout, which cannot be read in "
-            "shards; a worker group of several ranks needs the native (MiniMaxAI) layout"
-        )
     try:
         for paths in checkpoint.partitions.values():
             dit_layout = layout.dit_layout(dit_source(checkpoint, paths, torch.bfloat16).config)

@@ -1,0 +1,167 @@
+"""The DiT's AdaLN tables of a whole request, built ahead of its forwards from the blocks' modulation weights.
+
+Contract
+--------
+`schedule_modulation(dit, step_timesteps, device)` returns one `StepModulation` per denoising step, from exactly
+the computation `H3DiT.modulation` does (same shapes, so the same values); each AdaLN projection's weights are
+read once for all steps, streamed to `device` when `offload_adaln(dit)` moved them to (pinned) CPU memory. The
+tables of each DiT's last `MODULATION_CACHE_SCHEDULES` schedules are kept, keyed by device and timestep values,
+so repeated requests with the same schedule skip the work; loading weights into the DiT or
+`clear_modulation_cache(dit)` forgets them. `build_modulation` is the same work without the cache.
+
+On a GPU the tables are built on a CUDA stream of their own, so the first forward starts at once: each block's
+tables carry an event, and `wait()` / `final_tables()` (called by the DiT's forward) make the reading stream wait
+for exactly the tables it is about to read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor, nn
+
+from h3engine.models.dit import BlockModulation, H3DiT, StepModulation
+from h3engine.placement import pin_in_place
+
+# Schedules whose AdaLN tables `schedule_modulation` keeps per DiT.
+MODULATION_CACHE_SCHEDULES = 2
+
+# DiT -> (device, step timesteps) -> that schedule's tables, least recently used first.
+_caches: weakref.WeakKeyDictionary[H3DiT, OrderedDict[tuple, list[StepModulation]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@dataclass(frozen=True)
+class InFlightBlockModulation(BlockModulation):
+    """A block's tables built on another CUDA stream; `ready` marks them computed."""
+
+    ready: torch.cuda.Event | None = None
+
+    def wait(self) -> BlockModulation:
+        """These tables, once the current CUDA stream has been made to wait until they are computed."""
+        _wait_for(self.ready, self.shift_attn.device)
+        return self
+
+
+@dataclass(frozen=True)
+class InFlightStepModulation(StepModulation):
+    """A step's tables built on another CUDA stream; `final_ready` marks the final layer's computed."""
+
+    final_ready: torch.cuda.Event | None = None
+
+    def final_tables(self) -> tuple[Tensor, Tensor]:
+        """The final layer's tables, once the current CUDA stream has been made to wait until they are computed."""
+        _wait_for(self.final_ready, self.final[0].device)
+        return self.final
+
+
+def _adaln_projections(dit: H3DiT) -> list[nn.Module]:
+    return [block.adaln_proj for block in dit.blocks] + [dit.final_layer.adaln_proj]
+
+
+def offload_adaln(dit: H3DiT) -> None:
+    """Move every AdaLN projection of `dit` to CPU memory, pinned when CUDA is present; `schedule_modulation`
+    streams them to the compute device when it builds tables."""
+    parameters = [
+        parameter for projection in _adaln_projections(dit) for parameter in projection.parameters()
+    ]
+    for parameter in parameters:
+        parameter.data = parameter.data.to("cpu")
+    if torch.cuda.is_available():
+        # Packed into slabs: pinned one by one, each weight would take a pinned block rounded up to a power of two.
+        pin_in_place(parameters)
+    clear_modulation_cache(dit)
+
+
+def _cache(dit: H3DiT) -> OrderedDict[tuple, list[StepModulation]]:
+    if dit not in _caches:
+        cache: OrderedDict[tuple, list[StepModulation]] = OrderedDict()
+        _caches[dit] = cache
+        dit.register_load_state_dict_post_hook(lambda module, keys: cache.clear())
+    return _caches[dit]
+
+
+def clear_modulation_cache(dit: H3DiT) -> None:
+    """Forget every schedule's tables of `dit` (the next `schedule_modulation` builds them again)."""
+    _cache(dit).clear()
+
+
+def schedule_modulation(
+    dit: H3DiT, step_timesteps: list[Tensor], device: torch.device
+) -> list[StepModulation]:
+    """The AdaLN tables of every forward of a request on `device`, one per entry of `step_timesteps` (CPU)."""
+    cache = _cache(dit)
+    cache_key = (str(device), tuple(tuple(t.tolist()) for t in step_timesteps))
+    if cache_key in cache:
+        cache.move_to_end(cache_key)
+        return cache[cache_key]
+    result = build_modulation(dit, [timesteps.to(device) for timesteps in step_timesteps])
+    cache[cache_key] = result
+    while len(cache) > MODULATION_CACHE_SCHEDULES:
+        cache.popitem(last=False)
+    return result
+
+
+def build_modulation(dit: H3DiT, step_timesteps: list[Tensor]) -> list[StepModulation]:
+    """The tables of each entry of `step_timesteps` (on the compute device), uncached."""
+    device = step_timesteps[0].device
+    # On a GPU the tables are built on a stream of their own: streaming an offloaded projection hides under the
+    # first forward, whose blocks each wait only for their own tables.
+    reading_stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    building_stream = torch.cuda.Stream(device) if reading_stream is not None else None
+    if building_stream is not None:
+        building_stream.wait_stream(reading_stream)
+        for timesteps in step_timesteps:
+            timesteps.record_stream(building_stream)
+    with torch.cuda.stream(building_stream) if building_stream is not None else contextlib.nullcontext():
+        # temb stays fp32 ([M, time_embed_dim]); each AdaLN projection casts only after its SiLU.
+        step_tembs = [dit.time_embedder(timesteps) for timesteps in step_timesteps]
+        block_tables: list[list[BlockModulation]] = [[] for _ in step_timesteps]
+        for block in dit.blocks:
+            weight, bias = _on_device(block.adaln_proj.linear, device)
+            computed = [block.modulation(temb, weight, bias) for temb in step_tembs]
+            ready = _handed_over([table for tables in computed for table in _tables(tables)], reading_stream)
+            for tables, step_computed in zip(block_tables, computed, strict=True):
+                tables.append(InFlightBlockModulation(**vars(step_computed), ready=ready))
+        weight, bias = _on_device(dit.final_layer.adaln_proj.linear, device)
+        finals = [dit.final_layer.modulation(temb, weight, bias) for temb in step_tembs]
+        final_ready = _handed_over([table for final in finals for table in final], reading_stream)
+    return [
+        InFlightStepModulation(blocks=tuple(tables), final=final, final_ready=final_ready)
+        for tables, final in zip(block_tables, finals, strict=True)
+    ]
+
+
+def _tables(modulation: BlockModulation) -> tuple[Tensor, ...]:
+    return tuple(getattr(modulation, field.name) for field in fields(BlockModulation))
+
+
+def _on_device(linear: nn.Linear, device: torch.device) -> tuple[Tensor, Tensor]:
+    """A linear's weight and bias on `device` (a copy when they live elsewhere, e.g. offloaded to pinned CPU)."""
+    return linear.weight.to(device, non_blocking=True), linear.bias.to(device, non_blocking=True)
+
+
+def _wait_for(event: torch.cuda.Event | None, device: torch.device) -> None:
+    """Make the current stream of `device` (where the tables live and are read) wait for `event`."""
+    if event is not None:
+        torch.cuda.current_stream(device).wait_event(event)
+
+
+def _handed_over(
+    tensors: Sequence[Tensor], reading_stream: torch.cuda.Stream | None
+) -> torch.cuda.Event | None:
+    """Tensors just computed on the current CUDA stream, to be read on `reading_stream`: the allocator keeps their
+    memory until the reader's queued work is done, and the returned event marks them computed. None on a CPU."""
+    if reading_stream is None:
+        return None
+    for tensor in tensors:
+        tensor.record_stream(reading_stream)
+    event = torch.cuda.Event()
+    event.record()
+    return event
