@@ -85,6 +85,7 @@ from h3engine.models.video_vae import VideoVAE, VideoVAEConfig  # noqa: E402
 from h3engine.pipeline import (  # noqa: E402
     DenoisedLatents,
     Models,
+    PreparedRequest,
     StepEvent,
     decode,
     denoise_request,
@@ -536,16 +537,10 @@ def run_app_warm_up(
     schedule = Schedule.build(WARM_UP_REQUEST.steps, recipe=RECIPE)
     started = time.perf_counter()
     with torch.inference_mode():
-        latents = denoise_request(
-            models,
-            presentation,
-            EncodedConditions(task="t2va"),
-            geometry,
-            schedule,
-            args.seed,
-            RECIPE,
-            device,
+        prepared = PreparedRequest(
+            geometry, presentation, EncodedConditions(task="t2va"), schedule, args.seed, RECIPE
         )
+        latents = denoise_request(models, prepared, device)
         decode(models, latents.video_latents, latents.audio_latents)
     synchronize(device)
     return time.perf_counter() - started
@@ -632,17 +627,11 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     def denoise_steps(models: Models, step_count: int, timer: StepTimer) -> DenoisedLatents:
         """The request's first `step_count` steps, each timed by `timer`."""
         with torch.inference_mode():
+            prepared = PreparedRequest(
+                geometry, presentation, conditions, first_steps(schedule, step_count), args.seed, RECIPE
+            )
             return denoise_request(
-                models,
-                presentation,
-                conditions,
-                geometry,
-                first_steps(schedule, step_count),
-                args.seed,
-                RECIPE,
-                device,
-                on_step=timer.after_step,
-                should_cancel=timer.before_step,
+                models, prepared, device, on_step=timer.after_step, should_cancel=timer.before_step
             )
 
     timer = StepTimer(device)

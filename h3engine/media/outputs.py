@@ -25,6 +25,7 @@ never lists it and a later start can tell a dead writer's leftovers (h3engine.le
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -33,10 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from h3engine.errors import RequestError
+
 if (
     TYPE_CHECKING
 ):  # torch is imported by `save_tensors` alone: the CLI checks output names before importing it
     import torch
+
+    from h3engine.geometry import Geometry
+    from h3engine.request import GenerationRequest
 
 MP4_SUFFIX = ".mp4"
 SIDECAR_SUFFIX = ".json"
@@ -152,6 +158,19 @@ class OutputFiles:
         return None
 
 
+def checked_output_files(out_path: Path | str, save_tensors_path: Path | str | None = None) -> OutputFiles:
+    """The request's output files, or RequestError naming the argument, before any work is done."""
+    try:
+        files = OutputFiles.beside(out_path, save_tensors_path)
+    except ValueError as error:
+        raise RequestError(f"out_path: {error}") from None
+    problem = files.problem()
+    if problem is not None:
+        role, message = problem
+        raise RequestError(f"{'out_path' if role == 'video' else 'save_tensors_path'}: {message}")
+    return files
+
+
 class StagedOutputs:
     """Hidden staging files for one request's `OutputFiles`; see `staged`."""
 
@@ -207,6 +226,69 @@ def write_sidecar(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> P
     with atomic_output(final_path) as partial_path:
         partial_path.write_text(text, encoding="utf-8")
     return final_path
+
+
+def input_records(request: GenerationRequest) -> list[dict[str, Any]]:
+    """What the sidecar records about each input file: its field, role, path and the sha256 of its bytes.
+
+    Taken before generating, so that the sidecar names the bytes the conditioning was read from.
+    """
+    records: list[dict[str, Any]] = [
+        {"field": f"keyframes[{index}]", "position": keyframe.position, "path": keyframe.path}
+        for index, keyframe in enumerate(request.keyframes)
+    ]
+    records += [
+        {
+            "field": f"references[{index}]",
+            "kind": reference.kind,
+            "path": reference.path,
+            "start_seconds": reference.start_seconds,
+        }
+        for index, reference in enumerate(request.references)
+    ]
+    for record in records:
+        try:
+            record["sha256"] = _sha256(record["path"])
+        except OSError as error:
+            raise RequestError(f"{record['field']}: cannot read {record['path']}: {error.strerror}") from None
+    return records
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sidecar_record(
+    request: GenerationRequest,
+    inputs: list[dict[str, Any]],
+    engine: Mapping[str, Any],
+    geometry: Geometry,
+    timings: Mapping[str, float],
+    video_name: str,
+) -> dict[str, Any]:
+    """The sidecar of one video: the request, its `input_records`, the `engine` that made it (checkpoint, device,
+    precision, kernels: its keys go to the top level), the geometry, the timings and the video's file name."""
+    return {
+        "request": request.to_dict(),
+        "inputs": inputs,
+        "seed": request.seed,
+        "recipe": request.recipe,
+        **engine,
+        "geometry": {
+            "width": geometry.width,
+            "height": geometry.height,
+            "frames": geometry.frames,
+            "fps": 24,
+            "latent_frames": geometry.latent_frames,
+            "audio_latents": geometry.audio_latents,
+        },
+        "timings_s": dict(timings),
+        "video": video_name,
+    }
 
 
 def save_tensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> Path:

@@ -15,7 +15,7 @@ Contract:
 Danger: these checks exist so that the app never calls into a shared `Engine` from a request thread (on a GPU
 that could load a 62 GiB partition next to the one a worker is using). The engine validates again when the job
 runs, and its geometry (reported in `JobStarted` and the sidecar) is the authority; `expected_geometry` is the
-same function (`h3engine.engine.request_geometry`) applied to the facts captured here.
+same function (`h3engine.media.request_inputs.request_geometry`) applied to the facts captured here.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3engine.checkpoint.layout import CanvasRules
-from h3engine.engine import Engine, request_geometry
+from h3engine.engine import Engine
 from h3engine.errors import RequestError
 from h3engine.geometry import Geometry
 from h3engine.media.inputs import probe_media
+from h3engine.media.request_inputs import request_geometry
 from h3engine.presentation import prompt_token_counter
 from h3engine.request import GenerationRequest, validate
 
@@ -47,14 +48,14 @@ class CheckpointFacts:
 
     @classmethod
     def from_engine(cls, engine: Engine) -> CheckpointFacts:
-        # The first partition is loaded by Engine's constructor, so this reads resident modules only.
-        partition = next(iter(engine.layout.partitions))
-        models = engine.models_for_partition(partition)
+        # The first partition is loaded by the engine's model store, so this reads resident modules only.
+        partition = engine.store.first_partition
+        vae_spatial_ratio, patch = engine.store.models_for_partition(partition).spatial_factors
         return cls(
             tasks=engine.layout.tasks,
             canvas=engine.layout.canvas,
-            vae_spatial_ratio=models.video_vae.config.spatial_compression_ratio,
-            patch=models.dit.config.patch_size[-1],
+            vae_spatial_ratio=vae_spatial_ratio,
+            patch=patch,
             tokenizer=engine.layout.partitions[partition].tokenizer,
         )
 

@@ -49,11 +49,11 @@ from typing import Protocol
 
 import torch
 
-from h3engine.engine import Engine, checked_output_files
+from h3engine.engine import Engine
 from h3engine.errors import GenerationCancelled, H3Error
 from h3engine.geometry import FPS, Geometry
 from h3engine.leftovers import WARM_UP_FOLDER_PREFIX, owned_temp_folder
-from h3engine.media.outputs import OutputFiles
+from h3engine.media.outputs import OutputFiles, checked_output_files
 from h3engine.media.preview import latent_preview_rgb
 from h3engine.pipeline import StepEvent
 from h3engine.request import GenerationRequest
