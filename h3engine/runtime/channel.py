@@ -293,6 +293,20 @@ class TensorChannel:
     def describe(self) -> str:
         return f"tensor channel {self.name!r}"
 
+    def _check_peer(self, peer: _Role, when_closed: str, when_gone: str) -> None:
+        """ChannelClosed once the engine closes the channel or `peer` closed its end (`when_closed` says what that
+        means); ChannelPeerGone once the peer's process exited (`when_gone` says what is lost)."""
+        if self._state.closing():
+            raise ChannelClosed(f"{self.describe}: the engine closed the channel")
+        status = self._state.status(peer)
+        if status is _Peer.CLOSED:
+            raise ChannelClosed(f"{self.describe}: {when_closed}")
+        if status is _Peer.GONE:
+            raise ChannelPeerGone(
+                f"{self.describe}: the {peer.name.lower()} process (pid {self._state.pid(peer)}) exited; "
+                f"{when_gone}"
+            )
+
     def producer(self) -> ChannelProducer:
         """Attach this process as the channel's only producer."""
         self._state.claim(_Role.PRODUCER, self.describe)
@@ -446,19 +460,9 @@ class ChannelProducer:
         return consumer in (_Peer.CLOSED, _Peer.GONE)
 
     def _check_can_send(self) -> None:
-        describe = self._channel.describe
         if self._closed:
-            raise ChannelClosed(f"{describe}: this producer is closed")
-        if self._channel._state.closing():
-            raise ChannelClosed(f"{describe}: the engine closed the channel")
-        consumer = self._channel._state.status(_Role.CONSUMER)
-        if consumer is _Peer.CLOSED:
-            raise ChannelClosed(f"{describe}: the consumer closed its end")
-        if consumer is _Peer.GONE:
-            raise ChannelPeerGone(
-                f"{describe}: the consumer process (pid {self._channel._state.pid(_Role.CONSUMER)}) exited; "
-                f"nothing more can be sent"
-            )
+            raise ChannelClosed(f"{self._channel.describe}: this producer is closed")
+        self._channel._check_peer(_Role.CONSUMER, "the consumer closed its end", "nothing more can be sent")
 
     def _take_free_slot(self, tag: Hashable, timeout: float | None) -> int:
         """A free slot, once the consumer no longer holds an earlier send under the same `tag`.
@@ -649,21 +653,12 @@ class ChannelConsumer:
         self.close()
 
     def _check_can_receive(self) -> None:
-        describe = self._channel.describe
+        finished = "the producer closed its end; nothing more comes"
         if self._closed:
-            raise ChannelClosed(f"{describe}: this consumer is closed")
+            raise ChannelClosed(f"{self._channel.describe}: this consumer is closed")
         if self._producer_finished:
-            raise ChannelClosed(f"{describe}: the producer closed its end; nothing more comes")
-        if self._channel._state.closing():
-            raise ChannelClosed(f"{describe}: the engine closed the channel")
-        producer = self._channel._state.status(_Role.PRODUCER)
-        if producer is _Peer.CLOSED:
-            raise ChannelClosed(f"{describe}: the producer closed its end; nothing more comes")
-        if producer is _Peer.GONE:
-            raise ChannelPeerGone(
-                f"{describe}: the producer process (pid {self._channel._state.pid(_Role.PRODUCER)}) exited; "
-                f"its slot buffers are gone"
-            )
+            raise ChannelClosed(f"{self._channel.describe}: {finished}")
+        self._channel._check_peer(_Role.PRODUCER, finished, "its slot buffers are gone")
 
     def _unpickle(self, payload: bytes) -> _SlotFilled | _ProducerFinished:
         try:
