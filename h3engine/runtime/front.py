@@ -36,14 +36,13 @@ sentence), so a bad job can never kill a replica's thread.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import queue
 import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -51,11 +50,9 @@ import torch
 
 from h3engine.engine import Engine
 from h3engine.errors import GenerationCancelled, H3Error
-from h3engine.geometry import FPS, Geometry
+from h3engine.geometry import Geometry
 from h3engine.leftovers import WARM_UP_FOLDER_PREFIX, owned_temp_folder
-from h3engine.media.outputs import OutputFiles, checked_output_files
-from h3engine.media.preview import latent_preview_rgb
-from h3engine.pipeline import StepEvent
+from h3engine.media.outputs import checked_output_files
 from h3engine.request import GenerationRequest
 from h3engine.runtime.checks import CheckpointFacts, check_request, expected_geometry
 from h3engine.runtime.messages import (
@@ -63,9 +60,9 @@ from h3engine.runtime.messages import (
     JobFailed,
     JobFinished,
     JobQueued,
-    JobStarted,
-    PreviewFrame,
-    StepProgress,
+    job_finished,
+    job_started,
+    step_reporter,
 )
 
 logger = logging.getLogger(__name__)
@@ -357,74 +354,9 @@ class EngineFront:
                     del self._running[index]
 
 
-# --- the messages of one job, built the same way by every kind of replica ----------------------------------------
-
-
-def job_started(job_id: str, replica_index: int, submitted_at: float, geometry: Geometry) -> JobStarted:
-    """`submitted_at` is the handle's `time.monotonic()` stamp (one clock for every process of the machine)."""
-    return JobStarted(
-        job_id,
-        replica=replica_index,
-        queue_wait_s=time.monotonic() - submitted_at,
-        width=geometry.width,
-        height=geometry.height,
-        frames=geometry.frames,
-        fps=FPS,
-        latent_frames=geometry.latent_frames,
-    )
-
-
 def stamped_output_name(task: str, job_id: str) -> str:
     """A job's default MP4 name in the outputs folder (h3engine.leftovers.STAMPED_OUTPUT_NAME matches it)."""
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{task}-{job_id}.mp4"
-
-
-def job_finished(job_id: str, written: OutputFiles) -> JobFinished:
-    """The terminal message of a job whose files are on disk, read back from its sidecar."""
-    sidecar = json.loads(written.sidecar.read_text(encoding="utf-8"))
-    return JobFinished(
-        job_id,
-        video_path=str(written.video),
-        sidecar_path=str(written.sidecar),
-        seed=int(sidecar["seed"]),
-        width=int(sidecar["geometry"]["width"]),
-        height=int(sidecar["geometry"]["height"]),
-        frames=int(sidecar["geometry"]["frames"]),
-        fps=int(sidecar["geometry"]["fps"]),
-        timings_s={name: float(value) for name, value in sidecar["timings_s"].items()},
-    )
-
-
-def step_reporter(
-    job_id: str, geometry: Geometry, preview_every: int, publish: Callable[[JobEvent], None]
-) -> Callable[[StepEvent], None]:
-    """The engine's `on_step`: a `StepProgress` every step, a `PreviewFrame` every `preview_every` steps and at the
-    last one. `publish` must not block (it drops what its reader cannot take)."""
-    previews_enabled = True
-
-    def on_step(event: StepEvent) -> None:
-        nonlocal previews_enabled
-        eta_s = event.elapsed_s / event.step * (event.total - event.step)
-        publish(StepProgress(job_id, event.step, event.total, event.elapsed_s, eta_s))
-        wants_preview = event.step % preview_every == 0 or event.step == event.total
-        if not (previews_enabled and wants_preview and event.video_rows is not None):
-            return
-        try:
-            rgb = latent_preview_rgb(
-                event.video_rows,
-                geometry.latent_frames,
-                geometry.latent_h,
-                geometry.latent_w,
-                geometry.patch,
-            )
-        except Exception:
-            # A preview is a nicety: never let it abort the generation it is watching.
-            logger.exception("job %s: live preview failed; previews are off for this job", job_id)
-            previews_enabled = False
-            return
-        publish(PreviewFrame(job_id, event.step, rgb))
-
-    return on_step
 
 
 def release_memory(device: torch.device) -> None:

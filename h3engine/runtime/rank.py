@@ -91,12 +91,9 @@ from h3engine.runtime.front import (
     CANCELLED_MESSAGE,
     ENGINE_FAILURE_MESSAGE,
     EVENT_BUFFER_SIZE,
-    job_finished,
-    job_started,
     release_memory,
-    step_reporter,
 )
-from h3engine.runtime.messages import JobFailed
+from h3engine.runtime.messages import JobFailed, job_finished, job_started, step_reporter
 
 logger = logging.getLogger(__name__)
 
