@@ -1,20 +1,15 @@
 """The Python API: an `Engine` turns requests into MP4 files with a checkpoint's models.
 
 Contract:
-* `Engine.from_checkpoint(folder, device, dtype)` detects the layout and builds the `ModelStore`
-  (h3engine.model_store), which checks every component of every partition and loads the first partition's models,
-  so a broken checkpoint fails here with the file and key named, before any request is accepted. A worker group's
-  rank passes its own loader (h3engine.runtime.rank) and so holds only its shards.
-* `validate` reads the request's file headers, not the models' weights; `generate` returns float tensors;
-  `generate_to_file` checks its output names before any work, then writes the MP4, the optional tensors and the
-  JSON sidecar into staging files that appear under their names together, only when all are complete
-  (h3engine.media.outputs.staged).
-* Cancellation: `should_cancel` is polled between the phases (h3engine.pipeline); a `True` raises
-  GenerationCancelled and nothing is written.
-* `generate` is `prepare` (validate, read the inputs, encode the conditioning: a `PreparedRequest`) and then the
-  pipeline; `generate_to_file` is `generate` writing the MP4 while the video decodes and then
-  `pipeline.write_outputs` for the rest. A worker group (h3engine.runtime.rank) calls these halves itself: its
-  rank 0 prepares and writes, every rank generates.
+* `Engine.from_checkpoint(folder, device, dtype)` builds the `ModelStore` (h3engine.model_store): every component
+  of every partition checked, the first partition loaded, so a broken checkpoint fails here naming the file and
+  key. A worker group's rank passes its own loader (h3engine.runtime.rank) and holds only its shards.
+* `validate` reads file headers, never the models; `generate` is `prepare` (validate, read the inputs, encode the
+  conditioning: a `PreparedRequest`) then the pipeline, and returns float tensors; `generate_to_file` checks its
+  output names first, then writes the MP4 (while the video decodes), the optional tensors and the sidecar into
+  staging files that appear together, only when all are complete (h3engine.media.outputs.staged).
+* `should_cancel` is polled between the phases (h3engine.pipeline); a `True` raises GenerationCancelled and
+  nothing is written.
 * `memory_profile` (h3engine.placement): "resident" (default) keeps every component on the compute device;
   "low-memory" keeps them in host memory and moves each onto the device only for the phase that runs it.
 """

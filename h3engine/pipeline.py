@@ -1,28 +1,18 @@
 """One request from its input files to its MP4: inputs -> conditioning -> text -> denoise -> decode -> mux.
 
-Contract: `prepare_request` reads a validated request's input files (h3engine.media.request_inputs) and encodes its
-conditioning into a `PreparedRequest` (plain CPU data: a worker group's rank 0 hands it to the other ranks);
-`run_generation` takes already-loaded models and that prepared request and returns float tensors (it writes the
-MP4 only when given its path); `write_outputs` writes the MP4, the tensors and the sidecar. The loop follows the
-released recipe: one guidance-free DiT forward per step on the whole packed sequence; only the generated rows are
-ever written, so conditioning rows (visual ones noised once to t = 0.999 with the request's condition noise,
-reference audio clean) are re-fed unchanged; the scheduler state (latent rows, sigmas, the Euler update) stays fp32
-whatever the DiT's compute dtype.
+Contract: `prepare_request` reads a validated request's files and encodes its conditioning into a `PreparedRequest`
+(plain CPU data, which a worker group's rank 0 hands to the other ranks); `run_generation` is `denoise_request`
+(text encode, pack, denoise) then `decode` (which can write the MP4 while the video decodes) and returns float
+tensors; `write_outputs` writes the MP4, the tensors and the sidecar. A worker group runs the halves itself: every
+rank denoises, the VAE group decodes with `decode_on_group`. The loop follows the released recipe: one
+guidance-free DiT forward per step on the whole packed sequence; conditioning rows (visual ones noised once to
+t = 0.999 with the request's condition noise, reference audio clean) are re-fed unchanged; the scheduler state
+stays fp32 whatever the DiT's compute dtype.
 
-Progress and cancellation: `on_step` is called after every step with a small `StepEvent`; `should_cancel` is polled
-before each input file is read, before the conditioning encode, before the text encode, before every step and
-after the last one (on a worker group every rank polls the denoising points: it is a collective vote there), and
-`decode` polls its own between the video decoder's windows; a `True` raises `GenerationCancelled`.
-
-`run_generation` is `denoise_request` (encode the text, pack, denoise: latents) followed by `decode`, which can also
-write the MP4 while the video decodes (the mux then costs little more than encoding the last window). A worker
-group runs the two halves itself: every rank denoises (its sharded models return full results on every rank), then
-the VAE group decodes with `decode_on_group`, and only VAE rank 0 ends up with the video and the audio.
-
-Memory profiles: each phase (conditioning encode, text encode, denoise, decode) runs inside
-`Models.resident_for(phase)`, which under the low-memory profile brings that phase's components onto the compute
-device and sends them home afterwards (h3engine.placement); the phase timings include the copies onto the device
-(both VAEs' in `audio_decode_s`, which runs first).
+Cancellation: `should_cancel` is polled before each input file, the conditioning encode, the text encode, every
+step, after the last one and between the video decoder's windows; a `True` raises `GenerationCancelled`. Each
+phase runs inside `Models.resident_for(phase)` (h3engine.placement: the low-memory profile moves that phase's
+components onto the device and home again; the timings include those copies).
 """
 
 from __future__ import annotations

@@ -1,25 +1,18 @@
 """Files a finished request leaves behind: the MP4, its JSON sidecar and optional tensor dumps.
 
 Contract:
-* `output_paths(out_mp4)` fixes the naming rule: the sidecar is the MP4's path with `.json` instead of `.mp4`
-  (same folder, same stem), so either file finds the other.
-* Every writer here (and `h3engine.media.mux.write_mp4`) goes through `atomic_output`: the bytes go to a hidden
-  temporary file in the destination folder, are flushed to disk, and only then renamed over the final name
-  with `os.replace`. A reader therefore sees either the previous complete file or the new complete file under
-  the final name, never a partial one; on any error (or interrupt) the temporary file is deleted and the
-  previous file, if any, is left untouched.
-* `write_sidecar` writes UTF-8 JSON with sorted keys and a 2-space indent; NaN/Infinity are refused because
-  the browser's `JSON.parse` cannot read them.
-* `save_tensors` writes safetensors with every tensor as contiguous CPU float32.
-* A request's files (MP4, optional tensors, sidecar) appear together or not at all: `staged(OutputFiles)` gives
-  each one a hidden staging file, the writers fill those (each through its own `atomic_output`), and `commit()`
-  renames them into place with the sidecar last, so a listed sidecar always finds its MP4. Leaving the block
-  without `commit()` (an error, a cancel, an early return) removes every staging file.
+* `output_paths(out_mp4)`: the sidecar is the MP4's path with `.json` instead of `.mp4`, so either finds the other.
+* Every writer here (and `media.mux.write_mp4`) goes through `atomic_output`: the bytes go to a hidden temporary
+  file in the destination folder, are flushed, and only then renamed over the final name; a reader sees the old
+  or the new complete file, never a partial one, and an error leaves the old file untouched.
+* `write_sidecar` writes sorted, indented UTF-8 JSON without NaN/Infinity (the browser cannot parse them);
+  `sidecar_record` composes it; `save_tensors` writes contiguous CPU float32 safetensors.
+* `staged(OutputFiles)`: a request's files appear together or not at all; `commit()` renames them into place with
+  the sidecar last, and leaving the block without it removes every staging file.
 
-Danger: the temporary file lives in the destination folder on purpose. `os.replace` is only atomic within one
-file system, so a temp file in /tmp would turn the rename into a copy. Its name starts with a dot, carries the
-writing process's id and ends in `.partial` (`.NAME.PID-TOKEN.partial`), so a history scan for `*.mp4` / `*.json`
-never lists it and a later start can tell a dead writer's leftovers (h3engine.leftovers) from a live one's.
+Danger: the temporary file lives in the destination folder on purpose (`os.replace` is atomic within one file
+system only). Its name, `.NAME.PID-TOKEN.partial`, hides it from a history scan and tells a dead writer's
+leftovers (h3engine.leftovers) from a live one's.
 """
 
 from __future__ import annotations

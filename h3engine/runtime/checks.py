@@ -1,21 +1,16 @@
 """Request checks that run before a job is queued, without touching the models.
 
 Contract:
-* File facts come from `h3engine.media.inputs.probe_media`, the probe the engine's own validation uses (headers
-  only; an unreadable file raises RequestError naming it).
-* `CheckpointFacts.from_engine(engine)` captures, once at start-up, the few checkpoint facts the checks need
-  (served tasks, canvas rules, the VAE ratio and DiT patch, the tokenizer folder) from the models the engine loaded
-  for its first partition. MiniMax H3's partitions share the video VAE, the DiT patch and the tokenizer, so one
-  partition's facts hold for all.
-* `check_request(request, facts)` runs every rule `validate` knows (including the file rules and, with a tokenizer
-  folder, the prompt's token bound, counted by `h3engine.presentation.prompt_token_counter` before any file is
-  probed) plus "does this checkpoint serve the task"; `expected_geometry(request, facts)` is the canvas and frame
-  count the app shows next to the settings.
+* `CheckpointFacts.from_engine(engine)` captures once, at start-up, the checkpoint facts the checks need (served
+  tasks, canvas rules, VAE ratio and DiT patch, tokenizer folder) from the engine's first partition; MiniMax H3's
+  partitions share the video VAE, the patch and the tokenizer, so they hold for all.
+* `check_request(request, facts)` runs every rule `validate` knows (file headers through
+  `media.inputs.probe_media`, the prompt's token bound) plus "does this checkpoint serve the task";
+  `expected_geometry(request, facts)` is `media.request_inputs.request_geometry` on those facts.
 
 Danger: these checks exist so that the app never calls into a shared `Engine` from a request thread (on a GPU
-that could load a 62 GiB partition next to the one a worker is using). The engine validates again when the job
-runs, and its geometry (reported in `JobStarted` and the sidecar) is the authority; `expected_geometry` is the
-same function (`h3engine.media.request_inputs.request_geometry`) applied to the facts captured here.
+that could load a whole DiT partition next to the one a worker is using). The engine validates again when the job
+runs, and its geometry (reported in `JobStarted` and the sidecar) is the authority.
 """
 
 from __future__ import annotations

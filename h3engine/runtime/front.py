@@ -1,36 +1,20 @@
 """The in-process engine front: a job queue in front of one or more engine replicas, one worker thread each.
 
 Contract:
-* `EngineFront(replicas, outputs_dir)` starts one worker thread per replica. A replica is an `Engine` (its own
-  models on its own device, run in this process; wrapped in `EngineReplica`) or anything with the `Replica`
-  interface, such as h3engine.runtime.workers.ProcessReplica (a resident worker group, one process per rank).
-  Jobs run in submission order; at most `replicas` run at once.
-* `submit(request)` returns a `JobHandle` at once (`out_path` / `save_tensors_path` pick the files; by default a
-  stamped name in the outputs folder). The handle yields the job's messages (h3engine.runtime.messages):
-  `JobQueued` whenever its queue position changes, `JobStarted`, `StepProgress` after every denoising step,
-  `PreviewFrame` every `preview_every` steps, then exactly one terminal `JobFinished` or `JobFailed`.
-* `cancel(handle)` removes a waiting job at once; a running job stops at the engine's next step check (before
-  every denoising step), its tensors are dropped and, on a GPU, the allocator cache is emptied, so the replica
-  is free for the next job. Cancelling a finished job does nothing.
-* `shutdown()` cancels everything, joins the workers and closes the replicas (a worker group's processes end).
-* With `warm_up=True`, each worker first runs `WARM_UP_REQUEST` on its replica (like a job, into a temporary
-  folder that is then deleted; skipped where the checkpoint does not serve T2VA) before it takes jobs: a process's
-  first generation pays one-time costs (kernel compiles, cuDNN plans, library handles; ~10 s at the released size
-  on an H200), which the app pays at start instead of in its first user's request. Jobs submitted meanwhile wait
-  in the queue.
-* `check(request)` / `expected_geometry(request)` run the model-free checks of h3engine.runtime.checks; callers
-  use them before `submit`, so an invalid request never takes a place in the queue. The worker validates again
-  with the engine itself, and its RequestError becomes a `JobFailed(kind="request")` with the engine's message.
+* A replica is an `Engine` (run in this process by `EngineReplica`) or anything with the `Replica` interface, such
+  as h3engine.runtime.workers.ProcessReplica (a worker group). Jobs run in submission order, one per replica.
+* `submit(request)` returns a `JobHandle` at once (by default the MP4 gets a stamped name in the outputs folder);
+  it yields the job's messages (h3engine.runtime.messages): `JobQueued` on every queue move, `JobStarted`,
+  `StepProgress` after every step, `PreviewFrame` every `preview_every` steps, then one `JobFinished` or `JobFailed`.
+* `cancel(handle)` removes a waiting job at once or stops a running one at its next step check (its memory freed
+  for the next job); `shutdown()` cancels everything, joins the workers and closes the replicas. With
+  `warm_up=True` each replica first runs `WARM_UP_REQUEST`, so that one-time costs are paid at start.
+* `check(request)` / `expected_geometry(request)` are the model-free checks (h3engine.runtime.checks) to run
+  before `submit`; the engine validates again, and its RequestError becomes a `JobFailed(kind="request")`.
 
-Why messages and not callbacks: the messages are plain picklable data, so a replica in worker processes feeds the
-same handle API from a pipe: its rank 0 builds the very same messages with `job_started`, `step_reporter` and
-`job_finished`. The engine's `on_step` callback runs inside the denoising loop; it only formats small messages and
-puts them without blocking (a full buffer drops progress and previews, never the terminal message), so a slow or
-vanished reader never stalls a GPU.
-
-Danger: an `Engine` is not thread-safe; each one is only ever called from its own worker thread. Any exception
-from the engine is caught in the worker (an internal one is logged with its traceback and reported as one short
-sentence), so a bad job can never kill a replica's thread.
+Danger: an `Engine` is not thread-safe; each one is only called from its own worker thread, which catches every
+exception (a bad job never kills it). `on_step` runs inside the denoising loop and only puts small messages
+without blocking: a full buffer drops progress and previews, never the terminal message.
 """
 
 from __future__ import annotations

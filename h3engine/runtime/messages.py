@@ -7,7 +7,7 @@ the app process unchanged. Every job's stream ends with exactly one terminal mes
 `JobFailed`), and nothing follows it. Every kind of replica builds them the same way: `job_started`,
 `step_reporter` (the engine's `on_step`) and `job_finished` (read back from the sidecar).
 
-Danger: a preview frame is the only large message (an RGB uint8 image, a fraction of a MB); the
+Danger: a preview frame is the only large message (an RGB uint8 image, ~0.5 MB at the released size); the
 front drops progress and preview messages rather than let a slow reader hold up the denoising loop, so a
 reader must treat `StepProgress` and `PreviewFrame` as "latest known state", never as a complete log.
 """

@@ -1,38 +1,20 @@
 """One rank of a worker group: a process that holds its share of every model and serves jobs until told to stop.
 
-Contract
---------
-`rank_main(rank, spec, commands, messages, cancel_job)` is the spawn target; h3engine.runtime.workers starts one
-process per rank and talks to it through two one-way pipes (`commands` in, `messages` out) and one shared
-integer (`cancel_job`). The rank joins the group's world (gloo on the CPU, NCCL on GPUs), creates every process
-group (`RankGroups.create`), builds its `Engine` with a `ShardedLoader` (DiT Ulysses x tensor shard, text-encoder
-tensor shard, the video VAE on VAE-group ranks, the audio VAE on rank 0), says `RankReady` (rank 0 adds the checkpoint facts the
-front's request checks need) and then runs `RunJob` commands in arrival order until `Stop` or the end of the pipe.
-
-One job, on every rank:
-1. Rank 0 validates the request, announces `JobStarted`, hashes the input files and prepares the request (reads
-   the files, builds the text encoder's input, encodes the conditioning with its VAEs). The outcome, a
-   `PreparedRequest` or None when rank 0 has already reported the request as failed, is broadcast over the control
-   group: every rank runs the job with identical inputs, or none runs it.
-2. Every rank denoises; text states and velocities move between ranks inside the sharded models' collectives.
-   Before each step the ranks vote on cancelling (rank r says yes when `cancel_job` holds this job's number; a sum
-   over the control group), so all of them stop before the same step and none is left waiting in a collective.
-3. The ranks vote once more after the last step; the VAE group decodes (tiles split over its ranks, the audio on
-   rank 0; a VAE group of one checks its own cancel slot between windows); rank 0 writes the MP4, the tensors and
-   the sidecar into staging files (`pipeline.write_outputs`), commits them together and sends the terminal message.
-Only rank 0 reports on jobs. Its messages leave through an `Outbox`, a thread that owns the pipe: progress and
-previews are dropped when the front falls behind, terminal messages never, and the denoising loop never waits.
+Contract: `rank_main(rank, spec, commands, messages, cancel_job)` is the spawn target; h3engine.runtime.workers
+starts one process per rank and talks to it through two one-way pipes (`commands` in, `messages` out) and one
+shared integer (`cancel_job`). The rank joins the group's world (gloo on the CPU, NCCL on GPUs), creates every
+process group (`RankGroups.create`), builds its `Engine` with a `ShardedLoader` (its shards of the DiT and the text
+encoder, the video VAE on VAE-group ranks, the audio VAE on rank 0), says `RankReady` and serves `RunJob` commands
+in arrival order (`serve_job`) until `Stop` or the end of the pipe. Only rank 0 reports on jobs, through an
+`Outbox` that never makes the denoising loop wait.
 
 Failure: a bad request and a cancel are agreed by all ranks and end only the job. Anything else raised on a rank
-during a job leaves the ranks out of step (its partners may be waiting in a collective that will never complete),
-so the rank reports `RankFailed` and exits at once; the front tears the whole group down and starts a new one.
-A rank also exits as soon as the process that started it is gone, so no rank outlives its front.
+during a job leaves the ranks out of step, so the rank reports `RankFailed` and exits at once; the front tears the
+group down and starts a new one. A rank also exits as soon as the process that started it is gone.
 
-Danger
-------
-Every rank must make the same collective calls in the same order. The only branches on the rank here are around
-work without collectives (preparing, writing, reporting); each decision that changes the path (a bad request, a
-cancel) is taken once and shared before anyone acts on it.
+Danger: every rank must make the same collective calls in the same order. The only branches on the rank are
+around work without collectives (preparing, writing, reporting); each decision that changes the path (a bad
+request, a cancel) is taken once and shared before anyone acts on it.
 """
 
 from __future__ import annotations
@@ -322,7 +304,20 @@ def _cancel_vote(groups: RankGroups, cancel_job: Any, job_number: int) -> Callab
 
 
 def serve_job(engine: Engine, groups: RankGroups, job: RunJob, outbox: Outbox, cancel_job: Any) -> None:
-    """Run one job on this rank (see the module docstring); raises only on a failure that breaks the group."""
+    """Run one job on this rank; raises only on a failure that breaks the group.
+
+    1. Rank 0 validates the request, announces `JobStarted`, hashes the input files and prepares the request (reads
+       the files, builds the text encoder's input, encodes the conditioning with its VAEs). The outcome, a
+       `PreparedRequest` or None when rank 0 has already reported the request as failed, is broadcast over the
+       control group: every rank runs the job with identical inputs, or none runs it.
+    2. Every rank denoises; text states and velocities move between ranks inside the sharded models' collectives.
+       Before each step the ranks vote on cancelling (rank r says yes when `cancel_job` holds this job's number; a
+       sum over the control group), so all of them stop before the same step and none is left in a collective.
+    3. The ranks vote once more after the last step; the VAE group decodes (tiles split over its ranks, the audio
+       on rank 0; a VAE group of one checks its own cancel slot between windows); rank 0 writes the MP4, the
+       tensors and the sidecar into staging files (`pipeline.write_outputs`), commits them together and sends the
+       terminal message.
+    """
     prepared, inputs = _prepare_on_first_rank(engine, groups, job, outbox, cancel_job)
     if prepared is None:
         return
