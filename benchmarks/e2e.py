@@ -3,7 +3,7 @@
 What runs is the engine's own code: `pipeline.encode_presentation` (the released-size Qwen3-VL cut after layer 50,
 `H3TextEncoder`), `pipeline.denoise_request` (layout, noise, the DiT loop of `pipeline.denoise`), `pipeline.decode`
 (video VAE at the engine's decode recipe: fp32 weights under fp16 autocast on a GPU at bf16, as
-`Engine.models_for_partition` sets it; audio VAE in fp32), writing the MP4 while the video decodes
+`ModelStore.models_for_partition` sets it; audio VAE in fp32), writing the MP4 while the video decodes
 (`media.mux.write_mp4` on a writer thread, as `Engine.generate_to_file` does). Speed-ups made there are
 measured here with no change to this script.
 
@@ -551,7 +551,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     device = torch.device(args.device)
     configs = configs_for(args.tiny, args.seconds)
     geometry = configs.geometry
-    # The engine's precision rules (Engine.models_for_partition): bf16 models, fp16-autocast video decode on a GPU.
+    # The engine's precision rules (ModelStore.models_for_partition): bf16 models, fp16-autocast video
+    # decode on a GPU.
     dtype = torch.bfloat16
     video_decode_autocast = torch.float16 if device.type == "cuda" else None
     schedule = Schedule.build(args.steps, recipe=RECIPE)

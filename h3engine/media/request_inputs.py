@@ -46,21 +46,16 @@ def request_geometry(
     already loaded, otherwise the file is probed here. A Ref2VA request without a duration takes its audio
     reference's.
     """
-    frames = frames_for_duration(resolve_duration_seconds(request, media_inputs.probe_media))
+    seconds = resolve_duration_seconds(request, media_inputs.probe_media)
+    factors = {"vae_spatial_ratio": vae_spatial_ratio, "patch": patch}
     if request.width is not None and request.height is not None:
-        height, width = request.height, request.width
-    else:
-        if first_keyframe_size is None and request.task == "fl2va" and request.aspect_ratio == "auto":
-            info = media_inputs.probe_media(request.keyframes[0])
-            first_keyframe_size = (info.width, info.height)
-        short_edge, max_pixels = canvas_rule(request.short_edge, canvas.short_edge, canvas.max_pixels)
-        height, width = resolve_canvas(
-            *resolve_aspect(request, first_keyframe_size),
-            multiple=vae_spatial_ratio * patch,
-            short_edge=short_edge,
-            max_pixels=max_pixels,
-        )
-    return Geometry.from_canvas(height, width, frames, vae_spatial_ratio=vae_spatial_ratio, patch=patch)
+        return Geometry.from_canvas(request.height, request.width, frames_for_duration(seconds), **factors)
+    if first_keyframe_size is None and request.task == "fl2va" and request.aspect_ratio == "auto":
+        info = media_inputs.probe_media(request.keyframes[0])
+        first_keyframe_size = (info.width, info.height)
+    short_edge, max_pixels = canvas_rule(request.short_edge, canvas.short_edge, canvas.max_pixels)
+    aspect = resolve_aspect(request, first_keyframe_size)
+    return Geometry.for_request(aspect, seconds, short_edge=short_edge, max_pixels=max_pixels, **factors)
 
 
 def read_reference(
