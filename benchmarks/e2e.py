@@ -3,7 +3,7 @@
 What runs is the engine's own code: `pipeline.encode_presentation` (the released-size Qwen3-VL cut after layer 50,
 `H3TextEncoder`), `pipeline.denoise_request` (layout, noise, the DiT loop of `pipeline.denoise`), `pipeline.decode`
 (video VAE at the engine's decode recipe: fp32 weights under fp16 autocast on a GPU at bf16, as
-`Engine.models_for_partition` sets it; audio VAE in fp32), writing the MP4 while the video decodes
+`ModelStore.models_for_partition` sets it; audio VAE in fp32), writing the MP4 while the video decodes
 (`media.mux.write_mp4` on a writer thread, as `Engine.generate_to_file` does). Speed-ups made there are
 measured here with no change to this script.
 
@@ -86,6 +86,7 @@ from h3engine.modulation import clear_modulation_cache, offload_adaln  # noqa: E
 from h3engine.pipeline import (  # noqa: E402
     DenoisedLatents,
     Models,
+    PreparedRequest,
     StepEvent,
     decode,
     denoise_request,
@@ -537,16 +538,10 @@ def run_app_warm_up(
     schedule = Schedule.build(WARM_UP_REQUEST.steps, recipe=RECIPE)
     started = time.perf_counter()
     with torch.inference_mode():
-        latents = denoise_request(
-            models,
-            presentation,
-            EncodedConditions(task="t2va"),
-            geometry,
-            schedule,
-            args.seed,
-            RECIPE,
-            device,
+        prepared = PreparedRequest(
+            geometry, presentation, EncodedConditions(task="t2va"), schedule, args.seed, RECIPE
         )
+        latents = denoise_request(models, prepared, device)
         decode(models, latents.video_latents, latents.audio_latents)
     synchronize(device)
     return time.perf_counter() - started
@@ -557,7 +552,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     device = torch.device(args.device)
     configs = configs_for(args.tiny, args.seconds)
     geometry = configs.geometry
-    # The engine's precision rules (Engine.models_for_partition): bf16 models, fp16-autocast video decode on a GPU.
+    # The engine's precision rules (ModelStore.models_for_partition): bf16 models, fp16-autocast video
+    # decode on a GPU.
     dtype = torch.bfloat16
     video_decode_autocast = torch.float16 if device.type == "cuda" else None
     schedule = Schedule.build(args.steps, recipe=RECIPE)
@@ -633,17 +629,11 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     def denoise_steps(models: Models, step_count: int, timer: StepTimer) -> DenoisedLatents:
         """The request's first `step_count` steps, each timed by `timer`."""
         with torch.inference_mode():
+            prepared = PreparedRequest(
+                geometry, presentation, conditions, first_steps(schedule, step_count), args.seed, RECIPE
+            )
             return denoise_request(
-                models,
-                presentation,
-                conditions,
-                geometry,
-                first_steps(schedule, step_count),
-                args.seed,
-                RECIPE,
-                device,
-                on_step=timer.after_step,
-                should_cancel=timer.before_step,
+                models, prepared, device, on_step=timer.after_step, should_cancel=timer.before_step
             )
 
     timer = StepTimer(device)

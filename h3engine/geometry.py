@@ -81,6 +81,18 @@ def resolve_canvas(
     return to_multiple(height), to_multiple(width)
 
 
+def canvas_rule(short_edge: int, rule_short_edge: int, rule_max_pixels: int) -> tuple[int, int]:
+    """(short edge, area cap) of a requested short edge on a checkpoint whose canvas rule is
+    (`rule_short_edge`, `rule_max_pixels`); reference videos follow the same rule.
+
+    The released short edge (768) stands for the checkpoint's own rule (768 for the release, the tiny
+    checkpoints' 32); another short edge scales the area cap with it.
+    """
+    if short_edge == RELEASED_SHORT_EDGE:
+        short_edge = rule_short_edge
+    return short_edge, rule_max_pixels * short_edge**2 // rule_short_edge**2
+
+
 def parse_aspect_ratio(text: str) -> tuple[float, float]:
     """Parse ``"W:H"`` (e.g. ``"16:9"``, ``"2.39:1"``) into ``(w, h)``.
 

@@ -1,26 +1,18 @@
-"""One request from prompt to decoded video and audio: encode text -> pack -> denoise -> decode.
+"""One request from its input files to its MP4: inputs -> conditioning -> text -> denoise -> decode -> mux.
 
-Contract: `run_generation` takes already-loaded models, a request's presentation (the text encoder's input, see
-`presentation`) and its encoded conditioning (`conditioning.EncodedConditions`, empty for T2VA) and returns float
-tensors (it writes the MP4 only when given its path). The loop follows the released recipe: one guidance-free DiT
-forward per step on the whole packed sequence; only the generated rows are ever written, so conditioning rows
-(visual ones noised once to t = 0.999 with the request's condition noise, reference audio clean) are re-fed
-unchanged; the scheduler state (latent rows, sigmas, the Euler update) stays fp32 whatever the DiT's compute dtype.
+Contract: `prepare_request` reads a validated request's files and encodes its conditioning into a `PreparedRequest`
+(plain CPU data, which a worker group's rank 0 hands to the other ranks); `run_generation` is `denoise_request`
+(text encode, pack, denoise) then `decode` (which can write the MP4 while the video decodes) and returns float
+tensors; `write_outputs` writes the MP4, the tensors and the sidecar. A worker group runs the halves itself: every
+rank denoises, the VAE group decodes with `decode_on_group`. The loop follows the released recipe: one
+guidance-free DiT forward per step on the whole packed sequence; conditioning rows (visual ones noised once to
+t = 0.999 with the request's condition noise, reference audio clean) are re-fed unchanged; the scheduler state
+stays fp32 whatever the DiT's compute dtype.
 
-Progress and cancellation: `on_step` is called after every step with a small `StepEvent`; `should_cancel` is polled
-before the text encode, before every step and after the last one (on a worker group every rank polls at the same
-points: it is a collective vote there), and `decode` polls its own between the video decoder's windows; a `True`
-raises `GenerationCancelled` and nothing is written.
-
-`run_generation` is `denoise_request` (encode, pack, denoise: latents) followed by `decode`, which can also write the
-MP4 while the video decodes (the mux then costs little more than encoding the last window). A worker group runs the
-two halves itself: every rank denoises (its sharded models return full results on every rank), then the VAE group
-decodes with `decode_on_group`, and only VAE rank 0 ends up with the video and the audio.
-
-Memory profiles: each phase (text encode, denoise, decode; the engine's conditioning encode) runs inside
-`Models.resident_for(phase)`, which under the low-memory profile brings that phase's components onto the compute
-device and sends them home afterwards (h3engine.placement); the phase timings include the copies onto the device
-(both VAEs' in `audio_decode_s`, which runs first).
+Cancellation: `should_cancel` is polled before each input file, the conditioning encode, the text encode, every
+step, after the last one and between the video decoder's windows; a `True` raises `GenerationCancelled`. Each
+phase runs inside `Models.resident_for(phase)` (h3engine.placement: the low-memory profile moves that phase's
+components onto the device and home again; the timings include those copies).
 """
 
 from __future__ import annotations
@@ -32,19 +24,30 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from h3engine.conditioning import EncodedConditions
+from h3engine.checkpoint.layout import CanvasRules
+from h3engine.conditioning import EncodedConditions, encode_keyframes, encode_references, fit_keyframes
 from h3engine.errors import GenerationCancelled
 from h3engine.geometry import Geometry
+from h3engine.media import inputs as media_inputs
 from h3engine.media.mux import write_mp4
+from h3engine.media.outputs import StagedOutputs, save_tensors, sidecar_record, write_sidecar
 from h3engine.media.progressive import ProgressiveFrames
+from h3engine.media.request_inputs import read_reference, request_geometry
 from h3engine.modulation import schedule_modulation
 from h3engine.parallel.groups import GroupMembership
 from h3engine.parallel.vae import decode_video_and_audio
 from h3engine.placement import PHASE_COMPONENTS, Placement
-from h3engine.presentation import Presentation
+from h3engine.presentation import (
+    Presentation,
+    keyframe_presentation,
+    reference_presentation,
+    text_presentation,
+)
+from h3engine.request import GenerationRequest
 from h3engine.sampling.noise import InitialNoise, draw_initial_noise, noise_condition_rows
 from h3engine.sampling.packing import (
     PackedLayout,
@@ -101,6 +104,11 @@ class Models:
     # The engine's memory profile (the default: everything resident, phases are no-ops).
     placement: Placement = field(default_factory=Placement)
 
+    @property
+    def spatial_factors(self) -> tuple[int, int]:
+        """(VAE spatial ratio, DiT patch): their product is the multiple every canvas side rounds to."""
+        return self.video_vae.config.spatial_compression_ratio, self.dit.config.patch_size[-1]
+
     def resident_for(self, phase: str) -> AbstractContextManager[None]:
         """Hold this phase's components (`placement.PHASE_COMPONENTS`) on the compute device for the block."""
         return self.placement.resident_for(phase, [getattr(self, name) for name in PHASE_COMPONENTS[phase]])
@@ -109,6 +117,113 @@ class Models:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# --- inputs and conditioning --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request with its inputs read and encoded: everything the pipeline needs besides the models.
+
+    Plain data (CPU tensors), so a worker group's rank 0 can hand it to the other ranks as it is.
+    """
+
+    geometry: Geometry
+    presentation: Presentation
+    conditions: EncodedConditions
+    schedule: Schedule
+    seed: int
+    recipe: str
+    conditioning_s: float = 0.0
+
+
+def prepare_request(
+    request: GenerationRequest,
+    models: Models,
+    canvas: CanvasRules,
+    should_cancel: Callable[[], bool] | None = None,
+) -> PreparedRequest:
+    """Read a validated request's input files, put them on the model's rates and `canvas`, build the text
+    encoder's presentation and encode the conditioning latents (`should_cancel` is polled before each file and
+    before the encode)."""
+    schedule = Schedule.build(
+        request.steps,
+        recipe=request.recipe,
+        video_shift=request.flow_shift,
+        audio_shift=request.audio_flow_shift,
+    )
+    with torch.inference_mode():
+        started = time.perf_counter()
+        geometry, presentation, conditions = _read_and_encode(request, models, canvas, should_cancel)
+        conditioning_s = time.perf_counter() - started
+    return PreparedRequest(
+        geometry, presentation, conditions, schedule, request.seed, request.recipe, conditioning_s
+    )
+
+
+def _read_and_encode(
+    request: GenerationRequest,
+    models: Models,
+    canvas: CanvasRules,
+    should_cancel: Callable[[], bool] | None,
+) -> tuple[Geometry, Presentation, EncodedConditions]:
+    vae_ratio, patch = models.spatial_factors
+    if request.task == "fl2va":
+        images = []
+        for keyframe in request.keyframes:
+            check_cancelled(should_cancel)
+            images.append(media_inputs.load_image(keyframe.path))
+        geometry = request_geometry(request, canvas, vae_ratio, patch, first_keyframe_size=images[0].size)
+        fitted = fit_keyframes(images, geometry.height, geometry.width)
+        presentation = keyframe_presentation(models.tokenizer, models.processor, request.prompt, fitted)
+        anchors = [keyframe.position for keyframe in request.keyframes]
+        check_cancelled(should_cancel)
+        with models.resident_for("conditioning"):
+            conditions = encode_keyframes(models.video_vae, fitted, anchors)
+        return geometry, presentation, conditions
+    geometry = request_geometry(request, canvas, vae_ratio, patch)
+    if request.task == "ref2va":
+        references = []
+        for index in range(len(request.references)):
+            check_cancelled(should_cancel)
+            references.append(read_reference(request, index, geometry, canvas, vae_ratio * patch))
+        presentation = reference_presentation(models.tokenizer, models.processor, request.prompt, references)
+        check_cancelled(should_cancel)
+        with models.resident_for("conditioning"):
+            conditions = encode_references(models.video_vae, models.audio_vae, references)
+        return geometry, presentation, conditions
+    return geometry, text_presentation(models.tokenizer, request.prompt), EncodedConditions(task="t2va")
+
+
+# --- text ---------------------------------------------------------------------------------------------------
+
+
+def encode_presentation(models: Models, presentation: Presentation, device: torch.device) -> torch.Tensor:
+    """Text-encoder states [L, hidden] of a presentation; pixel tensors enter in the encoder's dtype, as in the
+    reference, so that the vision tower sees the same values at either precision."""
+    encoder_dtype = next(models.text_encoder.parameters()).dtype
+    vision_inputs = {
+        name: value.to(device, encoder_dtype) if name.startswith("pixel_") else value.to(device)
+        for name, value in presentation.vision_inputs.items()
+    }
+    return models.text_encoder.encode(presentation.input_ids.to(device), **vision_inputs)
+
+
+# --- denoise ------------------------------------------------------------------------------------------------
+
+
+def pack_condition_rows(
+    conditions: EncodedConditions, noise: InitialNoise, patch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The leading (condition) video and audio rows, fp32 CPU, in packed order: visual conditions noised to
+    t = 0.999 with the request's condition noise, reference audio clean."""
+    video_rows = [noise.video_rows[:0]] + [
+        noise_condition_rows(patchify_video(latents, patch), noise_rows)
+        for latents, noise_rows in zip(conditions.visual_latents, noise.condition_video_rows, strict=True)
+    ]
+    audio_rows = [noise.audio_rows[:0]] + [rows.to(torch.float32) for rows in conditions.audio_rows]
+    return torch.cat(video_rows), torch.cat(audio_rows)
 
 
 def layout_on(layout: PackedLayout, device: torch.device) -> PackedLayout:
@@ -192,6 +307,96 @@ def denoise(
                 )
             )
     return video_rows, audio_rows
+
+
+@dataclass
+class DenoisedLatents:
+    """A request's generated latents after the last step: normalized, on the compute device."""
+
+    video_latents: torch.Tensor  # [1, C, T, h, w]
+    audio_latents: torch.Tensor  # [2, C, A]
+    timings: dict[str, float]
+
+    def output(
+        self, video: torch.Tensor, audio: torch.Tensor, decode_timings: dict[str, float]
+    ) -> GenerationOutput:
+        return GenerationOutput(
+            video,
+            audio,
+            self.video_latents[0].float().cpu(),
+            self.audio_latents.float().cpu(),
+            {**self.timings, **decode_timings},
+        )
+
+
+def denoise_request(
+    models: Models,
+    prepared: PreparedRequest,
+    device: torch.device,
+    on_step: Callable[[StepEvent], None] | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+) -> DenoisedLatents:
+    """Encode the presentation, pack the condition rows and the seed's noise, and run every step."""
+    presentation, conditions, geometry = prepared.presentation, prepared.conditions, prepared.geometry
+    timings = {"conditioning_s": prepared.conditioning_s}
+    check_cancelled(should_cancel)
+    started = time.perf_counter()
+    with models.resident_for("text_encode"):
+        text_states = encode_presentation(models, presentation, device)
+        _synchronize(device)
+    timings["text_encode_s"] = time.perf_counter() - started
+
+    layout = conditions.layout(presentation.row_tags, geometry)
+    # The latent channel counts come from the DiT, which every rank holds (the VAEs live on some ranks only); they
+    # are the VAEs' latent channels, which is what the DiT's patch projections read.
+    noise = draw_initial_noise(
+        prepared.seed,
+        geometry,
+        recipe=prepared.recipe,
+        condition_shapes=conditions.visual_shapes,
+        video_channels=models.dit.config.video_in_channels,
+        audio_channels=models.dit.config.audio_in_channels,
+    )
+    condition_video_rows, condition_audio_rows = pack_condition_rows(conditions, noise, geometry.patch)
+    if condition_video_rows.shape[0] != layout.num_condition_video_rows or (
+        condition_audio_rows.shape[0] != layout.num_condition_audio_rows
+    ):
+        raise RuntimeError(
+            f"the layout reserves {layout.num_condition_video_rows} video / {layout.num_condition_audio_rows} audio "
+            f"condition rows, the conditioning packs into {condition_video_rows.shape[0]} / "
+            f"{condition_audio_rows.shape[0]}"
+        )
+    video_rows = torch.cat([condition_video_rows, noise.video_rows]).to(device)
+    audio_rows = torch.cat([condition_audio_rows, noise.audio_rows]).to(device)
+
+    started = time.perf_counter()
+    with models.resident_for("denoise"):
+        video_rows, audio_rows = denoise(
+            models.dit,
+            text_states,
+            layout_on(layout, device),
+            video_rows,
+            audio_rows,
+            prepared.schedule,
+            on_step,
+            should_cancel,
+        )
+        _synchronize(device)
+    timings["denoise_s"] = time.perf_counter() - started
+    check_cancelled(should_cancel)
+
+    video_latents = unpatchify_video(
+        video_rows[layout.num_condition_video_rows :],
+        geometry.latent_frames,
+        geometry.latent_h,
+        geometry.latent_w,
+        geometry.patch,
+    )
+    audio_latents = rows_to_audio_latents(audio_rows[layout.num_condition_audio_rows :])
+    return DenoisedLatents(video_latents, audio_latents, timings)
+
+
+# --- decode -------------------------------------------------------------------------------------------------
 
 
 def _frames_from_pixels(video_vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
@@ -303,138 +508,52 @@ def decode_on_group(
     return video.cpu(), waveform.float().cpu(), {"decode_s": time.perf_counter() - started}
 
 
-def encode_presentation(models: Models, presentation: Presentation, device: torch.device) -> torch.Tensor:
-    """Text-encoder states [L, hidden] of a presentation; pixel tensors enter in the encoder's dtype, as in the
-    reference, so that the vision tower sees the same values at either precision."""
-    encoder_dtype = next(models.text_encoder.parameters()).dtype
-    vision_inputs = {
-        name: value.to(device, encoder_dtype) if name.startswith("pixel_") else value.to(device)
-        for name, value in presentation.vision_inputs.items()
-    }
-    return models.text_encoder.encode(presentation.input_ids.to(device), **vision_inputs)
+# --- mux and the other files --------------------------------------------------------------------------------
 
 
-def pack_condition_rows(
-    conditions: EncodedConditions, noise: InitialNoise, patch: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The leading (condition) video and audio rows, fp32 CPU, in packed order: visual conditions noised to
-    t = 0.999 with the request's condition noise, reference audio clean."""
-    video_rows = [noise.video_rows[:0]] + [
-        noise_condition_rows(patchify_video(latents, patch), noise_rows)
-        for latents, noise_rows in zip(conditions.visual_latents, noise.condition_video_rows, strict=True)
-    ]
-    audio_rows = [noise.audio_rows[:0]] + [rows.to(torch.float32) for rows in conditions.audio_rows]
-    return torch.cat(video_rows), torch.cat(audio_rows)
-
-
-@dataclass
-class DenoisedLatents:
-    """A request's generated latents after the last step: normalized, on the compute device."""
-
-    video_latents: torch.Tensor  # [1, C, T, h, w]
-    audio_latents: torch.Tensor  # [2, C, A]
-    timings: dict[str, float]
-
-    def output(
-        self, video: torch.Tensor, audio: torch.Tensor, decode_timings: dict[str, float]
-    ) -> GenerationOutput:
-        return GenerationOutput(
-            video,
-            audio,
-            self.video_latents[0].float().cpu(),
-            self.audio_latents.float().cpu(),
-            {**self.timings, **decode_timings},
-        )
-
-
-def denoise_request(
-    models: Models,
-    presentation: Presentation,
-    conditions: EncodedConditions,
+def write_outputs(
+    staging: StagedOutputs,
+    request: GenerationRequest,
+    inputs: list[dict[str, Any]],
+    output: GenerationOutput,
     geometry: Geometry,
-    schedule: Schedule,
-    seed: int,
-    recipe: str,
-    device: torch.device,
-    on_step: Callable[[StepEvent], None] | None = None,
-    should_cancel: Callable[[], bool] | None = None,
-) -> DenoisedLatents:
-    """Encode the presentation, pack the condition rows and the seed's noise, and run every step."""
-    timings = {}
-    check_cancelled(should_cancel)
-    started = time.perf_counter()
-    with models.resident_for("text_encode"):
-        text_states = encode_presentation(models, presentation, device)
-        _synchronize(device)
-    timings["text_encode_s"] = time.perf_counter() - started
-
-    layout = conditions.layout(presentation.row_tags, geometry)
-    # The latent channel counts come from the DiT, which every rank holds (the VAEs live on some ranks only); they
-    # are the VAEs' latent channels, which is what the DiT's patch projections read.
-    noise = draw_initial_noise(
-        seed,
-        geometry,
-        recipe=recipe,
-        condition_shapes=conditions.visual_shapes,
-        video_channels=models.dit.config.video_in_channels,
-        audio_channels=models.dit.config.audio_in_channels,
-    )
-    condition_video_rows, condition_audio_rows = pack_condition_rows(conditions, noise, geometry.patch)
-    if condition_video_rows.shape[0] != layout.num_condition_video_rows or (
-        condition_audio_rows.shape[0] != layout.num_condition_audio_rows
-    ):
-        raise RuntimeError(
-            f"the layout reserves {layout.num_condition_video_rows} video / {layout.num_condition_audio_rows} audio "
-            f"condition rows, the conditioning packs into {condition_video_rows.shape[0]} / "
-            f"{condition_audio_rows.shape[0]}"
+    engine: dict[str, Any],
+    mp4_written: bool = False,
+) -> None:
+    """Fill `staging`'s files: the MP4 (unless `mp4_written`: the decode already wrote it there), the tensors
+    when asked for, the sidecar (which names the final video; `inputs` are the request's
+    `media.outputs.input_records`, `engine` what the sidecar says about the engine). The caller commits."""
+    if not mp4_written:
+        started = time.perf_counter()
+        write_mp4(staging.files.video, output.video, output.audio)
+        output.timings["mux_s"] = time.perf_counter() - started
+    if staging.files.tensors is not None:
+        save_tensors(
+            staging.files.tensors,
+            {
+                "video": output.video,
+                "audio": output.audio,
+                "video_latents": output.video_latents,
+                "audio_latents": output.audio_latents,
+            },
         )
-    video_rows = torch.cat([condition_video_rows, noise.video_rows]).to(device)
-    audio_rows = torch.cat([condition_audio_rows, noise.audio_rows]).to(device)
+    record = sidecar_record(request, inputs, engine, geometry, output.timings, staging.final.video.name)
+    write_sidecar(staging.files.sidecar, record)
 
-    started = time.perf_counter()
-    with models.resident_for("denoise"):
-        video_rows, audio_rows = denoise(
-            models.dit,
-            text_states,
-            layout_on(layout, device),
-            video_rows,
-            audio_rows,
-            schedule,
-            on_step,
-            should_cancel,
-        )
-        _synchronize(device)
-    timings["denoise_s"] = time.perf_counter() - started
-    check_cancelled(should_cancel)
 
-    video_latents = unpatchify_video(
-        video_rows[layout.num_condition_video_rows :],
-        geometry.latent_frames,
-        geometry.latent_h,
-        geometry.latent_w,
-        geometry.patch,
-    )
-    audio_latents = rows_to_audio_latents(audio_rows[layout.num_condition_audio_rows :])
-    return DenoisedLatents(video_latents, audio_latents, timings)
+# --- the whole request --------------------------------------------------------------------------------------
 
 
 def run_generation(
     models: Models,
-    presentation: Presentation,
-    conditions: EncodedConditions,
-    geometry: Geometry,
-    schedule: Schedule,
-    seed: int,
-    recipe: str,
+    prepared: PreparedRequest,
     device: torch.device,
     on_step: Callable[[StepEvent], None] | None = None,
     should_cancel: Callable[[], bool] | None = None,
     mp4_path: Path | None = None,
 ) -> GenerationOutput:
-    """One request of any task: the presentation and the encoded conditioning decide which one it is. With
-    `mp4_path` the MP4 is written there while the video decodes (see `decode`)."""
-    latents = denoise_request(
-        models, presentation, conditions, geometry, schedule, seed, recipe, device, on_step, should_cancel
-    )
+    """One prepared request of any task: the presentation and the encoded conditioning decide which one it is.
+    With `mp4_path` the MP4 is written there while the video decodes (see `decode`)."""
+    latents = denoise_request(models, prepared, device, on_step, should_cancel)
     decoded = decode(models, latents.video_latents, latents.audio_latents, mp4_path, should_cancel)
     return latents.output(*decoded)

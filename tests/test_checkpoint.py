@@ -84,14 +84,14 @@ def test_partitions_hold_different_dit_weights(native: Path) -> None:
 
 def test_dit_loads_with_released_precision_rules(native: Path) -> None:
     engine = Engine.from_checkpoint(native, device="cpu", dtype=torch.bfloat16)
-    dit = engine.models_for_partition("fl2va").dit
+    dit = engine.store.models_for_partition("fl2va").dit
     fp32 = {name for name, tensor in dit.state_dict().items() if tensor.dtype == torch.float32}
     assert fp32 == set(FP32_PARAMETER_NAMES)
     assert "rope.inv_freq" in fp32 and len(fp32) == 13  # the twelve fp32 tensors and the rope buffer
     assert all(
         tensor.dtype == torch.bfloat16 for name, tensor in dit.state_dict().items() if name not in fp32
     )
-    vae = engine.models_for_partition("fl2va").video_vae
+    vae = engine.store.models_for_partition("fl2va").video_vae
     assert all(tensor.dtype == torch.float32 for tensor in vae.state_dict().values())
 
 

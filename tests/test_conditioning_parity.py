@@ -37,7 +37,7 @@ from h3engine.conditioning import (
 from h3engine.engine import Engine
 from h3engine.errors import RequestError
 from h3engine.media.mux import write_mp4
-from h3engine.pipeline import run_generation
+from h3engine.pipeline import prepare_request, run_generation
 from h3engine.presentation import qwen_video_sampling
 from h3engine.request import GenerationRequest, Keyframe, Reference
 from h3engine.sampling.schedule import Schedule
@@ -162,41 +162,35 @@ def our_run(engine: Engine, request: GenerationRequest, validated: bool = True):
     `validated=False` runs the stages of `Engine.generate` without its validation, for media shorter than the
     request rules allow (cheap reference-audio rows on the tiny audio VAE); the files are read all the same.
     """
-    models = engine.models_for_partition(engine.layout.for_task(request.task).partition)
+    models = engine.store.models_for_partition(engine.layout.for_task(request.task).partition)
     calls: list[dict] = []
     prepared = []
-    prepare = engine.prepare_conditioning
+    prepare = engine.prepare
 
     def capture(module, args) -> None:
         calls.append({name: value.clone() for name, value in zip(DIT_INPUT_NAMES, args, strict=True)})
 
-    def keep_conditioning(*args, **kwargs):
+    def keep_prepared(*args, **kwargs):
         prepared.append(prepare(*args, **kwargs))
         return prepared[-1]
 
     handle = models.dit.register_forward_pre_hook(capture)
-    engine.prepare_conditioning = keep_conditioning
+    engine.prepare = keep_prepared
     try:
         if validated:
             output, geometry = engine.generate(request)
         else:
             schedule = Schedule.build(request.steps, recipe=request.recipe)
+            prepared.append(prepare_request(request, models, engine.layout.canvas))
             with torch.inference_mode():
-                geometry, presentation, conditions = engine.prepare_conditioning(request, models)
+                geometry = prepared[0].geometry
                 output = run_generation(
-                    models,
-                    presentation,
-                    conditions,
-                    geometry,
-                    schedule,
-                    request.seed,
-                    request.recipe,
-                    engine.device,
+                    models, dataclasses.replace(prepared[0], schedule=schedule), engine.device
                 )
     finally:
         handle.remove()
-        del engine.prepare_conditioning
-    return calls, output, geometry, prepared[0][2]
+        del engine.prepare
+    return calls, output, geometry, prepared[0].conditions
 
 
 def assert_same_dit_inputs(ours: list[dict], reference: list[dict], num_condition_audio_rows: int) -> None:
@@ -377,7 +371,7 @@ def describe_blocks(blocks) -> str:
 
 
 def test_ref2va_uses_its_own_partition(engine) -> None:
-    fl2va, ref2va = engine.models_for_partition("fl2va"), engine.models_for_partition("ref2va")
+    fl2va, ref2va = engine.store.models_for_partition("fl2va"), engine.store.models_for_partition("ref2va")
     assert fl2va.dit is not ref2va.dit
     assert not torch.equal(next(fl2va.dit.parameters()), next(ref2va.dit.parameters()))
 

@@ -25,8 +25,8 @@ def test_fp8_linear_quantizes_the_blocks_and_changes_the_output_a_little(checkpo
     plain = Engine.from_checkpoint(checkpoint, "cpu", torch.float32)
     quantized = Engine.from_checkpoint(checkpoint, "cpu", torch.float32, fp8_linear=True)
     partition = plain.layout.for_task("t2va").partition
-    plain_dit = plain.models_for_partition(partition).dit
-    quantized_dit = quantized.models_for_partition(partition).dit
+    plain_dit = plain.store.models_for_partition(partition).dit
+    quantized_dit = quantized.store.models_for_partition(partition).dit
     assert not isinstance(plain_dit.blocks[0].mlp.fc1, Fp8Linear)
     assert isinstance(quantized_dit.blocks[0].mlp.fc1, Fp8Linear)
     assert isinstance(quantized_dit.blocks[0].attn.qkv_proj, Fp8Linear)

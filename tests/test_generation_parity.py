@@ -89,7 +89,7 @@ def test_native_and_diffusers_layouts_generate_the_same(checkpoints) -> None:
 def test_sglang_recipe_runs_one_forward_per_step(checkpoints) -> None:
     engine = Engine.from_checkpoint(checkpoints["native"], device="cpu", dtype=torch.float32)
     forwards = []
-    engine.models_for_partition("fl2va").dit.register_forward_hook(lambda *args: forwards.append(1))
+    engine.store.models_for_partition("fl2va").dit.register_forward_hook(lambda *args: forwards.append(1))
     for recipe, expected in (("sglang", 3), ("diffusers", 2)):
         forwards.clear()
         engine.generate(GenerationRequest(task="t2va", prompt=PROMPT, steps=3, seed=0, recipe=recipe))

@@ -112,7 +112,7 @@ def low_memory(checkpoint, fl2va_request):
     """A low-memory engine (CPU clones as the device copies), its placement and one FL2VA output."""
     engine = RecordingEngine.from_checkpoint(checkpoint, device="cpu", memory_profile="low-memory")
     placement = engine.placement
-    placement.watch(engine.models_for_partition(engine.layout.for_task("fl2va").partition))
+    placement.watch(engine.store.models_for_partition(engine.layout.for_task("fl2va").partition))
     output, _ = engine.generate(fl2va_request)
     return engine, placement, output
 
@@ -272,7 +272,7 @@ def test_low_memory_on_a_gpu_keeps_models_in_host_memory_and_equals_resident(
     checkpoint, fl2va_request
 ) -> None:
     low_memory = Engine.from_checkpoint(checkpoint, device="cuda", memory_profile="low-memory")
-    models = low_memory.models_for_partition(low_memory.layout.for_task("fl2va").partition)
+    models = low_memory.store.models_for_partition(low_memory.layout.for_task("fl2va").partition)
 
     def check_host_resident() -> None:
         for name in COMPONENTS:

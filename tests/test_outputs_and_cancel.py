@@ -23,7 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
-from h3engine import engine as engine_module
+from h3engine import pipeline as pipeline_module
 from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.engine import Engine
 from h3engine.errors import GenerationCancelled, RequestError
@@ -125,7 +125,7 @@ def test_a_failed_tensors_write_leaves_no_video_and_no_staging_file(engine, tmp_
     def failing_save(path, tensors):
         raise OSError("disk full")
 
-    monkeypatch.setattr(engine_module, "save_tensors", failing_save)
+    monkeypatch.setattr(pipeline_module, "save_tensors", failing_save)
     with pytest.raises(OSError, match="disk full"):
         engine.generate_to_file(
             REQUESTS["t2va"], tmp_path / "out.mp4", save_tensors_path=tmp_path / "t.safetensors"
@@ -171,7 +171,7 @@ def test_every_poll_of_a_request_can_cancel_it_and_leaves_no_file(engine, task, 
     engine.generate_to_file(request, tmp_path / "full.mp4", should_cancel=should_cancel)
     first_keyframe_size = Image.open(request.keyframes[0].path).size if request.keyframes else None
     geometry = engine.geometry_for(request, first_keyframe_size)
-    video_vae = engine.models_for_partition(engine.layout.for_task(task).partition).video_vae
+    video_vae = engine.store.models_for_partition(engine.layout.for_task(task).partition).video_vae
     plan = video_vae.plan_decode((1, 1, geometry.latent_frames, geometry.latent_h, geometry.latent_w))
     # The decoder yields a piece per window, and the carried tail last when windows overlap (token_drop).
     pieces = plan.window_count + (1 if video_vae.config.token_drop > 0 else 0)

@@ -33,7 +33,7 @@ def test_steps_after_the_first_do_not_synchronize(tmp_path) -> None:
     # On a GPU the fused Triton ops run; the tiny DiT's 12-channel heads fit neither FA4 nor cuDNN (multiples of 8),
     # so its attention is SDPA, chosen up front rather than after a failing call (the released heads of 128 take
     # FA4: tests/test_ops_attention.py).
-    report = engine.kernel_report()
+    report = engine.store.kernel_report()
     assert report == {"attention": "sdpa", "fused_ops": "triton"}, report
     # The mode really raises on a synchronizing call (so the test can fail).
     torch.cuda.set_sync_debug_mode("error")

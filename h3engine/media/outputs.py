@@ -1,30 +1,24 @@
 """Files a finished request leaves behind: the MP4, its JSON sidecar and optional tensor dumps.
 
 Contract:
-* `output_paths(out_mp4)` fixes the naming rule: the sidecar is the MP4's path with `.json` instead of `.mp4`
-  (same folder, same stem), so either file finds the other.
-* Every writer here (and `h3engine.media.mux.write_mp4`) goes through `atomic_output`: the bytes go to a hidden
-  temporary file in the destination folder, are flushed to disk, and only then renamed over the final name
-  with `os.replace`. A reader therefore sees either the previous complete file or the new complete file under
-  the final name, never a partial one; on any error (or interrupt) the temporary file is deleted and the
-  previous file, if any, is left untouched.
-* `write_sidecar` writes UTF-8 JSON with sorted keys and a 2-space indent; NaN/Infinity are refused because
-  the browser's `JSON.parse` cannot read them.
-* `save_tensors` writes safetensors with every tensor as contiguous CPU float32.
-* A request's files (MP4, optional tensors, sidecar) appear together or not at all: `staged(OutputFiles)` gives
-  each one a hidden staging file, the writers fill those (each through its own `atomic_output`), and `commit()`
-  renames them into place with the sidecar last, so a listed sidecar always finds its MP4. Leaving the block
-  without `commit()` (an error, a cancel, an early return) removes every staging file.
+* `output_paths(out_mp4)`: the sidecar is the MP4's path with `.json` instead of `.mp4`, so either finds the other.
+* Every writer here (and `media.mux.write_mp4`) goes through `atomic_output`: the bytes go to a hidden temporary
+  file in the destination folder, are flushed, and only then renamed over the final name; a reader sees the old
+  or the new complete file, never a partial one, and an error leaves the old file untouched.
+* `write_sidecar` writes sorted, indented UTF-8 JSON without NaN/Infinity (the browser cannot parse them);
+  `sidecar_record` composes it; `save_tensors` writes contiguous CPU float32 safetensors.
+* `staged(OutputFiles)`: a request's files appear together or not at all; `commit()` renames them into place with
+  the sidecar last, and leaving the block without it removes every staging file.
 
-Danger: the temporary file lives in the destination folder on purpose. `os.replace` is only atomic within one
-file system, so a temp file in /tmp would turn the rename into a copy. Its name starts with a dot, carries the
-writing process's id and ends in `.partial` (`.NAME.PID-TOKEN.partial`), so a history scan for `*.mp4` / `*.json`
-never lists it and a later start can tell a dead writer's leftovers (h3engine.leftovers) from a live one's.
+Danger: the temporary file lives in the destination folder on purpose (`os.replace` is atomic within one file
+system only). Its name, `.NAME.PID-TOKEN.partial`, hides it from a history scan and tells a dead writer's
+leftovers (h3engine.leftovers) from a live one's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
@@ -33,10 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from h3engine.errors import RequestError
+
 if (
     TYPE_CHECKING
 ):  # torch is imported by `save_tensors` alone: the CLI checks output names before importing it
     import torch
+
+    from h3engine.geometry import Geometry
+    from h3engine.request import GenerationRequest
 
 MP4_SUFFIX = ".mp4"
 SIDECAR_SUFFIX = ".json"
@@ -152,6 +151,19 @@ class OutputFiles:
         return None
 
 
+def checked_output_files(out_path: Path | str, save_tensors_path: Path | str | None = None) -> OutputFiles:
+    """The request's output files, or RequestError naming the argument, before any work is done."""
+    try:
+        files = OutputFiles.beside(out_path, save_tensors_path)
+    except ValueError as error:
+        raise RequestError(f"out_path: {error}") from None
+    problem = files.problem()
+    if problem is not None:
+        role, message = problem
+        raise RequestError(f"{'out_path' if role == 'video' else 'save_tensors_path'}: {message}")
+    return files
+
+
 class StagedOutputs:
     """Hidden staging files for one request's `OutputFiles`; see `staged`."""
 
@@ -207,6 +219,69 @@ def write_sidecar(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> P
     with atomic_output(final_path) as partial_path:
         partial_path.write_text(text, encoding="utf-8")
     return final_path
+
+
+def input_records(request: GenerationRequest) -> list[dict[str, Any]]:
+    """What the sidecar records about each input file: its field, role, path and the sha256 of its bytes.
+
+    Taken before generating, so that the sidecar names the bytes the conditioning was read from.
+    """
+    records: list[dict[str, Any]] = [
+        {"field": f"keyframes[{index}]", "position": keyframe.position, "path": keyframe.path}
+        for index, keyframe in enumerate(request.keyframes)
+    ]
+    records += [
+        {
+            "field": f"references[{index}]",
+            "kind": reference.kind,
+            "path": reference.path,
+            "start_seconds": reference.start_seconds,
+        }
+        for index, reference in enumerate(request.references)
+    ]
+    for record in records:
+        try:
+            record["sha256"] = _sha256(record["path"])
+        except OSError as error:
+            raise RequestError(f"{record['field']}: cannot read {record['path']}: {error.strerror}") from None
+    return records
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sidecar_record(
+    request: GenerationRequest,
+    inputs: list[dict[str, Any]],
+    engine: Mapping[str, Any],
+    geometry: Geometry,
+    timings: Mapping[str, float],
+    video_name: str,
+) -> dict[str, Any]:
+    """The sidecar of one video: the request, its `input_records`, the `engine` that made it (checkpoint, device,
+    precision, kernels: its keys go to the top level), the geometry, the timings and the video's file name."""
+    return {
+        "request": request.to_dict(),
+        "inputs": inputs,
+        "seed": request.seed,
+        "recipe": request.recipe,
+        **engine,
+        "geometry": {
+            "width": geometry.width,
+            "height": geometry.height,
+            "frames": geometry.frames,
+            "fps": 24,
+            "latent_frames": geometry.latent_frames,
+            "audio_latents": geometry.audio_latents,
+        },
+        "timings_s": dict(timings),
+        "video": video_name,
+    }
 
 
 def save_tensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> Path:

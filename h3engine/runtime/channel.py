@@ -1,42 +1,17 @@
 """Tensor channel: one producer process hands named tensors to one consumer process through reusable slots.
 
-Contract:
-* The engine process creates `TensorChannel(device, slots)` and passes it, as a process argument, to two worker
-  processes started with the spawn method (`torch.multiprocessing`). There, one calls `channel.producer()` and the
-  other `channel.consumer()`; each role is claimed once per channel. The engine never touches a tensor: the two
-  queues inside carry only small pickled messages (slot id, tag, names, dtypes, shapes, byte offsets; once per slot
-  buffer, the buffer's sharing handle and a CUDA event handle).
-* `producer.send(tensors, tag)` copies the tensors into one free slot's buffer and returns; the caller may
-  overwrite its own tensors at once. The slot buffer is a flat byte buffer on the channel's device, allocated the
-  first time the slot is used and replaced by a larger one when a send does not fit. On "cuda" the buffer is
-  shared through CUDA IPC (torch's tensor sharing) and the copy is ordered by events: the producer records a
-  per-slot interprocess event after its copies on its current stream, and the consumer's current stream waits on
-  it before any read. On "cpu" the buffers are `share_memory_()` tensors and the copy is done when `send`
-  returns. `send` blocks while every slot is in flight and fails after `timeout` with `ChannelTimeout`.
-* `consumer.receive(timeout)` returns `(tag, tensors)`: views into the slot, valid until `consumer.release(tag)`
-  (or the end of a `with consumer.receiving() as (tag, tensors):` block). Releasing acknowledges the slot; only
-  then may the producer write into it again. On "cuda" the release records a consumer-side interprocess event on
-  the consumer's current stream and the producer's stream waits on it before reusing the slot, so reads the
-  consumer has queued but not finished are never overwritten.
-* Teardown, in this order: consumers, producers, channel. `consumer.close()` drops its mappings. `producer.close()`
-  tells the consumer that nothing more comes (its next `receive` raises `ChannelClosed`), then waits until the
-  consumer has closed or died before it frees the slot buffers: a CUDA IPC buffer must outlive every mapping of it
-  in other processes. `TensorChannel.close()` in the engine wakes any call blocked in a worker (it raises
-  `ChannelClosed`), waits until each side has closed or exited, and closes the queues. The channel starts no
-  process and owns none; the engine joins its workers.
-* A side that died is noticed within `POLL_INTERVAL_S`: `send` and `receive` raise `ChannelPeerGone` instead of
-  waiting out their timeout, and `close` does not wait for it. Liveness comes from /proc (pid plus the kernel's
-  start time, so a zombie or a reused pid counts as gone): Linux only, like the engine.
+Contract: the engine process creates a `TensorChannel` and passes it to two spawned worker processes; one calls
+`producer()`, the other `consumer()`. The engine never touches a tensor: the queues inside carry only small
+pickled messages. `ChannelProducer.send` copies into a free slot and returns; `ChannelConsumer.receive` hands out
+views of the slot until `release`. On "cuda" the slot buffers are shared through CUDA IPC and every hand-over is
+ordered by interprocess events; on "cpu" they are shared-memory tensors. Teardown and liveness: `TensorChannel`.
 
-Danger: received tensors alias the slot. Reading them after `release` (or after the consumer's `close`) reads
-whatever the producer writes next; clone what must live longer. On "cuda", the consumer's reads must be queued on
-its current stream between `receive` and `release` (or be ordered with it), and the views live on the producer's
-device. A producer that dies while the consumer still reads a CUDA slot takes the memory with it; nothing can make
-those reads safe, so the consumer refuses to hand out anything once the producer is gone. On "cuda" the two ends
-must live in different processes (CUDA IPC cannot open a handle in the process that exported it); on "cpu" both
-may live in one process, as in the tests. Endpoints are not thread-safe: each is used by one thread. Both workers
-must descend from the process that made the channel (CPU buffers travel as file descriptors through
-multiprocessing's resource sharer, which trusts the authkey they inherit).
+Danger: received tensors alias the slot: reading them after `release` (or the consumer's `close`) reads whatever
+the producer writes next, so clone what must live longer. On "cuda" the consumer's reads must be queued on its
+current stream between `receive` and `release`, the two ends must live in different processes, and a producer
+that dies takes the slot memory with it, so the consumer hands out nothing once the producer is gone. Endpoints
+are not thread-safe. Both workers must descend from the process that made the channel (CPU buffers travel as file
+descriptors through multiprocessing's resource sharer, which trusts the authkey they inherit).
 """
 
 from __future__ import annotations
@@ -263,7 +238,20 @@ class TensorChannel:
     """One producer -> one consumer, `slots` reusable buffers on `device` ("cpu" or a CUDA device).
 
     `timeout_s` is the default wait of `send`, `receive` and the `close` calls. Create it in the engine process
-    and pass it to the worker processes as a process argument (spawn), before they start.
+    and pass it to the worker processes as a process argument (spawn, `torch.multiprocessing`), before they start;
+    each role is claimed once per channel.
+
+    Teardown, in this order: consumers, producers, channel. `consumer.close()` drops its mappings.
+    `producer.close()` tells the consumer that nothing more comes (its next `receive` raises `ChannelClosed`), then
+    waits until the consumer has closed or died before it frees the slot buffers: a CUDA IPC buffer must outlive
+    every mapping of it in other processes. `TensorChannel.close()` in the engine wakes any call blocked in a worker
+    (it raises `ChannelClosed`), waits until each side has closed or exited, and closes the queues. The channel
+    starts no process and owns none; the engine joins its workers.
+
+    A side that died is noticed within `POLL_INTERVAL_S`: `send` and `receive` raise `ChannelPeerGone` instead of
+    waiting out their timeout, and `close` does not wait for it. Liveness comes from /proc (pid plus the kernel's
+    start time, so a zombie or a reused pid counts as gone): Linux only, like the engine. On "cpu" both ends may
+    live in one process, as in the tests.
     """
 
     def __init__(
@@ -292,6 +280,20 @@ class TensorChannel:
     @property
     def describe(self) -> str:
         return f"tensor channel {self.name!r}"
+
+    def _check_peer(self, peer: _Role, when_closed: str, when_gone: str) -> None:
+        """ChannelClosed once the engine closes the channel or `peer` closed its end (`when_closed` says what that
+        means); ChannelPeerGone once the peer's process exited (`when_gone` says what is lost)."""
+        if self._state.closing():
+            raise ChannelClosed(f"{self.describe}: the engine closed the channel")
+        status = self._state.status(peer)
+        if status is _Peer.CLOSED:
+            raise ChannelClosed(f"{self.describe}: {when_closed}")
+        if status is _Peer.GONE:
+            raise ChannelPeerGone(
+                f"{self.describe}: the {peer.name.lower()} process (pid {self._state.pid(peer)}) exited; "
+                f"{when_gone}"
+            )
 
     def producer(self) -> ChannelProducer:
         """Attach this process as the channel's only producer."""
@@ -363,7 +365,15 @@ class _ProducerSlot:
 
 
 class ChannelProducer:
-    """The sending end; get it with `TensorChannel.producer()` in the producing process."""
+    """The sending end; get it with `TensorChannel.producer()` in the producing process.
+
+    `send(tensors, tag)` copies the tensors into one free slot's buffer and returns; the caller may overwrite its
+    own tensors at once. The slot buffer is a flat byte buffer on the channel's device, allocated the first time the
+    slot is used and replaced by a larger one when a send does not fit. On "cuda" the producer records a per-slot
+    interprocess event after its copies on its current stream, and the consumer's current stream waits on it before
+    any read; on "cpu" the copy is done when `send` returns. `send` blocks while every slot is in flight and fails
+    after `timeout` with `ChannelTimeout`.
+    """
 
     def __init__(self, channel: TensorChannel) -> None:
         self._channel = channel
@@ -446,19 +456,9 @@ class ChannelProducer:
         return consumer in (_Peer.CLOSED, _Peer.GONE)
 
     def _check_can_send(self) -> None:
-        describe = self._channel.describe
         if self._closed:
-            raise ChannelClosed(f"{describe}: this producer is closed")
-        if self._channel._state.closing():
-            raise ChannelClosed(f"{describe}: the engine closed the channel")
-        consumer = self._channel._state.status(_Role.CONSUMER)
-        if consumer is _Peer.CLOSED:
-            raise ChannelClosed(f"{describe}: the consumer closed its end")
-        if consumer is _Peer.GONE:
-            raise ChannelPeerGone(
-                f"{describe}: the consumer process (pid {self._channel._state.pid(_Role.CONSUMER)}) exited; "
-                f"nothing more can be sent"
-            )
+            raise ChannelClosed(f"{self._channel.describe}: this producer is closed")
+        self._channel._check_peer(_Role.CONSUMER, "the consumer closed its end", "nothing more can be sent")
 
     def _take_free_slot(self, tag: Hashable, timeout: float | None) -> int:
         """A free slot, once the consumer no longer holds an earlier send under the same `tag`.
@@ -559,7 +559,14 @@ class ChannelProducer:
 
 
 class ChannelConsumer:
-    """The receiving end; get it with `TensorChannel.consumer()` in the consuming process."""
+    """The receiving end; get it with `TensorChannel.consumer()` in the consuming process.
+
+    `receive(timeout)` returns `(tag, tensors)`: views into the slot (on the producer's device), valid until
+    `release(tag)` (or the end of a `with consumer.receiving() as (tag, tensors):` block). Releasing acknowledges
+    the slot; only then may the producer write into it again. On "cuda" the release records a consumer-side
+    interprocess event on the consumer's current stream and the producer's stream waits on it before reusing the
+    slot, so reads the consumer has queued but not finished are never overwritten.
+    """
 
     def __init__(self, channel: TensorChannel) -> None:
         self._channel = channel
@@ -649,21 +656,12 @@ class ChannelConsumer:
         self.close()
 
     def _check_can_receive(self) -> None:
-        describe = self._channel.describe
+        finished = "the producer closed its end; nothing more comes"
         if self._closed:
-            raise ChannelClosed(f"{describe}: this consumer is closed")
+            raise ChannelClosed(f"{self._channel.describe}: this consumer is closed")
         if self._producer_finished:
-            raise ChannelClosed(f"{describe}: the producer closed its end; nothing more comes")
-        if self._channel._state.closing():
-            raise ChannelClosed(f"{describe}: the engine closed the channel")
-        producer = self._channel._state.status(_Role.PRODUCER)
-        if producer is _Peer.CLOSED:
-            raise ChannelClosed(f"{describe}: the producer closed its end; nothing more comes")
-        if producer is _Peer.GONE:
-            raise ChannelPeerGone(
-                f"{describe}: the producer process (pid {self._channel._state.pid(_Role.PRODUCER)}) exited; "
-                f"its slot buffers are gone"
-            )
+            raise ChannelClosed(f"{self._channel.describe}: {finished}")
+        self._channel._check_peer(_Role.PRODUCER, finished, "its slot buffers are gone")
 
     def _unpickle(self, payload: bytes) -> _SlotFilled | _ProducerFinished:
         try:

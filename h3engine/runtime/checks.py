@@ -1,21 +1,16 @@
 """Request checks that run before a job is queued, without touching the models.
 
 Contract:
-* File facts come from `h3engine.media.inputs.probe_media`, the probe the engine's own validation uses (headers
-  only; an unreadable file raises RequestError naming it).
-* `CheckpointFacts.from_engine(engine)` captures, once at start-up, the few checkpoint facts the checks need
-  (served tasks, canvas rules, the VAE ratio and DiT patch, the tokenizer folder) from the models the engine loaded
-  for its first partition. MiniMax H3's partitions share the video VAE, the DiT patch and the tokenizer, so one
-  partition's facts hold for all.
-* `check_request(request, facts)` runs every rule `validate` knows (including the file rules and, with a tokenizer
-  folder, the prompt's token bound, counted by `h3engine.presentation.prompt_token_counter` before any file is
-  probed) plus "does this checkpoint serve the task"; `expected_geometry(request, facts)` is the canvas and frame
-  count the app shows next to the settings.
+* `CheckpointFacts.from_engine(engine)` captures once, at start-up, the checkpoint facts the checks need (served
+  tasks, canvas rules, VAE ratio and DiT patch, tokenizer folder) from the engine's first partition; MiniMax H3's
+  partitions share the video VAE, the patch and the tokenizer, so they hold for all.
+* `check_request(request, facts)` runs every rule `validate` knows (file headers through
+  `media.inputs.probe_media`, the prompt's token bound) plus "does this checkpoint serve the task";
+  `expected_geometry(request, facts)` is `media.request_inputs.request_geometry` on those facts.
 
 Danger: these checks exist so that the app never calls into a shared `Engine` from a request thread (on a GPU
-that could load a 62 GiB partition next to the one a worker is using). The engine validates again when the job
-runs, and its geometry (reported in `JobStarted` and the sidecar) is the authority; `expected_geometry` is the
-same function (`h3engine.engine.request_geometry`) applied to the facts captured here.
+that could load a whole DiT partition next to the one a worker is using). The engine validates again when the job
+runs, and its geometry (reported in `JobStarted` and the sidecar) is the authority.
 """
 
 from __future__ import annotations
@@ -24,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3engine.checkpoint.layout import CanvasRules
-from h3engine.engine import Engine, request_geometry
+from h3engine.engine import Engine
 from h3engine.errors import RequestError
 from h3engine.geometry import Geometry
 from h3engine.media.inputs import probe_media
+from h3engine.media.request_inputs import request_geometry
 from h3engine.presentation import prompt_token_counter
 from h3engine.request import GenerationRequest, validate
 
@@ -47,14 +43,14 @@ class CheckpointFacts:
 
     @classmethod
     def from_engine(cls, engine: Engine) -> CheckpointFacts:
-        # The first partition is loaded by Engine's constructor, so this reads resident modules only.
-        partition = next(iter(engine.layout.partitions))
-        models = engine.models_for_partition(partition)
+        # The first partition is loaded by the engine's model store, so this reads resident modules only.
+        partition = engine.store.first_partition
+        vae_spatial_ratio, patch = engine.store.models_for_partition(partition).spatial_factors
         return cls(
             tasks=engine.layout.tasks,
             canvas=engine.layout.canvas,
-            vae_spatial_ratio=models.video_vae.config.spatial_compression_ratio,
-            patch=models.dit.config.patch_size[-1],
+            vae_spatial_ratio=vae_spatial_ratio,
+            patch=patch,
             tokenizer=engine.layout.partitions[partition].tokenizer,
         )
 

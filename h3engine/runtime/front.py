@@ -1,61 +1,42 @@
 """The in-process engine front: a job queue in front of one or more engine replicas, one worker thread each.
 
 Contract:
-* `EngineFront(replicas, outputs_dir)` starts one worker thread per replica. A replica is an `Engine` (its own
-  models on its own device, run in this process; wrapped in `EngineReplica`) or anything with the `Replica`
-  interface, such as h3engine.runtime.workers.ProcessReplica (a resident worker group, one process per rank).
-  Jobs run in submission order; at most `replicas` run at once.
-* `submit(request)` returns a `JobHandle` at once (`out_path` / `save_tensors_path` pick the files; by default a
-  stamped name in the outputs folder). The handle yields the job's messages (h3engine.runtime.messages):
-  `JobQueued` whenever its queue position changes, `JobStarted`, `StepProgress` after every denoising step,
-  `PreviewFrame` every `preview_every` steps, then exactly one terminal `JobFinished` or `JobFailed`.
-* `cancel(handle)` removes a waiting job at once; a running job stops at the engine's next step check (before
-  every denoising step), its tensors are dropped and, on a GPU, the allocator cache is emptied, so the replica
-  is free for the next job. Cancelling a finished job does nothing.
-* `shutdown()` cancels everything, joins the workers and closes the replicas (a worker group's processes end).
-* With `warm_up=True`, each worker first runs `WARM_UP_REQUEST` on its replica (like a job, into a temporary
-  folder that is then deleted; skipped where the checkpoint does not serve T2VA) before it takes jobs: a process's
-  first generation pays one-time costs (kernel compiles, cuDNN plans, library handles; ~10 s at the released size
-  on an H200), which the app pays at start instead of in its first user's request. Jobs submitted meanwhile wait
-  in the queue.
-* `check(request)` / `expected_geometry(request)` run the model-free checks of h3engine.runtime.checks; callers
-  use them before `submit`, so an invalid request never takes a place in the queue. The worker validates again
-  with the engine itself, and its RequestError becomes a `JobFailed(kind="request")` with the engine's message.
+* A replica is an `Engine` (run in this process by `EngineReplica`) or anything with the `Replica` interface, such
+  as h3engine.runtime.workers.ProcessReplica (a worker group). Jobs run in submission order, one per replica.
+* `submit(request)` returns a `JobHandle` at once (by default the MP4 gets a stamped name in the outputs folder);
+  it yields the job's messages (h3engine.runtime.messages): `JobQueued` on every queue move, `JobStarted`,
+  `StepProgress` after every step, `PreviewFrame` every `preview_every` steps, then one `JobFinished` or `JobFailed`.
+* `cancel(handle)` removes a waiting job at once or stops a running one at its next step check (its memory freed
+  for the next job); `shutdown()` cancels everything, joins the workers and closes the replicas. With
+  `warm_up=True` each replica first runs `WARM_UP_REQUEST`, so that one-time costs are paid at start.
+* `check(request)` / `expected_geometry(request)` are the model-free checks (h3engine.runtime.checks) to run
+  before `submit`; the engine validates again, and its RequestError becomes a `JobFailed(kind="request")`.
 
-Why messages and not callbacks: the messages are plain picklable data, so a replica in worker processes feeds the
-same handle API from a pipe: its rank 0 builds the very same messages with `job_started`, `step_reporter` and
-`job_finished`. The engine's `on_step` callback runs inside the denoising loop; it only formats small messages and
-puts them without blocking (a full buffer drops progress and previews, never the terminal message), so a slow or
-vanished reader never stalls a GPU.
-
-Danger: an `Engine` is not thread-safe; each one is only ever called from its own worker thread. Any exception
-from the engine is caught in the worker (an internal one is logged with its traceback and reported as one short
-sentence), so a bad job can never kill a replica's thread.
+Danger: an `Engine` is not thread-safe; each one is only called from its own worker thread, which catches every
+exception (a bad job never kills it). `on_step` runs inside the denoising loop and only puts small messages
+without blocking: a full buffer drops progress and previews, never the terminal message.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import queue
 import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from h3engine.engine import Engine, checked_output_files
+from h3engine.engine import Engine
 from h3engine.errors import GenerationCancelled, H3Error
-from h3engine.geometry import FPS, Geometry
+from h3engine.geometry import Geometry
 from h3engine.leftovers import WARM_UP_FOLDER_PREFIX, owned_temp_folder
-from h3engine.media.outputs import OutputFiles
-from h3engine.media.preview import latent_preview_rgb
-from h3engine.pipeline import StepEvent
+from h3engine.media.outputs import checked_output_files
 from h3engine.request import GenerationRequest
 from h3engine.runtime.checks import CheckpointFacts, check_request, expected_geometry
 from h3engine.runtime.messages import (
@@ -63,9 +44,9 @@ from h3engine.runtime.messages import (
     JobFailed,
     JobFinished,
     JobQueued,
-    JobStarted,
-    PreviewFrame,
-    StepProgress,
+    job_finished,
+    job_started,
+    step_reporter,
 )
 
 logger = logging.getLogger(__name__)
@@ -357,74 +338,9 @@ class EngineFront:
                     del self._running[index]
 
 
-# --- the messages of one job, built the same way by every kind of replica ----------------------------------------
-
-
-def job_started(job_id: str, replica_index: int, submitted_at: float, geometry: Geometry) -> JobStarted:
-    """`submitted_at` is the handle's `time.monotonic()` stamp (one clock for every process of the machine)."""
-    return JobStarted(
-        job_id,
-        replica=replica_index,
-        queue_wait_s=time.monotonic() - submitted_at,
-        width=geometry.width,
-        height=geometry.height,
-        frames=geometry.frames,
-        fps=FPS,
-        latent_frames=geometry.latent_frames,
-    )
-
-
 def stamped_output_name(task: str, job_id: str) -> str:
     """A job's default MP4 name in the outputs folder (h3engine.leftovers.STAMPED_OUTPUT_NAME matches it)."""
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{task}-{job_id}.mp4"
-
-
-def job_finished(job_id: str, written: OutputFiles) -> JobFinished:
-    """The terminal message of a job whose files are on disk, read back from its sidecar."""
-    sidecar = json.loads(written.sidecar.read_text(encoding="utf-8"))
-    return JobFinished(
-        job_id,
-        video_path=str(written.video),
-        sidecar_path=str(written.sidecar),
-        seed=int(sidecar["seed"]),
-        width=int(sidecar["geometry"]["width"]),
-        height=int(sidecar["geometry"]["height"]),
-        frames=int(sidecar["geometry"]["frames"]),
-        fps=int(sidecar["geometry"]["fps"]),
-        timings_s={name: float(value) for name, value in sidecar["timings_s"].items()},
-    )
-
-
-def step_reporter(
-    job_id: str, geometry: Geometry, preview_every: int, publish: Callable[[JobEvent], None]
-) -> Callable[[StepEvent], None]:
-    """The engine's `on_step`: a `StepProgress` every step, a `PreviewFrame` every `preview_every` steps and at the
-    last one. `publish` must not block (it drops what its reader cannot take)."""
-    previews_enabled = True
-
-    def on_step(event: StepEvent) -> None:
-        nonlocal previews_enabled
-        eta_s = event.elapsed_s / event.step * (event.total - event.step)
-        publish(StepProgress(job_id, event.step, event.total, event.elapsed_s, eta_s))
-        wants_preview = event.step % preview_every == 0 or event.step == event.total
-        if not (previews_enabled and wants_preview and event.video_rows is not None):
-            return
-        try:
-            rgb = latent_preview_rgb(
-                event.video_rows,
-                geometry.latent_frames,
-                geometry.latent_h,
-                geometry.latent_w,
-                geometry.patch,
-            )
-        except Exception:
-            # A preview is a nicety: never let it abort the generation it is watching.
-            logger.exception("job %s: live preview failed; previews are off for this job", job_id)
-            previews_enabled = False
-            return
-        publish(PreviewFrame(job_id, event.step, rgb))
-
-    return on_step
 
 
 def release_memory(device: torch.device) -> None:

@@ -4,7 +4,8 @@ Contract: every message is a frozen dataclass whose fields are builtins (str, in
 tuples of those) or a numpy array. Nothing here holds a torch tensor, a path object, a lock or a callback, so a
 message pickles as it is and can later travel over a `multiprocessing` queue from an engine worker process to
 the app process unchanged. Every job's stream ends with exactly one terminal message (`JobFinished`,
-`JobFailed`), and nothing follows it.
+`JobFailed`), and nothing follows it. Every kind of replica builds them the same way: `job_started`,
+`step_reporter` (the engine's `on_step`) and `job_finished` (read back from the sidecar).
 
 Danger: a preview frame is the only large message (an RGB uint8 image, ~0.5 MB at the released size); the
 front drops progress and preview messages rather than let a slow reader hold up the denoising loop, so a
@@ -13,10 +14,23 @@ reader must treat `StepProgress` and `PreviewFrame` as "latest known state", nev
 
 from __future__ import annotations
 
+import json
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
+
+from h3engine.geometry import FPS, Geometry
+from h3engine.media.outputs import OutputFiles
+from h3engine.media.preview import latent_preview_rgb
+
+if TYPE_CHECKING:
+    from h3engine.pipeline import StepEvent
+
+logger = logging.getLogger(__name__)
 
 FailureKind = Literal["request", "cancelled", "engine"]
 
@@ -93,3 +107,68 @@ class JobFailed:
 
 JobEvent = JobQueued | JobStarted | StepProgress | PreviewFrame | JobFinished | JobFailed
 TERMINAL_EVENTS = (JobFinished, JobFailed)
+
+
+# --- the messages of one job, built the same way by every kind of replica ---------------------------------
+
+
+def job_started(job_id: str, replica_index: int, submitted_at: float, geometry: Geometry) -> JobStarted:
+    """`submitted_at` is the handle's `time.monotonic()` stamp (one clock for every process of the machine)."""
+    return JobStarted(
+        job_id,
+        replica=replica_index,
+        queue_wait_s=time.monotonic() - submitted_at,
+        width=geometry.width,
+        height=geometry.height,
+        frames=geometry.frames,
+        fps=FPS,
+        latent_frames=geometry.latent_frames,
+    )
+
+
+def job_finished(job_id: str, written: OutputFiles) -> JobFinished:
+    """The terminal message of a job whose files are on disk, read back from its sidecar."""
+    sidecar = json.loads(written.sidecar.read_text(encoding="utf-8"))
+    return JobFinished(
+        job_id,
+        video_path=str(written.video),
+        sidecar_path=str(written.sidecar),
+        seed=int(sidecar["seed"]),
+        width=int(sidecar["geometry"]["width"]),
+        height=int(sidecar["geometry"]["height"]),
+        frames=int(sidecar["geometry"]["frames"]),
+        fps=int(sidecar["geometry"]["fps"]),
+        timings_s={name: float(value) for name, value in sidecar["timings_s"].items()},
+    )
+
+
+def step_reporter(
+    job_id: str, geometry: Geometry, preview_every: int, publish: Callable[[JobEvent], None]
+) -> Callable[[StepEvent], None]:
+    """The engine's `on_step`: a `StepProgress` every step, a `PreviewFrame` every `preview_every` steps and at the
+    last one. `publish` must not block (it drops what its reader cannot take)."""
+    previews_enabled = True
+
+    def on_step(event: StepEvent) -> None:
+        nonlocal previews_enabled
+        eta_s = event.elapsed_s / event.step * (event.total - event.step)
+        publish(StepProgress(job_id, event.step, event.total, event.elapsed_s, eta_s))
+        wants_preview = event.step % preview_every == 0 or event.step == event.total
+        if not (previews_enabled and wants_preview and event.video_rows is not None):
+            return
+        try:
+            rgb = latent_preview_rgb(
+                event.video_rows,
+                geometry.latent_frames,
+                geometry.latent_h,
+                geometry.latent_w,
+                geometry.patch,
+            )
+        except Exception:
+            # A preview is a nicety: never let it abort the generation it is watching.
+            logger.exception("job %s: live preview failed; previews are off for this job", job_id)
+            previews_enabled = False
+            return
+        publish(PreviewFrame(job_id, event.step, rgb))
+
+    return on_step

@@ -1,38 +1,20 @@
 """One rank of a worker group: a process that holds its share of every model and serves jobs until told to stop.
 
-Contract
---------
-`rank_main(rank, spec, commands, messages, cancel_job)` is the spawn target; h3engine.runtime.workers starts one
-process per rank and talks to it through two one-way pipes (`commands` in, `messages` out) and one shared
-integer (`cancel_job`). The rank joins the group's world (gloo on the CPU, NCCL on GPUs), creates every process
-group (`RankGroups.create`), builds its `ShardedEngine` (DiT Ulysses x tensor shard, text-encoder tensor shard, the
-video VAE on VAE-group ranks, the audio VAE on rank 0), says `RankReady` (rank 0 adds the checkpoint facts the
-front's request checks need) and then runs `RunJob` commands in arrival order until `Stop` or the end of the pipe.
-
-One job, on every rank:
-1. Rank 0 validates the request, announces `JobStarted`, hashes the input files and prepares the request (reads
-   the files, builds the text encoder's input, encodes the conditioning with its VAEs). The outcome, a
-   `PreparedRequest` or None when rank 0 has already reported the request as failed, is broadcast over the control
-   group: every rank runs the job with identical inputs, or none runs it.
-2. Every rank denoises; text states and velocities move between ranks inside the sharded models' collectives.
-   Before each step the ranks vote on cancelling (rank r says yes when `cancel_job` holds this job's number; a sum
-   over the control group), so all of them stop before the same step and none is left waiting in a collective.
-3. The ranks vote once more after the last step; the VAE group decodes (tiles split over its ranks, the audio on
-   rank 0; a VAE group of one checks its own cancel slot between windows); rank 0 writes the MP4, the tensors and
-   the sidecar into staging files (`Engine.write_outputs`), commits them together and sends the terminal message.
-Only rank 0 reports on jobs. Its messages leave through an `Outbox`, a thread that owns the pipe: progress and
-previews are dropped when the front falls behind, terminal messages never, and the denoising loop never waits.
+Contract: `rank_main(rank, spec, commands, messages, cancel_job)` is the spawn target; h3engine.runtime.workers
+starts one process per rank and talks to it through two one-way pipes (`commands` in, `messages` out) and one
+shared integer (`cancel_job`). The rank joins the group's world (gloo on the CPU, NCCL on GPUs), creates every
+process group (`RankGroups.create`), builds its `Engine` with a `ShardedLoader` (its shards of the DiT and the text
+encoder, the video VAE on VAE-group ranks, the audio VAE on rank 0), says `RankReady` and serves `RunJob` commands
+in arrival order (`serve_job`) until `Stop` or the end of the pipe. Only rank 0 reports on jobs, through an
+`Outbox` that never makes the denoising loop wait.
 
 Failure: a bad request and a cancel are agreed by all ranks and end only the job. Anything else raised on a rank
-during a job leaves the ranks out of step (its partners may be waiting in a collective that will never complete),
-so the rank reports `RankFailed` and exits at once; the front tears the whole group down and starts a new one.
-A rank also exits as soon as the process that started it is gone, so no rank outlives its front.
+during a job leaves the ranks out of step, so the rank reports `RankFailed` and exits at once; the front tears the
+group down and starts a new one. A rank also exits as soon as the process that started it is gone.
 
-Danger
-------
-Every rank must make the same collective calls in the same order. The only branches on the rank here are around
-work without collectives (preparing, writing, reporting); each decision that changes the path (a bad request, a
-cancel) is taken once and shared before anyone acts on it.
+Danger: every rank must make the same collective calls in the same order. The only branches on the rank are
+around work without collectives (preparing, writing, reporting); each decision that changes the path (a bad
+request, a cancel) is taken once and shared before anyone acts on it.
 """
 
 from __future__ import annotations
@@ -54,11 +36,12 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from h3engine.checkpoint.layout import CheckpointLayout, detect_layout
+from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.loader import ComponentSource
-from h3engine.engine import Engine, PreparedRequest, input_records, resolve_dtype
+from h3engine.engine import Engine, resolve_dtype
 from h3engine.errors import GenerationCancelled, H3Error
-from h3engine.media.outputs import OutputFiles, staged
+from h3engine.media.outputs import OutputFiles, input_records, staged
+from h3engine.model_store import ModelLoader
 from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.parallel.collectives import all_reduce_sum
 from h3engine.parallel.dit import load_dit_shard
@@ -77,19 +60,22 @@ from h3engine.parallel.groups import (
 )
 from h3engine.parallel.text_encoder import load_text_encoder_shard, open_text_encoder_files
 from h3engine.parallel.vae import AUDIO_DECODE_RANK
-from h3engine.pipeline import Mp4WriteError, decode_on_group, denoise_request
+from h3engine.pipeline import (
+    Mp4WriteError,
+    PreparedRequest,
+    decode_on_group,
+    denoise_request,
+    write_outputs,
+)
 from h3engine.request import GenerationRequest
 from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.front import (
     CANCELLED_MESSAGE,
     ENGINE_FAILURE_MESSAGE,
     EVENT_BUFFER_SIZE,
-    job_finished,
-    job_started,
     release_memory,
-    step_reporter,
 )
-from h3engine.runtime.messages import JobFailed
+from h3engine.runtime.messages import JobFailed, job_finished, job_started, step_reporter
 
 logger = logging.getLogger(__name__)
 
@@ -191,45 +177,33 @@ class RankGroups:
         return self.vae is not None and self.vae.rank == AUDIO_DECODE_RANK
 
 
-class ShardedEngine(Engine):
-    """An `Engine` holding only this rank's share of the models (see the module docstring).
+class ShardedLoader(ModelLoader):
+    """Builds this rank's share of each component (see the module docstring) for its `Engine`.
 
-    Its requests-side methods (validate, prepare, write_outputs) are the Engine's own and are only called on rank 0,
-    which holds both VAEs. A layout of one (no split) loads the component exactly as the single-process engine does,
-    which also keeps the diffusers layout usable there.
+    The engine's requests-side methods (validate, prepare) are only called on rank 0, which holds both VAEs. A
+    layout of one (no split) loads the component whole, as the single-process engine does, which also keeps the
+    diffusers layout usable there.
     """
 
-    def __init__(
-        self,
-        layout: CheckpointLayout,
-        device: torch.device,
-        dtype: torch.dtype,
-        groups: RankGroups,
-        memory_profile: str = "resident",
-    ) -> None:
-        self.groups = groups  # the loaders below read it while Engine.__init__ loads the first partition
-        super().__init__(layout, device, dtype, memory_profile)
+    def __init__(self, groups: RankGroups) -> None:
+        self.groups = groups
 
-    def _load_text_encoder(self, folder: Path) -> H3TextEncoder:
+    def text_encoder(self, folder: Path, device: torch.device, dtype: torch.dtype) -> H3TextEncoder:
         if self.groups.encoder.tp.size == 1:
-            return super()._load_text_encoder(folder)
+            return super().text_encoder(folder, device, dtype)
         config, weight_files = open_text_encoder_files(folder)
-        return load_text_encoder_shard(
-            weight_files, config, self.groups.encoder, self.dtype, self.placement.load_device
-        )
+        return load_text_encoder_shard(weight_files, config, self.groups.encoder, dtype, device)
 
-    def _load_dit(self, source: ComponentSource) -> torch.nn.Module:
+    def dit(self, source: ComponentSource, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
         if self.groups.dit.sp.size == 1 and self.groups.dit.tp.size == 1:
-            return super()._load_dit(source)
-        return load_dit_shard(
-            source.files, source.config, self.groups.dit, self.dtype, self.placement.load_device
-        )
+            return super().dit(source, device, dtype)
+        return load_dit_shard(source.files, source.config, self.groups.dit, dtype, device)
 
-    def _load_video_vae(self, source: ComponentSource) -> torch.nn.Module | None:
-        return super()._load_video_vae(source) if self.groups.vae is not None else None
+    def video_vae(self, source: ComponentSource, device: torch.device) -> torch.nn.Module | None:
+        return super().video_vae(source, device) if self.groups.vae is not None else None
 
-    def _load_audio_vae(self, source: ComponentSource) -> torch.nn.Module | None:
-        return super()._load_audio_vae(source) if self.groups.hosts_audio_vae else None
+    def audio_vae(self, source: ComponentSource, device: torch.device) -> torch.nn.Module | None:
+        return super().audio_vae(source, device) if self.groups.hosts_audio_vae else None
 
 
 # --- messages to the front ----------------------------------------------------------------------------------------
@@ -287,7 +261,7 @@ def _exit_with_parent() -> None:
 
 
 def _prepare_on_first_rank(
-    engine: ShardedEngine, groups: RankGroups, job: RunJob, outbox: Outbox, cancel_job: Any
+    engine: Engine, groups: RankGroups, job: RunJob, outbox: Outbox, cancel_job: Any
 ) -> tuple[PreparedRequest | None, list[dict[str, Any]]]:
     """Rank 0 prepares the request and every rank receives the result; None (everywhere) ends the job here."""
     prepared, inputs = None, []
@@ -329,15 +303,26 @@ def _cancel_vote(groups: RankGroups, cancel_job: Any, job_number: int) -> Callab
     return should_cancel
 
 
-def serve_job(
-    engine: ShardedEngine, groups: RankGroups, job: RunJob, outbox: Outbox, cancel_job: Any
-) -> None:
-    """Run one job on this rank (see the module docstring); raises only on a failure that breaks the group."""
+def serve_job(engine: Engine, groups: RankGroups, job: RunJob, outbox: Outbox, cancel_job: Any) -> None:
+    """Run one job on this rank; raises only on a failure that breaks the group.
+
+    1. Rank 0 validates the request, announces `JobStarted`, hashes the input files and prepares the request (reads
+       the files, builds the text encoder's input, encodes the conditioning with its VAEs). The outcome, a
+       `PreparedRequest` or None when rank 0 has already reported the request as failed, is broadcast over the
+       control group: every rank runs the job with identical inputs, or none runs it.
+    2. Every rank denoises; text states and velocities move between ranks inside the sharded models' collectives.
+       Before each step the ranks vote on cancelling (rank r says yes when `cancel_job` holds this job's number; a
+       sum over the control group), so all of them stop before the same step and none is left in a collective.
+    3. The ranks vote once more after the last step; the VAE group decodes (tiles split over its ranks, the audio
+       on rank 0; a VAE group of one checks its own cancel slot between windows); rank 0 writes the MP4, the
+       tensors and the sidecar into staging files (`pipeline.write_outputs`), commits them together and sends the
+       terminal message.
+    """
     prepared, inputs = _prepare_on_first_rank(engine, groups, job, outbox, cancel_job)
     if prepared is None:
         return
     request = job.request
-    models = engine.models_for_partition(prepared.partition)
+    models = engine.store.models_for_task(request.task)
     on_step = None
     if groups.rank == 0:
         on_step = step_reporter(job.job_id, prepared.geometry, job.preview_every, outbox.offer)
@@ -346,18 +331,8 @@ def serve_job(
     with staged(files) if groups.rank == 0 else contextlib.nullcontext() as staging:
         try:
             with torch.inference_mode():
-                latents = denoise_request(
-                    models,
-                    prepared.presentation,
-                    prepared.conditions,
-                    prepared.geometry,
-                    prepared.schedule,
-                    request.seed,
-                    request.recipe,
-                    engine.device,
-                    on_step=on_step,
-                    should_cancel=_cancel_vote(groups, cancel_job, job.job_number),
-                )
+                should_cancel = _cancel_vote(groups, cancel_job, job.job_number)
+                latents = denoise_request(models, prepared, engine.device, on_step, should_cancel)
                 decoded = None
                 # A VAE group of one writes the MP4 while it decodes; a larger one leaves it to write_outputs.
                 mp4_written = groups.vae is not None and groups.vae.size == 1
@@ -382,8 +357,8 @@ def serve_job(
         # From here on rank 0 works alone, so a failure is this job's only: it is reported, the group stays up.
         try:
             output = latents.output(*decoded)
-            output.timings["conditioning_s"] = prepared.conditioning_s
-            engine.write_outputs(request, inputs, output, prepared.geometry, staging, mp4_written)
+            record = engine.store.record()
+            write_outputs(staging, request, inputs, output, prepared.geometry, record, mp4_written)
             outbox.post(job_finished(job.job_id, staging.commit()))
         except Exception as error:
             _report_output_failure(job, error, outbox)
@@ -401,7 +376,7 @@ def _report_output_failure(job: RunJob, error: BaseException, outbox: Outbox) ->
 # --- the process --------------------------------------------------------------------------------------------------
 
 
-def _start(rank: int, spec: WorkerSpec) -> tuple[ShardedEngine, RankGroups]:
+def _start(rank: int, spec: WorkerSpec) -> tuple[Engine, RankGroups]:
     device = torch.device(spec.devices[rank])
     if device.type == "cpu":
         # The ranks of a CPU group share the machine's cores.
@@ -411,9 +386,9 @@ def _start(rank: int, spec: WorkerSpec) -> tuple[ShardedEngine, RankGroups]:
     elif device.type == "cuda":
         torch.cuda.set_device(device)
     groups = RankGroups.create(rank, spec)
-    engine = ShardedEngine(
-        detect_layout(spec.checkpoint), device, resolve_dtype(spec.dtype, device), groups, spec.memory_profile
-    )
+    dtype = resolve_dtype(spec.dtype, device)
+    loader = ShardedLoader(groups)
+    engine = Engine(detect_layout(spec.checkpoint), device, dtype, spec.memory_profile, loader=loader)
     return engine, groups
 
 

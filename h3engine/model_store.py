@@ -1,0 +1,187 @@
+"""The models of one checkpoint, checked at start and loaded on first use, through a loader the owner chooses.
+
+Contract:
+* `ModelStore(layout, device, dtype, placement, loader)` checks every component of every partition (configs and
+  safetensors headers: keys, shapes, truncation) and loads the models of the first partition, so a broken
+  checkpoint fails here with the file and key named. The other partition's models load on first use
+  (`models_for_partition`); on a GPU only one DiT partition stays resident.
+* The `loader` builds each component on `placement.load_device` (the compute device, or host memory under the
+  low-memory profile): `ModelLoader` builds whole components (one process); a worker group's rank passes its own
+  (h3engine.runtime.rank.ShardedLoader), which builds that rank's shards and skips what the rank does not run.
+* On a GPU the DiT's AdaLN projections go to pinned host memory from load on (only a request's AdaLN tables need
+  the GPU); with `fp8_linear` the blocks' linears are then quantized (not the released precision).
+* `kernel_report()` and `record()` describe what runs (the sidecar carries `record()`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from h3engine import __version__, ops
+from h3engine.checkpoint.layout import PARTITION_OF_TASK, CheckpointLayout, PartitionPaths
+from h3engine.checkpoint.loader import ComponentSource, audio_vae_source, dit_source, video_vae_source
+from h3engine.models.text_encoder import H3TextEncoder, load_tokenizer
+from h3engine.modulation import offload_adaln
+from h3engine.ops import attention as attention_ops
+from h3engine.pipeline import Models
+from h3engine.placement import Placement
+from h3engine.presentation import load_processor
+
+
+class ModelLoader:
+    """Builds each component whole, on `device` (the single-process engine's loader)."""
+
+    def text_encoder(self, folder: Path, device: torch.device, dtype: torch.dtype) -> H3TextEncoder:
+        return H3TextEncoder.load(folder, device=device, dtype=dtype)
+
+    def dit(self, source: ComponentSource, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+        return source.load(device)
+
+    def video_vae(self, source: ComponentSource, device: torch.device) -> torch.nn.Module | None:
+        return source.load(device)
+
+    def audio_vae(self, source: ComponentSource, device: torch.device) -> torch.nn.Module | None:
+        return source.load(device)
+
+
+@dataclass
+class _PartitionSources:
+    dit: ComponentSource
+    video_vae: ComponentSource
+    audio_vae: ComponentSource
+    paths: PartitionPaths
+
+
+class ModelStore:
+    def __init__(
+        self,
+        layout: CheckpointLayout,
+        device: torch.device,
+        dtype: torch.dtype,
+        placement: Placement,
+        loader: ModelLoader,
+        fp8_linear: bool = False,
+    ) -> None:
+        self.layout = layout
+        self.device = device
+        self.dtype = dtype
+        self.placement = placement
+        self.loader = loader
+        self.fp8_linear = fp8_linear
+        self._sources = {
+            name: _PartitionSources(
+                dit=dit_source(layout, paths, dtype),
+                video_vae=video_vae_source(layout, paths),
+                audio_vae=audio_vae_source(layout, paths),
+                paths=paths,
+            )
+            for name, paths in layout.partitions.items()
+        }
+        for sources in self._sources.values():
+            sources.dit.check()
+            sources.video_vae.check()
+            sources.audio_vae.check()
+        # Loaded modules by the folder they came from: the diffusers layout shares everything but the DiT.
+        self._modules: dict[tuple[str, Path], Any] = {}
+        self.load_timings: dict[str, float] = {}
+        self.first_partition = next(iter(self._sources))
+        self.models_for_partition(self.first_partition)
+
+    def partition_for(self, task: str) -> str:
+        """The partition serving `task` (the first one for a task no partition names)."""
+        return PARTITION_OF_TASK.get(task, self.first_partition)
+
+    def models_for_task(self, task: str) -> Models:
+        return self.models_for_partition(self.partition_for(task))
+
+    def models_for_partition(self, partition: str) -> Models:
+        sources = self._sources[partition]
+        paths = sources.paths
+        adopt, load_device, loader = self.placement.adopt, self.placement.load_device, self.loader
+        tokenizer = self._module("tokenizer", paths.tokenizer, lambda: load_tokenizer(paths.tokenizer))
+        text_encoder = self._module(
+            "text_encoder",
+            paths.text_encoder,
+            lambda: adopt(loader.text_encoder(paths.text_encoder, load_device, self.dtype)),
+        )
+        text_encoder.verify_tokenizer(tokenizer)
+        processor = self._module("processor", paths.processor, lambda: load_processor(paths.processor))
+        return Models(
+            dit=self._module(
+                "dit",
+                paths.dit,
+                lambda: adopt(self._prepare_dit(loader.dit(sources.dit, load_device, self.dtype))),
+            ),
+            video_vae=self._module(
+                "video_vae", paths.video_vae, lambda: adopt(loader.video_vae(sources.video_vae, load_device))
+            ),
+            audio_vae=self._module(
+                "audio_vae", paths.audio_vae, lambda: adopt(loader.audio_vae(sources.audio_vae, load_device))
+            ),
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            processor=processor,
+            video_decode_autocast=torch.float16
+            if self.device.type == "cuda" and self.dtype != torch.float32
+            else None,
+            placement=self.placement,
+        )
+
+    def _module(self, kind: str, folder: Path, load: Callable[[], Any]) -> Any:
+        key = (kind, folder)
+        if key not in self._modules:
+            if kind == "dit" and self.device.type == "cuda":
+                # A DiT partition at the released size fills most of a GPU: drop the other one before loading.
+                for other in [k for k in self._modules if k[0] == "dit"]:
+                    del self._modules[other]
+                torch.cuda.empty_cache()
+            started = time.perf_counter()
+            self._modules[key] = load()
+            self.load_timings[f"{kind}:{folder.name}"] = time.perf_counter() - started
+        return self._modules[key]
+
+    def _prepare_dit(self, dit: torch.nn.Module) -> torch.nn.Module:
+        """On a GPU, the DiT's AdaLN projections go to pinned host memory: `modulation.schedule_modulation` streams
+        them to the device once per request schedule, and the placement leaves pinned tensors where they are.
+        With `fp8_linear`, the blocks' linears are then quantized (h3engine.models.fp8)."""
+        if self.device.type == "cuda":
+            offload_adaln(dit)
+        if self.fp8_linear:
+            from h3engine.models.fp8 import quantize_dit_linears
+
+            quantize_dit_linears(dit)
+        return dit
+
+    def kernel_report(self) -> dict[str, str]:
+        """Which attention backend and which implementation of the fused DiT ops run (h3engine.ops): e.g.
+        {"attention": "fa4", "fused_ops": "triton", "attention_tiles": "192x128"} on a Hopper GPU,
+        {"attention": "sdpa", "fused_ops": "reference"} on the CPU. The DiT's head size decides the attention
+        choice; 128 is the released one."""
+        head_dim = self._sources[self.first_partition].dit.config.head_dim
+        probe = torch.empty(1, 1, head_dim, device=self.device, dtype=self.dtype)
+        report = {
+            "attention": attention_ops.selected_backend(probe),
+            "fused_ops": ops.implementation("swiglu", probe.view(1, head_dim)),
+        }
+        if report["attention"] == "fa4":
+            tiles = attention_ops.fa4_tiles(probe)
+            report["attention_tiles"] = "x".join(map(str, tiles["tile_mn"])) if tiles else "fa4 default"
+        return report
+
+    def record(self) -> dict[str, Any]:
+        """What a sidecar says about the engine that made its video."""
+        return {
+            "checkpoint": f"{self.layout.kind}:{self.layout.root.resolve()}",
+            "engine_version": __version__,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "memory_profile": self.placement.profile,
+            "fp8_linear": self.fp8_linear,
+            "kernels": self.kernel_report(),
+        }

@@ -1,0 +1,129 @@
+"""The shape of the house: h3engine's layers import only downward, modules stay short, docstrings stay brief.
+
+Read from the source text with `ast` (nothing is imported), so the checks hold on any machine. Each rule names the
+modules that break it, so a failure says what to move.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+PACKAGE = REPOSITORY / "h3engine"
+
+# Lowest first. A module may import modules of its own layer or of lower ones, never of a higher one. A name ending
+# in ".*" stands for a package and every module in it.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("h3engine", "h3engine.errors", "h3engine.geometry", "h3engine.placement", "h3engine.kernels", "h3engine.ops.*"),
+    ("h3engine.models.*",),
+    ("h3engine.checkpoint.*",),
+    ("h3engine.parallel.*",),
+    ("h3engine.quantization",),
+    (
+        "h3engine.modulation",
+        "h3engine.sampling.*",
+        "h3engine.conditioning",
+        "h3engine.media.*",
+        "h3engine.request",
+        "h3engine.request_sglang",
+        "h3engine.presentation",
+        "h3engine.leftovers",
+    ),
+    ("h3engine.pipeline",),
+    ("h3engine.engine", "h3engine.model_store", "h3engine.engine_options"),
+    ("h3engine.runtime.*",),
+    ("h3engine.cli", "h3engine.__main__"),
+)
+
+MAX_MODULE_LINES = 800
+MAX_MODULE_DOCSTRING_LINES = 15
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPOSITORY).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer_of(module: str) -> int | None:
+    for index, names in enumerate(LAYERS):
+        for name in names:
+            if module == name or (name.endswith(".*") and (module + ".").startswith(name[:-1])):
+                return index
+    return None
+
+
+def resolved_import(module: str, path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module an `import from` names (relative imports resolved against the importing module)."""
+    if not node.level:
+        return node.module or ""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def h3engine_imports(module: str, path: Path) -> set[str]:
+    """Every h3engine module this one imports; `from h3engine.x import y` counts h3engine.x.y when that is a module."""
+    known = modules()
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            target = resolved_import(module, path, node)
+            submodules = {f"{target}.{alias.name}" for alias in node.names} & known.keys()
+            found.update(submodules or {target})
+    return {name for name in found if name == "h3engine" or name.startswith("h3engine.")}
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = sorted(name for name in modules() if layer_of(name) is None)
+    assert not unplaced, f"modules missing from LAYERS in {__file__}: {unplaced}"
+
+
+def test_imports_point_only_downward() -> None:
+    upward = []
+    for module, path in modules().items():
+        own = layer_of(module)
+        for imported in sorted(h3engine_imports(module, path)):
+            target = layer_of(imported)
+            if own is not None and target is not None and target > own:
+                upward.append(f"{module} (layer {own}) imports {imported} (layer {target})")
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+def test_the_layer_rule_can_fail() -> None:
+    """The checker sees an upward import when one is there (a model importing the pipeline)."""
+    assert layer_of("h3engine.models.dit") < layer_of("h3engine.pipeline")
+    assert layer_of("h3engine.runtime.rank") > layer_of("h3engine.engine")
+    tree = ast.parse("from ..pipeline import run_generation\nfrom . import audio_vae\n")
+    nodes = [node for node in tree.body if isinstance(node, ast.ImportFrom)]
+    path = PACKAGE / "models" / "dit.py"
+    assert resolved_import("h3engine.models.dit", path, nodes[0]) == "h3engine.pipeline"
+    assert resolved_import("h3engine.models.dit", path, nodes[1]) == "h3engine.models"
+
+
+@pytest.mark.parametrize("root", ["h3engine", "ui"])
+def test_modules_stay_short(root: str) -> None:
+    long = {
+        str(path.relative_to(REPOSITORY)): count
+        for path in sorted((REPOSITORY / root).rglob("*.py"))
+        if (count := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+@pytest.mark.parametrize("root", ["h3engine", "ui", "benchmarks"])
+def test_module_docstrings_stay_brief(root: str) -> None:
+    long = {}
+    for path in sorted((REPOSITORY / root).rglob("*.py")):
+        docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=False) or ""
+        if (count := len(docstring.strip().splitlines())) > MAX_MODULE_DOCSTRING_LINES:
+            long[str(path.relative_to(REPOSITORY))] = count
+    assert not long, f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines: {long}"
