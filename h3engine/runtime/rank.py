@@ -56,7 +56,8 @@ import torch.distributed as dist
 
 from h3engine.checkpoint.layout import CheckpointLayout, detect_layout
 from h3engine.checkpoint.loader import ComponentSource
-from h3engine.engine import Engine, PreparedRequest, input_records, resolve_dtype
+from h3engine.engine import Engine, PreparedRequest, input_records
+from h3engine.engine_options import resolve_dtype
 from h3engine.errors import GenerationCancelled, H3Error
 from h3engine.media.outputs import OutputFiles, staged
 from h3engine.models.text_encoder import H3TextEncoder
