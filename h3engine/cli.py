@@ -40,7 +40,8 @@ from h3engine.engine_options import (
     resolve_device,
 )
 from h3engine.errors import H3Error, RequestError
-from h3engine.request import REFERENCE_KINDS, GenerationRequest, check_prompt_tokens, from_dict, validate
+from h3engine.request import REFERENCE_KINDS, GenerationRequest, check_prompt_tokens, validate
+from h3engine.request_shapes import from_dict
 
 if TYPE_CHECKING:  # torch is imported only once a generation really starts
     import torch

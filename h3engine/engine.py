@@ -78,11 +78,11 @@ from h3engine.presentation import (
 )
 from h3engine.request import (
     GenerationRequest,
-    from_dict,
     resolve_aspect,
     resolve_duration_seconds,
     validate,
 )
+from h3engine.request_shapes import from_dict
 from h3engine.sampling.schedule import Schedule
 
 

@@ -40,7 +40,8 @@ import gradio as gr
 import numpy as np
 
 from h3engine.errors import RequestError
-from h3engine.request import GenerationRequest, Keyframe, Reference, from_dict
+from h3engine.request import GenerationRequest, Keyframe, Reference
+from h3engine.request_shapes import from_dict
 from h3engine.runtime.front import EngineFront, JobHandle, stamped_output_name
 from h3engine.runtime.messages import (
     JobFailed,
