@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import inspect
 import re
 import secrets
 import time
@@ -54,24 +56,9 @@ from h3engine.runtime.messages import (
 from ui.access import AccessPolicy
 from ui.history import HistoryEntry, entry_markdown, find_entry, history_rows, list_history, result_markdown
 from ui.inputs import InputStore, last_frame_png, reference_kind
-from ui.tabs import DEFAULT_VALUES
+from ui.result import RESULT_FIELDS
+from ui.tabs import DEFAULT_VALUES, MEDIA_PARAMETERS, SETTINGS_PARAMETERS
 
-SETTINGS_PARAMETERS = (
-    "duration_seconds",
-    "aspect_ratio",
-    "seed",
-    "randomize_seed",
-    "steps",
-    "flow_shift",
-    "audio_flow_shift",
-    "short_edge",
-)
-MEDIA_PARAMETERS = {
-    "t2va": (),
-    "fl2va": ("first_image", "last_image"),
-    "ref2va": ("references", "duration_from_reference"),
-}
-RESULT_FIELDS = ("status", "preview", "video", "seed_used", "details", "downloads", "last_result")
 POLL_INTERVAL_S = 0.1
 RANDOM_SEED_LIMIT = 2**31
 PLACEHOLDER_PROMPT = "(prompt)"
@@ -270,101 +257,29 @@ class Handlers:
 
     # --- generation -------------------------------------------------------------------------------------
 
-    async def generate_t2va(
-        self,
-        prompt: str,
-        duration_seconds: float,
-        aspect_ratio: str,
-        seed: int,
-        randomize_seed: bool,
-        steps: int,
-        flow_shift: float,
-        audio_flow_shift: float,
-        short_edge: int,
-        request: gr.Request,
-        progress: gr.Progress = gr.Progress(),
-    ) -> AsyncIterator[tuple[Any, ...]]:
-        """Text to video with sound. Returns status, preview, video, seed used, details, downloads."""
-        inputs = (
-            prompt,
-            duration_seconds,
-            aspect_ratio,
-            seed,
-            randomize_seed,
-            steps,
-            flow_shift,
-            audio_flow_shift,
-            short_edge,
-        )
-        async for update in self._generate("t2va", inputs, request, progress):
-            yield update
+    def generator(self, task: str) -> Callable[..., AsyncIterator[tuple[Any, ...]]]:
+        """The task's generate endpoint, an async generator of result-column updates.
 
-    async def generate_fl2va(
-        self,
-        prompt: str,
-        first_image: str | None,
-        last_image: str | None,
-        duration_seconds: float,
-        aspect_ratio: str,
-        seed: int,
-        randomize_seed: bool,
-        steps: int,
-        flow_shift: float,
-        audio_flow_shift: float,
-        short_edge: int,
-        request: gr.Request,
-        progress: gr.Progress = gr.Progress(),
-    ) -> AsyncIterator[tuple[Any, ...]]:
-        """First and/or last frame to video with sound. Returns status, preview, video, seed used, details, downloads."""
-        inputs = (
-            prompt,
-            first_image,
-            last_image,
-            duration_seconds,
-            aspect_ratio,
-            seed,
-            randomize_seed,
-            steps,
-            flow_shift,
-            audio_flow_shift,
-            short_edge,
-        )
-        async for update in self._generate("fl2va", inputs, request, progress):
-            yield update
+        Gradio names an endpoint's API parameters after its handler's signature and passes `gr.Request` and
+        `gr.Progress` where the signature asks for them (by annotation and by default value), so the handler is
+        given that signature: `parameter_names(task)`, then `request`, then `progress`.
+        """
 
-    async def generate_ref2va(
-        self,
-        prompt: str,
-        references: list[str] | None,
-        duration_from_reference: bool,
-        duration_seconds: float,
-        aspect_ratio: str,
-        seed: int,
-        randomize_seed: bool,
-        steps: int,
-        flow_shift: float,
-        audio_flow_shift: float,
-        short_edge: int,
-        request: gr.Request,
-        progress: gr.Progress = gr.Progress(),
-    ) -> AsyncIterator[tuple[Any, ...]]:
-        """Ordered image / video / audio references to video with sound. Returns status, preview, video, seed
-        used, details, downloads."""
-        inputs = (
-            prompt,
-            references,
-            duration_from_reference,
-            duration_seconds,
-            aspect_ratio,
-            seed,
-            randomize_seed,
-            steps,
-            flow_shift,
-            audio_flow_shift,
-            short_edge,
+        async def generate(*arguments: Any) -> AsyncIterator[tuple[Any, ...]]:
+            *inputs, caller, progress = arguments
+            async for update in self._generate(task, inputs, caller, progress):
+                yield update
+
+        parameter = functools.partial(inspect.Parameter, kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        generate.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [
+                *(parameter(name) for name in parameter_names(task)),
+                parameter("request", annotation=gr.Request),
+                parameter("progress", default=gr.Progress()),
+            ]
         )
-        async for update in self._generate("ref2va", inputs, request, progress):
-            yield update
+        generate.__annotations__ = {"request": gr.Request}
+        return generate
 
     async def _generate(
         self, task: str, inputs: Sequence[Any], caller: gr.Request | None, progress: gr.Progress
