@@ -1,30 +1,19 @@
 """The MiniMax H3 browser app: `python app.py [--checkpoint DIR] [--host H] [--port P] [--share] [--auth U:P]`.
 
-Contract: command line and environment -> `AppConfig`; load the engine replicas; start the engine front; build the UI;
-`queue()`; `launch()`. With `--world-size 1` (the default) each of `--devices` is a replica holding a whole `Engine`
-in this process; with `--world-size N` every N consecutive devices (or N CPU ranks with `--devices cpu`) form a
-resident worker group of N processes, laid out by `--dit-sp`, `--dit-tp`, `--encoder-tp` and `--vae-ranks`
-(h3engine.runtime.workers; defaults: the profile of that size). `--memory-profile` picks where the models live on
-each device (h3engine.placement; shown in the page header). These engine flags, `--dtype` and `--fp8-linear` (one
-GPU per replica) are the CLI's too (h3engine.engine_options). With no checkpoint configured (no `--checkpoint`,
-`H3_CHECKPOINT` unset or empty) it runs on a tiny random-weight checkpoint that it makes once in a cache folder and
-says so in a banner.
+Command line and environment -> `AppConfig`; load the engine replicas; start the engine front; build the UI; launch.
+Each of `--devices` is a replica holding a whole `Engine` in this process, or with `--world-size N` every N devices
+form a resident worker group (h3engine.runtime.workers); the engine flags (layout, `--dtype`, `--memory-profile`,
+`--fp8-linear`) are the CLI's (h3engine.engine_options). Without a checkpoint (`--checkpoint` / `H3_CHECKPOINT`) it
+runs on a tiny random-weight checkpoint made once in a cache folder, and says so in a banner. GPU replicas make one
+warm-up run before they take jobs (`--no-warm-up` skips it).
 
-GPU replicas make one short warm-up run before they take jobs (`--no-warm-up` skips it).
+Safety: binds 127.0.0.1 unless told otherwise; `--share` and `--auth` are opt-in; uploads are limited. Users are
+kept apart (ui.access): own History and results, served only as unguessable copies (`--shared-history`: one user).
+Gradio's cache is swept of our files by age and at exit (a cache of its own without GRADIO_TEMP_DIR); at start
+what a killed predecessor left is removed (`remove_leftovers`).
 
-Safety defaults: binds 127.0.0.1 unless `--host` / `H3_HOST` says otherwise; `--share` and `--auth` are opt-in;
-uploads are limited to `--max-file-size`. Users are kept apart (ui.access): each user (`--auth`) or browser session
-has its own History and results folder, and a result's MP4 / JSON are served only as copies in Gradio's cache under
-unguessable names, sent to the session that made or restored them; the outputs folder itself (with the stored
-inputs) is not served. `--shared-history` is the single-user mode: one History for everyone and the outputs folder
-served. Gradio's cache is swept of our files (uploads and served copies) older than `CACHE_MAX_AGE_S` every
-`CACHE_SWEEP_S`, and emptied of them at exit (Gradio's `delete_cache`); without GRADIO_TEMP_DIR the app has a cache
-of its own (`own_gradio_cache`), swept and removed whole. At start it removes what a killed predecessor left
-(`remove_leftovers`).
-
-Exit codes: 2 when the checkpoint or an option is unusable (one line on stderr naming it; options, the port, the
-outputs folder and the devices are checked before any model is loaded), 0 on a clean stop (Ctrl-C or SIGTERM:
-running jobs are cancelled, the worker threads joined and every worker process ended).
+Exit codes: 2 when the checkpoint or an option is unusable (one line naming it; options, port, outputs folder and
+devices are checked before any model loads), 0 on a clean stop (Ctrl-C or SIGTERM: every job and worker ends).
 """
 
 from __future__ import annotations

@@ -1,22 +1,18 @@
 """Command line: `python -m h3engine generate ...` and `python -m h3engine make-tiny-checkpoint DIR`.
 
 Task inputs: `--first-frame` / `--last-frame` (FL2VA) and repeatable `--ref KIND:PATH[@START_SECONDS]` (Ref2VA, in
-the order the prompt's <Picture i> / <Video k> / <Audio j> labels count them); without `--task` the inputs pick it.
+prompt label order); without `--task` the inputs pick it. Devices: one (`--device`, default cuda when present) runs
+the engine in this process; `--gpus N`, `--devices 0,1,...` or `--world-size N` (with `--device cpu`: CPU ranks over
+gloo) run a resident worker group behind the app's engine front (h3engine.runtime.workers). The engine flags
+(layout, `--dtype`, `--memory-profile`, `--fp8-linear`) are the app's too (h3engine.engine_options).
 
-Devices: one device (`--device`, default cuda when present) runs the engine in this process. Several ranks run
-through the same engine front as the app, on a resident worker group (h3engine.runtime.workers): `--gpus N`,
-`--devices 0,1,...`, or `--world-size N` (with `--device cpu`: N CPU ranks over gloo). `--dit-sp`, `--dit-tp`,
-`--encoder-tp` and `--vae-ranks` choose the group's layout, `--dtype`, `--memory-profile` and `--fp8-linear` the
-engine's (h3engine.engine_options, the same flags as the app's).
+Order of the checks: the output flags, the request and its files (headers only) and `--dtype` before torch is even
+imported; then the device, memory-profile and layout flags and the prompt's token bound (the checkpoint's tokenizer
+alone); only then does any model load.
 
-Order of the checks: the output flags, the request and its files (headers only) and `--dtype` are checked before
-torch is even imported; then the device, memory-profile and layout flags (their owners need torch) and the prompt's
-token bound (the checkpoint's tokenizer alone); only then does any model load.
-
-Exit codes: 0 success; 2 a bad request, input file, output, layout flag or checkpoint (one line on stderr naming the
-field, flag or file); 1 an internal error (one line on stderr; `--debug` adds the traceback, for the in-process engine);
-130 interrupted (Ctrl-C), 143 terminated (SIGTERM): a running generation is cancelled and every worker process
-ends. Nothing is written under the output name unless the whole generation succeeded.
+Exit codes: 0 success; 2 a bad request, input file, output, flag or checkpoint (one line on stderr naming it); 1 an
+internal error (one line; `--debug` adds the traceback); 130 Ctrl-C, 143 SIGTERM: a running generation is cancelled
+and every worker process ends. Nothing is written under the output name unless the whole generation succeeded.
 """
 
 from __future__ import annotations

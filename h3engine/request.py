@@ -1,26 +1,17 @@
 """What a user asks for, and whether MiniMax H3 can do it.
 
-Contract:
-* `GenerationRequest` is a frozen, plain-Python description of one generation (no torch, no numpy: the app
-  validates requests before it queues them, and the CLI before it loads anything).
-* `h3engine.request_shapes.from_dict` reads a payload (ours, written by `to_dict` for the JSON sidecar, or the
-  official SGLang shape) into a `GenerationRequest`; it does not judge values.
-* `validate` judges values. It raises `RequestError` whose message starts with the offending field
-  (`"duration_seconds: must be within [4, 15] s, got 3"`) and returns warnings for requests that run but leave
-  the verified configuration. Rules that need facts about the media files (clip durations, soundtracks, image
-  sizes) use a `MediaInfo` supplied by the caller's probe; without a probe those rules are skipped, so a request
-  that passes without one can still fail once its files are read.
-* Every number and every text has an upper bound derived from the model's limits (the constants below say why):
-  the canvas, shifts, steps, start times, image sizes, and the prompt in characters (here) and in tokens
-  (`check_prompt_tokens`, or `validate(..., count_prompt_tokens=...)`, with the checkpoint's tokenizer). Prompts and
-  paths must be valid UTF-8.
+* `GenerationRequest` is a frozen, plain-Python description of one generation (no torch, no numpy); payloads are
+  read into it by h3engine.request_shapes.from_dict, which does not judge values.
+* `validate` judges values: it raises `RequestError` whose message starts with the offending field
+  (`"duration_seconds: must be within [4, 15] s, got 3"`) and returns warnings for requests that leave the verified
+  configuration. Rules on the media files (durations, soundtracks, image sizes) use the caller's probe
+  (`MediaInfo`); without one they are skipped, so such a request can still fail once its files are read.
+* Every number and text has an upper bound from the model's limits (the constants below say why), the prompt in
+  characters here and in tokens with the checkpoint's tokenizer (`check_prompt_tokens`). Texts must be UTF-8.
 
 Danger: every later stage trusts a validated request. A value that slips through (a NaN duration, a 2**70 step
-count, a canvas that is not a multiple of the latent grid) turns into a crash or a hang deep inside a worker
-instead of a readable message, so `validate` checks types as well as ranges and must only ever raise
-`RequestError`. Guidance and timing knobs are refused rather than ignored: the checkpoint is guidance-distilled
-and derives its frame count from the duration, so accepting them silently would promise an effect that never
-happens.
+count) turns into a crash or a hang deep inside a worker instead of a readable message, so `validate` checks types
+as well as ranges and must only ever raise `RequestError`.
 """
 
 from __future__ import annotations
@@ -84,8 +75,8 @@ MAX_CANVAS_PIXELS = RELEASED_MAX_PIXELS * MAX_SHORT_EDGE**2 // RELEASED_SHORT_ED
 MIN_FLOW_SHIFT = 0.001
 MAX_FLOW_SHIFT = 1000.0
 # The prompt. The reference pipelines truncate nothing; the official prompts run to ~4,400 characters (~1,000
-# tokens). 8,192 tokens keep the text encode within about a second at the released size (Qwen3-VL-32B to layer
-# 50: ~0.4 PFLOP) and the text rows under a quarter of the 768p / 5 s DiT sequence; 32,768 characters bound the
+# tokens). 8,192 tokens keep the text encode short at the released size (Qwen3-VL-32B to layer 50: ~0.4
+# PFLOP) and the text rows under a quarter of the 768p / 5 s DiT sequence; 32,768 characters bound the
 # tokenizer's own work and, at ~4 characters a token, let English text reach the token bound. The bound counts the
 # prompt's own tokens: the labels the engine adds stay under 200 tokens (12 labels, at most 15 s of 2 fps video
 # timestamps), and the vision blocks follow from the reference limits above.

@@ -1,28 +1,17 @@
 """What the buttons do: build requests from a tab's inputs, check them, run them on the engine front, restore.
 
-Contract:
-* `parameter_names(task)` is the parameter list of the task's API endpoint (/t2va, /fl2va, /ref2va), in the order
-  of `TaskTab.inputs`; the generate handlers and validators take their inputs in that order.
-* The validators run before Gradio queues an event: they check the types of the inputs the request does not
-  check itself (the two checkboxes), build the request (without copying any file) and run every model-free check;
-  a failure marks the input it names, and API clients get it as a ValidationError. The settings reach them as
-  sent (ui.tabs: Gradio's own range and choice checks would answer an API client with a bare HTTP 400).
-* The generate handlers are async generators: they copy the inputs into the outputs folder, submit the request
-  (its MP4 and sidecar go to the caller's results folder, ui.access),
-  and turn the front's messages into updates of the result column (`RESULT_FIELDS` order) and `gr.Progress`
-  steps with an ETA. A RequestError shows as its own message, an engine failure as one sentence; tracebacks only
-  go to the server log (h3engine.runtime.front logs them).
-* Cancel: Gradio cancels the handler's task (the Cancel button, or an API client's `job.cancel()`); the
-  handler's `finally` then cancels the engine job, which stops before its next step. A handler that ends for
-  any other reason (the browser went away) cancels its job the same way.
+* `parameter_names(task)` is the parameter list of the task's API endpoint (/t2va, /fl2va, /ref2va), in the order of
+  `TaskTab.inputs`; `Handlers.generator(task)` (the endpoint) and `Handlers.validator(task)` take them in that order.
+* The validators run before Gradio queues an event: they check the two checkboxes' types, build the request (no file
+  copied) and run every model-free check; a failure marks the input it names (a ValidationError for API clients).
+* The generate handlers copy the inputs into the outputs folder, submit the request (its files go to the caller's
+  results folder, ui.access) and turn the front's messages into result-column updates (`RESULT_FIELDS` order) and
+  `gr.Progress` steps. A RequestError shows as its message, an engine failure as one sentence (tracebacks go to the
+  server log). When Gradio cancels a handler (Cancel, `job.cancel()`, the browser went away) its job is cancelled.
+* Every file a handler returns goes out through `AccessPolicy.publish`; History reads only the caller's folder.
 
-* Every file a handler returns goes out through `AccessPolicy.publish` (a copy Gradio serves under an
-  unguessable name); History lists, and restores from, only the caller's results folder.
-
-Danger: every value here comes from a browser or an API client. Paths reach the engine only after Gradio
-accepted them as uploads (or they were copied from the history / examples into the outputs folder), and a
-history stem is looked up by `ui.history.find_entry` in the caller's own folder, which refuses anything but a
-plain file stem.
+Danger: every value here comes from a browser or an API client. Paths reach the engine only as Gradio uploads or
+copies in the outputs folder; a history stem is looked up by `ui.history.find_entry`, which takes only a plain stem.
 """
 
 from __future__ import annotations
