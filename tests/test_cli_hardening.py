@@ -174,6 +174,26 @@ def test_fp8_linear_needs_compute_capability_8_9(monkeypatch: pytest.MonkeyPatch
     check_fp8_device(gpu)
 
 
+def test_device_names_are_checked_against_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from h3engine.engine_options import resolve_device
+    from h3engine.errors import RequestError
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(RequestError, match=r"^--device: unknown device 'gpu'$"):
+        resolve_device("gpu")
+    with pytest.raises(RequestError, match=r"^--devices: only cpu and cuda are supported, got 'meta'$"):
+        resolve_device("meta", "--devices")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(RequestError, match=r"^--device: CUDA was asked for but no GPU is available$"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    with pytest.raises(RequestError, match=r"^--device: cuda:3 asked for, but 1 GPU is visible$"):
+        resolve_device("cuda:3")
+
+
 @pytest.fixture(scope="module")
 def tokenizer_only_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A native FL2VA partition with the tiny tokenizer and empty model folders: loading it would fail, so a
