@@ -1,29 +1,19 @@
 """The MiniMax H3 browser app: `python app.py [--checkpoint DIR] [--host H] [--port P] [--share] [--auth U:P]`.
 
-Contract: command line and environment -> `AppConfig`; load the engine replicas; start the engine front; build the UI;
-`queue()`; `launch()`. With `--world-size 1` (the default) each of `--devices` is a replica holding a whole `Engine`
-in this process; with `--world-size N` every N consecutive devices (or N CPU ranks with `--devices cpu`) form a
-resident worker group of N processes, laid out by `--dit-sp`, `--dit-tp`, `--encoder-tp` and `--vae-ranks`
-(h3engine.runtime.workers; defaults: the profile of that size). `--memory-profile` picks where the models live on
-each device (h3engine.placement; shown in the page header). With no checkpoint configured (no `--checkpoint`,
-`H3_CHECKPOINT` unset or empty) it runs on a tiny random-weight checkpoint that it makes once in a cache folder and
-says so in a banner.
+Command line and environment -> `AppConfig`; load the engine replicas; start the engine front; build the UI; launch.
+Each of `--devices` is a replica holding a whole `Engine` in this process, or with `--world-size N` every N devices
+form a resident worker group (h3engine.runtime.workers); the engine flags (layout, `--dtype`, `--memory-profile`,
+`--fp8-linear`) are the CLI's (h3engine.engine_options). Without a checkpoint (`--checkpoint` / `H3_CHECKPOINT`) it
+runs on a tiny random-weight checkpoint made once in a cache folder, and says so in a banner. GPU replicas make one
+warm-up run before they take jobs (`--no-warm-up` skips it).
 
-GPU replicas make one short warm-up run before they take jobs (`--no-warm-up` skips it).
+Safety: binds 127.0.0.1 unless told otherwise; `--share` and `--auth` are opt-in; uploads are limited. Users are
+kept apart (ui.access): own History and results, served only as unguessable copies (`--shared-history`: one user).
+Gradio's cache is swept of our files by age and at exit (a cache of its own without GRADIO_TEMP_DIR); at start
+what a killed predecessor left is removed (`remove_leftovers`).
 
-Safety defaults: binds 127.0.0.1 unless `--host` / `H3_HOST` says otherwise; `--share` and `--auth` are opt-in;
-uploads are limited to `--max-file-size`. Users are kept apart (ui.access): each user (`--auth`) or browser session
-has its own History and results folder, and a result's MP4 / JSON are served only as copies in Gradio's cache under
-unguessable names, sent to the session that made or restored them; the outputs folder itself (with the stored
-inputs) is not served. `--shared-history` is the single-user mode: one History for everyone and the outputs folder
-served. Gradio's cache is swept of our files (uploads and served copies) older than `CACHE_MAX_AGE_S` every
-`CACHE_SWEEP_S`, and emptied of them at exit (Gradio's `delete_cache`); without GRADIO_TEMP_DIR the app has a cache
-of its own (`own_gradio_cache`), swept and removed whole. At start it removes what a killed predecessor left
-(`remove_leftovers`).
-
-Exit codes: 2 when the checkpoint or an option is unusable (one line on stderr naming it; options, the port, the
-outputs folder and the devices are checked before any model is loaded), 0 on a clean stop (Ctrl-C or SIGTERM:
-running jobs are cancelled, the worker threads joined and every worker process ended).
+Exit codes: 2 when the checkpoint or an option is unusable (one line naming it; options, port, outputs folder and
+devices are checked before any model loads), 0 on a clean stop (Ctrl-C or SIGTERM: every job and worker ends).
 """
 
 from __future__ import annotations
@@ -41,10 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from h3engine.engine_options import EngineOptions, add_engine_flags
+
 if TYPE_CHECKING:
     import gradio as gr
 
     from h3engine.engine import Engine
+    from h3engine.parallel.groups import RuntimeLayout
     from h3engine.runtime.workers import ProcessReplica
     from ui.access import AccessPolicy
 
@@ -84,10 +77,7 @@ class AppConfig:
     cache_dir: Path
     devices: tuple[str | None, ...]
     world_size: int
-    # --dit-sp, --dit-tp, --encoder-tp, --vae-ranks; None: the profile's value.
-    layout_flags: tuple[int | None, int | None, int | None, int | None]
-    dtype: str | None
-    memory_profile: str
+    engine: EngineOptions
     host: str
     port: int
     share: bool
@@ -129,22 +119,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="ranks per replica: N > 1 runs each replica as a resident group of N worker processes, one per GPU "
         "(CPU ranks over gloo with --devices cpu); env H3_WORLD_SIZE",
     )
-    parser.add_argument("--dit-sp", type=int, default=None, help="worker group: DiT Ulysses degree")
-    parser.add_argument("--dit-tp", type=int, default=None, help="worker group: DiT tensor-parallel degree")
-    parser.add_argument(
-        "--encoder-tp", type=int, default=None, help="worker group: text-encoder tensor degree"
-    )
-    parser.add_argument(
-        "--vae-ranks", type=int, default=None, help="worker group: ranks sharing the video decode"
-    )
-    parser.add_argument("--dtype", default=None, help="bfloat16 (released precision, default) or float32")
-    parser.add_argument(
-        "--memory-profile",
-        default=environ.get("H3_MEMORY_PROFILE") or "resident",
-        metavar="{resident,low-memory}",
-        help="resident (default): every model stays on the GPU; low-memory: models wait in host memory and each "
-        "phase moves onto the GPU only the ones it runs (smaller GPUs; slower); env H3_MEMORY_PROFILE",
-    )
+    add_engine_flags(parser, environ)
     parser.add_argument(
         "--host", default=environ.get("H3_HOST") or "127.0.0.1", help="address to bind; env H3_HOST"
     )
@@ -202,9 +177,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppC
         cache_dir=_default_cache_dir(environ),
         devices=devices,
         world_size=args.world_size,
-        layout_flags=(args.dit_sp, args.dit_tp, args.encoder_tp, args.vae_ranks),
-        dtype=args.dtype,
-        memory_profile=args.memory_profile,
+        engine=EngineOptions.from_args(args),
         host=args.host,
         port=args.port,
         share=args.share,
@@ -229,41 +202,22 @@ def parse_file_size(text: str) -> int:
 
 
 def check_before_loading(config: AppConfig) -> None:
-    """What can fail without a model, checked before any is loaded: devices, dtype, memory profile, the worker
-    layout, the outputs folder and the address to listen on (ConfigError naming the option)."""
-    import torch
-
-    from h3engine.engine import resolve_dtype
+    """What can fail without a model, checked before any is loaded: the engine options, the devices, the outputs
+    folder and the address to listen on (ConfigError naming the option)."""
+    from h3engine.engine_options import check_engine_options, check_fp8_device, resolve_device
     from h3engine.errors import RequestError
-    from h3engine.placement import check_memory_profile
+    from h3engine.runtime.workers import replica_device_groups
 
-    for name in config.devices:
-        if name is None:
-            continue
-        try:
-            device = torch.device(name)
-        except RuntimeError:
-            raise ConfigError(f"--devices: unknown device {name!r}") from None
-        if device.type not in ("cpu", "cuda"):
-            raise ConfigError(f"--devices: only cpu and cuda devices are supported, got {name!r}")
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-            raise ConfigError(
-                f"--devices: {name} asked for, but {torch.cuda.device_count()} GPUs are visible"
-            )
     try:
-        resolve_dtype(config.dtype, torch.device("cpu"))
-        check_memory_profile(config.memory_profile)
+        check_engine_options(config.engine, config.world_size)
+        for name in config.devices:
+            device = resolve_device(name, "--devices")
+            if config.engine.fp8_linear:
+                check_fp8_device(device)
+        if config.world_size > 1:
+            replica_device_groups(config.devices, config.world_size)
     except RequestError as error:
         raise ConfigError(str(error)) from None
-    if config.world_size > 1 or any(flag is not None for flag in config.layout_flags):
-        from h3engine.parallel.groups import RuntimeLayout
-        from h3engine.runtime.workers import replica_device_groups
-
-        try:
-            RuntimeLayout.choose(config.world_size, *config.layout_flags)
-            replica_device_groups(config.devices, config.world_size)
-        except (ValueError, RequestError) as error:
-            raise ConfigError(str(error)) from None
     try:
         config.outputs_dir.mkdir(parents=True, exist_ok=True)
         probe = config.outputs_dir / f".write-test-{os.getpid()}"
@@ -292,38 +246,27 @@ def _check_can_listen(host: str, port: int) -> None:
 
 def _load_engines(checkpoint: Path, config: AppConfig) -> list[Engine | ProcessReplica]:
     """One replica per device (in-process engines) or per group of `world_size` devices (worker groups)."""
-    if config.world_size > 1 or any(flag is not None for flag in config.layout_flags):
-        return _start_worker_groups(checkpoint, config)
-    from h3engine.engine import Engine, resolve_device, resolve_dtype
+    from h3engine.engine_options import check_engine_options, load_engine, resolve_device
 
-    engines = []
-    for name in config.devices:
-        device = resolve_device(name)
-        engines.append(
-            Engine.from_checkpoint(
-                checkpoint,
-                device=device,
-                dtype=resolve_dtype(config.dtype, device),
-                memory_profile=config.memory_profile,
-            )
-        )
-    return engines
+    layout = check_engine_options(config.engine, config.world_size)
+    if layout.world_size > 1:
+        return _start_worker_groups(checkpoint, config, layout)
+    return [
+        load_engine(checkpoint, resolve_device(name, "--devices"), config.engine) for name in config.devices
+    ]
 
 
-def _start_worker_groups(checkpoint: Path, config: AppConfig) -> list[ProcessReplica]:
-    from h3engine.errors import RequestError
-    from h3engine.parallel.groups import RuntimeLayout
+def _start_worker_groups(checkpoint: Path, config: AppConfig, layout: RuntimeLayout) -> list[ProcessReplica]:
     from h3engine.runtime.workers import ProcessReplica, replica_device_groups
 
-    try:
-        layout = RuntimeLayout.choose(config.world_size, *config.layout_flags)
-    except ValueError as error:
-        raise RequestError(str(error)) from None
+    options = config.engine
     replicas: list[ProcessReplica] = []
     try:
         for devices in replica_device_groups(config.devices, config.world_size):
             logger.info("starting a worker group on %s (%s)", ", ".join(devices), layout.describe())
-            replicas.append(ProcessReplica(checkpoint, devices, layout, config.dtype, config.memory_profile))
+            replicas.append(
+                ProcessReplica(checkpoint, devices, layout, options.dtype, options.memory_profile)
+            )
     except BaseException:
         for replica in replicas:
             replica.close()
@@ -445,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         repository_root=REPOSITORY_ROOT,
         # The page config is the same for everyone: only a single-user app shows the server path.
         checkpoint_label=str(checkpoint) if config.shared_history else checkpoint.name,
-        memory_profile=config.memory_profile,
+        memory_profile=config.engine.memory_profile,
         banner_markdown=banner,
     )
     access = ui.AccessPolicy(

@@ -1,22 +1,18 @@
 """Command line: `python -m h3engine generate ...` and `python -m h3engine make-tiny-checkpoint DIR`.
 
 Task inputs: `--first-frame` / `--last-frame` (FL2VA) and repeatable `--ref KIND:PATH[@START_SECONDS]` (Ref2VA, in
-the order the prompt's <Picture i> / <Video k> / <Audio j> labels count them); without `--task` the inputs pick it.
+prompt label order); without `--task` the inputs pick it. Devices: one (`--device`, default cuda when present) runs
+the engine in this process; `--gpus N`, `--devices 0,1,...` or `--world-size N` (with `--device cpu`: CPU ranks over
+gloo) run a resident worker group behind the app's engine front (h3engine.runtime.workers). The engine flags
+(layout, `--dtype`, `--memory-profile`, `--fp8-linear`) are the app's too (h3engine.engine_options).
 
-Devices: one device (`--device`, default cuda when present) runs the engine in this process. Several ranks run
-through the same engine front as the app, on a resident worker group (h3engine.runtime.workers): `--gpus N`,
-`--devices 0,1,...`, or `--world-size N` (with `--device cpu`: N CPU ranks over gloo). `--dit-sp`, `--dit-tp`,
-`--encoder-tp` and `--vae-ranks` choose the group's layout (defaults: the profile of its size).
-`--memory-profile` (resident or low-memory, see h3engine.placement) applies to the engine and to every rank.
+Order of the checks: the output flags, the request and its files (headers only) and `--dtype` before torch is even
+imported; then the device, memory-profile and layout flags and the prompt's token bound (the checkpoint's tokenizer
+alone); only then does any model load.
 
-Order of the checks: the output flags, the request and its files (headers only) are checked before torch is even
-imported, so a mistake costs well under a second; then the device and layout flags (they need torch to count GPUs)
-and the prompt's token bound (the checkpoint's tokenizer alone); only then does any model load.
-
-Exit codes: 0 success; 2 a bad request, input file, output, layout flag or checkpoint (one line on stderr naming the
-field, flag or file); 1 an internal error (one line on stderr; `--debug` adds the traceback, for the in-process engine);
-130 interrupted (Ctrl-C), 143 terminated (SIGTERM): a running generation is cancelled and every worker process
-ends. Nothing is written under the output name unless the whole generation succeeded.
+Exit codes: 0 success; 2 a bad request, input file, output, flag or checkpoint (one line on stderr naming it); 1 an
+internal error (one line; `--debug` adds the traceback); 130 Ctrl-C, 143 SIGTERM: a running generation is cancelled
+and every worker process ends. Nothing is written under the output name unless the whole generation succeeded.
 """
 
 from __future__ import annotations
@@ -30,8 +26,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from h3engine.engine_options import (
+    EngineOptions,
+    add_engine_flags,
+    check_dtype,
+    check_engine_options,
+    check_fp8_device,
+    load_engine,
+    resolve_device,
+)
 from h3engine.errors import H3Error, RequestError
-from h3engine.request import REFERENCE_KINDS, GenerationRequest, check_prompt_tokens, from_dict, validate
+from h3engine.request import REFERENCE_KINDS, GenerationRequest, check_prompt_tokens, validate
+from h3engine.request_shapes import from_dict
 
 if TYPE_CHECKING:  # torch is imported only once a generation really starts
     import torch
@@ -39,9 +45,6 @@ if TYPE_CHECKING:  # torch is imported only once a generation really starts
     from h3engine.parallel.groups import RuntimeLayout
 
 EXIT_TERMINATED = 143
-# FP8 GEMMs (`torch._scaled_mm`) exist from compute capability 8.9 (Ada) on; elsewhere h3engine.models.fp8 emulates
-# them in fp32, which is slower than bf16 and only adds quantization noise.
-FP8_MIN_CAPABILITY = (8, 9)
 
 
 class Terminated(BaseException):
@@ -104,23 +107,7 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help="number of ranks on --device (e.g. --device cpu --world-size 2)",
     )
-    ranks.add_argument("--dit-sp", type=int, default=None, help="DiT Ulysses sequence-parallel degree")
-    ranks.add_argument("--dit-tp", type=int, default=None, help="DiT tensor-parallel degree")
-    ranks.add_argument("--encoder-tp", type=int, default=None, help="text-encoder tensor-parallel degree")
-    ranks.add_argument("--vae-ranks", type=int, default=None, help="ranks sharing the video decode")
-    generate.add_argument("--dtype", default=None, help="bfloat16 (released precision) or float32")
-    generate.add_argument(
-        "--memory-profile",
-        default="resident",
-        metavar="{resident,low-memory}",
-        help="resident (default): every model stays on the GPU; low-memory: models wait in host memory and each "
-        "phase moves onto the GPU only the ones it runs (smaller GPUs; slower)",
-    )
-    generate.add_argument(
-        "--fp8-linear",
-        action="store_true",
-        help="quantize the DiT blocks' linear layers to FP8 (faster on Hopper, not the released precision; one GPU)",
-    )
+    add_engine_flags(generate)
     generate.add_argument(
         "--out", required=True, help="output .mp4 path (a .json sidecar is written beside it)"
     )
@@ -195,7 +182,7 @@ def _request_payload(args: argparse.Namespace) -> dict:
 
 def _generate(args: argparse.Namespace) -> int:
     # Everything below up to the device flags runs without torch (PyAV and Pillow read the file headers), so a
-    # mistake in the request, its files or the output flags is refused in well under a second.
+    # mistake in the request, its files, the output flags or the dtype is refused before that import.
     from h3engine.media.inputs import probe_media
 
     out_path, save_tensors_path = _checked_outputs(args.out, args.save_tensors)
@@ -203,30 +190,24 @@ def _generate(args: argparse.Namespace) -> int:
     request = from_dict(_request_payload(args))
     # The canvas multiple of explicit width/height depends on the checkpoint and is checked once it is known.
     validate(request, probe_media, canvas_multiple=1)
+    options = EngineOptions.from_args(args)
+    check_dtype(options.dtype)
 
-    # Imported here: they need torch (GPU counts, layouts), which `--help` and the checks above never pay for.
-    from h3engine.engine import resolve_device
-    from h3engine.parallel.groups import RuntimeLayout
-    from h3engine.placement import check_memory_profile
+    # Imported here: it needs torch (GPU counts), which `--help` and the checks above never pay for.
     from h3engine.runtime.workers import rank_devices
 
-    check_memory_profile(args.memory_profile)
     devices = rank_devices(args.device, args.world_size, args.gpus, args.devices)
-    try:
-        layout = RuntimeLayout.choose(len(devices), args.dit_sp, args.dit_tp, args.encoder_tp, args.vae_ranks)
-    except ValueError as error:
-        raise RequestError(str(error)) from None
-    if args.fp8_linear and len(devices) > 1:
-        raise RequestError("--fp8-linear: FP8 linear layers run on one GPU only (no worker group)")
+    layout = check_engine_options(options, len(devices))
     device = resolve_device(devices[0]) if len(devices) == 1 else None
-    if args.fp8_linear and device is not None:
-        _check_fp8_device(device)
-    # The checkpoint's tokenizer alone (milliseconds); the checkpoint itself loads after this (minutes at the
-    # released size).
+    if options.fp8_linear and device is not None:
+        check_fp8_device(device)
+    # The checkpoint's tokenizer alone; the checkpoint itself loads after this.
     _check_prompt_tokens(args.checkpoint, request)
     if device is not None:
-        return _generate_in_process(args, request, device, out_path, save_tensors_path)
-    return _generate_on_workers(args, request, devices, layout, out_path, save_tensors_path)
+        return _generate_in_process(args.checkpoint, options, request, device, out_path, save_tensors_path)
+    return _generate_on_workers(
+        args.checkpoint, options, request, devices, layout, out_path, save_tensors_path
+    )
 
 
 def _check_utf8_flag(flag: str, value: str) -> None:
@@ -259,24 +240,6 @@ def _checked_outputs(out: str, save_tensors: str | None) -> tuple[Path, Path | N
     return files.video, files.tensors
 
 
-def _check_fp8_device(device: torch.device) -> None:
-    import torch
-
-    if device.type != "cuda":
-        raise RequestError(
-            f"--fp8-linear: FP8 linear layers need a CUDA GPU of compute capability "
-            f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer; on {device.type} they would only emulate "
-            "FP8 (slower, and not the released precision): drop the flag"
-        )
-    capability = torch.cuda.get_device_capability(device)
-    if capability < FP8_MIN_CAPABILITY:
-        raise RequestError(
-            f"--fp8-linear: FP8 linear layers need compute capability {FP8_MIN_CAPABILITY[0]}."
-            f"{FP8_MIN_CAPABILITY[1]} or newer, {device} has {capability[0]}.{capability[1]} (they would only be "
-            "emulated): drop the flag"
-        )
-
-
 def _check_prompt_tokens(checkpoint: str, request: GenerationRequest) -> None:
     """The prompt's token bound with the tokenizer of the partition serving the task; no model is loaded."""
     from h3engine.checkpoint.layout import detect_layout
@@ -291,21 +254,14 @@ def _print_step(step: int, total: int, elapsed_s: float) -> None:
 
 
 def _generate_in_process(
-    args: argparse.Namespace,
+    checkpoint: str,
+    options: EngineOptions,
     request: GenerationRequest,
     device: torch.device,
     out_path: Path,
     save_tensors_path: Path | None,
 ) -> int:
-    from h3engine.engine import Engine, resolve_dtype
-
-    engine = Engine.from_checkpoint(
-        args.checkpoint,
-        device=device,
-        dtype=resolve_dtype(args.dtype, device),
-        memory_profile=args.memory_profile,
-        fp8_linear=args.fp8_linear,
-    )
+    engine = load_engine(checkpoint, device, options)
     for warning in engine.validate(request):
         print(f"warning: {warning}", file=sys.stderr)
     written = engine.generate_to_file(
@@ -319,7 +275,8 @@ def _generate_in_process(
 
 
 def _generate_on_workers(
-    args: argparse.Namespace,
+    checkpoint: str,
+    options: EngineOptions,
     request: GenerationRequest,
     devices: tuple[str, ...],
     layout: RuntimeLayout,
@@ -331,7 +288,7 @@ def _generate_on_workers(
     from h3engine.runtime.messages import JobFailed, JobFinished, StepProgress
     from h3engine.runtime.workers import ProcessReplica
 
-    replica = ProcessReplica(args.checkpoint, devices, layout, args.dtype, args.memory_profile)
+    replica = ProcessReplica(checkpoint, devices, layout, options.dtype, options.memory_profile)
     print(f"worker group ready on {', '.join(devices)}: {layout.describe()}", file=sys.stderr)
     front = EngineFront([replica], out_path.parent)
     try:

@@ -40,31 +40,6 @@ from h3engine.placement import Placement
 from h3engine.presentation import prompt_token_counter
 from h3engine.request import GenerationRequest, validate
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
-
-
-def resolve_device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise RequestError(f"--device: unknown device '{name}'") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RequestError("--device: CUDA was asked for but no GPU is available")
-    if device.type not in ("cpu", "cuda"):
-        raise RequestError(f"--device: only cpu and cuda are supported, got '{name}'")
-    return device
-
-
-def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """The DiT's compute dtype: bf16 is the released precision; fp32 is for parity checks."""
-    if name is None:
-        return torch.bfloat16
-    if name not in DTYPES:
-        raise RequestError(f"--dtype: expected bfloat16 or float32, got '{name}'")
-    return DTYPES[name]
-
 
 class Engine:
     def __init__(

@@ -1,40 +1,27 @@
 """What a user asks for, and whether MiniMax H3 can do it.
 
-Contract:
-* `GenerationRequest` is a frozen, plain-Python description of one generation (no torch, no numpy: the app
-  validates requests before it queues them, and the CLI before it loads anything).
-* `from_dict` reads two shapes: ours (the field names of `GenerationRequest`, also written by `to_dict` for the
-  JSON sidecar) and the official SGLang `/v1/videos` shape (`target{...}`, `conditions[...]`,
-  H3_CHECKPOINT_LAYOUT.md §5-§6). It maps names and nesting and turns `file://` URIs into paths; it does not
-  judge values.
-* `validate` judges values. It raises `RequestError` whose message starts with the offending field
-  (`"duration_seconds: must be within [4, 15] s, got 3"`) and returns warnings for requests that run but leave
-  the verified configuration. Rules that need facts about the media files (clip durations, soundtracks, image
-  sizes) use a `MediaInfo` supplied by the caller's probe; without a probe those rules are skipped, so a request
-  that passes without one can still fail once its files are read.
-* Every number and every text has an upper bound derived from the model's limits (the constants below say why):
-  the canvas, shifts, steps, start times, image sizes, and the prompt in characters (here) and in tokens
-  (`check_prompt_tokens`, or `validate(..., count_prompt_tokens=...)`, with the checkpoint's tokenizer). Prompts and
-  paths must be valid UTF-8.
+* `GenerationRequest` is a frozen, plain-Python description of one generation (no torch, no numpy); payloads are
+  read into it by h3engine.request_shapes.from_dict, which does not judge values.
+* `validate` judges values: it raises `RequestError` whose message starts with the offending field
+  (`"duration_seconds: must be within [4, 15] s, got 3"`) and returns warnings for requests that leave the verified
+  configuration. Rules on the media files (durations, soundtracks, image sizes) use the caller's probe
+  (`MediaInfo`); without one they are skipped, so such a request can still fail once its files are read.
+* Every number and text has an upper bound from the model's limits (the constants below say why), the prompt in
+  characters here and in tokens with the checkpoint's tokenizer (`check_prompt_tokens`). Texts must be UTF-8.
 
 Danger: every later stage trusts a validated request. A value that slips through (a NaN duration, a 2**70 step
-count, a canvas that is not a multiple of the latent grid) turns into a crash or a hang deep inside a worker
-instead of a readable message, so `validate` checks types as well as ranges and must only ever raise
-`RequestError`. Guidance and timing knobs are refused rather than ignored: the checkpoint is guidance-distilled
-and derives its frame count from the duration, so accepting them silently would promise an effect that never
-happens.
+count) turns into a crash or a hang deep inside a worker instead of a readable message, so `validate` checks types
+as well as ranges and must only ever raise `RequestError`.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import reprlib
-import urllib.parse
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, TypeVar
 
 from h3engine.errors import RequestError
 from h3engine.geometry import (
@@ -88,8 +75,8 @@ MAX_CANVAS_PIXELS = RELEASED_MAX_PIXELS * MAX_SHORT_EDGE**2 // RELEASED_SHORT_ED
 MIN_FLOW_SHIFT = 0.001
 MAX_FLOW_SHIFT = 1000.0
 # The prompt. The reference pipelines truncate nothing; the official prompts run to ~4,400 characters (~1,000
-# tokens). 8,192 tokens keep the text encode within about a second at the released size (Qwen3-VL-32B to layer
-# 50: ~0.4 PFLOP) and the text rows under a quarter of the 768p / 5 s DiT sequence; 32,768 characters bound the
+# tokens). 8,192 tokens keep the text encode short at the released size (Qwen3-VL-32B to layer 50: ~0.4
+# PFLOP) and the text rows under a quarter of the 768p / 5 s DiT sequence; 32,768 characters bound the
 # tokenizer's own work and, at ~4 characters a token, let English text reach the token bound. The bound counts the
 # prompt's own tokens: the labels the engine adds stay under 200 tokens (12 labels, at most 15 s of 2 fps video
 # timestamps), and the vision blocks follow from the reference limits above.
@@ -103,38 +90,6 @@ MIN_IMAGE_SIDE = 16
 MAX_IMAGE_SIDE = 8192
 MAX_IMAGE_PIXELS = 8192 * 2048
 
-# SGLang fills in this seed when a request in its shape carries none; keeping it reproduces its outputs.
-SGLANG_DEFAULT_SEED = 42
-
-_GUIDANCE_REASON = (
-    "not supported: MiniMax H3 is guidance-distilled (one conditional forward per step), "
-    "so there is no guidance scale and no negative prompt"
-)
-_TIMING_REASON = (
-    "not supported: MiniMax H3 derives its timing from duration_seconds "
-    "(24 fps, frame count snapped up to 17n+5)"
-)
-_TIMING_FIELDS = frozenset({"seconds", "length", "video_length", "frames", "frame_count", "framerate"})
-
-_ENGINE_INTEGER_FIELDS = ("short_edge", "width", "height", "seed", "steps")
-_KEYFRAME_FIELDS = ("path", "position")
-_REFERENCE_FIELDS = ("kind", "path", "start_seconds")
-_SGLANG_FIELDS = (
-    "task",
-    "prompt",
-    "target",
-    "conditions",
-    "seed",
-    "flow_shift",
-    "audio_flow_shift",
-    "num_inference_steps",
-)
-_SGLANG_TARGET_FIELDS = ("short_edge", "aspect_ratio", "duration_seconds")
-_SGLANG_CONDITION_FIELDS = ("type", "uri", "role", "frame_index", "start_time_seconds")
-# SGLang's "video_audio" is a video whose soundtrack is also a reference; our video references always bring
-# their soundtrack along when the file has one, so both types map to one kind.
-_SGLANG_REFERENCE_KINDS = {"image": "image", "video": "video", "video_audio": "video", "audio": "audio"}
-_SGLANG_KEYFRAME_POSITIONS = {0: "first", -1: "last"}
 
 TaskName = Literal["t2va", "fl2va", "ref2va"]
 KeyframePosition = Literal["first", "last"]
@@ -170,6 +125,7 @@ class MediaInfo:
 
 
 MediaProbe = Callable[[Reference], MediaInfo]
+EntryT = TypeVar("EntryT", Keyframe, Reference)
 
 
 @dataclass(frozen=True)
@@ -214,231 +170,6 @@ class GenerationRequest:
                 for reference in self.references
             ],
         }
-
-
-_ENGINE_FIELDS = tuple(field.name for field in fields(GenerationRequest))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Reading payloads
-
-
-def from_dict(payload: Mapping[str, Any]) -> GenerationRequest:
-    """Read our JSON shape or the official SGLang shape (recognised by `target` or `conditions`).
-
-    Raises `RequestError` for unknown, refused or missing fields and for remote URIs; values themselves are
-    judged by `validate`.
-    """
-    if not isinstance(payload, Mapping):
-        _fail("request", f"must be a JSON object, got {_describe(payload)}")
-    if "target" in payload or "conditions" in payload:
-        return _from_sglang_shape(payload)
-    return _from_engine_shape(payload)
-
-
-def _from_engine_shape(payload: Mapping[str, Any]) -> GenerationRequest:
-    _check_field_names(payload, _ENGINE_FIELDS, "")
-    for required in ("task", "prompt"):
-        if required not in payload:
-            _fail(required, "is required")
-    values = {name: payload[name] for name in _ENGINE_FIELDS if name in payload}
-    for name in _ENGINE_INTEGER_FIELDS:
-        if name in values:
-            values[name] = _integral_float_as_int(values[name])
-    values["keyframes"] = tuple(
-        _keyframe_from_dict(entry, f"keyframes[{index}]")
-        for index, entry in enumerate(_as_list(payload.get("keyframes", []), "keyframes"))
-    )
-    values["references"] = tuple(
-        _reference_from_dict(entry, f"references[{index}]")
-        for index, entry in enumerate(_as_list(payload.get("references", []), "references"))
-    )
-    return GenerationRequest(**values)
-
-
-def _keyframe_from_dict(entry: Any, field: str) -> Keyframe:
-    if not isinstance(entry, Mapping):
-        _fail(field, f"must be an object with {', '.join(_KEYFRAME_FIELDS)}, got {_describe(entry)}")
-    _check_field_names(entry, _KEYFRAME_FIELDS, f"{field}.")
-    for required in _KEYFRAME_FIELDS:
-        if required not in entry:
-            _fail(f"{field}.{required}", "is required")
-    return Keyframe(path=_local_path(entry["path"], f"{field}.path"), position=entry["position"])
-
-
-def _reference_from_dict(entry: Any, field: str) -> Reference:
-    if not isinstance(entry, Mapping):
-        _fail(field, f"must be an object with {', '.join(_REFERENCE_FIELDS)}, got {_describe(entry)}")
-    _check_field_names(entry, _REFERENCE_FIELDS, f"{field}.")
-    for required in ("kind", "path"):
-        if required not in entry:
-            _fail(f"{field}.{required}", "is required")
-    return Reference(
-        kind=entry["kind"],
-        path=_local_path(entry["path"], f"{field}.path"),
-        start_seconds=entry.get("start_seconds"),
-    )
-
-
-def _from_sglang_shape(payload: Mapping[str, Any]) -> GenerationRequest:
-    _check_field_names(payload, _SGLANG_FIELDS, "")
-    for required in ("task", "prompt"):
-        if required not in payload:
-            _fail(required, "is required")
-    target = payload.get("target")
-    if not isinstance(target, Mapping):
-        _fail("target", f"is required and must be an object, got {_describe(target)}")
-    _check_field_names(target, _SGLANG_TARGET_FIELDS, "target.")
-
-    keyframes: list[Keyframe] = []
-    references: list[Reference] = []
-    for index, condition in enumerate(_as_list(payload.get("conditions", []), "conditions")):
-        field = f"conditions[{index}]"
-        if not isinstance(condition, Mapping):
-            _fail(field, f"must be an object, got {_describe(condition)}")
-        _check_field_names(condition, _SGLANG_CONDITION_FIELDS, f"{field}.")
-        for required in ("type", "uri", "role"):
-            if required not in condition:
-                _fail(f"{field}.{required}", "is required")
-        path = _local_path(condition["uri"], f"{field}.uri")
-        role, condition_type = condition["role"], condition["type"]
-        if role == "keyframe":
-            keyframes.append(_sglang_keyframe(condition, condition_type, path, field))
-        elif role == "reference":
-            references.append(_sglang_reference(condition, condition_type, path, field))
-        else:
-            _fail(f"{field}.role", f"must be 'keyframe' or 'reference', got {_describe(role)}")
-
-    return GenerationRequest(
-        task=payload["task"],
-        prompt=payload["prompt"],
-        duration_seconds=target.get("duration_seconds"),
-        aspect_ratio=target.get("aspect_ratio", "auto"),
-        short_edge=_integral_float_as_int(target.get("short_edge", VERIFIED_SHORT_EDGE)),
-        seed=_integral_float_as_int(payload.get("seed", SGLANG_DEFAULT_SEED)),
-        steps=_integral_float_as_int(payload.get("num_inference_steps", 50)),
-        flow_shift=payload.get("flow_shift", 12.0),
-        audio_flow_shift=payload.get("audio_flow_shift", 3.0),
-        recipe="sglang",
-        keyframes=tuple(keyframes),
-        references=tuple(references),
-    )
-
-
-def _sglang_keyframe(condition: Mapping[str, Any], condition_type: Any, path: str, field: str) -> Keyframe:
-    if condition_type != "image":
-        _fail(f"{field}.type", f"a keyframe must be an 'image', got {_describe(condition_type)}")
-    if "start_time_seconds" in condition:
-        _fail(f"{field}.start_time_seconds", "is only allowed for video references")
-    if "frame_index" not in condition:
-        _fail(f"{field}.frame_index", "is required for a keyframe (0 = first frame, -1 = last frame)")
-    frame_index = _integral_float_as_int(condition["frame_index"])
-    if not _is_integer(frame_index) or frame_index not in _SGLANG_KEYFRAME_POSITIONS:
-        _fail(
-            f"{field}.frame_index",
-            f"must be 0 (first frame) or -1 (last frame), got {_describe(frame_index)}",
-        )
-    return Keyframe(path=path, position=_SGLANG_KEYFRAME_POSITIONS[frame_index])
-
-
-def _sglang_reference(condition: Mapping[str, Any], condition_type: Any, path: str, field: str) -> Reference:
-    if not isinstance(condition_type, str) or condition_type not in _SGLANG_REFERENCE_KINDS:
-        _fail(
-            f"{field}.type",
-            f"must be one of {', '.join(_SGLANG_REFERENCE_KINDS)}, got {_describe(condition_type)}",
-        )
-    if "frame_index" in condition:
-        _fail(f"{field}.frame_index", "is not allowed for role 'reference'")
-    return Reference(
-        kind=_SGLANG_REFERENCE_KINDS[condition_type],
-        path=path,
-        start_seconds=condition.get("start_time_seconds"),
-    )
-
-
-def _check_field_names(entry: Mapping[Any, Any], allowed: tuple[str, ...], prefix: str) -> None:
-    """Refuse guidance and timing knobs with their reason, then anything else we do not know, by name."""
-    unknown = [name for name in sorted(entry, key=_describe) if name not in allowed]
-    for name in unknown:
-        reason = _refusal_reason(name)
-        if reason is not None:
-            _fail(prefix + _field_name(name), reason)
-    if unknown:
-        plural = "s" if len(unknown) > 1 else ""
-        _fail(
-            ", ".join(prefix + _field_name(name) for name in unknown),
-            f"unknown field{plural} (allowed: {', '.join(allowed)})",
-        )
-
-
-def _field_name(name: Any) -> str:
-    return name if isinstance(name, str) and 0 < len(name) <= 64 else _describe(name)
-
-
-def _refusal_reason(name: Any) -> str | None:
-    if not isinstance(name, str):
-        return None
-    lowered = name.lower()
-    if "guidance" in lowered or "negative" in lowered or "cfg" in lowered:
-        return _GUIDANCE_REASON
-    if (
-        lowered in _TIMING_FIELDS
-        or "fps" in lowered
-        or "frame_rate" in lowered
-        or lowered.endswith("_frames")
-    ):
-        return _TIMING_REASON
-    return None
-
-
-def _as_list(value: Any, field: str) -> list[Any]:
-    if not isinstance(value, list | tuple):
-        _fail(field, f"must be a list, got {_describe(value)}")
-    return list(value)
-
-
-def _local_path(value: Any, field: str) -> str:
-    """A plain path, or a `file://` URI turned into one; remote URIs are refused because we never download."""
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if not isinstance(value, str):
-        _fail(field, f"must be a local path or file:// URI, got {_describe(value)}")
-    scheme = _uri_scheme(value)
-    if scheme is None:
-        return value
-    if scheme != "file":
-        _fail(field, _remote_uri_problem(value))
-    try:
-        parsed = urllib.parse.urlsplit(value)
-    except ValueError:
-        _fail(field, f"is not a valid file:// URI, got {_describe(value)}")
-    if parsed.netloc not in ("", "localhost"):
-        _fail(field, f"file:// URIs must name this machine (file:///path), got {_describe(value)}")
-    return urllib.parse.unquote(parsed.path)
-
-
-def _uri_scheme(value: str) -> str | None:
-    """The scheme of `scheme://...`, or None for a path (a one-letter "scheme" is a Windows drive: `C://x`)."""
-    head, separator, _ = value.partition("://")
-    if not separator or len(head) < 2 or not head[0].isalpha():
-        return None
-    if not all(character.isalnum() or character in "+-." for character in head):
-        return None
-    return head.lower()
-
-
-def _remote_uri_problem(value: str) -> str:
-    return (
-        f"remote URIs are not supported (h3engine never downloads); download the file and pass its local "
-        f"path, got {_describe(value)}"
-    )
-
-
-def _integral_float_as_int(value: Any) -> Any:
-    """JSON writers emit 50.0 for 50; accept that for integer fields and leave everything else to `validate`."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -573,13 +304,18 @@ def _check_canvas(request: GenerationRequest, canvas_multiple: int) -> list[str]
     ]
 
 
+def _typed_entries(entries: Any, field: str, entry_type: type[EntryT]) -> Iterator[tuple[str, EntryT]]:
+    """(field name, entry) of each entry of a tuple or list, in order, each checked to be an `entry_type`."""
+    if not isinstance(entries, tuple | list):
+        _fail(field, f"must be a tuple of {entry_type.__name__}, got {_describe(entries)}")
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, entry_type):
+            _fail(f"{field}[{index}]", f"must be a {entry_type.__name__}, got {_describe(entry)}")
+        yield f"{field}[{index}]", entry
+
+
 def _checked_keyframes(keyframes: Any) -> tuple[Keyframe, ...]:
-    if not isinstance(keyframes, tuple | list):
-        _fail("keyframes", f"must be a tuple of Keyframe, got {_describe(keyframes)}")
-    for index, keyframe in enumerate(keyframes):
-        field = f"keyframes[{index}]"
-        if not isinstance(keyframe, Keyframe):
-            _fail(field, f"must be a Keyframe, got {_describe(keyframe)}")
+    for field, keyframe in _typed_entries(keyframes, "keyframes", Keyframe):
         _check_local_path(keyframe.path, f"{field}.path")
         if not isinstance(keyframe.position, str) or keyframe.position not in KEYFRAME_POSITIONS:
             _fail(f"{field}.position", f"must be 'first' or 'last', got {_describe(keyframe.position)}")
@@ -587,12 +323,7 @@ def _checked_keyframes(keyframes: Any) -> tuple[Keyframe, ...]:
 
 
 def _checked_references(references: Any) -> tuple[Reference, ...]:
-    if not isinstance(references, tuple | list):
-        _fail("references", f"must be a tuple of Reference, got {_describe(references)}")
-    for index, reference in enumerate(references):
-        field = f"references[{index}]"
-        if not isinstance(reference, Reference):
-            _fail(field, f"must be a Reference, got {_describe(reference)}")
+    for field, reference in _typed_entries(references, "references", Reference):
         if not isinstance(reference.kind, str) or reference.kind not in REFERENCE_KINDS:
             _fail(
                 f"{field}.kind",
@@ -897,6 +628,16 @@ def _check_local_path(value: Any, field: str) -> None:
             field,
             f"must be a local path, not a URI (from_dict turns file:// URIs into paths), got {_describe(value)}",
         )
+
+
+def _uri_scheme(value: str) -> str | None:
+    """The scheme of `scheme://...`, or None for a path (a one-letter "scheme" is a Windows drive: `C://x`)."""
+    head, separator, _ = value.partition("://")
+    if not separator or len(head) < 2 or not head[0].isalpha():
+        return None
+    if not all(character.isalnum() or character in "+-." for character in head):
+        return None
+    return head.lower()
 
 
 def _check_utf8(value: str, field: str) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import app
+from h3engine.engine_options import EngineOptions
 
 
 def test_replicas_warm_up_unless_told_not_to() -> None:
@@ -30,3 +31,27 @@ def test_upload_limits_count_like_gradio_and_a_bad_one_names_the_option() -> Non
             app.parse_config(["--max-file-size", bad], {})
     with pytest.raises(app.ConfigError, match="^--port: invalid int value: 'x'"):
         app.parse_config([], {"H3_PORT": "x"})
+
+
+def test_engine_flags_are_the_clis_and_read_into_engine_options() -> None:
+    config = app.parse_config(["--dit-sp", "2", "--dtype", "float32", "--memory-profile", "low-memory"], {})
+    assert config.engine == EngineOptions(dit_sp=2, dtype="float32", memory_profile="low-memory")
+    assert app.parse_config([], {"H3_MEMORY_PROFILE": "low-memory"}).engine.memory_profile == "low-memory"
+    assert app.parse_config(["--fp8-linear"], {}).engine.fp8_linear is True
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--devices", "cpu", "--fp8-linear"], "^--fp8-linear: FP8 linear layers need a CUDA GPU"),
+        (["--devices", "cpu", "--world-size", "2", "--fp8-linear"], "^--fp8-linear: .* one GPU only"),
+        (["--world-size", "1", "--dit-sp", "2"], "^--dit-sp 2 does not divide the 1 GPUs"),
+        (["--dtype", "half"], "^--dtype: expected bfloat16 or float32, got 'half'$"),
+        (["--devices", "mps"], "^--devices: only cpu and cuda are supported, got 'mps'$"),
+    ],
+    ids=["fp8-on-cpu", "fp8-in-a-group", "layout", "dtype", "device"],
+)
+def test_engine_options_are_checked_before_loading(tmp_path, arguments: list[str], message: str) -> None:
+    config = app.parse_config([*arguments, "--outputs", str(tmp_path)], {})
+    with pytest.raises(app.ConfigError, match=message):
+        app.check_before_loading(config)

@@ -30,7 +30,8 @@ import pytest
 from PIL import Image
 
 from h3engine.media.mux import probe_mp4
-from h3engine.request import GenerationRequest, MediaInfo, Reference, from_dict, validate
+from h3engine.request import GenerationRequest, MediaInfo, Reference, validate
+from h3engine.request_shapes import from_dict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ASSETS = REPO_ROOT / "assets"

@@ -63,8 +63,17 @@ def cli_arguments(tmp_path: Path, *extra: str | bytes, checkpoint: Path | None =
         ),
         (["--out", "{tmp}/folder.mp4"], "error: --out: "),
         (["--save-tensors", "{tmp}/missing/t.safetensors"], "error: --save-tensors: folder "),
+        (["--dtype", "float16"], "error: --dtype: expected bfloat16 or float32, got 'float16'"),
     ],
-    ids=["duration", "short-edge", "non-utf8-prompt", "missing-keyframe", "out-is-folder", "tensors-folder"],
+    ids=[
+        "duration",
+        "short-edge",
+        "non-utf8-prompt",
+        "missing-keyframe",
+        "out-is-folder",
+        "tensors-folder",
+        "dtype",
+    ],
 )
 def test_bad_requests_exit_2_without_importing_torch(tmp_path: Path, extra: list, starts: str) -> None:
     (tmp_path / "folder.mp4").mkdir()
@@ -154,15 +163,35 @@ def test_fp8_linear_is_refused_on_the_cpu(capsys, tmp_path: Path) -> None:
 def test_fp8_linear_needs_compute_capability_8_9(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from h3engine import cli
+    from h3engine.engine_options import check_fp8_device
     from h3engine.errors import RequestError
 
     gpu = torch.device("cuda:0")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
     with pytest.raises(RequestError, match=r"^--fp8-linear: .* 8\.9 or newer, cuda:0 has 8\.0"):
-        cli._check_fp8_device(gpu)
+        check_fp8_device(gpu)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
-    cli._check_fp8_device(gpu)
+    check_fp8_device(gpu)
+
+
+def test_device_names_are_checked_against_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from h3engine.engine_options import resolve_device
+    from h3engine.errors import RequestError
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(RequestError, match=r"^--device: unknown device 'gpu'$"):
+        resolve_device("gpu")
+    with pytest.raises(RequestError, match=r"^--devices: only cpu and cuda are supported, got 'meta'$"):
+        resolve_device("meta", "--devices")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(RequestError, match=r"^--device: CUDA was asked for but no GPU is available$"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    with pytest.raises(RequestError, match=r"^--device: cuda:3 asked for, but 1 GPU is visible$"):
+        resolve_device("cuda:3")
 
 
 @pytest.fixture(scope="module")

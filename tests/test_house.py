@@ -17,7 +17,14 @@ PACKAGE = REPOSITORY / "h3engine"
 # Lowest first. A module may import modules of its own layer or of lower ones, never of a higher one. A name ending
 # in ".*" stands for a package and every module in it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("h3engine", "h3engine.errors", "h3engine.geometry", "h3engine.placement", "h3engine.kernels", "h3engine.ops.*"),
+    (
+        "h3engine",
+        "h3engine.errors",
+        "h3engine.geometry",
+        "h3engine.placement",
+        "h3engine.kernels",
+        "h3engine.ops.*",
+    ),
     ("h3engine.models.*",),
     ("h3engine.checkpoint.*",),
     ("h3engine.parallel.*",),
@@ -28,7 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "h3engine.conditioning",
         "h3engine.media.*",
         "h3engine.request",
-        "h3engine.request_sglang",
+        "h3engine.request_shapes",
         "h3engine.presentation",
         "h3engine.leftovers",
     ),

@@ -23,11 +23,11 @@ from h3engine.request import (
     Keyframe,
     MediaInfo,
     Reference,
-    from_dict,
     resolve_aspect,
     resolve_duration_seconds,
     validate,
 )
+from h3engine.request_shapes import from_dict
 
 # ---------------------------------------------------------------------------------------------------------------
 # Media the fake probe knows about (what the PyAV/Pillow probe would report for such files)
@@ -642,7 +642,7 @@ def test_sglang_shape_details() -> None:
 
 
 def test_request_module_imports_neither_torch_nor_numpy() -> None:
-    code = "import sys, h3engine.request; print(sorted({'torch', 'numpy'} & set(sys.modules)))"
+    code = "import sys, h3engine.request, h3engine.request_shapes; print(sorted({'torch', 'numpy'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 

@@ -38,6 +38,12 @@ from ui.tabs import DEFAULT_VALUES, TaskTab, build_fl2va_tab, build_ref2va_tab, 
 
 ENGINE_CONCURRENCY_ID = "h3-engine"
 TAB_TITLES = {"t2va": "Text → video", "fl2va": "First / last frame → video", "ref2va": "References → video"}
+# The generate endpoints' descriptions on the API page.
+API_DESCRIPTIONS = {
+    "t2va": "Text to video with sound.",
+    "fl2va": "First and/or last frame to video with sound.",
+    "ref2va": "Ordered image / video / audio references to video with sound.",
+}
 
 
 @dataclass(frozen=True)
@@ -127,16 +133,12 @@ def _tab_updates(tab: TaskTab, values: dict[str, Any]) -> dict[Any, Any]:
 
 
 def _wire_generate(tab: TaskTab, handlers: Handlers, result: ResultColumn, replicas: int) -> Any:
-    generate = {
-        "t2va": handlers.generate_t2va,
-        "fl2va": handlers.generate_fl2va,
-        "ref2va": handlers.generate_ref2va,
-    }
     return tab.generate.click(
-        generate[tab.task],
+        handlers.generator(tab.task),
         inputs=tab.inputs,
         outputs=result.outputs,
         api_name=tab.task,
+        api_description=f"{API_DESCRIPTIONS[tab.task]} Returns status, preview, video, seed used, details, downloads.",
         validator=handlers.validator(tab.task),
         concurrency_limit=replicas,
         concurrency_id=ENGINE_CONCURRENCY_ID,

@@ -1,34 +1,25 @@
 """What the buttons do: build requests from a tab's inputs, check them, run them on the engine front, restore.
 
-Contract:
-* `parameter_names(task)` is the parameter list of the task's API endpoint (/t2va, /fl2va, /ref2va), in the order
-  of `TaskTab.inputs`; the generate handlers and validators take their inputs in that order.
-* The validators run before Gradio queues an event: they check the types of the inputs the request does not
-  check itself (the two checkboxes), build the request (without copying any file) and run every model-free check;
-  a failure marks the input it names, and API clients get it as a ValidationError. The settings reach them as
-  sent (ui.tabs: Gradio's own range and choice checks would answer an API client with a bare HTTP 400).
-* The generate handlers are async generators: they copy the inputs into the outputs folder, submit the request
-  (its MP4 and sidecar go to the caller's results folder, ui.access),
-  and turn the front's messages into updates of the result column (`RESULT_FIELDS` order) and `gr.Progress`
-  steps with an ETA. A RequestError shows as its own message, an engine failure as one sentence; tracebacks only
-  go to the server log (h3engine.runtime.front logs them).
-* Cancel: Gradio cancels the handler's task (the Cancel button, or an API client's `job.cancel()`); the
-  handler's `finally` then cancels the engine job, which stops before its next step. A handler that ends for
-  any other reason (the browser went away) cancels its job the same way.
+* `parameter_names(task)` is the parameter list of the task's API endpoint (/t2va, /fl2va, /ref2va), in the order of
+  `TaskTab.inputs`; `Handlers.generator(task)` (the endpoint) and `Handlers.validator(task)` take them in that order.
+* The validators run before Gradio queues an event: they check the two checkboxes' types, build the request (no file
+  copied) and run every model-free check; a failure marks the input it names (a ValidationError for API clients).
+* The generate handlers copy the inputs into the outputs folder, submit the request (its files go to the caller's
+  results folder, ui.access) and turn the front's messages into result-column updates (`RESULT_FIELDS` order) and
+  `gr.Progress` steps. A RequestError shows as its message, an engine failure as one sentence (tracebacks go to the
+  server log). When Gradio cancels a handler (Cancel, `job.cancel()`, the browser went away) its job is cancelled.
+* Every file a handler returns goes out through `AccessPolicy.publish`; History reads only the caller's folder.
 
-* Every file a handler returns goes out through `AccessPolicy.publish` (a copy Gradio serves under an
-  unguessable name); History lists, and restores from, only the caller's results folder.
-
-Danger: every value here comes from a browser or an API client. Paths reach the engine only after Gradio
-accepted them as uploads (or they were copied from the history / examples into the outputs folder), and a
-history stem is looked up by `ui.history.find_entry` in the caller's own folder, which refuses anything but a
-plain file stem.
+Danger: every value here comes from a browser or an API client. Paths reach the engine only as Gradio uploads or
+copies in the outputs folder; a history stem is looked up by `ui.history.find_entry`, which takes only a plain stem.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import inspect
 import re
 import secrets
 import time
@@ -40,7 +31,8 @@ import gradio as gr
 import numpy as np
 
 from h3engine.errors import RequestError
-from h3engine.request import GenerationRequest, Keyframe, Reference, from_dict
+from h3engine.request import GenerationRequest, Keyframe, Reference
+from h3engine.request_shapes import from_dict
 from h3engine.runtime.front import EngineFront, JobHandle, stamped_output_name
 from h3engine.runtime.messages import (
     JobFailed,
@@ -53,24 +45,9 @@ from h3engine.runtime.messages import (
 from ui.access import AccessPolicy
 from ui.history import HistoryEntry, entry_markdown, find_entry, history_rows, list_history, result_markdown
 from ui.inputs import InputStore, last_frame_png, reference_kind
-from ui.tabs import DEFAULT_VALUES
+from ui.result import RESULT_FIELDS
+from ui.tabs import DEFAULT_VALUES, MEDIA_PARAMETERS, SETTINGS_PARAMETERS
 
-SETTINGS_PARAMETERS = (
-    "duration_seconds",
-    "aspect_ratio",
-    "seed",
-    "randomize_seed",
-    "steps",
-    "flow_shift",
-    "audio_flow_shift",
-    "short_edge",
-)
-MEDIA_PARAMETERS = {
-    "t2va": (),
-    "fl2va": ("first_image", "last_image"),
-    "ref2va": ("references", "duration_from_reference"),
-}
-RESULT_FIELDS = ("status", "preview", "video", "seed_used", "details", "downloads", "last_result")
 POLL_INTERVAL_S = 0.1
 RANDOM_SEED_LIMIT = 2**31
 PLACEHOLDER_PROMPT = "(prompt)"
@@ -269,101 +246,29 @@ class Handlers:
 
     # --- generation -------------------------------------------------------------------------------------
 
-    async def generate_t2va(
-        self,
-        prompt: str,
-        duration_seconds: float,
-        aspect_ratio: str,
-        seed: int,
-        randomize_seed: bool,
-        steps: int,
-        flow_shift: float,
-        audio_flow_shift: float,
-        short_edge: int,
-        request: gr.Request,
-        progress: gr.Progress = gr.Progress(),
-    ) -> AsyncIterator[tuple[Any, ...]]:
-        """Text to video with sound. Returns status, preview, video, seed used, details, downloads."""
-        inputs = (
-            prompt,
-            duration_seconds,
-            aspect_ratio,
-            seed,
-            randomize_seed,
-            steps,
-            flow_shift,
-            audio_flow_shift,
-            short_edge,
-        )
-        async for update in self._generate("t2va", inputs, request, progress):
-            yield update
+    def generator(self, task: str) -> Callable[..., AsyncIterator[tuple[Any, ...]]]:
+        """The task's generate endpoint, an async generator of result-column updates.
 
-    async def generate_fl2va(
-        self,
-        prompt: str,
-        first_image: str | None,
-        last_image: str | None,
-        duration_seconds: float,
-        aspect_ratio: str,
-        seed: int,
-        randomize_seed: bool,
-        steps: int,
-        flow_shift: float,
-        audio_flow_shift: float,
-        short_edge: int,
-        request: gr.Request,
-        progress: gr.Progress = gr.Progress(),
-    ) -> AsyncIterator[tuple[Any, ...]]:
-        """First and/or last frame to video with sound. Returns status, preview, video, seed used, details, downloads."""
-        inputs = (
-            prompt,
-            first_image,
-            last_image,
-            duration_seconds,
-            aspect_ratio,
-            seed,
-            randomize_seed,
-            steps,
-            flow_shift,
-            audio_flow_shift,
-            short_edge,
-        )
-        async for update in self._generate("fl2va", inputs, request, progress):
-            yield update
+        Gradio names an endpoint's API parameters after its handler's signature and passes `gr.Request` and
+        `gr.Progress` where the signature asks for them (by annotation and by default value), so the handler is
+        given that signature: `parameter_names(task)`, then `request`, then `progress`.
+        """
 
-    async def generate_ref2va(
-        self,
-        prompt: str,
-        references: list[str] | None,
-        duration_from_reference: bool,
-        duration_seconds: float,
-        aspect_ratio: str,
-        seed: int,
-        randomize_seed: bool,
-        steps: int,
-        flow_shift: float,
-        audio_flow_shift: float,
-        short_edge: int,
-        request: gr.Request,
-        progress: gr.Progress = gr.Progress(),
-    ) -> AsyncIterator[tuple[Any, ...]]:
-        """Ordered image / video / audio references to video with sound. Returns status, preview, video, seed
-        used, details, downloads."""
-        inputs = (
-            prompt,
-            references,
-            duration_from_reference,
-            duration_seconds,
-            aspect_ratio,
-            seed,
-            randomize_seed,
-            steps,
-            flow_shift,
-            audio_flow_shift,
-            short_edge,
+        async def generate(*arguments: Any) -> AsyncIterator[tuple[Any, ...]]:
+            *inputs, caller, progress = arguments
+            async for update in self._generate(task, inputs, caller, progress):
+                yield update
+
+        parameter = functools.partial(inspect.Parameter, kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        generate.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [
+                *(parameter(name) for name in parameter_names(task)),
+                parameter("request", annotation=gr.Request),
+                parameter("progress", default=gr.Progress()),
+            ]
         )
-        async for update in self._generate("ref2va", inputs, request, progress):
-            yield update
+        generate.__annotations__ = {"request": gr.Request}
+        return generate
 
     async def _generate(
         self, task: str, inputs: Sequence[Any], caller: gr.Request | None, progress: gr.Progress

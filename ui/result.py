@@ -1,7 +1,7 @@
 """The shared result column (status, live preview, the MP4, seed, details, downloads, cancel) and the history.
 
 Contract: `build_result_column()` and `build_history()` only lay components out; `ResultColumn.outputs` is the
-fixed output order of every generate handler (ui.handlers builds its updates in the same order).
+fixed output order of every generate handler (`RESULT_FIELDS`; ui.handlers builds its updates in that order).
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ from dataclasses import dataclass
 import gradio as gr
 
 from ui.history import HISTORY_HEADERS
+
+# The output order of every generate handler.
+RESULT_FIELDS = ("status", "preview", "video", "seed_used", "details", "downloads", "last_result")
 
 
 @dataclass
@@ -26,15 +29,7 @@ class ResultColumn:
 
     @property
     def outputs(self) -> list[gr.components.Component]:
-        return [
-            self.status,
-            self.preview,
-            self.video,
-            self.seed_used,
-            self.details,
-            self.downloads,
-            self.last_result,
-        ]
+        return [getattr(self, name) for name in RESULT_FIELDS]
 
 
 @dataclass

@@ -13,7 +13,7 @@ validation (ui.handlers) names the field and the values it takes instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import gradio as gr
@@ -42,6 +42,22 @@ AUTO_ASPECT_LABELS = {
     "t2va": "auto (16:9)",
     "fl2va": "auto (follow the image)",
     "ref2va": "auto (16:9)",
+}
+# A task endpoint's parameters (ui.handlers.parameter_names): the prompt, the task's media, then the settings.
+SETTINGS_PARAMETERS = (
+    "duration_seconds",
+    "aspect_ratio",
+    "seed",
+    "randomize_seed",
+    "steps",
+    "flow_shift",
+    "audio_flow_shift",
+    "short_edge",
+)
+MEDIA_PARAMETERS = {
+    "t2va": (),
+    "fl2va": ("first_image", "last_image"),
+    "ref2va": ("references", "duration_from_reference"),
 }
 PROMPT_PLACEHOLDERS = {
     "t2va": "Describe the shot, the motion and the sound. Spoken lines: <d>[English] Hello!</d>",
@@ -78,16 +94,7 @@ class SettingsControls:
 
     @property
     def inputs(self) -> list[gr.components.Component]:
-        return [
-            self.duration_seconds,
-            self.aspect_ratio,
-            self.seed,
-            self.randomize_seed,
-            self.steps,
-            self.flow_shift,
-            self.audio_flow_shift,
-            self.short_edge,
-        ]
+        return [getattr(self, name) for name in SETTINGS_PARAMETERS]
 
     @property
     def canvas_inputs(self) -> list[gr.components.Component]:
@@ -102,7 +109,6 @@ class TaskTab:
     settings: SettingsControls
     generate: gr.Button
     examples: gr.Dataset | None
-    media: list[gr.components.Component] = field(default_factory=list)
     # FL2VA only
     first_image: gr.Image | None = None
     last_image: gr.Image | None = None
@@ -112,6 +118,11 @@ class TaskTab:
     references: gr.File | None = None
     duration_from_reference: gr.Checkbox | None = None
     reference_rows: gr.Column | None = None
+
+    @property
+    def media(self) -> list[gr.components.Component]:
+        """The task's media inputs, in the order of its endpoint's parameters."""
+        return [getattr(self, name) for name in MEDIA_PARAMETERS[self.task]]
 
     @property
     def inputs(self) -> list[gr.components.Component]:
@@ -190,15 +201,18 @@ def _examples(task: str, titles: list[str]) -> gr.Dataset | None:
     )
 
 
-def _generate_button(task: str) -> gr.Button:
-    return gr.Button("Generate", variant="primary", elem_id=f"{task}-generate")
+def _task_tab(
+    task: str, prompt: gr.Textbox, derived_text: str, example_titles: list[str], **controls: Any
+) -> TaskTab:
+    """A tab's settings, Generate button and examples, made under its prompt and its own controls (the task's
+    `TaskTab` fields)."""
+    settings = _settings_controls(task, derived_text)
+    generate = gr.Button("Generate", variant="primary", elem_id=f"{task}-generate")
+    return TaskTab(task, prompt, settings, generate, _examples(task, example_titles), **controls)
 
 
 def build_t2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
-    prompt = _prompt("t2va")
-    settings = _settings_controls("t2va", derived_text)
-    generate = _generate_button("t2va")
-    return TaskTab("t2va", prompt, settings, generate, _examples("t2va", example_titles))
+    return _task_tab("t2va", _prompt("t2va"), derived_text, example_titles)
 
 
 def build_fl2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
@@ -215,20 +229,8 @@ def build_fl2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
         use_last_frame = gr.Button(
             "Use the last frame of the previous result", size="sm", elem_id="fl2va-use-last-frame"
         )
-    settings = _settings_controls("fl2va", derived_text)
-    generate = _generate_button("fl2va")
-    return TaskTab(
-        "fl2va",
-        prompt,
-        settings,
-        generate,
-        _examples("fl2va", example_titles),
-        media=[first_image, last_image],
-        first_image=first_image,
-        last_image=last_image,
-        swap=swap,
-        use_last_frame=use_last_frame,
-    )
+    controls = dict(first_image=first_image, last_image=last_image, swap=swap, use_last_frame=use_last_frame)
+    return _task_tab("fl2va", prompt, derived_text, example_titles, **controls)
 
 
 def build_ref2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
@@ -250,16 +252,7 @@ def build_ref2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
             elem_id="ref2va-duration-from-reference",
         )
     )
-    settings = _settings_controls("ref2va", derived_text)
-    generate = _generate_button("ref2va")
-    return TaskTab(
-        "ref2va",
-        prompt,
-        settings,
-        generate,
-        _examples("ref2va", example_titles),
-        media=[references, duration_from_reference],
-        references=references,
-        duration_from_reference=duration_from_reference,
-        reference_rows=reference_rows,
+    controls = dict(
+        references=references, duration_from_reference=duration_from_reference, reference_rows=reference_rows
     )
+    return _task_tab("ref2va", prompt, derived_text, example_titles, **controls)

@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.loader import ComponentSource
-from h3engine.engine import Engine, resolve_dtype
+from h3engine.engine import Engine
+from h3engine.engine_options import resolve_dtype
 from h3engine.errors import GenerationCancelled, H3Error
 from h3engine.media.outputs import OutputFiles, input_records, staged
 from h3engine.model_store import ModelLoader

@@ -1,0 +1,177 @@
+"""The engine half of both front-ends' command lines (app.py and h3engine.cli), declared once.
+
+`add_engine_flags` declares the flags: the worker group's layout (`--dit-sp`, `--dit-tp`, `--encoder-tp`,
+`--vae-ranks`; left out: the profile of the group's size, h3engine.parallel.groups), `--dtype`, `--memory-profile`
+(h3engine.placement) and `--fp8-linear`; `EngineOptions.from_args` reads them back. `check_dtype` needs no torch;
+`check_engine_options` checks the rest for an engine of a given number of ranks and returns its worker-group
+layout; `resolve_device` and `check_fp8_device` check the device of an engine in this process; `load_engine` builds
+that engine. Which devices each engine runs on is the front-end's own flag (the CLI runs one engine, the app one
+per device or per group of devices; h3engine.runtime.workers turns those flags into rank devices), and so is
+starting a worker group (`ProcessReplica` with the layout). Every error is a RequestError whose message starts with
+the flag. Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from h3engine.errors import RequestError
+
+if TYPE_CHECKING:
+    import torch
+
+    from h3engine.engine import Engine
+    from h3engine.parallel.groups import RuntimeLayout
+
+# --dtype name -> the torch dtype's attribute name (kept as text so that the name is checked without torch).
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+# FP8 GEMMs (`torch._scaled_mm`) exist from compute capability 8.9 (Ada) on; elsewhere h3engine.models.fp8 emulates
+# them in fp32, which is slower than bf16 and only adds quantization noise.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How each engine runs; None: the default (the layout profile of the group's size, bfloat16)."""
+
+    dit_sp: int | None = None
+    dit_tp: int | None = None
+    encoder_tp: int | None = None
+    vae_ranks: int | None = None
+    dtype: str | None = None
+    memory_profile: str = "resident"
+    fp8_linear: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineOptions:
+        """The options of a command line parsed with `add_engine_flags`."""
+        return cls(
+            dit_sp=args.dit_sp,
+            dit_tp=args.dit_tp,
+            encoder_tp=args.encoder_tp,
+            vae_ranks=args.vae_ranks,
+            dtype=args.dtype,
+            memory_profile=args.memory_profile,
+            fp8_linear=args.fp8_linear,
+        )
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """The engine flags, with their help and defaults; `environ` (the app's) supplies H3_MEMORY_PROFILE."""
+    layout = parser.add_argument_group("worker group layout (default: the profile of the group's size)")
+    layout.add_argument("--dit-sp", type=int, default=None, help="DiT Ulysses sequence-parallel degree")
+    layout.add_argument("--dit-tp", type=int, default=None, help="DiT tensor-parallel degree")
+    layout.add_argument("--encoder-tp", type=int, default=None, help="text-encoder tensor-parallel degree")
+    layout.add_argument("--vae-ranks", type=int, default=None, help="ranks sharing the video decode")
+    parser.add_argument("--dtype", default=None, help="bfloat16 (released precision, default) or float32")
+    memory_profile_help = (
+        "resident (default): every model stays on the GPU; low-memory: models wait in host memory and each phase "
+        "moves onto the GPU only the ones it runs (smaller GPUs; slower)"
+    )
+    parser.add_argument(
+        "--memory-profile",
+        default=(environ or {}).get("H3_MEMORY_PROFILE") or "resident",
+        metavar="{resident,low-memory}",
+        help=memory_profile_help if environ is None else f"{memory_profile_help}; env H3_MEMORY_PROFILE",
+    )
+    parser.add_argument(
+        "--fp8-linear",
+        action="store_true",
+        help="quantize the DiT blocks' linear layers to FP8 (faster on Hopper, not the released precision; one "
+        "GPU per engine, no worker group)",
+    )
+
+
+def check_dtype(name: str | None) -> str:
+    """The torch dtype's name for `--dtype` (None: bfloat16, the released precision; float32 is for parity
+    checks)."""
+    if name is None:
+        return "bfloat16"
+    if name not in DTYPES:
+        raise RequestError(f"--dtype: expected bfloat16 or float32, got '{name}'")
+    return DTYPES[name]
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """The DiT's compute dtype for `--dtype`."""
+    import torch
+
+    return getattr(torch, check_dtype(name))
+
+
+def resolve_device(name: str | None, flag: str = "--device") -> torch.device:
+    """A device name (None: cuda when a GPU is visible, else cpu) checked against what this machine has."""
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise RequestError(f"{flag}: unknown device '{name}'") from None
+    if device.type not in ("cpu", "cuda"):
+        raise RequestError(f"{flag}: only cpu and cuda are supported, got '{name}'")
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        if visible == 0:
+            raise RequestError(f"{flag}: CUDA was asked for but no GPU is available")
+        if (device.index or 0) >= visible:
+            raise RequestError(
+                f"{flag}: {name} asked for, but {visible} {'GPU is' if visible == 1 else 'GPUs are'} visible"
+            )
+    return device
+
+
+def check_engine_options(options: EngineOptions, world_size: int) -> RuntimeLayout:
+    """Dtype, memory profile and the layout of an engine of `world_size` ranks (a worker group when more than
+    one); FP8 linear layers only for an engine of one rank."""
+    from h3engine.parallel.groups import RuntimeLayout
+    from h3engine.placement import check_memory_profile
+
+    check_dtype(options.dtype)
+    check_memory_profile(options.memory_profile)
+    try:
+        layout = RuntimeLayout.choose(
+            world_size, options.dit_sp, options.dit_tp, options.encoder_tp, options.vae_ranks
+        )
+    except ValueError as error:
+        raise RequestError(str(error)) from None
+    if options.fp8_linear and world_size > 1:
+        raise RequestError("--fp8-linear: FP8 linear layers run on one GPU only (no worker group)")
+    return layout
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """`--fp8-linear` only where FP8 GEMMs run natively (otherwise they would be emulated: slower and noisier)."""
+    import torch
+
+    if device.type != "cuda":
+        raise RequestError(
+            f"--fp8-linear: FP8 linear layers need a CUDA GPU of compute capability "
+            f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer; on {device.type} they would only emulate "
+            "FP8 (slower, and not the released precision): drop the flag"
+        )
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        raise RequestError(
+            f"--fp8-linear: FP8 linear layers need compute capability {FP8_MIN_CAPABILITY[0]}."
+            f"{FP8_MIN_CAPABILITY[1]} or newer, {device} has {capability[0]}.{capability[1]} (they would only be "
+            "emulated): drop the flag"
+        )
+
+
+def load_engine(checkpoint: str | Path, device: torch.device, options: EngineOptions) -> Engine:
+    """An engine of one rank in this process, on a device checked by `resolve_device`."""
+    from h3engine.engine import Engine
+
+    return Engine.from_checkpoint(
+        checkpoint,
+        device=device,
+        dtype=resolve_dtype(options.dtype, device),
+        memory_profile=options.memory_profile,
+        fp8_linear=options.fp8_linear,
+    )

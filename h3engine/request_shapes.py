@@ -1,0 +1,270 @@
+"""Reading a request: a JSON object in one of two shapes -> `GenerationRequest` (h3engine.request).
+
+`from_dict` reads ours (the field names of `GenerationRequest`, also written by `to_dict` for the JSON sidecar) and
+the official SGLang `/v1/videos` shape (`target{...}`, `conditions[...]`, H3_CHECKPOINT_LAYOUT.md §5-§6). It maps
+names and nesting and turns `file://` URIs into paths; it does not judge values (`h3engine.request.validate` does).
+It raises `RequestError` naming the field for unknown, refused or missing fields and for remote URIs: guidance and
+timing knobs are refused with their reason rather than ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
+from h3engine.request import (
+    VERIFIED_SHORT_EDGE,
+    GenerationRequest,
+    Keyframe,
+    Reference,
+    _describe,
+    _fail,
+    _is_integer,
+    _uri_scheme,
+)
+
+# SGLang fills in this seed when a request in its shape carries none; keeping it reproduces its outputs.
+SGLANG_DEFAULT_SEED = 42
+
+_GUIDANCE_REASON = (
+    "not supported: MiniMax H3 is guidance-distilled (one conditional forward per step), "
+    "so there is no guidance scale and no negative prompt"
+)
+_TIMING_REASON = (
+    "not supported: MiniMax H3 derives its timing from duration_seconds "
+    "(24 fps, frame count snapped up to 17n+5)"
+)
+_TIMING_FIELDS = frozenset({"seconds", "length", "video_length", "frames", "frame_count", "framerate"})
+
+_ENGINE_INTEGER_FIELDS = ("short_edge", "width", "height", "seed", "steps")
+_KEYFRAME_FIELDS = ("path", "position")
+_REFERENCE_FIELDS = ("kind", "path", "start_seconds")
+_SGLANG_FIELDS = (
+    "task",
+    "prompt",
+    "target",
+    "conditions",
+    "seed",
+    "flow_shift",
+    "audio_flow_shift",
+    "num_inference_steps",
+)
+_SGLANG_TARGET_FIELDS = ("short_edge", "aspect_ratio", "duration_seconds")
+_SGLANG_CONDITION_FIELDS = ("type", "uri", "role", "frame_index", "start_time_seconds")
+# SGLang's "video_audio" is a video whose soundtrack is also a reference; our video references always bring
+# their soundtrack along when the file has one, so both types map to one kind.
+_SGLANG_REFERENCE_KINDS = {"image": "image", "video": "video", "video_audio": "video", "audio": "audio"}
+_SGLANG_KEYFRAME_POSITIONS = {0: "first", -1: "last"}
+
+_ENGINE_FIELDS = tuple(field.name for field in fields(GenerationRequest))
+
+
+def from_dict(payload: Mapping[str, Any]) -> GenerationRequest:
+    """Read our JSON shape or the official SGLang shape (recognised by `target` or `conditions`).
+
+    Raises `RequestError` for unknown, refused or missing fields and for remote URIs; values themselves are
+    judged by `validate`.
+    """
+    if not isinstance(payload, Mapping):
+        _fail("request", f"must be a JSON object, got {_describe(payload)}")
+    if "target" in payload or "conditions" in payload:
+        return _from_sglang_shape(payload)
+    return _from_engine_shape(payload)
+
+
+def _from_engine_shape(payload: Mapping[str, Any]) -> GenerationRequest:
+    _check_field_names(payload, _ENGINE_FIELDS, "")
+    for required in ("task", "prompt"):
+        if required not in payload:
+            _fail(required, "is required")
+    values = {name: payload[name] for name in _ENGINE_FIELDS if name in payload}
+    for name in _ENGINE_INTEGER_FIELDS:
+        if name in values:
+            values[name] = _integral_float_as_int(values[name])
+    values["keyframes"] = tuple(
+        _keyframe_from_dict(entry, f"keyframes[{index}]")
+        for index, entry in enumerate(_as_list(payload.get("keyframes", []), "keyframes"))
+    )
+    values["references"] = tuple(
+        _reference_from_dict(entry, f"references[{index}]")
+        for index, entry in enumerate(_as_list(payload.get("references", []), "references"))
+    )
+    return GenerationRequest(**values)
+
+
+def _keyframe_from_dict(entry: Any, field: str) -> Keyframe:
+    if not isinstance(entry, Mapping):
+        _fail(field, f"must be an object with {', '.join(_KEYFRAME_FIELDS)}, got {_describe(entry)}")
+    _check_field_names(entry, _KEYFRAME_FIELDS, f"{field}.")
+    for required in _KEYFRAME_FIELDS:
+        if required not in entry:
+            _fail(f"{field}.{required}", "is required")
+    return Keyframe(path=_local_path(entry["path"], f"{field}.path"), position=entry["position"])
+
+
+def _reference_from_dict(entry: Any, field: str) -> Reference:
+    if not isinstance(entry, Mapping):
+        _fail(field, f"must be an object with {', '.join(_REFERENCE_FIELDS)}, got {_describe(entry)}")
+    _check_field_names(entry, _REFERENCE_FIELDS, f"{field}.")
+    for required in ("kind", "path"):
+        if required not in entry:
+            _fail(f"{field}.{required}", "is required")
+    return Reference(
+        kind=entry["kind"],
+        path=_local_path(entry["path"], f"{field}.path"),
+        start_seconds=entry.get("start_seconds"),
+    )
+
+
+def _from_sglang_shape(payload: Mapping[str, Any]) -> GenerationRequest:
+    _check_field_names(payload, _SGLANG_FIELDS, "")
+    for required in ("task", "prompt"):
+        if required not in payload:
+            _fail(required, "is required")
+    target = payload.get("target")
+    if not isinstance(target, Mapping):
+        _fail("target", f"is required and must be an object, got {_describe(target)}")
+    _check_field_names(target, _SGLANG_TARGET_FIELDS, "target.")
+
+    keyframes: list[Keyframe] = []
+    references: list[Reference] = []
+    for index, condition in enumerate(_as_list(payload.get("conditions", []), "conditions")):
+        field = f"conditions[{index}]"
+        if not isinstance(condition, Mapping):
+            _fail(field, f"must be an object, got {_describe(condition)}")
+        _check_field_names(condition, _SGLANG_CONDITION_FIELDS, f"{field}.")
+        for required in ("type", "uri", "role"):
+            if required not in condition:
+                _fail(f"{field}.{required}", "is required")
+        path = _local_path(condition["uri"], f"{field}.uri")
+        role, condition_type = condition["role"], condition["type"]
+        if role == "keyframe":
+            keyframes.append(_sglang_keyframe(condition, condition_type, path, field))
+        elif role == "reference":
+            references.append(_sglang_reference(condition, condition_type, path, field))
+        else:
+            _fail(f"{field}.role", f"must be 'keyframe' or 'reference', got {_describe(role)}")
+
+    return GenerationRequest(
+        task=payload["task"],
+        prompt=payload["prompt"],
+        duration_seconds=target.get("duration_seconds"),
+        aspect_ratio=target.get("aspect_ratio", "auto"),
+        short_edge=_integral_float_as_int(target.get("short_edge", VERIFIED_SHORT_EDGE)),
+        seed=_integral_float_as_int(payload.get("seed", SGLANG_DEFAULT_SEED)),
+        steps=_integral_float_as_int(payload.get("num_inference_steps", 50)),
+        flow_shift=payload.get("flow_shift", 12.0),
+        audio_flow_shift=payload.get("audio_flow_shift", 3.0),
+        recipe="sglang",
+        keyframes=tuple(keyframes),
+        references=tuple(references),
+    )
+
+
+def _sglang_keyframe(condition: Mapping[str, Any], condition_type: Any, path: str, field: str) -> Keyframe:
+    if condition_type != "image":
+        _fail(f"{field}.type", f"a keyframe must be an 'image', got {_describe(condition_type)}")
+    if "start_time_seconds" in condition:
+        _fail(f"{field}.start_time_seconds", "is only allowed for video references")
+    if "frame_index" not in condition:
+        _fail(f"{field}.frame_index", "is required for a keyframe (0 = first frame, -1 = last frame)")
+    frame_index = _integral_float_as_int(condition["frame_index"])
+    if not _is_integer(frame_index) or frame_index not in _SGLANG_KEYFRAME_POSITIONS:
+        _fail(
+            f"{field}.frame_index",
+            f"must be 0 (first frame) or -1 (last frame), got {_describe(frame_index)}",
+        )
+    return Keyframe(path=path, position=_SGLANG_KEYFRAME_POSITIONS[frame_index])
+
+
+def _sglang_reference(condition: Mapping[str, Any], condition_type: Any, path: str, field: str) -> Reference:
+    if not isinstance(condition_type, str) or condition_type not in _SGLANG_REFERENCE_KINDS:
+        _fail(
+            f"{field}.type",
+            f"must be one of {', '.join(_SGLANG_REFERENCE_KINDS)}, got {_describe(condition_type)}",
+        )
+    if "frame_index" in condition:
+        _fail(f"{field}.frame_index", "is not allowed for role 'reference'")
+    return Reference(
+        kind=_SGLANG_REFERENCE_KINDS[condition_type],
+        path=path,
+        start_seconds=condition.get("start_time_seconds"),
+    )
+
+
+def _check_field_names(entry: Mapping[Any, Any], allowed: tuple[str, ...], prefix: str) -> None:
+    """Refuse guidance and timing knobs with their reason, then anything else we do not know, by name."""
+    unknown = [name for name in sorted(entry, key=_describe) if name not in allowed]
+    for name in unknown:
+        reason = _refusal_reason(name)
+        if reason is not None:
+            _fail(prefix + _field_name(name), reason)
+    if unknown:
+        plural = "s" if len(unknown) > 1 else ""
+        _fail(
+            ", ".join(prefix + _field_name(name) for name in unknown),
+            f"unknown field{plural} (allowed: {', '.join(allowed)})",
+        )
+
+
+def _field_name(name: Any) -> str:
+    return name if isinstance(name, str) and 0 < len(name) <= 64 else _describe(name)
+
+
+def _refusal_reason(name: Any) -> str | None:
+    if not isinstance(name, str):
+        return None
+    lowered = name.lower()
+    if "guidance" in lowered or "negative" in lowered or "cfg" in lowered:
+        return _GUIDANCE_REASON
+    if (
+        lowered in _TIMING_FIELDS
+        or "fps" in lowered
+        or "frame_rate" in lowered
+        or lowered.endswith("_frames")
+    ):
+        return _TIMING_REASON
+    return None
+
+
+def _as_list(value: Any, field: str) -> list[Any]:
+    if not isinstance(value, list | tuple):
+        _fail(field, f"must be a list, got {_describe(value)}")
+    return list(value)
+
+
+def _local_path(value: Any, field: str) -> str:
+    """A plain path, or a `file://` URI turned into one; remote URIs are refused because we never download."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        _fail(field, f"must be a local path or file:// URI, got {_describe(value)}")
+    scheme = _uri_scheme(value)
+    if scheme is None:
+        return value
+    if scheme != "file":
+        _fail(field, _remote_uri_problem(value))
+    try:
+        parsed = urllib.parse.urlsplit(value)
+    except ValueError:
+        _fail(field, f"is not a valid file:// URI, got {_describe(value)}")
+    if parsed.netloc not in ("", "localhost"):
+        _fail(field, f"file:// URIs must name this machine (file:///path), got {_describe(value)}")
+    return urllib.parse.unquote(parsed.path)
+
+
+def _remote_uri_problem(value: str) -> str:
+    return (
+        f"remote URIs are not supported (h3engine never downloads); download the file and pass its local "
+        f"path, got {_describe(value)}"
+    )
+
+
+def _integral_float_as_int(value: Any) -> Any:
+    """JSON writers emit 50.0 for 50; accept that for integer fields and leave everything else to `validate`."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
