@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # torch is imported only once a generation really starts
     from h3engine.parallel.groups import RuntimeLayout
 
 EXIT_TERMINATED = 143
-# FP8 GEMMs (`torch._scaled_mm`) exist from compute capability 8.9 (Ada) on; elsewhere h3engine.models.fp8 emulates
+# FP8 GEMMs (`torch._scaled_mm`) exist from compute capability 8.9 (Ada) on; elsewhere h3engine.quantization emulates
 # them in fp32, which is slower than bf16 and only adds quantization noise.
 FP8_MIN_CAPABILITY = (8, 9)
 

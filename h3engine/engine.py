@@ -285,12 +285,12 @@ class Engine:
     def _prepare_dit(self, dit: torch.nn.Module) -> torch.nn.Module:
         """On a GPU, the DiT's AdaLN projections go to pinned host memory: `H3DiT.schedule_modulation` streams
         them to the device once per request schedule, and the placement leaves pinned tensors where they are.
-        With `fp8_linear`, the blocks' linears are then quantized (h3engine.models.fp8; off by default: not the
+        With `fp8_linear`, the blocks' linears are then quantized (h3engine.quantization; off by default: not the
         released precision)."""
         if self.device.type == "cuda":
             dit.offload_adaln()
         if self.fp8_linear:
-            from h3engine.models.fp8 import quantize_dit_linears
+            from h3engine.quantization import quantize_dit_linears
 
             quantize_dit_linears(dit)
         return dit
