@@ -41,7 +41,14 @@ from h3engine.checkpoint.layout import (
     PartitionPaths,
     detect_layout,
 )
-from h3engine.checkpoint.loader import ComponentSource, audio_vae_source, dit_source, video_vae_source
+from h3engine.checkpoint.loader import (
+    ComponentSource,
+    audio_vae_source,
+    dit_source,
+    load_text_encoder,
+    video_vae_source,
+)
+from h3engine.checkpoint.text_encoder_files import load_tokenizer
 from h3engine.conditioning import (
     EncodedConditions,
     NormalizedReference,
@@ -64,7 +71,7 @@ from h3engine.geometry import (
 from h3engine.media import inputs as media_inputs
 from h3engine.media.mux import write_mp4
 from h3engine.media.outputs import OutputFiles, StagedOutputs, save_tensors, staged, write_sidecar
-from h3engine.models.text_encoder import H3TextEncoder, load_tokenizer
+from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.ops import attention as attention_ops
 from h3engine.pipeline import GenerationOutput, Models, StepEvent, check_cancelled, run_generation
 from h3engine.placement import Placement
@@ -271,7 +278,7 @@ class Engine:
     # low-memory profile.
 
     def _load_text_encoder(self, folder: Path) -> H3TextEncoder:
-        return H3TextEncoder.load(folder, device=self.placement.load_device, dtype=self.dtype)
+        return load_text_encoder(folder, device=self.placement.load_device, dtype=self.dtype)
 
     def _load_dit(self, source: ComponentSource) -> torch.nn.Module:
         return source.load(self.placement.load_device)

@@ -1,4 +1,4 @@
-"""Loading the DiT and both VAEs from either released layout, strictly.
+"""Loading the DiT and both VAEs from either released layout, and the text encoder, strictly.
 
 Every component goes through the same two phases:
 * `check`: read the config files and the safetensors headers, and compare the file's key set and shapes with
@@ -26,10 +26,16 @@ from h3engine.checkpoint import audio_vae_keys, dit_keys, video_vae_keys
 from h3engine.checkpoint.audio_vae_format import read_audio_vae_config
 from h3engine.checkpoint.layout import CheckpointLayout, PartitionPaths, read_json
 from h3engine.checkpoint.safetensors_io import WeightFiles, placed
+from h3engine.checkpoint.text_encoder_files import (
+    check_text_encoder_files,
+    open_text_encoder_files,
+    read_text_encoder_tensors,
+)
 from h3engine.checkpoint.video_vae_format import read_video_vae_config
 from h3engine.errors import CheckpointError
 from h3engine.models.audio_vae import AudioVAE
 from h3engine.models.dit import DiTConfig, H3DiT
+from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.models.video_vae import VideoVAE
 
 StateDict = dict[str, torch.Tensor]
@@ -165,3 +171,18 @@ def _component_source(
         to_file_names=_identity if native else to_diffusers,
         from_file_names=_identity if native else to_native,
     )
+
+
+def load_text_encoder(
+    folder: Path, device: torch.device | str, dtype: torch.dtype = torch.bfloat16
+) -> H3TextEncoder:
+    """H3's text encoder from a stock Qwen3-VL `text_encoder/` folder, reading only the tensors H3 needs (see
+    `text_encoder_files`): our module's keys are the stock keys, so nothing is renamed."""
+    config, weight_files = open_text_encoder_files(folder)
+    device = torch.device(device)
+    with torch.device("meta"):
+        encoder = H3TextEncoder(config)
+    needed_shapes = check_text_encoder_files(encoder, weight_files)
+    read_text_encoder_tensors(encoder, weight_files, needed_shapes, device, dtype)
+    encoder.rebuild_computed_buffers(device)
+    return encoder.eval().requires_grad_(False)
