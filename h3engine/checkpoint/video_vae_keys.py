@@ -1,7 +1,7 @@
 """Video VAE key maps: native `video_vae/source/model.safetensors` <-> diffusers `vae/` (AutoencoderKLMiniMaxH3).
 
-Both functions are pure, work on meta tensors (only views, reshapes and concatenations) and are exact inverses.
-What changes between the layouts (H3_CHECKPOINT_LAYOUT §1.2):
+Both functions are pure, work on meta tensors (views, reshapes, concatenations) and are exact inverses. What
+changes between the layouts (H3_CHECKPOINT_LAYOUT §1.2):
 * renames: `encoder.down.{L}.block.{j}` -> `encoder.down_blocks.{L}.resnets.{j}`, `nin_shortcut` -> `conv_shortcut`,
   `encoder.down.{L}.downsample` -> `encoder.down_blocks.{L}.downsamplers.0`, `decoder.x_embedder` ->
   `decoder.proj_in`, `attn.to_out` -> `attn.to_out.0`, `ff.w1` -> `ff.net.0.proj`, `ff.w2` -> `ff.net.2`;
@@ -10,9 +10,8 @@ What changes between the layouts (H3_CHECKPOINT_LAYOUT §1.2):
 * `ff.w1` rows are [gate; up] natively and [up; gate] in diffusers (halves swapped, weight and bias);
 * `decoder.mask_token` (all zero, never read) exists only natively: dropped one way, restored as zeros the other.
 
-The danger: splitting the interleaved QKV needs the head size, which no tensor shape reveals (the decoder has no
-QK-norm weights and dim == heads * head_dim). A wrong head size still yields tensors of the right shapes, just with
-rows in the wrong heads, so both functions take the config and never guess.
+The danger: splitting the interleaved QKV needs the head size, which no tensor shape reveals. A wrong head size
+still yields tensors of the right shapes with rows in the wrong heads, so both functions take the config.
 """
 
 from __future__ import annotations
