@@ -144,7 +144,8 @@ def audio_vae_source(layout: CheckpointLayout, paths: PartitionPaths) -> Compone
 def _read_config(
     what: str, read: Callable[..., tuple[Any, Path]], folder: Path, layout: CheckpointLayout
 ) -> tuple[Any, Path]:
-    """`read(folder, native=...)`: a component's config and weights path, an invalid field named as one."""
+    """`read(folder, native=...)`: a component's config and the path of its weights; an invalid config field
+    becomes a CheckpointError naming the folder's config.json."""
     try:
         return read(folder, native=layout.kind == "native")
     except (KeyError, TypeError, ValueError) as error:
