@@ -46,8 +46,8 @@ from h3engine import ops  # noqa: E402
 from h3engine.checkpoint.dit_format import config_to_diffusers, module_to_diffusers, native_to_module  # noqa: E402
 from h3engine.checkpoint.dit_keys import random_native_tensor  # noqa: E402
 from h3engine.models.dit import DiTConfig, H3DiT  # noqa: E402
-from h3engine.models.fp8 import quantize_dit_linears  # noqa: E402
 from h3engine.ops import attention as attention_ops  # noqa: E402
+from h3engine.quantization import quantize_dit_linears  # noqa: E402
 
 VIDEO_SHIFT, AUDIO_SHIFT = 12.0, 3.0
 

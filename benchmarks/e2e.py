@@ -263,7 +263,7 @@ def _random_text_encoder_tensor(
 def build_text_encoder(
     config: Qwen3VLConfig, device: torch.device, dtype: torch.dtype, seed: int
 ) -> H3TextEncoder:
-    """`H3TextEncoder` built the way its `load` builds it, with random tensors drawn on `device`."""
+    """`H3TextEncoder` built the way `load_text_encoder` builds it, with random tensors drawn on `device`."""
     with torch.device("meta"):
         encoder = H3TextEncoder(config)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -273,8 +273,8 @@ def build_text_encoder(
     }
     encoder.load_state_dict(state, strict=True, assign=True)
     del state
-    # The rotary tables are computed, not stored: the same rebuild (and meta check) `H3TextEncoder.load` runs.
-    encoder._rebuild_computed_buffers(device)
+    # The rotary tables are computed, not stored: the same rebuild (and meta check) `load_text_encoder` runs.
+    encoder.rebuild_computed_buffers(device)
     return encoder.eval().requires_grad_(False)
 
 

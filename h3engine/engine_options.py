@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 # --dtype name -> the torch dtype's attribute name (kept as text so that the name is checked without torch).
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
-# FP8 GEMMs (`torch._scaled_mm`) exist from compute capability 8.9 (Ada) on; elsewhere h3engine.models.fp8 emulates
+# FP8 GEMMs (`torch._scaled_mm`) exist from compute capability 8.9 (Ada) on; elsewhere h3engine.quantization emulates
 # them in fp32, which is slower than bf16 and only adds quantization noise.
 FP8_MIN_CAPABILITY = (8, 9)
 

@@ -25,8 +25,15 @@ import torch
 
 from h3engine import __version__, ops
 from h3engine.checkpoint.layout import PARTITION_OF_TASK, CheckpointLayout, PartitionPaths
-from h3engine.checkpoint.loader import ComponentSource, audio_vae_source, dit_source, video_vae_source
-from h3engine.models.text_encoder import H3TextEncoder, load_tokenizer
+from h3engine.checkpoint.loader import (
+    ComponentSource,
+    audio_vae_source,
+    dit_source,
+    load_text_encoder,
+    video_vae_source,
+)
+from h3engine.checkpoint.text_encoder_files import load_tokenizer
+from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.modulation import offload_adaln
 from h3engine.ops import attention as attention_ops
 from h3engine.pipeline import Models
@@ -38,7 +45,7 @@ class ModelLoader:
     """Builds each component whole, on `device` (the single-process engine's loader)."""
 
     def text_encoder(self, folder: Path, device: torch.device, dtype: torch.dtype) -> H3TextEncoder:
-        return H3TextEncoder.load(folder, device=device, dtype=dtype)
+        return load_text_encoder(folder, device=device, dtype=dtype)
 
     def dit(self, source: ComponentSource, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
         return source.load(device)
@@ -149,11 +156,11 @@ class ModelStore:
     def _prepare_dit(self, dit: torch.nn.Module) -> torch.nn.Module:
         """On a GPU, the DiT's AdaLN projections go to pinned host memory: `modulation.schedule_modulation` streams
         them to the device once per request schedule, and the placement leaves pinned tensors where they are.
-        With `fp8_linear`, the blocks' linears are then quantized (h3engine.models.fp8)."""
+        With `fp8_linear`, the blocks' linears are then quantized (h3engine.quantization)."""
         if self.device.type == "cuda":
             offload_adaln(dit)
         if self.fp8_linear:
-            from h3engine.models.fp8 import quantize_dit_linears
+            from h3engine.quantization import quantize_dit_linears
 
             quantize_dit_linears(dit)
         return dit

@@ -33,10 +33,11 @@ import torch
 from PIL import Image
 from transformers import PreTrainedTokenizerBase, Qwen3VLProcessor
 
+from h3engine.checkpoint.text_encoder_files import load_tokenizer
 from h3engine.conditioning import NormalizedReference
 from h3engine.errors import CheckpointError
 from h3engine.geometry import FPS
-from h3engine.models.text_encoder import TEXT_ROW_TAG, VIDEO_ROW_TAG, load_tokenizer
+from h3engine.models.text_encoder import TEXT_ROW_TAG, VIDEO_ROW_TAG
 
 # The rate the text encoder reads a reference video at (the normalized clip itself runs at 24 fps).
 QWEN_VIDEO_SAMPLE_FPS = 2.0

@@ -16,7 +16,11 @@ import torch.distributed as dist
 from _parallel_dit_helpers import RecordingWeightFiles
 
 from h3engine.checkpoint import audio_vae_keys, video_vae_keys
-from h3engine.checkpoint.text_encoder_files import TINY_BASE_VOCAB_SIZE, TINY_TOKEN_IDS
+from h3engine.checkpoint.text_encoder_files import (
+    TINY_BASE_VOCAB_SIZE,
+    TINY_TOKEN_IDS,
+    open_text_encoder_files,
+)
 from h3engine.models.audio_vae import AudioVAE, AudioVAEConfig
 from h3engine.models.video_vae import VideoVAE, VideoVAEConfig
 from h3engine.parallel.groups import (
@@ -26,7 +30,7 @@ from h3engine.parallel.groups import (
     create_vae_group,
     initialize_process_group,
 )
-from h3engine.parallel.text_encoder import load_text_encoder_shard, open_text_encoder_files
+from h3engine.parallel.text_encoder import load_text_encoder_shard
 from h3engine.parallel.vae import AUDIO_DECODE_RANK, decode_video_and_audio
 
 SEED = 2468

@@ -14,6 +14,7 @@ import yaml
 from diffusers import AutoencoderKLMiniMaxH3Audio
 from diffusers.models.autoencoders.autoencoder_kl_minimax_h3_audio import kaiser_sinc_filter1d
 
+from h3engine.checkpoint import audio_vae_format
 from h3engine.checkpoint.audio_vae_keys import diffusers_to_native, native_to_diffusers, random_native_state
 from h3engine.errors import CheckpointError
 from h3engine.models.audio_vae import (
@@ -59,7 +60,7 @@ def build_pair(config: AudioVAEConfig) -> tuple[AudioVAE, AutoencoderKLMiniMaxH3
     native_state = random_native_state(config, seed=0)
     ours = AudioVAE(config).eval()
     ours.load_state_dict(native_state, strict=True)
-    reference = AutoencoderKLMiniMaxH3Audio.from_config(config.to_diffusers()).eval()
+    reference = AutoencoderKLMiniMaxH3Audio.from_config(audio_vae_format.config_to_diffusers(config)).eval()
     reference.load_state_dict(native_to_diffusers(native_state), strict=True)
     return ours, reference
 
@@ -145,7 +146,9 @@ def test_released_layout_on_meta_matches_diffusers() -> None:
     config = AudioVAEConfig.released()
     with torch.device("meta"):
         ours = AudioVAE(config).state_dict()
-        reference = AutoencoderKLMiniMaxH3Audio.from_config(config.to_diffusers()).state_dict()
+        reference = AutoencoderKLMiniMaxH3Audio.from_config(
+            audio_vae_format.config_to_diffusers(config)
+        ).state_dict()
     assert len(ours) == RELEASED_KEY_COUNT
     assert sum(tensor.numel() for tensor in ours.values()) == RELEASED_ELEMENT_COUNT
     assert all(tensor.dtype == torch.float32 for tensor in ours.values())
@@ -160,7 +163,9 @@ def test_released_layout_on_meta_matches_diffusers() -> None:
 def test_filters_match_the_reference() -> None:
     assert torch.equal(anti_alias_filter(), kaiser_sinc_filter1d(cutoff=0.25, half_width=0.3, kernel_size=12))
     config = AudioVAEConfig.tiny()
-    fresh_reference = AutoencoderKLMiniMaxH3Audio.from_config(config.to_diffusers()).state_dict()
+    fresh_reference = AutoencoderKLMiniMaxH3Audio.from_config(
+        audio_vae_format.config_to_diffusers(config)
+    ).state_dict()
     fresh_ours = AudioVAE(config).state_dict()
     state = random_native_state(config, seed=0)
     filter_keys = [key for key in state if key.endswith(".filter")]
@@ -187,7 +192,7 @@ def test_random_native_state_is_deterministic_and_non_trivial() -> None:
 
 def test_config_round_trips() -> None:
     released = AudioVAEConfig.released()
-    config_json, metadata_json, config_yaml = released.to_native()
+    config_json, metadata_json, config_yaml = audio_vae_format.config_to_native(released)
     assert metadata_json == {
         "metadata": {
             "kwargs": {
@@ -207,20 +212,25 @@ def test_config_round_trips() -> None:
         "model_config": {"sr": 32000, "decoder_dim": 1024, "audio_channel": 1, "vae_latent_channels": 32}
     }
     assert config_json["latents_mean"] == list(RELEASED_LATENTS_MEAN) and len(RELEASED_LATENTS_STD) == 32
-    assert AudioVAEConfig.from_native(config_json, metadata_json, yaml.safe_load(config_yaml)) == released
-    assert AudioVAEConfig.from_native(config_json, metadata_json) == released
+    assert (
+        audio_vae_format.config_from_native(config_json, metadata_json, yaml.safe_load(config_yaml))
+        == released
+    )
+    assert audio_vae_format.config_from_native(config_json, metadata_json) == released
 
-    diffusers_config = released.to_diffusers()
+    diffusers_config = audio_vae_format.config_to_diffusers(released)
     assert diffusers_config["decoder_kernel_sizes"] == [9, 9, 4, 4, 4, 4, 4]
     assert diffusers_config["resblock_dilation_sizes"] == [[1, 3, 5]] * 3
-    assert AudioVAEConfig.from_diffusers(diffusers_config) == released
+    assert audio_vae_format.config_from_diffusers(diffusers_config) == released
 
     tiny = AudioVAEConfig.tiny()
-    assert AudioVAEConfig.from_native(*tiny.to_native()[:2]) == tiny
-    assert AudioVAEConfig.from_diffusers(tiny.to_diffusers()) == tiny
+    assert audio_vae_format.config_from_native(*audio_vae_format.config_to_native(tiny)[:2]) == tiny
+    assert audio_vae_format.config_from_diffusers(audio_vae_format.config_to_diffusers(tiny)) == tiny
     with torch.device("meta"):
-        reference_config = AutoencoderKLMiniMaxH3Audio.from_config(tiny.to_diffusers()).config
-    assert AudioVAEConfig.from_diffusers(dict(reference_config)) == tiny
+        reference_config = AutoencoderKLMiniMaxH3Audio.from_config(
+            audio_vae_format.config_to_diffusers(tiny)
+        ).config
+    assert audio_vae_format.config_from_diffusers(dict(reference_config)) == tiny
 
 
 def test_bad_checkpoints_raise_checkpoint_error() -> None:
@@ -231,13 +241,13 @@ def test_bad_checkpoints_raise_checkpoint_error() -> None:
     with pytest.raises(CheckpointError, match="float32"):
         diffusers_to_native({"mean_proj.bias": torch.zeros(4, dtype=torch.bfloat16)})
 
-    config_json, metadata_json, config_yaml = AudioVAEConfig.released().to_native()
+    config_json, metadata_json, config_yaml = audio_vae_format.config_to_native(AudioVAEConfig.released())
     with pytest.raises(CheckpointError, match="latent_channels"):
-        AudioVAEConfig.from_native({**config_json, "latent_channels": 16}, metadata_json)
+        audio_vae_format.config_from_native({**config_json, "latent_channels": 16}, metadata_json)
     with pytest.raises(CheckpointError, match="latents_std"):
-        AudioVAEConfig.from_native({**config_json, "latents_std": [1.0] * 31}, metadata_json)
+        audio_vae_format.config_from_native({**config_json, "latents_std": [1.0] * 31}, metadata_json)
     wrong_yaml = {"model_config": {**yaml.safe_load(config_yaml)["model_config"], "sr": 16000}}
     with pytest.raises(CheckpointError, match="sr"):
-        AudioVAEConfig.from_native(config_json, metadata_json, wrong_yaml)
+        audio_vae_format.config_from_native(config_json, metadata_json, wrong_yaml)
     with pytest.raises(CheckpointError, match="latents_mean"):
-        AudioVAEConfig.from_diffusers({"latent_channels": 32})
+        audio_vae_format.config_from_diffusers({"latent_channels": 32})

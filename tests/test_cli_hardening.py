@@ -215,7 +215,7 @@ def tokenizer_only_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_prompt_token_counter_counts_what_the_text_encoder_reads(tokenizer_only_checkpoint: Path) -> None:
-    from h3engine.models.text_encoder import load_tokenizer
+    from h3engine.checkpoint.text_encoder_files import load_tokenizer
     from h3engine.presentation import prompt_token_counter, text_presentation
 
     folder = tokenizer_only_checkpoint / "FL2VA" / "tokenizer"

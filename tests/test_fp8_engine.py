@@ -11,7 +11,7 @@ import torch
 from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.cli import main
 from h3engine.engine import Engine
-from h3engine.models.fp8 import Fp8Linear
+from h3engine.quantization import Fp8Linear
 from h3engine.request import GenerationRequest
 
 

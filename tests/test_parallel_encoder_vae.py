@@ -37,7 +37,9 @@ from _parallel_encoder_vae_helpers import (
     worker,
 )
 
+from h3engine.checkpoint.loader import load_text_encoder
 from h3engine.checkpoint.text_encoder_files import (
+    open_text_encoder_files,
     random_text_encoder_state,
     tiny_text_encoder_config,
     write_tiny_text_encoder,
@@ -51,7 +53,7 @@ from h3engine.parallel.groups import (
     create_encoder_groups,
     create_vae_group,
 )
-from h3engine.parallel.text_encoder import load_text_encoder_shard, open_text_encoder_files
+from h3engine.parallel.text_encoder import load_text_encoder_shard
 from h3engine.parallel.vae import decode_video_and_audio, tile_share
 
 # Measured on CPU (torch 2.14.1, gloo), max relative error of the encoder states over 50 layers: tiny tp2 7.3e-7,
@@ -92,7 +94,7 @@ def encoder_references(encoder_folders) -> dict[str, torch.Tensor]:
     """The engine's single-process encoder on each folder (fp32)."""
     input_ids, vision = encoder_inputs()
     return {
-        name: H3TextEncoder.load(folder, "cpu", torch.float32).encode(input_ids, **vision)
+        name: load_text_encoder(folder, "cpu", torch.float32).encode(input_ids, **vision)
         for name, folder in encoder_folders.items()
     }
 

@@ -1,7 +1,7 @@
 """H3 text encoder: parity with transformers' full Qwen3-VL and with diffusers' MiniMax-H3 text encoder blocks.
 
 One tiny checkpoint (52-layer Qwen3-VL, bf16, two shards) is written by our writers and read twice: by
-`H3TextEncoder.load` (50 layers, no final norm, lazy strict reads) and by transformers'
+`load_text_encoder` (50 layers, no final norm, lazy strict reads) and by transformers'
 `Qwen3VLForConditionalGeneration.from_pretrained` (all layers), whose `hidden_states[50]` is the reference. The same
 reference model drives diffusers' `MiniMaxH3TextEncoderStep` / `MiniMaxH3FL2VATextEncoderStep` run standalone.
 
@@ -30,10 +30,12 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from transformers.processing_utils import ProcessorMixin
 from transformers.utils import is_torchvision_available
 
+from h3engine.checkpoint.loader import load_text_encoder
 from h3engine.checkpoint.text_encoder_files import (
     SHARD_FILE_NAMES,
     TINY_TEXT_NUM_LAYERS,
     TINY_TOKEN_IDS,
+    load_tokenizer,
     tiny_image_processor_settings,
     write_tiny_processor,
     write_tiny_text_encoder,
@@ -45,7 +47,6 @@ from h3engine.models.text_encoder import (
     TEXT_ROW_TAG,
     VIDEO_ROW_TAG,
     H3TextEncoder,
-    load_tokenizer,
     text_row_tags,
     tokenize_prompt,
 )
@@ -91,7 +92,7 @@ def reference_models(tiny_root: Path) -> dict[torch.dtype, Qwen3VLForConditional
 
 @pytest.fixture(scope="module")
 def encoders(tiny_root: Path) -> dict[torch.dtype, H3TextEncoder]:
-    return {dtype: H3TextEncoder.load(tiny_root / "text_encoder", "cpu", dtype) for dtype in DTYPES}
+    return {dtype: load_text_encoder(tiny_root / "text_encoder", "cpu", dtype) for dtype in DTYPES}
 
 
 @pytest.fixture(scope="module")
@@ -334,27 +335,27 @@ NEEDED_KEY = "model.language_model.layers.7.self_attn.k_proj.weight"
 def test_missing_shard_names_file_and_key(checkpoint_copy: Path) -> None:
     (checkpoint_copy / SHARD_FILE_NAMES[1]).unlink()
     with pytest.raises(CheckpointError, match=rf"{SHARD_FILE_NAMES[1]}.*tensor '"):
-        H3TextEncoder.load(checkpoint_copy, "cpu")
+        load_text_encoder(checkpoint_copy, "cpu")
 
 
 def test_truncated_shard_names_file_and_key(checkpoint_copy: Path) -> None:
     shard = checkpoint_copy / SHARD_FILE_NAMES[0]
     shard.write_bytes(shard.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match=rf"{SHARD_FILE_NAMES[0]}.*tensor 'model\."):
-        H3TextEncoder.load(checkpoint_copy, "cpu")
+        load_text_encoder(checkpoint_copy, "cpu")
 
 
 def test_garbage_shard_names_file_and_key(checkpoint_copy: Path) -> None:
     (checkpoint_copy / SHARD_FILE_NAMES[0]).write_bytes(b"not a safetensors file")
     with pytest.raises(CheckpointError, match=rf"{SHARD_FILE_NAMES[0]}.*tensor 'model\."):
-        H3TextEncoder.load(checkpoint_copy, "cpu")
+        load_text_encoder(checkpoint_copy, "cpu")
 
 
 def test_key_missing_from_shard_names_file_and_key(checkpoint_copy: Path) -> None:
     shard = _shard_holding(checkpoint_copy, NEEDED_KEY)
     _rewrite_shard(shard, lambda state: state.pop(NEEDED_KEY))
     with pytest.raises(CheckpointError, match=rf"{shard.name}: missing tensor '{NEEDED_KEY}'"):
-        H3TextEncoder.load(checkpoint_copy, "cpu")
+        load_text_encoder(checkpoint_copy, "cpu")
 
 
 def test_key_missing_from_checkpoint_names_key(checkpoint_copy: Path) -> None:
@@ -364,14 +365,14 @@ def test_key_missing_from_checkpoint_names_key(checkpoint_copy: Path) -> None:
     del index["weight_map"][NEEDED_KEY]
     _write_index(checkpoint_copy, index)
     with pytest.raises(CheckpointError, match=rf"missing tensor '{NEEDED_KEY}'"):
-        H3TextEncoder.load(checkpoint_copy, "cpu")
+        load_text_encoder(checkpoint_copy, "cpu")
 
 
 def test_wrong_shape_names_file_and_key(checkpoint_copy: Path) -> None:
     shard = _shard_holding(checkpoint_copy, NEEDED_KEY)
     _rewrite_shard(shard, lambda state: state.update({NEEDED_KEY: torch.zeros(8, 9, dtype=torch.bfloat16)}))
     with pytest.raises(CheckpointError, match=rf"{shard.name}: tensor '{NEEDED_KEY}' has shape \[8, 9\]"):
-        H3TextEncoder.load(checkpoint_copy, "cpu")
+        load_text_encoder(checkpoint_copy, "cpu")
 
 
 @pytest.mark.parametrize(
@@ -391,7 +392,7 @@ def test_unexpected_key_names_file_and_key(checkpoint_copy: Path, unexpected_key
     with pytest.raises(
         CheckpointError, match=rf"{SHARD_FILE_NAMES[1]}: unexpected tensor '{unexpected_key}'"
     ):
-        H3TextEncoder.load(checkpoint_copy, "cpu")
+        load_text_encoder(checkpoint_copy, "cpu")
 
 
 def test_shard_key_not_in_index_is_unexpected(checkpoint_copy: Path) -> None:
@@ -402,7 +403,7 @@ def test_shard_key_not_in_index_is_unexpected(checkpoint_copy: Path) -> None:
     with pytest.raises(
         CheckpointError, match=rf"{SHARD_FILE_NAMES[0]}: tensor 'model\.visual\.stray' is not listed"
     ):
-        H3TextEncoder.load(checkpoint_copy, "cpu")
+        load_text_encoder(checkpoint_copy, "cpu")
 
 
 def test_config_with_50_layers_is_rejected(checkpoint_copy: Path) -> None:
@@ -411,7 +412,7 @@ def test_config_with_50_layers_is_rejected(checkpoint_copy: Path) -> None:
     config["text_config"]["num_hidden_layers"] = H3_TEXT_ENCODER_LAYERS
     config_path.write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"config\.json: key text_config\.num_hidden_layers is 50"):
-        H3TextEncoder.load(checkpoint_copy, "cpu")
+        load_text_encoder(checkpoint_copy, "cpu")
 
 
 def test_missing_config_and_weights_are_rejected(checkpoint_copy: Path) -> None:
@@ -419,10 +420,10 @@ def test_missing_config_and_weights_are_rejected(checkpoint_copy: Path) -> None:
     with pytest.raises(
         CheckpointError, match=r"neither model\.safetensors\.index\.json nor model\.safetensors"
     ):
-        H3TextEncoder.load(checkpoint_copy, "cpu")
+        load_text_encoder(checkpoint_copy, "cpu")
     (checkpoint_copy / "config.json").unlink()
     with pytest.raises(CheckpointError, match=r"missing text encoder config: .*config\.json"):
-        H3TextEncoder.load(checkpoint_copy, "cpu")
+        load_text_encoder(checkpoint_copy, "cpu")
 
 
 def test_unused_keys_are_optional_and_single_file_loads(checkpoint_copy: Path, encoders, tokenizer) -> None:
@@ -440,7 +441,7 @@ def test_unused_keys_are_optional_and_single_file_loads(checkpoint_copy: Path, e
         str(checkpoint_copy / "model.safetensors"),
     )
 
-    single_file_encoder = H3TextEncoder.load(checkpoint_copy, "cpu", torch.float32)
+    single_file_encoder = load_text_encoder(checkpoint_copy, "cpu", torch.float32)
     input_ids = tokenize_prompt(tokenizer, PROMPT)
     assert torch.equal(single_file_encoder.encode(input_ids), encoders[torch.float32].encode(input_ids))
 
@@ -451,7 +452,7 @@ def test_verify_tokenizer_rejects_mismatched_ids(checkpoint_copy: Path, tokenize
     config["image_token_id"], config["video_token_id"] = config["video_token_id"], config["image_token_id"]
     config_path.write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"<\|image_pad\|>"):
-        H3TextEncoder.load(checkpoint_copy, "cpu").verify_tokenizer(tokenizer)
+        load_text_encoder(checkpoint_copy, "cpu").verify_tokenizer(tokenizer)
 
 
 def test_load_tokenizer_requires_h3_tokens(tiny_root: Path, tmp_path: Path) -> None:

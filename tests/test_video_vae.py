@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKLMiniMaxH3
 
 from h3engine import ops
-from h3engine.checkpoint import video_vae_keys
+from h3engine.checkpoint import video_vae_format, video_vae_keys
 from h3engine.errors import CheckpointError
 from h3engine.models.video_vae import (
     DecodePlan,
@@ -47,7 +47,7 @@ def build_pair(
 ) -> tuple[VideoVAE, AutoencoderKLMiniMaxH3]:
     ours = VideoVAE(config).eval()
     ours.load_state_dict(native, strict=True)
-    reference = AutoencoderKLMiniMaxH3.from_config(config.to_diffusers()).eval()
+    reference = AutoencoderKLMiniMaxH3.from_config(video_vae_format.config_to_diffusers(config)).eval()
     reference.load_state_dict(video_vae_keys.native_to_diffusers(native, config), strict=True)
     return ours, reference
 
@@ -275,7 +275,7 @@ def test_released_width_matches_diffusers() -> None:
     # The released architecture (6 encoder levels, 32-group norms, 32 heads x 64 with 48 rotated channels = 8
     # frequencies per axis, 4 register tokens, 24 latent channels) with a single decoder block to stay cheap.
     config, native, ours = released_width_vae(decoder_layers=1, seed=4)
-    reference = AutoencoderKLMiniMaxH3.from_config(config.to_diffusers()).eval()
+    reference = AutoencoderKLMiniMaxH3.from_config(video_vae_format.config_to_diffusers(config)).eval()
     reference.load_state_dict(video_vae_keys.native_to_diffusers(native, config), strict=True)
     ours.set_tiling(True, 32, 16)  # 2 x 2 latent tiles with a 1-latent overlap at spatial ratio 16
     reference.enable_tiling(32, 32, 16, 16)
@@ -502,7 +502,7 @@ def test_released_layout_on_meta() -> None:
     config = VideoVAEConfig.released()
     with torch.device("meta"):
         native = VideoVAE(config).state_dict()
-        reference = AutoencoderKLMiniMaxH3.from_config(config.to_diffusers())
+        reference = AutoencoderKLMiniMaxH3.from_config(video_vae_format.config_to_diffusers(config))
     assert len(native) == RELEASED_NATIVE_KEYS
     assert sum(tensor.numel() for tensor in native.values()) == RELEASED_NATIVE_ELEMENTS
     converted = video_vae_keys.native_to_diffusers(native, config)
@@ -521,9 +521,9 @@ def test_released_layout_on_meta() -> None:
 
 def test_config_round_trips(tiny_config: VideoVAEConfig) -> None:
     for config in (VideoVAEConfig.released(), tiny_config):
-        assert VideoVAEConfig.from_native(*config.to_native()) == config
-        assert VideoVAEConfig.from_diffusers(config.to_diffusers()) == config
-    released_wrapper, released_source = VideoVAEConfig.released().to_native()
+        assert video_vae_format.config_from_native(*video_vae_format.config_to_native(config)) == config
+        assert video_vae_format.config_from_diffusers(video_vae_format.config_to_diffusers(config)) == config
+    released_wrapper, released_source = video_vae_format.config_to_native(VideoVAEConfig.released())
     assert set(released_wrapper) == {
         "_class_name", "_diffusers_version", "mode", "auto_map", "source_path", "source_class_name",
         "source_safetensors_path", "vae_clip_length", "vae_token_drop", "vae_encoder_tiling", "vae_decoder_tiling",
@@ -542,7 +542,7 @@ def test_config_round_trips(tiny_config: VideoVAEConfig) -> None:
         "norm_num_groups" not in released_source
         and "num_register_tokens" not in released_source["vit_decoder_kwargs"]
     )
-    _, tiny_source = tiny_config.to_native()
+    _, tiny_source = video_vae_format.config_to_native(tiny_config)
     assert tiny_source["norm_num_groups"] == 4 and tiny_source["vit_decoder_kwargs"]["ffn_mult"] == 2
     # The config derives the 17n+5 <-> 5n+2 geometry.
     released = VideoVAEConfig.released()
@@ -555,10 +555,10 @@ def test_config_round_trips(tiny_config: VideoVAEConfig) -> None:
 
 
 def test_from_native_rejects_other_architectures() -> None:
-    wrapper, source = VideoVAEConfig.released().to_native()
+    wrapper, source = video_vae_format.config_to_native(VideoVAEConfig.released())
     with pytest.raises(ValueError, match="causal_decoder"):
-        VideoVAEConfig.from_native(wrapper, {**source, "causal_decoder": True})
+        video_vae_format.config_from_native(wrapper, {**source, "causal_decoder": True})
     with pytest.raises(ValueError, match="latent_channels"):
-        VideoVAEConfig.from_native({**wrapper, "latent_channels": 16}, source)
+        video_vae_format.config_from_native({**wrapper, "latent_channels": 16}, source)
     with pytest.raises(ValueError, match="multiples"):
         dataclasses.replace(VideoVAEConfig.tiny(), tile_size=30)

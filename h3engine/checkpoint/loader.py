@@ -1,4 +1,4 @@
-"""Loading the DiT and both VAEs from either released layout, strictly.
+"""Loading the DiT and both VAEs from either released layout, and the text encoder, strictly.
 
 Every component goes through the same two phases:
 * `check`: read the config files and the safetensors headers, and compare the file's key set and shapes with
@@ -17,18 +17,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from h3engine.checkpoint import audio_vae_keys, dit_format, video_vae_keys
+from h3engine.checkpoint.audio_vae_format import read_audio_vae_config
 from h3engine.checkpoint.layout import CheckpointLayout, PartitionPaths, read_json
 from h3engine.checkpoint.safetensors_io import WeightFiles, placed
+from h3engine.checkpoint.text_encoder_files import (
+    check_text_encoder_files,
+    open_text_encoder_files,
+    read_text_encoder_tensors,
+)
+from h3engine.checkpoint.video_vae_format import read_video_vae_config
 from h3engine.errors import CheckpointError
-from h3engine.models.audio_vae import AudioVAE, AudioVAEConfig
+from h3engine.models.audio_vae import AudioVAE
 from h3engine.models.dit import H3DiT
-from h3engine.models.video_vae import VideoVAE, VideoVAEConfig
+from h3engine.models.text_encoder import H3TextEncoder
+from h3engine.models.video_vae import VideoVAE
 
 StateDict = dict[str, torch.Tensor]
 
@@ -101,16 +109,6 @@ def _materialize_computed_buffers(module: torch.nn.Module, device: torch.device)
             raise RuntimeError(f"buffer '{name}' was neither loaded nor recomputed")
 
 
-def _read_yaml(path) -> dict:
-    try:
-        value = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as error:
-        raise CheckpointError(f"{path}: unreadable YAML ({error})") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path}: expected a YAML mapping")
-    return value
-
-
 def dit_source(layout: CheckpointLayout, paths: PartitionPaths, dtype: torch.dtype) -> ComponentSource:
     config_path = paths.dit / "config.json"
     raw = read_json(config_path)
@@ -136,52 +134,63 @@ def dit_source(layout: CheckpointLayout, paths: PartitionPaths, dtype: torch.dty
 
 
 def video_vae_source(layout: CheckpointLayout, paths: PartitionPaths) -> ComponentSource:
-    wrapper_path = paths.video_vae / "config.json"
-    wrapper = read_json(wrapper_path)
-    try:
-        if layout.kind == "native":
-            source_folder = paths.video_vae / wrapper.get("source_path", "source")
-            source_config_path = source_folder / "config.json"
-            config = VideoVAEConfig.from_native(wrapper, read_json(source_config_path))
-            weights = source_folder / wrapper.get("source_safetensors_path", "model.safetensors")
-        else:
-            config = VideoVAEConfig.from_diffusers(wrapper)
-            weights = paths.video_vae
-    except (KeyError, TypeError, ValueError) as error:
-        raise CheckpointError(f"{wrapper_path}: invalid video VAE config ({error})") from None
-    native = layout.kind == "native"
-    return ComponentSource(
-        name="video VAE",
-        config=config,
-        build=lambda: VideoVAE(config),
-        files=WeightFiles.open(weights),
-        to_file_names=_identity if native else partial(video_vae_keys.native_to_diffusers, config=config),
-        from_file_names=_identity if native else partial(video_vae_keys.diffusers_to_native, config=config),
+    config, weights = _read_config("video VAE", read_video_vae_config, paths.video_vae, layout)
+    key_maps = (
+        partial(video_vae_keys.native_to_diffusers, config=config),
+        partial(video_vae_keys.diffusers_to_native, config=config),
     )
+    return _component_source("video VAE", layout, config, lambda: VideoVAE(config), weights, key_maps)
 
 
 def audio_vae_source(layout: CheckpointLayout, paths: PartitionPaths) -> ComponentSource:
-    config_path = paths.audio_vae / "config.json"
-    raw = read_json(config_path)
+    config, weights = _read_config("audio VAE", read_audio_vae_config, paths.audio_vae, layout)
+    key_maps = (audio_vae_keys.native_to_diffusers, audio_vae_keys.diffusers_to_native)
+    return _component_source("audio VAE", layout, config, lambda: AudioVAE(config), weights, key_maps)
+
+
+def _read_config(
+    what: str, read: Callable[..., tuple[Any, Path]], folder: Path, layout: CheckpointLayout
+) -> tuple[Any, Path]:
+    """`read(folder, native=...)`: a component's config and the path of its weights; an invalid config field
+    becomes a CheckpointError naming the folder's config.json."""
     try:
-        if layout.kind == "native":
-            metadata = read_json(paths.audio_vae / raw.get("source_metadata_path", "metadata.json"))
-            yaml_path = paths.audio_vae / raw.get("source_config_path", "config.yaml")
-            config = AudioVAEConfig.from_native(
-                raw, metadata, _read_yaml(yaml_path) if yaml_path.is_file() else None
-            )
-            weights = paths.audio_vae / raw.get("source_safetensors_path", "model.safetensors")
-        else:
-            config = AudioVAEConfig.from_diffusers(raw)
-            weights = paths.audio_vae
+        return read(folder, native=layout.kind == "native")
     except (KeyError, TypeError, ValueError) as error:
-        raise CheckpointError(f"{config_path}: invalid audio VAE config ({error})") from None
+        raise CheckpointError(f"{folder / 'config.json'}: invalid {what} config ({error})") from None
+
+
+def _component_source(
+    name: str,
+    layout: CheckpointLayout,
+    config: Any,
+    build: Callable[[], torch.nn.Module],
+    weights: Path,
+    key_maps: tuple[Callable[[StateDict], StateDict], Callable[[StateDict], StateDict]],
+) -> ComponentSource:
+    """A component whose weights are `weights` in `layout`, renamed by `key_maps` (native -> diffusers, back)
+    in the diffusers layout only."""
     native = layout.kind == "native"
+    to_diffusers, to_native = key_maps
     return ComponentSource(
-        name="audio VAE",
+        name=name,
         config=config,
-        build=lambda: AudioVAE(config),
+        build=build,
         files=WeightFiles.open(weights),
-        to_file_names=_identity if native else audio_vae_keys.native_to_diffusers,
-        from_file_names=_identity if native else audio_vae_keys.diffusers_to_native,
+        to_file_names=_identity if native else to_diffusers,
+        from_file_names=_identity if native else to_native,
     )
+
+
+def load_text_encoder(
+    folder: Path, device: torch.device | str, dtype: torch.dtype = torch.bfloat16
+) -> H3TextEncoder:
+    """H3's text encoder from a stock Qwen3-VL `text_encoder/` folder, reading only the tensors H3 needs (see
+    `text_encoder_files`): our module's keys are the stock keys, so nothing is renamed."""
+    config, weight_files = open_text_encoder_files(folder)
+    device = torch.device(device)
+    with torch.device("meta"):
+        encoder = H3TextEncoder(config)
+    needed_shapes = check_text_encoder_files(encoder, weight_files)
+    read_text_encoder_tensors(encoder, weight_files, needed_shapes, device, dtype)
+    encoder.rebuild_computed_buffers(device)
+    return encoder.eval().requires_grad_(False)

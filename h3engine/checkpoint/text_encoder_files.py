@@ -1,39 +1,49 @@
-"""Writers of a tiny but complete Qwen3-VL text encoder, tokenizer and processor in the released folder shapes.
+"""The text side's files: reading a stock Qwen3-VL `text_encoder/` folder and H3's tokenizer, and writing tiny ones.
 
-Contract
-- `write_tiny_text_encoder(folder, seed, text_dim)` writes `config.json` (stock Qwen3-VL layout, as transformers
-  4.57 writes it for Qwen3-VL-32B) and bf16 weights split into two shards plus `model.safetensors.index.json`.
-  The text model has more than 50 layers because H3 reads `hidden_states[50]` (the reference pipeline refuses
-  fewer). Weights are random, drawn from `torch.Generator().manual_seed(seed)`; no norm scale or bias is left at
-  its identity value, so a test can tell a skipped block from a computed one.
-- `write_tiny_tokenizer(folder)` writes a byte-level BPE `Qwen2Tokenizer` trained on a built-in English text, with
-  Qwen's added tokens in Qwen's order and H3's `<d>` / `</d>` after them. The token ids that `config.json` names
-  (image/video pad, vision start/end) are the ones this tokenizer assigns (`TINY_TOKEN_IDS`).
-- `write_tiny_processor(folder)` writes the contents of a `processor/` folder: the Qwen2-VL image processor and
-  Qwen3-VL video processor settings (patch 16, merge 2, temporal patch 2, stock Qwen3-VL pixel limits), the
-  processor config as transformers 5 saves it, a chat template and the tokenizer files.
-- Each writer writes into the folder it is given (the caller picks `text_encoder/`, `tokenizer/`, `processor/`).
-- Every writer is byte-deterministic: the same arguments give the same bytes.
+Reading: `open_text_encoder_files` reads `config.json` (refusing a stack of 50 layers or fewer: H3 reads the
+un-normed output of layer 50) and opens the weights (`model.safetensors` or an index and its shards) by their
+headers; `check_text_encoder_files` and `read_text_encoder_tensors` check and fill an `H3TextEncoder` strictly (a
+missing, misshapen or unknown key, a missing or truncated shard, a non-float tensor raise CheckpointError naming the
+file and the key; layers >= 50, the final norm and `lm_head` may be present and are never read). `load_tokenizer`
+loads a local tokenizer folder and checks that it carries H3's tokens.
 
-Danger
-- `TINY_TOKEN_IDS` ties the config to the tokenizer; changing the training text or the added-token list changes
-  both, and the tokenizer builder refuses a vocabulary of an unexpected size or ids out of place.
-- Nothing here downloads anything; the tokenizer is trained locally from `_TOKENIZER_TRAINING_TEXT`.
+Tiny writers (byte-deterministic; nothing is downloaded): `write_tiny_text_encoder(folder, seed, text_dim)` writes a
+52-layer bf16 Qwen3-VL in two shards with no norm or bias at its identity value; `write_tiny_tokenizer(folder)` a
+byte-level BPE `Qwen2Tokenizer` trained on a built-in text with Qwen's added tokens, then H3's `<d>` / `</d>`;
+`write_tiny_processor(folder)` a `processor/` folder. `TINY_TOKEN_IDS` ties the tiny config to the tokenizer:
+changing the training text or the added tokens changes both (the builder refuses ids out of place).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
-from transformers import Qwen2TokenizerFast
+from torch import nn
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen2TokenizerFast
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration
+
+from h3engine.checkpoint.safetensors_io import WeightFiles, placed
+from h3engine.errors import CheckpointError
+from h3engine.models.text_encoder import (
+    H3_DIALOGUE_TOKENS,
+    H3_TEXT_ENCODER_LAYERS,
+    QWEN_VISION_BLOCK_TOKENS,
+    H3TextEncoder,
+)
+
+CONFIG_FILE_NAME = "config.json"
+SINGLE_WEIGHTS_FILE_NAME = "model.safetensors"
+WEIGHTS_INDEX_FILE_NAME = "model.safetensors.index.json"
+# Keys of a full checkpoint that H3 never reads, besides those of the decoder layers >= 50.
+_UNUSED_TOP_KEYS = {"model.language_model.norm.weight", "lm_head.weight"}
 
 # Byte-level BPE: the 256 byte symbols plus the merges learned from the training text.
 TINY_BASE_VOCAB_SIZE = 320
@@ -91,13 +101,117 @@ TINY_VISION_POSITION_EMBEDDINGS = 16  # a 4 x 4 learned grid, resampled per imag
 TINY_VISION_DEEPSTACK_INDEXES = (0, 1)
 
 SHARD_FILE_NAMES = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
-WEIGHTS_INDEX_FILE_NAME = "model.safetensors.index.json"
 
 # Stock Qwen3-VL processor pixel limits (images: 256^2 .. 4096^2 pixels; videos: per-clip budget).
 IMAGE_MIN_PIXELS = 65536
 IMAGE_MAX_PIXELS = 16777216
 VIDEO_MIN_PIXELS = 4096
 VIDEO_MAX_PIXELS = 25165824
+
+
+# ---------------------------------------------------------------------------------------------------- reading
+
+
+def open_text_encoder_files(folder: Path) -> tuple[Qwen3VLConfig, WeightFiles]:
+    """The stock Qwen3-VL config of a `text_encoder/` folder and its weight files (headers only)."""
+    folder = Path(folder)
+    return _read_qwen3_vl_config(folder / CONFIG_FILE_NAME), WeightFiles.open(_weights_path(folder))
+
+
+def _read_qwen3_vl_config(config_path: Path) -> Qwen3VLConfig:
+    if not config_path.is_file():
+        raise CheckpointError(f"missing text encoder config: {config_path}")
+    try:
+        raw_config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"cannot read {config_path}: {error}") from error
+    if not isinstance(raw_config, dict) or raw_config.get("model_type") != "qwen3_vl":
+        found = raw_config.get("model_type") if isinstance(raw_config, dict) else type(raw_config).__name__
+        raise CheckpointError(f"{config_path}: key model_type is {found!r}, expected 'qwen3_vl'")
+    try:
+        config = Qwen3VLConfig.from_dict(raw_config)
+    except Exception as error:  # transformers validates the fields with several error types
+        raise CheckpointError(f"{config_path}: not a valid Qwen3-VL config: {error}") from error
+    total_layers = config.text_config.num_hidden_layers
+    if total_layers <= H3_TEXT_ENCODER_LAYERS:
+        # A stack of exactly 50 layers would only give the post-norm state, which is not what H3 was trained on.
+        raise CheckpointError(
+            f"{config_path}: key text_config.num_hidden_layers is {total_layers}; H3 reads the un-normed output of "
+            f"decoder layer {H3_TEXT_ENCODER_LAYERS}, so the checkpoint needs more than {H3_TEXT_ENCODER_LAYERS}"
+        )
+    return config
+
+
+def _weights_path(folder: Path) -> Path:
+    for name in (WEIGHTS_INDEX_FILE_NAME, SINGLE_WEIGHTS_FILE_NAME):
+        if (folder / name).is_file():
+            return folder / name
+    raise CheckpointError(f"{folder} has neither {WEIGHTS_INDEX_FILE_NAME} nor {SINGLE_WEIGHTS_FILE_NAME}")
+
+
+def check_text_encoder_files(encoder: H3TextEncoder, weight_files: WeightFiles) -> dict[str, tuple[int, ...]]:
+    """Check that the files hold every tensor `encoder` (built, on meta) needs at its full shape and nothing
+    unknown; returns those shapes by key."""
+    needed_shapes = {key: tuple(tensor.shape) for key, tensor in encoder.state_dict().items()}
+    weight_files.check(needed_shapes, ignored=_unused_checkpoint_keys(encoder))
+    return needed_shapes
+
+
+def _unused_checkpoint_keys(encoder: H3TextEncoder) -> set[str]:
+    """Keys a full checkpoint carries that H3 never needs: layers >= 50, the final norm and lm_head."""
+    layer_suffixes = [
+        name.removeprefix("language_model.layers.0.")
+        for name in encoder.model.state_dict()
+        if name.startswith("language_model.layers.0.")
+    ]
+    unused = set(_UNUSED_TOP_KEYS)
+    for layer_index in range(H3_TEXT_ENCODER_LAYERS, encoder.checkpoint_num_hidden_layers):
+        unused.update(f"model.language_model.layers.{layer_index}.{suffix}" for suffix in layer_suffixes)
+    return unused
+
+
+def require_float_tensor(weight_files: WeightFiles, key: str) -> None:
+    info = weight_files.infos[key]
+    if not info.dtype.is_floating_point:
+        raise CheckpointError(f"{info.file}: key {key} is stored as {info.dtype}, not a float")
+
+
+def read_text_encoder_tensors(
+    encoder: H3TextEncoder,
+    weight_files: WeightFiles,
+    keys: Iterable[str],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
+    """Read the tensors `keys` whole, cast to `dtype` on `device`, into `encoder`'s parameters and buffers."""
+    for key in sorted(keys):
+        require_float_tensor(weight_files, key)
+        tensor = placed(weight_files.tensor(key), device, dtype)
+        owner_name, _, leaf_name = key.rpartition(".")
+        owner = encoder.get_submodule(owner_name)
+        if leaf_name in owner._parameters:
+            setattr(owner, leaf_name, nn.Parameter(tensor, requires_grad=False))
+        else:
+            owner._buffers[leaf_name] = tensor
+
+
+def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """Load H3's tokenizer from a local folder only (never the hub) and check it carries H3's tokens."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"missing tokenizer folder: {folder}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as error:  # transformers raises several error types for unreadable tokenizer folders
+        raise CheckpointError(f"cannot load the tokenizer in {folder}: {error}") from error
+    vocabulary = tokenizer.get_vocab()
+    for token in QWEN_VISION_BLOCK_TOKENS + H3_DIALOGUE_TOKENS:
+        if token not in vocabulary:
+            raise CheckpointError(f"{folder}: the tokenizer has no token {token}; H3 needs its own tokenizer")
+    return tokenizer
+
+
+# ---------------------------------------------------------------------------------------------------- tiny writers
 
 _TOKENIZER_TRAINING_TEXT = (
     "A red fox runs across the snowy field at dawn while the camera slowly pans to the left.",
@@ -272,45 +386,41 @@ def write_tiny_tokenizer(folder: Path) -> None:
     build_tiny_tokenizer().save_pretrained(str(folder))
 
 
+# The settings the Qwen3-VL release's image and video processors share (patch 16, merge 2, temporal patch 2).
+_SHARED_PROCESSOR_SETTINGS = {
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "merge_size": 2,
+    "patch_size": 16,
+    "resample": 3,
+    "rescale_factor": 1 / 255,
+    "temporal_patch_size": 2,
+}
+
+
 def tiny_image_processor_settings() -> dict:
     """Qwen2-VL image processor settings of the Qwen3-VL release, as transformers saves them."""
     return {
-        "do_convert_rgb": True,
-        "do_normalize": True,
-        "do_rescale": True,
-        "do_resize": True,
-        "image_mean": [0.5, 0.5, 0.5],
+        **_SHARED_PROCESSOR_SETTINGS,
         "image_processor_type": "Qwen2VLImageProcessor",
-        "image_std": [0.5, 0.5, 0.5],
-        "merge_size": 2,
-        "patch_size": 16,
-        "resample": 3,
-        "rescale_factor": 1 / 255,
         "size": {"longest_edge": IMAGE_MAX_PIXELS, "shortest_edge": IMAGE_MIN_PIXELS},
-        "temporal_patch_size": 2,
     }
 
 
 def tiny_video_processor_settings() -> dict:
     """Qwen3-VL video processor settings of the Qwen3-VL release (H3 samples its own frames and turns sampling off)."""
     return {
-        "do_convert_rgb": True,
-        "do_normalize": True,
-        "do_rescale": True,
-        "do_resize": True,
+        **_SHARED_PROCESSOR_SETTINGS,
         "do_sample_frames": True,
         "fps": 2,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
         "max_frames": 768,
-        "merge_size": 2,
         "min_frames": 4,
-        "patch_size": 16,
-        "resample": 3,
-        "rescale_factor": 1 / 255,
         "return_metadata": False,
         "size": {"longest_edge": VIDEO_MAX_PIXELS, "shortest_edge": VIDEO_MIN_PIXELS},
-        "temporal_patch_size": 2,
         "video_processor_type": "Qwen3VLVideoProcessor",
     }
 

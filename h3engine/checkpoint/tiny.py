@@ -20,7 +20,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from h3engine.checkpoint import audio_vae_keys, dit_format, dit_keys, video_vae_keys
+from h3engine.checkpoint import (
+    audio_vae_format,
+    audio_vae_keys,
+    dit_format,
+    dit_keys,
+    video_vae_format,
+    video_vae_keys,
+)
 from h3engine.checkpoint.layout import DIFFUSERS_PIPELINE_CLASS, NATIVE_PARTITION_FOLDERS
 from h3engine.checkpoint.text_encoder_files import (
     write_tiny_processor,
@@ -132,14 +139,14 @@ def _write_native(root: Path, seed: int) -> None:
         write_json(folder / "transformer" / "config.json", dit_format.config_to_native(dit_config))
         save_sharded(dit_state, folder / "transformer", "model", 2, "model.safetensors.index.json")
 
-        wrapper, source = video_config.to_native()
+        wrapper, source = video_vae_format.config_to_native(video_config)
         write_json(folder / "video_vae" / "config.json", wrapper)
         write_json(folder / "video_vae" / "source" / "config.json", source)
         save_file(
             video_state, str(folder / "video_vae" / "source" / "model.safetensors"), metadata={"format": "pt"}
         )
 
-        audio_json, audio_metadata, audio_yaml = audio_config.to_native()
+        audio_json, audio_metadata, audio_yaml = audio_vae_format.config_to_native(audio_config)
         write_json(folder / "audio_vae" / "config.json", audio_json)
         write_json(folder / "audio_vae" / "metadata.json", audio_metadata)
         (folder / "audio_vae" / "config.yaml").write_text(audio_yaml)
@@ -198,14 +205,14 @@ def _write_diffusers(root: Path, seed: int) -> None:
     _write_diffusers_model(
         root / "vae",
         "AutoencoderKLMiniMaxH3",
-        video_config.to_diffusers(),
+        video_vae_format.config_to_diffusers(video_config),
         video_vae_keys.native_to_diffusers(video_native, video_config),
     )
     audio_native = audio_vae_keys.random_native_state(audio_config, component_seed(seed, "audio_vae"))
     _write_diffusers_model(
         root / "audio_vae",
         "AutoencoderKLMiniMaxH3Audio",
-        audio_config.to_diffusers(),
+        audio_vae_format.config_to_diffusers(audio_config),
         audio_vae_keys.native_to_diffusers(audio_native),
     )
     _write_text_side(root, seed, dit_config.text_dim)

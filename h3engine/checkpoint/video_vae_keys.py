@@ -1,7 +1,7 @@
 """Video VAE key maps: native `video_vae/source/model.safetensors` <-> diffusers `vae/` (AutoencoderKLMiniMaxH3).
 
-Both functions are pure, work on meta tensors (only views, reshapes and concatenations) and are exact inverses.
-What changes between the layouts (H3_CHECKPOINT_LAYOUT §1.2):
+Both functions are pure, work on meta tensors (views, reshapes, concatenations) and are exact inverses. What
+changes between the layouts (H3_CHECKPOINT_LAYOUT §1.2):
 * renames: `encoder.down.{L}.block.{j}` -> `encoder.down_blocks.{L}.resnets.{j}`, `nin_shortcut` -> `conv_shortcut`,
   `encoder.down.{L}.downsample` -> `encoder.down_blocks.{L}.downsamplers.0`, `decoder.x_embedder` ->
   `decoder.proj_in`, `attn.to_out` -> `attn.to_out.0`, `ff.w1` -> `ff.net.0.proj`, `ff.w2` -> `ff.net.2`;
@@ -10,9 +10,8 @@ What changes between the layouts (H3_CHECKPOINT_LAYOUT §1.2):
 * `ff.w1` rows are [gate; up] natively and [up; gate] in diffusers (halves swapped, weight and bias);
 * `decoder.mask_token` (all zero, never read) exists only natively: dropped one way, restored as zeros the other.
 
-The danger: splitting the interleaved QKV needs the head size, which no tensor shape reveals (the decoder has no
-QK-norm weights and dim == heads * head_dim). A wrong head size still yields tensors of the right shapes, just with
-rows in the wrong heads, so both functions take the config and never guess.
+The danger: splitting the interleaved QKV needs the head size, which no tensor shape reveals. A wrong head size
+still yields tensors of the right shapes with rows in the wrong heads, so both functions take the config.
 """
 
 from __future__ import annotations
@@ -30,57 +29,58 @@ StateDict = dict[str, torch.Tensor]
 MASK_TOKEN_KEY = "decoder.mask_token"
 _BLOCK = r"decoder\.transformer_blocks\.\d+"
 
-# (native pattern, diffusers replacement) for the keys that only change name.
-_NATIVE_RENAMES: list[tuple[re.Pattern[str], str]] = [
-    (re.compile(r"^encoder\.conv_in\.(weight|bias)$"), r"encoder.conv_in.\1"),
+# Keys that only change name: (native, diffusers) templates whose `{placeholders}` match the alternatives below.
+_PLACEHOLDERS = {
+    "kind": "weight|bias",
+    "level": r"\d+",
+    "index": r"\d+",
+    "block": r"\d+",
+    "layer": "norm1|conv1|norm2|conv2",
+    "end": "norm_out|conv_out",
+    "quant": "quant_conv|post_quant_conv",
+    "norm": "norm1|norm2",
+    "scale": "scale1|scale2",
+    "head": "norm_out|proj_out",
+}
+_RENAMES = (
+    ("encoder.conv_in.{kind}", "encoder.conv_in.{kind}"),
     (
-        re.compile(r"^encoder\.down\.(\d+)\.block\.(\d+)\.(norm1|conv1|norm2|conv2)\.(weight|bias)$"),
-        r"encoder.down_blocks.\1.resnets.\2.\3.\4",
+        "encoder.down.{level}.block.{index}.{layer}.{kind}",
+        "encoder.down_blocks.{level}.resnets.{index}.{layer}.{kind}",
     ),
     (
-        re.compile(r"^encoder\.down\.(\d+)\.block\.(\d+)\.nin_shortcut\.(weight|bias)$"),
-        r"encoder.down_blocks.\1.resnets.\2.conv_shortcut.\3",
+        "encoder.down.{level}.block.{index}.nin_shortcut.{kind}",
+        "encoder.down_blocks.{level}.resnets.{index}.conv_shortcut.{kind}",
     ),
+    ("encoder.down.{level}.downsample.conv.{kind}", "encoder.down_blocks.{level}.downsamplers.0.conv.{kind}"),
+    ("encoder.{end}.{kind}", "encoder.{end}.{kind}"),
+    ("{quant}.{kind}", "{quant}.{kind}"),
+    ("decoder.x_embedder.{kind}", "decoder.proj_in.{kind}"),
+    ("decoder.register_tokens", "decoder.register_tokens"),
+    ("decoder.transformer_blocks.{block}.{norm}.weight", "decoder.transformer_blocks.{block}.{norm}.weight"),
+    ("decoder.transformer_blocks.{block}.{scale}", "decoder.transformer_blocks.{block}.{scale}"),
     (
-        re.compile(r"^encoder\.down\.(\d+)\.downsample\.conv\.(weight|bias)$"),
-        r"encoder.down_blocks.\1.downsamplers.0.conv.\2",
+        "decoder.transformer_blocks.{block}.attn.to_out.{kind}",
+        "decoder.transformer_blocks.{block}.attn.to_out.0.{kind}",
     ),
-    (re.compile(r"^encoder\.(norm_out|conv_out)\.(weight|bias)$"), r"encoder.\1.\2"),
-    (re.compile(r"^(quant_conv|post_quant_conv)\.(weight|bias)$"), r"\1.\2"),
-    (re.compile(r"^decoder\.x_embedder\.(weight|bias)$"), r"decoder.proj_in.\1"),
-    (re.compile(r"^decoder\.register_tokens$"), r"decoder.register_tokens"),
-    (re.compile(rf"^({_BLOCK})\.(norm1|norm2)\.weight$"), r"\1.\2.weight"),
-    (re.compile(rf"^({_BLOCK})\.(scale1|scale2)$"), r"\1.\2"),
-    (re.compile(rf"^({_BLOCK})\.attn\.to_out\.(weight|bias)$"), r"\1.attn.to_out.0.\2"),
-    (re.compile(rf"^({_BLOCK})\.ff\.w2\.(weight|bias)$"), r"\1.ff.net.2.\2"),
-    (re.compile(r"^decoder\.(norm_out|proj_out)\.(weight|bias)$"), r"decoder.\1.\2"),
-]
-_DIFFUSERS_RENAMES: list[tuple[re.Pattern[str], str]] = [
-    (re.compile(r"^encoder\.conv_in\.(weight|bias)$"), r"encoder.conv_in.\1"),
-    (
-        re.compile(
-            r"^encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.(norm1|conv1|norm2|conv2)\.(weight|bias)$"
-        ),
-        r"encoder.down.\1.block.\2.\3.\4",
-    ),
-    (
-        re.compile(r"^encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.conv_shortcut\.(weight|bias)$"),
-        r"encoder.down.\1.block.\2.nin_shortcut.\3",
-    ),
-    (
-        re.compile(r"^encoder\.down_blocks\.(\d+)\.downsamplers\.0\.conv\.(weight|bias)$"),
-        r"encoder.down.\1.downsample.conv.\2",
-    ),
-    (re.compile(r"^encoder\.(norm_out|conv_out)\.(weight|bias)$"), r"encoder.\1.\2"),
-    (re.compile(r"^(quant_conv|post_quant_conv)\.(weight|bias)$"), r"\1.\2"),
-    (re.compile(r"^decoder\.proj_in\.(weight|bias)$"), r"decoder.x_embedder.\1"),
-    (re.compile(r"^decoder\.register_tokens$"), r"decoder.register_tokens"),
-    (re.compile(rf"^({_BLOCK})\.(norm1|norm2)\.weight$"), r"\1.\2.weight"),
-    (re.compile(rf"^({_BLOCK})\.(scale1|scale2)$"), r"\1.\2"),
-    (re.compile(rf"^({_BLOCK})\.attn\.to_out\.0\.(weight|bias)$"), r"\1.attn.to_out.\2"),
-    (re.compile(rf"^({_BLOCK})\.ff\.net\.2\.(weight|bias)$"), r"\1.ff.w2.\2"),
-    (re.compile(r"^decoder\.(norm_out|proj_out)\.(weight|bias)$"), r"decoder.\1.\2"),
-]
+    ("decoder.transformer_blocks.{block}.ff.w2.{kind}", "decoder.transformer_blocks.{block}.ff.net.2.{kind}"),
+    ("decoder.{head}.{kind}", "decoder.{head}.{kind}"),
+)
+
+
+def _template_pattern(template: str) -> re.Pattern[str]:
+    """The regex of a key template: literal text, each `{name}` one of its `_PLACEHOLDERS` alternatives."""
+    pieces = re.split(r"\{(\w+)\}", template)  # literal, name, literal, ..., literal
+    pattern = "".join(
+        f"(?P<{piece}>{_PLACEHOLDERS[piece]})" if index % 2 else re.escape(piece)
+        for index, piece in enumerate(pieces)
+    )
+    return re.compile(f"^{pattern}$")
+
+
+# (pattern of one layout's key, template of the other layout's key), in both directions.
+_NATIVE_RENAMES = [(_template_pattern(native), diffusers) for native, diffusers in _RENAMES]
+_DIFFUSERS_RENAMES = [(_template_pattern(diffusers), native) for native, diffusers in _RENAMES]
 _NATIVE_QKV = re.compile(rf"^({_BLOCK})\.attn\.to_qkv\.(weight|bias)$")
 _NATIVE_GATED_UP = re.compile(rf"^({_BLOCK})\.ff\.w1\.(weight|bias)$")
 _DIFFUSERS_QKV_PART = re.compile(rf"^({_BLOCK})\.attn\.to_(q|k|v)\.(weight|bias)$")
@@ -88,9 +88,9 @@ _DIFFUSERS_GATED_UP = re.compile(rf"^({_BLOCK})\.ff\.net\.0\.proj\.(weight|bias)
 
 
 def _rename(key: str, table: list[tuple[re.Pattern[str], str]]) -> str | None:
-    for pattern, replacement in table:
-        if pattern.match(key):
-            return pattern.sub(replacement, key)
+    for pattern, template in table:
+        if match := pattern.match(key):
+            return template.format(**match.groupdict())
     return None
 
 

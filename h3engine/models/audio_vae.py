@@ -1,27 +1,18 @@
 """H3-AudioVAE: mono 32 kHz waveform <-> 32-channel latents at 40 latents/s (H3_SPEC.md §6).
 
-Contract
-* `AudioVAE.encode(waveform [B, 1, N]) -> latents [B, C, A]`, `A = ceil(N / hop)`: the waveform is right-padded
-  with zeros to a hop multiple, then DAC encoder -> causal-attention projection (`pre_block`) -> `mean_proj`. The
-  result is the posterior **mean**, which is all H3 ever uses (the `logs_proj` log-std head is carried only so the
-  state dict matches the checkpoint).
-* `AudioVAE.decode(latents [B, C, A]) -> waveform [B, 1, hop * A]`: `dec_in_proj` -> BigVGAN, clamped to [-1, 1].
-  Latents going in are *denormalized*; `normalize_latents` / `denormalize_latents` apply the per-channel
-  `latents_mean` / `latents_std` of the config.
-* Stereo is two batch items of the mono model: `encode_stereo([2, N]) -> [2, C, A]`,
-  `decode_stereo([2, C, A]) -> [2, hop * A]` (row 0 left, row 1 right; callers trim to the length they want).
-* `state_dict()` keys are exactly the native `audio_vae/model.safetensors` keys (H3_CHECKPOINT_LAYOUT.md §2.2): the
-  weight-normed convolutions keep the classic `weight_g` / `weight_v` parameters, and the Kaiser-sinc `filter`
-  buffers and `pre_block.attn.zero_k_bias` are persistent buffers loaded from the file.
+* `encode(waveform [B, 1, N]) -> [B, C, ceil(N / hop)]`: right-padded with zeros to a hop multiple, DAC encoder ->
+  causal-attention projection (`pre_block`) -> `mean_proj`: the posterior mean, all H3 uses (`logs_proj` is carried
+  only so the state dict matches the checkpoint).
+* `decode(latents [B, C, A]) -> [B, 1, hop * A]`: `dec_in_proj` -> BigVGAN, clamped to [-1, 1]. Latents going in
+  are denormalized (`normalize_latents` / `denormalize_latents` apply the config's per-channel statistics).
+* Stereo is two batch items of the mono model: `encode_stereo([2, N])`, `decode_stereo([2, C, A]) -> [2, hop * A]`.
+* `state_dict()` keys are the native `audio_vae/model.safetensors` keys: weight-normed convs keep `weight_g` /
+  `weight_v`; the Kaiser-sinc `filter` buffers and `pre_block.attn.zero_k_bias` are persistent, loaded from the file.
 
-Dangers
-* fp32 only. The release runs this model in fp32 and a bf16 DAC/BigVGAN stack loses ~20 dB on decodes, so the
-  model casts its inputs to fp32 and must never be swept up by a global `.to(torch.bfloat16)`.
-* `fold_weight_norm()` caches `g * v / ||v||` per convolution. The cache is dropped when a state dict is loaded, but
-  editing `weight_g` / `weight_v` in place after folding leaves it stale.
-* The output clamp hides anything beyond [-1, 1]; compare decodes on inputs that mostly stay inside it.
-* Freshly built parameters are uninitialized (the engine always loads a checkpoint); only the filter buffers and
-  `zero_k_bias` hold meaningful values before loading.
+Dangers: fp32 only (the release runs it in fp32; bf16 loses decode accuracy): inputs are cast to fp32, and a global
+`.to(torch.bfloat16)` must never sweep the model up. `fold_weight_norm()` caches `g * v / ||v||`; loading a state
+dict drops the cache, editing `weight_g` / `weight_v` in place leaves it stale. The output clamp hides anything
+beyond [-1, 1]. Fresh parameters are uninitialized; only the filters and `zero_k_bias` hold values before loading.
 """
 
 from __future__ import annotations
@@ -33,8 +24,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from h3engine.errors import CheckpointError
 
 # fmt: off
 RELEASED_LATENTS_MEAN = (
@@ -60,7 +49,7 @@ RELEASED_LATENTS_STD = (
 # fmt: on
 
 # Values the released source hard-codes (keyed off the 32 kHz sample rate) instead of writing them to
-# metadata.json; `to_native` writes a field into metadata.json only when it differs from these.
+# metadata.json; `audio_vae_format.config_to_native` writes a field only when it differs from these.
 RELEASED_NUM_ATTENTION_HEADS = 8
 RELEASED_RESBLOCK_KERNEL_SIZES = (3, 7, 11)
 RELEASED_RESBLOCK_DILATION_SIZES = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
@@ -72,31 +61,8 @@ PRE_BLOCK_MLP_RATIO = 2
 ANTI_ALIAS_RATIO = 2
 ANTI_ALIAS_KERNEL_SIZE = 12
 SNAKE_EPSILON = 1e-9
-
-# Native wrapper files (H3_CHECKPOINT_LAYOUT.md §2.1).
-NATIVE_CLASS_NAME = "MiniMaxH3AudioVAE"
-NATIVE_DIFFUSERS_VERSION = "0.32.2"
-NATIVE_AUTO_MAP = {"AutoModel": "minimax_h3_audio_vae.MiniMaxH3AudioVAE"}
-NATIVE_STEREO_CHANNELS = 2
-NATIVE_DECODER_TYPE = "bigvgan"
-DIFFUSERS_CLASS_NAME = "AutoencoderKLMiniMaxH3Audio"
-DIFFUSERS_VERSION = "0.42.1"
-
-
-def released_decoder_kernel_size(rate: int) -> int:
-    """Transposed-conv kernel the release pairs with an upsampling rate: 2u for even u, 2u - 1 for odd u."""
-    return 2 * rate - rate % 2
-
-
-def _require(mapping: dict[str, Any], key: str, where: str) -> Any:
-    if key not in mapping:
-        raise CheckpointError(f"{where}: missing key '{key}'")
-    return mapping[key]
-
-
-def _require_equal(value: Any, expected: Any, key: str, where: str, against: str) -> None:
-    if value != expected:
-        raise CheckpointError(f"{where}: '{key}' is {value!r} but {against} says {expected!r}")
+# Stereo is two batch items of the mono model (row 0 left, row 1 right).
+STEREO_CHANNELS = 2
 
 
 @dataclass(frozen=True)
@@ -165,187 +131,22 @@ class AudioVAEConfig:
         """Tiny test config with the released hop (800 samples = 40 latents/s at 32 kHz), so that tiny checkpoints
         encode reference audio to as many rows as the release does and decode clips of the real length; 4 latent
         channels, one AMP kernel."""
+        rates = (8, 10, 10)
         return cls(
             encoder_dim=4,
-            encoder_rates=(8, 10, 10),
+            encoder_rates=rates,
             latent_dim=16,
             latent_channels=4,
             num_attention_heads=2,
             decoder_dim=16,
-            decoder_rates=(8, 10, 10),
-            decoder_kernel_sizes=(16, 20, 20),
+            decoder_rates=rates,
+            decoder_kernel_sizes=tuple(2 * rate for rate in rates),
             resblock_kernel_sizes=(3,),
             resblock_dilation_sizes=((1,),),
             sampling_rate=32000,
             latents_mean=(0.25, -0.5, 0.125, -0.0625),
             latents_std=(0.75, 1.5, 1.25, 0.5),
         )
-
-    @classmethod
-    def from_native(
-        cls,
-        config_json: dict[str, Any],
-        metadata_json: dict[str, Any],
-        config_yaml: dict[str, Any] | None = None,
-    ) -> AudioVAEConfig:
-        """Build from the native `audio_vae/` files (config.json, metadata.json and, when given, parsed config.yaml).
-
-        The files duplicate the latent width and the sample rate; they are cross-checked. Fields the release
-        hard-codes (heads, BigVGAN kernel sizes, AMP tables) are read from metadata.json kwargs when present (tiny
-        checkpoints written by `to_native`) and otherwise take the released values.
-        """
-        kwargs = _require(
-            _require(metadata_json, "metadata", "metadata.json"), "kwargs", "metadata.json metadata"
-        )
-        where = "metadata.json metadata.kwargs"
-        if _require(kwargs, "decoder_type", where) != NATIVE_DECODER_TYPE:
-            raise CheckpointError(
-                f"{where}: decoder_type {kwargs['decoder_type']!r} is not supported (bigvgan only)"
-            )
-        if _require(kwargs, "attn_proj", where) is not True:
-            raise CheckpointError(f"{where}: attn_proj must be true (the causal-attention latent projection)")
-        # Malformed values (a string where a number belongs, ...) surface as TypeError / ValueError.
-        try:
-            latent_channels = int(_require(kwargs, "vae_latent_channels", where))
-            sample_rate = int(_require(kwargs, "sample_rate", where))
-            decoder_dim = int(_require(kwargs, "decoder_dim", where))
-            decoder_rates = tuple(int(rate) for rate in _require(kwargs, "decoder_rates", where))
-
-            for key, native_value in (("latent_channels", latent_channels), ("sample_rate", sample_rate)):
-                _require_equal(
-                    _require(config_json, key, "config.json"), native_value, key, "config.json", where
-                )
-            if config_yaml is not None:
-                model_config = _require(config_yaml, "model_config", "config.yaml")
-                yaml_where = "config.yaml model_config"
-                for key, native_value in (
-                    ("sr", sample_rate),
-                    ("decoder_dim", decoder_dim),
-                    ("vae_latent_channels", latent_channels),
-                ):
-                    _require_equal(
-                        _require(model_config, key, yaml_where), native_value, key, yaml_where, where
-                    )
-                if _require(model_config, "audio_channel", yaml_where) != 1:
-                    raise CheckpointError(f"{yaml_where}: audio_channel must be 1 (the VAE is mono)")
-
-            return cls(
-                encoder_dim=int(_require(kwargs, "encoder_dim", where)),
-                encoder_rates=tuple(_require(kwargs, "encoder_rates", where)),
-                latent_dim=int(_require(kwargs, "latent_dim", where)),
-                latent_channels=latent_channels,
-                num_attention_heads=kwargs.get("num_attention_heads", RELEASED_NUM_ATTENTION_HEADS),
-                decoder_dim=decoder_dim,
-                decoder_rates=decoder_rates,
-                decoder_kernel_sizes=kwargs.get(
-                    "decoder_kernel_sizes",
-                    tuple(released_decoder_kernel_size(rate) for rate in decoder_rates),
-                ),
-                resblock_kernel_sizes=kwargs.get("resblock_kernel_sizes", RELEASED_RESBLOCK_KERNEL_SIZES),
-                resblock_dilation_sizes=kwargs.get(
-                    "resblock_dilation_sizes", RELEASED_RESBLOCK_DILATION_SIZES
-                ),
-                sampling_rate=sample_rate,
-                latents_mean=_require(config_json, "latents_mean", "config.json"),
-                latents_std=_require(config_json, "latents_std", "config.json"),
-            )
-        except (TypeError, ValueError) as error:
-            raise CheckpointError(f"audio_vae config.json/metadata.json: {error}") from error
-
-    @classmethod
-    def from_diffusers(cls, config: dict[str, Any]) -> AudioVAEConfig:
-        """Build from a diffusers `AutoencoderKLMiniMaxH3Audio` config.json dict.
-
-        Missing architecture fields take diffusers' constructor defaults (the released values); the latent
-        statistics are required because H3 cannot normalize without them.
-        """
-        where = "audio_vae/config.json"
-        field_names = set(cls.__dataclass_fields__)
-        values: dict[str, Any] = {}
-        for key, value in config.items():
-            if key.startswith("_"):
-                continue
-            if key not in field_names:
-                raise CheckpointError(f"{where}: unexpected key '{key}' for {DIFFUSERS_CLASS_NAME}")
-            values[key] = value
-        for key in ("latents_mean", "latents_std"):
-            if values.get(key) is None:
-                raise CheckpointError(f"{where}: missing key '{key}'")
-        try:
-            return cls(**values)
-        except (TypeError, ValueError) as error:
-            raise CheckpointError(f"{where}: {error}") from error
-
-    def to_native(self) -> tuple[dict[str, Any], dict[str, Any], str]:
-        """The native (config.json, metadata.json, config.yaml text) trio, written like the release.
-
-        Non-released values of the fields the release hard-codes are added to metadata.json kwargs (an h3engine
-        extension, absent from released files) so that tiny checkpoints round-trip through `from_native`.
-        """
-        config_json = {
-            "_class_name": NATIVE_CLASS_NAME,
-            "_diffusers_version": NATIVE_DIFFUSERS_VERSION,
-            "auto_map": dict(NATIVE_AUTO_MAP),
-            "latent_channels": self.latent_channels,
-            "latents_mean": list(self.latents_mean),
-            "latents_std": list(self.latents_std),
-            "output_channel": NATIVE_STEREO_CHANNELS,
-            "sample_rate": self.sampling_rate,
-            "source_config_path": "config.yaml",
-            "source_metadata_path": "metadata.json",
-            "source_safetensors_path": "model.safetensors",
-        }
-        kwargs: dict[str, Any] = {
-            "attn_proj": True,
-            "decoder_dim": self.decoder_dim,
-            "decoder_rates": list(self.decoder_rates),
-            "decoder_type": NATIVE_DECODER_TYPE,
-            "encoder_dim": self.encoder_dim,
-            "encoder_rates": list(self.encoder_rates),
-            "latent_dim": self.latent_dim,
-            "sample_rate": self.sampling_rate,
-            "vae_latent_channels": self.latent_channels,
-        }
-        if self.num_attention_heads != RELEASED_NUM_ATTENTION_HEADS:
-            kwargs["num_attention_heads"] = self.num_attention_heads
-        if self.decoder_kernel_sizes != tuple(
-            released_decoder_kernel_size(rate) for rate in self.decoder_rates
-        ):
-            kwargs["decoder_kernel_sizes"] = list(self.decoder_kernel_sizes)
-        if self.resblock_kernel_sizes != RELEASED_RESBLOCK_KERNEL_SIZES:
-            kwargs["resblock_kernel_sizes"] = list(self.resblock_kernel_sizes)
-        if self.resblock_dilation_sizes != RELEASED_RESBLOCK_DILATION_SIZES:
-            kwargs["resblock_dilation_sizes"] = [
-                list(dilations) for dilations in self.resblock_dilation_sizes
-            ]
-        config_yaml = (
-            "model_config:\n"
-            f"  sr: {self.sampling_rate}\n"
-            f"  decoder_dim: {self.decoder_dim}\n"
-            "  audio_channel: 1\n"
-            f"  vae_latent_channels: {self.latent_channels}\n"
-        )
-        return config_json, {"metadata": {"kwargs": kwargs}}, config_yaml
-
-    def to_diffusers(self) -> dict[str, Any]:
-        """A diffusers config.json dict accepted by `AutoencoderKLMiniMaxH3Audio.from_config`."""
-        return {
-            "_class_name": DIFFUSERS_CLASS_NAME,
-            "_diffusers_version": DIFFUSERS_VERSION,
-            "encoder_dim": self.encoder_dim,
-            "encoder_rates": list(self.encoder_rates),
-            "latent_dim": self.latent_dim,
-            "latent_channels": self.latent_channels,
-            "num_attention_heads": self.num_attention_heads,
-            "decoder_dim": self.decoder_dim,
-            "decoder_rates": list(self.decoder_rates),
-            "decoder_kernel_sizes": list(self.decoder_kernel_sizes),
-            "resblock_kernel_sizes": list(self.resblock_kernel_sizes),
-            "resblock_dilation_sizes": [list(dilations) for dilations in self.resblock_dilation_sizes],
-            "sampling_rate": self.sampling_rate,
-            "latents_mean": list(self.latents_mean),
-            "latents_std": list(self.latents_std),
-        }
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -781,13 +582,13 @@ class AudioVAE(nn.Module):
 
     def encode_stereo(self, waveform: torch.Tensor) -> torch.Tensor:
         """Stereo [2, N] (left, right) -> latents [2, C, ceil(N / hop)]; each channel is encoded as mono."""
-        if waveform.ndim != 2 or waveform.shape[0] != NATIVE_STEREO_CHANNELS:
+        if waveform.ndim != 2 or waveform.shape[0] != STEREO_CHANNELS:
             raise ValueError(f"stereo waveform must be [2, samples], got {tuple(waveform.shape)}")
         return self.encode(waveform.unsqueeze(1))
 
     def decode_stereo(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents [2, C, A] (left, right) -> stereo waveform [2, hop * A] in [-1, 1]."""
-        if latents.ndim != 3 or latents.shape[0] != NATIVE_STEREO_CHANNELS:
+        if latents.ndim != 3 or latents.shape[0] != STEREO_CHANNELS:
             raise ValueError(f"stereo latents must be [2, channels, frames], got {tuple(latents.shape)}")
         return self.decode(latents).squeeze(1)
 

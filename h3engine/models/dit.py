@@ -304,7 +304,7 @@ class Attention(nn.Module):
     def _project_qkv(self, hidden: Tensor) -> tuple[Tensor, ...]:
         """q, k and v as three GEMMs on the stacked weight's row blocks (contiguous outputs).
 
-        An FP8 layer (`h3engine.models.fp8.Fp8Linear`, which holds no bf16 weight) provides `forward_chunks`, which
+        An FP8 layer (`h3engine.quantization.Fp8Linear`, which holds no bf16 weight) provides `forward_chunks`, which
         quantizes `hidden` once for the three GEMMs (duck-typed: fp8 imports this module, not the other way round).
         """
         forward_chunks = getattr(self.qkv_proj, "forward_chunks", None)

@@ -1,36 +1,27 @@
 """H3's text encoder: the first 50 decoder layers of a stock Qwen3-VL, plus its vision tower.
 
-Contract
-- `H3TextEncoder.load(folder, device, dtype)` reads a stock Qwen3-VL checkpoint folder (`config.json` plus
-  `model.safetensors` or `model.safetensors.index.json` and its shards) and builds only what H3 reads: the token
-  embeddings, decoder layers 0..49 and the whole vision tower. Decoder layers >= 50, the final norm and `lm_head`
-  are never built and their bytes are never read, but their keys may be present in the files.
-- `encode(input_ids, ...)` returns `[L, hidden]` in the load dtype: the residual stream after decoder layer 50,
+- `H3TextEncoder(config)` builds only what H3 reads: the token embeddings, decoder layers 0..49 and the whole vision
+  tower (layers >= 50, the final norm and `lm_head` are never built). Its `state_dict()` keys are the stock
+  checkpoint keys (`model.language_model.*`, `model.visual.*`); `h3engine.checkpoint.loader.load_text_encoder`
+  fills it from a checkpoint folder.
+- `encode(input_ids, ...)` returns `[L, hidden]` in the weights' dtype: the residual stream after decoder layer 50,
   i.e. `hidden_states[50]` of the full `Qwen3VLForConditionalGeneration`, with Qwen's own multimodal rope index
   (all-ones attention mask, no cache), exactly as the reference pipelines call the inner Qwen3-VL model.
-- The parameter names (`state_dict()` keys) are the stock checkpoint keys (`model.language_model.*`,
-  `model.visual.*`), so the files load with no renaming.
-- `tokenize_prompt`, `load_tokenizer` and `text_row_tags` are the tokenizer side: no chat template, no special
-  tokens added, and the per-row modality tags of the text stream (vision-block rows are tagged as video).
+- `tokenize_prompt` and `text_row_tags` are the tokenizer side: no chat template, no special tokens added, and the
+  per-row modality tags of the text stream (vision-block rows are tagged as video).
 
-Danger
-- A stock model truncated to 50 layers applies the final RMSNorm to the output of layer 50; H3 was trained on the
-  UN-normed stream. The final norm is replaced by an identity here; never "fix" it back.
-- Loading is strict: a missing key, a wrong shape, an unknown key, a missing or truncated shard all raise
-  `CheckpointError` naming the file and the key, before any request is served.
-- The inner Qwen3-VL model keeps `rope_deltas` between calls (a generation cache). An encoder call must never reuse
-  them, so they are cleared before every call.
+Danger: a stock model truncated to 50 layers applies the final RMSNorm to the output of layer 50; H3 was trained on
+the UN-normed stream, so the final norm is an identity here (never "fix" it back). The inner Qwen3-VL model keeps
+`rope_deltas` between calls (a generation cache); they are cleared before every call.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import (
     Qwen3VLModel,
@@ -38,15 +29,10 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import (
     Qwen3VLVisionRotaryEmbedding,
 )
 
-from h3engine.checkpoint.safetensors_io import WeightFiles, placed
 from h3engine.errors import CheckpointError
 
 # H3 conditions on `hidden_states[50]`: the output of the 50th decoder layer (index 0 is the embedding output).
 H3_TEXT_ENCODER_LAYERS = 50
-
-CONFIG_FILE_NAME = "config.json"
-SINGLE_WEIGHTS_FILE_NAME = "model.safetensors"
-WEIGHTS_INDEX_FILE_NAME = "model.safetensors.index.json"
 
 # Per-row modality tags of the DiT's packed sequence (they index its AdaLN table, so they are a checkpoint contract).
 VIDEO_ROW_TAG = 0
@@ -61,8 +47,6 @@ H3_DIALOGUE_TOKENS = ("<d>", "</d>")
 _QWEN_TEXT_TOKEN_TYPE = 0
 _QWEN_IMAGE_TOKEN_TYPE = 1
 _QWEN_VIDEO_TOKEN_TYPE = 2
-
-_UNUSED_TOP_KEYS = {"model.language_model.norm.weight", "lm_head.weight"}
 
 
 class H3TextEncoder(nn.Module):
@@ -83,62 +67,9 @@ class H3TextEncoder(nn.Module):
         # The released conditioning is the residual stream itself; the final norm belongs after layer 63.
         self.model.language_model.norm = nn.Identity()
 
-    @classmethod
-    def load(
-        cls, folder: Path, device: torch.device | str, dtype: torch.dtype = torch.bfloat16
-    ) -> H3TextEncoder:
-        """Build the encoder from a stock Qwen3-VL checkpoint folder, reading only the tensors H3 needs."""
-        folder = Path(folder)
-        config = _read_qwen3_vl_config(folder / CONFIG_FILE_NAME)
-        with torch.device("meta"):
-            encoder = cls(config)
-        needed_shapes = {key: tuple(tensor.shape) for key, tensor in encoder.state_dict().items()}
-        weight_files = WeightFiles.open(_weights_path(folder))
-        weight_files.check(needed_shapes, ignored=encoder._skippable_checkpoint_keys())
-        encoder._read_needed_tensors(weight_files, needed_shapes, torch.device(device), dtype)
-        encoder._rebuild_computed_buffers(torch.device(device))
-        encoder.eval()
-        encoder.requires_grad_(False)
-        return encoder
-
-    def _skippable_checkpoint_keys(self) -> set[str]:
-        """Keys a full checkpoint carries that H3 never needs: layers >= 50, the final norm and lm_head."""
-        layer_suffixes = [
-            name.removeprefix("language_model.layers.0.")
-            for name in self.model.state_dict()
-            if name.startswith("language_model.layers.0.")
-        ]
-        skippable = set(_UNUSED_TOP_KEYS)
-        for layer_index in range(H3_TEXT_ENCODER_LAYERS, self.checkpoint_num_hidden_layers):
-            skippable.update(
-                f"model.language_model.layers.{layer_index}.{suffix}" for suffix in layer_suffixes
-            )
-        return skippable
-
-    def _read_needed_tensors(
-        self,
-        weight_files: WeightFiles,
-        needed_shapes: dict[str, tuple[int, ...]],
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
-        for key in sorted(needed_shapes):
-            info = weight_files.infos[key]
-            if not info.dtype.is_floating_point:
-                raise CheckpointError(f"{info.file}: key {key} is stored as {info.dtype}, not a float")
-            self._assign_tensor(key, placed(weight_files.tensor(key), device, dtype))
-
-    def _assign_tensor(self, key: str, tensor: torch.Tensor) -> None:
-        owner_name, _, leaf_name = key.rpartition(".")
-        owner = self.get_submodule(owner_name)
-        if leaf_name in owner._parameters:
-            setattr(owner, leaf_name, nn.Parameter(tensor, requires_grad=False))
-        else:
-            owner._buffers[leaf_name] = tensor
-
-    def _rebuild_computed_buffers(self, device: torch.device) -> None:
-        # The rotary tables are computed from the config, not stored, so the meta-device build left them empty;
-        # they are rebuilt in fp32 (as Qwen builds them) whatever the weight dtype.
+    def rebuild_computed_buffers(self, device: torch.device) -> None:
+        """Rebuild the rotary tables on `device` (a meta-device build leaves them empty) and check that nothing
+        else is left unmaterialized. They are computed from the config in fp32, as Qwen builds them."""
         self.model.language_model.rotary_emb = Qwen3VLTextRotaryEmbedding(self.config.text_config).to(device)
         self.model.visual.rotary_pos_emb = Qwen3VLVisionRotaryEmbedding(self.config.vision_config).to(device)
         still_empty = [name for name, tensor in self.named_parameters() if tensor.is_meta]
@@ -202,53 +133,6 @@ class H3TextEncoder(nn.Module):
                 raise CheckpointError(
                     f"tokenizer maps {token} to id {tokenizer_id}, but the text encoder config.json says {config_id}"
                 )
-
-
-def _read_qwen3_vl_config(config_path: Path) -> Qwen3VLConfig:
-    if not config_path.is_file():
-        raise CheckpointError(f"missing text encoder config: {config_path}")
-    try:
-        raw_config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"cannot read {config_path}: {error}") from error
-    if not isinstance(raw_config, dict) or raw_config.get("model_type") != "qwen3_vl":
-        found = raw_config.get("model_type") if isinstance(raw_config, dict) else type(raw_config).__name__
-        raise CheckpointError(f"{config_path}: key model_type is {found!r}, expected 'qwen3_vl'")
-    try:
-        config = Qwen3VLConfig.from_dict(raw_config)
-    except Exception as error:  # transformers validates the fields with several error types
-        raise CheckpointError(f"{config_path}: not a valid Qwen3-VL config: {error}") from error
-    total_layers = config.text_config.num_hidden_layers
-    if total_layers <= H3_TEXT_ENCODER_LAYERS:
-        # A stack of exactly 50 layers would only give the post-norm state, which is not what H3 was trained on.
-        raise CheckpointError(
-            f"{config_path}: key text_config.num_hidden_layers is {total_layers}; H3 reads the un-normed output of "
-            f"decoder layer {H3_TEXT_ENCODER_LAYERS}, so the checkpoint needs more than {H3_TEXT_ENCODER_LAYERS}"
-        )
-    return config
-
-
-def _weights_path(folder: Path) -> Path:
-    for name in (WEIGHTS_INDEX_FILE_NAME, SINGLE_WEIGHTS_FILE_NAME):
-        if (folder / name).is_file():
-            return folder / name
-    raise CheckpointError(f"{folder} has neither {WEIGHTS_INDEX_FILE_NAME} nor {SINGLE_WEIGHTS_FILE_NAME}")
-
-
-def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
-    """Load H3's tokenizer from a local folder only (never the hub) and check it carries H3's tokens."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise CheckpointError(f"missing tokenizer folder: {folder}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception as error:  # transformers raises several error types for unreadable tokenizer folders
-        raise CheckpointError(f"cannot load the tokenizer in {folder}: {error}") from error
-    vocabulary = tokenizer.get_vocab()
-    for token in QWEN_VISION_BLOCK_TOKENS + H3_DIALOGUE_TOKENS:
-        if token not in vocabulary:
-            raise CheckpointError(f"{folder}: the tokenizer has no token {token}; H3 needs its own tokenizer")
-    return tokenizer
 
 
 def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> torch.Tensor:

@@ -1,35 +1,21 @@
 """H3's Qwen3-VL text encoder split over a tensor-parallel group, each rank reading only its shard.
 
-Contract
---------
-`open_text_encoder_files(folder)` reads the stock Qwen3-VL `config.json` and opens the weight files (headers
-only); the config validates the user's `--encoder-tp` (`EncoderLayout.for_text_encoder`) before any weight is
-read. `load_text_encoder_shard(weight_files, config, groups, dtype, device)` builds this rank's `H3TextEncoder`
-and fills it. Its `encode` is called exactly like the single-process one, with the same inputs on every rank of
-the tensor-parallel group, and returns the full `[L, hidden]` states on every rank.
+`load_text_encoder_shard(weight_files, config, groups, dtype, device)` builds this rank's `H3TextEncoder` from what
+`h3engine.checkpoint.text_encoder_files.open_text_encoder_files(folder)` opened (its config validates `--encoder-tp`
+through `EncoderLayout.for_text_encoder` before any weight is read). `encode` is called like the single-process
+one, with the same inputs on every rank of the group, and returns the full `[L, hidden]` states on every rank.
 
-What is split, in all 50 language layers (layers >= 50 are never built, as in `H3TextEncoder.load`):
-* q_proj: column-parallel by query heads (rank r holds heads [r*H/tp, (r+1)*H/tp)), k_proj / v_proj: by
-  key/value heads; when tp exceeds the key/value head count, each key/value head is replicated on the
-  tp / kv_heads ranks whose query heads read it (`KeyValueParallelLinear`), as vLLM does. o_proj: row-parallel
-  (sum over the group).
-* gate_proj / up_proj: column-parallel over the MLP width, down_proj: row-parallel.
-Replicated: token embeddings, every norm (q_norm / k_norm act per head, so they need no split), the rotary
-tables and the whole vision tower (small next to the language model). The swap is done from outside, on module
-types of the stock Qwen3-VL model: the attention keeps running transformers' own code, with its
-`num_key_value_groups` set to this rank's query heads per key/value head.
+Split, in all 50 language layers: q_proj column-parallel by query heads, k_proj / v_proj by key/value heads (when
+tp exceeds their count, each is replicated on the ranks whose query heads read it: `KeyValueParallelLinear`),
+o_proj row-parallel; gate_proj / up_proj column-parallel, down_proj row-parallel. Embeddings, norms, rotary tables
+and the vision tower are replicated. The layers are swapped in from outside, on the stock Qwen3-VL module types.
 
-Danger
-------
-Every rank of the group must call `encode` with identical inputs: the row-parallel sums pair up by call order.
-bf16 results differ from one process at the bf16 rounding level (partial sums are reduced in bf16); fp32 agrees
-to rounding noise. Qwen3-VL's attention projections must have no bias (true of the release): the parallel
-linears carry none, and a config with `attention_bias` is refused.
+Danger: every rank must call `encode` with identical inputs (the row-parallel sums pair up by call order). bf16
+differs from one process at the bf16 rounding level (partial sums are reduced in bf16). The attention projections
+must have no bias (true of the release): a config with `attention_bias` is refused.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -37,13 +23,12 @@ from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextAttention, Qwen3VLTextMLP
 
 from h3engine.checkpoint.safetensors_io import WeightFiles
-from h3engine.errors import CheckpointError
-from h3engine.models.text_encoder import (
-    CONFIG_FILE_NAME,
-    H3TextEncoder,
-    _read_qwen3_vl_config,
-    _weights_path,
+from h3engine.checkpoint.text_encoder_files import (
+    check_text_encoder_files,
+    read_text_encoder_tensors,
+    require_float_tensor,
 )
+from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.parallel.groups import EncoderGroups, EncoderLayout, GroupMembership
 from h3engine.parallel.linear import ColumnParallelLinear, ParallelLinear, RowParallelLinear
 
@@ -77,12 +62,6 @@ class KeyValueParallelLinear(ParallelLinear):
 
     def _read_shard(self, weight_files: WeightFiles, key: str) -> Tensor:
         return weight_files.row_slice(key, *self.file_row_range())
-
-
-def open_text_encoder_files(folder: Path) -> tuple[Qwen3VLConfig, WeightFiles]:
-    """The stock Qwen3-VL config of a `text_encoder/` folder and its weight files (headers only)."""
-    folder = Path(folder)
-    return _read_qwen3_vl_config(folder / CONFIG_FILE_NAME), WeightFiles.open(_weights_path(folder))
 
 
 def _check_layout(config: Qwen3VLConfig, layout: EncoderLayout) -> None:
@@ -127,15 +106,14 @@ def load_text_encoder_shard(
 ) -> H3TextEncoder:
     """This rank's text encoder: its row / column shard of each split weight, every other tensor whole.
 
-    The files are checked exactly as `H3TextEncoder.load` checks them (every needed key at its full shape,
+    The files are checked exactly as `load_text_encoder` checks them (every needed key at its full shape,
     nothing unexpected) before anything is read.
     """
     _check_layout(config, groups.layout)
     device = torch.device(device)
     with torch.device("meta"):
         encoder = H3TextEncoder(config)
-    needed_shapes = {key: tuple(tensor.shape) for key, tensor in encoder.state_dict().items()}
-    weight_files.check(needed_shapes, ignored=encoder._skippable_checkpoint_keys())
+    needed_shapes = check_text_encoder_files(encoder, weight_files)
     _apply_tensor_parallel(encoder, groups, dtype)
     sharded = {
         f"{name}.weight": layer
@@ -143,11 +121,9 @@ def load_text_encoder_shard(
         if isinstance(layer, ParallelLinear)
     }
     for key, layer in sharded.items():
-        info = weight_files.infos[key]
-        if not info.dtype.is_floating_point:
-            raise CheckpointError(f"{info.file}: key {key} is stored as {info.dtype}, not a float")
+        require_float_tensor(weight_files, key)
         layer.load_shard(weight_files, key, device)
-    replicated = {key: shape for key, shape in needed_shapes.items() if key not in sharded}
-    encoder._read_needed_tensors(weight_files, replicated, device, dtype)
-    encoder._rebuild_computed_buffers(device)
+    replicated = [key for key in needed_shapes if key not in sharded]
+    read_text_encoder_tensors(encoder, weight_files, replicated, device, dtype)
+    encoder.rebuild_computed_buffers(device)
     return encoder.eval().requires_grad_(False)

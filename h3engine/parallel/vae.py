@@ -1,29 +1,19 @@
 """The final decode split over the VAE group: video tiles spread over its ranks, the audio decode on one.
 
-Contract
---------
 `decode_video_and_audio(video_vae, audio_vae, video_latents, audio_latents, group, autocast_dtype)` is called by
-every rank of the VAE group with the same (un-normalized) latents. It returns `(pixels, waveform)` on VAE-group
-rank 0 and None on the others:
+every rank of the VAE group with the same (un-normalized) latents and returns `(pixels, waveform)` on VAE-group
+rank 0, None on the others:
+* pixels: exactly `video_vae.decode(video_latents, autocast_dtype)`, bit for bit. Every rank makes its
+  `tile_share` (a contiguous run) of the plan's decoder calls (`VideoVAE.plan_decode`, `DecodePlan.call_batches`)
+  with `VideoVAE.decode_tiles`; the outputs are gathered to rank 0 without arithmetic (copied into one flat buffer
+  per rank, in the decoder's output dtype) and rank 0 runs `VideoVAE.assemble_decode` on the very tensors one
+  process would have made.
+* waveform: `audio_vae.decode_stereo(audio_latents)` on `AUDIO_DECODE_RANK` (rank 0, the only rank that loads the
+  audio VAE); with uneven shares rank 0 gets the smaller one and decodes the audio meanwhile.
+A group of one is `decode` and `decode_stereo` in one process, with no `torch.distributed` call.
 
-* pixels: exactly `video_vae.decode(video_latents, autocast_dtype)`, bit for bit. `VideoVAE.plan_decode` lists
-  the tiles (one per spatial tile of each temporal window) and `DecodePlan.call_batches` the decoder calls over
-  them; `tile_share` gives each rank a contiguous run of calls; every rank makes its calls with
-  `VideoVAE.decode_tiles`, the outputs are gathered to rank 0 without any
-  arithmetic (copied into one flat buffer per rank, in the decoder's output dtype), and rank 0 runs
-  `VideoVAE.assemble_decode` on the very tensors one process would have made. Each call sees the same latents
-  and the same shapes as in one process, so nothing but the place of the computation changes.
-* waveform: `audio_vae.decode_stereo(audio_latents)` on `AUDIO_DECODE_RANK` (rank 0, where the pixels land), the
-  only rank that needs the audio VAE loaded; the others pass None. When the tiles do not divide evenly, rank 0
-  gets the smaller shares and decodes the audio while the other ranks finish their extra tiles.
-
-With a group of one this is `decode` and `decode_stereo` in one process, with no `torch.distributed` call.
-
-Danger
-------
-The gather is collective: every rank of the VAE group must call this with latents of the same shape, or the
-ranks disagree about the plan and the gather deadlocks or mixes tiles. Rank 0 holds every decoded tile (the
-video plus its overlaps) at once before stitching; the other ranks only their share.
+Danger: the gather is collective: every rank must call this with latents of the same shape, or the plans disagree
+and the gather deadlocks or mixes tiles. Rank 0 holds every decoded tile (overlaps included) before stitching.
 """
 
 from __future__ import annotations

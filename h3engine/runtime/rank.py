@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.loader import ComponentSource
+from h3engine.checkpoint.text_encoder_files import open_text_encoder_files
 from h3engine.engine import Engine
 from h3engine.engine_options import resolve_dtype
 from h3engine.errors import GenerationCancelled, H3Error
@@ -59,7 +60,7 @@ from h3engine.parallel.groups import (
     create_vae_group,
     initialize_process_group,
 )
-from h3engine.parallel.text_encoder import load_text_encoder_shard, open_text_encoder_files
+from h3engine.parallel.text_encoder import load_text_encoder_shard
 from h3engine.parallel.vae import AUDIO_DECODE_RANK
 from h3engine.pipeline import (
     Mp4WriteError,

@@ -47,10 +47,10 @@ import torch.multiprocessing
 
 from h3engine.checkpoint.layout import CheckpointLayout, detect_layout
 from h3engine.checkpoint.loader import dit_source
+from h3engine.checkpoint.text_encoder_files import open_text_encoder_files
 from h3engine.errors import CheckpointError, RequestError
 from h3engine.leftovers import WORKER_FOLDER_PREFIX, owned_temp_folder, remove_dead_temp_folders
 from h3engine.parallel.groups import RuntimeLayout
-from h3engine.parallel.text_encoder import open_text_encoder_files
 from h3engine.placement import check_memory_profile
 from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.front import (

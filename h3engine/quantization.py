@@ -1,38 +1,17 @@
 """Optional FP8 (e4m3) linear layers for the DiT blocks: weights quantized once, activations per call.
 
-Contract
---------
 `quantize_dit_linears(dit)` replaces, in place, the four big GEMMs of every `DiTBlock` (attn.qkv_proj,
-attn.out_proj, mlp.fc1, mlp.fc2) with `Fp8Linear` layers and drops their bf16 weights. Nothing else changes: the
-token refiner, AdaLN projections, norms, condition/patch projections, time embedder and final layer keep their
-dtypes (the fp32 islands stay fp32). Call it after the weights are loaded; it works on the single-process DiT and
-on the tensor-parallel one (`h3engine.parallel.dit`), whose row-parallel layers keep their sum over the group.
+attn.out_proj, mlp.fc1, mlp.fc2) with `Fp8Linear` layers (numerics on the class) and drops their bf16 weights;
+everything else keeps its dtype (the fp32 islands stay fp32). It works on the single-process DiT and on the
+tensor-parallel one (`h3engine.parallel.dit`), whose row-parallel layers keep their sum over the group. Attention
+finds `Fp8Linear.forward_chunks` by name (q, k, v from one quantization of x), so `h3engine.models.dit` never
+imports this module (which imports it).
 
-Numerics of `Fp8Linear` (y = x W^T, no bias):
-* W [N, K] is quantized once per output row: scale_w[n] = amax(|W[n, :]|) / 448 (fp32), W8 = e4m3(W / scale_w).
-* x is quantized per call, per row (token), the same way: scale_x[m] = amax(|x[m, :]|) / 448.
-* y = (x8 * scale_x) @ (W8 * scale_w)^T, computed by one of two paths that agree to the output rounding:
-  - `torch._scaled_mm` (accumulation promoted to fp32, bf16 output) when the weight is on a CUDA device of compute
-    capability >= 8.9 (Ada, Hopper and later) and N and K are multiples of 16 (its layout rule);
-  - otherwise the plain-torch reference: dequantize both operands to fp32 and matmul in fp32. This is the CPU
-    path and the fallback for small layers (e.g. the tiny test DiT) even on a GPU.
-  The result is returned in x's dtype (an fp32 input on the `_scaled_mm` path is rounded to bf16 on the way).
-* A zero row gets the smallest normal fp32 scale instead of 0 and quantizes to zeros (no 0/0).
-Each e4m3 value carries 3 mantissa bits: an element in the normal range (|x / scale| >= 2^-6) is off by at most
-2^-4 of itself, a smaller one by at most 2^-10 * scale.
-
-Attention keeps q, k and v as three GEMMs with contiguous outputs: `Fp8Linear.forward_chunks(x, 3)` quantizes x
-once and returns the three row blocks' outputs, in the stacked [q; k; v] order of the weight. Attention finds
-`forward_chunks` by name, so `h3engine.models.dit` never imports this module (which imports it).
-
-Danger
-------
-Inference only, and quantize after loading (and after `H3DiT.offload_adaln`, before a `Placement` adopts the
-model): `Fp8Linear` keeps its fp8 weight and scales as non-persistent buffers, so `state_dict()` /
-`load_state_dict()` do not see them. Never cast the model with `.to(dtype)`: that also converts the fp8 buffers.
-The bf16 weights are freed only if nothing else holds the replaced modules. Under tensor parallelism each rank
-quantizes its own shard (row-parallel layers: per-row scales over the local columns), so FP8 results depend on
-the tensor-parallel degree at the quantization-noise level.
+Danger: inference only. Quantize after loading (and after `H3DiT.offload_adaln`, before a `Placement` adopts the
+model): the fp8 weight and scales are non-persistent buffers that `state_dict()` / `load_state_dict()` do not see.
+Never cast the model with `.to(dtype)` (that converts the fp8 buffers too). The bf16 weights are freed only if
+nothing else holds the replaced modules. Under tensor parallelism each rank quantizes its own shard, so FP8
+results depend on the tensor-parallel degree at the quantization-noise level.
 """
 
 from __future__ import annotations
@@ -129,6 +108,17 @@ def fp8_matmul(
 
 class Fp8Linear(nn.Module):
     """Bias-free y = x W^T with W held in e4m3 with per-output-row scales; x is quantized per row each call.
+
+    * W [N, K] is quantized once per output row: scale_w[n] = amax(|W[n, :]|) / 448 (fp32), W8 = e4m3(W / scale_w);
+      x per call, per row (token), the same way: scale_x[m] = amax(|x[m, :]|) / 448. A zero row gets the smallest
+      normal fp32 scale instead of 0 and quantizes to zeros (no 0/0).
+    * y = (x8 * scale_x) @ (W8 * scale_w)^T by one of two paths that agree to the output rounding:
+      `torch._scaled_mm` (fp32 accumulation, bf16 output) when the weight is on a CUDA device of compute capability
+      >= 8.9 and N and K are multiples of 16 (its layout rule); otherwise the plain-torch reference (both operands
+      dequantized to fp32, fp32 matmul): the CPU path and the fallback for small layers (the tiny test DiT) even on
+      a GPU. The result is in x's dtype (an fp32 input on the `_scaled_mm` path is rounded to bf16 on the way).
+    * Each e4m3 value carries 3 mantissa bits: an element in the normal range (|x / scale| >= 2^-6) is off by at
+      most 2^-4 of itself, a smaller one by at most 2^-10 * scale.
 
     `sum_group`: the tensor-parallel group over which a row-parallel layer's partial products are summed (as
     `RowParallelLinear` does); a group of one (the default) sums nothing.
