@@ -9,8 +9,8 @@ rank 0, None on the others:
   per rank, in the decoder's output dtype) and rank 0 runs `VideoVAE.assemble_decode` on the very tensors one
   process would have made.
 * waveform: `audio_vae.decode_stereo(audio_latents)` on `AUDIO_DECODE_RANK` (rank 0, the only rank that loads the
-  audio VAE); with uneven shares rank 0 gets the smaller one and decodes the audio meanwhile.
-A group of one is `decode` and `decode_stereo` in one process, with no `torch.distributed` call.
+  audio VAE); with uneven shares rank 0 gets the smaller one and decodes the audio meanwhile. A group of one
+  makes no `torch.distributed` call.
 
 Danger: the gather is collective: every rank must call this with latents of the same shape, or the plans disagree
 and the gather deadlocks or mixes tiles. Rank 0 holds every decoded tile (overlaps included) before stitching.
