@@ -80,9 +80,9 @@ class ComponentSource:
             file_state = {key: self._read(key, tensor.dtype, device) for key, tensor in expected.items()}
             state = self.from_file_names(file_state)
         else:
-            file_state = {key: self.files.tensor(key) for key in file_names}
-            native = self.from_file_names(file_state)
-            state = {key: placed(native[key], device, tensor.dtype) for key, tensor in expected.items()}
+            # Each renamed tensor is dropped once placed, so at most one is held twice.
+            native = self.from_file_names({key: self.files.tensor(key) for key in file_names})
+            state = {key: placed(native.pop(key), device, tensor.dtype) for key, tensor in expected.items()}
         module.load_state_dict(state, strict=True, assign=True)
         _materialize_computed_buffers(module, device)
         return module.eval().requires_grad_(False)
