@@ -482,7 +482,7 @@ def test_offloaded_adaln_gives_the_same_tables(tiny_state) -> None:
         assert torch.equal(a.final[0], b.final[0])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_offloaded_adaln_on_the_gpu_matches_the_resident_model(tiny_state) -> None:
     device = torch.device("cuda")
     model = our_model(tiny_state, torch.bfloat16).to(device)
@@ -498,7 +498,7 @@ def test_offloaded_adaln_on_the_gpu_matches_the_resident_model(tiny_state) -> No
     assert torch.equal(expected[0], actual[0]) and torch.equal(expected[1], actual[1])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_tables_built_on_their_own_stream_are_waited_for(tiny_state, monkeypatch) -> None:
     # A schedule's tables are built on a stream of their own while the forward is queued on the current one. Here
     # each projection's streaming starts with a ~25 ms GPU sleep on the building stream, so a forward that did not

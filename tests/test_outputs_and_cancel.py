@@ -24,7 +24,6 @@ import torch
 from PIL import Image
 
 from h3engine import engine as engine_module
-from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.engine import Engine
 from h3engine.errors import GenerationCancelled, RequestError
 from h3engine.leftovers import (
@@ -68,8 +67,8 @@ POLLS_BEFORE_TEXT_ENCODE = {"t2va": 0, "fl2va": 3, "ref2va": 3}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("outputs") / "checkpoint", seed=0)
+def checkpoint(tiny_native) -> Path:
+    return tiny_native
 
 
 @pytest.fixture(scope="module")

@@ -64,8 +64,8 @@ def eight_head_folder(tmp_path_factory, eight_head_state) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "checkpoint", seed=SEED)
+def tiny_checkpoint(tiny_checkpoints) -> Path:
+    return tiny_checkpoints("native", seed=SEED)
 
 
 @pytest.fixture(scope="module")

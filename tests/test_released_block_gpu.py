@@ -16,7 +16,7 @@ from h3engine.checkpoint.dit_keys import random_native_tensor
 from h3engine.models.dit import DiTBlock, DiTConfig, MultiAxisRope, PackedLayout
 from h3engine.ops import attention as attention_ops
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.cuda
 
 ROWS = 4103  # odd on purpose
 

@@ -173,8 +173,8 @@ def workers_of_this_process() -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("workers") / "checkpoint", seed=SEED)
+def checkpoint(tiny_checkpoints) -> Path:
+    return tiny_checkpoints("native", seed=SEED)
 
 
 @pytest.fixture(scope="module")
@@ -478,9 +478,7 @@ def test_the_app_serves_requests_from_a_worker_group(tmp_path) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (the lead runs it on the H200 machine)"
-)
+@pytest.mark.cuda
 def test_a_worker_group_on_cuda_equals_the_in_process_engine(checkpoint, tmp_path) -> None:
     """One rank per GPU (up to two, NCCL with two), fp32: the same T2VA as the in-process engine on cuda:0."""
     devices = tuple(f"cuda:{index}" for index in range(min(2, torch.cuda.device_count())))
