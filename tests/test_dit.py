@@ -1,6 +1,6 @@
 """H3 DiT: parity with diffusers 0.42.1 (fp32 and the released bf16 recipe), config files, key maps, full size.
 
-Errors are max |ours - reference| / max |reference| over each velocity (see `_dit_helpers.max_relative_error`).
+Errors are max |ours - reference| / max |reference| over each velocity (benchmarks/_packed_request.py).
 """
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import dataclasses
 
 import pytest
 import torch
-from _dit_helpers import PackedRequest, max_relative_error, tiny_fl2va_request
+from _dit_helpers import tiny_fl2va_request
 from diffusers import MiniMaxH3Transformer3DModel
 
+from benchmarks._packed_request import PackedRequest, max_relative_error
 from h3engine.checkpoint.dit_keys import (
     diffusers_to_native,
     native_state_shapes,

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dit_helpers import PackedRequest, max_relative_error, tiny_fl2va_request
+from _dit_helpers import tiny_fl2va_request
 from torch import nn
 
 import h3engine.models.fp8 as fp8
+from benchmarks._packed_request import PackedRequest, max_relative_error
 from h3engine.checkpoint.dit_keys import random_native_state
 from h3engine.checkpoint.safetensors_io import WeightFiles
 from h3engine.checkpoint.tiny import save_sharded

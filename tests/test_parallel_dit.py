@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from _dit_helpers import max_relative_error
 from _parallel_dit_helpers import (
     EIGHT_HEADS,
     SEED,
@@ -25,6 +24,7 @@ from _parallel_dit_helpers import (
     worker,
 )
 
+from benchmarks._packed_request import max_relative_error
 from h3engine.checkpoint.dit_keys import random_native_state
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.loader import dit_source

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dit_helpers import relative_l2
 
+from benchmarks._packed_request import relative_l2
 from h3engine import ops
 from h3engine.checkpoint.dit_keys import random_native_tensor
 from h3engine.models.dit import DiTBlock, DiTConfig, MultiAxisRope, PackedLayout
