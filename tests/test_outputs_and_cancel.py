@@ -279,6 +279,7 @@ def test_a_sigkilled_cli_leaves_staging_files_that_the_next_start_removes(checkp
     assert list(folder.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_sigkilled_worker_group_leaves_a_rendezvous_folder_that_the_next_start_removes(
     checkpoint, tmp_path, monkeypatch
 ) -> None:
@@ -300,6 +301,7 @@ def test_a_sigkilled_worker_group_leaves_a_rendezvous_folder_that_the_next_start
         replica.close()
 
 
+@pytest.mark.slow
 def test_the_app_removes_what_a_sigkilled_app_left_when_it_starts_again(tmp_path) -> None:
     from _app_helpers import start_app, stop_app
     from gradio_client import Client

@@ -186,6 +186,7 @@ def test_diffusers_layout_is_refused_with_a_clear_error(tmp_path) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world_size, sp, tp",
     [(2, 2, 1), (2, 1, 2), (4, 4, 1), (4, 1, 4), (4, 2, 2)],

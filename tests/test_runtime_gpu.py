@@ -10,7 +10,7 @@ as DiT Ulysses 2 and as tensor-parallel 2, NCCL):
    the next request succeeds on the restarted group.
 4. Shutdown: no worker process is left, and the device memory in use (torch.cuda.mem_get_info, the whole GPU)
    returns to what it was before the group started (within 256 MiB).
-The CPU variant (two gloo ranks) runs the same checks on a smaller canvas.
+tests/test_runtime_workers.py checks the same runtime on the CPU (gloo).
 """
 
 from __future__ import annotations
@@ -266,7 +266,6 @@ GROUPS = [
         marks=[pytest.mark.cuda, needs_two_gpus],
         id="world2_tp2",
     ),
-    pytest.param(("cpu", "cpu"), RuntimeLayout.choose(2), marks=pytest.mark.slow, id="cpu_world2"),
 ]
 
 

@@ -392,6 +392,7 @@ def test_shutdown_cancels_the_running_job_and_leaves_no_worker_process(groups) -
     assert not set(workers_of_this_process()) & set(workers)
 
 
+@pytest.mark.slow
 def test_sigterm_ends_a_cli_run_and_every_process_it_started(checkpoint, tmp_path) -> None:
     out = tmp_path / "terminated.mp4"
     command = [sys.executable, "-m", "h3engine", "generate", "--checkpoint", str(checkpoint), "--prompt", "x"]
@@ -445,6 +446,7 @@ def test_ranks_end_by_themselves_when_their_front_process_is_killed(checkpoint) 
     assert not [pid for pid in workers if process_exists(pid)]
 
 
+@pytest.mark.slow
 def test_the_app_serves_requests_from_a_worker_group(tmp_path) -> None:
     from gradio_client import Client  # imported here: only this test needs it, and it takes a while
 

@@ -271,6 +271,7 @@ def released_width_vae(
     return config, native, ours
 
 
+@pytest.mark.slow
 def test_released_width_matches_diffusers() -> None:
     # The released architecture (6 encoder levels, 32-group norms, 32 heads x 64 with 48 rotated channels = 8
     # frequencies per axis, 4 register tokens, 24 latent channels) with a single decoder block to stay cheap.
