@@ -7,8 +7,11 @@ import re
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def device_label(device: torch.device) -> str:

@@ -2,7 +2,7 @@
 128), against torch's cuDNN SDPA: time, TFLOP/s and error (relative L2 against an fp32 computation of a slice of the
 query rows). FA4 picks 128 x 128 tiles for head_dim 128 on Hopper; its own config search lists wider ones that fit.
 
-    python benchmarks/attention_configs.py --output-dir DIR
+    python -m benchmarks.attention_configs --output-dir DIR
 """
 
 from __future__ import annotations
@@ -10,17 +10,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks._common import device_label, package_version, sustained_ms  # noqa: E402
-from h3engine.ops import attention as attention_ops  # noqa: E402
+from benchmarks._common import RESULTS_DIR, device_label, package_version, sustained_ms
+from h3engine.ops import attention as attention_ops
 
 ROWS, HEADS, HEAD_DIM = 38_222, 56, 128
 # (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap, threads): FA4's default for head_dim 128 first, then the feasible
@@ -63,7 +60,7 @@ def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument(
         "--sustained-s",
         type=float,

@@ -1,20 +1,14 @@
 """One DiT forward, ours vs diffusers 0.42.1, at the released size on the 768p / 5 s T2VA layout (H3_SPEC §10).
 
-Layout: 512 text + 414 audio + 37,296 video rows (S = 38,222), T2VA timesteps (text uses the video t, M = 2),
-positions built like T2VA. Both models use random weights with the `random_native_tensor` recipe in bf16 with
-the released fp32 islands, the same values for both.
+Both models get the same random bf16 weights (`random_native_tensor`, with the released fp32 islands) and the same
+packed T2VA request (benchmarks/_packed_request.py). They do not fit on one GPU together, so ours is timed first,
+then its weights move into a meta-built diffusers model group by group and diffusers is timed. Timing: warm-up
+forwards, then CUDA-event timing of `--runs` forwards, median reported. `--interleaved PAIRS` keeps ours beside
+diffusers and times them in alternation (cancels a drift of the GPU's speed); `--fp32-reference` reports every
+variant's error against the same forward in fp32. Method and results: benchmarks/NOTES.md.
 
-Both models do not fit on one H200 at once (2 x 66 GB), so: build ours (meta, then materialized on the GPU and
-filled tensor by tensor), time it and keep its velocities on the GPU, then move its weights into a meta-built
-diffusers model group by group (converted with `module_to_diffusers`), freeing ours as it goes, and time
-diffusers. Timing: warm-up forwards, then CUDA-event timing of `--runs` forwards, median reported.
-`--interleaved PAIRS` keeps ours alive beside diffusers (shared tensors; only the split q/k/v and the swapped fc1
-exist twice, ~25 GiB) and then times ours and diffusers in alternation, which cancels a drift of the GPU's speed
-over the run. `--fp32-reference` then computes the same forward in fp32 (`fp32_reference_forward`) and reports
-every variant's error against it.
-
-    python benchmarks/dit_forward.py                              # GPU, released size, JSON to benchmarks/results
-    python benchmarks/dit_forward.py --tiny --device cpu --output-dir /tmp   # smoke test
+    python -m benchmarks.dit_forward                              # GPU, released size, JSON to benchmarks/results
+    python -m benchmarks.dit_forward --tiny --device cpu --output-dir /tmp   # smoke test
 """
 
 from __future__ import annotations
@@ -25,7 +19,6 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,20 +27,15 @@ import diffusers
 import torch
 from diffusers import MiniMaxH3Transformer3DModel
 
-REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPOSITORY_ROOT))
-sys.path.insert(0, str(REPOSITORY_ROOT / "tests"))
-
-from _dit_helpers import PackedRequest, build_packed_request, max_relative_error, relative_l2  # noqa: E402
-
-from benchmarks._common import device_label, kernel_profile, package_version, synchronize  # noqa: E402
-from h3engine import modulation as modulation_module  # noqa: E402
-from h3engine import ops  # noqa: E402
-from h3engine.checkpoint.dit_format import config_to_diffusers, module_to_diffusers, native_to_module  # noqa: E402
-from h3engine.checkpoint.dit_keys import random_native_tensor  # noqa: E402
-from h3engine.models.dit import DiTConfig, H3DiT  # noqa: E402
-from h3engine.ops import attention as attention_ops  # noqa: E402
-from h3engine.quantization import quantize_dit_linears  # noqa: E402
+from benchmarks._common import RESULTS_DIR, device_label, kernel_profile, package_version, synchronize
+from benchmarks._packed_request import PackedRequest, build_packed_request, max_relative_error, relative_l2
+from h3engine import modulation as modulation_module
+from h3engine import ops
+from h3engine.checkpoint.dit_format import config_to_diffusers, module_to_diffusers, native_to_module
+from h3engine.checkpoint.dit_keys import random_native_tensor
+from h3engine.models.dit import DiTConfig, H3DiT
+from h3engine.ops import attention as attention_ops
+from h3engine.quantization import quantize_dit_linears
 
 VIDEO_SHIFT, AUDIO_SHIFT = 12.0, 3.0
 
@@ -182,7 +170,7 @@ def interleaved_pairs(
 
 
 def build_ours(config: DiTConfig, device: torch.device, seed: int) -> H3DiT:
-    """Ours, built on meta and assigned random tensors drawn straight on `device` (no 66 GB host copy)."""
+    """Ours, built on meta and assigned random tensors drawn straight on `device` (no host copy of the whole model)."""
     model = H3DiT(config, dtype=torch.bfloat16, device="meta")
     generator = torch.Generator(device=device).manual_seed(seed)
     state = {
@@ -201,7 +189,7 @@ def move_into_diffusers(
     Renamed tensors are shared (no copy); split/swapped ones are new, so the peak is ours + one block.
     The fp32 islands keep their dtype, which is exactly where diffusers' `_keep_in_fp32_modules` keeps fp32.
     With `keep_ours` ours stays usable: both models share the renamed tensors, and the split/swapped ones (q/k/v,
-    fc1: ~25 GiB at the released size) exist twice.
+    fc1) exist twice.
     """
     with torch.device("meta"):
         reference = MiniMaxH3Transformer3DModel.from_config(config_to_diffusers(config))
@@ -411,7 +399,7 @@ def main() -> None:
         action="store_true",
         help="profile one forward of ours: kernel time per group (attention, GEMM, fused ops), top kernels, idle",
     )
-    parser.add_argument("--output-dir", type=Path, default=REPOSITORY_ROOT / "benchmarks" / "results")
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
 
     device = torch.device(args.device)

@@ -1,46 +1,16 @@
 """One whole 768p / 5 s T2VA request at the released size with random weights, on one device, through our pipeline.
 
-What runs is the engine's own code: `pipeline.encode_presentation` (the released-size Qwen3-VL cut after layer 50,
-`H3TextEncoder`), `pipeline.denoise_request` (layout, noise, the DiT loop of `pipeline.denoise`), `pipeline.decode`
-(video VAE at the engine's decode recipe: fp32 weights under fp16 autocast on a GPU at bf16, as
-`ModelStore.models_for_partition` sets it; audio VAE in fp32), writing the MP4 while the video decodes
-(`media.mux.write_mp4` on a writer thread, as `Engine.generate_to_file` does). Speed-ups made there are
-measured here with no change to this script.
+What runs is the engine's own code: `pipeline.encode_presentation` (the released-size Qwen3-VL text encoder),
+`pipeline.denoise_request` and `pipeline.decode` with the engine's precision rules, writing the MP4 while the video
+decodes. No checkpoint is read: every model is built on meta and filled with random tensors through the loaders'
+own `ComponentSource.load`. By default each model lives only for its phase; `--resident` keeps all of them, as the
+engine's resident profile does. Phases are host timers between device synchronizations, each DiT step is timed on
+the device's clock; by default the times are a warm server's (`--no-warmup`: this process's first calls;
+`--warm-up-run`: after the app's warm-up). `--timed-steps K` times the first K steps and extrapolates. The
+method in full: benchmarks/NOTES.md ("End to end: method").
 
-No checkpoint is read. Every model is built on the meta device and filled with random tensors: the DiT and both VAEs
-through the loaders' own `ComponentSource.load` (the "files" hand out random tensors: the DiT's drawn on the device
-with `dit_keys.random_native_tensor`, the VAEs' from their `random_native_state` recipes on the CPU), the text
-encoder as `H3TextEncoder` builds itself, drawn on the device (norm gains 1 + N(0, 0.1^2), biases N(0, 0.1^2),
-token embeddings N(0, 0.5^2), matrices N(0, 1 / fan_in), which keeps the 50-layer residual stream small and finite;
-the JSON reports each output's finiteness and spread). On a GPU the DiT's AdaLN projections then move to pinned
-host memory, as the engine loads it. Tokenizer: the tiny byte-level BPE of our tiny checkpoints
-(`build_tiny_tokenizer`, ids < 348, far below the released vocabulary); the prompt's ids are tiled or cut to
-`--text-rows` rows (512 by default: the spec's worked figure and the DiT benchmark's), so the text rows do not
-depend on that tokenizer.
-
-Memory: by default each model lives only for its phase (build encoder, encode, free it; build DiT, denoise, free
-it; build VAEs, decode and mux), the least device memory a request can take. `--resident` builds everything first and
-keeps it, as the engine's resident profile does (text encoder 51.5 GB + DiT 40.2 GB without its AdaLN projections
-+ VAEs 11 GB). Build times are reported apart from the request's phases (a resident server builds once).
-
-Timing: phases are host timers between device synchronizations; each DiT step is timed on the device's clock
-(CUDA events) through the pipeline's hooks, `should_cancel` (its last poll before a step) and `on_step` (called
-right after it). By default the times are a warm server's: the text encode and the decode (of one window) run once
-untimed first, and the first DiT step counts as the DiT's warm-up. After the request's steps, the first K steps of
-a second request run on the warm DiT with its AdaLN tables rebuilt (`--repeat-steps K`, default 2; `warm_repeat`):
-on a GPU the tables of the schedule (one pass over the 13 B offloaded projections) are built on a stream of their
-own while the first step runs, so that warm first step stands in for the cold one. The denoise time is then the
-denoise time spent outside the steps (the loop's set-up) + the warm first step + the mean of the later steps x
-(N - 1) (without a repeat: the mean x N); the first calls are reported apart.
-`--no-warmup` reports this process's own first-call times instead; `--warm-up-run` (with `--resident`) first runs
-what the app's warm-up runs (h3engine.runtime.front.WARM_UP_REQUEST's shape), so that with `--no-warmup` the
-request's own first calls show what a first request pays after it. `--timed-steps K` runs only the first K steps of
-the N-step schedule (`extrapolated: true`); the latents are then only partly denoised, which changes no decode or
-mux time, and the MP4 is written but not kept. `--seconds` changes the requested duration (5 s by default; the
-smoke test asks 0.9 s: 22 frames, the fewest the video VAE decodes).
-
-    python benchmarks/e2e.py --timed-steps 3                                # GPU, released size, JSON to results
-    python benchmarks/e2e.py --tiny --device cpu --steps 4 --output-dir /tmp   # smoke test (seconds)
+    python -m benchmarks.e2e --timed-steps 3                                # GPU, released size, JSON to results
+    python -m benchmarks.e2e --tiny --device cpu --steps 4 --output-dir /tmp   # smoke test (seconds)
 """
 
 from __future__ import annotations
@@ -53,7 +23,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -63,27 +32,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
 
-REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPOSITORY_ROOT))
-
-from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig  # noqa: E402
-
-from benchmarks._common import device_label, package_version, synchronize  # noqa: E402
-from h3engine.checkpoint import audio_vae_keys, video_vae_keys  # noqa: E402
-from h3engine.checkpoint.dit_keys import random_native_tensor  # noqa: E402
-from h3engine.checkpoint.loader import ComponentSource  # noqa: E402
-from h3engine.checkpoint.text_encoder_files import build_tiny_tokenizer, tiny_text_encoder_config  # noqa: E402
-from h3engine.checkpoint.tiny import TINY_CANVAS  # noqa: E402
-from h3engine.conditioning import EncodedConditions  # noqa: E402
-from h3engine.geometry import Geometry  # noqa: E402
-from h3engine.media import mux  # noqa: E402
-from h3engine.models.audio_vae import AudioVAE, AudioVAEConfig  # noqa: E402
-from h3engine.models.dit import DiTConfig, H3DiT  # noqa: E402
-from h3engine.models.text_encoder import H3TextEncoder  # noqa: E402
-from h3engine.models.video_vae import VideoVAE, VideoVAEConfig  # noqa: E402
-from h3engine.modulation import clear_modulation_cache, offload_adaln  # noqa: E402
-from h3engine.pipeline import (  # noqa: E402
+from benchmarks._common import RESULTS_DIR, device_label, package_version, synchronize
+from h3engine.checkpoint import audio_vae_keys, video_vae_keys
+from h3engine.checkpoint.dit_keys import random_native_tensor
+from h3engine.checkpoint.loader import ComponentSource
+from h3engine.checkpoint.text_encoder_files import build_tiny_tokenizer, tiny_text_encoder_config
+from h3engine.checkpoint.tiny import TINY_CANVAS
+from h3engine.conditioning import EncodedConditions
+from h3engine.geometry import Geometry
+from h3engine.media import mux
+from h3engine.models.audio_vae import AudioVAE, AudioVAEConfig
+from h3engine.models.dit import DiTConfig, H3DiT
+from h3engine.models.text_encoder import H3TextEncoder
+from h3engine.models.video_vae import VideoVAE, VideoVAEConfig
+from h3engine.modulation import clear_modulation_cache, offload_adaln
+from h3engine.pipeline import (
     DenoisedLatents,
     Models,
     PreparedRequest,
@@ -92,9 +57,9 @@ from h3engine.pipeline import (  # noqa: E402
     denoise_request,
     encode_presentation,
 )
-from h3engine.presentation import Presentation, text_presentation  # noqa: E402
-from h3engine.runtime.front import WARM_UP_REQUEST  # noqa: E402
-from h3engine.sampling.schedule import Schedule  # noqa: E402
+from h3engine.presentation import Presentation, text_presentation
+from h3engine.runtime.front import WARM_UP_REQUEST
+from h3engine.sampling.schedule import Schedule
 
 RECIPE = "sglang"  # the serving recipe: N forwards for N steps
 ASPECT = "16:9"
@@ -494,7 +459,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         "its duration at this canvas, one step, decoded) and report its time ('warm_up_run_s'); with --no-warmup "
         "the request's first-call times then show what the warm-up leaves",
     )
-    parser.add_argument("--output-dir", type=Path, default=REPOSITORY_ROOT / "benchmarks" / "results")
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     if args.warm_up_run and not args.resident:
         parser.error("--warm-up-run needs --resident (it runs on the models the request then uses)")

@@ -2,7 +2,7 @@
 threads (the engine's default) against one thread, same process and data; the decoded frames of both files must be
 identical.
 
-    python benchmarks/mux_speed.py --output-dir DIR
+    python -m benchmarks.mux_speed --output-dir DIR
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,9 +20,8 @@ import av
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from h3engine.media import mux  # noqa: E402
+from benchmarks._common import RESULTS_DIR
+from h3engine.media import mux
 
 FRAMES, HEIGHT, WIDTH = 124, 768, 1344
 
@@ -71,7 +69,7 @@ def timed_write(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--output-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     default_threads, default_thread_type = mux.FRAME_CONVERSION_THREADS, mux.ENCODER_THREAD_TYPE
     video, audio = synthetic_clip()

@@ -10,8 +10,8 @@ short table is printed last.
 Shapes: hidden 5376, 56 heads x 128 with 96 rotated channels, FFN 14,336, bf16; AdaLN tables of M = 2 timesteps
 (6 rows); the Ulysses relayouts of an sp = --sequence-parallel group (stacked q/k/v sent, attention output back).
 
-    python benchmarks/ops_kernels.py                                                    # GPU, JSON to results/
-    TRITON_INTERPRET=1 python benchmarks/ops_kernels.py --tiny --device cpu --output-dir /tmp   # smoke test
+    python -m benchmarks.ops_kernels                                                    # GPU, JSON to results/
+    TRITON_INTERPRET=1 python -m benchmarks.ops_kernels --tiny --device cpu --output-dir /tmp   # smoke test
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,15 +29,12 @@ import torch
 import triton
 import triton.testing
 
-REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPOSITORY_ROOT))
-
-from benchmarks._common import device_label, package_version  # noqa: E402
-from h3engine import ops  # noqa: E402
-from h3engine.kernels import reference  # noqa: E402
-from h3engine.kernels import triton as triton_kernels  # noqa: E402
-from h3engine.kernels.triton.common import INTERPRETING  # noqa: E402
-from h3engine.models.dit import DiTConfig  # noqa: E402
+from benchmarks._common import RESULTS_DIR, device_label, package_version
+from h3engine import ops
+from h3engine.kernels import reference
+from h3engine.kernels import triton as triton_kernels
+from h3engine.kernels.triton.common import INTERPRETING
+from h3engine.models.dit import DiTConfig
 
 # The 768p / 5 s T2VA layout: 512 text + 414 audio + 37,296 video rows; M = 2 timesteps -> 6 AdaLN table rows.
 RELEASED_SEQUENCE_LENGTH = 38_222
@@ -226,7 +222,7 @@ def main() -> None:
     parser.add_argument("--warmup-ms", type=int, default=100, help="do_bench warm-up per op and variant")
     parser.add_argument("--rep-ms", type=int, default=500, help="do_bench measuring time per op and variant")
     parser.add_argument("--cpu-runs", type=int, default=3, help="timed runs per op on CPU (smoke test only)")
-    parser.add_argument("--output-dir", type=Path, default=REPOSITORY_ROOT / "benchmarks" / "results")
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument(
         "--qk-norm-rope-launches",
         action="store_true",

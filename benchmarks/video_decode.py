@@ -3,8 +3,8 @@ recipe (fp32 weights under fp16 autocast) and random weights (`video_vae_keys.ra
 decode (GPU work only, no host copy), the decoder's tokens and FLOPs, and a kernel profile of one decode (time per
 kernel group, busiest kernels) to show where the time goes.
 
-    python benchmarks/video_decode.py --output-dir DIR
-    python benchmarks/video_decode.py --tiny --device cpu --output-dir /tmp    # smoke test
+    python -m benchmarks.video_decode --output-dir DIR
+    python -m benchmarks.video_decode --tiny --device cpu --output-dir /tmp    # smoke test
 """
 
 from __future__ import annotations
@@ -14,19 +14,16 @@ import contextlib
 import datetime
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks._common import device_label, kernel_profile, package_version, synchronize  # noqa: E402
-from benchmarks.e2e import build_video_vae  # noqa: E402
-from h3engine import ops  # noqa: E402
-from h3engine.models.video_vae import DECODE_BATCH_TILES, VideoVAE, VideoVAEConfig  # noqa: E402
+from benchmarks._common import RESULTS_DIR, device_label, kernel_profile, package_version, synchronize
+from benchmarks.e2e import build_video_vae
+from h3engine import ops
+from h3engine.models.video_vae import DECODE_BATCH_TILES, VideoVAE, VideoVAEConfig
 
 RELEASED_LATENTS = (1, 24, 37, 48, 84)
 TINY_LATENTS = (1, 4, 5, 4, 6)
@@ -99,7 +96,7 @@ def main() -> None:
         default=f"1,{DECODE_BATCH_TILES}",
         help="comma-separated decoder batch sizes to time (VideoVAE.decode_batch_tiles); the last one is profiled",
     )
-    parser.add_argument("--output-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument(
         "--mux-thread-types",
         default="",

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _dit_helpers import PackedRequest, tiny_fl2va_request
+from _dit_helpers import tiny_fl2va_request
 
+from benchmarks._packed_request import PackedRequest
 from h3engine.checkpoint.safetensors_io import WeightFiles
 from h3engine.models.dit import DiTConfig
 from h3engine.parallel.collectives import heads_to_sequence, sequence_to_heads

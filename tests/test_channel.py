@@ -51,15 +51,7 @@ from h3engine.runtime.channel import (
     TensorChannel,
 )
 
-CUDA = pytest.param(
-    "cuda",
-    marks=pytest.mark.skipif(
-        not torch.cuda.is_available(),
-        reason="needs a CUDA GPU: the CUDA IPC channel is checked on the GPU machine "
-        "(these tests there, and python3 benchmarks/channel_gpu_check.py)",
-    ),
-)
-DEVICES = ["cpu", CUDA]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 COLLECT_TIMEOUT_S = 90.0
 # A death or a closing flag is seen within the channel's 50 ms poll; this leaves room for a loaded machine.
 DETECTION_LIMIT_S = 3.0

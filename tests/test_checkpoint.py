@@ -36,13 +36,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("n") / "ckpt", seed=0, layout="native")
+def native(tiny_native: Path) -> Path:
+    return tiny_native
 
 
 @pytest.fixture(scope="module")
-def diffusers_root(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("d") / "ckpt", seed=0, layout="diffusers")
+def diffusers_root(tiny_diffusers: Path) -> Path:
+    return tiny_diffusers
 
 
 @pytest.mark.parametrize("layout", ["native", "diffusers"])

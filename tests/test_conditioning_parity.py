@@ -25,7 +25,6 @@ import soundfile
 import torch
 from PIL import Image
 
-from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.cli import main, parse_reference_spec
 from h3engine.conditioning import (
     fit_keyframes,
@@ -86,8 +85,8 @@ def synthetic_image(width: int, height: int, seed: int) -> Image.Image:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("checkpoint") / "tiny", seed=3, layout="diffusers")
+def checkpoint(tiny_checkpoints) -> Path:
+    return tiny_checkpoints("diffusers", seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """H3 DiT: parity with diffusers 0.42.1 (fp32 and the released bf16 recipe), config files, key maps, full size.
 
-Errors are max |ours - reference| / max |reference| over each velocity (see `_dit_helpers.max_relative_error`).
+Errors are max |ours - reference| / max |reference| over each velocity (benchmarks/_packed_request.py).
 """
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import dataclasses
 
 import pytest
 import torch
-from _dit_helpers import PackedRequest, max_relative_error, tiny_fl2va_request
+from _dit_helpers import tiny_fl2va_request
 from diffusers import MiniMaxH3Transformer3DModel
 
+from benchmarks._packed_request import PackedRequest, max_relative_error
 from h3engine import modulation as modulation_module
 from h3engine.checkpoint.dit_format import (
     config_from_diffusers,
@@ -490,7 +491,7 @@ def test_offloaded_adaln_gives_the_same_tables(tiny_state) -> None:
         assert torch.equal(a.final[0], b.final[0])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_offloaded_adaln_on_the_gpu_matches_the_resident_model(tiny_state) -> None:
     device = torch.device("cuda")
     model = our_model(tiny_state, torch.bfloat16).to(device)
@@ -506,7 +507,7 @@ def test_offloaded_adaln_on_the_gpu_matches_the_resident_model(tiny_state) -> No
     assert torch.equal(expected[0], actual[0]) and torch.equal(expected[1], actual[1])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_tables_built_on_their_own_stream_are_waited_for(tiny_state, monkeypatch) -> None:
     # A schedule's tables are built on a stream of their own while the forward is queued on the current one. Here
     # each projection's streaming starts with a GPU sleep on the building stream, so a forward that did not

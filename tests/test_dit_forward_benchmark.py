@@ -1,36 +1,20 @@
-"""benchmarks/dit_forward.py's fp32 yardstick: a bf16 model whose weights are widened only where they are used
+"""benchmarks.dit_forward's fp32 yardstick: a bf16 model whose weights are widened only where they are used
 computes the same forward as a model built in fp32 with those (bf16-valued) weights, and leaves its block linears
 in bf16."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-import pytest
 import torch
 
+from benchmarks import dit_forward
 from h3engine.models.dit import DiTConfig, H3DiT
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "dit_forward.py"
-
-
-@pytest.fixture(scope="module")
-def dit_forward():
-    spec = importlib.util.spec_from_file_location("dit_forward_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
 
 
 def relative_l2(value: torch.Tensor, expected: torch.Tensor) -> float:
     return float((value - expected).norm() / expected.norm())
 
 
-def test_fp32_reference_forward_matches_a_model_built_in_fp32(dit_forward) -> None:
+def test_fp32_reference_forward_matches_a_model_built_in_fp32() -> None:
     config = DiTConfig.tiny()
     device = torch.device("cpu")
     request = dit_forward.t2va_request(config, tiny=True, seed=0)

@@ -1,30 +1,17 @@
-"""The end-to-end benchmark (benchmarks/e2e.py) in its tiny CPU mode: the JSON it writes holds every field, with
+"""The end-to-end benchmark (benchmarks.e2e) in its tiny CPU mode: the JSON it writes holds every field, with
 positive times and finite outputs, for a K-of-N extrapolated run and for a resident run of every step."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import e2e
 from h3engine.media.mux import probe_mp4
 from h3engine.models.video_vae import DECODE_BATCH_TILES
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "e2e.py"
-
-
-@pytest.fixture(scope="module")
-def e2e():
-    spec = importlib.util.spec_from_file_location("e2e_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
 
 
 def run_tiny(e2e, output_dir: Path, *options: str) -> dict:
@@ -103,7 +90,7 @@ def check_common_fields(result: dict, steps: int, timed_steps: int) -> None:
     assert result["peak_gpu_memory_gib"] is None
 
 
-def test_timed_prefix_is_extrapolated_and_keeps_no_mp4(e2e, tmp_path):
+def test_timed_prefix_is_extrapolated_and_keeps_no_mp4(tmp_path):
     result = run_tiny(e2e, tmp_path, "--steps", "3", "--timed-steps", "2")
     check_common_fields(result, steps=3, timed_steps=2)
     assert result["extrapolated"] is True
@@ -123,13 +110,13 @@ def test_timed_prefix_is_extrapolated_and_keeps_no_mp4(e2e, tmp_path):
     assert not list(tmp_path.glob("*.mp4"))
 
 
-def test_without_a_repeat_the_rate_covers_every_step(e2e, tmp_path):
+def test_without_a_repeat_the_rate_covers_every_step(tmp_path):
     result = run_tiny(e2e, tmp_path, "--steps", "3", "--timed-steps", "2", "--repeat-steps", "0")
     assert result["warm_repeat"] is None
     assert math.isclose(result["denoise_s"], result["denoise_outside_steps_s"] + result["step_s"][1] * 3)
 
 
-def test_resident_full_run_keeps_the_mp4(e2e, tmp_path):
+def test_resident_full_run_keeps_the_mp4(tmp_path):
     result = run_tiny(e2e, tmp_path, "--steps", "1", "--resident", "--no-warmup")
     check_common_fields(result, steps=1, timed_steps=1)
     assert result["extrapolated"] is False
@@ -149,6 +136,6 @@ def test_resident_full_run_keeps_the_mp4(e2e, tmp_path):
         ("--steps", "2", "--repeat-steps", "3"),  # a repeat beyond the schedule
     ],
 )
-def test_bad_step_counts_are_refused(e2e, tmp_path, steps_options):
+def test_bad_step_counts_are_refused(tmp_path, steps_options):
     with pytest.raises(SystemExit):
         e2e.main(["--tiny", "--device", "cpu", *steps_options, "--output-dir", str(tmp_path)])

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dit_helpers import PackedRequest, max_relative_error, tiny_fl2va_request
+from _dit_helpers import tiny_fl2va_request
 from torch import nn
 
 import h3engine.quantization as fp8
+from benchmarks._packed_request import PackedRequest, max_relative_error
 from h3engine.checkpoint.dit_format import native_to_module
 from h3engine.checkpoint.dit_keys import random_native_state
 from h3engine.checkpoint.safetensors_io import WeightFiles
@@ -48,9 +49,8 @@ BF16_UNIT_ROUNDOFF = 2.0**-8
 # shows the FP8 path ran at all (fp32 noise is ~1e-7).
 DIT_ERROR_BOUND = 2.0**-3
 DIT_MIN_ERROR = 2.0**-10
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-needs_fp8_gpu = pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+needs_fp8_capability = pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
     reason="needs a CUDA GPU of compute capability >= 8.9 (FP8 GEMMs)",
 )
 
@@ -372,12 +372,14 @@ def test_scaled_mm_call_matches_reference_on_cpu() -> None:
     check_scaled_mm_matches_reference("cpu")
 
 
-@needs_fp8_gpu
+@pytest.mark.cuda
+@needs_fp8_capability
 def test_scaled_mm_matches_reference_on_gpu() -> None:
     check_scaled_mm_matches_reference("cuda")
 
 
-@needs_fp8_gpu
+@pytest.mark.cuda
+@needs_fp8_capability
 def test_fp8_linear_dispatches_by_shape_on_gpu() -> None:
     generator = torch.Generator().manual_seed(SEED)
     inputs = torch.randn(200, 256, generator=generator).to("cuda", torch.bfloat16)
@@ -403,7 +405,7 @@ def test_fp8_linear_dispatches_by_shape_on_gpu() -> None:
     assert torch.equal(unaligned(inputs), reference)
 
 
-@needs_gpu
+@pytest.mark.cuda
 def test_quantized_dit_stays_close_on_gpu(tiny_state) -> None:
     # On an FP8-capable GPU fc1 / fc2 of the tiny DiT take `_scaled_mm`; qkv and out_proj (24 wide) fall back.
     request = tiny_request(torch.bfloat16).to("cuda")

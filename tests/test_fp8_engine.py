@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 
-from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.cli import main
 from h3engine.engine import Engine
 from h3engine.quantization import Fp8Linear
@@ -16,8 +15,8 @@ from h3engine.request import GenerationRequest
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("fp8") / "tiny", seed=11)
+def checkpoint(tiny_checkpoints):
+    return tiny_checkpoints("native", seed=11)
 
 
 def test_fp8_linear_quantizes_the_blocks_and_changes_the_output_a_little(checkpoint, tmp_path) -> None:

@@ -12,7 +12,6 @@ import os
 import pytest
 import torch
 
-from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.engine import Engine
 from h3engine.request import GenerationRequest
 
@@ -26,12 +25,8 @@ def relative_l2(ours: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, object]:
-    root = tmp_path_factory.mktemp("checkpoints")
-    return {
-        "native": make_tiny_checkpoint(root / "native", seed=3, layout="native"),
-        "diffusers": make_tiny_checkpoint(root / "diffusers", seed=3, layout="diffusers"),
-    }
+def checkpoints(tiny_checkpoints) -> dict[str, object]:
+    return {layout: tiny_checkpoints(layout, seed=3) for layout in ("native", "diffusers")}
 
 
 def reference_generation(folder, prompt: str, steps: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,6 @@ from safetensors.torch import load_file
 from torch import nn
 
 from h3engine.checkpoint.layout import detect_layout
-from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.cli import main
 from h3engine.engine import Engine
 from h3engine.errors import GenerationCancelled, RequestError
@@ -88,8 +87,8 @@ class RecordingEngine(Engine):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("profiles") / "tiny", seed=5)
+def checkpoint(tiny_checkpoints) -> Path:
+    return tiny_checkpoints("native", seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +266,7 @@ def test_the_cli_refuses_an_unknown_profile_with_exit_code_2(capsys, tmp_path) -
     assert not out.exists()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_low_memory_on_a_gpu_keeps_models_in_host_memory_and_equals_resident(
     checkpoint, fl2va_request
 ) -> None:
@@ -292,7 +291,7 @@ def test_low_memory_on_a_gpu_keeps_models_in_host_memory_and_equals_resident(
             assert torch.equal(getattr(output, name), getattr(expected, name)), name
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_a_low_memory_worker_rank_generates_what_the_resident_engine_does(
     checkpoint, fl2va_request, tmp_path
 ) -> None:

@@ -296,7 +296,10 @@ def test_kernels_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 needs_triton_device = pytest.mark.skipif(not (HAS_CUDA or INTERPRETING), reason="needs a CUDA GPU")
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+# CUDA tests that Triton's interpreter (set for the whole run) would send to the CPU.
+not_interpreted = pytest.mark.skipif(
+    INTERPRETING, reason="runs compiled kernels on a CUDA GPU, not the interpreter"
+)
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 KERNEL_DTYPES = [torch.bfloat16, torch.float16, torch.float32] if HAS_CUDA else [torch.float16, torch.float32]
@@ -611,7 +614,8 @@ def test_triton_kernels_under_the_interpreter() -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-@needs_cuda
+@pytest.mark.cuda
+@not_interpreted
 def test_dispatch_runs_triton_on_cuda_unless_told_otherwise() -> None:
     fused = draw((8, 64), torch.bfloat16, 22)
     assert ops.implementation("swiglu", fused) == "triton"
@@ -626,7 +630,8 @@ def test_dispatch_runs_triton_on_cuda_unless_told_otherwise() -> None:
         assert ops.implementation("swiglu", fused.float().requires_grad_()) == "triton"
 
 
-@needs_cuda
+@pytest.mark.cuda
+@not_interpreted
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cuda_swiglu_is_bit_identical_to_torch(dtype: torch.dtype) -> None:
     # libdevice expf and IEEE division are what torch's CUDA silu compiles to.
@@ -634,7 +639,8 @@ def test_cuda_swiglu_is_bit_identical_to_torch(dtype: torch.dtype) -> None:
     assert torch.equal(triton_kernels().swiglu(fused), reference.swiglu(fused))
 
 
-@needs_cuda
+@pytest.mark.cuda
+@not_interpreted
 def test_cuda_swiglu_addresses_past_two_to_the_31_elements() -> None:
     width = 14336
     sequence_length = 2**31 // (2 * width) + 3

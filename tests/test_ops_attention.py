@@ -66,7 +66,7 @@ def test_a_failing_fast_backend_falls_back_once_and_is_remembered(monkeypatch) -
     assert attention_ops.selected_backend(query) == "sdpa"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["fa4", "cudnn"])
 @pytest.mark.parametrize("shape", [(1000, 4, 128), (4097, 3, 64), (333, 2, 128)])
 def test_gpu_backends_match_the_reference(backend, shape) -> None:
@@ -82,7 +82,7 @@ def test_gpu_backends_match_the_reference(backend, shape) -> None:
     assert error <= 2 * reference_error, (error, reference_error)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 @pytest.mark.parametrize("rows", [1000, 4097, 38_222])
 def test_gpu_fa4_tuned_tiles_match_the_reference_without_host_syncs(rows, monkeypatch) -> None:
     if attention_ops._fa4_function() is None:
@@ -110,7 +110,7 @@ def test_gpu_fa4_tuned_tiles_match_the_reference_without_host_syncs(rows, monkey
     assert error <= 2 * reference_error, (error, reference_error)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_gpu_candidates_leave_out_head_sizes_the_fast_kernels_do_not_take() -> None:
     device = torch.device("cuda")
     assert attention_ops.candidate_backends(device, torch.bfloat16, 12) == ["sdpa"]

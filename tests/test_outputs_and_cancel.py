@@ -24,7 +24,6 @@ import torch
 from PIL import Image
 
 from h3engine import pipeline as pipeline_module
-from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.engine import Engine
 from h3engine.errors import GenerationCancelled, RequestError
 from h3engine.leftovers import (
@@ -68,8 +67,8 @@ POLLS_BEFORE_TEXT_ENCODE = {"t2va": 0, "fl2va": 3, "ref2va": 3}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("outputs") / "checkpoint", seed=0)
+def checkpoint(tiny_native) -> Path:
+    return tiny_native
 
 
 @pytest.fixture(scope="module")
@@ -280,6 +279,7 @@ def test_a_sigkilled_cli_leaves_staging_files_that_the_next_start_removes(checkp
     assert list(folder.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_sigkilled_worker_group_leaves_a_rendezvous_folder_that_the_next_start_removes(
     checkpoint, tmp_path, monkeypatch
 ) -> None:
@@ -301,6 +301,7 @@ def test_a_sigkilled_worker_group_leaves_a_rendezvous_folder_that_the_next_start
         replica.close()
 
 
+@pytest.mark.slow
 def test_the_app_removes_what_a_sigkilled_app_left_when_it_starts_again(tmp_path) -> None:
     from _app_helpers import start_app, stop_app
     from gradio_client import Client

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from _dit_helpers import max_relative_error
 from _parallel_dit_helpers import (
     EIGHT_HEADS,
     SEED,
@@ -25,12 +24,13 @@ from _parallel_dit_helpers import (
     worker,
 )
 
+from benchmarks._packed_request import max_relative_error
 from h3engine.checkpoint.dit_format import as_native_files, diffusers_to_module, native_to_module
 from h3engine.checkpoint.dit_keys import native_to_diffusers, random_native_state
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.loader import dit_source
 from h3engine.checkpoint.safetensors_io import WeightFiles
-from h3engine.checkpoint.tiny import make_tiny_checkpoint, save_sharded
+from h3engine.checkpoint.tiny import save_sharded
 from h3engine.errors import CheckpointError
 from h3engine.models.dit import DiTConfig, H3DiT
 from h3engine.parallel.dit import load_dit_shard
@@ -74,8 +74,8 @@ def eight_head_diffusers_folder(tmp_path_factory, eight_head_state) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "checkpoint", seed=SEED)
+def tiny_checkpoint(tiny_checkpoints) -> Path:
+    return tiny_checkpoints("native", seed=SEED)
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +218,7 @@ def test_shards_of_a_diffusers_layout_without_whole_heads_are_refused(eight_head
 # --------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world_size, sp, tp",
     [(2, 2, 1), (2, 1, 2), (4, 4, 1), (4, 1, 4), (4, 2, 2)],

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dit_helpers import relative_l2
 
+from benchmarks._packed_request import relative_l2
 from h3engine import ops
 from h3engine.checkpoint.dit_keys import random_native_tensor
 from h3engine.models.dit import DiTBlock, DiTConfig, MultiAxisRope, PackedLayout
 from h3engine.ops import attention as attention_ops
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.cuda
 
 ROWS = 4103  # odd on purpose
 

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import torch
 
-from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.engine import Engine
 from h3engine.media.preview import PREVIEW_SHORT_EDGE, channel_to_rgb_weights, latent_preview_rgb
 from h3engine.request import GenerationRequest, Keyframe
@@ -39,8 +38,8 @@ EVENT_TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("front") / "checkpoint", seed=0)
+def checkpoint(tiny_native):
+    return tiny_native
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,6 @@ import torch
 from _app_helpers import assert_browser_playable, start_app, stop_app
 from safetensors.torch import load_file
 
-from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.cli import main
 from h3engine.engine import Engine
 from h3engine.errors import RequestError
@@ -173,8 +172,8 @@ def workers_of_this_process() -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("workers") / "checkpoint", seed=SEED)
+def checkpoint(tiny_checkpoints) -> Path:
+    return tiny_checkpoints("native", seed=SEED)
 
 
 @pytest.fixture(scope="module")
@@ -389,6 +388,7 @@ def test_shutdown_cancels_the_running_job_and_leaves_no_worker_process(groups) -
     assert not set(workers_of_this_process()) & set(workers)
 
 
+@pytest.mark.slow
 def test_sigterm_ends_a_cli_run_and_every_process_it_started(checkpoint, tmp_path) -> None:
     out = tmp_path / "terminated.mp4"
     command = [sys.executable, "-m", "h3engine", "generate", "--checkpoint", str(checkpoint), "--prompt", "x"]
@@ -442,6 +442,7 @@ def test_ranks_end_by_themselves_when_their_front_process_is_killed(checkpoint) 
     assert not [pid for pid in workers if process_exists(pid)]
 
 
+@pytest.mark.slow
 def test_the_app_serves_requests_from_a_worker_group(tmp_path) -> None:
     from gradio_client import Client  # imported here: only this test needs it, and it takes a while
 
@@ -475,9 +476,7 @@ def test_the_app_serves_requests_from_a_worker_group(tmp_path) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (the lead runs it on the H200 machine)"
-)
+@pytest.mark.cuda
 def test_a_worker_group_on_cuda_equals_the_in_process_engine(checkpoint, tmp_path) -> None:
     """One rank per GPU (up to two, NCCL with two), fp32: the same T2VA as the in-process engine on cuda:0."""
     devices = tuple(f"cuda:{index}" for index in range(min(2, torch.cuda.device_count())))

@@ -6,15 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.engine import Engine
 from h3engine.request import GenerationRequest
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.cuda
 
 
-def test_steps_after_the_first_do_not_synchronize(tmp_path) -> None:
-    engine = Engine.from_checkpoint(make_tiny_checkpoint(tmp_path / "tiny", seed=5), "cuda", torch.bfloat16)
+def test_steps_after_the_first_do_not_synchronize(tiny_checkpoints) -> None:
+    engine = Engine.from_checkpoint(tiny_checkpoints("native", seed=5), "cuda", torch.bfloat16)
     checked_steps = []
 
     def on_step(event) -> None:

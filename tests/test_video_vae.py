@@ -231,7 +231,7 @@ def test_batched_decoder_calls_equal_one_tile_per_call(
         ours.decode_batch(prepared, [plan.tiles[0], DecodeTile(frames=(0, 7), rows=(0, 4), columns=(0, 8))])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_batched_decoder_calls_on_cuda_under_the_fp16_recipe(tiny_config: VideoVAEConfig) -> None:
     ours = VideoVAE(tiny_config).eval()
     ours.load_state_dict(video_vae_keys.random_native_state(tiny_config, seed=7), strict=True)
@@ -271,6 +271,7 @@ def released_width_vae(
     return config, native, ours
 
 
+@pytest.mark.slow
 def test_released_width_matches_diffusers() -> None:
     # The released architecture (6 encoder levels, 32-group norms, 32 heads x 64 with 48 rotated channels = 8
     # frequencies per axis, 4 register tokens, 24 latent channels) with a single decoder block to stay cheap.
@@ -292,7 +293,7 @@ def test_released_width_matches_diffusers() -> None:
     assert relative_error(decoded, expected) <= MAX_RELATIVE_ERROR
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_decoder_fused_kernels_on_cuda_equal_the_torch_twins() -> None:
     # The released decoder width (2048 = 32 heads x 64, 48 rotated channels, 8192-wide SwiGLU) with two blocks, so
     # the norm fused into a block's last residual feeds the next block. fp16 recipe, as the engine decodes.

@@ -1,39 +1,20 @@
-"""CUDA IPC tensor channel on one GPU: a producer process hands tensors to a consumer process, checked and timed.
+"""Spawned side of tests/test_channel_gpu.py: a producer and a consumer of many large, changing tensors.
 
-    python3 benchmarks/channel_gpu_check.py                                  # the GPU machine (one H200)
-    python3 benchmarks/channel_gpu_check.py --device cpu --sends 24 --big-mib 4   # smoke test of this script
-
-Two spawned processes, two channels made here (the engine's role: this process only joins and reports):
-1. Verified run, 3 slots: 200 sends of fresh random tensors (bf16, fp32 with NaN/inf, non-contiguous fp16,
-   int64, uint8, bool, 0-d, empty; shapes change with the step; every 4th send adds a 64 MiB fp32 tensor). The
-   producer refills the same source tensors in place, sends them, and scribbles zeros over them right after
-   `send` returns. It reports each send's checksums first, through a separate queue. The consumer checks every
-   tensor's name, dtype, shape and checksum (position-weighted byte sum, exact int64) on arrival, keeps the two
-   newest batches, and checks each one again just before it releases it, while the producer is already
-   writing later batches into the other slots.
-2. Throughput, 2 slots: 64 MiB fp32 sends, the consumer copying each one out into its own tensor; the GB/s count
-   the 64 MiB delivered per second after a warm-up, each byte copied twice (into the slot, out of it).
-Prints one PASS/FAIL line (and the problems above it); exit code 1 on any mismatch, error or hang.
+Kept apart from the test module so that a spawned worker imports only torch and the channel. Run 1 (3 slots):
+fresh tensors of every kind each send (every 4th with a big fp32 tensor); the producer scribbles zeros over its
+sources right after `send`, reports each send's checksums first through a separate queue, and the consumer checks
+every tensor on arrival and again just before it releases it (it holds the two newest batches). Run 2 (2 slots):
+big fp32 sends copied out by the consumer, for the throughput. Each worker puts one report on `reports`
+(`{"role": ..., "error": traceback}` when it failed).
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import queue
-import sys
 import time
 import traceback
 from collections import deque
-from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
-
-REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPOSITORY_ROOT))
-
-from h3engine.runtime.channel import TensorChannel  # noqa: E402
 
 VERIFY_SLOTS = 3
 HOLD_WINDOW = 2
@@ -42,8 +23,6 @@ THROUGHPUT_SLOTS = 2
 THROUGHPUT_SENDS = 60
 WARMUP_SENDS = 5
 WORKER_TIMEOUT_S = 120.0
-RUN_TIMEOUT_S = 540.0
-SHOWN_PROBLEMS = 10
 
 
 def step_tensors(step: int, device: str, big_mib: int) -> dict[str, torch.Tensor]:
@@ -210,93 +189,3 @@ def consumer_main(
         )
     except BaseException:
         reports.put({"role": "consumer", "error": traceback.format_exc()})
-
-
-def run(device: str, sends: int, big_mib: int) -> tuple[bool, list[str], str]:
-    """(passed, problems, summary) of one producer -> consumer run."""
-    context = mp.get_context("spawn")
-    verify_channel = TensorChannel(device, VERIFY_SLOTS, "gpu check", timeout_s=WORKER_TIMEOUT_S)
-    speed_channel = TensorChannel(device, THROUGHPUT_SLOTS, "gpu throughput", timeout_s=WORKER_TIMEOUT_S)
-    expected = context.Queue()
-    reports = context.Queue()
-    arguments = (verify_channel, speed_channel, expected, reports, device, sends, big_mib)
-    processes = [
-        context.Process(target=producer_main, args=arguments, name="channel-producer"),
-        context.Process(target=consumer_main, args=arguments, name="channel-consumer"),
-    ]
-    for process in processes:
-        process.start()
-    collected: dict[str, dict] = {}
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while len(collected) < 2 and time.monotonic() < deadline:
-        try:
-            report = reports.get(timeout=1.0)
-            collected[report["role"]] = report
-        except queue.Empty:
-            if any(process.exitcode not in (None, 0) for process in processes):
-                break
-    problems = []
-    for process in processes:
-        process.join(timeout=30)
-        if process.is_alive():
-            problems.append(f"{process.name} (pid {process.pid}) hung; killed")
-            process.kill()
-            process.join()
-        elif process.exitcode != 0:
-            problems.append(f"{process.name} exited with code {process.exitcode}")
-    for channel in (verify_channel, speed_channel):
-        if not channel.close(timeout=10.0):
-            problems.append(f"{channel.describe} did not close cleanly")
-    for role in ("producer", "consumer"):
-        report = collected.get(role)
-        if report is None:
-            problems.append(f"the {role} sent no report")
-        elif "error" in report:
-            problems.append(f"the {role} failed:\n{report['error']}")
-    if problems or len(collected) < 2:
-        return False, problems, f"{sends} sends over {VERIFY_SLOTS} slots did not complete"
-    producer, consumer = collected["producer"], collected["consumer"]
-    problems += consumer["problems"]
-    where = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
-    summary = (
-        f"{producer['sends']} sends over {VERIFY_SLOTS} slots on {where}, "
-        f"{(sends + BIG_EVERY - 1) // BIG_EVERY} of them with a {big_mib} MiB tensor: "
-        f"{len(consumer['problems'])} mismatches in {consumer['checked_tensors']} tensor checks (on arrival and "
-        f"before release), {producer['slot_reuses']} slot reuses, {producer['buffer_allocations']} slot buffers "
-        f"allocated, {producer['bytes_sent'] / 1e9:.2f} GB in {producer['elapsed_s']:.1f} s with checksums "
-        f"(producer blocked {producer['blocked_s']:.2f} s); throughput {consumer['throughput_gb_s']:.1f} GB/s "
-        f"({THROUGHPUT_SENDS - WARMUP_SENDS} x {big_mib} MiB, each copied into a slot and out again)"
-    )
-    # The first send into each slot is its only non-reuse (slots are taken least recently released first).
-    if producer["slot_reuses"] != producer["sends"] - VERIFY_SLOTS:
-        problems.append(
-            f"expected {producer['sends'] - VERIFY_SLOTS} slot reuses, counted {producer['slot_reuses']}"
-        )
-    return not problems, problems, summary
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda:0", help="cuda:N, or cpu for a smoke test of this script")
-    parser.add_argument("--sends", type=int, default=200)
-    parser.add_argument("--big-mib", type=int, default=64, help="size of the big tensor (MiB)")
-    arguments = parser.parse_args()
-    if arguments.device.startswith("cuda") and not torch.cuda.is_available():
-        print("FAIL channel_gpu_check: no CUDA GPU visible to torch", flush=True)
-        return 1
-    started = time.perf_counter()
-    passed, problems, summary = run(arguments.device, arguments.sends, arguments.big_mib)
-    for problem in problems[:SHOWN_PROBLEMS]:
-        print(f"  problem: {problem}", flush=True)
-    if len(problems) > SHOWN_PROBLEMS:
-        print(f"  ... and {len(problems) - SHOWN_PROBLEMS} more problems", flush=True)
-    verdict = "PASS" if passed else "FAIL"
-    print(
-        f"{verdict} channel_gpu_check (pid {os.getpid()}, {time.perf_counter() - started:.0f} s): {summary}",
-        flush=True,
-    )
-    return 0 if passed else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

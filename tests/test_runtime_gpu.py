@@ -1,56 +1,46 @@
 """The resident worker runtime on GPUs: tiny generations through worker groups, cancel, a killed rank, shutdown.
 
-    python3 benchmarks/runtime_gpu_check.py --output-dir DIR               # the GPU machine (one H200 or more)
-    python3 benchmarks/runtime_gpu_check.py --device cpu --output-dir DIR  # smoke test of this script (gloo)
-
-On a tiny random-weight checkpoint (made here), for each group: one rank per GPU, world size 1 on one GPU and
-also 2 (NCCL, DiT Ulysses 2 then tensor-parallel 2) when two GPUs are visible:
+On the session's tiny checkpoint, for each group (one rank per GPU: world size 1, and with two GPUs world size 2
+as DiT Ulysses 2 and as tensor-parallel 2, NCCL):
 1. Parity: T2VA, FL2VA and Ref2VA through the group (EngineFront + ProcessReplica) against the in-process engine on
    the first device, fp32 (max |group - engine| / max |engine| over video, audio and both latents), then T2VA
-   in bf16, the released precision. Every job must report one progress message per step and its previews.
-2. Cancel mid-run (a 1000-step request, cancelled at step 3): the job ends as cancelled, and how many steps ran
-   after the cancel and how long it took are reported.
+   in bf16, the released precision. Every job reports one progress message per step and its previews.
+2. Cancel mid-run (a 1000-step request, cancelled at step 3): the job ends as cancelled within a few steps.
 3. A rank killed with SIGKILL mid-run (the last rank): the job fails within 5 s with the message naming the rank;
    the next request succeeds on the restarted group.
 4. Shutdown: no worker process is left, and the device memory in use (torch.cuda.mem_get_info, the whole GPU)
    returns to what it was before the group started (within 256 MiB).
-Writes `runtime_gpu_check.json` (every number) to --output-dir and prints one PASS/FAIL line; exit code 1 on any
-failure.
+tests/test_runtime_workers.py checks the same runtime on the CPU (gloo).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
 import signal
-import sys
-import tempfile
 import time
-import traceback
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
+from safetensors.torch import load_file
 
-REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPOSITORY_ROOT))
-
-from safetensors.torch import load_file  # noqa: E402
-
-from h3engine.checkpoint.tiny import make_tiny_checkpoint  # noqa: E402
-from h3engine.engine import Engine  # noqa: E402
-from h3engine.parallel.groups import RuntimeLayout  # noqa: E402
-from h3engine.request import GenerationRequest, Keyframe, Reference  # noqa: E402
-from h3engine.runtime.front import EngineFront, JobHandle  # noqa: E402
-from h3engine.runtime.messages import (  # noqa: E402
+from h3engine.engine import Engine
+from h3engine.parallel.groups import RuntimeLayout
+from h3engine.request import GenerationRequest, Keyframe, Reference
+from h3engine.runtime.front import EngineFront, JobHandle
+from h3engine.runtime.messages import (
     TERMINAL_EVENTS,
     JobFailed,
     JobFinished,
     PreviewFrame,
     StepProgress,
 )
-from h3engine.runtime.workers import ProcessReplica  # noqa: E402
+from h3engine.runtime.workers import ProcessReplica
+
+REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 
 ASSETS = REPOSITORY_ROOT / "assets"
 STEPS = 4
@@ -261,49 +251,47 @@ def check_kill(
     return report
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke test with gloo)")
-    args = parser.parse_args()
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    problems: list[str] = []
-    report: dict = {"torch": torch.__version__}
-    try:
-        if args.device == "cuda":
-            if not torch.cuda.is_available():
-                raise RuntimeError("no CUDA device is visible")
-            report["gpu"] = torch.cuda.get_device_name(0)
-            gpus = torch.cuda.device_count()
-            groups = {"world1": (("cuda:0",), RuntimeLayout.choose(1))}
-            if gpus >= 2:
-                groups["world2_sp2"] = (("cuda:0", "cuda:1"), RuntimeLayout.choose(2, dit_sp=2))
-                groups["world2_tp2"] = (("cuda:0", "cuda:1"), RuntimeLayout.choose(2, dit_tp=2))
-            first_device = "cuda:0"
-        else:
-            groups = {"cpu_world2": (("cpu", "cpu"), RuntimeLayout.choose(2))}
-            first_device = "cpu"
-        with tempfile.TemporaryDirectory(prefix="h3-runtime-check-") as scratch:
-            folder = Path(scratch)
-            checkpoint = make_tiny_checkpoint(folder / "checkpoint", seed=0)
-            references = {
-                "float32": in_process_tensors(checkpoint, first_device, torch.float32, folder),
-                "bfloat16": in_process_tensors(checkpoint, first_device, torch.bfloat16, folder),
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+GROUPS = [
+    pytest.param(("cuda:0",), RuntimeLayout.choose(1), marks=pytest.mark.cuda, id="world1"),
+    pytest.param(
+        ("cuda:0", "cuda:1"),
+        RuntimeLayout.choose(2, dit_sp=2),
+        marks=[pytest.mark.cuda, needs_two_gpus],
+        id="world2_sp2",
+    ),
+    pytest.param(
+        ("cuda:0", "cuda:1"),
+        RuntimeLayout.choose(2, dit_tp=2),
+        marks=[pytest.mark.cuda, needs_two_gpus],
+        id="world2_tp2",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_native, tmp_path_factory) -> Callable[[str], dict[str, dict[str, Path]]]:
+    """first device -> dtype name -> task -> the in-process engine's tensors, made when first asked for."""
+    made: dict[str, dict[str, dict[str, Path]]] = {}
+
+    def for_device(device: str) -> dict[str, dict[str, Path]]:
+        if device not in made:
+            folder = tmp_path_factory.mktemp(f"engine_{device.replace(':', '')}")
+            made[device] = {
+                name: in_process_tensors(tiny_native, device, dtype, folder)
+                for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
             }
-            for name, (devices, layout) in groups.items():
-                print(f"checking {name}: {layout.describe()} on {', '.join(devices)}", flush=True)
-                report[name] = check_group(name, checkpoint, devices, layout, references, folder, problems)
-    except Exception:
-        problems.append(traceback.format_exc())
-    report["problems"] = problems
-    (output_dir / "runtime_gpu_check.json").write_text(json.dumps(report, indent=2, sort_keys=True))
+        return made[device]
+
+    return for_device
+
+
+@pytest.mark.parametrize(("devices", "layout"), GROUPS)
+def test_worker_group_matches_the_engine_cancels_survives_a_killed_rank_and_shuts_down(
+    devices: tuple[str, ...], layout: RuntimeLayout, references, tiny_native, tmp_path
+) -> None:
+    problems: list[str] = []
+    name = "_".join(devices).replace(":", "")
+    report = check_group(name, tiny_native, devices, layout, references(devices[0]), tmp_path, problems)
     print(json.dumps(report, indent=2, sort_keys=True))
-    for problem in problems:
-        print(f"problem: {problem}")
-    print("PASS" if not problems else f"FAIL ({len(problems)} problems)")
-    return 0 if not problems else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    assert not problems, "\n".join(problems)
