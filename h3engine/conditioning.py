@@ -1,22 +1,11 @@
 """Conditioning media -> what the DiT conditions on: fitted keyframes, normalized references, clean latents.
 
-Contract:
-* Media arrive decoded (PIL images, uint8 frame stacks with their frame rate, float waveforms with their sample
-  rate); nothing here opens a file. Every step reproduces the released recipe as diffusers 0.42.1 implements it:
-  - FL2VA keyframes (`fit_keyframes`): the first listed keyframe is stretched onto the canvas with PIL LANCZOS, a
-    second one is cover-cropped (scale to cover, `round()` the resized size, centre offsets `(src - dst) // 2`).
-    Without an explicit canvas, the first listed keyframe's own aspect resolves it (`geometry.resolve_canvas`).
-  - Ref2VA image (`normalize_reference_image`): scaled so that its short edge is the checkpoint's reference short
-    edge (2048 for the release, upscaling allowed, no area cap), each axis rounded to the nearest canvas multiple.
-  - Ref2VA video (`normalize_reference_video`): held onto 24 fps, cut to the generated frame count, resized onto
-    the canvas its own aspect resolves to (the target's rule); the VAE later sees it snapped down to 17n+5 frames.
-  - Ref2VA audio, a clip or a video's soundtrack (`normalize_reference_audio`): cut to the generated duration at
-    its own rate, mono duplicated to stereo, then resampled once to the audio VAE's rate (`resample_waveform`,
-    the windowed-sinc resampler of `torchaudio.transforms.Resample` with its defaults).
-* `encode_keyframes` / `encode_references` turn the normalized media into `EncodedConditions`: clean, normalized
-  latents (visual: VAE posterior *sampled* with its own CPU generator seeded 42, rounded through fp16; audio:
-  posterior mean), in packed order, plus what the packed layout needs. Noising the visual rows to t = 0.999 happens
-  when the rows are packed (`pipeline`), because its noise comes from the request seed.
+Media arrive decoded (PIL images, uint8 frame stacks with their frame rate, float waveforms with their sample rate);
+nothing here opens a file. Each step reproduces the released recipe as diffusers 0.42.1 implements it:
+`fit_keyframes` (FL2VA), `normalize_reference_image` / `_video` / `_audio` (Ref2VA), then `encode_keyframes` /
+`encode_references` turn the normalized media into `EncodedConditions` (clean, normalized latents in packed
+order). Noising the visual rows to t = 0.999 happens when the rows are packed (`pipeline`), because that noise
+comes from the request seed.
 
 Danger: every rounding here is the reference's. A LANCZOS resize instead of a stretch, `floor` instead of
 `round`, a different centring, the request seed instead of 42, a skipped fp16 round trip or a different resampler
@@ -75,6 +64,9 @@ def fit_keyframes(keyframes: Sequence[Image.Image], height: int, width: int) -> 
     The first listed keyframe anchors the geometry and is resized to the canvas whatever its aspect (LANCZOS). A
     follower is scaled to cover the canvas and centre-cropped with the released integer arithmetic. An image that
     already has the canvas size is used as it is.
+
+    The follower's cover crop: scale to cover, `round()` the resized size, centre offsets `(src - dst) // 2`. Without
+    an explicit canvas, the first listed keyframe's own aspect resolves it (`geometry.resolve_canvas`).
     """
     fitted = []
     for index, keyframe in enumerate(keyframes):
@@ -136,7 +128,11 @@ def reference_image_size(width: int, height: int, short_edge: int, multiple: int
 
 
 def normalize_reference_image(image: Image.Image, short_edge: int, multiple: int) -> Image.Image:
-    """Resize a reference image (LANCZOS) to its own high-detail canvas, see `reference_image_size`."""
+    """Resize a reference image (LANCZOS) to its own high-detail canvas, see `reference_image_size`.
+
+    Scaled so that its short edge is the checkpoint's reference short edge (2048 for the release, upscaling allowed,
+    no area cap), each axis rounded to the nearest canvas multiple.
+    """
     size = reference_image_size(*image.size, short_edge=short_edge, multiple=multiple)
     return image if image.size == size else image.resize(size, Image.Resampling.LANCZOS)
 
@@ -170,6 +166,9 @@ def normalize_reference_video(
 
     The canvas is the one the video's aspect resolves to under the target's rule (`short_edge`, `max_pixels`,
     `multiple`); frames already at that size are kept bit for bit, others are resized with PIL LANCZOS.
+
+    Held onto 24 fps and cut to the generated frame count before the resize; the VAE later sees it snapped down to
+    17n+5 frames.
     """
     if frames.ndim != 4 or frames.shape[3] != 3 or frames.dtype != np.uint8:
         raise ValueError(f"reference frames must be uint8 [frames, height, width, 3], got {frames.shape}")
@@ -199,6 +198,10 @@ def normalize_reference_audio(
     """[C, N] mono or stereo at `sample_rate` -> float32 stereo [2, M] at `target_sample_rate`, cut to `max_seconds`.
 
     The cut happens at the source rate, before the single resampling pass, as in the reference.
+
+    A clip or a video's soundtrack: cut to the generated duration at its own rate, mono duplicated to stereo, then
+    resampled once to the audio VAE's rate (`resample_waveform`, the windowed-sinc resampler of
+    `torchaudio.transforms.Resample` with its defaults).
     """
     if waveform.ndim != 2 or waveform.shape[0] not in (1, 2):
         raise ValueError(
@@ -316,7 +319,11 @@ def encode_reference_audio(audio_vae: torch.nn.Module, waveform: torch.Tensor) -
 def encode_keyframes(
     video_vae: torch.nn.Module, fitted_keyframes: Sequence[Image.Image], anchors: Sequence[KeyframeAnchor]
 ) -> EncodedConditions:
-    """Encode fitted keyframes (packed order: first, then last) as one latent frame each."""
+    """Encode fitted keyframes (packed order: first, then last) as one latent frame each.
+
+    Visual latents are the VAE posterior *sampled* with its own CPU generator seeded 42 and rounded through fp16, as
+    the reference does (the same rule in `encode_references`; audio latents are the posterior mean).
+    """
     if len(fitted_keyframes) != len(anchors):
         raise ValueError(f"{len(fitted_keyframes)} keyframes but {len(anchors)} anchors")
     latents = tuple(

@@ -1,24 +1,14 @@
 """The token stream H3's text encoder reads for a request (its "presentation"), with Qwen's vision inputs.
 
-Contract:
-* T2VA: the prompt verbatim (no chat template, no special tokens added).
-* FL2VA: per keyframe in packed order `"<Picture i>: "` then a Qwen image block (`<|vision_start|>`, one
-  `<|image_pad|>` per merged 2x2 patch, `<|vision_end|>`) of the *fitted* keyframe; then the prompt.
-* Ref2VA: per reference in request order, numbered per modality: `"<Audio j>: "` (a label only) for every reference
-  carrying audio, a video's soundtrack included, *before* its own label; `"<Picture i>: "` + image block;
-  `"<Video k>: "` + for each Qwen temporal block `"<{t:.1f} seconds>"` + video block. Then the prompt.
-  A reference video reaches Qwen sampled at 2 fps from its normalized 24 fps frames (frame `round(m * 12)`), its
-  blocks stamped with the mean time of their two frames, formatted half-to-even ("<0.2 seconds>" first).
-* Every label and every prompt is tokenized on its own (`add_special_tokens=False`) and the pieces are concatenated,
-  as the reference does; tokenizing the joined string could merge tokens across the seams.
-* `row_tags` marks each row: 1 text, 0 for every row of a vision block (start, pads, end), which the DiT modulates
-  as video.
-* `prompt_token_counter(tokenizer_folder)` counts a prompt's own rows (tokenized as above) without loading any model,
-  for the request's token bound (`h3engine.request.check_prompt_tokens`).
+T2VA is the prompt verbatim (no chat template, no special tokens). FL2VA puts `"<Picture i>: "` and a Qwen image
+block of each fitted keyframe before the prompt; Ref2VA labels each reference (`<Audio j>`, `<Picture i>`,
+`<Video k>`) in request order (`reference_presentation` spells out the rules). Every label and the prompt are
+tokenized on their own and concatenated, as the reference does (tokenizing the joined string could merge tokens
+across the seams). `row_tags` marks each row 1 for text, 0 for every row of a vision block (modulated as video).
+`prompt_token_counter(tokenizer_folder)` counts a prompt's rows without loading a model (the request's token bound).
 
-Danger: the pixel tensors are batched per modality (all images in one processor call, all videos in another) while
-the tokens follow request order; Qwen fills the n-th image (video) pad run with the n-th image (video) of its batch,
-so the two orders agree only because both keep request order within a modality.
+Danger: the pixel tensors are batched per modality while the tokens follow request order; Qwen fills the n-th
+image (video) pad run with the n-th image (video) of its batch, so both must keep request order within a modality.
 """
 
 from __future__ import annotations
@@ -193,7 +183,15 @@ def reference_presentation(
     prompt: str,
     references: Sequence[NormalizedReference],
 ) -> Presentation:
-    """Ref2VA: one labelled entry per reference in request order, then the prompt (see the module docstring)."""
+    """Ref2VA: one labelled entry per reference in request order, then the prompt (see the module docstring).
+
+    Per reference in request order, numbered per modality: `"<Audio j>: "` (a label only) for every reference
+    carrying audio, a video's soundtrack included, *before* its own label; `"<Picture i>: "` + image block (one
+    `<|image_pad|>` per merged 2x2 patch between `<|vision_start|>` and `<|vision_end|>`); `"<Video k>: "` + for each
+    Qwen temporal block `"<{t:.1f} seconds>"` + video block. Then the prompt. A reference video reaches Qwen sampled
+    at 2 fps from its normalized 24 fps frames (frame `round(m * 12)`), its blocks stamped with the mean time of their
+    two frames, formatted half-to-even ("<0.2 seconds>" first).
+    """
     vision_inputs: dict[str, torch.Tensor] = {}
     images = [reference.image for reference in references if reference.kind == "image"]
     image_pad_counts: list[int] = []

@@ -1,20 +1,11 @@
 """Who owns a result, where it is written, and how a file reaches the one browser that asked for it.
 
-Contract (the isolation model, README "Sharing the app"):
-* Per owner (the default): the owner of a request is the user who logged in (`--auth`), else the Gradio session
-  (one page load, or one gradio_client `Client`). Its results go to `<outputs>/users/<id>/` or
-  `<outputs>/sessions/<id>/`, `<id>` a SHA-256 digest of the user name or session hash (so no name a client
-  chooses can form a path). History lists and restores only the caller's own folder.
-* `--shared-history` (`AccessPolicy(shared=True)`): every result goes to the outputs folder itself and everyone
-  sees every result, as on a personal machine.
-* Serving: the outputs folder is never served as such (app.py allows it only with `--shared-history`). A file a
-  handler returns is first `publish`ed: copied into Gradio's upload cache under a folder named by
-  a keyed hash of its path, with a key drawn at start. Gradio serves that copy at `/gradio_api/file=<copy>`, a URL
-  that only the session receiving the handler's answer learns and that no one can derive from the result's name.
-  `sweep(age)` deletes the copies older than `age` (all of them with None): app.py calls it at exit, and `publish`
-  itself every `sweep_every_s`, for copies older than `max_age_s` (Gradio's `delete_cache` does not see these
-  copies: it tracks only the files of the components as built, not of each session's copy). The originals stay in
-  the outputs folder.
+Per owner (the default): the owner is the user who logged in (`--auth`), else the Gradio session; results go to
+`<outputs>/users/<id>/` or `<outputs>/sessions/<id>/` (`<id>` a SHA-256 digest, so no name a client chooses can
+form a path) and History shows only the caller's folder. `--shared-history` (`AccessPolicy(shared=True)`) writes
+to the outputs folder itself for everyone, as on a personal machine. The outputs folder is never served: a file a
+handler returns is `publish`ed as a copy under a keyed-hash name that only the receiving session learns
+(`AccessPolicy` says how copies are swept). README "Sharing the app" describes the model.
 
 Danger: session hashes are chosen by the client; they only ever reach the file system through a digest.
 """
@@ -51,6 +42,15 @@ def owner_folder(username: str | None, session_hash: str | None) -> Path:
 
 @dataclass
 class AccessPolicy:
+    """Where an owner's results go, and the published copies through which a browser gets them.
+
+    Serving: `publish` copies a file into Gradio's upload cache under a folder named by a keyed hash of its path,
+    with a key drawn at start; Gradio serves that copy at `/gradio_api/file=<copy>`, a URL no one can derive from the
+    result's name. `sweep(age)` deletes the copies older than `age` (all of them with None): app.py calls it at exit,
+    and `publish` itself every `sweep_every_s`, for copies older than `max_age_s` (Gradio's `delete_cache` tracks
+    only the files of the components as built, not these copies). The originals stay in the outputs folder.
+    """
+
     outputs_dir: Path
     shared: bool = False
     # Where published copies go; default Gradio's upload cache (GRADIO_TEMP_DIR), the folder it serves them from.

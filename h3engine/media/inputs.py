@@ -1,55 +1,15 @@
 """Read the media a request conditions on: keyframe and reference images, reference videos with their
 soundtrack, and reference audio clips.
 
-Contract:
-* `load_image(path)`: a JPEG, PNG or WEBP file (recognised by its content, never by its extension) as an RGB
-  `PIL.Image.Image`, turned upright by its EXIF orientation with `ImageOps.exif_transpose` and then converted
-  with `convert("RGB")`, the order and calls of the reference loader (an alpha channel is dropped, not
-  composited). Animated files give their first frame. The size is checked from the header, before anything is
-  decoded, against the model's image bounds (`h3engine.request`: `MIN_IMAGE_SIDE`, `MAX_IMAGE_SIDE`,
-  `MAX_IMAGE_PIXELS`).
-* `load_video(path, start_seconds, max_seconds, resize_to=None)`: the frames of the first video stream as uint8
-  [F, H, W, 3] RGB on the model's 24 fps clock, upright by the stream's display rotation, and the soundtrack
-  (first audio stream) as a `LoadedAudio`, or None when the file has no audio stream. The 24 fps clock is the
-  reference pipeline's frame holding: with `scale = 24 / fps`, source frame j (counted from the first kept
-  frame) fills output slots `floor(j * scale + 0.5)` up to `floor((j + 1) * scale + 0.5)`; a frame whose slots
-  coincide is dropped, one whose slots span several is repeated. `fps` is the container's average frame rate
-  (or FFmpeg's guess), as in the reference; frame timestamps are not consulted. The output is cut to
-  `floor(max_seconds * 24)` frames. `resize_to=(width, height)` resizes every kept frame with PIL LANCZOS, which
-  is what the reference does after holding and cutting, so doing it per frame gives the same pixels while
-  holding only canvas-sized frames in memory.
-* `start_seconds` (our extension; the reference pipeline decodes from the first frame): the first kept source
-  frame is the first whose nominal time `index / fps` is not before it, and the first kept audio sample the
-  first whose time `index / rate` is not before it. Frame holding then counts from that frame, so a start time
-  behaves like a clip that begins there.
-* Audio (`read_audio_source`, `load_audio`, soundtracks): every audio file is decoded by PyAV, as the reference
-  does, and converted to planar float32 at its own rate. WAV, FLAC, Ogg (Vorbis, Opus), MP3, AAC (ADTS) and
-  M4A/MP4 are accepted; a video file (MP4/MOV, Matroska/WebM, AVI) may serve as an audio file and lends its
-  first audio stream.
-  The window `[start_seconds, start_seconds + max_seconds)` is cut at the source rate, keeping
-  `int(max_seconds * rate)` samples (the reference truncates there, before it resamples once). Mono is then
-  duplicated to stereo, more than two channels are refused as the reference refuses them (there is no
-  downmix), and the result is resampled to 32 kHz with PyAV's `AudioResampler` and fitted to exactly
-  `ceil(n * 32000 / rate)` samples, the output length of the reference's resampler.
-* `probe_media(reference)` reads headers and container metadata only (and, for a video, decodes its first
-  frame to learn the upright size); it is what `request.validate` takes as `media_durations`. An image outside
-  the size bounds is reported at its stored size, without reading its EXIF orientation (Pillow decodes a whole PNG
-  to find it), for `validate` to refuse under the field's name; the bounds do not depend on the orientation. A video's
-  duration is the shorter of its video and soundtrack durations, so that `validate`'s start-time and derived
-  duration rules hold for both streams.
-* Every failure due to the file or the window, whatever the library raised, is a `RequestError` whose message
-  starts with the file's path:
-  a missing, unreadable, non-regular, empty or oversized (> `MAX_FILE_BYTES`) file, a format outside the lists
-  below, a decoding error, a truncated file, NaN or infinite samples, a limit exceeded. (A malformed `resize_to`
-  is the caller's bug and a ValueError.) Nothing is written.
+`load_image`, `load_video`, `load_audio` / `read_audio_source` decode as the reference loaders do (their
+docstrings hold each rule: EXIF orientation, the 24 fps frame holding, the audio window and resampling);
+`probe_media` reads headers only and is what `request.validate` takes as `media_durations`. `start_seconds` is
+our extension: a window that begins there behaves like a clip that begins there.
 
-Danger: decoders stop where the data stops, and most do it silently. A truncated WAV or MP3 decodes into a
-shorter clip without an error, and neither FFmpeg nor libsndfile reports an Ogg file cut inside its last page.
-A truncated reference would condition the model on a clip shorter than the user chose, so a stream read to its
-end must reach the length its container declares (packets FFmpeg marks corrupt, i.e. short reads, are refused
-too), and an Ogg file must end exactly on a page boundary. An MP3 without a Xing/VBRI header only has a
-bitrate estimate of its length, so a variable-bitrate one whose estimate overshoots by more than the tolerance
-is refused as truncated.
+Every failure due to the file or the window, whatever the library raised, is a `RequestError` whose message names
+the file; nothing is written. Danger: decoders stop where the data stops, mostly silently (a truncated WAV or MP3
+decodes into a shorter clip), so a stream read to its end must reach the length its container declares
+(`_check_not_short`) and an Ogg file must end exactly on a page boundary (`_check_ogg_ends_on_page`).
 """
 
 from __future__ import annotations
@@ -162,7 +122,13 @@ class LoadedVideo:
 
 
 def load_image(path: str | os.PathLike[str]) -> Image.Image:
-    """An upright RGB image from a JPEG, PNG or WEBP file; `RequestError` naming the file otherwise."""
+    """An upright RGB image from a JPEG, PNG or WEBP file; `RequestError` naming the file otherwise.
+
+    Recognised by content, never by extension. Turned upright by its EXIF orientation with `ImageOps.exif_transpose`,
+    then `convert("RGB")`: the order and calls of the reference loader (an alpha channel is dropped, not composited).
+    Animated files give their first frame. The size is checked from the header, before anything is decoded, against
+    the model's image bounds (`h3engine.request`: `MIN_IMAGE_SIDE`, `MAX_IMAGE_SIDE`, `MAX_IMAGE_PIXELS`).
+    """
     with _opened(path, "image") as file, _decoding(path, "image"):
         image = _open_image_header(file, path)
         upright = ImageOps.exif_transpose(image)
@@ -216,7 +182,18 @@ def load_video(
     resize_to: tuple[int, int] | None = None,
 ) -> LoadedVideo:
     """The video's frames on the 24 fps clock from `start_seconds`, at most `max_seconds` of them, and its
-    soundtrack over the same window. `resize_to=(width, height)` resizes each frame with PIL LANCZOS."""
+    soundtrack over the same window. `resize_to=(width, height)` resizes each frame with PIL LANCZOS.
+
+    Frames: the first video stream as uint8 [F, H, W, 3] RGB, upright by the stream's display rotation; the
+    soundtrack is the first audio stream as a `LoadedAudio`, or None. The 24 fps clock is the reference's frame
+    holding: with `scale = 24 / fps`, source frame j (counted from the first kept frame) fills output slots
+    `floor(j * scale + 0.5)` up to `floor((j + 1) * scale + 0.5)`; a frame whose slots coincide is dropped, one whose
+    slots span several is repeated. `fps` is the container's average frame rate (or FFmpeg's guess), as in the
+    reference; timestamps are not consulted. The output is cut to `floor(max_seconds * 24)` frames. Resizing each kept
+    frame (LANCZOS) is what the reference does after holding and cutting, so doing it per frame gives the same pixels
+    while holding only canvas-sized frames. The first kept frame is the first whose nominal time `index / fps` is not
+    before `start_seconds`, the first kept sample the first whose `index / rate` is not.
+    """
     _check_window(path, start_seconds, max_seconds, open_end_allowed=False)
     if resize_to is not None:
         _check_resize_target(resize_to)
@@ -374,7 +351,13 @@ def read_audio_source(
     path: str | os.PathLike[str], start_seconds: float = 0.0, max_seconds: float | None = None
 ) -> SourceAudio:
     """The first audio stream's window `[start_seconds, start_seconds + max_seconds)` (to the end when
-    `max_seconds` is None) as float32 [channels, samples] at the file's own rate, mono or stereo."""
+    `max_seconds` is None) as float32 [channels, samples] at the file's own rate, mono or stereo.
+
+    Every audio file is decoded by PyAV, as the reference does. WAV, FLAC, Ogg (Vorbis, Opus), MP3, AAC (ADTS) and
+    M4A/MP4 are accepted; a video file (MP4/MOV, Matroska/WebM, AVI) lends its first audio stream. The window is cut
+    at the source rate, keeping `int(max_seconds * rate)` samples (the reference truncates there, before it resamples
+    once). More than two channels are refused, as the reference refuses them (there is no downmix).
+    """
     _check_window(path, start_seconds, max_seconds, open_end_allowed=True)
     with _opened(path, "audio") as file, _decoding(path, "audio"), av.open(file) as container:
         _check_container(container, AUDIO_CONTAINERS, path, "audio")
@@ -391,7 +374,11 @@ def read_audio_source(
 def load_audio(
     path: str | os.PathLike[str], start_seconds: float = 0.0, max_seconds: float | None = None
 ) -> LoadedAudio:
-    """`read_audio_source`'s window as stereo float32 [2, samples] at 32 kHz."""
+    """`read_audio_source`'s window as stereo float32 [2, samples] at 32 kHz.
+
+    Mono is duplicated to stereo, then resampled to 32 kHz with PyAV's `AudioResampler` and fitted to exactly
+    `ceil(n * 32000 / rate)` samples, the output length of the reference's resampler.
+    """
     return _model_audio(read_audio_source(path, start_seconds, max_seconds), path, "audio")
 
 
@@ -513,7 +500,10 @@ def _audio_stream(container: Any, path: str | os.PathLike[str]) -> Any | None:
 
 
 def _check_ogg_ends_on_page(file: BinaryIO, path: str | os.PathLike[str]) -> None:
-    """Refuse an Ogg file whose last page is cut off (RFC 3533 page header: 27 bytes, lacing table, body)."""
+    """Refuse an Ogg file whose last page is cut off (RFC 3533 page header: 27 bytes, lacing table, body).
+
+    Neither FFmpeg nor libsndfile reports an Ogg file cut inside its last page.
+    """
     size = file.seek(0, os.SEEK_END)
     tail_start = max(0, size - _OGG_MAX_PAGE_BYTES)
     file.seek(tail_start)
@@ -539,6 +529,10 @@ def probe_media(reference: Reference | Keyframe) -> MediaInfo:
     an audio file as its first audio stream. A file of the right family without the stream its kind needs
     (an audio-only MP4 as a video) is reported as such (no size / `has_audio=False`) for `validate` to refuse
     under the field's name.
+
+    An image outside the size bounds is reported at its stored size, without reading its EXIF orientation (Pillow
+    decodes a whole PNG to find it); the bounds do not depend on the orientation. A video's duration is the shorter of
+    its video and soundtrack durations, so that `validate`'s start-time and duration rules hold for both streams.
     """
     kind = "image" if isinstance(reference, Keyframe) else getattr(reference, "kind", None)
     path = getattr(reference, "path", None)
@@ -705,6 +699,12 @@ def _declared_seconds(stream: Any, container: Any) -> float | None:
 
 
 def _check_not_short(path: Any, what: str, decoded_seconds: float, declared_seconds: float) -> None:
+    """Refuse a stream that ended before the length its container declares (minus the tolerance).
+
+    An MP3 without a Xing/VBRI header only has a bitrate estimate of its length, so a variable-bitrate one whose
+    estimate overshoots by more than the tolerance is refused as truncated. Packets FFmpeg marks corrupt (short reads)
+    are refused while decoding.
+    """
     tolerance = TRUNCATION_TOLERANCE_SECONDS + TRUNCATION_TOLERANCE_FRACTION * declared_seconds
     if decoded_seconds + tolerance < declared_seconds:
         raise RequestError(

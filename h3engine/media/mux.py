@@ -1,36 +1,13 @@
 """Mux generated frames and stereo audio into a browser-playable MP4, and probe MP4 files.
 
-Contract of `write_mp4`:
-* Video: H.264 from libx264 (present in PyAV's bundled FFmpeg; checked at import time), pixel format yuv420p,
-  constant frame rate `fps` (24 for H3: frame i has pts i in a 1/fps time base), CRF rate control with the
-  x264 preset "fast" (SGLang's serving path uses the same preset). RGB is converted to YUV with the BT.709
-  matrix in limited ("TV") range and the stream is tagged BT.709 (matrix, primaries, transfer) so that
-  browsers do not have to guess; an untagged stream is read as BT.601 by some players and BT.709 by others.
-* Frames: [F, H, W, 3] RGB, numpy array or torch tensor (any device), either uint8 (used as is) or floating
-  point in [0, 1]; or a `ProgressiveFrames` still being decoded (each frame is encoded as soon as it exists).
-  Floats are quantized as `round(x * 255)` with ties to even, in their own precision: the
-  rule of numpy's and torch's `round`, which is what the diffusers reference uses for its 8-bit frames, so our
-  8-bit frames equal the reference's.
-  Floats outside [0, 1] or non-finite raise ValueError (they mean a wrong pixel convention, not noise).
-  H and W must be even (yuv420p halves both chroma axes); odd sizes raise ValueError.
-* Audio: [2, N] float in [-1, 1] at 32 kHz (our audio VAE's output), encoded as AAC-LC stereo 32 kHz. It is
-  trimmed or zero-padded at the end to exactly round_half_up(F * 32000 / fps) samples, the video's duration,
-  before encoding. The container's audio track then lasts that long (FFmpeg's MP4 muxer writes an edit list
-  hiding the AAC encoder priming), i.e. within one AAC frame (1024 samples = 32 ms) of the video.
-* Container: MP4 with `movflags=+faststart` (the moov index is moved before the media data so a browser can
-  start playing before the whole file arrived). Audio and video packets are fed in presentation order so
-  the media data is interleaved in time.
-* Atomicity: the file is written under a hidden temporary name in the destination folder and renamed onto
-  `path` with os.replace only after the muxer closed it successfully (see `h3engine.media.outputs`). Any error,
-  including invalid frame data discovered mid-stream, deletes the temporary file and leaves an existing file
-  at `path` untouched.
+`write_mp4` encodes H.264 (libx264, yuv420p, constant 24 fps, BT.709 limited range, tagged) and AAC-LC stereo
+32 kHz into an MP4 with `+faststart`, quantizing float frames exactly as the diffusers reference does; its docstring
+holds the full contract. `probe_mp4` reads back what a test or the app needs to know about a file (codecs,
+geometry, rates, counts, durations, box order) with PyAV, without decoding video.
 
-`probe_mp4` reads back what a test or the app needs to know about a file (codecs, geometry, rates, counts,
-durations, box order) with PyAV, without decoding video.
-
-Danger: frames are converted one at a time (a 5 s 768p clip is 384 MB as uint8 and 1.5 GB as float32), so a
-bad value in the last frame is only found after the earlier frames were encoded; the atomic write is what keeps
-that from leaving a truncated file behind.
+Danger: frames are converted one at a time, so a bad value in the last frame is only found after the earlier
+frames were encoded; the atomic write (a hidden temporary file renamed onto `path` only after the muxer closed it)
+is what keeps that from leaving a truncated file behind.
 """
 
 from __future__ import annotations
@@ -95,8 +72,27 @@ def write_mp4(
 ) -> Path:
     """Write `video` [F, H, W, 3] and `audio` [2, N] (32 kHz) to an H.264/AAC MP4 at `path`, atomically.
 
-    See the module docstring for the pixel quantization, colour, audio length and atomicity rules.
     Returns the final path.
+
+    * Video: H.264 from libx264 (present in PyAV's bundled FFmpeg; checked at import time), pixel format yuv420p,
+      constant frame rate `fps` (frame i has pts i in a 1/fps time base), CRF rate control with the x264 preset
+      "fast" (as SGLang's serving path). RGB is converted to YUV with the BT.709 matrix in limited ("TV") range and
+      the stream is tagged BT.709 (matrix, primaries, transfer): an untagged stream is read as BT.601 by some
+      players and BT.709 by others.
+    * Frames: [F, H, W, 3] RGB, numpy array or torch tensor (any device), uint8 (used as is) or floating point in
+      [0, 1]; or a `ProgressiveFrames` still being decoded (each frame is encoded as soon as it exists). Floats are
+      quantized as `round(x * 255)` with ties to even, in their own precision (numpy's and torch's `round`, which
+      the diffusers reference uses for its 8-bit frames). Floats outside [0, 1] or non-finite raise ValueError (a
+      wrong pixel convention, not noise); odd H or W raise ValueError (yuv420p halves both chroma axes).
+    * Audio: [2, N] float in [-1, 1] at 32 kHz, encoded as AAC-LC stereo 32 kHz, trimmed or zero-padded at the end
+      to exactly round_half_up(F * 32000 / fps) samples, the video's duration. The track then lasts that long
+      (FFmpeg's MP4 muxer writes an edit list hiding the AAC encoder priming), i.e. within one AAC frame (1024
+      samples = 32 ms) of the video.
+    * Container: `movflags=+faststart` (the moov index before the media data, so a browser can start playing
+      before the whole file arrived); packets fed in presentation order, so the media data is interleaved in time.
+    * Atomicity: the file is written under a hidden temporary name in the destination folder and renamed onto
+      `path` with os.replace only after the muxer closed it (see `h3engine.media.outputs`). Any error, invalid frame
+      data found mid-stream included, deletes the temporary file and leaves an existing file at `path` untouched.
     """
     _check_video_layout(video)
     waveform = _waveform_as_float32(audio)

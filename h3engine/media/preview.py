@@ -1,20 +1,11 @@
 """A cheap live preview: the newest latent frame of a running generation shown as an RGB image.
 
-Contract: `latent_preview_rgb(video_rows, latent_frames, latent_h, latent_w, patch)` takes the generated video
-rows the denoising loop holds after a step (`[T * (h/p) * (w/p), C * p * p]`, any device and float dtype),
-unpatchifies only the rows of the last latent frame, projects its C latent channels to three colours with a
-fixed linear map, normalizes the result to [0, 1] and returns a uint8 `[H, W, 3]` numpy array enlarged by
-whole-pixel repetition so that its short edge is at least `PREVIEW_SHORT_EDGE` pixels.
+`latent_preview_rgb(...)` unpatchifies only the last latent frame of the generated video rows, projects its latent
+channels to three colours with a fixed linear map, normalizes to [0, 1] and enlarges it to at least
+`PREVIEW_SHORT_EDGE` pixels. It is an approximation, not a decode: no VAE runs and the colours do not match the
+final video's, but it shows where structure appears and how it moves, for one small device-to-host copy.
 
-This is an APPROXIMATION, not a decode: no VAE runs, the colours are an arbitrary but fixed function of the
-latent channels (they do not match the final video's colours), and the per-image normalization stretches
-whatever contrast there is, so early steps (mostly noise) look as bright as late ones. What it does show
-faithfully is where structure appears and how it moves from step to step, at the latent resolution (1/16 of the
-canvas for the released VAE). It costs one small device-to-host copy (one latent frame) and a few thousand
-multiply-adds, so the denoising loop may call it every few steps.
-
-Danger: the rows are the loop's live state; this function only reads them (a slice copied to the CPU) and must
-never write into them.
+Danger: the rows are the loop's live state; this module only reads them (a slice copied to the CPU).
 """
 
 from __future__ import annotations
@@ -46,6 +37,13 @@ def channel_to_rgb_weights(channels: int) -> np.ndarray:
 def latent_preview_rgb(
     video_rows: torch.Tensor, latent_frames: int, latent_h: int, latent_w: int, patch: int
 ) -> np.ndarray:
+    """The newest latent frame of `video_rows` as an RGB preview image (an approximation, not a decode).
+
+    Takes the video rows the denoising loop holds after a step (`[T * (h/p) * (w/p), C * p * p]`, any device and
+    float dtype) and returns a uint8 `[H, W, 3]` numpy array enlarged by whole-pixel repetition. The per-image
+    normalization stretches whatever contrast there is, so early steps (mostly noise) look as bright as late ones;
+    the resolution is the latent one (1/16 of the canvas for the released VAE).
+    """
     rows_per_frame = (latent_h // patch) * (latent_w // patch)
     if video_rows.ndim != 2 or video_rows.shape[0] != latent_frames * rows_per_frame:
         raise ValueError(

@@ -1,16 +1,9 @@
 """The final decode split over the VAE group: video tiles spread over its ranks, the audio decode on one.
 
-`decode_video_and_audio(video_vae, audio_vae, video_latents, audio_latents, group, autocast_dtype)` is called by
-every rank of the VAE group with the same (un-normalized) latents and returns `(pixels, waveform)` on VAE-group
-rank 0, None on the others:
-* pixels: exactly `video_vae.decode(video_latents, autocast_dtype)`, bit for bit. Every rank makes its
-  `tile_share` (a contiguous run) of the plan's decoder calls (`VideoVAE.plan_decode`, `DecodePlan.call_batches`)
-  with `VideoVAE.decode_tiles`; the outputs are gathered to rank 0 without arithmetic (copied into one flat buffer
-  per rank, in the decoder's output dtype) and rank 0 runs `VideoVAE.assemble_decode` on the very tensors one
-  process would have made.
-* waveform: `audio_vae.decode_stereo(audio_latents)` on `AUDIO_DECODE_RANK` (rank 0, the only rank that loads the
-  audio VAE); with uneven shares rank 0 gets the smaller one and decodes the audio meanwhile. A group of one
-  makes no `torch.distributed` call.
+`decode_video_and_audio(...)` is called by every rank of the VAE group with the same (un-normalized) latents and
+returns `(pixels, waveform)` on VAE-group rank 0, None on the others. The pixels are exactly
+`video_vae.decode(video_latents, autocast_dtype)`, bit for bit: each rank decodes its share of the tiles and rank 0
+assembles the very tensors one process would have made. A group of one makes no `torch.distributed` call.
 
 Danger: the gather is collective: every rank must call this with latents of the same shape, or the plans disagree
 and the gather deadlocks or mixes tiles. Rank 0 holds every decoded tile (overlaps included) before stitching.
@@ -98,6 +91,12 @@ def decode_video_and_audio(
     """Un-normalized latents -> (pixels [B, 3, F, H, W], waveform [2, N]) on VAE rank 0; None on the others.
 
     `audio_vae` is needed on `AUDIO_DECODE_RANK` only. See the module docstring.
+
+    Every rank makes its `tile_share` (a contiguous run) of the plan's decoder calls (`VideoVAE.plan_decode`,
+    `DecodePlan.call_batches`) with `VideoVAE.decode_tiles`; the outputs are gathered to rank 0 without arithmetic
+    (copied into one flat buffer per rank, in the decoder's output dtype) and rank 0 runs `VideoVAE.assemble_decode`.
+    The waveform is `audio_vae.decode_stereo(audio_latents)` on `AUDIO_DECODE_RANK` (rank 0, the only rank that loads
+    the audio VAE); with uneven shares rank 0 gets the smaller one and decodes the audio meanwhile.
     """
     if group.rank == AUDIO_DECODE_RANK and audio_vae is None:
         raise ValueError(f"VAE rank {AUDIO_DECODE_RANK} decodes the audio and needs the audio VAE")

@@ -1,16 +1,9 @@
 """The in-process engine front: a job queue in front of one or more engine replicas, one worker thread each.
 
-Contract:
-* A replica is an `Engine` (run in this process by `EngineReplica`) or anything with the `Replica` interface, such
-  as h3engine.runtime.workers.ProcessReplica (a worker group). Jobs run in submission order, one per replica.
-* `submit(request)` returns a `JobHandle` at once (by default the MP4 gets a stamped name in the outputs folder);
-  it yields the job's messages (h3engine.runtime.messages): `JobQueued` on every queue move, `JobStarted`,
-  `StepProgress` after every step, `PreviewFrame` every `preview_every` steps, then one `JobFinished` or `JobFailed`.
-* `cancel(handle)` removes a waiting job at once or stops a running one at its next step check (its memory freed
-  for the next job); `shutdown()` cancels everything, joins the workers and closes the replicas. With
-  `warm_up=True` each replica first runs `WARM_UP_REQUEST`, so that one-time costs are paid at start.
-* `check(request)` / `expected_geometry(request)` are the model-free checks (h3engine.runtime.checks) to run
-  before `submit`; the engine validates again, and its RequestError becomes a `JobFailed(kind="request")`.
+A replica is an `Engine` (run here by `EngineReplica`) or anything with the `Replica` interface, such as a worker
+group (h3engine.runtime.workers.ProcessReplica). `EngineFront.submit(request)` returns a `JobHandle` at once that
+yields the job's messages (h3engine.runtime.messages); `cancel(handle)` stops a job, `shutdown()` everything.
+`check(request)` / `expected_geometry(request)` are the model-free checks to run before `submit`.
 
 Danger: an `Engine` is not thread-safe; each one is only called from its own worker thread, which catches every
 exception (a bad job never kills it). `on_step` runs inside the denoising loop and only puts small messages
@@ -185,6 +178,17 @@ class EngineReplica:
 
 
 class EngineFront:
+    """A job queue in front of the replicas, one worker thread each.
+
+    Jobs run in submission order, one per replica. A handle yields `JobQueued` on every queue move, `JobStarted`,
+    `StepProgress` after every step, `PreviewFrame` every `preview_every` steps, then one `JobFinished` or
+    `JobFailed`; by default the MP4 gets a stamped name in the outputs folder. `cancel` removes a waiting job at once
+    or stops a running one at its next check (its memory freed for the next job); `shutdown()` cancels everything,
+    joins the workers and closes the replicas. With `warm_up=True` each replica first runs `WARM_UP_REQUEST`, so that
+    one-time costs are paid at start. The engine validates every request again; its RequestError becomes a
+    `JobFailed(kind="request")`.
+    """
+
     def __init__(
         self,
         replicas: Sequence[Engine | Replica],

@@ -1,16 +1,11 @@
 """One rank of a worker group: a process that holds its share of every model and serves jobs until told to stop.
 
-Contract: `rank_main(rank, spec, commands, messages, cancel_job)` is the spawn target; h3engine.runtime.workers
-starts one process per rank and talks to it through two one-way pipes (`commands` in, `messages` out) and one
-shared integer (`cancel_job`). The rank joins the group's world (gloo on the CPU, NCCL on GPUs), creates every
-process group (`RankGroups.create`), builds its `Engine` with a `ShardedLoader` (its shards of the DiT and the text
-encoder, the video VAE on VAE-group ranks, the audio VAE on rank 0), says `RankReady` and serves `RunJob` commands
-in arrival order (`serve_job`) until `Stop` or the end of the pipe. Only rank 0 reports on jobs, through an
-`Outbox` that never makes the denoising loop wait.
+`rank_main(rank, spec, commands, messages, cancel_job)` is the spawn target of h3engine.runtime.workers: it joins
+the group's world, builds its `Engine` with a `ShardedLoader` and serves `RunJob` commands (`serve_job`) until
+`Stop`. Only rank 0 reports on jobs, through an `Outbox` that never makes the denoising loop wait.
 
-Failure: a bad request and a cancel are agreed by all ranks and end only the job. Anything else raised on a rank
-during a job leaves the ranks out of step, so the rank reports `RankFailed` and exits at once; the front tears the
-group down and starts a new one. A rank also exits as soon as the process that started it is gone.
+Failure: a bad request and a cancel are agreed by all ranks and end only the job; anything else raised during a job
+leaves the ranks out of step, so the rank reports `RankFailed` and exits (the front starts a new group).
 
 Danger: every rank must make the same collective calls in the same order. The only branches on the rank are
 around work without collectives (preparing, writing, reporting); each decision that changes the path (a bad
@@ -406,6 +401,14 @@ def rank_main(
     rank: int, spec: WorkerSpec, commands: Connection, messages: Connection, cancel_job: Any
 ) -> None:
     # Ctrl-C in a terminal reaches the whole process group; only the front decides when ranks stop.
+    """The spawn target of one rank: join the group, load this rank's shares, serve jobs until `Stop`.
+
+    The front talks to the rank through two one-way pipes (`commands` in, `messages` out) and one shared integer
+    (`cancel_job`). The rank joins the world (gloo on the CPU, NCCL on GPUs), creates every process group
+    (`RankGroups.create`), loads its shards of the DiT and the text encoder (the video VAE on VAE-group ranks, the
+    audio VAE on rank 0), says `RankReady` and serves commands in arrival order. It also exits as soon as the
+    process that started it is gone.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
     logging.basicConfig(

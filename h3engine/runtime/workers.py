@@ -1,32 +1,15 @@
 """Resident worker groups behind the engine front: one process per rank, started with torch.multiprocessing (spawn).
 
-Contract
---------
-* `ProcessReplica(checkpoint, devices, layout, dtype, memory_profile)` checks the layout against the checkpoint's
-  models and the memory profile's name (a RequestError whose message starts with the flag), starts one worker
-  group, a process per entry of `devices` running h3engine.runtime.rank (every rank's engine under that memory
-  profile, h3engine.placement), and waits until every rank has loaded its shards (a CheckpointError naming the
-  file when the checkpoint is broken). It is a `Replica` of `EngineFront`: the app and the CLI get the same
-  `JobHandle` and the same messages as from an in-process engine.
-* A job: the command goes to every rank; rank 0's messages come back through its pipe and are published on the
-  handle as they arrive (the pipes are read every `POLL_INTERVAL_S`). A cancel writes the job's number into the
-  group's shared slot, which the ranks vote on before every step.
-* A rank that dies (killed, out of memory, an exception) fails the running job within about a second, with
-  `JobFailed(kind="engine")` naming the rank and its exit code (or its error type) and saying that the group is
-  restarting; the rest of the group is killed (its processes end, and with them their GPU memory) and a new group
-  starts in the background. The next job waits for it; a waiting job can still be cancelled.
-* `close()` (the front's shutdown) sends `Stop` to every rank, waits `STOP_GRACE_S`, then kills what is left and
-  joins everything: no process outlives it. The ranks also end by themselves when this process dies.
-* `rank_devices(...)` and `replica_device_groups(...)` turn the CLI's and the app's device flags into the device
-  of every rank, with errors that name the flag.
+`ProcessReplica(checkpoint, devices, layout, dtype, memory_profile)` checks the layout against the checkpoint,
+starts one group (h3engine.runtime.rank in a process per device) and waits until every rank has loaded its shards.
+It is a `Replica` of `EngineFront`: the app and the CLI get the same `JobHandle` and messages as from an
+in-process engine. A rank that dies fails only the running job, within about a second, and the group restarts;
+`close()` leaves no process behind. `rank_devices(...)` and `replica_device_groups(...)` turn the CLI's and the
+app's device flags into each rank's device, with errors that name the flag.
 
-Danger
-------
-A group's pipes and shared slot belong to one incarnation: after a failure nothing of the old group is reused (a
-rank killed while writing may have left half a message in its pipe). The rendezvous is a FileStore in a fresh
-temporary folder per incarnation (`h3-workers-PID-*`), removed when the group ends; a `ProcessReplica` removes the
-ones of dead processes when it starts (h3engine.leftovers). NCCL wants one rank per GPU, so a device appears once
-per group.
+Danger: a group's pipes and shared slot belong to one incarnation: after a failure nothing of the old group is
+reused (a rank killed while writing may have left half a message in its pipe). NCCL wants one rank per GPU, so a
+device appears once per group.
 """
 
 from __future__ import annotations
@@ -347,7 +330,25 @@ class WorkerGroup:
 
 
 class ProcessReplica:
-    """An `EngineFront` replica whose engine is a resident worker group (see the module docstring)."""
+    """An `EngineFront` replica whose engine is a resident worker group (see the module docstring).
+
+    Start: a RequestError whose message starts with the flag for a layout or memory profile the checkpoint cannot
+    serve; a CheckpointError naming the file when the checkpoint is broken. Every rank's engine runs under the memory
+    profile (h3engine.placement).
+
+    A job: the command goes to every rank; rank 0's messages come back through its pipe and are published on the
+    handle as they arrive (the pipes are read every `POLL_INTERVAL_S`). A cancel writes the job's number into the
+    group's shared slot, which the ranks vote on before every step.
+
+    A rank that dies (killed, out of memory, an exception) fails the running job with `JobFailed(kind="engine")`
+    naming the rank and its exit code (or its error type) and saying that the group is restarting; the rest of the
+    group is killed (its processes end, and with them their GPU memory) and a new group starts in the background. The
+    next job waits for it; a waiting job can still be cancelled. `close()` (the front's shutdown) sends `Stop` to
+    every rank, waits `STOP_GRACE_S`, then kills what is left and joins everything. The ranks also end by themselves
+    when this process dies. The rendezvous is a FileStore in a fresh temporary folder per incarnation
+    (`h3-workers-PID-*`), removed when the group ends; a new `ProcessReplica` removes those of dead processes
+    (h3engine.leftovers).
+    """
 
     def __init__(
         self,
