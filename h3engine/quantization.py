@@ -7,7 +7,7 @@ tensor-parallel one (`h3engine.parallel.dit`), whose row-parallel layers keep th
 finds `Fp8Linear.forward_chunks` by name (q, k, v from one quantization of x), so `h3engine.models.dit` never
 imports this module (which imports it).
 
-Danger: inference only. Quantize after loading (and after `H3DiT.offload_adaln`, before a `Placement` adopts the
+Danger: inference only. Quantize after loading (and after `modulation.offload_adaln`, before a `Placement` adopts the
 model): the fp8 weight and scales are non-persistent buffers that `state_dict()` / `load_state_dict()` do not see.
 Never cast the model with `.to(dtype)` (that converts the fp8 buffers too). The bf16 weights are freed only if
 nothing else holds the replaced modules. Under tensor parallelism each rank quantizes its own shard, so FP8
