@@ -183,7 +183,7 @@ def reference_presentation(
     prompt: str,
     references: Sequence[NormalizedReference],
 ) -> Presentation:
-    """Ref2VA: one labelled entry per reference in request order, then the prompt (see the module docstring).
+    """Ref2VA: one labelled entry per reference in request order, then the prompt.
 
     Per reference in request order, numbered per modality: `"<Audio j>: "` (a label only) for every reference
     carrying audio, a video's soundtrack included, *before* its own label; `"<Picture i>: "` + image block (one

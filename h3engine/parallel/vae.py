@@ -90,7 +90,7 @@ def decode_video_and_audio(
 ) -> tuple[Tensor, Tensor] | None:
     """Un-normalized latents -> (pixels [B, 3, F, H, W], waveform [2, N]) on VAE rank 0; None on the others.
 
-    `audio_vae` is needed on `AUDIO_DECODE_RANK` only. See the module docstring.
+    `audio_vae` is needed on `AUDIO_DECODE_RANK` only.
 
     Every rank makes its `tile_share` (a contiguous run) of the plan's decoder calls (`VideoVAE.plan_decode`,
     `DecodePlan.call_batches`) with `VideoVAE.decode_tiles`; the outputs are gathered to rank 0 without arithmetic

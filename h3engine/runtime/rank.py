@@ -175,7 +175,7 @@ class RankGroups:
 
 
 class ShardedLoader(ModelLoader):
-    """Builds this rank's share of each component (see the module docstring) for its `Engine`.
+    """Builds this rank's share of each component for its `Engine` (see `rank_main`).
 
     The engine's requests-side methods (validate, prepare) are only called on rank 0, which holds both VAEs. A
     layout of one (no split) loads the component whole, as the single-process engine does, which also keeps the

@@ -330,7 +330,7 @@ class WorkerGroup:
 
 
 class ProcessReplica:
-    """An `EngineFront` replica whose engine is a resident worker group (see the module docstring).
+    """An `EngineFront` replica whose engine is a resident worker group.
 
     Start: a RequestError whose message starts with the flag for a layout or memory profile the checkpoint cannot
     serve; a CheckpointError naming the file when the checkpoint is broken. Every rank's engine runs under the memory
