@@ -25,14 +25,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from _runtime_helpers import events_until_done, max_relative_errors, process_exists, wait_for_step
 
 from h3engine.engine import Engine
 from h3engine.parallel.groups import RuntimeLayout
 from h3engine.request import GenerationRequest, Keyframe, Reference
-from h3engine.runtime.front import EngineFront, JobHandle
+from h3engine.runtime.front import EngineFront
 from h3engine.runtime.messages import (
-    TERMINAL_EVENTS,
     JobFailed,
     JobFinished,
     PreviewFrame,
@@ -79,47 +78,11 @@ LONG_CANVAS = {"cuda": (448, 256), "cpu": (112, 64)}
 MOST_STEPS_AFTER_CANCEL = 3
 
 
-def events_until_done(handle: JobHandle) -> list:
-    events = []
-    while not events or not isinstance(events[-1], TERMINAL_EVENTS):
-        event = handle.next_event(timeout=EVENT_TIMEOUT_S)
-        if event is None:
-            raise TimeoutError(f"no message within {EVENT_TIMEOUT_S} s; so far {events}")
-        events.append(event)
-    return events
-
-
-def wait_for_step(handle: JobHandle, step: int) -> None:
-    while True:
-        event = handle.next_event(timeout=EVENT_TIMEOUT_S)
-        if event is None or isinstance(event, TERMINAL_EVENTS):
-            raise RuntimeError(f"the job ended or stalled before step {step}: {event}")
-        if isinstance(event, StepProgress) and event.step >= step:
-            return
-
-
-def max_relative_error(got_path: Path, expected_path: Path) -> dict[str, float]:
-    got, expected = load_file(got_path), load_file(expected_path)
-    return {
-        name: ((got[name] - tensor).abs().max() / tensor.abs().max()).item()
-        for name, tensor in expected.items()
-    }
-
-
 def memory_in_use(device: str) -> int:
     if not device.startswith("cuda"):
         return 0
     free, total = torch.cuda.mem_get_info(torch.device(device))
     return total - free
-
-
-def process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def in_process_tensors(checkpoint: Path, device: str, dtype: torch.dtype, folder: Path) -> dict[str, Path]:
@@ -158,13 +121,13 @@ def check_group(
                 tensors = folder / f"{name}-{task}-{dtype_name}.safetensors"
                 started = time.perf_counter()
                 events = events_until_done(
-                    front.submit(REQUESTS[task], folder / f"{name}-{task}.mp4", tensors)
+                    front.submit(REQUESTS[task], folder / f"{name}-{task}.mp4", tensors), EVENT_TIMEOUT_S
                 )
                 wall_s = time.perf_counter() - started
                 if not isinstance(events[-1], JobFinished):
                     problems.append(f"{name} {task} {dtype_name}: {events[-1]}")
                     continue
-                errors = max_relative_error(tensors, expected)
+                errors = max_relative_errors(tensors, expected)
                 steps = [event.step for event in events if isinstance(event, StepProgress)]
                 previews = [event.step for event in events if isinstance(event, PreviewFrame)]
                 report[f"{task}_{dtype_name}"] = {
@@ -203,10 +166,10 @@ def long_request(device: str) -> GenerationRequest:
 
 def check_cancel(front: EngineFront, device: str, problems: list[str]) -> dict:
     handle = front.submit(long_request(device))
-    wait_for_step(handle, 3)
+    wait_for_step(handle, 3, EVENT_TIMEOUT_S)
     cancelled_at = time.perf_counter()
     front.cancel(handle)
-    events = events_until_done(handle)
+    events = events_until_done(handle, EVENT_TIMEOUT_S)
     steps_after = [event.step for event in events if isinstance(event, StepProgress)]
     report = {"stop_s": time.perf_counter() - cancelled_at, "steps_reported_after_cancel": steps_after}
     cancelled = isinstance(events[-1], JobFailed) and events[-1].kind == "cancelled"
@@ -224,12 +187,12 @@ def check_kill(
     problems: list[str],
 ) -> dict:
     handle = front.submit(long_request(replica.spec.devices[0]))
-    wait_for_step(handle, 2)
+    wait_for_step(handle, 2, EVENT_TIMEOUT_S)
     workers = replica.worker_pids
     victim = len(workers) - 1
     os.kill(workers[victim], signal.SIGKILL)
     killed_at = time.perf_counter()
-    failed = events_until_done(handle)[-1]
+    failed = events_until_done(handle, EVENT_TIMEOUT_S)[-1]
     report = {"report_s": time.perf_counter() - killed_at, "message": getattr(failed, "message", str(failed))}
     expected = f"A worker process died (rank {victim}, exit code -9); the worker group is restarting."
     if failed != JobFailed(handle.job_id, "engine", expected) or report["report_s"] > DEATH_REPORT_LIMIT_S:
@@ -239,12 +202,14 @@ def check_kill(
         problems.append(f"kill: processes of the old group left: {left}")
     started = time.perf_counter()
     tensors = folder / f"{name}-after-restart.safetensors"
-    events = events_until_done(front.submit(REQUESTS["t2va"], folder / f"{name}-after-restart.mp4", tensors))
+    events = events_until_done(
+        front.submit(REQUESTS["t2va"], folder / f"{name}-after-restart.mp4", tensors), EVENT_TIMEOUT_S
+    )
     report["next_job_after_kill_s"] = time.perf_counter() - started
     if not isinstance(events[-1], JobFinished):
         problems.append(f"kill: the next job failed: {events[-1]}")
     else:
-        errors = max_relative_error(tensors, references["float32"]["t2va"])
+        errors = max_relative_errors(tensors, references["float32"]["t2va"])
         report["next_job_max_relative_error"] = errors
         if max(errors.values()) > FP32_TOLERANCE:
             problems.append(f"kill: the next job's errors {errors}")

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from _app_helpers import assert_browser_playable, start_app, stop_app
-from safetensors.torch import load_file
+from _runtime_helpers import events_until_done, max_relative_errors, process_exists, wait_for_step
 
 from h3engine.cli import main
 from h3engine.engine import Engine
@@ -40,9 +40,8 @@ from h3engine.errors import RequestError
 from h3engine.media.mux import probe_mp4
 from h3engine.parallel.groups import PROFILES, RuntimeLayout
 from h3engine.request import GenerationRequest, Keyframe, Reference
-from h3engine.runtime.front import EngineFront, JobHandle
+from h3engine.runtime.front import EngineFront
 from h3engine.runtime.messages import (
-    TERMINAL_EVENTS,
     JobFailed,
     JobFinished,
     JobStarted,
@@ -101,41 +100,6 @@ LONG_REQUEST = GenerationRequest(
 # --------------------------------------------------------------------------------------------------------------
 # Helpers and fixtures
 # --------------------------------------------------------------------------------------------------------------
-
-
-def events_until_done(handle: JobHandle) -> list:
-    events = []
-    while not events or not isinstance(events[-1], TERMINAL_EVENTS):
-        event = handle.next_event(timeout=EVENT_TIMEOUT_S)
-        assert event is not None, f"no message within {EVENT_TIMEOUT_S} s; so far: {events}"
-        events.append(event)
-    return events
-
-
-def wait_for_step(handle: JobHandle, step: int) -> None:
-    while True:
-        event = handle.next_event(timeout=EVENT_TIMEOUT_S)
-        assert event is not None and not isinstance(event, TERMINAL_EVENTS), event
-        if isinstance(event, StepProgress) and event.step >= step:
-            return
-
-
-def max_relative_errors(got_path: Path, expected_path: Path) -> dict[str, float]:
-    got, expected = load_file(got_path), load_file(expected_path)
-    assert set(got) == set(expected) == {"video", "audio", "video_latents", "audio_latents"}
-    errors = {}
-    for name, tensor in expected.items():
-        assert got[name].shape == tensor.shape, name
-        errors[name] = ((got[name] - tensor).abs().max() / tensor.abs().max()).item()
-    return errors
-
-
-def process_exists(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended (not yet reaped)
-    except OSError:
-        return False
 
 
 def child_processes(pid: int) -> dict[int, str]:
@@ -219,7 +183,7 @@ def groups(checkpoint, tmp_path_factory):
 
 def generate_and_compare(front: EngineFront, task: str, expected: Path, folder: Path) -> list:
     tensors = folder / f"{task}-group.safetensors"
-    events = events_until_done(front.submit(REQUESTS[task], folder / f"{task}.mp4", tensors))
+    events = events_until_done(front.submit(REQUESTS[task], folder / f"{task}.mp4", tensors), EVENT_TIMEOUT_S)
     assert isinstance(events[-1], JobFinished), events[-1]
     errors = max_relative_errors(tensors, expected)
     assert max(errors.values()) <= TOLERANCE, errors
@@ -335,18 +299,18 @@ def test_a_bad_request_fails_only_itself(groups, tmp_path) -> None:
     request = GenerationRequest(
         task="fl2va", prompt="x", steps=2, duration_seconds=4.0, keyframes=(Keyframe(missing, "first"),)
     )
-    failed = events_until_done(front.submit(request))[-1]
+    failed = events_until_done(front.submit(request), EVENT_TIMEOUT_S)[-1]
     assert failed.kind == "request" and missing in failed.message, failed
-    assert isinstance(events_until_done(front.submit(REQUESTS["t2va"]))[-1], JobFinished)
+    assert isinstance(events_until_done(front.submit(REQUESTS["t2va"]), EVENT_TIMEOUT_S)[-1], JobFinished)
     assert replica.worker_pids == workers
 
 
 def test_cancel_mid_run_stops_within_one_step(groups) -> None:
     front, _ = groups.get("sp2")
     handle = front.submit(LONG_REQUEST)
-    wait_for_step(handle, 2)
+    wait_for_step(handle, 2, EVENT_TIMEOUT_S)
     front.cancel(handle)
-    after_cancel = events_until_done(handle)
+    after_cancel = events_until_done(handle, EVENT_TIMEOUT_S)
     assert after_cancel[-1] == JobFailed(handle.job_id, "cancelled", "Cancelled.")
     # The step in flight when the cancel landed, plus at most one already sent but not yet read here.
     assert len([event for event in after_cancel if isinstance(event, StepProgress)]) <= 2
@@ -358,11 +322,11 @@ def test_a_killed_worker_fails_only_its_job_and_the_group_restarts(
 ) -> None:
     front, replica = groups.get("sp2")
     handle = front.submit(LONG_REQUEST)
-    wait_for_step(handle, 2)
+    wait_for_step(handle, 2, EVENT_TIMEOUT_S)
     old_workers = replica.worker_pids
     os.kill(old_workers[victim], signal.SIGKILL)
     killed_at = time.monotonic()
-    failed = events_until_done(handle)[-1]
+    failed = events_until_done(handle, EVENT_TIMEOUT_S)[-1]
     assert time.monotonic() - killed_at < DEATH_REPORT_LIMIT_S
     assert failed == JobFailed(
         handle.job_id,
@@ -381,9 +345,11 @@ def test_shutdown_cancels_the_running_job_and_leaves_no_worker_process(groups) -
     workers = replica.worker_pids
     assert set(workers) <= set(workers_of_this_process())
     handle = front.submit(LONG_REQUEST)
-    wait_for_step(handle, 1)
+    wait_for_step(handle, 1, EVENT_TIMEOUT_S)
     front.shutdown()
-    assert events_until_done(handle)[-1] == JobFailed(handle.job_id, "cancelled", "Cancelled.")
+    assert events_until_done(handle, EVENT_TIMEOUT_S)[-1] == JobFailed(
+        handle.job_id, "cancelled", "Cancelled."
+    )
     assert not any(process_exists(pid) for pid in workers)
     assert not set(workers_of_this_process()) & set(workers)
 
@@ -488,7 +454,9 @@ def test_a_worker_group_on_cuda_equals_the_in_process_engine(checkpoint, tmp_pat
     front = EngineFront([ProcessReplica(checkpoint, devices, dtype="float32")], tmp_path)
     try:
         tensors = tmp_path / "group.safetensors"
-        events = events_until_done(front.submit(REQUESTS["t2va"], tmp_path / "group.mp4", tensors))
+        events = events_until_done(
+            front.submit(REQUESTS["t2va"], tmp_path / "group.mp4", tensors), EVENT_TIMEOUT_S
+        )
         assert isinstance(events[-1], JobFinished), events[-1]
         # The GPU's fp32 kernels differ between one and two ranks in summation order (and TF32 convolutions).
         errors = max_relative_errors(tensors, expected)

@@ -1,0 +1,48 @@
+"""Helpers of the worker-group tests (tests/test_runtime_workers.py on the CPU, tests/test_runtime_gpu.py on GPUs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from h3engine.runtime.front import JobHandle
+from h3engine.runtime.messages import TERMINAL_EVENTS, StepProgress
+
+
+def events_until_done(handle: JobHandle, timeout_s: float) -> list:
+    """Every message of the job up to its terminal one; fails when none comes within `timeout_s`."""
+    events = []
+    while not events or not isinstance(events[-1], TERMINAL_EVENTS):
+        event = handle.next_event(timeout=timeout_s)
+        assert event is not None, f"no message within {timeout_s} s; so far: {events}"
+        events.append(event)
+    return events
+
+
+def wait_for_step(handle: JobHandle, step: int, timeout_s: float) -> None:
+    """Read the job's messages until it reports `step`; fails if it ends or stalls first."""
+    while True:
+        event = handle.next_event(timeout=timeout_s)
+        assert event is not None and not isinstance(event, TERMINAL_EVENTS), event
+        if isinstance(event, StepProgress) and event.step >= step:
+            return
+
+
+def max_relative_errors(got_path: Path, expected_path: Path) -> dict[str, float]:
+    """max |got - expected| / max |expected| of each tensor of two `--save-tensors` files (same names and shapes)."""
+    got, expected = load_file(got_path), load_file(expected_path)
+    assert set(got) == set(expected) == {"video", "audio", "video_latents", "audio_latents"}
+    errors = {}
+    for name, tensor in expected.items():
+        assert got[name].shape == tensor.shape, name
+        errors[name] = ((got[name] - tensor).abs().max() / tensor.abs().max()).item()
+    return errors
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended (not yet reaped)
+    except OSError:
+        return False
