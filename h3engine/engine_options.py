@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,15 +49,7 @@ class EngineOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
         """The options of a command line parsed with `add_engine_flags`."""
-        return cls(
-            dit_sp=args.dit_sp,
-            dit_tp=args.dit_tp,
-            encoder_tp=args.encoder_tp,
-            vae_ranks=args.vae_ranks,
-            dtype=args.dtype,
-            memory_profile=args.memory_profile,
-            fp8_linear=args.fp8_linear,
-        )
+        return cls(**{option.name: getattr(args, option.name) for option in fields(cls)})
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
