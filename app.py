@@ -314,7 +314,8 @@ def random_weights_banner(folder: Path | None) -> str:
     where = f" in `{folder}`" if folder is not None else " in its cache folder"
     return (
         "**Random weights.** No checkpoint was configured, so this app runs on a tiny random-weight checkpoint "
-        f"it made{where}. Every step runs for real, but the videos are noise. To use the released "
+        f"it made{where}. Every step runs for real, but the pictures and the sound are noise (loud: the players "
+        "start muted). To use the released "
         "MiniMax H3 weights, start `python app.py --checkpoint DIR` or set `H3_CHECKPOINT=DIR`."
     )
 
@@ -390,6 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         checkpoint_label=str(checkpoint) if config.shared_history else checkpoint.name,
         memory_profile=config.engine.memory_profile,
         banner_markdown=banner,
+        max_jobs=config.queue_size,
     )
     access = ui.AccessPolicy(
         config.outputs_dir,
@@ -411,6 +413,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             allowed_paths=[str(config.outputs_dir)] if config.shared_history else [],
             theme=ui.THEME,
             css=ui.CSS,
+            head=ui.HEAD,
+            js=ui.MUTED_MEDIA_JS if banner else None,
             show_error=False,
             enable_monitoring=False,
             run_history=False,

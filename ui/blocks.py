@@ -32,12 +32,21 @@ from ui.handlers import (
     remove_reference,
     swap_keyframes,
 )
+from ui.history import HistoryEntry
 from ui.inputs import label_references
 from ui.result import ResultColumn, build_history, build_result_column
 from ui.tabs import DEFAULT_VALUES, TaskTab, build_fl2va_tab, build_ref2va_tab, build_t2va_tab
 
 ENGINE_CONCURRENCY_ID = "h3-engine"
-TAB_TITLES = {"t2va": "Text → video", "fl2va": "First / last frame → video", "ref2va": "References → video"}
+# Brings the status into view when Generate is pressed (on a phone the result column is below the tab).
+SHOW_STATUS_JS = """() => {
+    const status = document.querySelector("#h3-status");
+    if (!status) return;
+    const box = status.getBoundingClientRect();
+    if (box.top < 0 || box.bottom > window.innerHeight) status.scrollIntoView({ block: "start" });
+}"""
+# Short enough that all three fit a phone-wide tab bar (Gradio folds the others into a menu).
+TAB_TITLES = {"t2va": "Text", "fl2va": "First / last frame", "ref2va": "References"}
 # The generate endpoints' descriptions on the API page.
 API_DESCRIPTIONS = {
     "t2va": "Text to video with sound.",
@@ -54,6 +63,7 @@ class UiOptions:
     checkpoint_label: str
     memory_profile: str = "resident"
     banner_markdown: str | None = None
+    max_jobs: int = 32  # generate events running at once (the engine front queues their jobs)
 
 
 def build_ui(
@@ -86,38 +96,48 @@ def build_ui(
                                 _initial_canvas_text(handlers, task),
                                 [example.title for example in examples[task]],
                             )
-            with gr.Column(scale=2):
+            with gr.Column(scale=2, elem_id="h3-result-column"):
                 result = build_result_column()
         history = build_history()
 
-        generate_events = [_wire_generate(tab, handlers, result, front.replicas) for tab in tabs.values()]
-        for event in generate_events:
-            event.then(handlers.refresh_history, outputs=history.table, queue=False, api_visibility="private")
-        result.cancel.click(
-            lambda: "Cancelled.",
-            outputs=result.status,
-            cancels=generate_events,
-            queue=False,
-            api_visibility="private",
-        )
+        generate_buttons = [tab.generate for tab in tabs.values()]
+        for tab in tabs.values():
+            _wire_generate(tab, handlers, result, generate_buttons, options.max_jobs).then(
+                handlers.refresh_history, outputs=history.table, queue=False, api_visibility="private"
+            )
+        result.cancel.click(handlers.cancel_jobs, queue=False, api_visibility="private")
         for tab in tabs.values():
             _wire_canvas_text(tab, handlers)
             _wire_examples(tab, examples[tab.task], handlers)
-        _wire_keyframes(tabs["fl2va"], handlers, result)
+        _wire_keyframes(tabs["fl2va"], handlers, result, task_tabs)
         _wire_reference_rows(tabs["ref2va"])
 
         restore_outputs = [task_tabs, *result.outputs]
         for tab in tabs.values():
             restore_outputs += tab.inputs
 
-        def restore(row: list[Any], caller: gr.Request) -> dict[Any, Any]:
-            entry, request, values = handlers.restore(row, caller)
+        def restore(entry: HistoryEntry, keep_takes: bool) -> dict[Any, Any]:
+            request, values = handlers.settings_of(entry)
             updates: dict[Any, Any] = {task_tabs: gr.Tabs(selected=request.task)}
-            updates.update(zip(result.outputs, handlers.result_of(entry), strict=True))
+            updates.update(zip(result.outputs, handlers.result_of(entry, keep_takes), strict=True))
             updates.update(_tab_updates(tabs[request.task], values))
             return updates
 
-        history.table.click(restore, inputs=history.table, outputs=restore_outputs, api_visibility="private")
+        def restore_from_history(row: list[Any], caller: gr.Request) -> dict[Any, Any]:
+            return restore(handlers.history_entry(row, caller), keep_takes=False)
+
+        def restore_shown_result(last_result: str | None, caller: gr.Request) -> dict[Any, Any]:
+            return restore(handlers.entry_of_result(last_result, caller), keep_takes=True)
+
+        history.table.click(
+            restore_from_history, inputs=history.table, outputs=restore_outputs, api_visibility="private"
+        )
+        result.restore.click(
+            restore_shown_result, inputs=result.last_result, outputs=restore_outputs, api_visibility="private"
+        )
+        result.takes.select(
+            handlers.show_take, inputs=result.take_paths, outputs=result.outputs, api_visibility="private"
+        )
         history.refresh.click(handlers.refresh_history, outputs=history.table, api_visibility="private")
         demo.load(handlers.refresh_history, outputs=history.table, api_visibility="private")
     return demo
@@ -132,17 +152,51 @@ def _tab_updates(tab: TaskTab, values: dict[str, Any]) -> dict[Any, Any]:
     return {by_name[name]: value for name, value in values.items()}
 
 
-def _wire_generate(tab: TaskTab, handlers: Handlers, result: ResultColumn, replicas: int) -> Any:
-    return tab.generate.click(
+def _wire_generate(
+    tab: TaskTab, handlers: Handlers, result: ResultColumn, generate_buttons: list[gr.Button], max_jobs: int
+) -> Any:
+    """Generate: at once (no queue) the status says what happens, the old result goes and all Generate buttons rest
+    until the job ends; the page brings the status into view; then the queued endpoint runs the job. The endpoint's
+    events may all run at once: the engine front queues the jobs and reports each one's place."""
+
+    def start(*inputs: Any) -> tuple[Any, ...]:
+        updates, starts = handlers.start(tab.task, inputs)
+        return (*updates, *(gr.Button(interactive=not starts) for _ in generate_buttons))
+
+    started = tab.generate.click(
+        start,
+        inputs=tab.inputs,
+        outputs=[*result.outputs, *generate_buttons],
+        queue=False,
+        api_visibility="private",
+    )
+    # Once the status says what happens (its height may change), bring it into view.
+    started.then(None, js=SHOW_STATUS_JS, queue=False, api_visibility="private")
+    generated = started.then(
         handlers.generator(tab.task),
         inputs=tab.inputs,
         outputs=result.outputs,
         api_name=tab.task,
-        api_description=f"{API_DESCRIPTIONS[tab.task]} Returns status, preview, video, seed used, details, downloads.",
+        api_description=f"{API_DESCRIPTIONS[tab.task]} Returns status, preview, video, seed used, details, "
+        "downloads, takes.",
         validator=handlers.validator(tab.task),
-        concurrency_limit=replicas,
+        concurrency_limit=max_jobs,
         concurrency_id=ENGINE_CONCURRENCY_ID,
         show_progress_on=[result.video],
+    )
+
+    def finish(seed_used: Any) -> tuple[Any, ...]:
+        return (
+            *(gr.Button(interactive=True) for _ in generate_buttons),
+            gr.Number(visible=seed_used is not None),
+        )
+
+    return generated.then(
+        finish,
+        inputs=result.seed_used,
+        outputs=[*generate_buttons, result.seed_used],
+        queue=False,
+        api_visibility="private",
     )
 
 
@@ -169,11 +223,21 @@ def _wire_examples(tab: TaskTab, examples: list[Example], handlers: Handlers) ->
     tab.examples.click(fill, inputs=tab.examples, outputs=tab.inputs, api_visibility="private")
 
 
-def _wire_keyframes(tab: TaskTab, handlers: Handlers, result: ResultColumn) -> None:
+def _wire_keyframes(tab: TaskTab, handlers: Handlers, result: ResultColumn, task_tabs: gr.Tabs) -> None:
     pair = [tab.first_image, tab.last_image]
     tab.swap.click(swap_keyframes, inputs=pair, outputs=pair, queue=False, api_visibility="private")
     tab.use_last_frame.click(
         handlers.use_last_frame, inputs=result.last_result, outputs=tab.first_image, api_visibility="private"
+    )
+
+    def continue_in_fl2va(last_result: str | None) -> tuple[gr.Tabs, str]:
+        return gr.Tabs(selected="fl2va"), handlers.use_last_frame(last_result)
+
+    result.continue_in_fl2va.click(
+        continue_in_fl2va,
+        inputs=result.last_result,
+        outputs=[task_tabs, tab.first_image],
+        api_visibility="private",
     )
 
 

@@ -28,25 +28,18 @@ from pathlib import Path
 from typing import Any
 
 import gradio as gr
-import numpy as np
 
 from h3engine.errors import RequestError
 from h3engine.request import GenerationRequest, Keyframe, Reference
 from h3engine.request_shapes import from_dict
 from h3engine.runtime.front import EngineFront, JobHandle, stamped_output_name
-from h3engine.runtime.messages import (
-    JobFailed,
-    JobFinished,
-    JobQueued,
-    JobStarted,
-    PreviewFrame,
-    StepProgress,
-)
+from h3engine.runtime.messages import PreviewFrame
 from ui.access import AccessPolicy
 from ui.history import HistoryEntry, entry_markdown, find_entry, history_rows, list_history, result_markdown
 from ui.inputs import InputStore, last_frame_png, reference_kind
 from ui.result import RESULT_FIELDS
 from ui.tabs import DEFAULT_VALUES, MEDIA_PARAMETERS, SETTINGS_PARAMETERS
+from ui.takes import Take, TakeSet, checked_takes
 
 POLL_INTERVAL_S = 0.1
 RANDOM_SEED_LIMIT = 2**31
@@ -162,6 +155,7 @@ def request_values(request: GenerationRequest, keep: Callable[[str], str]) -> di
         "flow_shift": request.flow_shift,
         "audio_flow_shift": request.audio_flow_shift,
         "short_edge": request.short_edge,
+        "takes": 1,
     }
     if request.task == "fl2va":
         by_position = {keyframe.position: keyframe.path for keyframe in request.keyframes}
@@ -196,6 +190,14 @@ def remove_reference(index: int, paths: list[str] | None) -> list[str]:
     return paths
 
 
+def take_caption(number: int, seed: int) -> str:
+    return f"Take {number} · seed {seed}"
+
+
+def _session_of(caller: gr.Request | None) -> str:
+    return str(getattr(caller, "session_hash", None) or "")
+
+
 def swap_keyframes(first_image: str | None, last_image: str | None) -> tuple[str | None, str | None]:
     return last_image, first_image
 
@@ -205,26 +207,54 @@ class Handlers:
         self.front = front
         self.access = access
         self.store = InputStore(access.outputs_dir)
+        # The jobs each browser session has running, for its Cancel button.
+        self._running: dict[str, set[JobHandle]] = {}
 
     # --- checks -----------------------------------------------------------------------------------------
+
+    def problem(self, values: TaskValues) -> RequestError | None:
+        """What is wrong with a tab's inputs, found without running a model (None: nothing)."""
+        try:
+            check_input_types(values)
+            checked_takes(values.values["takes"])
+            # A random seed is drawn later; check the request with a valid placeholder.
+            seed = 0 if values.values["randomize_seed"] else None
+            self.front.check(build_request(values, seed=seed))
+        except RequestError as error:
+            return error
+        return None
 
     def validator(self, task: str) -> Callable[..., list[dict[str, Any]]]:
         def validate_inputs(*inputs: Any) -> list[dict[str, Any]]:
             values = TaskValues.from_inputs(task, inputs)
-            try:
-                check_input_types(values)
-                # A random seed is drawn later; check the request with a valid placeholder.
-                seed = 0 if values.values["randomize_seed"] else None
-                self.front.check(build_request(values, seed=seed))
-            except RequestError as error:
-                failing = failing_parameter(str(error), values)
-                return [
-                    gr.validate(name != failing, str(error) if name == failing else "")
-                    for name in parameter_names(task)
-                ]
-            return [gr.validate(True, "") for _ in parameter_names(task)]
+            error = self.problem(values)
+            failing = failing_parameter(str(error), values) if error is not None else None
+            return [
+                gr.validate(name != failing, str(error) if name == failing else "")
+                for name in parameter_names(task)
+            ]
 
         return validate_inputs
+
+    def start(self, task: str, inputs: Sequence[Any]) -> tuple[tuple[Any, ...], bool]:
+        """Run the moment Generate is pressed, before the job is queued: (result-column updates, whether a job
+        starts). The status shows the inputs' problem or that a job starts, and then the previous result is cleared
+        so that it cannot pass for the new one; the takes gallery shows when there are several takes."""
+        values = TaskValues.from_inputs(task, inputs)
+        error = self.problem(values)
+        if error is not None:
+            return result_update(status=f"⚠ Not started: {error}"), False
+        cleared = result_update(
+            status="Starting…",
+            preview=None,
+            video=None,
+            seed_used=gr.Number(value=None, visible=False),
+            details="",
+            downloads=None,
+            takes=gr.Gallery(value=[], visible=checked_takes(values.values["takes"]) > 1),
+            take_paths=[],
+        )
+        return cleared, True
 
     def describe_canvas(self, task: str) -> Callable[..., str]:
         """The derived canvas and frame count shown under a tab's duration and aspect ratio."""
@@ -276,81 +306,97 @@ class Handlers:
         values = TaskValues.from_inputs(task, inputs)
         try:
             check_input_types(values)
+            takes = checked_takes(values.values["takes"])
+            # Consecutive seeds from the first: a drawn first seed leaves room for the others.
             seed = secrets.randbelow(RANDOM_SEED_LIMIT) if values.values["randomize_seed"] else None
             request = build_request(values, seed=seed, keep=self.store.keep_file)
+            requests = [dataclasses.replace(request, seed=request.seed + take) for take in range(takes)]
             self.front.check(request)
+            if takes > 1:
+                self.front.check(requests[-1])
         except RequestError as error:
             raise gr.Error(str(error), title="Invalid request", print_exception=False) from None
         results_dir = self.access.results_dir(caller)
         results_dir.mkdir(parents=True, exist_ok=True)
-        out_path = results_dir / stamped_output_name(request.task, secrets.token_hex(4))
-        handle = self.front.submit(request, out_path=out_path)
+        handles = [
+            self.front.submit(
+                take, out_path=results_dir / stamped_output_name(take.task, secrets.token_hex(4))
+            )
+            for take in requests
+        ]
+        session = _session_of(caller)
+        self._running.setdefault(session, set()).update(handles)
         try:
-            async for update in self._follow(handle, progress):
+            async for update in self._follow(TakeSet.of(handles), progress):
                 yield update
         finally:
             # Cancelled by Gradio, or the reader went away: stop the engine at its next step.
-            self.front.cancel(handle)
+            for handle in handles:
+                self.front.cancel(handle)
+            self._running.get(session, set()).difference_update(handles)
 
-    async def _follow(self, handle: JobHandle, progress: gr.Progress) -> AsyncIterator[tuple[Any, ...]]:
+    async def _follow(self, takes: TakeSet, progress: gr.Progress) -> AsyncIterator[tuple[Any, ...]]:
+        """Result-column updates while the takes run; the status after every message is the takes' own, and the
+        last update states how they ended (a failure then also raises, for API clients)."""
         started_at = time.monotonic()
-        queue_wait_s = 0.0
-        latest_preview = None
+        latest_preview: PreviewFrame | None = None
+        shown: Take | None = None
         while True:
-            events = handle.drain()
-            if not events:
+            changed, preview, newly_finished = takes.drain()
+            if not changed:
                 await asyncio.sleep(POLL_INTERVAL_S)
                 continue
-            status, step, preview = None, None, None
-            for event in events:
-                if isinstance(event, JobQueued):
-                    status = f"Waiting for a free engine: position {event.position} in the queue."
-                    progress(0, desc=f"Queued (position {event.position})")
-                elif isinstance(event, JobStarted):
-                    queue_wait_s = event.queue_wait_s
-                    status = f"Generating {event.width} × {event.height}, {event.frames} frames: encoding the prompt…"
-                    progress(0, desc="Encoding the prompt")
-                elif isinstance(event, StepProgress):
-                    step = event
-                elif isinstance(event, PreviewFrame):
-                    preview = latest_preview = event
-                elif isinstance(event, JobFinished):
-                    final_preview = latest_preview.rgb if latest_preview is not None else None
-                    yield self._finished(event, final_preview, queue_wait_s, time.monotonic() - started_at)
-                    return
-                elif isinstance(event, JobFailed):
-                    if event.kind == "cancelled":
-                        yield result_update(status=event.message)
-                        return
-                    title = "Invalid request" if event.kind == "request" else "Generation failed"
-                    raise gr.Error(event.message, title=title, print_exception=False)
-            if step is not None:
-                status = (
-                    f"Denoising: step {step.step} of {step.total} · {step.elapsed_s:.1f} s elapsed · "
-                    f"about {step.eta_s:.0f} s left"
-                )
-                if step.step == step.total:
-                    status = "Decoding the video and the audio, writing the MP4…"
-                progress((step.step, step.total), desc=f"Denoising (ETA {step.eta_s:.0f} s)", unit="steps")
-            yield result_update(
-                status=status if status is not None else gr.skip(),
-                preview=preview.rgb if preview is not None else gr.skip(),
-            )
+            latest_preview = preview or latest_preview
+            fields: dict[str, Any] = {"status": takes.status_line()}
+            if preview is not None:
+                fields["preview"] = preview.rgb
+            if newly_finished:
+                shown = shown or newly_finished[0]
+                fields.update(self._take_fields(takes, shown))
+            done_steps = takes.progress()
+            if done_steps is not None:
+                progress(done_steps, desc=takes.status_line(), unit="steps")
+            if not takes.ended:
+                yield result_update(**fields)
+                continue
+            fields["status"] = takes.final_status(time.monotonic() - started_at)
+            if shown is not None and latest_preview is not None:
+                fields["preview"] = latest_preview.rgb
+            yield result_update(**fields)
+            failures = [
+                take.failed for take in takes.takes if take.failed and take.failed.kind != "cancelled"
+            ]
+            if failures and not takes.finished:
+                title = "Invalid request" if failures[0].kind == "request" else "Generation failed"
+                raise gr.Error(failures[0].message, title=title, print_exception=False)
+            return
 
-    def _finished(
-        self, event: JobFinished, preview: np.ndarray | None, queue_wait_s: float, wall_s: float
-    ) -> tuple[Any, ...]:
-        timings = {"queue_wait_s": queue_wait_s, **event.timings_s}
+    def _take_fields(self, takes: TakeSet, shown: Take) -> dict[str, Any]:
+        """The result column's fields for the take shown, and the gallery of every take finished so far."""
+        event = shown.finished
+        assert event is not None and shown.started is not None
+        timings = {"queue_wait_s": shown.started.queue_wait_s, **event.timings_s}
         video = self.access.publish(event.video_path)
-        return result_update(
-            status=f"Done in {wall_s:.1f} s.",
-            preview=preview,
-            video=video,
-            seed_used=event.seed,
-            details=result_markdown(event.seed, event.width, event.height, event.frames, event.fps, timings),
-            downloads=[video, self.access.publish(event.sidecar_path)],
-            last_result=event.video_path,
-        )
+        finished = takes.finished
+        return {
+            "video": video,
+            "seed_used": event.seed,
+            "details": result_markdown(
+                event.seed, event.width, event.height, event.frames, event.fps, timings
+            ),
+            "downloads": [video, self.access.publish(event.sidecar_path)],
+            "last_result": event.video_path,
+            "takes": [
+                (self.access.publish(take.finished.video_path), take_caption(take.number, take.finished.seed))
+                for take in finished
+            ],
+            "take_paths": [take.finished.video_path for take in finished],
+        }
+
+    def cancel_jobs(self, caller: gr.Request) -> None:
+        """Cancel: every job of the caller's session stops; each generate handler then writes how its jobs ended."""
+        for handle in list(self._running.get(_session_of(caller), ())):
+            self.front.cancel(handle)
 
     # --- history, examples, keyframes --------------------------------------------------------------------
 
@@ -361,29 +407,59 @@ class Handlers:
         """The caller's own past results (loaded per session: the page config carries none)."""
         return gr.Dataset(samples=self.history_samples(request))
 
-    def restore(
-        self, row: list[Any] | None, caller: gr.Request | None
-    ) -> tuple[HistoryEntry, GenerationRequest, dict[str, Any]]:
+    def history_entry(self, row: list[Any] | None, caller: gr.Request | None) -> HistoryEntry:
+        """The caller's result a clicked History row names."""
         entry = find_entry(self.access.results_dir(caller), row[0] if row else None)
         if entry is None:
             raise gr.Error("That result is no longer in your history.", print_exception=False)
+        return entry
+
+    def settings_of(self, entry: HistoryEntry) -> tuple[GenerationRequest, dict[str, Any]]:
+        """A past result's request and its settings as input values (files that are gone left out)."""
         try:
             request = from_dict(entry.sidecar["request"])
         except RequestError as error:
             raise gr.Error(f"Cannot restore {entry.stem}: {error}", print_exception=False) from None
-        return entry, request, request_values(request, self.access.publish)
+        return request, request_values(request, self.access.publish)
 
-    def result_of(self, entry: HistoryEntry) -> tuple[Any, ...]:
+    def result_of(self, entry: HistoryEntry, keep_takes: bool = False) -> tuple[Any, ...]:
+        """The result column showing a past result; `keep_takes`: it is one of the takes shown, which stay."""
         video = self.access.publish(entry.video_path)
+        takes = {} if keep_takes else {"takes": gr.Gallery(value=[], visible=False), "take_paths": []}
         return result_update(
-            status=f"Restored {entry.stem}.",
+            status=f"Showing {entry.stem}.",
             preview=None,
             video=video,
-            seed_used=int(entry.sidecar.get("seed", 0)),
+            seed_used=gr.Number(value=int(entry.sidecar.get("seed", 0)), visible=True),
             details=entry_markdown(entry),
             downloads=[video, self.access.publish(entry.sidecar_path)],
             last_result=str(entry.video_path),
+            **takes,
         )
+
+    def show_take(
+        self, take_paths: list[str] | None, selected: gr.SelectData, caller: gr.Request
+    ) -> tuple[Any, ...]:
+        """A take clicked in the takes gallery becomes the result shown (its video, details, downloads, last frame)."""
+        paths = take_paths or []
+        index = selected.index if isinstance(selected.index, int) else -1
+        entry = (
+            find_entry(self.access.results_dir(caller), Path(paths[index]).stem)
+            if 0 <= index < len(paths)
+            else None
+        )
+        if entry is None:
+            raise gr.Error("That take is no longer in your history.", print_exception=False)
+        return self.result_of(entry, keep_takes=True)
+
+    def entry_of_result(self, last_result: str | None, caller: gr.Request | None) -> HistoryEntry:
+        """The history entry of the result shown in the result column."""
+        entry = find_entry(self.access.results_dir(caller), Path(last_result).stem) if last_result else None
+        if entry is None:
+            raise gr.Error(
+                "There is no result to restore yet: generate (or pick) one first.", print_exception=False
+            )
+        return entry
 
     def example_values(self, request: GenerationRequest) -> dict[str, Any]:
         return request_values(request, self.access.publish)

@@ -21,7 +21,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 HISTORY_LIMIT = 200
-HISTORY_HEADERS = ["Result", "When", "Task", "Prompt", "Seed", "Canvas"]
+HISTORY_HEADERS = ["Result", "When", "Task", "Prompt", "Seed", "Steps", "Canvas"]
 PROMPT_PREVIEW_CHARACTERS = 80
 TASK_TITLES = {"t2va": "T2VA", "fl2va": "FL2VA", "ref2va": "Ref2VA"}
 # In pipeline order; phases the engine adds later are listed after these under their own key.
@@ -97,6 +97,7 @@ def history_rows(entries: list[HistoryEntry]) -> list[list[str]]:
                 TASK_TITLES.get(request.get("task"), str(request.get("task"))),
                 prompt,
                 str(entry.sidecar.get("seed", "")),
+                str(request.get("steps", "")),
                 f"{geometry.get('width', '?')}×{geometry.get('height', '?')}, {geometry.get('frames', '?')} frames",
             ]
         )

@@ -13,7 +13,18 @@ import gradio as gr
 from ui.history import HISTORY_HEADERS
 
 # The output order of every generate handler.
-RESULT_FIELDS = ("status", "preview", "video", "seed_used", "details", "downloads", "last_result")
+# Components the API returns come first; the two states (the shown result's MP4, the takes' MP4s) stay private.
+RESULT_FIELDS = (
+    "status",
+    "preview",
+    "video",
+    "seed_used",
+    "details",
+    "downloads",
+    "takes",
+    "last_result",
+    "take_paths",
+)
 
 
 @dataclass
@@ -24,8 +35,12 @@ class ResultColumn:
     seed_used: gr.Number
     details: gr.Markdown
     downloads: gr.File
+    takes: gr.Gallery
     cancel: gr.Button
+    restore: gr.Button
+    continue_in_fl2va: gr.Button
     last_result: gr.State
+    take_paths: gr.State
 
     @property
     def outputs(self) -> list[gr.components.Component]:
@@ -39,27 +54,52 @@ class HistoryPanel:
 
 
 def build_result_column() -> ResultColumn:
+    """Laid out in a column that stays in view on wide windows (ui.theme), status and Cancel at its top."""
     with gr.Row(equal_height=True):
         with gr.Column(scale=4):
             status = gr.Markdown("Ready.", label="Status", elem_id="h3-status")
         with gr.Column(scale=1, min_width=100):
             cancel = gr.Button("Cancel", variant="stop", size="sm", elem_id="h3-cancel")
-    preview = gr.Image(
-        label="Live preview (approximate, from the latents)",
-        type="numpy",
-        interactive=False,
-        height=220,
-        elem_id="h3-preview",
-    )
+    gr.Markdown("Live preview (approximate, from the latents)", elem_classes="h3-caption")
+    preview = gr.Image(show_label=False, type="numpy", interactive=False, height=220, elem_id="h3-preview")
     video = gr.Video(
         label="Result", format="mp4", interactive=False, buttons=["download"], elem_id="h3-video"
     )
-    seed_used = gr.Number(label="Seed used", precision=0, interactive=False, elem_id="h3-seed-used")
+    takes = gr.Gallery(
+        label="Takes (click one to show it)",
+        columns=4,
+        height="auto",
+        allow_preview=False,
+        visible=False,
+        elem_id="h3-takes",
+    )
+    with gr.Row():
+        restore = gr.Button("Restore its settings", size="sm", elem_id="h3-restore-result")
+        continue_in_fl2va = gr.Button(
+            "Continue from its last frame (FL2VA)", size="sm", elem_id="h3-continue-fl2va"
+        )
+    # Shown once there is a result: an empty number field would read as 0.
+    seed_used = gr.Number(
+        value=None, label="Seed used", precision=0, interactive=False, visible=False, elem_id="h3-seed-used"
+    )
     details = gr.Markdown(label="Details", elem_id="h3-details")
     downloads = gr.File(
         label="Download (MP4 and JSON sidecar)", file_count="multiple", interactive=False, height=140
     )
-    return ResultColumn(status, preview, video, seed_used, details, downloads, cancel, gr.State(None))
+    return ResultColumn(
+        status,
+        preview,
+        video,
+        seed_used,
+        details,
+        downloads,
+        takes,
+        cancel,
+        restore,
+        continue_in_fl2va,
+        gr.State(None),
+        gr.State([]),
+    )
 
 
 def build_history() -> HistoryPanel:

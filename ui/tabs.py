@@ -21,6 +21,7 @@ import gradio as gr
 from h3engine.geometry import PRESET_ASPECT_RATIOS
 from h3engine.request import MAX_DURATION_SECONDS, MIN_DURATION_SECONDS, VERIFIED_SHORT_EDGE
 from ui.inputs import AUDIO_SUFFIXES, IMAGE_SUFFIXES, VIDEO_SUFFIXES
+from ui.takes import MAX_TAKES
 
 # Every endpoint parameter's default, by name (the components start with these values).
 DEFAULT_VALUES = {
@@ -37,6 +38,7 @@ DEFAULT_VALUES = {
     "flow_shift": 12.0,
     "audio_flow_shift": 3.0,
     "short_edge": VERIFIED_SHORT_EDGE,
+    "takes": 1,
 }
 AUTO_ASPECT_LABELS = {
     "t2va": "auto (16:9)",
@@ -53,6 +55,7 @@ SETTINGS_PARAMETERS = (
     "flow_shift",
     "audio_flow_shift",
     "short_edge",
+    "takes",
 )
 MEDIA_PARAMETERS = {
     "t2va": (),
@@ -91,6 +94,7 @@ class SettingsControls:
     flow_shift: gr.Number
     audio_flow_shift: gr.Number
     short_edge: gr.Number
+    takes: gr.Slider
 
     @property
     def inputs(self) -> list[gr.components.Component]:
@@ -159,6 +163,17 @@ def _settings_controls(task: str, derived_text: str) -> SettingsControls:
                 value=DEFAULT_VALUES["randomize_seed"], label="Random seed", elem_id=f"{task}-randomize"
             )
         )
+        takes = as_sent(
+            gr.Slider(
+                1,
+                MAX_TAKES,
+                value=DEFAULT_VALUES["takes"],
+                step=1,
+                label="Takes",
+                info="jobs with consecutive seeds",
+                elem_id=f"{task}-takes",
+            )
+        )
     with gr.Accordion("Advanced", open=False, elem_id=f"{task}-advanced"):
         with gr.Row():
             steps = as_sent(
@@ -178,7 +193,16 @@ def _settings_controls(task: str, derived_text: str) -> SettingsControls:
                 gr.Number(value=DEFAULT_VALUES["audio_flow_shift"], label="Audio flow shift")
             )
     return SettingsControls(
-        duration, aspect_ratio, derived, seed, randomize_seed, steps, flow_shift, audio_flow_shift, short_edge
+        duration,
+        aspect_ratio,
+        derived,
+        seed,
+        randomize_seed,
+        steps,
+        flow_shift,
+        audio_flow_shift,
+        short_edge,
+        takes,
     )
 
 
@@ -198,6 +222,7 @@ def _examples(task: str, titles: list[str]) -> gr.Dataset | None:
         type="index",
         label="Examples",
         elem_id=f"{task}-examples",
+        elem_classes="h3-examples",
     )
 
 

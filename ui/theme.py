@@ -1,4 +1,4 @@
-"""The app's look: a Gradio theme and a little CSS (passed to `launch()`, where Gradio 6 takes them)."""
+"""The app's look: a Gradio theme, a little CSS and the page script (passed to `launch()`, where Gradio 6 takes them)."""
 
 from __future__ import annotations
 
@@ -13,4 +13,28 @@ CSS = """
 .h3-reference-name { margin-top: 6px; }
 .h3-reference-row { gap: 6px; }
 #h3-preview img { image-rendering: pixelated; }
+#h3-status { scroll-margin-top: 12px; }
+.h3-caption { font-size: 0.85em; opacity: 0.8; margin-bottom: -6px; }
+/* Wide windows: the result column stays in view while the inputs scroll, so the status, progress and preview are
+   where the eyes are when Generate is pressed. Narrow ones stack it under the tab (ui.blocks scrolls to it). */
+@media (min-width: 1024px) {
+  #h3-result-column { position: sticky; top: 8px; align-self: flex-start; max-height: calc(100vh - 16px);
+                      overflow-y: auto; }
+}
+/* Example titles wrap instead of being cut off. */
+.h3-examples td, .h3-examples button, .h3-examples .table-wrap * { white-space: normal !important;
+                                                                   overflow: visible; text-overflow: clip; }
 """
+
+# Outside CSS (which Gradio scopes to inside its container): the container hides its overflow, which would make it
+# the scroller the sticky result column holds to; `clip` cuts the same and scrolls nothing.
+HEAD = "<style>@media (min-width: 1024px) { .gradio-container { overflow: clip !important; } }</style>"
+
+# The random-weight demo's sound is full-scale noise: each player starts muted whenever it loads a file (the player
+# sets its own muted state as it mounts, so this runs as the file loads; a person can still unmute).
+MUTED_MEDIA_JS = """() => {
+    const mute = (event) => {
+        if (event.target instanceof HTMLMediaElement) event.target.muted = true;
+    };
+    for (const name of ["loadstart", "loadedmetadata"]) document.addEventListener(name, mute, true);
+}"""
