@@ -40,7 +40,7 @@ def client(app, tmp_path_factory):
 
 
 def _video_path(result: tuple) -> str:
-    status, _preview, video, seed_used, details, downloads = result
+    status, _preview, video, seed_used, details, downloads, _takes = result
     assert status.startswith("Done"), status
     assert "Canvas" in details and "Denoise" in details
     assert [path.rsplit(".", 1)[-1] for path in downloads] == ["mp4", "json"]
@@ -94,6 +94,8 @@ def test_ref2va_returns_a_browser_playable_mp4(client) -> None:
         ("/t2va", dict(prompt="x", steps=2.5), "steps: must be an integer"),
         ("/t2va", dict(prompt="x", randomize_seed="no"), "randomize_seed: must be true or false"),
         ("/t2va", dict(prompt=["x"]), "prompt: "),
+        ("/t2va", dict(prompt="x", takes=9), "takes: must be from 1 to 8, got 9"),
+        ("/t2va", dict(prompt="x", takes=1.5), "takes: must be a whole number from 1 to 8"),
         (
             "/ref2va",
             dict(
@@ -184,3 +186,20 @@ def test_two_queued_requests_both_complete(app, client) -> None:
     for result in results:
         assert_browser_playable(_video_path(result), FIVE_SECOND_FRAMES)
     assert len(app.mp4_files() - before) == 2
+
+
+def test_takes_make_one_job_per_consecutive_seed(app, client) -> None:
+    before = app.mp4_files()
+    result = client.predict(prompt="Three takes.", seed=70, takes=3, **SETTINGS, api_name="/t2va")
+    status, _preview, video, seed_used, _details, downloads, takes = result
+    assert status.startswith("Done: 3 of 3 takes done"), status
+    assert seed_used == 70  # the first take is the one shown
+    assert [take["caption"] for take in takes] == ["Take 1 · seed 70", "Take 2 · seed 71", "Take 3 · seed 72"]
+    for take in takes:
+        assert_browser_playable(
+            take["video"]["video"] if isinstance(take["video"], dict) else take["video"], FIVE_SECOND_FRAMES
+        )
+    made = app.mp4_files() - before
+    assert len(made) == 3
+    seeds = sorted(json.loads(path.with_suffix(".json").read_text())["seed"] for path in made)
+    assert seeds == [70, 71, 72]

@@ -76,7 +76,7 @@ def test_generate_in_the_browser(app, page) -> None:
     expect(page.locator("#h3-banner")).to_contain_text("Random weights")
 
     # Ref2VA: add three references, move the video up, insert its label into the prompt.
-    page.get_by_role("tab", name="References → video").click()
+    page.get_by_role("tab", name="References").click()
     page.locator("#ref2va-references input[type=file]").set_input_files(
         [
             ASSETS / "ref2va" / "picture1.png",
@@ -102,7 +102,7 @@ def test_generate_in_the_browser(app, page) -> None:
     expect(page.locator("#ref2va-prompt textarea")).to_have_value("The robot from <Picture 1>")
 
     # FL2VA: upload the first and the last image, swap them twice (back to the original order), generate.
-    page.get_by_role("tab", name="First / last frame → video").click()
+    page.get_by_role("tab", name="First / last frame").click()
     page.locator("#fl2va-first input[type=file]").set_input_files(ASSETS / "fl2va" / "first.png")
     page.locator("#fl2va-last input[type=file]").set_input_files(ASSETS / "fl2va" / "last.png")
     expect(page.locator("#fl2va-first img")).to_have_attribute("src", FIRST_IMAGE)
@@ -161,10 +161,8 @@ def test_generate_in_the_browser(app, page) -> None:
 
     # The result is in the history; clicking it restores its settings into its own tab.
     page.locator("#fl2va-prompt textarea").fill("Something else.")
-    page.get_by_role("tab", name="Text → video").click()
+    page.get_by_role("tab", name="Text").click()
     page.locator("#h3-history tbody tr").first.click()
-    expect(page.get_by_role("tab", name="First / last frame → video")).to_have_attribute(
-        "aria-selected", "true"
-    )
+    expect(page.get_by_role("tab", name="First / last frame")).to_have_attribute("aria-selected", "true")
     expect(page.locator("#fl2va-prompt textarea")).to_have_value("The kite climbs as the sun comes up.")
     expect(page.locator("#fl2va-steps input")).to_have_value("4")

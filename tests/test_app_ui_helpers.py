@@ -67,6 +67,7 @@ def _values(task: str, **overrides) -> TaskValues:
         "flow_shift": 11.0,
         "audio_flow_shift": 2.5,
         "short_edge": 768,
+        "takes": 1,
     }
     defaults |= overrides
     return TaskValues.from_inputs(task, [defaults[name] for name in parameter_names(task)])

@@ -1,0 +1,106 @@
+"""Shared by the browser tests: Debian's headless chromium through Playwright, pages at the sizes people use, the
+few page actions every test repeats, and screenshots (test artifacts; with H3_UPDATE_SCREENSHOTS=1 also the small
+PNGs README shows, under docs/screenshots/)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from _app_helpers import REPOSITORY_ROOT
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    # Lets the test start playback from script; a person's click is a user gesture and needs no flag.
+    "--autoplay-policy=no-user-gesture-required",
+]
+ARTIFACTS = REPOSITORY_ROOT / "test-artifacts"
+README_SCREENSHOTS = REPOSITORY_ROOT / "docs" / "screenshots"
+README_SCREENSHOT_WIDTH = 900
+TIMEOUT_MS = 60_000
+DESKTOP = {"width": 1400, "height": 1000}
+PHONE = {"width": 390, "height": 844}
+
+needs_chromium = pytest.mark.skipif(
+    not CHROMIUM.exists(),
+    reason="Debian's chromium is not installed at /usr/bin/chromium (.ci/run installs it)",
+)
+
+
+@contextmanager
+def browser_page(url: str, viewport: dict[str, int] = DESKTOP) -> Iterator[object]:
+    """A fresh browser (its own session) showing the app at `url`."""
+    from playwright.sync_api import expect, sync_playwright
+
+    # Assertions wait as long as page actions: Playwright's `expect` keeps its own 5 s default otherwise, shorter
+    # than a 4-step generation with decode and mux can take on a loaded 2-core machine (seen twice).
+    expect.set_options(timeout=TIMEOUT_MS)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
+        )
+        try:
+            page = browser.new_page(viewport=viewport)
+            page.set_default_timeout(TIMEOUT_MS)
+            page.goto(url)
+            page.locator("#h3-status").wait_for()
+            yield page
+        finally:
+            browser.close()
+
+
+def set_field(page, selector: str, value: str) -> None:
+    """Type into a number field as a person does. Gradio commits it on blur; under load a field can still be
+    mounting when the first keystrokes arrive (seen once in CI), so type again until the value holds."""
+    from playwright.sync_api import expect
+
+    field = page.locator(selector)
+    for _attempt in range(5):
+        field.fill(value)
+        field.press("Tab")
+        if field.input_value() == value:
+            page.wait_for_timeout(300)
+            if field.input_value() == value:
+                break
+        page.wait_for_timeout(500)
+    expect(field).to_have_value(value)
+
+
+def open_advanced(page, task: str) -> None:
+    page.locator(f"#{task}-advanced").get_by_text("Advanced").click()
+    page.locator(f"#{task}-steps input").wait_for()
+
+
+def in_view(page, selector: str) -> bool:
+    """Whether the element lies wholly inside the window as it is scrolled now."""
+    return page.locator(selector).evaluate(
+        """(element) => {
+            const box = element.getBoundingClientRect();
+            return box.height > 0 && box.top >= 0 && box.bottom <= window.innerHeight;
+        }"""
+    )
+
+
+def screenshot(page, name: str, readme: bool = False) -> Path:
+    """Into test-artifacts/; `readme`: also, shrunk, into docs/screenshots/ when H3_UPDATE_SCREENSHOTS=1."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path))
+    if readme and os.environ.get("H3_UPDATE_SCREENSHOTS") == "1":
+        from PIL import Image
+
+        README_SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        with Image.open(path) as image:
+            scale = min(1.0, README_SCREENSHOT_WIDTH / image.width)
+            small = image.convert("RGB").resize((round(image.width * scale), round(image.height * scale)))
+            small.quantize(colors=128).save(README_SCREENSHOTS / f"{name}.png", optimize=True)
+    return path
