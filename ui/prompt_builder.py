@@ -511,6 +511,76 @@ class PromptBuilderPanel:
         return {component: value[name] for name, component in self.named()}
 
 
+def _row_text(label: str, placeholder: str, index: int, **layout: Any) -> gr.Textbox:
+    """A row's text box; only the first row shows its label (the rows below read as a table)."""
+    return gr.Textbox(label=label, show_label=index == 0, placeholder=placeholder, lines=1, **layout)
+
+
+def _shot_row(task: str, index: int) -> ShotRow:
+    """A shot's start and text; only the first row shows the labels (the rows below read as a table)."""
+    with gr.Row(equal_height=True):
+        start = gr.Number(
+            value=0.0 if index == 0 else None,
+            minimum=0,
+            label="Starts at (s)",
+            show_label=index == 0,
+            placeholder="seconds",
+            interactive=index > 0,
+            scale=1,
+            min_width=100,
+            elem_id=f"{task}-builder-shot-{index}-start",
+        )
+        text = _row_text(
+            "Shots (the first starts at 0 s; a later one is a cut at its start time)",
+            f"Shot {index + 1}",
+            index,
+            scale=5,
+            elem_id=f"{task}-builder-shot-{index}",
+        )
+    return ShotRow(start, text)
+
+
+def _typed_choice(
+    choices: list[tuple[str, str]], value: str, label: str, show_label: bool, **layout: Any
+) -> gr.Dropdown:
+    """A dropdown that also takes a typed value."""
+    return gr.Dropdown(
+        choices=choices, value=value, allow_custom_value=True, label=label, show_label=show_label, **layout
+    )
+
+
+def _dialogue_row(task: str, index: int) -> DialogueRow:
+    """A spoken line: the shot it ends, its speaker (free text or a label), language and text."""
+    with gr.Row(equal_height=True):
+        shot = gr.Dropdown(
+            choices=[(f"Shot {number}", number) for number in range(1, SHOT_ROWS + 1)],
+            value=1,
+            label="Spoken in",
+            show_label=index == 0,
+            scale=1,
+            min_width=100,
+        )
+        speaker = _typed_choice(
+            [("none", ""), *((name, name) for name in SPEAKER_SUGGESTIONS[task])],
+            "",
+            "Speaker (type a name or pick a label)",
+            index == 0,
+            scale=2,
+            min_width=130,
+        )
+        language = _typed_choice(
+            [(name, name) for name in LANGUAGES], "English", "Language", index == 0, scale=1, min_width=110
+        )
+        text = _row_text(
+            "Spoken lines, as <d>[Language] text</d>",
+            f"Line {index + 1}",
+            index,
+            scale=4,
+            elem_id=f"{task}-builder-line-{index}",
+        )
+    return DialogueRow(shot, speaker, language, text)
+
+
 def build_prompt_builder(task: str) -> PromptBuilderPanel:
     """The closed "Prompt builder" accordion for `task`'s tab, made where it is called (under the prompt)."""
     with gr.Accordion("Prompt builder", open=False, elem_id=f"{task}-prompt-builder") as accordion:
@@ -555,52 +625,10 @@ def build_prompt_builder(task: str) -> PromptBuilderPanel:
             lines=2,
             elem_id=f"{task}-builder-description",
         )
-        shots = []
-        for index in range(SHOT_ROWS):
-            with gr.Row(equal_height=True):
-                start = gr.Number(
-                    value=0.0 if index == 0 else None,
-                    minimum=0,
-                    label="Starts at (s)",
-                    interactive=index > 0,
-                    scale=1,
-                    min_width=100,
-                    elem_id=f"{task}-builder-shot-{index}-start",
-                )
-                text = gr.Textbox(
-                    label=f"Shot {index + 1}", lines=1, scale=5, elem_id=f"{task}-builder-shot-{index}"
-                )
-            shots.append(ShotRow(start, text))
-        dialogue = []
-        for index in range(DIALOGUE_ROWS):
-            with gr.Row(equal_height=True):
-                shot = gr.Dropdown(
-                    choices=[(f"Shot {number}", number) for number in range(1, SHOT_ROWS + 1)],
-                    value=1,
-                    label="Spoken in",
-                    scale=1,
-                    min_width=100,
-                )
-                speaker = gr.Dropdown(
-                    choices=[("none", ""), *((name, name) for name in SPEAKER_SUGGESTIONS[task])],
-                    value="",
-                    allow_custom_value=True,
-                    label=f"Line {index + 1}: speaker",
-                    scale=2,
-                    min_width=130,
-                )
-                language = gr.Dropdown(
-                    choices=[(name, name) for name in LANGUAGES],
-                    value="English",
-                    allow_custom_value=True,
-                    label="Language",
-                    scale=1,
-                    min_width=110,
-                )
-                text = gr.Textbox(
-                    label="Spoken text", lines=1, scale=4, elem_id=f"{task}-builder-line-{index}"
-                )
-            dialogue.append(DialogueRow(shot, speaker, language, text))
+        with gr.Group():
+            shots = [_shot_row(task, index) for index in range(SHOT_ROWS)]
+        with gr.Group():
+            dialogue = [_dialogue_row(task, index) for index in range(DIALOGUE_ROWS)]
         soundscape = gr.Textbox(label="Overall soundscape", lines=2, elem_id=f"{task}-builder-soundscape")
         music = gr.Textbox(label="Non-diegetic music", lines=1, elem_id=f"{task}-builder-music")
         with gr.Row():
