@@ -8,9 +8,9 @@ the sound sections with each key on its own line. A spoken line ends its shot as
 Hi!</d>`, (S1) numbering the distinct speakers in order.
 
 Contract: `compose_prompt(fields)` is pure; empty fields leave their section out. For fields without markup of
-their own, `parse_prompt(compose_prompt(f), f.task) == f.normalised()`; a text that composing its parse would not
-give back (up to whitespace) keeps its sections and lands whole in the description, or, without sections, lands
-whole in the description. The panel writes the prompt box only on its "Compose into the prompt" click.
+their own, `parse_prompt(compose_prompt(f), f.task) == f.normalised()`. Other text is never reordered or lost:
+where its parse would not compose back (up to whitespace), each description section stays whole in the
+description, or else the whole text lands there. The panel writes the prompt box only on its Compose click.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Any
 
 import gradio as gr
 
-TASKS = ("t2va", "fl2va", "ref2va")
+from h3engine.request import TASKS
+
 LANGUAGES = (
     "English", "Chinese", "Cantonese", "Japanese", "Korean", "Spanish", "French", "German", "Italian",
     "Portuguese", "Russian", "Arabic", "Hindi", "Indonesian", "Vietnamese", "Thai", "Turkish", "Dutch", "Polish",
@@ -49,7 +50,6 @@ SECTIONS = {
     ),
 }
 SECTIONS["fl2va"] = SECTIONS["t2va"]
-LINE_SECTIONS = ("subjects", "retention")  # one entry a line; every other field is one paragraph
 SPEAKER_SUGGESTIONS = {
     "t2va": ("The man", "The woman", "The child", "The narrator"),
     "fl2va": ("The man", "The woman", "The child", "The narrator"),
@@ -87,7 +87,9 @@ class Shot:
 @dataclass(frozen=True)
 class DialogueLine:
     text: str
-    speaker: str = ""  # free text ("The child") or a reference label ("<Audio 2>"); empty: no speaker named
+    # Free text ("The child") or a reference label ("<Audio 2>"), without the characters that end a sentence
+    # (.!?…:; are dropped from it); empty: no speaker named.
+    speaker: str = ""
     language: str = "English"
     shot: int = 1  # the shot (1-based) whose end it is spoken at; without shots, the description's end
 
@@ -264,30 +266,32 @@ def compose_prompt(fields: PromptFields) -> str:
     return "\n\n".join(paragraphs)
 
 
-def _parse_body(body: str) -> tuple[str, list[DialogueLine]] | None:
-    """(the text, its trailing spoken lines) of a shot's body; None where the body is not text then lines."""
+def _speaker_and_text(region: str) -> tuple[str, str]:
+    """(the speaker, the text before it) of what precedes a `<d>`: `... Bolt (S1) says: ` or just the text."""
+    says = _SAYS.search(region)
+    if not says:
+        return "", region.rstrip()
+    before = region[: says.start()]
+    ends = list(_SENTENCE_END.finditer(before))
+    cut = ends[-1].end() if ends else 0
+    return before[cut:].strip(), before[:cut].rstrip()
+
+
+def _parse_body(body: str) -> tuple[str, list[DialogueLine]]:
+    """(the text, its spoken lines) of a shot's body: the lines are the `<d>` runs that end it, each preceded by
+    nothing but its speaker; an earlier `<d>` stays in the text."""
     body = body.strip()
     matches = list(_DIALOGUE.finditer(body))
     if not matches or matches[-1].end() != len(body):
         return body, []
     lines: list[DialogueLine] = []
-    for index in range(len(matches) - 1, -1, -1):
-        match = matches[index]
+    for index in reversed(range(len(matches))):
         start = matches[index - 1].end() if index else 0
-        region = body[start : match.start()]
-        says = _SAYS.search(region)
-        if says:
-            before = region[: says.start()]
-            ends = list(_SENTENCE_END.finditer(before))
-            cut = ends[-1].end() if ends else 0
-            speaker, leftover = before[cut:].strip(), before[:cut].rstrip()
-        else:
-            speaker, leftover = "", region.rstrip()
-        line = DialogueLine(match.group(2), speaker, match.group(1))
-        lines.insert(0, line)
-        if index == 0 or leftover.strip():
-            return (body[:start] + leftover).strip(), lines
-    return "", lines  # pragma: no cover (the loop returns at index 0)
+        speaker, text = _speaker_and_text(body[start : matches[index].start()])
+        lines.insert(0, DialogueLine(matches[index].group(2), speaker, matches[index].group(1)))
+        if index == 0 or text.strip():
+            break
+    return (body[:start] + text).strip(), lines
 
 
 def _parse_scene(value: str, fields: dict[str, Any]) -> bool:
