@@ -34,6 +34,7 @@ from ui.handlers import (
 )
 from ui.history import HistoryEntry
 from ui.inputs import label_references
+from ui.prompt_builder import wire_prompt_builder
 from ui.result import ResultColumn, build_history, build_result_column
 from ui.tabs import DEFAULT_VALUES, TaskTab, build_fl2va_tab, build_ref2va_tab, build_t2va_tab
 
@@ -109,6 +110,7 @@ def build_ui(
         for tab in tabs.values():
             _wire_canvas_text(tab, handlers)
             _wire_examples(tab, examples[tab.task], handlers)
+            wire_prompt_builder(tab.prompt_builder, tab.prompt)
         _wire_keyframes(tabs["fl2va"], handlers, result, task_tabs)
         _wire_reference_rows(tabs["ref2va"])
 
@@ -218,9 +220,12 @@ def _wire_examples(tab: TaskTab, examples: list[Example], handlers: Handlers) ->
         return
 
     def fill(index: int) -> dict[Any, Any]:
-        return _tab_updates(tab, handlers.example_values(examples[index].request))
+        values = handlers.example_values(examples[index].request)
+        # The prompt builder fills from the example's prompt too.
+        return {**_tab_updates(tab, values), **tab.prompt_builder.builder_values(values["prompt"])}
 
-    tab.examples.click(fill, inputs=tab.examples, outputs=tab.inputs, api_visibility="private")
+    outputs = [*tab.inputs, *tab.prompt_builder.inputs]
+    tab.examples.click(fill, inputs=tab.examples, outputs=outputs, api_visibility="private")
 
 
 def _wire_keyframes(tab: TaskTab, handlers: Handlers, result: ResultColumn, task_tabs: gr.Tabs) -> None:

@@ -21,6 +21,7 @@ import gradio as gr
 from h3engine.geometry import PRESET_ASPECT_RATIOS
 from h3engine.request import MAX_DURATION_SECONDS, MIN_DURATION_SECONDS, VERIFIED_SHORT_EDGE
 from ui.inputs import AUDIO_SUFFIXES, IMAGE_SUFFIXES, VIDEO_SUFFIXES
+from ui.prompt_builder import PromptBuilderPanel, build_prompt_builder
 from ui.takes import MAX_TAKES
 
 # Every endpoint parameter's default, by name (the components start with these values).
@@ -122,6 +123,8 @@ class TaskTab:
     references: gr.File | None = None
     duration_from_reference: gr.Checkbox | None = None
     reference_rows: gr.Column | None = None
+    # The closed "Prompt builder" accordion right under the prompt (ui.prompt_builder).
+    prompt_builder: PromptBuilderPanel | None = None
 
     @property
     def media(self) -> list[gr.components.Component]:
@@ -206,10 +209,12 @@ def _settings_controls(task: str, derived_text: str) -> SettingsControls:
     )
 
 
-def _prompt(task: str) -> gr.Textbox:
-    return as_sent(
+def _prompt(task: str) -> tuple[gr.Textbox, PromptBuilderPanel]:
+    """The prompt box and, right under it, its prompt builder."""
+    prompt = as_sent(
         gr.Textbox(label="Prompt", lines=4, placeholder=PROMPT_PLACEHOLDERS[task], elem_id=f"{task}-prompt")
     )
+    return prompt, build_prompt_builder(task)
 
 
 def _examples(task: str, titles: list[str]) -> gr.Dataset | None:
@@ -237,11 +242,12 @@ def _task_tab(
 
 
 def build_t2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
-    return _task_tab("t2va", _prompt("t2va"), derived_text, example_titles)
+    prompt, builder = _prompt("t2va")
+    return _task_tab("t2va", prompt, derived_text, example_titles, prompt_builder=builder)
 
 
 def build_fl2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
-    prompt = _prompt("fl2va")
+    prompt, builder = _prompt("fl2va")
     with gr.Row(equal_height=True):
         first_image = gr.Image(
             type="filepath", label="First frame", sources=["upload", "clipboard"], elem_id="fl2va-first"
@@ -255,11 +261,11 @@ def build_fl2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
             "Use the last frame of the previous result", size="sm", elem_id="fl2va-use-last-frame"
         )
     controls = dict(first_image=first_image, last_image=last_image, swap=swap, use_last_frame=use_last_frame)
-    return _task_tab("fl2va", prompt, derived_text, example_titles, **controls)
+    return _task_tab("fl2va", prompt, derived_text, example_titles, prompt_builder=builder, **controls)
 
 
 def build_ref2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
-    prompt = _prompt("ref2va")
+    prompt, builder = _prompt("ref2va")
     references = gr.File(
         file_count="multiple",
         file_types=sorted(IMAGE_SUFFIXES | VIDEO_SUFFIXES | AUDIO_SUFFIXES),
@@ -280,4 +286,4 @@ def build_ref2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
     controls = dict(
         references=references, duration_from_reference=duration_from_reference, reference_rows=reference_rows
     )
-    return _task_tab("ref2va", prompt, derived_text, example_titles, **controls)
+    return _task_tab("ref2va", prompt, derived_text, example_titles, prompt_builder=builder, **controls)
