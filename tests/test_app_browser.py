@@ -66,10 +66,6 @@ def page(app):
         browser.close()
 
 
-def _reference_names(page) -> list[str]:
-    return [text.strip() for text in page.locator("[id^=ref2va-row-][id$=-name]").all_inner_texts()]
-
-
 def test_generate_in_the_browser(app, page) -> None:
     from playwright.sync_api import expect
 
@@ -77,26 +73,25 @@ def test_generate_in_the_browser(app, page) -> None:
 
     # Ref2VA: add three references, move the video up, insert its label into the prompt.
     page.get_by_role("tab", name="References → video").click()
-    page.locator("#ref2va-references input[type=file]").set_input_files(
+    page.locator("#ref2va-add input[type=file]").set_input_files(
         [
             ASSETS / "ref2va" / "picture1.png",
             ASSETS / "ref2va" / "video1.mp4",
             ASSETS / "ref2va" / "audio1.wav",
         ]
     )
-    expect(page.locator("#ref2va-row-2-name")).to_contain_text("audio1.wav")
-    assert _reference_names(page) == [
-        "1. <Picture 1> picture1.png",
-        "2. <Audio 1> <Video 1> video1.mp4",
-        "3. <Audio 2> audio1.wav",
-    ]
-    page.locator("#ref2va-row-1-up").click()
-    expect(page.locator("#ref2va-row-0-name")).to_contain_text("video1.mp4")
-    assert _reference_names(page) == [
-        "1. <Audio 1> <Video 1> video1.mp4",
-        "2. <Picture 1> picture1.png",
-        "3. <Audio 2> audio1.wav",
-    ]
+    # Each card's label line, then its name line, in the list's order.
+    cards = page.locator("[id^=ref2va-card-][id$=-labels], [id^=ref2va-card-][id$=-name]")
+    picture, video, audio = "picture1.png", "video1.mp4 · 3.0 s", "audio1.wav · 3.0 s"
+    expect(cards).to_have_text(
+        ["1. <Picture 1>", picture, "2. <Audio 1> <Video 1>", video, "3. <Audio 2>", audio],
+        use_inner_text=True,
+    )
+    page.locator("#ref2va-card-1-up").click()
+    expect(cards).to_have_text(
+        ["1. <Audio 1> <Video 1>", video, "2. <Picture 1>", picture, "3. <Audio 2>", audio],
+        use_inner_text=True,
+    )
     page.locator("#ref2va-prompt textarea").fill("The robot from")
     page.get_by_role("button", name="Insert <Picture 1>").click()
     expect(page.locator("#ref2va-prompt textarea")).to_have_value("The robot from <Picture 1>")
