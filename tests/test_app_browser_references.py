@@ -1,11 +1,11 @@
-"""The Ref2VA references gallery in a real browser (Debian's headless chromium, Playwright), at 1400 x 1000 and 390 x 844.
+"""The Ref2VA references gallery in chromium (headless, Playwright), at 1400 x 1000 and 390 x 844.
 
 What it checks, as a person would see it: files dropped in two goes join the end of one ordered list of cards; each
 card shows its labels (`<Picture i>`, a sounding video's `<Audio j>` and `<Video k>`, `<Audio j>`), a thumbnail of
 the image and a poster frame of the video (an <img> that decoded: natural width > 0), a player and length for the
 audio clip, and the file name; ↑ / ↓ reorder and the labels follow the new order; ✕ removes; "Insert <label>" puts
-the label into the prompt; a file that does not decode shows one line naming it. On the phone-sized window the cards
-stack and every button lies inside the window. Screenshots go to test-artifacts/.
+the label into the prompt; a file that does not decode shows one line naming it; an example fills the same list.
+On the phone-sized window the cards stack and every button lies inside the window. Screenshots: test-artifacts/.
 
 Skips, with the reason, only when /usr/bin/chromium is missing (.ci/run installs Debian's chromium).
 """
@@ -161,3 +161,12 @@ def test_the_references_gallery(page, tmp_path) -> None:
     expect(page.locator("#ref2va-card-2-thumbnail")).to_have_count(0)
     _assert_buttons_inside_the_window(page)
     page.screenshot(path=str(ARTIFACTS / f"ref2va_gallery_{page.viewport_name}_edited.png"), full_page=True)
+
+    # An example fills the same ordered list (as restoring a result from History does): its cards replace these.
+    page.locator("#ref2va-examples").get_by_text("all kinds").click()
+    _expect_cards(
+        page,
+        ["1. <Picture 1>", "2. <Picture 2>", "3. <Audio 1> <Video 1>", "4. <Audio 2>"],
+        ["picture1.png", "picture2.jpg", "video1.mp4 · 3.0 s", "audio1.wav · 3.0 s"],
+    )
+    assert _wait_for_decoded_image(page, "#ref2va-card-1-thumbnail") > 0
