@@ -14,7 +14,7 @@ CSS = """
 .h3-ref-card { border: 1px solid var(--border-color-primary); border-radius: 8px; padding: 8px; gap: 6px; }
 .h3-ref-card .h3-ref-labels code { font-weight: 600; }
 .h3-ref-card .h3-ref-name { overflow-wrap: anywhere; font-size: 0.9em; }
-.h3-ref-card .h3-ref-error { color: var(--error-text-color); overflow-wrap: anywhere; }
+.h3-ref-card .h3-ref-error, .h3-ref-card .h3-ref-error * { color: var(--error-text-color); overflow-wrap: anywhere; }
 .h3-ref-thumbnail img { object-fit: contain; }
 .h3-ref-buttons { gap: 4px; flex-wrap: wrap; }
 #ref2va-cards .h3-ref-buttons button { flex: 0 0 auto; min-height: 34px; padding: 4px 10px; }
