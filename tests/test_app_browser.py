@@ -13,31 +13,14 @@ own browser download does not work here).
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
-from _app_helpers import ASSETS, REPOSITORY_ROOT, start_app, stop_app
+from _app_helpers import ASSETS, start_app, stop_app
+from _browser_helpers import ARTIFACTS, browser_page, needs_chromium, open_advanced, set_field
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    # Lets the test start playback from script; a person's click is a user gesture and needs no flag.
-    "--autoplay-policy=no-user-gesture-required",
-]
-ARTIFACTS = REPOSITORY_ROOT / "test-artifacts"
-TIMEOUT_MS = 60_000
+pytestmark = needs_chromium
 FIRST_IMAGE = re.compile(r"/first\.png")
 LAST_IMAGE = re.compile(r"/last\.png")
-
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(),
-    reason="Debian's chromium is not installed at /usr/bin/chromium (.ci/run installs it)",
-)
 
 
 @pytest.fixture(scope="module")
@@ -50,24 +33,8 @@ def app(tmp_path_factory):
 
 @pytest.fixture()
 def page(app):
-    from playwright.sync_api import expect, sync_playwright
-
-    # Assertions wait as long as page actions: Playwright's `expect` keeps its own 5 s default otherwise, shorter
-    # than a 4-step generation with decode and mux can take on a loaded 2-core machine (seen twice).
-    expect.set_options(timeout=TIMEOUT_MS)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
-        )
-        page = browser.new_page(viewport={"width": 1400, "height": 1400})
-        page.set_default_timeout(TIMEOUT_MS)
-        page.goto(app.url)
+    with browser_page(app.url, {"width": 1400, "height": 1400}) as page:
         yield page
-        browser.close()
-
-
-def _reference_names(page) -> list[str]:
-    return [text.strip() for text in page.locator("[id^=ref2va-row-][id$=-name]").all_inner_texts()]
 
 
 def test_generate_in_the_browser(app, page) -> None:
@@ -77,26 +44,25 @@ def test_generate_in_the_browser(app, page) -> None:
 
     # Ref2VA: add three references, move the video up, insert its label into the prompt.
     page.get_by_role("tab", name="References").click()
-    page.locator("#ref2va-references input[type=file]").set_input_files(
+    page.locator("#ref2va-add input[type=file]").set_input_files(
         [
             ASSETS / "ref2va" / "picture1.png",
             ASSETS / "ref2va" / "video1.mp4",
             ASSETS / "ref2va" / "audio1.wav",
         ]
     )
-    expect(page.locator("#ref2va-row-2-name")).to_contain_text("audio1.wav")
-    assert _reference_names(page) == [
-        "1. <Picture 1> picture1.png",
-        "2. <Audio 1> <Video 1> video1.mp4",
-        "3. <Audio 2> audio1.wav",
-    ]
-    page.locator("#ref2va-row-1-up").click()
-    expect(page.locator("#ref2va-row-0-name")).to_contain_text("video1.mp4")
-    assert _reference_names(page) == [
-        "1. <Audio 1> <Video 1> video1.mp4",
-        "2. <Picture 1> picture1.png",
-        "3. <Audio 2> audio1.wav",
-    ]
+    # Each card's label line, then its name line, in the list's order.
+    cards = page.locator("[id^=ref2va-card-][id$=-labels], [id^=ref2va-card-][id$=-name]")
+    picture, video, audio = "picture1.png", "video1.mp4 · 3.0 s", "audio1.wav · 3.0 s"
+    expect(cards).to_have_text(
+        ["1. <Picture 1>", picture, "2. <Audio 1> <Video 1>", video, "3. <Audio 2>", audio],
+        use_inner_text=True,
+    )
+    page.locator("#ref2va-card-1-up").click()
+    expect(cards).to_have_text(
+        ["1. <Audio 1> <Video 1>", video, "2. <Picture 1>", picture, "3. <Audio 2>", audio],
+        use_inner_text=True,
+    )
     page.locator("#ref2va-prompt textarea").fill("The robot from")
     page.get_by_role("button", name="Insert <Picture 1>").click()
     expect(page.locator("#ref2va-prompt textarea")).to_have_value("The robot from <Picture 1>")
@@ -114,20 +80,8 @@ def test_generate_in_the_browser(app, page) -> None:
     expect(page.locator("#fl2va-first img")).to_have_attribute("src", FIRST_IMAGE)
 
     page.locator("#fl2va-prompt textarea").fill("The kite climbs as the sun comes up.")
-    page.locator("#fl2va-advanced").get_by_text("Advanced").click()
-    steps = page.locator("#fl2va-steps input")
-    expect(steps).to_be_visible()
-    # Gradio's number field commits its value on blur, as when a person moves on. Under load the accordion can still
-    # be mounting its fields when the first keystrokes arrive (seen once in CI), so type again until the value holds.
-    for _attempt in range(5):
-        steps.fill("4")
-        steps.press("Tab")
-        if steps.input_value() == "4":
-            page.wait_for_timeout(300)
-            if steps.input_value() == "4":
-                break
-        page.wait_for_timeout(500)
-    expect(steps).to_have_value("4")
+    open_advanced(page, "fl2va")
+    set_field(page, "#fl2va-steps input", "4")
     page.locator("#fl2va-generate").click()
 
     video = page.locator("#h3-video video")

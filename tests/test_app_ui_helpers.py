@@ -23,13 +23,19 @@ from ui.handlers import (
     TaskValues,
     build_request,
     failing_parameter,
-    move_reference,
     parameter_names,
-    remove_reference,
     request_values,
 )
 from ui.history import find_entry, history_rows, list_history, result_markdown
 from ui.inputs import InputStore, label_references, reference_kind, reference_labels
+from ui.references import (
+    THUMBNAIL_EDGE,
+    append_references,
+    insert_label,
+    move_reference,
+    reference_preview,
+    remove_reference,
+)
 
 
 def test_labels_are_numbered_per_modality_and_a_sounding_video_takes_an_audio_label_first() -> None:
@@ -56,6 +62,64 @@ def test_reorder_and_remove_keep_the_other_references() -> None:
     assert move_reference(2, 1, paths) == paths
     assert remove_reference(0, paths) == ["b.mp4", "c.wav"]
     assert paths == ["a.png", "b.mp4", "c.wav"]
+    assert append_references(paths, ["d.jpg", "e.mp3"]) == [*paths, "d.jpg", "e.mp3"]
+    assert append_references(None, "d.jpg") == ["d.jpg"]
+    assert append_references(paths, None) == paths
+    assert insert_label("<Picture 1>", "The robot from  ") == "The robot from <Picture 1>"
+    assert insert_label("<Audio 1>", None) == "<Audio 1>"
+
+
+def test_reference_previews_show_a_thumbnail_a_poster_frame_and_lengths() -> None:
+    picture = reference_preview(str(ASSETS / "ref2va" / "picture1.png"))
+    assert picture.error is None and picture.seconds is None
+    assert max(picture.picture.size) <= THUMBNAIL_EDGE and min(picture.picture.size) > 0
+    video = reference_preview(str(ASSETS / "ref2va" / "video1.mp4"))
+    assert video.error is None and video.seconds == pytest.approx(3.0, abs=0.05)
+    assert video.picture.size == (THUMBNAIL_EDGE, THUMBNAIL_EDGE * 360 // 640)  # the first frame, 640 x 360
+    assert video.picture.getextrema() != ((0, 0), (0, 0), (0, 0))  # a decoded frame, not a black placeholder
+    audio = reference_preview(str(ASSETS / "ref2va" / "audio1.wav"))
+    assert (audio.error, audio.picture) == (None, None)
+    assert audio.seconds == pytest.approx(3.0, abs=0.05)
+    # Read once per file: the same preview object comes back.
+    assert reference_preview(str(ASSETS / "ref2va" / "video1.mp4")) is video
+
+
+def test_a_reference_that_does_not_decode_gets_one_line_naming_the_file(tmp_path) -> None:
+    empty_png = tmp_path / "empty.png"
+    empty_png.write_bytes(b"")
+    garbage_mp4 = tmp_path / "garbage.mp4"
+    garbage_mp4.write_bytes(b"not a video" * 100)
+    cut_wav = tmp_path / "cut.wav"
+    cut_wav.write_bytes((ASSETS / "ref2va" / "audio1.wav").read_bytes()[:30])
+    for path, kind in ((empty_png, "an image"), (garbage_mp4, "a video clip"), (cut_wav, "an audio clip")):
+        preview = reference_preview(str(path))
+        assert preview.picture is None, path
+        assert preview.error.startswith(f"references: '{path.name}' does not open as {kind} ("), preview.error
+        assert "\n" not in preview.error and str(tmp_path) not in preview.error, preview.error
+        assert path.suffix in preview.error  # what would be accepted
+    # The file changes (a new upload under the same path): it is read again, not served from the cache.
+    garbage_mp4.write_bytes((ASSETS / "ref2va" / "video1.mp4").read_bytes())
+    os.utime(garbage_mp4, ns=(1, 1))
+    assert reference_preview(str(garbage_mp4)).error is None
+    assert reference_preview(str(tmp_path / "gone.png")).error == (
+        "references: 'gone.png' is no longer on the server; add it again"
+    )
+
+
+def test_a_reference_preview_is_bounded_in_time(tmp_path, monkeypatch) -> None:
+    import ui.references
+
+    slow = tmp_path / "slow.mp4"
+    slow.write_bytes((ASSETS / "ref2va" / "video1.mp4").read_bytes())
+    monkeypatch.setattr(ui.references, "PREVIEW_SECONDS", 1e-9)
+    preview = reference_preview(str(slow))
+    assert preview.picture is None
+    assert preview.error.startswith(
+        "references: 'slow.mp4' does not open as a video clip (reading it took longer"
+    )
+    # A slow moment is not remembered: with time enough, the same file shows its poster frame.
+    monkeypatch.undo()
+    assert reference_preview(str(slow)).picture is not None
 
 
 def _values(task: str, **overrides) -> TaskValues:

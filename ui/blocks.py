@@ -3,7 +3,7 @@
 Contract: `build_ui(front, options)` returns a `gr.Blocks` (not yet queued or launched; app.py does both). Events:
 * `/t2va`, `/fl2va`, `/ref2va`: the three generate endpoints (public API). Each has a validator that runs before
   Gradio queues it, and all three share the concurrency group "h3-engine" limited to the front's replica count.
-* Everything else (derived canvas, swap, last frame, reference rows, examples, history, cancel) is private: not
+* Everything else (derived canvas, swap, last frame, reference gallery, examples, history, cancel) is private: not
   part of the API.
 * The page config (`/config`, the same for everyone) holds no result and no server path: History is filled per
   session by a `demo.load` event; app.py passes a checkpoint label and banner without server paths (unless
@@ -12,29 +12,19 @@ Contract: `build_ui(front, options)` returns a `gr.Blocks` (not yet queued or la
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gradio as gr
 
-from h3engine.errors import RequestError
-from h3engine.request import MAX_REFERENCES_OF_KIND
 from h3engine.runtime.front import EngineFront
 from ui.access import AccessPolicy
 from ui.examples import Example, load_examples
-from ui.handlers import (
-    Handlers,
-    insert_label,
-    move_reference,
-    parameter_names,
-    remove_reference,
-    swap_keyframes,
-)
+from ui.handlers import Handlers, parameter_names, swap_keyframes
 from ui.history import HistoryEntry
-from ui.inputs import label_references
 from ui.prompt_builder import wire_prompt_builder
+from ui.references import wire_reference_gallery
 from ui.result import ResultColumn, build_history, build_result_column
 from ui.tabs import DEFAULT_VALUES, TaskTab, build_fl2va_tab, build_ref2va_tab, build_t2va_tab
 
@@ -112,7 +102,7 @@ def build_ui(
             _wire_examples(tab, examples[tab.task], handlers)
             wire_prompt_builder(tab.prompt_builder, tab.prompt)
         _wire_keyframes(tabs["fl2va"], handlers, result, task_tabs)
-        _wire_reference_rows(tabs["ref2va"])
+        wire_reference_gallery(tabs["ref2va"].reference_gallery, tabs["ref2va"].prompt)
 
         restore_outputs = [task_tabs, *result.outputs]
         for tab in tabs.values():
@@ -244,65 +234,3 @@ def _wire_keyframes(tab: TaskTab, handlers: Handlers, result: ResultColumn, task
         outputs=[task_tabs, tab.first_image],
         api_visibility="private",
     )
-
-
-def _wire_reference_rows(tab: TaskTab) -> None:
-    limits = ", ".join(f"{limit} {kind}s" for kind, limit in MAX_REFERENCES_OF_KIND.items())
-    with tab.reference_rows:
-
-        @gr.render(inputs=[tab.references])
-        def reference_rows(paths: list[str] | None) -> None:
-            try:
-                labelled = label_references(list(paths or []))
-            except RequestError as error:
-                gr.Markdown(f"⚠ {error}")
-                return
-            if not labelled:
-                gr.Markdown(f"No references yet (at most {limits}). Each gets a label the prompt can cite.")
-                return
-            for index, reference in enumerate(labelled):
-                labels = " ".join(f"`{label}`" for label in reference.labels)
-                gr.Markdown(
-                    f"**{index + 1}.** {labels} {Path(reference.path).name}",
-                    elem_classes="h3-reference-name",
-                    elem_id=f"ref2va-row-{index}-name",
-                )
-                with gr.Row(elem_classes="h3-reference-row", elem_id=f"ref2va-row-{index}"):
-                    up = gr.Button(
-                        "↑ Up",
-                        size="sm",
-                        min_width=0,
-                        interactive=index > 0,
-                        elem_id=f"ref2va-row-{index}-up",
-                    )
-                    down = gr.Button(
-                        "↓ Down",
-                        size="sm",
-                        min_width=0,
-                        interactive=index < len(labelled) - 1,
-                        elem_id=f"ref2va-row-{index}-down",
-                    )
-                    remove = gr.Button(
-                        "✕ Remove", size="sm", min_width=0, elem_id=f"ref2va-row-{index}-remove"
-                    )
-                    for label in reference.labels:
-                        insert = gr.Button(f"Insert {label}", size="sm", min_width=0, variant="secondary")
-                        insert.click(
-                            functools.partial(insert_label, label),
-                            inputs=tab.prompt,
-                            outputs=tab.prompt,
-                            queue=False,
-                            api_visibility="private",
-                        )
-                for button, action in (
-                    (up, functools.partial(move_reference, index, -1)),
-                    (down, functools.partial(move_reference, index, 1)),
-                    (remove, functools.partial(remove_reference, index)),
-                ):
-                    button.click(
-                        action,
-                        inputs=tab.references,
-                        outputs=tab.references,
-                        queue=False,
-                        api_visibility="private",
-                    )

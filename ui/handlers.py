@@ -170,26 +170,6 @@ def request_values(request: GenerationRequest, keep: Callable[[str], str]) -> di
     return values
 
 
-def insert_label(label: str, prompt: str | None) -> str:
-    text = (prompt or "").rstrip()
-    return f"{text} {label}" if text else label
-
-
-def move_reference(index: int, offset: int, paths: list[str] | None) -> list[str]:
-    paths = list(paths or [])
-    target = index + offset
-    if 0 <= index < len(paths) and 0 <= target < len(paths):
-        paths[index], paths[target] = paths[target], paths[index]
-    return paths
-
-
-def remove_reference(index: int, paths: list[str] | None) -> list[str]:
-    paths = list(paths or [])
-    if 0 <= index < len(paths):
-        del paths[index]
-    return paths
-
-
 def take_caption(number: int, seed: int) -> str:
     return f"Take {number} · seed {seed}"
 

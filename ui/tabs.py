@@ -20,8 +20,8 @@ import gradio as gr
 
 from h3engine.geometry import PRESET_ASPECT_RATIOS
 from h3engine.request import MAX_DURATION_SECONDS, MIN_DURATION_SECONDS, VERIFIED_SHORT_EDGE
-from ui.inputs import AUDIO_SUFFIXES, IMAGE_SUFFIXES, VIDEO_SUFFIXES
 from ui.prompt_builder import PromptBuilderPanel, build_prompt_builder
+from ui.references import ReferenceGallery, build_reference_gallery
 from ui.takes import MAX_TAKES
 
 # Every endpoint parameter's default, by name (the components start with these values).
@@ -120,9 +120,9 @@ class TaskTab:
     swap: gr.Button | None = None
     use_last_frame: gr.Button | None = None
     # Ref2VA only
-    references: gr.File | None = None
+    references: gr.File | None = None  # hidden: the ordered list (the gallery's drop zone adds to it)
     duration_from_reference: gr.Checkbox | None = None
-    reference_rows: gr.Column | None = None
+    reference_gallery: ReferenceGallery | None = None
     # The closed "Prompt builder" accordion right under the prompt (ui.prompt_builder).
     prompt_builder: PromptBuilderPanel | None = None
 
@@ -266,16 +266,7 @@ def build_fl2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
 
 def build_ref2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
     prompt, builder = _prompt("ref2va")
-    references = gr.File(
-        file_count="multiple",
-        file_types=sorted(IMAGE_SUFFIXES | VIDEO_SUFFIXES | AUDIO_SUFFIXES),
-        type="filepath",
-        allow_reordering=True,
-        label="References, in order: up to 9 images, 3 video clips and 3 audio clips (drag to reorder)",
-        elem_id="ref2va-references",
-    )
-    # The labelled list with reorder / remove / insert buttons is rendered under this column by ui.blocks.
-    reference_rows = gr.Column(elem_id="ref2va-reference-rows")
+    gallery = build_reference_gallery()  # its events and cards are wired by ui.blocks
     duration_from_reference = as_sent(
         gr.Checkbox(
             value=DEFAULT_VALUES["duration_from_reference"],
@@ -284,6 +275,8 @@ def build_ref2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
         )
     )
     controls = dict(
-        references=references, duration_from_reference=duration_from_reference, reference_rows=reference_rows
+        references=gallery.references,
+        duration_from_reference=duration_from_reference,
+        reference_gallery=gallery,
     )
     return _task_tab("ref2va", prompt, derived_text, example_titles, prompt_builder=builder, **controls)
