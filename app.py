@@ -26,7 +26,8 @@ import shutil
 import signal
 import socket
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     import gradio as gr
 
     from h3engine.engine import Engine
+    from h3engine.model_store import LoadEvent
     from h3engine.parallel.groups import RuntimeLayout
     from h3engine.runtime.workers import ProcessReplica
     from ui.access import AccessPolicy
@@ -251,9 +253,22 @@ def _load_engines(checkpoint: Path, config: AppConfig) -> list[Engine | ProcessR
     layout = check_engine_options(config.engine, config.world_size)
     if layout.world_size > 1:
         return _start_worker_groups(checkpoint, config, layout)
-    return [
-        load_engine(checkpoint, resolve_device(name, "--devices"), config.engine) for name in config.devices
-    ]
+    engines = []
+    for name in config.devices:
+        device = resolve_device(name, "--devices")
+        engines.append(load_engine(checkpoint, device, config.engine, on_load=_load_logger(str(device))))
+    return engines
+
+
+def _load_logger(device: str) -> Callable[[LoadEvent], None]:
+    """The engine's `on_load` at start-up (and at a partition's first use): one log line per component loaded."""
+    from h3engine.cli_progress import load_line
+
+    def log(event: LoadEvent) -> None:
+        if event.seconds is not None:
+            logger.info("%s: %s", device, load_line(event))
+
+    return log
 
 
 def _start_worker_groups(checkpoint: Path, config: AppConfig, layout: RuntimeLayout) -> list[ProcessReplica]:
@@ -264,8 +279,13 @@ def _start_worker_groups(checkpoint: Path, config: AppConfig, layout: RuntimeLay
     try:
         for devices in replica_device_groups(config.devices, config.world_size):
             logger.info("starting a worker group on %s (%s)", ", ".join(devices), layout.describe())
+            started = time.perf_counter()
             replicas.append(
                 ProcessReplica(checkpoint, devices, layout, options.dtype, options.memory_profile)
+            )
+            # Its ranks load in their own processes: the group is reported as a whole.
+            logger.info(
+                "loaded the worker group on %s in %.2f s", ", ".join(devices), time.perf_counter() - started
             )
     except BaseException:
         for replica in replicas:
