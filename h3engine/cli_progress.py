@@ -10,7 +10,7 @@ written while the video decodes), mux (the files are complete), done.
 JSON events: `load_start` / `loaded` (component, partition, index, total; `loaded` adds seconds), `prepare` (task,
 steps), `step` (step, total, elapsed_s, eta_s, steps_per_s), `decode`, `mux` (seconds, timings_s: the sidecar's
 decode and mux timings), `done` (path, sidecar, seconds), `warning` (message), `error` (message, exit_code); each
-also has `t_s`, seconds since the command started. Steps come in order; a worker group may skip some.
+also has `t_s`, seconds since the run began. Steps come in order; a worker group may skip some.
 The same phrases serve the app's start-up log (`load_line`).
 """
 
@@ -49,9 +49,13 @@ DEFAULT_SIZE = (80, 24)  # columns, lines
 
 
 def load_line(event: LoadEvent) -> str:
-    """One line for a component loaded (the CLI's plain mode and the app's log)."""
-    label = COMPONENT_LABELS.get(event.component, event.component)
-    return f"loaded {label} ({event.index}/{event.total}, {event.partition}) in {event.seconds:.2f} s"
+    """One line for a component loaded (the app's log; the CLI's plain mode says the same)."""
+    return _loaded_text(event.component, event.index, event.total, event.partition, event.seconds)
+
+
+def _loaded_text(component: str, index: int, total: int, partition: str, seconds: float) -> str:
+    label = COMPONENT_LABELS.get(component, component)
+    return f"loaded {label} ({index}/{total}, {partition}) in {seconds:.2f} s"
 
 
 def _terminal_size(stream: TextIO) -> tuple[int, int]:
@@ -171,13 +175,14 @@ class JsonProgress(Progress):
 class PlainProgress(Progress):
     """Plain lines on stderr: one per component, phase and batch of steps."""
 
+    _last_step = 0
+
     def _emit(self, event: str, fields: dict[str, Any]) -> None:
         line = self._line(event, fields)
         if line is not None:
             print(line, file=self.stderr, flush=True)
 
     def _line(self, event: str, fields: dict[str, Any]) -> str | None:
-        label = COMPONENT_LABELS.get(fields.get("component", ""), fields.get("component"))
         if event == "load_start" and fields["component"] == "worker_group":
             return f"starting a worker group on {', '.join(fields['devices'])} ({fields['layout']})"
         if event == "load_start":
@@ -187,13 +192,17 @@ class PlainProgress(Progress):
                 else None
             )
         if event == "loaded":
-            return f"loaded {label} ({fields['index']}/{fields['total']}, {fields['partition']}) in {fields['seconds']:.2f} s"
+            return _loaded_text(
+                *(fields[name] for name in ("component", "index", "total", "partition", "seconds"))
+            )
         if event == "prepare":
             return f"preparing {fields['task']}: reading the inputs, encoding the prompt ({fields['steps']} steps)"
         if event == "step":
-            step, total = fields["step"], fields["total"]
+            # A line when a step crosses into the next batch (a worker group's reader may miss single steps).
+            step, total, last = fields["step"], fields["total"], self._last_step
             every = max(1, total // PLAIN_STEP_LINES)
-            if step != 1 and step != total and step % every:
+            self._last_step = step
+            if step not in (1, total) and step // every == last // every:
                 return None
             rate = _rate(fields["steps_per_s"]) if fields["steps_per_s"] else "-"
             return (
@@ -303,11 +312,10 @@ class BarProgress(Progress):
             tqdm.write(f"warning: {fields['message']}", file=self.stderr)
 
 
-def make_progress(mode: str, quiet: bool, stderr: TextIO | None = None) -> Progress:
-    """The `Progress` of `--progress MODE` / `--quiet` (both checked by the parser and the CLI)."""
-    stream = stderr or sys.stderr
+def make_progress(mode: str, quiet: bool) -> Progress:
+    """The `Progress` of `--progress MODE` (one of PROGRESS_MODES) and `--quiet`, on this process's streams."""
     if quiet:
         return Progress()
     if mode == "auto":
-        mode = "bar" if stream.isatty() else "plain"
+        mode = "bar" if sys.stderr.isatty() else "plain"
     return {"bar": BarProgress, "plain": PlainProgress, "json": JsonProgress}[mode]()
