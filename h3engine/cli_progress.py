@@ -279,7 +279,9 @@ class BarProgress(Progress):
             if self._phase != "load":
                 if self._phase == "prepare":
                     self._resume_prepare = (self._bar.desc, int(self._bar.total))
-                self._open("load", f"loading {fields['partition']}", fields["total"], counted)
+                group = fields["component"] == "worker_group"
+                desc = "starting the worker group" if group else f"loading {fields['partition']}"
+                self._open("load", desc, fields["total"], counted)
             self._bar.set_postfix_str(label, refresh=False)
             self._bar.update(fields["index"] - 1 - self._bar.n)
         elif event == "loaded" and self._phase == "load":
