@@ -7,10 +7,10 @@ form a resident worker group (h3engine.runtime.workers); the engine flags (layou
 runs on a tiny random-weight checkpoint made once in a cache folder, and says so in a banner. GPU replicas make one
 warm-up run before they take jobs (`--no-warm-up` skips it).
 
-Safety: binds 127.0.0.1 unless told otherwise; `--share` and `--auth` are opt-in; uploads are limited. Users are
-kept apart (ui.access): own History and results, served only as unguessable copies (`--shared-history`: one user).
-Gradio's cache is swept of our files by age and at exit (a cache of its own without GRADIO_TEMP_DIR); at start
-what a killed predecessor left is removed (`remove_leftovers`).
+Safety: binds 127.0.0.1 unless told otherwise (a Space sets GRADIO_SERVER_NAME); `--share`, `--auth` are opt-in;
+uploads are limited. Users are kept apart (ui.access): own History and results, served only as unguessable copies
+(`--shared-history`: one user). Our files leave Gradio's cache by age and at exit; at start what a killed
+predecessor left is removed (`remove_leftovers`); unwritable default folders move to the temp folder.
 
 Exit codes: 2 when the checkpoint or an option is unusable (one line naming it; options, port, outputs folder and
 devices are checked before any model loads), 0 on a clean stop (Ctrl-C or SIGTERM: every job and worker ends).
@@ -26,8 +26,9 @@ import shutil
 import signal
 import socket
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     import gradio as gr
 
     from h3engine.engine import Engine
+    from h3engine.model_store import LoadEvent
     from h3engine.parallel.groups import RuntimeLayout
     from h3engine.runtime.workers import ProcessReplica
     from ui.access import AccessPolicy
@@ -47,6 +49,9 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 REPOSITORY_ROOT = Path(__file__).resolve().parent
 EXAMPLES_PATH = REPOSITORY_ROOT / "assets" / "examples.json"
 DEFAULT_PORT = 7860
+DEFAULT_OUTPUTS = "outputs"
+# Where a read-only install's outputs and cache go (`settle_folders`): a folder of this process in the temp folder.
+FALLBACK_FOLDER_PREFIX = "h3-app-"
 DEFAULT_MAX_FILE_SIZE = "200mb"
 DEFAULT_QUEUE_SIZE = 32
 # Gradio's delete_cache: every CACHE_SWEEP_S, our files in its cache older than CACHE_MAX_AGE_S go; all at exit.
@@ -87,10 +92,15 @@ class AppConfig:
     preview_every: int
     warm_up: bool = True  # GPU replicas run `WARM_UP_REQUEST` before taking jobs (h3engine.runtime.front)
     shared_history: bool = False  # one History and outputs folder for everyone (ui.access)
+    # Whether the outputs / cache folder was named (--outputs or H3_OUTPUTS / H3_CACHE_DIR): a named folder that
+    # cannot be written is refused; a default one is replaced by a temp folder (`settle_folders`).
+    outputs_named: bool = True
+    cache_named: bool = True
 
 
 def _default_cache_dir(environ: Mapping[str, str]) -> Path:
-    base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    home = environ.get("HOME") or str(Path.home())
+    base = environ.get("XDG_CACHE_HOME") or str(Path(home) / ".cache")
     return Path(environ.get("H3_CACHE_DIR") or Path(base) / "h3engine")
 
 
@@ -104,7 +114,10 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "Without one the app runs on a tiny random-weight checkpoint.",
     )
     parser.add_argument(
-        "--outputs", default=environ.get("H3_OUTPUTS") or "outputs", help="results folder; env H3_OUTPUTS"
+        "--outputs",
+        default=environ.get("H3_OUTPUTS") or None,
+        help=f"results folder (default: {DEFAULT_OUTPUTS}, or a temp folder where that cannot be written); "
+        "env H3_OUTPUTS",
     )
     parser.add_argument(
         "--devices",
@@ -120,14 +133,17 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "(CPU ranks over gloo with --devices cpu); env H3_WORLD_SIZE",
     )
     add_engine_flags(parser, environ)
+    # GRADIO_SERVER_NAME / GRADIO_SERVER_PORT: what a Hugging Face Space sets (0.0.0.0 and its port).
     parser.add_argument(
-        "--host", default=environ.get("H3_HOST") or "127.0.0.1", help="address to bind; env H3_HOST"
+        "--host",
+        default=environ.get("H3_HOST") or environ.get("GRADIO_SERVER_NAME") or "127.0.0.1",
+        help="address to bind (default 127.0.0.1); env H3_HOST or GRADIO_SERVER_NAME",
     )
     parser.add_argument(
         "--port",
         type=int,
         default=environ.get("H3_PORT") or environ.get("GRADIO_SERVER_PORT") or str(DEFAULT_PORT),
-        help="port; env H3_PORT",
+        help=f"port (default {DEFAULT_PORT}); env H3_PORT or GRADIO_SERVER_PORT",
     )
     parser.add_argument("--share", action="store_true", help="also open a public Gradio share link (opt-in)")
     parser.add_argument(
@@ -173,7 +189,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppC
         raise ConfigError(f"--port: must be within 1-65535, got {args.port}")
     return AppConfig(
         checkpoint=Path(args.checkpoint).expanduser() if args.checkpoint else None,
-        outputs_dir=Path(args.outputs).expanduser().resolve(),
+        outputs_dir=Path(args.outputs or DEFAULT_OUTPUTS).expanduser().resolve(),
         cache_dir=_default_cache_dir(environ),
         devices=devices,
         world_size=args.world_size,
@@ -187,7 +203,43 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppC
         preview_every=args.preview_every,
         warm_up=args.warm_up,
         shared_history=args.shared_history,
+        outputs_named=bool(args.outputs),
+        cache_named=bool(environ.get("H3_CACHE_DIR")),
     )
+
+
+def settle_folders(config: AppConfig) -> AppConfig:
+    """A default outputs or cache folder that cannot be written (a read-only install, e.g. a Space, or an unwritable
+    HOME) is replaced by one in a folder of this process in the temp folder, with a log line; the next start removes
+    it. A named folder stays, for `check_before_loading` to refuse."""
+    from h3engine.leftovers import owned_temp_folder
+
+    replaced: dict[str, Path] = {}
+    fallback = None
+    for field, named in (("outputs_dir", config.outputs_named), ("cache_dir", config.cache_named)):
+        problem = None if named else _cannot_write(getattr(config, field))
+        if problem is not None:
+            fallback = fallback or owned_temp_folder(FALLBACK_FOLDER_PREFIX)
+            replaced[field] = fallback / field.removesuffix("_dir")
+            logger.warning(
+                "cannot write to %s (%s); using %s instead, which the next start removes",
+                getattr(config, field),
+                problem,
+                replaced[field],
+            )
+    return replace(config, **replaced)
+
+
+def _cannot_write(folder: Path) -> str | None:
+    """Why `folder` cannot be made or written to, or None (it exists afterwards)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        return str(error.strerror or error)
+    return None
 
 
 def parse_file_size(text: str) -> int:
@@ -218,15 +270,13 @@ def check_before_loading(config: AppConfig) -> None:
             replica_device_groups(config.devices, config.world_size)
     except RequestError as error:
         raise ConfigError(str(error)) from None
-    try:
-        config.outputs_dir.mkdir(parents=True, exist_ok=True)
-        probe = config.outputs_dir / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        raise ConfigError(
-            f"--outputs: cannot write to {config.outputs_dir} ({error.strerror or error})"
-        ) from None
+    problem = _cannot_write(config.outputs_dir)
+    if problem is not None:
+        raise ConfigError(f"--outputs: cannot write to {config.outputs_dir} ({problem})")
+    # The cache holds the tiny demo checkpoint, made when no checkpoint is given.
+    problem = None if config.checkpoint is not None else _cannot_write(config.cache_dir)
+    if problem is not None:
+        raise ConfigError(f"H3_CACHE_DIR: cannot write to {config.cache_dir} ({problem})")
     _check_can_listen(config.host, config.port)
 
 
@@ -251,9 +301,22 @@ def _load_engines(checkpoint: Path, config: AppConfig) -> list[Engine | ProcessR
     layout = check_engine_options(config.engine, config.world_size)
     if layout.world_size > 1:
         return _start_worker_groups(checkpoint, config, layout)
-    return [
-        load_engine(checkpoint, resolve_device(name, "--devices"), config.engine) for name in config.devices
-    ]
+    engines = []
+    for name in config.devices:
+        device = resolve_device(name, "--devices")
+        engines.append(load_engine(checkpoint, device, config.engine, on_load=_load_logger(str(device))))
+    return engines
+
+
+def _load_logger(device: str) -> Callable[[LoadEvent], None]:
+    """The engine's `on_load` at start-up (and at a partition's first use): one log line per component loaded."""
+    from h3engine.cli_progress import load_line
+
+    def log(event: LoadEvent) -> None:
+        if event.seconds is not None:
+            logger.info("%s: %s", device, load_line(event))
+
+    return log
 
 
 def _start_worker_groups(checkpoint: Path, config: AppConfig, layout: RuntimeLayout) -> list[ProcessReplica]:
@@ -264,8 +327,13 @@ def _start_worker_groups(checkpoint: Path, config: AppConfig, layout: RuntimeLay
     try:
         for devices in replica_device_groups(config.devices, config.world_size):
             logger.info("starting a worker group on %s (%s)", ", ".join(devices), layout.describe())
+            started = time.perf_counter()
             replicas.append(
                 ProcessReplica(checkpoint, devices, layout, options.dtype, options.memory_profile)
+            )
+            # Its ranks load in their own processes: the group is reported as a whole.
+            logger.info(
+                "loaded the worker group on %s in %.2f s", ", ".join(devices), time.perf_counter() - started
             )
     except BaseException:
         for replica in replicas:
@@ -337,7 +405,7 @@ def remove_leftovers(outputs_dir: Path) -> None:
     )
 
     remove_output_leftovers(outputs_dir)
-    for prefix in (WARM_UP_FOLDER_PREFIX, WORKER_FOLDER_PREFIX, GRADIO_FOLDER_PREFIX):
+    for prefix in (WARM_UP_FOLDER_PREFIX, WORKER_FOLDER_PREFIX, GRADIO_FOLDER_PREFIX, FALLBACK_FOLDER_PREFIX):
         remove_dead_temp_folders(prefix)
 
 
@@ -361,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from h3engine.errors import H3Error
 
     try:
-        config = parse_config(argv, os.environ)
+        config = settle_folders(parse_config(argv, os.environ))
         check_before_loading(config)
         remove_leftovers(config.outputs_dir)
         if config.checkpoint is None:

@@ -8,7 +8,7 @@ gloo) run a resident worker group behind the app's engine front (h3engine.runtim
 
 Order of the checks: the output flags, the request and its files (headers only) and `--dtype` before torch is even
 imported; then the device, memory-profile and layout flags and the prompt's token bound (the checkpoint's tokenizer
-alone); only then does any model load.
+alone); only then does any model load. Progress (`--progress`, `--quiet`): h3engine.cli_progress.
 
 Exit codes: 0 success; 2 a bad request, input file, output, flag or checkpoint (one line on stderr naming it); 1 an
 internal error (one line; `--debug` adds the traceback); 130 Ctrl-C, 143 SIGTERM: a running generation is cancelled
@@ -18,14 +18,17 @@ and every worker process ends. Nothing is written under the output name unless t
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from h3engine.cli_progress import PROGRESS_MODES, Progress, make_progress
 from h3engine.engine_options import (
     EngineOptions,
     add_engine_flags,
@@ -49,6 +52,10 @@ EXIT_TERMINATED = 143
 
 class Terminated(BaseException):
     """SIGTERM arrived; raised in the main thread so that `finally` blocks stop the workers (like Ctrl-C)."""
+
+
+class EngineFailed(Exception):
+    """A worker group's job failed inside the engine (exit code 1; its message is one line)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -113,6 +120,17 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument(
         "--save-tensors", default=None, help="also write float32 tensors to this .safetensors"
+    )
+    shown = generate.add_argument_group("progress")
+    shown.add_argument(
+        "--progress",
+        choices=PROGRESS_MODES,
+        default="auto",
+        help="auto (default): a bar on a terminal, else plain lines, on stderr; bar or plain forces one; json: one "
+        "JSON event a line on stdout (stderr keeps the errors)",
+    )
+    shown.add_argument(
+        "--quiet", "-q", action="store_true", help="print only warnings, errors and the output path"
     )
 
     tiny = commands.add_parser("make-tiny-checkpoint", help="write a tiny random-weight checkpoint")
@@ -180,7 +198,7 @@ def _request_payload(args: argparse.Namespace) -> dict:
     return payload
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _generate(args: argparse.Namespace, progress: Progress) -> int:
     # Everything below up to the device flags runs without torch (PyAV and Pillow read the file headers), so a
     # mistake in the request, its files, the output flags or the dtype is refused before that import.
     from h3engine.media.inputs import probe_media
@@ -204,9 +222,11 @@ def _generate(args: argparse.Namespace) -> int:
     # The checkpoint's tokenizer alone; the checkpoint itself loads after this.
     _check_prompt_tokens(args.checkpoint, request)
     if device is not None:
-        return _generate_in_process(args.checkpoint, options, request, device, out_path, save_tensors_path)
+        return _generate_in_process(
+            args.checkpoint, options, request, device, out_path, save_tensors_path, progress
+        )
     return _generate_on_workers(
-        args.checkpoint, options, request, devices, layout, out_path, save_tensors_path
+        args.checkpoint, options, request, devices, layout, out_path, save_tensors_path, progress
     )
 
 
@@ -249,10 +269,6 @@ def _check_prompt_tokens(checkpoint: str, request: GenerationRequest) -> None:
     check_prompt_tokens(request.prompt, prompt_token_counter(tokenizer_folder))
 
 
-def _print_step(step: int, total: int, elapsed_s: float) -> None:
-    print(f"step {step}/{total} ({elapsed_s:.1f} s)", file=sys.stderr)
-
-
 def _generate_in_process(
     checkpoint: str,
     options: EngineOptions,
@@ -260,17 +276,20 @@ def _generate_in_process(
     device: torch.device,
     out_path: Path,
     save_tensors_path: Path | None,
+    progress: Progress,
 ) -> int:
-    engine = load_engine(checkpoint, device, options)
+    engine = load_engine(checkpoint, device, options, on_load=progress.load_event)
     for warning in engine.validate(request):
-        print(f"warning: {warning}", file=sys.stderr)
+        progress.warning(warning)
+    progress.prepare(request.task, request.steps)
     written = engine.generate_to_file(
         request,
         out_path,
         save_tensors_path=save_tensors_path,
-        on_step=lambda event: _print_step(event.step, event.total, event.elapsed_s),
+        on_step=lambda event: progress.step(event.step, event.total, event.elapsed_s),
     )
-    print(written.video)
+    timings = json.loads(written.sidecar.read_text(encoding="utf-8"))["timings_s"]
+    progress.finished(written.video, written.sidecar, timings)
     return 0
 
 
@@ -282,31 +301,35 @@ def _generate_on_workers(
     layout: RuntimeLayout,
     out_path: Path,
     save_tensors_path: Path | None,
+    progress: Progress,
 ) -> int:
-    """The app's path: a worker group behind an engine front, one job, its messages printed as they come."""
+    """The app's path: a worker group behind an engine front, one job, its messages shown as they come (the group
+    loads in its own processes: its loading is one component, `worker_group`)."""
     from h3engine.runtime.front import EngineFront
     from h3engine.runtime.messages import JobFailed, JobFinished, StepProgress
     from h3engine.runtime.workers import ProcessReplica
 
+    progress.group_loading(devices, layout.describe())
+    started = time.perf_counter()
     replica = ProcessReplica(checkpoint, devices, layout, options.dtype, options.memory_profile)
-    print(f"worker group ready on {', '.join(devices)}: {layout.describe()}", file=sys.stderr)
+    progress.group_loaded(devices, layout.describe(), time.perf_counter() - started)
     front = EngineFront([replica], out_path.parent)
     try:
         for warning in front.check(request):
-            print(f"warning: {warning}", file=sys.stderr)
+            progress.warning(warning)
+        progress.prepare(request.task, request.steps)
         handle = front.submit(request, out_path, save_tensors_path)
         while True:
             event = handle.next_event(timeout=1.0)
             if isinstance(event, StepProgress):
-                _print_step(event.step, event.total, event.elapsed_s)
+                progress.step(event.step, event.total, event.elapsed_s, event.eta_s)
             elif isinstance(event, JobFinished):
-                print(event.video_path)
+                progress.finished(Path(event.video_path), Path(event.sidecar_path), event.timings_s)
                 return 0
             elif isinstance(event, JobFailed):
                 if event.kind == "request":
                     raise RequestError(event.message)
-                print(f"error: {event.message}", file=sys.stderr)
-                return 1
+                raise EngineFailed(event.message)
     finally:
         front.shutdown()
 
@@ -323,6 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Only the main thread may take signals (main() also runs inside tests and other programs' threads).
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous_handler = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    progress: Progress | None = None
     try:
         if args.command == "make-tiny-checkpoint":
             from h3engine.checkpoint.tiny import make_tiny_checkpoint
@@ -332,21 +356,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             except FileExistsError as error:
                 raise RequestError(str(error)) from None
             return 0
-        return _generate(args)
+        if args.quiet and args.progress != "auto":
+            raise RequestError(f"--quiet: shows no progress, so it cannot go with --progress {args.progress}")
+        progress = make_progress(args.progress, args.quiet)
+        try:
+            return _generate(args, progress)
+        finally:
+            progress.close()
     except H3Error as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        code, line = 2, f"error: {error}"
+    except EngineFailed as error:
+        code, line = 1, f"error: {error}"
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        code, line = 130, "interrupted"
     except Terminated:
-        print("terminated", file=sys.stderr)
-        return EXIT_TERMINATED
+        code, line = EXIT_TERMINATED, "terminated"
     except Exception as error:  # the last line of defence: one line, no traceback unless asked
         if args.debug:
             traceback.print_exc()
-        print(f"internal error: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
+        code, line = 1, f"internal error: {type(error).__name__}: {error}"
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_handler)
+    if progress is not None:
+        progress.failed(line, code)
+    print(line, file=sys.stderr)
+    return code

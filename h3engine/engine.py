@@ -3,7 +3,8 @@
 Contract:
 * `Engine.from_checkpoint(folder, device, dtype)` builds the `ModelStore` (h3engine.model_store): every component
   of every partition checked, the first partition loaded, so a broken checkpoint fails here naming the file and
-  key. A worker group's rank passes its own loader (h3engine.runtime.rank) and holds only its shards.
+  key. A worker group's rank passes its own loader (h3engine.runtime.rank) and holds only its shards. `on_load`
+  (None by default) hears each component load (h3engine.model_store.LoadEvent), now and on a later first use.
 * `validate` reads file headers, never the models; `generate` is `prepare` (validate, read the inputs, encode the
   conditioning: a `PreparedRequest`) then the pipeline, and returns float tensors; `generate_to_file` checks its
   output names first, then writes the MP4 (while the video decodes), the optional tensors and the sidecar into
@@ -27,7 +28,7 @@ from h3engine.geometry import Geometry
 from h3engine.media import inputs as media_inputs
 from h3engine.media.outputs import OutputFiles, checked_output_files, input_records, staged
 from h3engine.media.request_inputs import request_geometry
-from h3engine.model_store import ModelLoader, ModelStore
+from h3engine.model_store import LoadEvent, ModelLoader, ModelStore
 from h3engine.pipeline import (
     GenerationOutput,
     PreparedRequest,
@@ -50,12 +51,15 @@ class Engine:
         memory_profile: str = "resident",
         fp8_linear: bool = False,
         loader: ModelLoader | None = None,
+        on_load: Callable[[LoadEvent], None] | None = None,
     ) -> None:
         self.layout = layout
         self.device = device
         self.dtype = dtype
         self.placement = self._make_placement(memory_profile, device)
-        self.store = ModelStore(layout, device, dtype, self.placement, loader or ModelLoader(), fp8_linear)
+        self.store = ModelStore(
+            layout, device, dtype, self.placement, loader or ModelLoader(), fp8_linear, on_load
+        )
 
     @classmethod
     def from_checkpoint(
@@ -65,8 +69,11 @@ class Engine:
         dtype: torch.dtype = torch.bfloat16,
         memory_profile: str = "resident",
         fp8_linear: bool = False,
+        on_load: Callable[[LoadEvent], None] | None = None,
     ) -> Engine:
-        return cls(detect_layout(folder), torch.device(device), dtype, memory_profile, fp8_linear)
+        return cls(
+            detect_layout(folder), torch.device(device), dtype, memory_profile, fp8_linear, on_load=on_load
+        )
 
     def _make_placement(self, memory_profile: str, device: torch.device) -> Placement:
         """The profile's `Placement` (RequestError naming --memory-profile for an unknown one), made before

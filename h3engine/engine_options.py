@@ -14,7 +14,7 @@ the flag. Importing this module does not import torch.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
     from h3engine.engine import Engine
+    from h3engine.model_store import LoadEvent
     from h3engine.parallel.groups import RuntimeLayout
 
 # --dtype name -> the torch dtype's attribute name (kept as text so that the name is checked without torch).
@@ -156,8 +157,14 @@ def check_fp8_device(device: torch.device) -> None:
         )
 
 
-def load_engine(checkpoint: str | Path, device: torch.device, options: EngineOptions) -> Engine:
-    """An engine of one rank in this process, on a device checked by `resolve_device`."""
+def load_engine(
+    checkpoint: str | Path,
+    device: torch.device,
+    options: EngineOptions,
+    on_load: Callable[[LoadEvent], None] | None = None,
+) -> Engine:
+    """An engine of one rank in this process, on a device checked by `resolve_device`; `on_load` hears each
+    component load (h3engine.model_store.LoadEvent)."""
     from h3engine.engine import Engine
 
     return Engine.from_checkpoint(
@@ -166,4 +173,5 @@ def load_engine(checkpoint: str | Path, device: torch.device, options: EngineOpt
         dtype=resolve_dtype(options.dtype, device),
         memory_profile=options.memory_profile,
         fp8_linear=options.fp8_linear,
+        on_load=on_load,
     )

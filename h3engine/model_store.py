@@ -10,6 +10,8 @@ Contract:
   (h3engine.runtime.rank.ShardedLoader), which builds that rank's shards and skips what the rank does not run.
 * On a GPU the DiT's AdaLN projections go to pinned host memory from load on (only a request's AdaLN tables need
   the GPU); with `fp8_linear` the blocks' linears are then quantized (not the released precision).
+* `on_load` (None: silent) hears a `LoadEvent` as each component of a partition starts and ends loading, counted
+  among those that load then; nothing below the front-ends prints (the CLI draws them, the app logs them).
 * `kernel_report()` and `record()` describe what runs (the sidecar carries `record()`).
 """
 
@@ -57,6 +59,22 @@ class ModelLoader:
         return source.load(device)
 
 
+# The components of a partition, in the order `models_for_partition` loads them.
+COMPONENTS = ("tokenizer", "text_encoder", "processor", "dit", "video_vae", "audio_vae")
+
+
+@dataclass(frozen=True)
+class LoadEvent:
+    """Component `index` of the `total` that one partition load runs starts (`seconds` None) or is loaded (`seconds`
+    it took); components already held (the diffusers layout shares all but the DiT) are not counted."""
+
+    component: str  # one of COMPONENTS
+    partition: str
+    index: int
+    total: int
+    seconds: float | None = None
+
+
 @dataclass
 class _PartitionSources:
     dit: ComponentSource
@@ -74,6 +92,7 @@ class ModelStore:
         placement: Placement,
         loader: ModelLoader,
         fp8_linear: bool = False,
+        on_load: Callable[[LoadEvent], None] | None = None,
     ) -> None:
         self.layout = layout
         self.device = device
@@ -81,6 +100,7 @@ class ModelStore:
         self.placement = placement
         self.loader = loader
         self.fp8_linear = fp8_linear
+        self.on_load = on_load
         self._sources = {
             name: _PartitionSources(
                 dit=dit_source(layout, paths, dtype),
@@ -97,6 +117,8 @@ class ModelStore:
         # Loaded modules by the folder they came from: the diffusers layout shares everything but the DiT.
         self._modules: dict[tuple[str, Path], Any] = {}
         self.load_timings: dict[str, float] = {}
+        # The partition being loaded and its components not yet held (what `on_load` counts).
+        self._loading: tuple[str, list[str]] = ("", [])
         self.first_partition = next(iter(self._sources))
         self.models_for_partition(self.first_partition)
 
@@ -111,6 +133,13 @@ class ModelStore:
         sources = self._sources[partition]
         paths = sources.paths
         adopt, load_device, loader = self.placement.adopt, self.placement.load_device, self.loader
+        folders = [getattr(paths, kind) for kind in COMPONENTS]
+        pending = [
+            kind
+            for kind, folder in zip(COMPONENTS, folders, strict=True)
+            if (kind, folder) not in self._modules
+        ]
+        self._loading = (partition, pending)
         tokenizer = self._module("tokenizer", paths.tokenizer, lambda: load_tokenizer(paths.tokenizer))
         text_encoder = self._module(
             "text_encoder",
@@ -148,10 +177,18 @@ class ModelStore:
                 for other in [k for k in self._modules if k[0] == "dit"]:
                     del self._modules[other]
                 torch.cuda.empty_cache()
+            self._report(kind, None)
             started = time.perf_counter()
             self._modules[key] = load()
-            self.load_timings[f"{kind}:{folder.name}"] = time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self.load_timings[f"{kind}:{folder.name}"] = seconds
+            self._report(kind, seconds)
         return self._modules[key]
+
+    def _report(self, kind: str, seconds: float | None) -> None:
+        partition, pending = self._loading
+        if self.on_load is not None and kind in pending:
+            self.on_load(LoadEvent(kind, partition, pending.index(kind) + 1, len(pending), seconds))
 
     def _prepare_dit(self, dit: torch.nn.Module) -> torch.nn.Module:
         """On a GPU, the DiT's AdaLN projections go to pinned host memory: `modulation.schedule_modulation` streams

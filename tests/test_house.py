@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("h3engine.pipeline",),
     ("h3engine.engine", "h3engine.model_store", "h3engine.engine_options"),
     ("h3engine.runtime.*",),
-    ("h3engine.cli", "h3engine.__main__"),
+    ("h3engine.cli", "h3engine.cli_progress", "h3engine.__main__"),
 )
 
 MAX_MODULE_LINES = 800

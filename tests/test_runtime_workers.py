@@ -359,24 +359,27 @@ def test_sigterm_ends_a_cli_run_and_every_process_it_started(checkpoint, tmp_pat
     out = tmp_path / "terminated.mp4"
     command = [sys.executable, "-m", "h3engine", "generate", "--checkpoint", str(checkpoint), "--prompt", "x"]
     command += ["--out", str(out), "--device", "cpu", "--world-size", "2", "--dit-tp", "2", "--steps", "1000"]
-    command += ["--duration", "15", "--width", "112", "--height", "64"]
-    cli = subprocess.Popen(command, cwd=REPOSITORY_ROOT, stderr=subprocess.PIPE, text=True)
+    command += ["--duration", "15", "--width", "112", "--height", "64", "--progress", "json"]
+    cli = subprocess.Popen(
+        command, cwd=REPOSITORY_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
-        lines = []
-        for line in cli.stderr:
-            lines.append(line)
-            if line.startswith("step 2/"):
+        events = []
+        for line in cli.stdout:
+            events.append(json.loads(line))
+            if events[-1]["event"] == "step" and events[-1]["step"] >= 2:
                 break
-        assert lines and lines[-1].startswith("step 2/"), "".join(lines)
+        assert events and events[-1]["event"] == "step", events
         started = descendants(cli.pid)
         assert len(started) >= 2, started  # the two ranks (and Python's resource tracker)
         cli.send_signal(signal.SIGTERM)
-        rest = cli.stderr.read()
-        assert cli.wait(timeout=60) == 143, rest
+        rest_out, rest = cli.communicate(timeout=60)
+        assert cli.returncode == 143, rest
     finally:
         if cli.poll() is None:
             cli.kill()
     assert rest.strip().endswith("terminated")
+    assert json.loads(rest_out.splitlines()[-1])["exit_code"] == 143
     deadline = time.monotonic() + 10
     while any(process_exists(pid) for pid in started) and time.monotonic() < deadline:
         time.sleep(0.1)
