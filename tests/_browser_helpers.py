@@ -90,11 +90,11 @@ def in_view(page, selector: str) -> bool:
     )
 
 
-def screenshot(page, name: str, readme: bool = False) -> Path:
+def screenshot(page, name: str, readme: bool = False, full_page: bool = False) -> Path:
     """Into test-artifacts/; `readme`: also, shrunk, into docs/screenshots/ when H3_UPDATE_SCREENSHOTS=1."""
     ARTIFACTS.mkdir(exist_ok=True)
     path = ARTIFACTS / f"{name}.png"
-    page.screenshot(path=str(path))
+    page.screenshot(path=str(path), full_page=full_page)
     if readme and os.environ.get("H3_UPDATE_SCREENSHOTS") == "1":
         from PIL import Image
 

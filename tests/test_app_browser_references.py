@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 from _app_helpers import ASSETS, start_app, stop_app
-from _browser_helpers import ARTIFACTS, DESKTOP, PHONE, browser_page, needs_chromium
+from _browser_helpers import DESKTOP, PHONE, browser_page, needs_chromium, screenshot
 
 pytestmark = needs_chromium
 VIEWPORTS = {"desktop": DESKTOP, "phone": PHONE}
@@ -99,7 +99,8 @@ def test_the_references_gallery(page, tmp_path) -> None:
         assert cards[0]["y"] == cards[1]["y"] == cards[2]["y"] and cards[0]["x"] < cards[1]["x"], cards
     _assert_buttons_inside_the_window(page)
     ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"ref2va_gallery_{page.viewport_name}.png"), full_page=True)
+    page.locator("#ref2va-cards").scroll_into_view_if_needed()
+    screenshot(page, f"ref2va-gallery-{page.viewport_name}", readme=True)
 
     # Reorder: the video moves up, and the labels follow the new order.
     expect(page.locator("#ref2va-card-0-up")).to_be_disabled()
@@ -142,7 +143,7 @@ def test_the_references_gallery(page, tmp_path) -> None:
     )
     expect(page.locator("#ref2va-card-2-thumbnail")).to_have_count(0)
     _assert_buttons_inside_the_window(page)
-    page.screenshot(path=str(ARTIFACTS / f"ref2va_gallery_{page.viewport_name}_edited.png"), full_page=True)
+    screenshot(page, f"ref2va-gallery-{page.viewport_name}-edited", full_page=True)
 
     # An example fills the same ordered list (as restoring a result from History does): its cards replace these.
     page.locator("#ref2va-examples").get_by_text("all kinds").click()
