@@ -98,7 +98,6 @@ def test_the_references_gallery(page, tmp_path) -> None:
     else:  # side by side
         assert cards[0]["y"] == cards[1]["y"] == cards[2]["y"] and cards[0]["x"] < cards[1]["x"], cards
     _assert_buttons_inside_the_window(page)
-    ARTIFACTS.mkdir(exist_ok=True)
     page.locator("#ref2va-cards").scroll_into_view_if_needed()
     screenshot(page, f"ref2va-gallery-{page.viewport_name}", readme=True)
 
