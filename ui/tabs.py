@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import gradio as gr
+from gradio_client.utils import is_file_obj_with_meta
 
 from h3engine.geometry import PRESET_ASPECT_RATIOS
+from h3engine.media.formats import REFERENCE_SUFFIXES
 from h3engine.request import MAX_DURATION_SECONDS, MIN_DURATION_SECONDS, VERIFIED_SHORT_EDGE
-from ui.inputs import AUDIO_SUFFIXES, IMAGE_SUFFIXES, VIDEO_SUFFIXES
 
 # Every endpoint parameter's default, by name (the components start with these values).
 DEFAULT_VALUES = {
@@ -77,6 +78,43 @@ def as_sent(component: ComponentT) -> ComponentT:
         return payload
 
     component.preprocess = unchanged  # type: ignore[method-assign]
+    return component
+
+
+@dataclass(frozen=True)
+class NotAnUpload:
+    """What a file input received instead of an uploaded file (ui.handlers.check_input_types refuses it)."""
+
+    value: Any
+
+
+def _upload_path(payload: Any) -> str | NotAnUpload:
+    # Only a FileData with its meta tag went through Gradio's upload-folder check (the move to its cache).
+    if is_file_obj_with_meta(payload):
+        return payload["path"]
+    return NotAnUpload(payload)
+
+
+def as_uploaded(component: ComponentT) -> ComponentT:
+    """The file component, handing the handler (and its validator) each uploaded file's path as sent, without
+    decoding it: Gradio's own preprocess opens images with PIL first, and a broken file then fails as a framework
+    error with temporary paths instead of our message naming the file. The upload keeps the user's file name as
+    its base name. Anything but an uploaded file (a bare path, a number) comes through as `NotAnUpload`. The API
+    schema stays the component's (read before its data model is taken away, which would refuse such values)."""
+    component.api_info()  # cached on the component
+    multiple = getattr(component, "file_count", "single") == "multiple"
+    component.data_model = None
+
+    def paths(payload: Any) -> Any:
+        if payload is None:
+            return None
+        if multiple:
+            if not isinstance(payload, list):
+                return NotAnUpload(payload)
+            return [_upload_path(item) for item in payload]
+        return _upload_path(payload)
+
+    component.preprocess = paths  # type: ignore[method-assign]
     return component
 
 
@@ -218,11 +256,16 @@ def build_t2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
 def build_fl2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
     prompt = _prompt("fl2va")
     with gr.Row(equal_height=True):
-        first_image = gr.Image(
-            type="filepath", label="First frame", sources=["upload", "clipboard"], elem_id="fl2va-first"
+        # Gradio's Image picker offers any image/*; what is accepted (h3engine.media.formats) is checked.
+        first_image = as_uploaded(
+            gr.Image(
+                type="filepath", label="First frame", sources=["upload", "clipboard"], elem_id="fl2va-first"
+            )
         )
-        last_image = gr.Image(
-            type="filepath", label="Last frame", sources=["upload", "clipboard"], elem_id="fl2va-last"
+        last_image = as_uploaded(
+            gr.Image(
+                type="filepath", label="Last frame", sources=["upload", "clipboard"], elem_id="fl2va-last"
+            )
         )
     with gr.Row():
         swap = gr.Button("⇄ Swap first and last", size="sm", elem_id="fl2va-swap")
@@ -235,13 +278,15 @@ def build_fl2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
 
 def build_ref2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
     prompt = _prompt("ref2va")
-    references = gr.File(
-        file_count="multiple",
-        file_types=sorted(IMAGE_SUFFIXES | VIDEO_SUFFIXES | AUDIO_SUFFIXES),
-        type="filepath",
-        allow_reordering=True,
-        label="References, in order: up to 9 images, 3 video clips and 3 audio clips (drag to reorder)",
-        elem_id="ref2va-references",
+    references = as_uploaded(
+        gr.File(
+            file_count="multiple",
+            file_types=list(REFERENCE_SUFFIXES),
+            type="filepath",
+            allow_reordering=True,
+            label="References, in order: up to 9 images, 3 video clips and 3 audio clips (drag to reorder)",
+            elem_id="ref2va-references",
+        )
     )
     # The labelled list with reorder / remove / insert buttons is rendered under this column by ui.blocks.
     reference_rows = gr.Column(elem_id="ref2va-reference-rows")
