@@ -141,6 +141,8 @@ def test_errors_name_the_users_file_and_the_field_once() -> None:
         "'notes.mp3' (reference 2): the audio file is corrupt or truncated (InvalidDataError)"
     )
     assert error_text("references[0]: clip too short", "references", clips) == "reference 1: clip too short"
+    stored = "references[0]: '/data/outputs/inputs/0a1b2c/a.png': the image file is empty"
+    assert error_text(stored, "references", clips) == "'a.png' (reference 1): the image file is empty"
     assert error_text("duration_seconds: is required", "duration_from_reference", clips) == (
         "duration_seconds is required"
     )

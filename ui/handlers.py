@@ -57,6 +57,7 @@ _FILE_FIELDS = ("first_image", "last_image", "references")
 # The endpoint parameters an API client may leave out although their components start empty.
 _OPTIONAL_FILE_PARAMETERS = ("first_image", "last_image")
 _KEYFRAME_WORDS = {"first_image": "first frame", "last_image": "last frame"}
+_QUOTED_PATH = re.compile(r"(['\"])/[^'\"]*/([^'\"/]+)\1")
 
 
 def parameter_names(task: str) -> tuple[str, ...]:
@@ -167,6 +168,8 @@ def error_text(message: str, parameter: str, values: TaskValues) -> str:
         for path in paths:
             if isinstance(path, str) and path:
                 message = message.replace(path, Path(path).name)
+    # Any other quoted server path (a stored copy's, say) by its base name too.
+    message = _QUOTED_PATH.sub(r"\1\2\1", message)
     field, separator, problem = message.partition(": ")
     if not separator:
         return message
