@@ -191,10 +191,11 @@ def validate(
     `media_durations` probes a reference (keyframes are probed as image references) for the rules that need
     file facts, among them the prompt's labels (a `<Picture N>`, `<Video N>` or `<Audio N>` no input defines is
     refused: whether a video defines an `<Audio j>` depends on its soundtrack); without it those rules are
-    skipped, and FL2VA's aspect "auto" stays unresolved until the keyframe is read. `canvas_multiple` is what an explicit width/height must be a multiple of (32 for the
-    released checkpoint, smaller for tiny test checkpoints). `count_prompt_tokens` (the checkpoint's tokenizer,
-    e.g. `h3engine.presentation.prompt_token_counter`) adds the token bound, checked before any file is probed;
-    without it only the character bound applies.
+    skipped, and FL2VA's aspect "auto" stays unresolved until the keyframe is read. `canvas_multiple` is what an
+    explicit width/height must be a multiple of (32 for the released checkpoint, smaller for tiny test
+    checkpoints). `count_prompt_tokens` (the checkpoint's tokenizer, e.g.
+    `h3engine.presentation.prompt_token_counter`) adds the token bound, checked before any file is probed; without
+    it only the character bound applies.
     """
     if not isinstance(request, GenerationRequest):
         _fail("request", f"must be a GenerationRequest, got {_describe(request)}")

@@ -83,7 +83,7 @@ class InputStore:
 
 
 def reference_kind(path: str | os.PathLike[str]) -> str:
-    """ "image", "video" or "audio" by the file name's suffix (h3engine.media.formats); RequestError otherwise."""
+    """The kind ("image", "video", "audio") the file name's suffix says (h3engine.media.formats), else RequestError."""
     kind = kind_of_suffix(path)
     if kind is None:
         raise RequestError(

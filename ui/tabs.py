@@ -8,7 +8,8 @@ Nothing here attaches events (ui.blocks wires them), so the layout can be read o
 The prompt and the settings are "as sent" components: Gradio hands the handlers (and their validators) the value
 the browser or API client sent, unchecked and unconverted. Gradio's own checks (slider range, dropdown choices,
 number parsing) fail before the validator runs and reach an API client as a bare HTTP 400; the request's own
-validation (ui.handlers) names the field and the values it takes instead.
+validation (ui.handlers) names the field and the values it takes instead. The file inputs are "as uploaded"
+(`as_uploaded`): the handlers get the upload's path, undecoded, so that our checks name a broken file.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ REFERENCE_SUFFIXES = tuple(suffix for media in FORMATS.values() for suffix in me
 
 
 def kind_of_suffix(path: str | Path) -> str | None:
-    """ "image", "video" or "audio" by the file name's suffix (any case), or None for a suffix none of them takes."""
+    """The kind ("image", "video", "audio") the file name's suffix says, in any case; None for another suffix."""
     suffix = Path(path).suffix.lower()
     for kind, media in FORMATS.items():
         if suffix in media.suffixes:
