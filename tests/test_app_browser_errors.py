@@ -33,26 +33,27 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    running = start_app(tmp_path_factory.mktemp("app_browser_errors"))
-    yield running
-    stop_app(running)
-
-
-@pytest.fixture()
-def page(app):
+def browser(tmp_path_factory):
+    """The app and one chromium for the module's pages."""
     from playwright.sync_api import expect, sync_playwright
 
     expect.set_options(timeout=TIMEOUT_MS)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
-        )
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.set_default_timeout(TIMEOUT_MS)
-        page.goto(app.url)
-        yield page
-        browser.close()
+    running = start_app(tmp_path_factory.mktemp("app_browser_errors"))
+    try:
+        with sync_playwright() as playwright:
+            yield running, playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_FLAGS)
+    finally:
+        stop_app(running)
+
+
+@pytest.fixture()
+def page(browser):
+    app, chromium = browser
+    page = chromium.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(app.url)
+    yield page
+    page.close()
 
 
 def test_a_broken_keyframe_is_one_message_at_its_box_naming_the_users_file(page, tmp_path) -> None:
