@@ -39,6 +39,7 @@ from h3engine.engine_options import (
     resolve_device,
 )
 from h3engine.errors import H3Error, RequestError
+from h3engine.media.formats import accepted_text
 from h3engine.request import REFERENCE_KINDS, GenerationRequest, check_prompt_tokens, validate
 from h3engine.request_shapes import from_dict
 
@@ -88,7 +89,7 @@ def _build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KIND:PATH[@START_SECONDS]",
         help="Ref2VA reference, repeatable, in prompt order (<Picture i>, <Video k>, <Audio j>): KIND is image, "
-        "video or audio; @START_SECONDS (videos only) skips the start of the clip",
+        f"video or audio ({accepted_text()}); @START_SECONDS (videos only) skips the start of the clip",
     )
     generate.add_argument("--duration", type=float, default=None, help="seconds, 4 to 15 (default 5)")
     generate.add_argument("--aspect-ratio", default="auto", help="21:9, 16:9, 4:3, 1:1, 3:4, 9:16 or auto")

@@ -28,6 +28,7 @@ from h3engine.conditioning import NormalizedReference
 from h3engine.errors import CheckpointError
 from h3engine.geometry import FPS
 from h3engine.models.text_encoder import TEXT_ROW_TAG, VIDEO_ROW_TAG
+from h3engine.request import reference_labels
 
 # The rate the text encoder reads a reference video at (the normalized clip itself runs at 24 fps).
 QWEN_VIDEO_SAMPLE_FPS = 2.0
@@ -221,21 +222,22 @@ def reference_presentation(
             video_block_pads.append(int(grid[1]) * int(grid[2]) // merge)
 
     stream = _TokenStream(tokenizer)
-    numbers = {"image": 0, "video": 0, "audio": 0}
-    for reference in references:
-        if reference.has_audio:
-            numbers["audio"] += 1
-            stream.text(f"<Audio {numbers['audio']}>: ")
+    # The labels are h3engine.request's numbering, the one the prompt's labels are checked against.
+    labels = reference_labels(
+        [reference.kind for reference in references], [reference.has_audio for reference in references]
+    )
+    images_seen, videos_seen = 0, 0
+    for reference, own_labels in zip(references, labels, strict=True):
+        for label in own_labels:
+            stream.text(f"{label}: ")
         if reference.kind == "image":
-            numbers["image"] += 1
-            stream.text(f"<Picture {numbers['image']}>: ")
-            stream.vision_block("<|image_pad|>", image_pad_counts[numbers["image"] - 1])
+            stream.vision_block("<|image_pad|>", image_pad_counts[images_seen])
+            images_seen += 1
         elif reference.kind == "video":
-            numbers["video"] += 1
-            stream.text(f"<Video {numbers['video']}>: ")
-            for block_time in video_block_times[numbers["video"] - 1]:
+            for block_time in video_block_times[videos_seen]:
                 # str.format rounds half to even: the first 2 fps block, at 0.25 s, reads "<0.2 seconds>".
                 stream.text(f"<{block_time:.1f} seconds>")
-                stream.vision_block("<|video_pad|>", video_block_pads[numbers["video"] - 1])
+                stream.vision_block("<|video_pad|>", video_block_pads[videos_seen])
+            videos_seen += 1
     stream.text(prompt)
     return stream.finish(vision_inputs)

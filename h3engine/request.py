@@ -17,8 +17,9 @@ as well as ranges and must only ever raise `RequestError`.
 from __future__ import annotations
 
 import math
+import re
 import reprlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal, NoReturn, TypeVar
@@ -61,6 +62,8 @@ MAX_REFERENCES = 12
 # they would be tagged as video rows and read as an empty vision block.
 RESERVED_PROMPT_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 MAX_SEED = 2**63 - 1
+# The labels a prompt cites its inputs by (`reference_labels`); only these three forms are checked.
+_LABEL_PATTERN = re.compile(r"<(?:Picture|Video|Audio) \d+>")
 # Not a model limit: a guard so that a mistyped step count or canvas becomes a message, not an hours-long run
 # or an allocation failure inside a worker.
 MAX_STEPS = 1000
@@ -186,11 +189,13 @@ def validate(
     """Check `request` against the task rules; return warnings, raise `RequestError` naming the field.
 
     `media_durations` probes a reference (keyframes are probed as image references) for the rules that need
-    file facts; without it those rules are skipped, and FL2VA's aspect "auto" stays unresolved until the
-    keyframe is read. `canvas_multiple` is what an explicit width/height must be a multiple of (32 for the
-    released checkpoint, smaller for tiny test checkpoints). `count_prompt_tokens` (the checkpoint's tokenizer,
-    e.g. `h3engine.presentation.prompt_token_counter`) adds the token bound, checked before any file is probed;
-    without it only the character bound applies.
+    file facts, among them the prompt's labels (a `<Picture N>`, `<Video N>` or `<Audio N>` no input defines is
+    refused: whether a video defines an `<Audio j>` depends on its soundtrack); without it those rules are
+    skipped, and FL2VA's aspect "auto" stays unresolved until the keyframe is read. `canvas_multiple` is what an
+    explicit width/height must be a multiple of (32 for the released checkpoint, smaller for tiny test
+    checkpoints). `count_prompt_tokens` (the checkpoint's tokenizer, e.g.
+    `h3engine.presentation.prompt_token_counter`) adds the token bound, checked before any file is probed; without
+    it only the character bound applies.
     """
     if not isinstance(request, GenerationRequest):
         _fail("request", f"must be a GenerationRequest, got {_describe(request)}")
@@ -207,6 +212,7 @@ def validate(
         probe = _remembering(media_durations)
         _check_reference_media(request, probe)
         first_keyframe_size = _checked_keyframe_sizes(request, probe)
+        _check_prompt_labels(request, probe)
     if first_keyframe_size is not None or not _aspect_follows_keyframe(request):
         resolve_aspect(request, first_keyframe_size)
     return warnings
@@ -479,6 +485,60 @@ def _check_reference_media(request: GenerationRequest, probe: MediaProbe) -> Non
     if request.duration_seconds is None:
         seconds = resolve_duration_seconds(request, probe)
         _check_duration_range(seconds, "duration_seconds", " (taken from the reference with audio)")
+
+
+def reference_labels(kinds: Sequence[str], has_audio: Sequence[bool]) -> list[tuple[str, ...]]:
+    """The prompt labels of each Ref2VA reference, in reference order, numbered per modality as the model was
+    trained (h3engine.presentation.reference_presentation): `<Picture i>` for an image, `<Video k>` for a video,
+    `<Audio j>` for an audio clip, and a video carrying audio (`has_audio`) takes an `<Audio j>` before its
+    `<Video k>`."""
+    counters = {"Picture": 0, "Video": 0, "Audio": 0}
+
+    def next_label(modality: str) -> str:
+        counters[modality] += 1
+        return f"<{modality} {counters[modality]}>"
+
+    labels = []
+    for kind, carries_audio in zip(kinds, has_audio, strict=True):
+        if kind == "image":
+            labels.append((next_label("Picture"),))
+        elif kind == "video":
+            audio = (next_label("Audio"),) if carries_audio else ()
+            labels.append(audio + (next_label("Video"),))
+        else:
+            labels.append((next_label("Audio"),))
+    return labels
+
+
+def _defined_labels(request: GenerationRequest, probe: MediaProbe) -> tuple[str, tuple[str, ...]]:
+    """What defines the labels of `request`'s task, and those labels in order."""
+    if request.task == "fl2va":
+        return "the keyframes", tuple(
+            f"<Picture {number}>" for number in range(1, len(request.keyframes) + 1)
+        )
+    if request.task != "ref2va":
+        return f"task {request.task!r}", ()
+    kinds = [reference.kind for reference in request.references]
+    has_audio = [
+        kind == "audio" or (kind == "video" and probe(ref).has_audio)
+        for kind, ref in zip(kinds, request.references, strict=True)
+    ]
+    labels = reference_labels(kinds, has_audio)
+    return "the references", tuple(label for entry in labels for label in entry)
+
+
+def _check_prompt_labels(request: GenerationRequest, probe: MediaProbe) -> None:
+    """Refuse a prompt citing a `<Picture N>`, `<Video N>` or `<Audio N>` that no input defines (other tags, such
+    as `<Subject 1>` or `[Shot 1]`, are free text to the model)."""
+    source, defined = _defined_labels(request, probe)
+    cited = dict.fromkeys(match.group(0) for match in _LABEL_PATTERN.finditer(request.prompt))
+    undefined = [label for label in cited if label not in defined]
+    if not undefined:
+        return
+    defines = f"{source} define {', '.join(defined)}" if defined else f"{source} defines no labels"
+    if not defined and request.task == "t2va":
+        defines += " (labels cite fl2va keyframes or ref2va references)"
+    _fail("prompt", f"cites {', '.join(undefined)}, which no input defines: {defines}")
 
 
 def resolve_duration_seconds(request: GenerationRequest, media_durations: MediaProbe | None) -> float:

@@ -3,7 +3,9 @@
 What is compared: every endpoint (/t2va, /fl2va, /ref2va) returns an MP4 whose streams, read back with PyAV, are
 H.264 yuv420p at 24 fps with the frame count of the requested duration (124 frames for 5 s) and AAC 32 kHz stereo
 lasting as long as the video (within one AAC frame); invalid requests, wrong types, out-of-range slider values and
-unknown dropdown values included, are refused before queueing with a ValidationError naming the field; a result is
+unknown dropdown values included, are refused before queueing with a ValidationError naming the parameter once
+(broken files by the user's own file name with the formats accepted; prompt labels no input defines); /fl2va takes
+a first or a last frame alone, and only the prompt (and Ref2VA's references) are required parameters; a result is
 served to its client, but neither the outputs folder nor anything outside it is; a cancelled generation stops (the
 engine is free for the next request at once and leaves no MP4 behind); two requests submitted together both complete. Steps are kept at 2 so the
 file runs in well under a minute on two cores.
@@ -108,7 +110,7 @@ def test_ref2va_returns_a_browser_playable_mp4(client) -> None:
         (
             "/fl2va",
             dict(prompt="x", first_image=None, last_image=None),
-            "keyframes: task 'fl2va' needs a first and/or a last keyframe",
+            "first_image: task 'fl2va' needs a first and/or a last keyframe",
         ),
         (
             "/ref2va",
@@ -203,3 +205,135 @@ def test_takes_make_one_job_per_consecutive_seed(app, client) -> None:
     assert len(made) == 3
     seeds = sorted(json.loads(path.with_suffix(".json").read_text())["seed"] for path in made)
     assert seeds == [70, 71, 72]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Issue 19: every invalid parameter is named once, files by the user's own name; optional inputs are optional
+
+PICTURE = ASSETS / "ref2va" / "picture1.png"
+FIRST = ASSETS / "fl2va" / "first.png"
+BASES = {
+    "/t2va": dict(prompt="A kite."),
+    "/fl2va": dict(prompt="A kite.", first_image=FIRST),
+    "/ref2va": dict(prompt="<Picture 1> waves.", references=[PICTURE], duration_from_reference=False),
+}
+# (endpoint, parameter, value): one parameter of one endpoint out of range or of the wrong type.
+BAD_PARAMETERS = [
+    ("/t2va", "prompt", ""),
+    ("/t2va", "prompt", 7),
+    ("/t2va", "prompt", "<Picture 1> flies."),
+    ("/t2va", "duration_seconds", 3),
+    ("/t2va", "duration_seconds", "five"),
+    ("/t2va", "aspect_ratio", "7:5"),
+    ("/t2va", "seed", -1),
+    ("/t2va", "seed", "abc"),
+    ("/t2va", "randomize_seed", "no"),
+    ("/t2va", "steps", 5000),
+    ("/t2va", "steps", 2.5),
+    ("/t2va", "flow_shift", 0),
+    ("/t2va", "audio_flow_shift", "x"),
+    ("/t2va", "short_edge", 100_000),
+    ("/fl2va", "prompt", "From <Picture 1> to <Picture 2>."),
+    ("/fl2va", "first_image", "/etc/passwd"),
+    ("/fl2va", "first_image", 5),
+    ("/fl2va", "last_image", {"path": "/etc/passwd"}),
+    ("/fl2va", "steps", 0),
+    ("/ref2va", "prompt", "<Picture 1> meets <Picture 3>."),
+    ("/ref2va", "prompt", "<Picture 1> sings <Audio 1>."),
+    ("/ref2va", "references", "picture1.png"),
+    ("/ref2va", "references", [5]),
+    ("/ref2va", "duration_from_reference", 1),
+    ("/ref2va", "duration_seconds", 15.5),
+]
+
+
+def _call(client: Client, endpoint: str, **arguments) -> tuple:
+    """`client.predict` with SETTINGS under `arguments`, local files (Path) uploaded with handle_file."""
+    for name, value in arguments.items():
+        if isinstance(value, Path):
+            arguments[name] = handle_file(value)
+        if isinstance(value, list):
+            arguments[name] = [handle_file(item) if isinstance(item, Path) else item for item in value]
+    return client.predict(**{**SETTINGS, **arguments}, api_name=endpoint)
+
+
+def _refusal(client: Client, endpoint: str, **arguments) -> str:
+    with pytest.raises(ValidationError) as refused:
+        _call(client, endpoint, **arguments)
+    return str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "parameter", "value"), BAD_PARAMETERS, ids=[f"{e}-{p}={v!r}" for e, p, v in BAD_PARAMETERS]
+)
+def test_each_invalid_parameter_is_a_validation_error_naming_it_once(
+    app, client, endpoint, parameter, value
+) -> None:
+    before = app.mp4_files()
+    message = _refusal(client, endpoint, **{**BASES[endpoint], parameter: value})
+    header, line = message.split("\n")  # "1 parameter(s) failed validation:", then "- <parameter>: <problem>"
+    assert header == "1 parameter(s) failed validation:", message
+    assert line.startswith(f"- {parameter}: "), message
+    assert line.count(parameter) == 1, message
+    assert app.mp4_files() == before
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "parameter", "name", "data", "accepted"),
+    [
+        ("/fl2va", "first_image", "empty.png", b"", "a JPEG, PNG or WEBP image (.jpg, .jpeg, .png, .webp)"),
+        ("/fl2va", "last_image", "notes.jpg", b"not a picture\n", "a JPEG, PNG or WEBP image"),
+        ("/ref2va", "references", "empty.png", b"", "a JPEG, PNG or WEBP image (.jpg, .jpeg, .png, .webp)"),
+        ("/ref2va", "references", "notes.mp3", b"not a sound\n" * 10, "a WAV, MP3, FLAC, Ogg (Vorbis, Opus)"),
+        (
+            "/ref2va",
+            "references",
+            "cut.mp4",
+            (ASSETS / "ref2va" / "video1.mp4").read_bytes()[:3000],
+            "an MP4",
+        ),
+        ("/ref2va", "references", "sketch.bmp", b"BM" + bytes(100), "image: a JPEG, PNG or WEBP image"),
+    ],
+    ids=[
+        "empty-first-frame",
+        "text-last-frame",
+        "empty-reference",
+        "text-as-mp3",
+        "truncated-mp4",
+        "bmp-reference",
+    ],
+)
+def test_a_broken_file_is_named_by_its_own_name_with_what_is_accepted(
+    app, client, tmp_path, endpoint, parameter, name, data, accepted
+) -> None:
+    (tmp_path / name).write_bytes(data)
+    upload = tmp_path / name
+    value = [PICTURE, upload] if parameter == "references" else upload
+    message = _refusal(client, endpoint, **{**BASES[endpoint], parameter: value})
+    line = message.split("\n")[1]
+    assert line.startswith(f"- {parameter}: ") and f"'{name}'" in line and accepted in line, message
+    # Neither the temporary upload path nor Gradio's own wording: our message, once.
+    assert (
+        "/" not in line.replace("/fl2va", "") and "preprocess" not in message and line.count(parameter) == 1
+    )
+
+
+def test_fl2va_takes_only_a_first_or_only_a_last_frame(client) -> None:
+    endpoints = client.view_api(print_info=False, return_format="dict")["named_endpoints"]
+    for endpoint, required in (
+        ("/t2va", {"prompt"}),
+        ("/fl2va", {"prompt"}),
+        ("/ref2va", {"prompt", "references"}),
+    ):
+        parameters = endpoints[endpoint]["parameters"]
+        assert {p["parameter_name"] for p in parameters if not p["parameter_has_default"]} == required, (
+            endpoint
+        )
+    result = client.predict(
+        prompt="The kite climbs.", first_image=handle_file(FIRST), seed=3, **SETTINGS, api_name="/fl2va"
+    )
+    assert_browser_playable(_video_path(result), FIVE_SECOND_FRAMES)
+    result = client.predict(
+        prompt="The kite lands.", last_image=handle_file(FIRST), seed=4, **SETTINGS, api_name="/fl2va"
+    )
+    assert _video_path(result).endswith(".mp4")

@@ -5,9 +5,7 @@ and the command line): one parameter at a time set to a wrong type, an out-of-ra
 prompts that are empty, too long, of the wrong type or carry reserved tokens (lone surrogates cannot travel in the
 client's JSON: tests/test_fuzz_inputs.py has them); broken reference uploads (empty, truncated, not an image, too
 small). Each must raise gradio_client's ValidationError whose message names the parameter (or the request field it
-becomes), within `CASE_SECONDS`, and no result may be written. A broken *image* upload (FL2VA's first/last frame)
-is still decoded by Gradio's own image component before any check of ours and answered with a bare HTTP 400;
-issue 19 (errors that name the user's file) takes that on.
+becomes), within `CASE_SECONDS`, and no result may be written. Broken FL2VA frames: tests/test_app_api.py.
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 
 What is compared: labels numbered per modality with a sounding video's <Audio j> before its <Video k> (the order
 the model was trained on); tab inputs turn into the exact GenerationRequest and back; RequestError messages land on
-the input they name; the history lists only complete results, newest first, and refuses stems that leave the
-outputs folder; stored inputs are content-addressed; every example in assets/examples.json loads with files that
-exist.
+the input they name, naming the user's file (not the upload path) and the field once; file inputs hand over upload
+paths undecoded and refuse anything else; the Ref2VA picker and the CLI's help offer exactly the formats of
+h3engine.media.formats; the history lists only complete results, newest first, and refuses stems that leave the
+outputs folder; stored inputs are content-addressed and keep the user's file name; every example in
+assets/examples.json loads with files that exist.
 """
 
 from __future__ import annotations
@@ -13,21 +15,27 @@ import json
 import os
 import time
 
+import gradio as gr
 import pytest
 from _app_helpers import ASSETS, REPOSITORY_ROOT
 
+from h3engine.cli import _build_parser
 from h3engine.errors import RequestError
-from h3engine.request import GenerationRequest, Keyframe, Reference
+from h3engine.media.formats import FORMATS, accepted_text
+from h3engine.request import GenerationRequest, Keyframe, Reference, reference_labels
+from ui.components import NotAnUpload, as_uploaded
 from ui.examples import load_examples
 from ui.handlers import (
     TaskValues,
     build_request,
+    check_input_types,
+    error_text,
     failing_parameter,
     parameter_names,
     request_values,
 )
 from ui.history import find_entry, history_rows, list_history, result_markdown
-from ui.inputs import InputStore, label_references, reference_kind, reference_labels
+from ui.inputs import InputStore, label_references, reference_kind
 from ui.references import (
     THUMBNAIL_EDGE,
     append_references,
@@ -36,6 +44,7 @@ from ui.references import (
     reference_preview,
     remove_reference,
 )
+from ui.tabs import build_ref2va_tab
 
 
 def test_labels_are_numbered_per_modality_and_a_sounding_video_takes_an_audio_label_first() -> None:
@@ -179,6 +188,80 @@ def test_request_errors_land_on_the_input_they_name() -> None:
     ref_values = _values("ref2va", references=["/u/a.png"], duration_from_reference=True)
     assert failing_parameter("duration_seconds: is required", ref_values) == "duration_from_reference"
     assert failing_parameter("references[0]: clip too short", ref_values) == "references"
+
+
+def test_errors_name_the_users_file_and_the_field_once() -> None:
+    upload = "/tmp/gradio/0f3a9c/my photo.png"
+    values = _values("fl2va", last_image=upload)
+    empty = f"keyframes[0]: '{upload}': the image file is empty; accepted: a JPEG, PNG or WEBP image"
+    assert failing_parameter(empty, values) == "last_image"
+    shown = error_text(empty, "last_image", values)
+    assert (
+        shown == "'my photo.png' (last frame): the image file is empty; accepted: a JPEG, PNG or WEBP image"
+    )
+    assert error_text("steps: must be <= 1000, got 5000", "steps", values) == "must be <= 1000, got 5000"
+    clips = _values("ref2va", references=["/u/1/a.png", "/u/2/notes.mp3"], duration_from_reference=True)
+    corrupt = "references[1]: '/u/2/notes.mp3': the audio file is corrupt or truncated (InvalidDataError)"
+    assert failing_parameter(corrupt, clips) == "references"
+    assert error_text(corrupt, "references", clips) == (
+        "'notes.mp3' (reference 2): the audio file is corrupt or truncated (InvalidDataError)"
+    )
+    assert error_text("references[0]: clip too short", "references", clips) == "reference 1: clip too short"
+    stored = "references[0]: '/data/outputs/inputs/0a1b2c/a.png': the image file is empty"
+    assert error_text(stored, "references", clips) == "'a.png' (reference 1): the image file is empty"
+    assert error_text("duration_seconds: is required", "duration_from_reference", clips) == (
+        "duration_seconds is required"
+    )
+    cited = "prompt: cites <Picture 3>, which no input defines: the references define <Picture 1>"
+    assert error_text(cited, failing_parameter(cited, clips), clips) == cited.removeprefix("prompt: ")
+
+
+def test_file_inputs_hand_over_upload_paths_undecoded_and_refuse_anything_else() -> None:
+    upload = {
+        "path": "/tmp/gradio/0f3a9c/empty.png",
+        "orig_name": "empty.png",
+        "meta": {"_type": "gradio.FileData"},
+    }
+    image = as_uploaded(gr.Image(type="filepath"))
+    assert image.api_info()["properties"]["path"]  # the API schema is still the image's
+    # Not opened: a 0-byte or missing file reaches our own checks, which name it.
+    assert image.preprocess(upload) == upload["path"] and image.preprocess(None) is None
+    files = as_uploaded(gr.File(file_count="multiple", type="filepath"))
+    assert files.preprocess([upload, upload]) == [upload["path"]] * 2
+    for sent in ("/etc/passwd", 5, {"path": "/etc/passwd"}):
+        assert image.preprocess(sent) == NotAnUpload(sent)
+        with pytest.raises(RequestError, match=r"^first_image: must be an uploaded file .*handle_file"):
+            check_input_types(_values("fl2va", first_image=image.preprocess(sent)))
+        with pytest.raises(RequestError, match=r"^references: must be an uploaded file"):
+            check_input_types(_values("ref2va", references=files.preprocess([upload, sent])))
+    assert files.preprocess("a.png") == NotAnUpload("a.png")
+
+
+def test_the_pickers_offer_exactly_what_is_accepted() -> None:
+    with gr.Blocks():
+        tab = build_ref2va_tab("", [])
+    accepted = [suffix for media in FORMATS.values() for suffix in media.suffixes]
+    assert tab.references.file_types == accepted
+    for kind, media in FORMATS.items():
+        for suffix in media.suffixes:
+            assert reference_kind(f"clip{suffix.upper()}") == kind
+    assert FORMATS["image"].suffixes == (".jpg", ".jpeg", ".png", ".webp")
+    # The command line's help lists the same formats.
+    generate = _build_parser()._subparsers._group_actions[0].choices["generate"]
+    assert " ".join(accepted_text().split()) in " ".join(generate.format_help().split())
+    for refused in ("scan.bmp", "scan.tif", "scan.tiff", "notes.txt"):
+        with pytest.raises(RequestError, match=r"accepted: image: a JPEG, PNG or WEBP image \(\.jpg"):
+            reference_kind(refused)
+
+
+def test_stored_copies_keep_the_users_file_name(tmp_path) -> None:
+    store = InputStore(tmp_path)
+    for name in ("Фото (1).png", "café [final], v2.jpg", "clip+voice@2x.mp4"):
+        assert os.path.basename(store.keep_bytes(b"x", name)) == name
+    long_name = "é" * 200 + ".webp"
+    kept = os.path.basename(store.keep_bytes(b"x", long_name))
+    assert kept.endswith(".webp") and len(kept.encode()) <= 120
+    assert os.path.basename(store.keep_bytes(b"x", "a\x00b/../\n.png")) == "_.png"
 
 
 def _write_result(folder, stem: str, prompt: str, mtime: float) -> None:

@@ -201,6 +201,34 @@ def test_image_format_is_read_from_content(tmp_path: Path) -> None:
             probe_media(Reference(kind="image", path=str(path)))
 
 
+def test_a_file_that_is_not_its_kind_is_refused_naming_what_is_accepted(tmp_path: Path) -> None:
+    # h3engine.media.formats is the one list: the messages spell it out, suffixes included.
+    tiff = tmp_path / "scan.tiff"
+    noisy_image(32, 32, seed=4).save(tiff)
+    empty_image, empty_audio, text_audio = (
+        tmp_path / "empty.png",
+        tmp_path / "empty.wav",
+        tmp_path / "notes.mp3",
+    )
+    empty_image.write_bytes(b"")
+    empty_audio.write_bytes(b"")
+    text_audio.write_bytes(b"not a sound\n" * 10)
+    image = "accepted: a JPEG, PNG or WEBP image (.jpg, .jpeg, .png, .webp)"
+    audio = "accepted: a WAV, MP3, FLAC, Ogg (Vorbis, Opus), M4A or AAC audio file (.wav, .mp3, .flac, .ogg, .oga, .opus"
+    cases = [
+        (lambda: load_image(tiff), "not a JPEG, PNG or WEBP image (.jpg, .jpeg, .png, .webp)"),
+        (lambda: probe_media(Reference(kind="image", path=str(empty_image))), f"the image file is empty; {image}"),
+        (lambda: probe_media(Reference(kind="audio", path=str(empty_audio))), f"the audio file is empty; {audio}"),
+        (lambda: probe_media(Reference(kind="audio", path=str(text_audio))), "corrupt or truncated (InvalidDataError"),
+        (lambda: probe_media(Reference(kind="audio", path=str(text_audio))), audio),
+        (lambda: probe_media(Reference(kind="video", path=str(tiff))), "not an MP4, QuickTime, WebM, Matroska or AVI video (.mp4, .mov"),
+    ]  # fmt: skip
+    for read, wording in cases:
+        with pytest.raises(RequestError) as caught:
+            read()
+        assert wording in str(caught.value), str(caught.value)
+
+
 def png_header_only(path: Path, width: int, height: int) -> Path:
     """A PNG whose header declares width x height over a few bytes of data: only a header-only reader stays cheap."""
 

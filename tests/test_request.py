@@ -23,6 +23,7 @@ from h3engine.request import (
     Keyframe,
     MediaInfo,
     Reference,
+    reference_labels,
     resolve_aspect,
     resolve_duration_seconds,
     validate,
@@ -388,6 +389,23 @@ INVALID = [
         False, "conditions[0].uri", "file:// URIs must name this machine", id="sglang-file-uri-other-host",
     ),
     pytest.param(with_condition(SGLANG_REF2VA, 0, weight=1.0), False, "conditions[0].weight", "unknown field (allowed: type, uri", id="sglang-condition-unknown"),
+    # labels the prompt cites that no input defines (checked with the probe: a video's soundtrack defines one)
+    pytest.param(
+        with_references(("image", PICTURE), prompt="<Picture 1> meets <Picture 3>."),
+        True, "prompt", "cites <Picture 3>, which no input defines: the references define <Picture 1>", id="label-picture-3",
+    ),
+    pytest.param(
+        with_references(("image", PICTURE), ("video", SILENT_CLIP), prompt="<Video 1> sings <Audio 1>, <Video 2>"),
+        True, "prompt", "cites <Audio 1>, <Video 2>, which no input defines: the references define <Picture 1>, <Video 1>", id="label-audio-of-silent-video",
+    ),
+    pytest.param(
+        edit(FL2VA, prompt="From <Picture 1> to <Picture 2>."),
+        True, "prompt", "cites <Picture 2>, which no input defines: the keyframes define <Picture 1>", id="label-fl2va-one-keyframe",
+    ),
+    pytest.param(
+        edit(T2VA, prompt="<Audio 1> plays."),
+        True, "prompt", "cites <Audio 1>, which no input defines: task 't2va' defines no labels", id="label-t2va",
+    ),
     # requests built directly in Python
     pytest.param(GenerationRequest(task="fl2va", prompt="p", keyframes=(PICTURE,)), False, "keyframes[0]", "must be a Keyframe", id="direct-keyframe-string"),
     pytest.param(GenerationRequest(task="ref2va", prompt="p", references=PICTURE), False, "references", "must be a tuple of Reference", id="direct-references-string"),
@@ -427,6 +445,30 @@ def test_every_rule_has_its_own_message() -> None:
     assert len(INVALID) >= 100
 
 
+def test_prompt_labels_follow_the_inputs_and_other_tags_are_free_text() -> None:
+    # A video's soundtrack takes an <Audio j> before its <Video k>; the numbering is the UI's (reference_labels).
+    sounding = with_references(
+        ("image", PICTURE), ("video", CLIP_WITH_SOUND), ("audio", VOICE_3S),
+        prompt="<Picture 1> in <Video 1> sings like <Audio 1> and <Audio 2>. <Subject 1> [Shot 1] <d>[English] Hi</d>",
+    )  # fmt: skip
+    assert run(sounding, media=True) == []
+    assert reference_labels(["image", "video", "audio"], [False, True, True]) == [
+        ("<Picture 1>",),
+        ("<Audio 1>", "<Video 1>"),
+        ("<Audio 2>",),
+    ]
+    with pytest.raises(RequestError, match=r"^prompt: cites <Audio 3>, which no input defines: the references "
+                       r"define <Picture 1>, <Audio 1>, <Video 1>, <Audio 2>$"):  # fmt: skip
+        run(edit(sounding, prompt="<Audio 3>"), media=True)
+    assert (
+        run(with_keyframes((PICTURE, "first"), (PORTRAIT, "last"), prompt="<Picture 1> to <Picture 2>"), True)
+        == []
+    )
+    # Only the three label forms are checked; without a probe (no file facts) the rule waits for one.
+    assert run(edit(T2VA, prompt="<picture 1> <Subject 2> <Picture>"), media=True) == []
+    assert run(edit(T2VA, prompt="<Picture 1>")) == []
+
+
 def test_the_documented_example_message() -> None:
     with pytest.raises(RequestError, match=r"^duration_seconds: must be within \[4, 15\] s, got 3$"):
         run(edit(T2VA, duration_seconds=3))
@@ -461,7 +503,12 @@ VALID = [
         id="ref2va-twelve-references",
     ),
     pytest.param(
-        with_references(("video", SILENT_CLIP), *[("audio", VOICE_3S)] * 3, keyframes=FL2VA["keyframes"]),
+        with_references(
+            ("video", SILENT_CLIP),
+            *[("audio", VOICE_3S)] * 3,
+            keyframes=FL2VA["keyframes"],
+            prompt="<Video 1> in the voices of <Audio 1>, <Audio 2> and <Audio 3>.",
+        ),
         id="ref2va-with-keyframe",
     ),
 ]
@@ -631,7 +678,9 @@ def test_sglang_shape_details() -> None:
     assert from_dict(escaped).references[0].path == "/data/my clip.mp4"
     plain_path = with_condition(SGLANG_REF2VA, 0, uri="relative/clip.mp4")
     assert from_dict(plain_path).references[0].path == "relative/clip.mp4"
-    no_duration = edit(SGLANG_REF2VA, target={"aspect_ratio": "auto"})
+    no_duration = edit(
+        SGLANG_REF2VA, target={"aspect_ratio": "auto"}, prompt="<Picture 1> speaks in the voice of <Audio 1>."
+    )
     no_duration["conditions"] = no_duration["conditions"][1:] + [
         {"type": "image", "uri": PICTURE, "role": "reference"}
     ]

@@ -35,6 +35,7 @@ from h3engine.request_shapes import from_dict
 from h3engine.runtime.front import EngineFront, JobHandle, stamped_output_name
 from h3engine.runtime.messages import PreviewFrame
 from ui.access import AccessPolicy
+from ui.components import NotAnUpload
 from ui.history import HistoryEntry, entry_markdown, find_entry, history_rows, list_history, result_markdown
 from ui.inputs import InputStore, last_frame_png, reference_kind
 from ui.result import RESULT_FIELDS
@@ -46,6 +47,11 @@ RANDOM_SEED_LIMIT = 2**31
 PLACEHOLDER_PROMPT = "(prompt)"
 _SCALAR_FIELDS = {"prompt", "aspect_ratio", "short_edge", "seed", "steps", "flow_shift", "audio_flow_shift"}
 _BOOLEAN_FIELDS = ("randomize_seed", "duration_from_reference")
+_FILE_FIELDS = ("first_image", "last_image", "references")
+# The endpoint parameters an API client may leave out although their components start empty.
+_OPTIONAL_FILE_PARAMETERS = ("first_image", "last_image")
+_KEYFRAME_WORDS = {"first_image": "first frame", "last_image": "last frame"}
+_QUOTED_PATH = re.compile(r"(['\"])/[^'\"]*/([^'\"/]+)\1")
 
 
 def parameter_names(task: str) -> tuple[str, ...]:
@@ -64,14 +70,14 @@ class TaskValues:
         return cls(task, dict(zip(parameter_names(task), inputs, strict=True)))
 
     def files(self) -> dict[str, list[str]]:
-        """The file inputs, by parameter name."""
-        return {
-            name: [self.values[name]]
-            if isinstance(self.values.get(name), str)
-            else list(self.values.get(name) or [])
-            for name in ("first_image", "last_image", "references")
-            if name in self.values
-        }
+        """The file inputs' paths, by parameter name (what is not a path, check_input_types refuses)."""
+        files = {}
+        for name in _FILE_FIELDS:
+            if name in self.values:
+                value = self.values[name]
+                items = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+                files[name] = [item for item in items if isinstance(item, str)]
+        return files
 
 
 def build_request(
@@ -104,10 +110,24 @@ def build_request(
 
 
 def check_input_types(values: TaskValues) -> None:
-    """The type checks GenerationRequest cannot make: its checkboxes are not request fields."""
+    """The type checks GenerationRequest cannot make: its checkboxes are not request fields, and a file input must
+    hold uploaded files (ui.tabs.as_uploaded), not a bare path or some other value."""
     for name in _BOOLEAN_FIELDS:
         if name in values.values and not isinstance(values.values[name], bool):
-            raise RequestError(f"{name}: must be true or false, got {values.values[name]!r}")
+            raise RequestError(f"{name}: must be true or false, got {_short(values.values[name])}")
+    for name in _FILE_FIELDS:
+        value = values.values.get(name)
+        items = value if name == "references" and isinstance(value, list) else [value]
+        for item in items:
+            if isinstance(item, NotAnUpload):
+                raise RequestError(
+                    f"{name}: must be an uploaded file (gradio_client: handle_file(path)), got {_short(item.value)}"
+                )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def failing_parameter(message: str, values: TaskValues) -> str:
@@ -115,7 +135,7 @@ def failing_parameter(message: str, values: TaskValues) -> str:
     field = message.split(":", 1)[0].strip()
     head = re.split(r"[\[.,]", field, maxsplit=1)[0].strip()
     names = values.values
-    if head in _SCALAR_FIELDS or head in _BOOLEAN_FIELDS:
+    if head in _SCALAR_FIELDS or head in _BOOLEAN_FIELDS or head in _FILE_FIELDS:
         return head
     if head in ("width", "height"):
         return "aspect_ratio"
@@ -125,14 +145,50 @@ def failing_parameter(message: str, values: TaskValues) -> str:
         given = [name for name in ("first_image", "last_image") if names.get(name)]
         index = int(match.group(1)) if (match := re.match(r"keyframes\[(\d+)\]", field)) else 0
         return given[index] if index < len(given) else "first_image"
-    if head == "references":
-        return "references"
     # File errors start with the file's path, quoted (h3engine.media.inputs) or as a bare name.
     named_file = field.strip("'\"")
     for name, paths in values.files().items():
         if any(named_file in (path, Path(path).name) for path in paths):
             return name
     return "prompt"
+
+
+def error_text(message: str, parameter: str, values: TaskValues) -> str:
+    """A RequestError message as shown at the input `parameter` (Gradio's validation message, which gradio_client
+    prints after the parameter's name and the page shows in place of an image's label): the files by the names they
+    were uploaded under, never a server path, the field not named a second time, and a file input's file named
+    with the input it came in (`'cat.png' (first frame): ...`, `'a.wav' (reference 2): ...`)."""
+    for paths in values.files().values():
+        for path in paths:
+            if isinstance(path, str) and path:
+                message = message.replace(path, Path(path).name)
+    # Any other quoted server path (a stored copy's, say) by its base name too.
+    message = _QUOTED_PATH.sub(r"\1\2\1", message)
+    field, separator, problem = message.partition(": ")
+    if not separator:
+        return message
+    if field == parameter or (parameter in _KEYFRAME_WORDS and re.fullmatch(r"keyframes(\[\d+\])?", field)):
+        return _with_input(problem, _KEYFRAME_WORDS.get(parameter))
+    if match := re.fullmatch(r"references\[(\d+)\](.*)", field):
+        return _with_input(problem, f"reference {int(match.group(1)) + 1}{match.group(2)}")
+    if problem.startswith(("is ", "must ")):  # another field's rule: "duration_seconds is required, or ..."
+        return f"{field} {problem}"
+    return message
+
+
+def shown_problem(error: RequestError, values: TaskValues) -> tuple[str, str]:
+    """(the input a RequestError is about, its message as shown there: `error_text`)."""
+    failing = failing_parameter(str(error), values)
+    return failing, error_text(str(error), failing, values)
+
+
+def _with_input(problem: str, words: str | None) -> str:
+    """`'name': rest` becomes `'name' (words): rest`; a problem that names no file first gets `words: ` before it."""
+    if words is None:
+        return problem
+    if named := re.match(r"('[^']*'|\"[^\"]*\"): ", problem):
+        return f"{named.group(1)} ({words}): {problem[named.end() :]}"
+    return f"{words}: {problem}" if words.startswith("reference") else problem
 
 
 def result_update(**fields: Any) -> tuple[Any, ...]:
@@ -208,9 +264,9 @@ class Handlers:
         def validate_inputs(*inputs: Any) -> list[dict[str, Any]]:
             values = TaskValues.from_inputs(task, inputs)
             error = self.problem(values)
-            failing = failing_parameter(str(error), values) if error is not None else None
+            failing, message = shown_problem(error, values) if error is not None else (None, "")
             return [
-                gr.validate(name != failing, str(error) if name == failing else "")
+                gr.validate(name != failing, message if name == failing else "")
                 for name in parameter_names(task)
             ]
 
@@ -223,7 +279,8 @@ class Handlers:
         values = TaskValues.from_inputs(task, inputs)
         error = self.problem(values)
         if error is not None:
-            return result_update(status=f"⚠ Not started: {error}"), False
+            failing, message = shown_problem(error, values)
+            return result_update(status=f"⚠ Not started: {failing}: {message}"), False
         cleared = result_update(
             status="Starting…",
             preview=None,
@@ -242,11 +299,15 @@ class Handlers:
         def describe(*inputs: Any) -> str:
             values = TaskValues.from_inputs(task, inputs)
             try:
+                check_input_types(values)
                 request = build_request(values, seed=0, prompt=PLACEHOLDER_PROMPT)
                 self.front.check(request)
                 geometry = self.front.expected_geometry(request)
             except RequestError as error:
-                return f"Canvas and frames: waiting for valid settings ({error})"
+                # A file's problem as its input shows it; a setting's with the field's name (no input shows it).
+                failing = failing_parameter(str(error), values)
+                shown = error_text(str(error), failing if failing in _FILE_FIELDS else "", values)
+                return f"Canvas and frames: waiting for valid settings ({shown})"
             return (
                 f"Canvas **{geometry.width} × {geometry.height}** · **{geometry.frames}** frames at 24 fps "
                 f"({geometry.duration:.2f} s)"
@@ -269,11 +330,21 @@ class Handlers:
             async for update in self._generate(task, inputs, caller, progress):
                 yield update
 
+        # A keyframe may be left out (None: Gradio then lists it as optional); every parameter after the first
+        # optional one needs a default too, its component's initial value (which the API lists anyway).
         parameter = functools.partial(inspect.Parameter, kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        names = parameter_names(task)
+        optional = [index for index, name in enumerate(names) if name in _OPTIONAL_FILE_PARAMETERS]
+        first_optional = optional[0] if optional else len(names)
         generate.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
             [
-                *(parameter(name) for name in parameter_names(task)),
-                parameter("request", annotation=gr.Request),
+                *(
+                    parameter(name)
+                    if index < first_optional
+                    else parameter(name, default=DEFAULT_VALUES[name])
+                    for index, name in enumerate(names)
+                ),
+                parameter("request", annotation=gr.Request, default=None),
                 parameter("progress", default=gr.Progress()),
             ]
         )
@@ -295,7 +366,8 @@ class Handlers:
             if takes > 1:
                 self.front.check(requests[-1])
         except RequestError as error:
-            raise gr.Error(str(error), title="Invalid request", print_exception=False) from None
+            failing, message = shown_problem(error, values)
+            raise gr.Error(f"{failing}: {message}", title="Invalid request", print_exception=False) from None
         results_dir = self.access.results_dir(caller)
         results_dir.mkdir(parents=True, exist_ok=True)
         handles = [

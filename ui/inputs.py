@@ -5,10 +5,9 @@ Contract:
   `<outputs>/inputs/<digest>/<name>`, named by a hash of its bytes, and returns the new path. Requests are built
   from these copies, so a result's sidecar names files that outlive Gradio's upload cache: clicking the result in
   the history after a restart restores its images and clips too, and they lie in the one folder the app serves.
-* `reference_kind(path)` tells image / video / audio from the file name's extension.
-* `reference_labels(kinds, has_audio)` numbers the labels per modality in reference order, as the model was
-  trained: `<Picture i>` for images, `<Video k>` for videos, `<Audio j>` for audio clips, and a video with a
-  soundtrack takes an `<Audio j>` label before its `<Video k>` label.
+* `reference_kind(path)` tells image / video / audio from the file name's extension (h3engine.media.formats).
+* `label_references(paths)` gives each reference its prompt labels, numbered by h3engine.request.reference_labels
+  (the rule validation applies to the prompt, so the rows and the check cannot disagree).
 * `last_frame_png(video_path, store)` decodes the last frame of a result for "use the last frame".
 
 Danger: file names come from users; a stored copy keeps only a sanitised base name (no folders, no leading dot),
@@ -29,17 +28,26 @@ from pathlib import Path
 import av
 
 from h3engine.errors import RequestError
+from h3engine.media.formats import accepted_text, kind_of_suffix
+from h3engine.request import reference_labels
 
-IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff"})
-VIDEO_SUFFIXES = frozenset({".mp4", ".mov", ".m4v", ".webm", ".mkv", ".avi"})
-AUDIO_SUFFIXES = frozenset({".wav", ".mp3", ".flac", ".ogg", ".oga", ".opus", ".m4a", ".aac"})
 INPUTS_FOLDER = "inputs"
-_UNSAFE_NAME_CHARACTERS = re.compile(r"[^A-Za-z0-9._ -]+")
+# A stored copy keeps the user's own file name (messages name it), less what a file system or a URL could misread:
+# letters and digits of any script stay, as do a few punctuation marks; the rest becomes "_".
+_UNSAFE_NAME_CHARACTERS = re.compile(r"[^\w.,()\[\]+@ -]+")
+MAX_NAME_BYTES = 120
 
 
 def safe_file_name(name: str) -> str:
     cleaned = _UNSAFE_NAME_CHARACTERS.sub("_", Path(name).name).strip(" .")
-    return cleaned[:120] or "file"
+    if len(cleaned.encode("utf-8")) > MAX_NAME_BYTES:
+        # Shorten the stem, keep the suffix (it tells the kind): at most MAX_NAME_BYTES bytes of UTF-8.
+        suffix = Path(cleaned).suffix[:16]
+        stem = cleaned[: len(cleaned) - len(suffix)]
+        while len((stem + suffix).encode("utf-8")) > MAX_NAME_BYTES:
+            stem = stem[:-1]
+        cleaned = stem.rstrip(" .") + suffix
+    return cleaned or "file"
 
 
 class InputStore:
@@ -75,17 +83,14 @@ class InputStore:
 
 
 def reference_kind(path: str | os.PathLike[str]) -> str:
-    suffix = Path(path).suffix.lower()
-    if suffix in IMAGE_SUFFIXES:
-        return "image"
-    if suffix in VIDEO_SUFFIXES:
-        return "video"
-    if suffix in AUDIO_SUFFIXES:
-        return "audio"
-    raise RequestError(
-        f"references: cannot tell whether '{Path(path).name}' is an image, a video or an audio clip "
-        f"(use one of {', '.join(sorted(IMAGE_SUFFIXES | VIDEO_SUFFIXES | AUDIO_SUFFIXES))})"
-    )
+    """The kind ("image", "video", "audio") the file name's suffix says (h3engine.media.formats), else RequestError."""
+    kind = kind_of_suffix(path)
+    if kind is None:
+        raise RequestError(
+            f"references: cannot tell whether '{Path(path).name}' is an image, a video or an audio clip "
+            f"by its name; accepted: {accepted_text()}"
+        )
+    return kind
 
 
 def video_has_audio(path: str | os.PathLike[str]) -> bool:
@@ -101,25 +106,6 @@ class LabelledReference:
     path: str
     kind: str
     labels: tuple[str, ...]
-
-
-def reference_labels(kinds: list[str], has_audio: list[bool]) -> list[tuple[str, ...]]:
-    counters = {"Picture": 0, "Video": 0, "Audio": 0}
-
-    def next_label(modality: str) -> str:
-        counters[modality] += 1
-        return f"<{modality} {counters[modality]}>"
-
-    labels = []
-    for kind, carries_audio in zip(kinds, has_audio, strict=True):
-        if kind == "image":
-            labels.append((next_label("Picture"),))
-        elif kind == "video":
-            audio = (next_label("Audio"),) if carries_audio else ()
-            labels.append(audio + (next_label("Video"),))
-        else:
-            labels.append((next_label("Audio"),))
-    return labels
 
 
 def label_references(paths: list[str]) -> list[LabelledReference]:

@@ -23,23 +23,16 @@ import gradio as gr
 from PIL import Image, ImageOps
 
 from h3engine.errors import RequestError
+from h3engine.media.formats import FORMATS, REFERENCE_SUFFIXES
 from h3engine.request import MAX_REFERENCES_OF_KIND
-from ui.inputs import (
-    AUDIO_SUFFIXES,
-    IMAGE_SUFFIXES,
-    VIDEO_SUFFIXES,
-    LabelledReference,
-    label_references,
-    reference_kind,
-)
+from ui.components import as_uploaded
+from ui.inputs import LabelledReference, label_references, reference_kind
 
-REFERENCE_SUFFIXES = sorted(IMAGE_SUFFIXES | VIDEO_SUFFIXES | AUDIO_SUFFIXES)
 THUMBNAIL_EDGE = 320  # px, the longer edge of a card's picture
 PREVIEW_SECONDS = 5.0  # the most one file's preview may take to read
 PREVIEW_CACHE_SIZE = 128
 CARD_MIN_WIDTH = 230  # px: three cards a row beside the result column at 1400 px, one a row on a phone
 _KIND_WORDS = {"image": "an image", "video": "a video clip", "audio": "an audio clip"}
-_SUFFIXES_OF_KIND = {"image": IMAGE_SUFFIXES, "video": VIDEO_SUFFIXES, "audio": AUDIO_SUFFIXES}
 
 
 class _TooSlow(Exception):
@@ -123,7 +116,7 @@ def _cached_preview(path: str, kind: str, size: int, mtime_ns: int) -> Reference
 
 
 def _decode_error(path: str, kind: str, reason: str) -> ReferencePreview:
-    accepted = ", ".join(sorted(_SUFFIXES_OF_KIND[kind]))
+    accepted = ", ".join(FORMATS[kind].suffixes)
     return ReferencePreview(
         error=f"references: '{Path(path).name}' does not open as {_KIND_WORDS[kind]} ({reason}); "
         f"use {_KIND_WORDS[kind]} that opens ({accepted})"
@@ -200,18 +193,20 @@ def build_reference_gallery() -> ReferenceGallery:
         f"**References, in order** (at most {limits}). Each gets the label the prompt cites it by.",
         elem_id="ref2va-references-title",
     )
-    references = gr.File(
-        file_count="multiple",
-        file_types=REFERENCE_SUFFIXES,
-        type="filepath",
-        label="References, in order",
-        visible="hidden",
-        elem_id="ref2va-references",
+    references = as_uploaded(
+        gr.File(
+            file_count="multiple",
+            file_types=list(REFERENCE_SUFFIXES),
+            type="filepath",
+            label="References, in order",
+            visible="hidden",
+            elem_id="ref2va-references",
+        )
     )
     cards = gr.Column(elem_id="ref2va-cards")
     add = gr.File(
         file_count="multiple",
-        file_types=REFERENCE_SUFFIXES,
+        file_types=list(REFERENCE_SUFFIXES),
         type="filepath",
         label="Add references: drop images, video or audio clips here, or click to choose",
         height=120,

@@ -5,21 +5,20 @@ Contract: `build_t2va_tab`, `build_fl2va_tab`, `build_ref2va_tab` are called ins
 matching the parameters of the handler for that task (prompt, the task's media, then `SettingsControls.inputs`).
 Nothing here attaches events (ui.blocks wires them), so the layout can be read on its own.
 
-The prompt and the settings are "as sent" components: Gradio hands the handlers (and their validators) the value
-the browser or API client sent, unchecked and unconverted. Gradio's own checks (slider range, dropdown choices,
-number parsing) fail before the validator runs and reach an API client as a bare HTTP 400; the request's own
-validation (ui.handlers) names the field and the values it takes instead.
+The prompt and the settings are "as sent" and the file inputs "as uploaded" (ui.components): the handlers and their
+validators get what the client sent, so that the request's own checks name the field and the file.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import gradio as gr
 
 from h3engine.geometry import PRESET_ASPECT_RATIOS
 from h3engine.request import MAX_DURATION_SECONDS, MIN_DURATION_SECONDS, VERIFIED_SHORT_EDGE
+from ui.components import as_sent, as_uploaded
 from ui.prompt_builder import PromptBuilderPanel, build_prompt_builder
 from ui.references import ReferenceGallery, build_reference_gallery
 from ui.takes import MAX_TAKES
@@ -68,20 +67,6 @@ PROMPT_PLACEHOLDERS = {
     "fl2va": "Describe what happens between the first and the last frame, and what it sounds like.",
     "ref2va": "Cite the references by their labels, e.g. The robot from <Picture 1> speaks in the voice of <Audio 1>.",
 }
-
-
-ComponentT = TypeVar("ComponentT", bound=gr.components.Component)
-
-
-def as_sent(component: ComponentT) -> ComponentT:
-    """The component, passing the sent value through to the handler unchanged (see the module's docstring). An
-    attribute of this one object: a subclass of a Gradio component would make Gradio write a stub file beside it."""
-
-    def unchanged(payload: Any) -> Any:
-        return payload
-
-    component.preprocess = unchanged  # type: ignore[method-assign]
-    return component
 
 
 @dataclass
@@ -249,11 +234,16 @@ def build_t2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
 def build_fl2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
     prompt, builder = _prompt("fl2va")
     with gr.Row(equal_height=True):
-        first_image = gr.Image(
-            type="filepath", label="First frame", sources=["upload", "clipboard"], elem_id="fl2va-first"
+        # Gradio's Image picker offers any image/*; what is accepted (h3engine.media.formats) is checked.
+        first_image = as_uploaded(
+            gr.Image(
+                type="filepath", label="First frame", sources=["upload", "clipboard"], elem_id="fl2va-first"
+            )
         )
-        last_image = gr.Image(
-            type="filepath", label="Last frame", sources=["upload", "clipboard"], elem_id="fl2va-last"
+        last_image = as_uploaded(
+            gr.Image(
+                type="filepath", label="Last frame", sources=["upload", "clipboard"], elem_id="fl2va-last"
+            )
         )
     with gr.Row():
         swap = gr.Button("⇄ Swap first and last", size="sm", elem_id="fl2va-swap")

@@ -29,6 +29,7 @@ from av.audio.resampler import AudioResampler
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from h3engine.errors import RequestError
+from h3engine.media.formats import FORMATS
 from h3engine.request import (
     MAX_IMAGE_PIXELS,
     MAX_IMAGE_SIDE,
@@ -54,13 +55,11 @@ MIN_SAMPLE_RATE = 4_000
 MAX_SAMPLE_RATE = 384_000
 MAX_SOURCE_CHANNELS = 2
 
-IMAGE_FORMATS = ("JPEG", "PNG", "WEBP")
-# Pillow reports a JPEG that carries several pictures (cameras' stereo / preview images) as MPO.
-_IMAGE_FORMATS_AS_OPENED = frozenset(IMAGE_FORMATS) | {"MPO"}
-# FFmpeg demuxer names as detected from the content.
-VIDEO_CONTAINERS = frozenset({"mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm", "avi"})
-# Every video container too, so that a video's soundtrack can be read as an audio file.
-AUDIO_CONTAINERS = frozenset({"wav", "flac", "ogg", "mp3", "aac"}) | VIDEO_CONTAINERS
+# The formats themselves live in h3engine.media.formats (one table for the loaders, the app's pickers and the CLI).
+IMAGE_FORMATS = FORMATS["image"].content
+_IMAGE_FORMATS_AS_OPENED = FORMATS["image"].detected
+VIDEO_CONTAINERS = FORMATS["video"].detected
+AUDIO_CONTAINERS = FORMATS["audio"].detected
 # FFmpeg codec names (the codec, not the decoder: "mp3" rather than "mp3float").
 VIDEO_CODECS = frozenset({"h264", "hevc", "vp8", "vp9", "av1", "mpeg4", "mpeg2video", "mjpeg", "prores"})
 AUDIO_CODECS = frozenset({"flac", "vorbis", "opus", "mp3", "aac", "alac"})
@@ -141,11 +140,11 @@ def _open_image_header(
     try:
         image = Image.open(file, formats=list(IMAGE_FORMATS))
     except UnidentifiedImageError as error:
-        raise RequestError(f"{_name(path)}: not a JPEG, PNG or WEBP image") from error
+        raise RequestError(f"{_name(path)}: not {FORMATS['image'].describe()}") from error
     except Image.DecompressionBombError as error:
         raise RequestError(f"{_name(path)}: image is too large ({error})") from error
     if image.format not in _IMAGE_FORMATS_AS_OPENED:
-        raise RequestError(f"{_name(path)}: not a JPEG, PNG or WEBP image (found {image.format})")
+        raise RequestError(f"{_name(path)}: not {FORMATS['image'].describe()} (found {image.format})")
     width, height = image.size
     if check_size and min(width, height) < MIN_IMAGE_SIDE:
         raise RequestError(
@@ -627,7 +626,7 @@ def _check_file_status(path: Any, what: str, status: os.stat_result) -> None:
     if not stat.S_ISREG(status.st_mode):
         raise RequestError(f"{_name(path)}: the {what} path is not a regular file")
     if status.st_size == 0:
-        raise RequestError(f"{_name(path)}: the {what} file is empty")
+        raise RequestError(f"{_name(path)}: the {what} file is empty{_accepted(what)}")
     if status.st_size > MAX_FILE_BYTES:
         raise RequestError(
             f"{_name(path)}: the {what} file has {status.st_size:,} bytes, more than the limit of "
@@ -652,12 +651,21 @@ def _decoding(path: Any, what: str) -> Iterator[None]:
         reason = f"{type(error).__name__}: {detail}"
         if len(reason) > 200:
             reason = reason[:197] + "..."
-        raise RequestError(f"{_name(path)}: the {what} file is corrupt or truncated ({reason})") from error
+        raise RequestError(
+            f"{_name(path)}: the {what} file is corrupt or truncated ({reason}){_accepted(what)}"
+        ) from error
 
 
 def _check_container(container: Any, allowed: frozenset[str], path: Any, what: str) -> None:
     if container.format.name not in allowed:
-        raise RequestError(f"{_name(path)}: not a supported {what} file (detected {container.format.name!r})")
+        raise RequestError(
+            f"{_name(path)}: not {FORMATS[what].describe()} (detected {container.format.name!r})"
+        )
+
+
+def _accepted(what: str) -> str:
+    """What a file of this kind may be, for the messages about a file that is not one."""
+    return f"; accepted: {FORMATS[what].describe()}" if what in FORMATS else ""
 
 
 def _decode_streams(container: Any, collectors: list[Any], path: Any) -> None:
