@@ -254,8 +254,8 @@ def parse_file_size(text: str) -> int:
 
 
 def check_before_loading(config: AppConfig) -> None:
-    """What can fail without a model, checked before any is loaded: the engine options, the devices, the outputs
-    folder and the address to listen on (ConfigError naming the option)."""
+    """What can fail without a model, checked before any is loaded: the engine options, the devices, the address to
+    listen on, the outputs and cache folders (ConfigError naming the option)."""
     from h3engine.engine_options import check_engine_options, check_fp8_device, resolve_device
     from h3engine.errors import RequestError
     from h3engine.runtime.workers import replica_device_groups
@@ -270,6 +270,7 @@ def check_before_loading(config: AppConfig) -> None:
             replica_device_groups(config.devices, config.world_size)
     except RequestError as error:
         raise ConfigError(str(error)) from None
+    _check_can_listen(config.host, config.port)
     problem = _cannot_write(config.outputs_dir)
     if problem is not None:
         raise ConfigError(f"--outputs: cannot write to {config.outputs_dir} ({problem})")
@@ -277,7 +278,6 @@ def check_before_loading(config: AppConfig) -> None:
     problem = None if config.checkpoint is not None else _cannot_write(config.cache_dir)
     if problem is not None:
         raise ConfigError(f"H3_CACHE_DIR: cannot write to {config.cache_dir} ({problem})")
-    _check_can_listen(config.host, config.port)
 
 
 def _check_can_listen(host: str, port: int) -> None:

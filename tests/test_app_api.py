@@ -96,8 +96,8 @@ def test_ref2va_returns_a_browser_playable_mp4(client) -> None:
         ("/t2va", dict(prompt="x", steps=2.5), "steps: must be an integer"),
         ("/t2va", dict(prompt="x", randomize_seed="no"), "randomize_seed: must be true or false"),
         ("/t2va", dict(prompt=["x"]), "prompt: "),
-        ("/t2va", dict(prompt="x", takes=9), "takes: must be from 1 to 8, got 9"),
-        ("/t2va", dict(prompt="x", takes=1.5), "takes: must be a whole number from 1 to 8"),
+        ("/t2va", dict(prompt="x", takes=9), "- takes: must be from 1 to 8, got 9"),
+        ("/t2va", dict(prompt="x", takes=1.5), "- takes: must be a whole number from 1 to 8"),
         (
             "/ref2va",
             dict(

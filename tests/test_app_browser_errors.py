@@ -11,49 +11,29 @@ Skips, with the reason, only when /usr/bin/chromium is missing (.ci/run installs
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from _app_helpers import ASSETS, REPOSITORY_ROOT, start_app, stop_app
+from _app_helpers import ASSETS, start_app, stop_app
+from _browser_helpers import browser_page, needs_chromium, screenshot
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
-ARTIFACTS = REPOSITORY_ROOT / "test-artifacts"
-TIMEOUT_MS = 60_000
+pytestmark = needs_chromium
 TOASTS = "[data-testid=toast-body]"
 EMPTY_FRAME = (
     "'empty.png' (first frame): the image file is empty; accepted: a JPEG, PNG or WEBP image "
     "(.jpg, .jpeg, .png, .webp)"
 )
 
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(),
-    reason="Debian's chromium is not installed at /usr/bin/chromium (.ci/run installs it)",
-)
-
 
 @pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    """The app and one chromium for the module's pages."""
-    from playwright.sync_api import expect, sync_playwright
-
-    expect.set_options(timeout=TIMEOUT_MS)
+def app(tmp_path_factory):
     running = start_app(tmp_path_factory.mktemp("app_browser_errors"))
-    try:
-        with sync_playwright() as playwright:
-            yield running, playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_FLAGS)
-    finally:
-        stop_app(running)
+    yield running
+    stop_app(running)
 
 
 @pytest.fixture()
-def page(browser):
-    app, chromium = browser
-    page = chromium.new_page(viewport={"width": 1400, "height": 1000})
-    page.set_default_timeout(TIMEOUT_MS)
-    page.goto(app.url)
-    yield page
-    page.close()
+def page(app):
+    with browser_page(app.url) as page:
+        yield page
 
 
 def test_a_broken_keyframe_is_one_message_at_its_box_naming_the_users_file(page, tmp_path) -> None:
@@ -61,7 +41,7 @@ def test_a_broken_keyframe_is_one_message_at_its_box_naming_the_users_file(page,
 
     empty = tmp_path / "empty.png"
     empty.write_bytes(b"")
-    page.get_by_role("tab", name="First / last frame → video").click()
+    page.get_by_role("tab", name="First / last frame").click()
     page.locator("#fl2va-first input[type=file]").set_input_files(empty)
     # The upload updates the canvas line, which now says what is wrong instead of failing in Gradio's decoder.
     expect(page.locator("#fl2va-derived")).to_contain_text(EMPTY_FRAME)
@@ -69,20 +49,20 @@ def test_a_broken_keyframe_is_one_message_at_its_box_naming_the_users_file(page,
     page.locator("#fl2va-generate").click()
     expect(page.locator("#fl2va-first")).to_contain_text(EMPTY_FRAME)
     page.wait_for_timeout(2000)  # a toast would have arrived by now
-    ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "app_error_empty_frame.png"))
+    screenshot(page, "error-empty-frame-desktop")
     assert page.locator(TOASTS).count() == 0, page.locator(TOASTS).all_inner_texts()
     text = page.locator("body").inner_text()
     assert "preprocess" not in text and "/tmp" not in text and str(tmp_path) not in text
-    assert text.count("the image file is empty") == 2  # at the First frame box and in the canvas line
+    # At the First frame box, in the canvas line and in the status (which says the job did not start).
+    assert text.count("the image file is empty") == 3
 
 
 def test_a_prompt_citing_a_label_no_reference_defines_is_refused_at_the_prompt(page) -> None:
     from playwright.sync_api import expect
 
-    page.get_by_role("tab", name="References → video").click()
-    page.locator("#ref2va-references input[type=file]").set_input_files([ASSETS / "ref2va" / "picture1.png"])
-    expect(page.locator("#ref2va-row-0-name")).to_contain_text("picture1.png")
+    page.get_by_role("tab", name="References").click()
+    page.locator("#ref2va-add input[type=file]").set_input_files([ASSETS / "ref2va" / "picture1.png"])
+    expect(page.locator("#ref2va-card-0-name")).to_contain_text("picture1.png")
     page.locator("#ref2va-prompt textarea").fill(
         "The robot from <Picture 1> sings in the voice of <Audio 1>."
     )
@@ -90,6 +70,6 @@ def test_a_prompt_citing_a_label_no_reference_defines_is_refused_at_the_prompt(p
     expect(page.locator("#ref2va-prompt")).to_contain_text(
         "cites <Audio 1>, which no input defines: the references define <Picture 1>"
     )
-    page.screenshot(path=str(ARTIFACTS / "app_error_undefined_label.png"))
+    screenshot(page, "error-undefined-label-desktop")
     assert page.locator(TOASTS).count() == 0
     expect(page.locator("#h3-status")).not_to_contain_text("Done")

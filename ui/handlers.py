@@ -45,7 +45,16 @@ from ui.takes import Take, TakeSet, checked_takes
 POLL_INTERVAL_S = 0.1
 RANDOM_SEED_LIMIT = 2**31
 PLACEHOLDER_PROMPT = "(prompt)"
-_SCALAR_FIELDS = {"prompt", "aspect_ratio", "short_edge", "seed", "steps", "flow_shift", "audio_flow_shift"}
+_SCALAR_FIELDS = {
+    "prompt",
+    "aspect_ratio",
+    "short_edge",
+    "seed",
+    "steps",
+    "flow_shift",
+    "audio_flow_shift",
+    "takes",
+}
 _BOOLEAN_FIELDS = ("randomize_seed", "duration_from_reference")
 _FILE_FIELDS = ("first_image", "last_image", "references")
 # The endpoint parameters an API client may leave out although their components start empty.
