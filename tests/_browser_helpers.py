@@ -104,3 +104,13 @@ def screenshot(page, name: str, readme: bool = False, full_page: bool = False) -
             small = image.convert("RGB").resize((round(image.width * scale), round(image.height * scale)))
             small.quantize(colors=128).save(README_SCREENSHOTS / f"{name}.png", optimize=True)
     return path
+
+
+def wait_for_video_frame(page, selector: str = "#h3-video video") -> None:
+    """Until the player has decoded a frame to show (a screenshot taken earlier shows an empty player)."""
+    page.locator(selector).evaluate(
+        """async (video) => {
+            if (video.readyState >= 2) return;
+            await new Promise((resolve) => video.addEventListener("loadeddata", resolve, { once: true }));
+        }"""
+    )

@@ -21,6 +21,7 @@ from _browser_helpers import (
     open_advanced,
     screenshot,
     set_field,
+    wait_for_video_frame,
 )
 
 pytestmark = needs_chromium
@@ -77,6 +78,7 @@ def test_a_new_job_clears_the_result_and_each_ending_states_itself(app) -> None:
         screenshot(page, "running-fl2va-desktop", readme=True)
         expect(page.locator(status)).to_contain_text("Done")
         expect(page.locator("#h3-video video")).to_have_attribute("src", re.compile(r"\.mp4"))
+        wait_for_video_frame(page)
         screenshot(page, "done-fl2va-desktop", readme=True)
 
         # A long job: the result shown goes at once, and a cancel leaves its own status, which stays.
@@ -111,6 +113,7 @@ def test_takes_appear_side_by_side_and_each_can_be_kept(app) -> None:
         takes = page.locator("#h3-takes")
         for number, seed in enumerate((41, 42, 43), start=1):
             expect(takes).to_contain_text(f"Take {number} · seed {seed}")
+        takes.scroll_into_view_if_needed()
         screenshot(page, "takes-t2va-desktop", readme=True)
 
         takes.get_by_text("Take 3 · seed 43").click()
@@ -150,6 +153,7 @@ def test_a_run_at_phone_width_shows_its_progress_and_result(app) -> None:
         screenshot(page, "running-t2va-phone", readme=True)
         expect(page.locator("#h3-status")).to_contain_text("Done")
         page.locator("#h3-video").scroll_into_view_if_needed()
+        wait_for_video_frame(page)
         screenshot(page, "done-t2va-phone", readme=True)
 
 

@@ -67,7 +67,7 @@ def build_result_column() -> ResultColumn:
     )
     takes = gr.Gallery(
         label="Takes (click one to show it)",
-        columns=4,
+        columns=3,
         height="auto",
         allow_preview=False,
         visible=False,
