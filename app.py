@@ -482,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             theme=ui.THEME,
             css=ui.CSS,
             head=ui.HEAD,
-            js=ui.MUTED_MEDIA_JS if banner else None,
+            js=ui.page_js(muted_media=banner is not None),
             show_error=False,
             enable_monitoring=False,
             run_history=False,

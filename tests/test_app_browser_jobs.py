@@ -165,10 +165,19 @@ def test_the_demo_is_muted_and_the_small_things_are_right(app) -> None:
         expect(page.locator("#h3-seed-used")).to_be_hidden()  # no "0" before any run
         # The preview has no label of its own drawn over the picture (its caption sits above it).
         expect(page.locator("#h3-preview [data-testid=block-label]")).to_be_hidden()
-        for cell in page.locator("#t2va-examples td, #t2va-examples button").all():
+        page.get_by_role("tab", name=TAB_NAMES["fl2va"]).click()
+        # The keyframe pickers offer what is accepted (Gradio's own picker offers every image type).
+        for box in ("#fl2va-first", "#fl2va-last"):
+            expect(page.locator(f"{box} input[type=file]")).to_have_attribute(
+                "accept", ".jpg,.jpeg,.png,.webp"
+            )
+        titles = page.locator("#fl2va-examples button")
+        expect(titles).to_have_count(3)
+        for cell in titles.all():
             cut = cell.evaluate("(element) => element.scrollWidth > element.clientWidth + 1")
             assert not cut, f"example title cut off: {cell.inner_text()!r}"
 
+        page.get_by_role("tab", name=TAB_NAMES["t2va"]).click()
         page.locator("#t2va-prompt textarea").fill("Muted noise.")
         open_advanced(page, "t2va")
         set_field(page, "#t2va-steps input", "3")

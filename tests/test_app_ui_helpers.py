@@ -325,3 +325,39 @@ def test_result_table_counts_the_mux_that_ran_alongside_the_decode_once() -> Non
     assert result_markdown(1, 64, 48, 24, 24, {"decode_s": 2.0, "mux_s": 1.5}).endswith(
         "| **Total** | **3.50** |"
     )
+
+
+def test_every_ending_of_a_set_of_takes_states_itself() -> None:
+    from h3engine.runtime.messages import JobFailed, JobFinished, JobStarted, StepProgress
+    from ui.takes import MAX_TAKES, TakeSet, checked_takes
+
+    def finished(job: str, seed: int) -> JobFinished:
+        return JobFinished(job, f"{job}.mp4", f"{job}.json", seed, 56, 32, 124, 24, {})
+
+    def started(job: str) -> JobStarted:
+        return JobStarted(job, 0, 0.0, 56, 32, 124, 24, 32)
+
+    one = TakeSet.of([object()])  # the handles are only drained by TakeSet.drain
+    one.takes[0].apply(started("a"))
+    one.takes[0].apply(StepProgress("a", 8, 50, 1.0, 5.0))
+    assert one.status_line().startswith("Denoising: step 8 of 50")
+    one.takes[0].apply(JobFailed("a", "cancelled", "cancelled"))
+    assert one.final_status(3.0) == "Cancelled at step 8 of 50."
+
+    three = TakeSet.of([object(), object(), object()])
+    three.takes[0].apply(finished("a", 5))
+    three.takes[1].apply(JobFailed("b", "engine", "the worker group stopped."))
+    assert three.status_line().startswith("Take 3 of 3 (1 done): Waiting")
+    three.takes[2].apply(JobFailed("c", "cancelled", "cancelled"))
+    assert three.ended
+    assert three.final_status(9.0) == (
+        "1 of 3 takes done in 9.0 s; 1 cancelled; take 2 failed: the worker group stopped."
+    )
+    done = TakeSet.of([object(), object()])
+    for take, job in zip(done.takes, "ab", strict=True):
+        take.apply(finished(job, 7))
+    assert done.final_status(2.0) == "Done: 2 of 2 takes done in 2.0 s."
+    assert checked_takes(3.0) == 3
+    for bad in (0, MAX_TAKES + 1, 1.5, True, "2"):
+        with pytest.raises(RequestError, match="takes: "):
+            checked_takes(bad)

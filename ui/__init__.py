@@ -2,6 +2,6 @@
 
 from ui.access import AccessPolicy
 from ui.blocks import UiOptions, build_ui
-from ui.theme import CSS, HEAD, MUTED_MEDIA_JS, THEME
+from ui.theme import CSS, HEAD, THEME, page_js
 
-__all__ = ["CSS", "HEAD", "MUTED_MEDIA_JS", "THEME", "AccessPolicy", "UiOptions", "build_ui"]
+__all__ = ["CSS", "HEAD", "THEME", "page_js", "AccessPolicy", "UiOptions", "build_ui"]

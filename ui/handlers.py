@@ -394,7 +394,10 @@ class Handlers:
             # Cancelled by Gradio, or the reader went away: stop the engine at its next step.
             for handle in handles:
                 self.front.cancel(handle)
-            self._running.get(session, set()).difference_update(handles)
+            running = self._running.get(session, set())
+            running.difference_update(handles)
+            if not running:
+                self._running.pop(session, None)
 
     async def _follow(self, takes: TakeSet, progress: gr.Progress) -> AsyncIterator[tuple[Any, ...]]:
         """Result-column updates while the takes run; the status after every message is the takes' own, and the

@@ -151,6 +151,6 @@ class TakeSet:
         if cancelled:
             parts.append(f"{len(cancelled)} cancelled")
         for take in failed:
-            parts.append(f"take {take.number} failed: {take.failed.message}")
+            parts.append(f"take {take.number} failed: {take.failed.message.rstrip('.')}")
         line = "; ".join(parts) + "."
         return ("Done: " if not failed and not cancelled else "") + line

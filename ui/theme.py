@@ -1,8 +1,10 @@
-"""The app's look: a Gradio theme, a little CSS and the page script (passed to `launch()`, where Gradio 6 takes them)."""
+"""The app's look: a Gradio theme, a little CSS and the page's script (passed to `launch()`, where Gradio 6 takes them)."""
 
 from __future__ import annotations
 
 import gradio as gr
+
+from h3engine.media.formats import FORMATS
 
 THEME = gr.themes.Soft(primary_hue="indigo", secondary_hue="slate", radius_size="md")
 
@@ -36,11 +38,25 @@ CSS = """
 # the scroller the sticky result column holds to; `clip` cuts the same and scrolls nothing.
 HEAD = "<style>@media (min-width: 1024px) { .gradio-container { overflow: clip !important; } }</style>"
 
+# Gradio's image picker offers any image (accept="image/*"): the keyframe boxes offer only what is accepted.
+_KEYFRAME_PICKERS_JS = """
+    const accepted = "ACCEPTED";
+    const restrict = () => document.querySelectorAll("#fl2va-first input[type=file], #fl2va-last input[type=file]")
+        .forEach((input) => { if (input.accept !== accepted) input.accept = accepted; });
+    restrict();
+    new MutationObserver(restrict).observe(document.body, { childList: true, subtree: true });
+""".replace("ACCEPTED", ",".join(FORMATS["image"].suffixes))
+
 # The random-weight demo's sound is full-scale noise: each player starts muted whenever it loads a file (the player
 # sets its own muted state as it mounts, so this runs as the file loads; a person can still unmute).
-MUTED_MEDIA_JS = """() => {
+_MUTED_MEDIA_JS = """
     const mute = (event) => {
         if (event.target instanceof HTMLMediaElement) event.target.muted = true;
     };
     for (const name of ["loadstart", "loadedmetadata"]) document.addEventListener(name, mute, true);
-}"""
+"""
+
+
+def page_js(muted_media: bool) -> str:
+    """The script the page runs once loaded; `muted_media`: the players start muted (the random-weight demo)."""
+    return "() => {" + _KEYFRAME_PICKERS_JS + (_MUTED_MEDIA_JS if muted_media else "") + "}"
