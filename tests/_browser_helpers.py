@@ -80,13 +80,14 @@ def open_advanced(page, task: str) -> None:
     page.locator(f"#{task}-steps input").wait_for()
 
 
-def in_view(page, selector: str) -> bool:
-    """Whether the element lies wholly inside the window as it is scrolled now."""
-    return page.locator(selector).evaluate(
-        """(element) => {
-            const box = element.getBoundingClientRect();
-            return box.height > 0 && box.top >= 0 && box.bottom <= window.innerHeight;
-        }"""
+def wait_in_view(page, selector: str) -> None:
+    """Until the element lies wholly inside the window as it is scrolled (the page may still be scrolling to it)."""
+    page.wait_for_function(
+        """(selector) => {
+            const box = document.querySelector(selector)?.getBoundingClientRect();
+            return box !== undefined && box.height > 0 && box.top >= 0 && box.bottom <= window.innerHeight;
+        }""",
+        arg=selector,
     )
 
 

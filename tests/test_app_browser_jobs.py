@@ -16,18 +16,17 @@ from _browser_helpers import (
     DESKTOP,
     PHONE,
     browser_page,
-    in_view,
     needs_chromium,
     open_advanced,
     screenshot,
     set_field,
     wait_for_video_frame,
+    wait_in_view,
 )
 
 pytestmark = needs_chromium
 TAB_NAMES = {"t2va": "Text", "fl2va": "First / last frame", "ref2va": "References"}
 RUNNING = re.compile(r"Starting|Waiting|Generating|Denoising|Decoding")
-SCROLL_SETTLE_MS = 800
 SEED_COLUMN, STEPS_COLUMN = 4, 5  # in History's table (ui.history.HISTORY_HEADERS)
 
 
@@ -56,8 +55,7 @@ def test_a_refused_job_says_why_in_view_on_every_tab(app, viewport) -> None:
             page.locator(f"#{task}-prompt textarea").fill("")
             _press_generate(page, task)
             expect(page.locator("#h3-status")).to_contain_text("Not started: prompt")
-            page.wait_for_timeout(SCROLL_SETTLE_MS)
-            assert in_view(page, "#h3-status"), f"{task}: the status is out of view at {viewport}"
+            wait_in_view(page, "#h3-status")
             screenshot(page, f"error-{task}-{width}", readme=task == "fl2va")
 
 
@@ -74,7 +72,7 @@ def test_a_new_job_clears_the_result_and_each_ending_states_itself(app) -> None:
         set_field(page, "#fl2va-steps input", "4")
         _press_generate(page, "fl2va")
         expect(page.locator(status)).to_contain_text(RUNNING)
-        assert in_view(page, status)
+        wait_in_view(page, status)
         screenshot(page, "running-fl2va-desktop", readme=True)
         expect(page.locator(status)).to_contain_text("Done")
         expect(page.locator("#h3-video video")).to_have_attribute("src", re.compile(r"\.mp4"))
@@ -88,7 +86,7 @@ def test_a_new_job_clears_the_result_and_each_ending_states_itself(app) -> None:
             expect(page.locator("#h3-video video")).to_have_count(0)
             expect(page.locator(status)).not_to_contain_text("Done")
             expect(page.locator(status)).to_contain_text("Denoising: step")
-            assert in_view(page, status)
+            wait_in_view(page, status)
             page.locator("#h3-cancel").click()
             expect(page.locator(status)).to_contain_text(re.compile(r"Cancelled at step \d+ of 1000\."))
             ended = page.locator(status).inner_text()
@@ -148,8 +146,7 @@ def test_a_run_at_phone_width_shows_its_progress_and_result(app) -> None:
         set_field(page, "#t2va-steps input", "4")
         _press_generate(page, "t2va")
         expect(page.locator("#h3-status")).to_contain_text(RUNNING)
-        page.wait_for_timeout(SCROLL_SETTLE_MS)
-        assert in_view(page, "#h3-status")
+        wait_in_view(page, "#h3-status")
         screenshot(page, "running-t2va-phone", readme=True)
         expect(page.locator("#h3-status")).to_contain_text("Done")
         page.locator("#h3-video").scroll_into_view_if_needed()
