@@ -382,3 +382,16 @@ def test_non_finite_factors_are_refused(tmp_path: Path) -> None:
     assert (
         "'nan.safetensors'" in message and "'blocks.0.mlp.fc2.lora_A.weight'" in message and "NaN" in message
     )
+
+
+def test_a_kohya_module_that_does_not_fit_is_named_by_its_down_factor(tmp_path: Path) -> None:
+    path = tmp_path / "musubi.safetensors"
+    save_file(
+        {
+            "lora_unet_blocks_1_mlp_fc2.alpha": torch.tensor(4.0),
+            "lora_unet_blocks_1_mlp_fc2.lora_down.weight": torch.ones(4, TINY.ffn_dim - 8),
+            "lora_unet_blocks_1_mlp_fc2.lora_up.weight": torch.ones(TINY.hidden_size, 4),
+        },
+        str(path),
+    )
+    assert "'lora_unet_blocks_1_mlp_fc2.lora_down.weight'" in _error(path)

@@ -124,6 +124,13 @@ class _Entry:
     up: Tensor | None = None
     alpha: Tensor | None = None
 
+    def put(self, key: str, role: str, tensor: Tensor) -> None:
+        setattr(self, role, tensor)
+        if role == "down":
+            self.source_key = (
+                key  # errors about the module name its down factor (kohya files list .alpha first)
+            )
+
 
 def read_lora(path: Path | str, *, name: str | None = None, head_dim: int = RELEASED_HEAD_DIM) -> LoraFile:
     """Read a .safetensors LoRA in any H3 layout diffusers accepts; `name` (default: the file name) names it in errors.
@@ -240,7 +247,7 @@ def _original_entries(
             local = dotted + dot + rest
         module, role = _split_role(local, name, tuple(_ROLE_SUFFIXES))
         entry = entries.setdefault((None, module, _WHOLE), _Entry(key))
-        setattr(entry, role, tensor)
+        entry.put(key, role, tensor)
     if diffsynth:
         for (_, module, _), entry in entries.items():
             if module.endswith(_QKV_MODULE) and entry.up is not None:
@@ -289,7 +296,7 @@ def _diffusers_entries(
         entry = entries.setdefault((partition, module, part), _Entry(key))
         if role == "up" and module.endswith(_FC1_MODULE):
             tensor = swap_halves(tensor)  # diffusers' [value; gate] -> our [gate; value]
-        setattr(entry, role, tensor)
+        entry.put(key, role, tensor)
     return ("diffusers" if prefixed else "peft"), entries
 
 
