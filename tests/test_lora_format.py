@@ -17,7 +17,7 @@ from _lora_helpers import (
     random_lora,
     write_lora,
 )
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from h3engine.checkpoint.lora_format import LoraError, LoraFile, check_lora_fits, read_lora
 from h3engine.models.dit import DiTConfig
@@ -91,8 +91,6 @@ def test_a_file_for_both_partitions_keeps_them_apart_like_diffusers(tmp_path: Pa
     first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     write_lora(first, random_lora(TINY, seed=3), "diffusers", TINY)
     write_lora(second, random_lora(TINY, seed=4), "diffusers_ref", TINY)
-    from safetensors.torch import load_file
-
     both = tmp_path / "both.safetensors"
     save_file({**load_file(str(first)), **load_file(str(second))}, str(both))
     lora = read_lora(both)
@@ -102,12 +100,12 @@ def test_a_file_for_both_partitions_keeps_them_apart_like_diffusers(tmp_path: Pa
         ours = ours_as_diffusers(_deltas(lora, partition), TINY)
         for module, delta in reference[partition].items():
             assert _relative_error(ours[module], delta) < 1e-6, (partition, module)
-    assert (
-        lora.layers("transformer")["blocks.0.mlp.fc2"]
-        .delta()
-        .ne(lora.layers("transformer_ref")["blocks.0.mlp.fc2"].delta())
-        .any()
+    main, ref = (
+        lora.layers(partition)["blocks.0.mlp.fc2"].delta() for partition in ("transformer", "transformer_ref")
     )
+    assert not torch.equal(main, ref)
+    with pytest.raises(ValueError, match="transformer_ref"):
+        lora.layers()  # no single partition to default to
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -343,8 +341,6 @@ def test_ranks_that_disagree_are_refused(tmp_path: Path) -> None:
 def test_dora_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "dora.safetensors"
     write_lora(path, random_lora(TINY), "original", TINY)
-    from safetensors.torch import load_file
-
     save_file({**load_file(str(path)), "blocks.0.mlp.fc2.dora_scale": torch.ones(16, 1)}, str(path))
     assert "DoRA" in _error(path)
 

@@ -109,8 +109,12 @@ class LoraFile:
     qkv_head_dim: int | None = None
 
     def layers(self, partition: Partition | None = None) -> dict[str, LoraLayer]:
-        """The layers of `partition`, or (when None) of the file's only partition."""
-        if partition is None and len(self.partitions) == 1:
+        """The layers of `partition` (none: {}), or with no argument those of the file's only partition."""
+        if partition is None:
+            if len(self.partitions) != 1:
+                raise ValueError(
+                    f"LoRA file {self.name!r} names the partitions {sorted(map(str, self.partitions))}"
+                )
             return next(iter(self.partitions.values()))
         return self.partitions.get(partition, {})
 
