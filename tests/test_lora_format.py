@@ -233,16 +233,25 @@ def test_alpha_scales_like_diffusers(
         assert _relative_error(ours[module], delta) < 1e-6, module
 
 
-def test_diffusers_adapter_metadata_alpha_is_honoured(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("bare_alpha", "scale"),
+    [(None, 0.5), ("8", 0.5)],  # diffusers' own adapter config, which wins over a bare __metadata__ alpha
+)
+def test_diffusers_adapter_metadata_alpha_is_honoured(
+    tmp_path: Path, bare_alpha: str | None, scale: float
+) -> None:
     path = tmp_path / "saved_by_diffusers.safetensors"
     name = "transformer.transformer_blocks.0.ff.net.2"
-    adapter = {"transformer.r": 4, "transformer.lora_alpha": 8, "transformer.alpha_pattern": {}}
+    adapter = {"transformer.r": 4, "transformer.lora_alpha": 2, "transformer.alpha_pattern": {}}
+    metadata = {"lora_adapter_metadata": json.dumps(adapter), **({"alpha": bare_alpha} if bare_alpha else {})}
     save_file(
         {f"{name}.lora_A.weight": torch.ones(4, TINY.ffn_dim), f"{name}.lora_B.weight": torch.ones(16, 4)},
         str(path),
-        metadata={"lora_adapter_metadata": json.dumps(adapter)},
+        metadata=metadata,
     )
-    assert read_lora(path).layers()["blocks.0.mlp.fc2"].scale == 2.0
+    assert read_lora(path).layers()["blocks.0.mlp.fc2"].scale == scale
+    reference = diffusers_deltas(path)["transformer"]["transformer_blocks.0.ff.net.2"]
+    assert torch.equal(reference, torch.full_like(reference, scale * 4))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -350,20 +359,6 @@ def test_diffsynth_read_for_another_head_width_does_not_fit(tmp_path: Path) -> N
     write_lora(path, random_lora(TINY_HEAD_128), "diffsynth", TINY_HEAD_128)
     message = _error(path, config=dataclasses.replace(TINY_HEAD_128, head_dim=64))
     assert "head_dim 128" in message and "qkv_proj" in message
-
-
-def test_diffusers_adapter_metadata_wins_over_a_bare_metadata_alpha(tmp_path: Path) -> None:
-    path = tmp_path / "both_alphas.safetensors"
-    name = "transformer.transformer_blocks.0.ff.net.2"
-    adapter = {"transformer.r": 4, "transformer.lora_alpha": 2, "transformer.alpha_pattern": {}}
-    save_file(
-        {f"{name}.lora_A.weight": torch.ones(4, TINY.ffn_dim), f"{name}.lora_B.weight": torch.ones(16, 4)},
-        str(path),
-        metadata={"lora_adapter_metadata": json.dumps(adapter), "alpha": "8"},
-    )
-    assert read_lora(path).layers()["blocks.0.mlp.fc2"].scale == 0.5
-    reference = diffusers_deltas(path)["transformer"]["transformer_blocks.0.ff.net.2"]
-    assert torch.equal(reference, torch.full_like(reference, 0.5 * 4))
 
 
 def test_non_finite_factors_are_refused(tmp_path: Path) -> None:
