@@ -205,7 +205,7 @@ def check_lora_fits(lora: LoraFile, config: DiTConfig) -> None:
 
 def _load(path: Path, name: str) -> tuple[dict[str, Tensor], dict[str, str]]:
     if not path.is_file():
-        raise LoraError(f"LoRA file {name!r} does not exist")
+        raise LoraError(f"LoRA file {name!r} does not exist or is not a file")
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = dict(handle.metadata() or {})
