@@ -1,5 +1,5 @@
 """Step-distilled checkpoints (`_minimax_h3.dmd_denoising_steps`): the rung grid, one DiT forward per rung, the
-refusal of any other step count (engine, front checks, CLI), malformed keys and the tiny maker's option."""
+refusal of any other step count (engine, front checks, CLI, the app's API), malformed keys, the tiny maker's option."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _app_helpers import start_app, stop_app
+from gradio_client import Client
+from gradio_client.exceptions import ValidationError
 
 from h3engine.checkpoint.layout import CanvasRules, detect_layout
 from h3engine.checkpoint.tiny import make_tiny_checkpoint
@@ -249,3 +252,23 @@ def test_the_cli_steps_default_to_the_distilled_count(capsys, dmd_checkpoint: Pa
         (step, 4) for step in range(1, 5)
     ]
     assert json.loads(out.with_suffix(".json").read_text())["request"]["steps"] == 4
+
+
+def test_the_app_api_refuses_another_count_and_runs_the_rungs(dmd_checkpoint: Path, tmp_path: Path) -> None:
+    app = start_app(tmp_path, checkpoint=dmd_checkpoint)
+    try:
+        client = Client(app.url, verbose=False, download_files=str(tmp_path / "downloads"))
+        settings = dict(duration_seconds=4, aspect_ratio="auto", randomize_seed=False)
+        with pytest.raises(
+            ValidationError, match=r"steps: this checkpoint is step-distilled to 4 steps \(rungs"
+        ):
+            client.predict(prompt="A kite.", steps=50, **settings, api_name="/t2va")
+        assert app.mp4_files() == set()
+        status, *_rest, downloads, _takes = client.predict(
+            prompt="A kite.", steps=4, **settings, api_name="/t2va"
+        )
+        assert status.startswith("Done"), status
+        sidecar = next(path for path in downloads if path.endswith(".json"))
+        assert json.loads(Path(sidecar).read_text())["request"]["steps"] == 4
+    finally:
+        assert stop_app(app) == 0, app.log_tail()
