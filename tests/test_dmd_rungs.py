@@ -213,6 +213,11 @@ def test_the_tiny_maker_cli_refuses_bad_rungs(capsys, tmp_path: Path, extra: lis
     assert not (tmp_path / "checkpoint").exists()
 
 
+def generate_arguments(checkpoint: Path, out: Path, *extra: str) -> list[str]:
+    request = ["--checkpoint", str(checkpoint), "--prompt", "a fox"]
+    return ["generate", *request, "--out", str(out), "--device", "cpu", *extra]
+
+
 def test_the_cli_refuses_another_count_before_loading(
     capsys, dmd_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -220,32 +225,14 @@ def test_the_cli_refuses_another_count_before_loading(
         raise AssertionError("the checkpoint must not load")
 
     monkeypatch.setattr("h3engine.cli.load_engine", no_load)
-    arguments = [
-        "--checkpoint",
-        str(dmd_checkpoint),
-        "--prompt",
-        "a fox",
-        "--out",
-        str(tmp_path / "clip.mp4"),
-    ]
-    code = main(["generate", *arguments, "--device", "cpu", "--steps", "50"])
+    code = main(generate_arguments(dmd_checkpoint, tmp_path / "clip.mp4", "--steps", "50"))
     stderr = capsys.readouterr().err
     assert code == 2 and stderr == f"error: {REFUSAL}50\n"
 
 
 def test_the_cli_steps_default_to_the_distilled_count(capsys, dmd_checkpoint: Path, tmp_path: Path) -> None:
     out = tmp_path / "clip.mp4"
-    arguments = [
-        "--checkpoint",
-        str(dmd_checkpoint),
-        "--prompt",
-        "a fox",
-        "--out",
-        str(out),
-        "--duration",
-        "4",
-    ]
-    code = main(["generate", *arguments, "--device", "cpu", "--progress", "json"])
+    code = main(generate_arguments(dmd_checkpoint, out, "--duration", "4", "--progress", "json"))
     events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert code == 0
     assert [(event["step"], event["total"]) for event in events if event["event"] == "step"] == [
