@@ -6,9 +6,9 @@ the engine in this process; `--gpus N`, `--devices 0,1,...` or `--world-size N` 
 gloo) run a resident worker group behind the app's engine front (h3engine.runtime.workers). The engine flags
 (layout, `--dtype`, `--memory-profile`, `--fp8-linear`) are the app's too (h3engine.engine_options).
 
-Order of the checks: the output flags, the request and its files (headers only) and `--dtype` before torch is even
-imported; then the device, memory-profile and layout flags and the prompt's token bound (the checkpoint's tokenizer
-alone); only then does any model load. Progress (`--progress`, `--quiet`): h3engine.cli_progress.
+Order of the checks: the output flags, the request and its files (headers only) and `--dtype` before torch is
+imported; then the device, memory-profile and layout flags, a step-distilled checkpoint's step count (`--steps`
+defaults to it) and the prompt's tokens (index and tokenizer only); then models load. Progress: h3engine.cli_progress.
 
 Exit codes: 0 success; 2 a bad request, input file, output, flag or checkpoint (one line on stderr naming it); 1 an
 internal error (one line; `--debug` adds the traceback); 130 Ctrl-C, 143 SIGTERM: a running generation is cancelled
@@ -25,6 +25,7 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -99,7 +100,11 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--width", type=int, default=None, help="explicit canvas width (with --height)")
     generate.add_argument("--height", type=int, default=None, help="explicit canvas height (with --width)")
     generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--steps", type=int, default=50)
+    generate.add_argument(
+        "--steps",
+        type=int,
+        help="denoising steps (default: 50, or the count a step-distilled checkpoint runs, which accepts no other)",
+    )
     generate.add_argument("--flow-shift", type=float, default=None, help="video sigma shift (checkpoint: 12)")
     generate.add_argument(
         "--audio-flow-shift", type=float, default=None, help="audio sigma shift (checkpoint: 3)"
@@ -138,7 +143,24 @@ def _build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("folder")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--layout", choices=("native", "diffusers"), default="native")
+    tiny.add_argument(
+        "--dmd-steps",
+        metavar="RUNGS",
+        help="write a step-distilled checkpoint running these rungs, e.g. 999,750,500,250 (native layout only)",
+    )
     return parser
+
+
+def parse_dmd_steps(text: str | None) -> list[int] | None:
+    """`--dmd-steps 999,750,500,250` -> the rungs (RequestError naming the flag for anything else)."""
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise RequestError(
+            f"--dmd-steps: expected comma-separated integers such as 999,750,500,250, got '{text}'"
+        ) from None
 
 
 def parse_reference_spec(spec: str) -> dict[str, object]:
@@ -182,12 +204,12 @@ def _request_payload(args: argparse.Namespace) -> dict:
         "prompt": args.prompt,
         "aspect_ratio": args.aspect_ratio,
         "seed": args.seed,
-        "steps": args.steps,
         "recipe": args.recipe,
         "keyframes": keyframes,
         "references": [parse_reference_spec(spec) for spec in args.ref],
     }
     optional = {
+        "steps": args.steps,
         "duration_seconds": args.duration,
         "short_edge": args.short_edge,
         "width": args.width,
@@ -220,7 +242,8 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
     device = resolve_device(devices[0]) if len(devices) == 1 else None
     if options.fp8_linear and device is not None:
         check_fp8_device(device)
-    # The checkpoint's tokenizer alone; the checkpoint itself loads after this.
+    # The checkpoint's index and tokenizer alone; the checkpoint itself loads after this.
+    request = _checkpoint_steps(args.checkpoint, request, explicit=args.steps is not None)
     _check_prompt_tokens(args.checkpoint, request)
     if device is not None:
         return _generate_in_process(
@@ -259,6 +282,19 @@ def _checked_outputs(out: str, save_tensors: str | None) -> tuple[Path, Path | N
         role, message = problem
         raise RequestError(f"{'--out' if role == 'video' else '--save-tensors'}: {message}")
     return files.video, files.tensors
+
+
+def _checkpoint_steps(checkpoint: str, request: GenerationRequest, explicit: bool) -> GenerationRequest:
+    """The request with a step-distilled checkpoint's own step count where `--steps` was left out; an explicit
+    other count is refused (RequestError naming `steps`) before any model loads."""
+    from h3engine.checkpoint.layout import detect_layout
+    from h3engine.sampling.schedule import check_distilled_steps, distilled_step_count
+
+    rungs = detect_layout(checkpoint).dmd_steps_for(request.task)
+    if rungs is not None and not explicit:
+        request = replace(request, steps=distilled_step_count(rungs, request.recipe))
+    check_distilled_steps(request.steps, request.recipe, rungs)
+    return request
 
 
 def _check_prompt_tokens(checkpoint: str, request: GenerationRequest) -> None:
@@ -352,10 +388,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "make-tiny-checkpoint":
             from h3engine.checkpoint.tiny import make_tiny_checkpoint
 
+            dmd_steps = parse_dmd_steps(args.dmd_steps)
             try:
-                print(make_tiny_checkpoint(args.folder, seed=args.seed, layout=args.layout))
+                print(
+                    make_tiny_checkpoint(args.folder, seed=args.seed, layout=args.layout, dmd_steps=dmd_steps)
+                )
             except FileExistsError as error:
                 raise RequestError(str(error)) from None
+            except (
+                ValueError
+            ) as error:  # the rungs themselves or the layout (only "dmd_steps: ..." can reach here)
+                raise RequestError("--dmd-steps" + str(error).removeprefix("dmd_steps")) from None
             return 0
         if args.quiet and args.progress != "auto":
             raise RequestError(f"--quiet: shows no progress, so it cannot go with --progress {args.progress}")

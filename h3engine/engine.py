@@ -40,6 +40,7 @@ from h3engine.pipeline import (
 from h3engine.placement import Placement
 from h3engine.presentation import prompt_token_counter
 from h3engine.request import GenerationRequest, validate
+from h3engine.sampling.schedule import check_distilled_steps
 
 
 class Engine:
@@ -96,6 +97,7 @@ class Engine:
             canvas_multiple=vae_ratio * patch,
             count_prompt_tokens=prompt_token_counter(self.layout.partitions[partition].tokenizer),
         )
+        check_distilled_steps(request.steps, request.recipe, self.layout.dmd_steps_for(request.task))
         if request.task == "ref2va" and request.keyframes:
             # SGLang's schema admits them, but no reference implementation we follow lays them out next to
             # references; dropping them silently would generate something the user did not ask for.
@@ -117,7 +119,8 @@ class Engine:
         """Validate the request, read its input files and encode its conditioning (RequestError naming the field)."""
         self.validate(request)
         models = self.store.models_for_task(request.task)
-        return prepare_request(request, models, self.layout.canvas, should_cancel)
+        dmd_steps = self.layout.dmd_steps_for(request.task)
+        return prepare_request(request, models, self.layout.canvas, should_cancel, dmd_steps)
 
     def generate(
         self,

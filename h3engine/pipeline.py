@@ -143,16 +143,16 @@ def prepare_request(
     models: Models,
     canvas: CanvasRules,
     should_cancel: Callable[[], bool] | None = None,
+    dmd_steps: tuple[int, ...] | None = None,
 ) -> PreparedRequest:
     """Read a validated request's input files, put them on the model's rates and `canvas`, build the text
     encoder's presentation and encode the conditioning latents (`should_cancel` is polled before each file and
-    before the encode)."""
-    schedule = Schedule.build(
-        request.steps,
-        recipe=request.recipe,
-        video_shift=request.flow_shift,
-        audio_shift=request.audio_flow_shift,
-    )
+    before the encode). `dmd_steps`: the rungs of a step-distilled DiT, which replace the request's grid."""
+    shifts = {"video_shift": request.flow_shift, "audio_shift": request.audio_flow_shift}
+    if dmd_steps is None:
+        schedule = Schedule.build(request.steps, recipe=request.recipe, **shifts)
+    else:
+        schedule = Schedule.from_rungs(dmd_steps, **shifts)
     with torch.inference_mode():
         started = time.perf_counter()
         geometry, presentation, conditions = _read_and_encode(request, models, canvas, should_cancel)

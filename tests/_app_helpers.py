@@ -54,12 +54,14 @@ def start_app(
     embedded_default: bool = False,
     extra_arguments: Sequence[str] = (),
     gradio_temp_dir: bool = True,
+    checkpoint: Path | None = None,
 ) -> RunningApp:
     """Launch the app as a user would, with its own outputs, cache and Gradio temp folders.
 
     `embedded_default`: give no checkpoint, so the app makes its tiny random-weight default in the cache folder;
     otherwise a tiny checkpoint is made here and passed with --checkpoint. `extra_arguments` go to app.py as well.
-    Without `gradio_temp_dir`, GRADIO_TEMP_DIR is left unset and the temp folder is `folder`/tmp.
+    Without `gradio_temp_dir`, GRADIO_TEMP_DIR is left unset and the temp folder is `folder`/tmp. `checkpoint`: serve
+    this one instead of a fresh tiny checkpoint.
     """
     outputs_dir = folder / "outputs"
     port = _free_port()
@@ -77,7 +79,7 @@ def start_app(
     command = [sys.executable, str(REPOSITORY_ROOT / "app.py"), "--outputs", str(outputs_dir)]
     command += ["--port", str(port), "--devices", "cpu", *extra_arguments]
     if not embedded_default:
-        command += ["--checkpoint", str(make_tiny_checkpoint(folder / "checkpoint", seed=0))]
+        command += ["--checkpoint", str(checkpoint or make_tiny_checkpoint(folder / "checkpoint", seed=0))]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment, cwd=folder)
     app = RunningApp(f"http://127.0.0.1:{port}/", outputs_dir, log_path, process)

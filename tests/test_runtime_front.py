@@ -246,7 +246,8 @@ class _WaitingReplica:
     """A replica whose runs last until they are cancelled (what a long warm-up looks like to the front)."""
 
     def __init__(self, tasks: tuple[str, ...] = ("t2va", "fl2va", "ref2va")) -> None:
-        self.facts = SimpleNamespace(tasks=tasks)
+        # An undistilled checkpoint: the warm-up keeps its one step.
+        self.facts = SimpleNamespace(tasks=tasks, distilled_steps=lambda task, recipe="sglang": None)
         self.requests = []
 
     def run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFailed:

@@ -8,13 +8,15 @@ Two released layouts (H3_CHECKPOINT_LAYOUT.md §4):
   in the DiT (`transformer/` for t2va/fl2va, `transformer_ref/` for ref2va), every other component is shared.
 
 Detection only looks at index files and folder names; it reads no weights. Everything a request needs from the
-index (sigma shifts, canvas rules) is read here, strictly: a missing field is a `CheckpointError` naming the file.
+index (sigma shifts, canvas rules, a step-distilled partition's `_minimax_h3.dmd_denoising_steps` rungs) is read
+here, strictly: a missing or malformed field is a `CheckpointError` naming the file.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,6 +45,8 @@ class PartitionPaths:
     text_encoder: Path
     tokenizer: Path
     processor: Path
+    # The DMD rungs of a step-distilled DiT (`_minimax_h3.dmd_denoising_steps`), None for an undistilled one.
+    dmd_steps: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,33 @@ class CheckpointLayout:
                 f"task '{task}' (it serves: {', '.join(self.tasks) or 'nothing'})"
             )
         return partition
+
+    def dmd_steps_for(self, task: str) -> tuple[int, ...] | None:
+        """The DMD rungs the DiT serving `task` was distilled on, None where it runs any step count."""
+        return self.for_task(task).dmd_steps
+
+
+def valid_dmd_steps(rungs: Any) -> bool:
+    """Whether `rungs` is a non-empty list of strictly decreasing integers in (0, 1000] (bool is not an integer)."""
+    return (
+        isinstance(rungs, list)
+        and bool(rungs)
+        and all(type(rung) is int and 0 < rung <= 1000 for rung in rungs)
+        and all(left > right for left, right in pairwise(rungs))
+    )
+
+
+def read_dmd_steps(release: dict[str, Any], index_path: Path) -> tuple[int, ...] | None:
+    """`_minimax_h3.dmd_denoising_steps`: strictly decreasing integers in (0, 1000], or absent (None)."""
+    if "dmd_denoising_steps" not in release:
+        return None
+    rungs = release["dmd_denoising_steps"]
+    if not valid_dmd_steps(rungs):
+        raise CheckpointError(
+            f"{index_path}: _minimax_h3.dmd_denoising_steps must be a non-empty list of strictly decreasing "
+            f"integers in (0, 1000], got {json.dumps(rungs)}"
+        )
+    return tuple(rungs)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -160,6 +191,7 @@ def _native_layout(root: Path, partition_dirs: list[Path]) -> CheckpointLayout:
             text_encoder=_require_dir(folder / "text_encoder"),
             tokenizer=_require_dir(folder / "tokenizer"),
             processor=_require_dir(folder / "processor"),
+            dmd_steps=read_dmd_steps(release, index_path),
         )
     if len(shifts) != 1 or len(canvases) != 1:
         raise CheckpointError(f"{root}: the partitions disagree on sigma shifts or canvas rules")

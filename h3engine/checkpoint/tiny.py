@@ -8,13 +8,16 @@ one seed hold the same weights, so they must generate the same output.
 Canvas rules: at the released 768-pixel short edge a tiny VAE (spatial ratio 4) would give ~600k rows per request,
 so tiny checkpoints carry a 32-pixel short edge: in the diffusers index as the pipeline configs diffusers reads
 (`canvas_short_edge`, `canvas_max_pixels`, `reference_image_short_edge`), and in the native `_minimax_h3` block
-under the same names (our extension; the release does not set them and gets the 768 defaults).
+under the same names (our extension; the release does not set them and gets the 768 defaults). `dmd_steps` writes a
+step-distilled checkpoint: `_minimax_h3.dmd_denoising_steps` in both native partitions (the diffusers layout has no
+`_minimax_h3` block, so it cannot carry the rungs).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -28,7 +31,7 @@ from h3engine.checkpoint import (
     video_vae_format,
     video_vae_keys,
 )
-from h3engine.checkpoint.layout import DIFFUSERS_PIPELINE_CLASS, NATIVE_PARTITION_FOLDERS
+from h3engine.checkpoint.layout import DIFFUSERS_PIPELINE_CLASS, NATIVE_PARTITION_FOLDERS, valid_dmd_steps
 from h3engine.checkpoint.text_encoder_files import (
     write_tiny_processor,
     write_tiny_text_encoder,
@@ -77,24 +80,38 @@ def save_sharded(
     write_json(folder / index_name, {"metadata": {"total_size": total_size}, "weight_map": weight_map})
 
 
-def make_tiny_checkpoint(folder: str | Path, seed: int = 0, layout: str = "native") -> Path:
-    """Write a complete tiny checkpoint (both partitions) into an empty or missing `folder`."""
+def make_tiny_checkpoint(
+    folder: str | Path, seed: int = 0, layout: str = "native", dmd_steps: Sequence[int] | None = None
+) -> Path:
+    """Write a complete tiny checkpoint (both partitions) into an empty or missing `folder`; with `dmd_steps`
+    (strictly decreasing integers in (0, 1000]) a step-distilled one, native layout only."""
     folder = Path(folder)
     if folder.exists() and any(folder.iterdir()):
         raise FileExistsError(f"{folder}: folder is not empty")
     if layout not in ("native", "diffusers"):
         raise ValueError(f"layout must be 'native' or 'diffusers', got {layout!r}")
+    if dmd_steps is not None:
+        dmd_steps = _checked_dmd_steps(dmd_steps, layout)
     staging = folder.with_name(folder.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     if layout == "native":
-        _write_native(staging, seed)
+        _write_native(staging, seed, dmd_steps)
     else:
         _write_diffusers(staging, seed)
     if folder.exists():
         folder.rmdir()
     staging.rename(folder)
     return folder
+
+
+def _checked_dmd_steps(dmd_steps: Sequence[int], layout: str) -> list[int]:
+    rungs = list(dmd_steps)
+    if layout != "native":
+        raise ValueError("dmd_steps: only the native layout has a _minimax_h3 block to carry them")
+    if not valid_dmd_steps(rungs):
+        raise ValueError(f"dmd_steps: must be strictly decreasing integers in (0, 1000], got {rungs}")
+    return rungs
 
 
 def _tiny_configs() -> tuple[DiTConfig, VideoVAEConfig, AudioVAEConfig]:
@@ -107,7 +124,7 @@ def _write_text_side(folder: Path, seed: int, text_dim: int) -> None:
     write_tiny_processor(folder / "processor")
 
 
-def _write_native(root: Path, seed: int) -> None:
+def _write_native(root: Path, seed: int, dmd_steps: list[int] | None = None) -> None:
     dit_config, video_config, audio_config = _tiny_configs()
     video_state = video_vae_keys.random_native_state(video_config, component_seed(seed, "video_vae"))
     audio_state = audio_vae_keys.random_native_state(audio_config, component_seed(seed, "audio_vae"))
@@ -132,6 +149,7 @@ def _write_native(root: Path, seed: int) -> None:
                     "task_aliases": {},
                     "sigma_shift_scales": SHIFTS,
                     **TINY_CANVAS,
+                    **({} if dmd_steps is None else {"dmd_denoising_steps": dmd_steps}),
                 },
             },
         )

@@ -2,10 +2,11 @@
 
 Contract:
 * `CheckpointFacts.from_engine(engine)` captures once, at start-up, the checkpoint facts the checks need (served
-  tasks, canvas rules, VAE ratio and DiT patch, tokenizer folder) from the engine's first partition; MiniMax H3's
-  partitions share the video VAE, the patch and the tokenizer, so they hold for all.
+  tasks, canvas rules, VAE ratio and DiT patch, tokenizer folder, each task's DMD rungs) from the engine's first
+  partition; MiniMax H3's partitions share the video VAE, the patch and the tokenizer, so they hold for all.
 * `check_request(request, facts)` runs every rule `validate` knows (file headers through
-  `media.inputs.probe_media`, the prompt's token bound) plus "does this checkpoint serve the task";
+  `media.inputs.probe_media`, the prompt's token bound) plus "does this checkpoint serve the task" and, for a
+  step-distilled partition, "does the request run its rungs" (`distilled_steps` is the count to ask for);
   `expected_geometry(request, facts)` is `media.request_inputs.request_geometry` on those facts.
 
 Danger: these checks exist so that the app never calls into a shared `Engine` from a request thread (on a GPU
@@ -15,7 +16,7 @@ runs, and its geometry (reported in `JobStarted` and the sidecar) is the authori
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from h3engine.checkpoint.layout import CanvasRules
@@ -26,6 +27,7 @@ from h3engine.media.inputs import probe_media
 from h3engine.media.request_inputs import request_geometry
 from h3engine.presentation import prompt_token_counter
 from h3engine.request import GenerationRequest, validate
+from h3engine.sampling.schedule import check_distilled_steps, distilled_step_count
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class CheckpointFacts:
     patch: int
     # The tokenizer folder of the first partition, for the prompt's token bound (None: characters only).
     tokenizer: Path | None = None
+    # The rungs of each task whose DiT is step-distilled (`_minimax_h3.dmd_denoising_steps`); other tasks are absent.
+    dmd_steps: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def canvas_multiple(self) -> int:
@@ -52,7 +56,17 @@ class CheckpointFacts:
             vae_spatial_ratio=vae_spatial_ratio,
             patch=patch,
             tokenizer=engine.layout.partitions[partition].tokenizer,
+            dmd_steps={
+                task: rungs
+                for task in engine.layout.tasks
+                if (rungs := engine.layout.dmd_steps_for(task)) is not None
+            },
         )
+
+    def distilled_steps(self, task: str, recipe: str = "sglang") -> int | None:
+        """The only step count `task` accepts on a step-distilled checkpoint, None where any count runs."""
+        rungs = self.dmd_steps.get(task)
+        return None if rungs is None else distilled_step_count(rungs, recipe)
 
 
 def check_request(request: GenerationRequest, facts: CheckpointFacts) -> list[str]:
@@ -65,6 +79,7 @@ def check_request(request: GenerationRequest, facts: CheckpointFacts) -> list[st
         raise RequestError(
             f"task: this checkpoint cannot serve '{request.task}' (it serves {', '.join(facts.tasks)})"
         )
+    check_distilled_steps(request.steps, request.recipe, facts.dmd_steps.get(request.task))
     return warnings
 
 

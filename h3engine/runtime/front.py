@@ -20,6 +20,7 @@ import shutil
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -54,6 +55,12 @@ SHUTTING_DOWN_MESSAGE = "The app is shutting down."
 # What a warm-up runs: the shortest duration at the verified canvas, one step. It uses the same kernels as any request
 # (the DiT's head size, the video decoder's full-size tiles).
 WARM_UP_REQUEST = GenerationRequest(task="t2va", prompt="A warm-up run.", duration_seconds=4.0, steps=1)
+
+
+def warm_up_request(facts: CheckpointFacts) -> GenerationRequest:
+    """`WARM_UP_REQUEST`, on a step-distilled checkpoint with the one step count it accepts."""
+    steps = facts.distilled_steps(WARM_UP_REQUEST.task, WARM_UP_REQUEST.recipe)
+    return WARM_UP_REQUEST if steps is None else replace(WARM_UP_REQUEST, steps=steps)
 
 
 class JobHandle:
@@ -313,7 +320,9 @@ class EngineFront:
             return
         folder = owned_temp_folder(WARM_UP_FOLDER_PREFIX)
         try:
-            handle = JobHandle(f"warm-up-{index}", WARM_UP_REQUEST, folder / "warm-up.mp4", None)
+            handle = JobHandle(
+                f"warm-up-{index}", warm_up_request(replica.facts), folder / "warm-up.mp4", None
+            )
             with self._condition:
                 if self._stopping:
                     return

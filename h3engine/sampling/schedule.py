@@ -4,7 +4,9 @@
 clean, fed unscaled). Video and audio run separate schedules (shift 12 and 3) with the same number of grid points,
 one DiT forward per step for both. For a request of ``num_inference_steps = N`` (H3_SPEC.md §8.1), ``"sglang"``
 takes N + 1 grid points (N forwards, the README's serving path) and ``"diffusers"`` N grid points (N - 1 forwards,
-as diffusers 0.42.1's ``MiniMaxH3Scheduler``, whose ``set_timesteps(N)`` counts the terminal 0).
+as diffusers 0.42.1's ``MiniMaxH3Scheduler``, whose ``set_timesteps(N)`` counts the terminal 0). A step-distilled
+checkpoint (``_minimax_h3.dmd_denoising_steps``) runs its rungs instead, as SGLang does: the positions
+``rung / 1000`` and 0, each modality's shift applied to them, one forward per rung (`Schedule.from_rungs`).
 
 Danger (bit parity): the grid is built in fp32 on the CPU in the reference's operation order (`shifted_sigmas`), and
 the Euler update keeps the timestep the DiT saw apart from the grid's sigmas, one fp32 op at a time (`euler_step`).
@@ -16,6 +18,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from h3engine.errors import RequestError
 
 SCHEDULE_RECIPES = ("sglang", "diffusers")
 
@@ -32,11 +36,48 @@ def shifted_sigmas(num_points: int, shift: float) -> torch.Tensor:
     """
     if num_points < 2:
         raise ValueError(f"a sigma grid needs at least 2 points (start and terminal 0), got {num_points}")
+    base = torch.linspace(1.0, 0.0, num_points, dtype=torch.float32, device="cpu")
+    return torch.unique_consecutive(_shifted(base, shift))
+
+
+def _shifted(base: torch.Tensor, shift: float) -> torch.Tensor:
+    """``s*b / (1 + (s-1)*b)`` in fp32, in the reference's operation order."""
     if not shift > 0 or math.isinf(shift):
         raise ValueError(f"shift must be a positive finite number, got {shift}")
-    base = torch.linspace(1.0, 0.0, num_points, dtype=torch.float32, device="cpu")
-    shifted = shift * base / (1 + (shift - 1) * base)
-    return torch.unique_consecutive(shifted)
+    return shift * base / (1 + (shift - 1) * base)
+
+
+def rung_sigmas(rungs: tuple[int, ...], shift: float) -> torch.Tensor:
+    """The grid of a step-distilled checkpoint: the positions ``rung / 1000`` then 0, fp32 on the CPU, shifted.
+
+    SGLang (``minimax_h3_time_shift_sigmas`` with ``dmd_steps``) shifts these positions like the linspace
+    of an undistilled grid, video and audio each with its own shift; no dedup (the rungs are strictly decreasing).
+    """
+    base = torch.tensor([rung / 1000.0 for rung in rungs] + [0.0], dtype=torch.float32, device="cpu")
+    return _shifted(base, shift)
+
+
+def distilled_step_count(rungs: tuple[int, ...], recipe: str) -> int:
+    """The ``num_inference_steps`` that runs ``rungs`` under ``recipe``: one forward per rung, and the diffusers
+    recipe counts the terminal grid point too."""
+    return len(rungs) + 1 if recipe == "diffusers" else len(rungs)
+
+
+def check_distilled_steps(steps: int, recipe: str, rungs: tuple[int, ...] | None) -> None:
+    """RequestError (field ``steps``) unless ``steps`` runs exactly the distilled ``rungs`` (None: any count)."""
+    if rungs is None:
+        return
+    expected = distilled_step_count(rungs, recipe)
+    if steps != expected:
+        counted = (
+            ""
+            if expected == len(rungs)
+            else f"; the diffusers recipe counts grid points, so ask for {expected}"
+        )
+        raise RequestError(
+            f"steps: this checkpoint is step-distilled to {len(rungs)} steps (rungs "
+            f"{', '.join(map(str, rungs))}), got {steps}{counted}"
+        )
 
 
 def grid_points_for(num_inference_steps: int, recipe: str) -> int:
@@ -91,6 +132,17 @@ class Schedule:
     ) -> Schedule:
         num_points = grid_points_for(num_inference_steps, recipe)
         return cls(shifted_sigmas(num_points, video_shift), shifted_sigmas(num_points, audio_shift))
+
+    @classmethod
+    def from_rungs(
+        cls,
+        rungs: tuple[int, ...],
+        *,
+        video_shift: float = RELEASED_VIDEO_SHIFT,
+        audio_shift: float = RELEASED_AUDIO_SHIFT,
+    ) -> Schedule:
+        """The grids of a step-distilled checkpoint: ``len(rungs)`` forwards on its rungs (see `rung_sigmas`)."""
+        return cls(rung_sigmas(rungs, video_shift), rung_sigmas(rungs, audio_shift))
 
     @property
     def num_steps(self) -> int:
