@@ -29,9 +29,6 @@ CSS = """
   #h3-result-column { position: sticky; top: 8px; align-self: flex-start; max-height: calc(100vh - 16px);
                       overflow-y: auto; }
 }
-/* Example titles wrap instead of being cut off. */
-.h3-examples td, .h3-examples button, .h3-examples .table-wrap * { white-space: normal !important;
-                                                                   overflow: visible; text-overflow: clip; }
 """
 
 # Outside CSS (which Gradio scopes to inside its container): the container hides its overflow, which would make it
