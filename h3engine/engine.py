@@ -9,11 +9,8 @@ Contract:
   conditioning: a `PreparedRequest`) then the pipeline, and returns float tensors; `generate_to_file` checks its
   output names first, then writes the MP4 (while the video decodes), the optional tensors and the sidecar into
   staging files that appear together, only when all are complete (h3engine.media.outputs.staged).
-* `should_cancel` is polled between the phases (h3engine.pipeline); a `True` raises GenerationCancelled and
-  nothing is written.
-* `set_adapters([(path, strength, target), ...])` (h3engine.adapters): LoRA files every later request runs with on
-  their target partition ("transformer": T2VA / FL2VA, "transformer_ref": Ref2VA), read and checked before any
-  change; `[]` removes them. The sidecar records each (file name, sha256, strength, target).
+* `should_cancel` is polled between the phases (h3engine.pipeline); a `True` raises GenerationCancelled.
+* `set_adapters([(path, strength, target)])`: LoRAs (h3engine.adapters) for later requests; the sidecar lists them.
 * `memory_profile` (h3engine.placement): "resident" (default) keeps every component on the compute device;
   "low-memory" keeps them in host memory and moves each onto the device only for the phase that runs it.
 """
