@@ -106,6 +106,7 @@ def apply_adapters(dit: H3DiT, adapters: Sequence[Adapter], device: torch.device
         if adapter.strength == 0:
             continue
         for module, layer in adapter_layers(adapter).items():
+            _check_whole(modules[module], module, layer)
             per_module.setdefault(module, []).append((layer, float(adapter.strength)))
     remove_adapters(dit)
     handles = []
@@ -142,6 +143,17 @@ def adapted_layers(dit: H3DiT) -> int:
     """How many linears of `dit` carry an adapter update now."""
     applied = _applied.get(dit)
     return 0 if applied is None else len(applied.handles)
+
+
+def _check_whole(linear: nn.Module, module: str, layer: LoraLayer) -> None:
+    """ValueError unless `linear` holds the whole weight the update is for (not a tensor-parallel shard)."""
+    weight = getattr(linear, "weight", None)
+    shape = tuple(weight.shape) if isinstance(weight, Tensor) else (linear.out_features, linear.in_features)
+    if shape != (layer.up.shape[0], layer.down.shape[1]):
+        raise ValueError(
+            f"{module} holds a {list(shape)} weight, the adapter updates [{layer.up.shape[0]}, "
+            f"{layer.down.shape[1]}]: adapters apply to a whole DiT, not to a tensor-parallel rank's shards"
+        )
 
 
 def _factor_dtype(linear: nn.Module, dit: H3DiT) -> torch.dtype:

@@ -25,7 +25,9 @@ from h3engine.adapters import Adapter, adapted_layers, apply_adapters, remove_ad
 from h3engine.checkpoint.dit_keys import random_native_state
 from h3engine.checkpoint.lora_format import LoraError, read_lora
 from h3engine.engine import Engine
-from h3engine.models.dit import DiTConfig
+from h3engine.models.dit import DiTConfig, H3DiT
+from h3engine.parallel.dit import _apply_tensor_parallel
+from h3engine.parallel.groups import GroupMembership
 from h3engine.quantization import Fp8Linear, quantize_dit_linears
 from h3engine.request import GenerationRequest
 
@@ -274,3 +276,14 @@ def test_fp8_linears_carry_the_update_beside_them(tmp_path) -> None:
         expected_velocities = never_adapted(*request.as_h3_arguments())
     for got, expected in zip(restored, expected_velocities, strict=True):
         assert torch.equal(got, expected)
+
+
+def test_a_tensor_parallel_rank_is_refused_before_anything_changes(tmp_path) -> None:
+    config = DiTConfig.tiny()
+    path = tmp_path / "lora.safetensors"
+    write_lora(path, small_lora(config, 18), "original", config)
+    sharded = H3DiT(config, torch.float32, "meta")
+    _apply_tensor_parallel(sharded, GroupMembership(None, 2, 0))
+    with pytest.raises(ValueError, match=r"blocks\.\d+\.\S+ holds a \[.*tensor-parallel rank's shards"):
+        apply_adapters(sharded, [Adapter(read_lora(path))], "cpu")
+    assert adapted_layers(sharded) == 0
