@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _dit_helpers import tiny_fl2va_request
 from _lora_helpers import RandomLora, random_lora, write_lora
-from test_fp8 import DIT_ERROR_BOUND, tiny_dit, tiny_request
-from test_generation_parity import PROMPT, relative_l2
 
 from benchmarks._packed_request import max_relative_error
 from h3engine.adapters import Adapter, adapted_layers, apply_adapters, remove_adapters
+from h3engine.checkpoint.dit_format import native_to_module
 from h3engine.checkpoint.dit_keys import random_native_state
 from h3engine.checkpoint.lora_format import LoraError, read_lora
 from h3engine.engine import Engine
@@ -33,10 +33,23 @@ from h3engine.request import GenerationRequest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+PROMPT = "A red fox runs through fresh snow at dawn. <d>[English] Look at that!</d> Wind hisses softly."
 STEPS, SEED = 3, 11
 REQUEST = GenerationRequest(task="t2va", prompt=PROMPT, steps=STEPS, seed=SEED, recipe="diffusers")
 # fp32 everywhere; measured ~1e-7 (the LoRA moves the outputs by ~1e-1, see `assert_changed`).
 PARITY_BOUND = 1e-5
+# Quantized vs unquantized tiny DiT, max relative error per velocity (tests/test_fp8.py measures and explains it).
+FP8_DIT_ERROR_BOUND = 2.0**-3
+
+
+def relative_l2(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((ours.double() - reference.double()).norm() / reference.double().norm())
+
+
+def tiny_dit(state: dict[str, torch.Tensor]) -> H3DiT:
+    model = H3DiT(DiTConfig.tiny(), dtype=torch.float32)
+    model.load_state_dict(native_to_module(state, DiTConfig.tiny()), strict=True)
+    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -239,15 +252,15 @@ def test_fp8_linears_carry_the_update_beside_them(tmp_path) -> None:
     path = tmp_path / "lora.safetensors"
     write_lora(path, small_lora(config, 17, shrink=0.1), "original", config)  # well beyond the FP8 noise
     adapter = Adapter(read_lora(path))
-    request = tiny_request(torch.float32)
+    request = tiny_fl2va_request(config, torch.float32, 2469)
 
-    fused = tiny_dit(state, torch.float32)  # the reference: the dense update added to the fp32 weights
+    fused = tiny_dit(state)  # the reference: the dense update added to the fp32 weights
     with torch.no_grad():
         plain = fused(*request.as_h3_arguments())
         for module, layer in adapter.lora.layers().items():
             fused.get_submodule(module).weight += layer.delta()
         reference = fused(*request.as_h3_arguments())
-    quantized = tiny_dit(state, torch.float32)
+    quantized = tiny_dit(state)
     quantize_dit_linears(quantized)
     apply_adapters(quantized, [adapter])
     block = quantized.blocks[0]
@@ -266,10 +279,10 @@ def test_fp8_linears_carry_the_update_beside_them(tmp_path) -> None:
         reference, candidate, plain, strict=True
     ):
         error = max_relative_error(candidate_velocity, reference_velocity)
-        assert error < DIT_ERROR_BOUND
+        assert error < FP8_DIT_ERROR_BOUND
         assert max_relative_error(plain_velocity, reference_velocity) > 4 * error
     remove_adapters(quantized)
-    never_adapted = tiny_dit(state, torch.float32)
+    never_adapted = tiny_dit(state)
     quantize_dit_linears(never_adapted)
     with torch.no_grad():
         restored = quantized(*request.as_h3_arguments())
