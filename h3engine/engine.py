@@ -9,20 +9,28 @@ Contract:
   conditioning: a `PreparedRequest`) then the pipeline, and returns float tensors; `generate_to_file` checks its
   output names first, then writes the MP4 (while the video decodes), the optional tensors and the sidecar into
   staging files that appear together, only when all are complete (h3engine.media.outputs.staged).
-* `should_cancel` is polled between the phases (h3engine.pipeline); a `True` raises GenerationCancelled and
-  nothing is written.
+* `should_cancel` is polled between the phases (h3engine.pipeline); a `True` raises GenerationCancelled.
+* `set_adapters([(path, strength, target)])`: LoRAs (h3engine.adapters) for later requests; the sidecar lists them.
 * `memory_profile` (h3engine.placement): "resident" (default) keeps every component on the compute device;
   "low-memory" keeps them in host memory and moves each onto the device only for the phase that runs it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from h3engine.checkpoint.layout import PARTITION_OF_TASK, CheckpointLayout, detect_layout
+from h3engine.adapters import Adapter, adapter_record, applied_adapters, apply_adapters, check_adapter
+from h3engine.checkpoint.layout import (
+    DIFFUSERS_DIT_FOLDERS,
+    PARTITION_OF_TASK,
+    CheckpointLayout,
+    detect_layout,
+)
+from h3engine.checkpoint.lora_format import LoraError, read_lora
 from h3engine.errors import RequestError
 from h3engine.geometry import Geometry
 from h3engine.media import inputs as media_inputs
@@ -31,6 +39,7 @@ from h3engine.media.request_inputs import request_geometry
 from h3engine.model_store import LoadEvent, ModelLoader, ModelStore
 from h3engine.pipeline import (
     GenerationOutput,
+    Models,
     PreparedRequest,
     StepEvent,
     prepare_request,
@@ -61,6 +70,9 @@ class Engine:
         self.store = ModelStore(
             layout, device, dtype, self.placement, loader or ModelLoader(), fp8_linear, on_load
         )
+        # DiT partition -> the adapters its requests run with (the same tuple until `set_adapters` changes it).
+        self._adapters: dict[str, tuple[Adapter, ...]] = {}
+        self._adapter_records: list[dict[str, Any]] = []
 
     @classmethod
     def from_checkpoint(
@@ -80,6 +92,37 @@ class Engine:
         """The profile's `Placement` (RequestError naming --memory-profile for an unknown one), made before
         anything loads."""
         return Placement(memory_profile, device)
+
+    def set_adapters(self, adapters: Sequence[tuple[str | Path, float, str]]) -> None:
+        """Run every later request with these LoRA files, each (path, strength, target); `[]`: none. Every file is
+        read and checked against its partition first (LoraError naming the file and key), so a bad one changes
+        nothing; the weights are never written (h3engine.adapters), so switching needs no reload."""
+        partitions = {target: partition for partition, target in DIFFUSERS_DIT_FOLDERS.items()}
+        wanted: dict[str, list[Adapter]] = {}
+        for path, strength, target in adapters:
+            name = Path(path).name
+            if partitions.get(target) not in self.layout.partitions:
+                raise LoraError(
+                    f"LoRA file {name!r}: target {target!r} is not a DiT of this checkpoint (it has "
+                    f"{' and '.join(repr(DIFFUSERS_DIT_FOLDERS[p]) for p in self.layout.partitions)})"
+                )
+            adapter = Adapter(read_lora(path, name=name), strength, target)  # type: ignore[arg-type]
+            check_adapter(adapter, self.store.dit_config(partitions[target]))
+            wanted.setdefault(partitions[target], []).append(adapter)
+        self._adapters = {partition: tuple(group) for partition, group in wanted.items()}
+        self._adapter_records = [adapter_record(a) for group in self._adapters.values() for a in group]
+
+    def record(self) -> dict[str, Any]:
+        """What a sidecar says about the engine: the store's record and the adapters requests run with."""
+        return {**self.store.record(), "adapters": list(self._adapter_records)}
+
+    def _models_with_adapters(self, task: str) -> Models:
+        """The task's models, their DiT carrying exactly the adapters set for its partition."""
+        models = self.store.models_for_task(task)
+        wanted = self._adapters.get(self.store.partition_for(task), ())
+        if applied_adapters(models.dit) is not wanted and (wanted or applied_adapters(models.dit)):
+            apply_adapters(models.dit, wanted, self.device)
+        return models
 
     def validate(self, request: GenerationRequest) -> list[str]:
         """Check a request against the rules, this checkpoint and its input files; returns warnings, raises
@@ -131,7 +174,7 @@ class Engine:
     ) -> tuple[GenerationOutput, Geometry]:
         """The request's video and audio tensors; with `mp4_path`, also its MP4, written while the video decodes."""
         prepared = self.prepare(request, should_cancel)
-        models = self.store.models_for_task(request.task)
+        models = self._models_with_adapters(request.task)
         with torch.inference_mode():
             output = run_generation(models, prepared, self.device, on_step, should_cancel, mp4_path)
         return output, prepared.geometry
@@ -151,5 +194,5 @@ class Engine:
             output, geometry = self.generate(
                 request, on_step=on_step, should_cancel=should_cancel, mp4_path=staging.files.video
             )
-            write_outputs(staging, request, inputs, output, geometry, self.store.record(), mp4_written=True)
+            write_outputs(staging, request, inputs, output, geometry, self.record(), mp4_written=True)
             return staging.commit()

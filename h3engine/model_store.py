@@ -122,6 +122,10 @@ class ModelStore:
         self.first_partition = next(iter(self._sources))
         self.models_for_partition(self.first_partition)
 
+    def dit_config(self, partition: str) -> Any:
+        """The DiT config of `partition` (h3engine.models.dit.DiTConfig), read at start: no model loads."""
+        return self._sources[partition].dit.config
+
     def partition_for(self, task: str) -> str:
         """The partition serving `task` (the first one for a task no partition names)."""
         return PARTITION_OF_TASK.get(task, self.first_partition)

@@ -35,6 +35,10 @@ NUM_BLOCK_MODULATIONS = 6
 # The sinusoidal timestep features use the classic 10000 period.
 TIMESTEP_MAX_PERIOD = 10000.0
 
+# h3engine.adapters puts a LoRA's update (a callable on the layer's input) on a linear under this name; a forward hook
+# adds it where the layer is called, and the paths below that read the weight instead add it themselves.
+LOW_RANK_ATTRIBUTE = "low_rank_update"
+
 # State-dict keys that the release stores in fp32 and that must be computed in fp32 whatever the compute dtype.
 FP32_PARAMETER_NAMES: frozenset[str] = frozenset(
     {
@@ -309,8 +313,13 @@ class Attention(nn.Module):
         """
         forward_chunks = getattr(self.qkv_proj, "forward_chunks", None)
         if forward_chunks is not None:
-            return forward_chunks(hidden, 3)
-        return tuple(F.linear(hidden, weight) for weight in self.qkv_proj.weight.chunk(3))
+            projections = forward_chunks(hidden, 3)
+        else:
+            projections = tuple(F.linear(hidden, weight) for weight in self.qkv_proj.weight.chunk(3))
+        update = getattr(self.qkv_proj, LOW_RANK_ATTRIBUTE, None)
+        if update is None:
+            return projections
+        return tuple(p + u for p, u in zip(projections, update.chunks(hidden, 3), strict=True))
 
     def forward(
         self,
@@ -355,7 +364,10 @@ class AdaLNProjection(nn.Module):
         """`weight` / `bias` stand in for the module's own (the same values on another device)."""
         weight = self.linear.weight if weight is None else weight
         bias = self.linear.bias if bias is None else bias
-        return F.linear(F.silu(temb).to(weight.dtype), weight, bias)
+        activated = F.silu(temb).to(weight.dtype)
+        update = getattr(self.linear, LOW_RANK_ATTRIBUTE, None)
+        table = F.linear(activated, weight, bias)
+        return table if update is None else table + update(activated)
 
 
 class RefinerBlock(nn.Module):

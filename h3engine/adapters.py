@@ -1,0 +1,181 @@
+"""LoRA adapters on a DiT, beside its linears: y = W x + sum_i strength_i * scale_i * B_i (A_i x); W is never written.
+
+`apply_adapters(dit, adapters, device)` gives every linear an adapter targets one `LowRankUpdate` (all adapters'
+A stacked, their B's side by side, strength * alpha / r folded into B) and `remove_adapters(dit)` drops them, so
+removing or switching restores the base exactly (its weights were never touched) and needs no copy of them. The
+update rides on the layer as `h3engine.models.dit.LOW_RANK_ATTRIBUTE`: a forward hook adds it wherever the layer is
+called, and the two places that read weights instead (the stacked QKV chunks, the AdaLN projection with streamed
+weights) add it themselves. The factors live on `device` in the linear's dtype (fp32 islands stay fp32; FP8 linears
+get the DiT's compute dtype), as peft holds a bf16 model's: no activation is cast. Every change forgets the DiT's
+cached AdaLN tables (h3engine.modulation), which an adapter on the AdaLN or time-embedding linears changes.
+Strength 0 adds nothing (the adapter is skipped). Everything is checked before anything changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from h3engine.checkpoint.lora_format import LoraError, LoraFile, LoraLayer, Partition, check_lora_fits
+from h3engine.models.dit import LOW_RANK_ATTRIBUTE, DiTConfig, H3DiT
+from h3engine.modulation import clear_modulation_cache
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One LoRA file to apply at `strength` to the DiT partition `target` ("transformer": FL2VA / T2VA,
+    "transformer_ref": Ref2VA)."""
+
+    lora: LoraFile
+    strength: float = 1.0
+    target: Partition = "transformer"
+
+
+@dataclass(frozen=True)
+class LowRankUpdate:
+    """The summed update of one linear's adapters: `up @ (down @ x)` with down [R, in], up [out, R] (scales folded)."""
+
+    down: Tensor
+    up: Tensor
+
+    def __call__(self, hidden: Tensor) -> Tensor:
+        return F.linear(F.linear(hidden.to(self.down.dtype), self.down), self.up).to(hidden.dtype)
+
+    def chunks(self, hidden: Tensor, parts: int) -> tuple[Tensor, ...]:
+        """The update split into `parts` equal row blocks of the output (q, k, v), from one `down @ x`."""
+        low = F.linear(hidden.to(self.down.dtype), self.down)
+        return tuple(F.linear(low, up).to(hidden.dtype) for up in self.up.chunk(parts))
+
+
+@dataclass
+class _Applied:
+    adapters: tuple[Adapter, ...]
+    handles: list[tuple[nn.Module, RemovableHandle]]
+
+
+# DiT -> its adapters as given and the forward-hook handles of its adapted layers (absent: none).
+_applied: weakref.WeakKeyDictionary[H3DiT, _Applied] = weakref.WeakKeyDictionary()
+
+
+def adapter_layers(adapter: Adapter) -> dict[str, LoraLayer]:
+    """The layers of `adapter` for its target: those the file names for it, or all of a file that names no
+    partition; LoraError for a file that names only the other one."""
+    lora = adapter.lora
+    if adapter.target in lora.partitions:
+        return lora.partitions[adapter.target]
+    if None in lora.partitions:
+        return lora.partitions[None]
+    named = " and ".join(f"'{partition}'" for partition in lora.partitions)
+    first = next(layer for layers in lora.partitions.values() for layer in layers.values())
+    raise LoraError(
+        f"LoRA file {lora.name!r}: key {first.source_key!r} targets {named}, not '{adapter.target}' "
+        f"(the partition this adapter was asked to apply to)"
+    )
+
+
+def check_adapter(adapter: Adapter, config: DiTConfig) -> None:
+    """LoraError naming the file (and the first offending key) unless `adapter` fits a DiT of `config` at a finite
+    strength."""
+    strength = adapter.strength
+    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
+        raise LoraError(
+            f"LoRA file {adapter.lora.name!r}: strength must be a finite number, got {strength!r}"
+        )
+    adapter_layers(adapter)
+    check_lora_fits(adapter.lora, config)
+
+
+def apply_adapters(dit: H3DiT, adapters: Sequence[Adapter], device: torch.device | str | None = None) -> int:
+    """Make `adapters` (in addition to none: earlier ones are removed first) the DiT's; returns how many linears
+    carry an update. `device`: where the factors live (default: where `dit.condition_proj` is)."""
+    adapters = tuple(adapters)
+    for adapter in adapters:
+        check_adapter(adapter, dit.config)
+    device = torch.device(device) if device is not None else dit.condition_proj.weight.device
+    modules = dict(dit.named_modules())
+    per_module: dict[str, list[tuple[LoraLayer, float]]] = {}
+    for adapter in adapters:
+        if adapter.strength == 0:
+            continue
+        for module, layer in adapter_layers(adapter).items():
+            _check_whole(modules[module], module, layer)
+            per_module.setdefault(module, []).append((layer, float(adapter.strength)))
+    remove_adapters(dit)
+    handles = []
+    for module, layers in per_module.items():
+        linear = modules[module]
+        dtype = _factor_dtype(linear, dit)
+        down = torch.cat([layer.down for layer, _ in layers]).to(device, dtype)
+        up = torch.cat([layer.up * (layer.scale * strength) for layer, strength in layers], dim=1).to(
+            device, dtype
+        )
+        setattr(linear, LOW_RANK_ATTRIBUTE, LowRankUpdate(down, up))
+        handles.append((linear, linear.register_forward_hook(_add_update)))
+    _applied[dit] = _Applied(adapters, handles)
+    clear_modulation_cache(dit)
+    return len(handles)
+
+
+def remove_adapters(dit: H3DiT) -> None:
+    """Drop every adapter of `dit` (its weights were never changed, so it computes exactly as before)."""
+    applied = _applied.pop(dit, None)
+    for linear, handle in applied.handles if applied is not None else []:
+        handle.remove()
+        delattr(linear, LOW_RANK_ATTRIBUTE)
+    clear_modulation_cache(dit)
+
+
+def applied_adapters(dit: H3DiT) -> tuple[Adapter, ...] | None:
+    """The sequence last given to `apply_adapters` for `dit` (the same object), or None after `remove_adapters`."""
+    applied = _applied.get(dit)
+    return None if applied is None else applied.adapters
+
+
+def adapted_layers(dit: H3DiT) -> int:
+    """How many linears of `dit` carry an adapter update now."""
+    applied = _applied.get(dit)
+    return 0 if applied is None else len(applied.handles)
+
+
+def _check_whole(linear: nn.Module, module: str, layer: LoraLayer) -> None:
+    """ValueError unless `linear` holds the whole weight the update is for (not a tensor-parallel shard)."""
+    weight = getattr(linear, "weight", None)
+    shape = tuple(weight.shape) if isinstance(weight, Tensor) else (linear.out_features, linear.in_features)
+    if shape != (layer.up.shape[0], layer.down.shape[1]):
+        raise ValueError(
+            f"{module} holds a {list(shape)} weight, the adapter updates [{layer.up.shape[0]}, "
+            f"{layer.down.shape[1]}]: adapters apply to a whole DiT, not to a tensor-parallel rank's shards"
+        )
+
+
+def _factor_dtype(linear: nn.Module, dit: H3DiT) -> torch.dtype:
+    weight = getattr(linear, "weight", None)
+    if isinstance(weight, Tensor) and weight.is_floating_point() and weight.element_size() > 1:
+        return weight.dtype
+    return dit.compute_dtype  # an Fp8Linear: the update runs in the activations' dtype
+
+
+def _add_update(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> Tensor:
+    return output + getattr(module, LOW_RANK_ATTRIBUTE)(args[0])
+
+
+def adapter_record(adapter: Adapter) -> dict[str, object]:
+    """What a sidecar says about one adapter: the file's name (never its folder), sha256, strength and target."""
+    digest = hashlib.sha256()
+    with open(adapter.lora.path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return {
+        "file": adapter.lora.name,
+        "sha256": digest.hexdigest(),
+        "strength": float(adapter.strength),
+        "target": adapter.target,
+    }

@@ -1,0 +1,302 @@
+"""LoRA adapters applied beside the DiT's linears (h3engine.adapters, Engine.set_adapters), in one process.
+
+Whole T2VA generations at fp32 on a tiny checkpoint equal diffusers 0.42.1's pipeline after `load_lora_weights`
+(peft's unfused LoRA layers), one LoRA or two with strengths; strength 0 and removal give the base outputs
+bit-exactly; an AdaLN LoRA takes effect after a cached schedule; bad adapters change nothing; FP8 linears carry the
+update beside them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from _dit_helpers import tiny_fl2va_request
+from _lora_helpers import RandomLora, random_lora, write_lora
+
+from benchmarks._packed_request import max_relative_error
+from h3engine.adapters import Adapter, adapted_layers, apply_adapters, remove_adapters
+from h3engine.checkpoint.dit_format import native_to_module
+from h3engine.checkpoint.dit_keys import random_native_state
+from h3engine.checkpoint.lora_format import LoraError, read_lora
+from h3engine.engine import Engine
+from h3engine.models.dit import DiTConfig, H3DiT
+from h3engine.parallel.dit import _apply_tensor_parallel
+from h3engine.parallel.groups import GroupMembership
+from h3engine.quantization import Fp8Linear, quantize_dit_linears
+from h3engine.request import GenerationRequest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PROMPT = "A red fox runs through fresh snow at dawn. <d>[English] Look at that!</d> Wind hisses softly."
+STEPS, SEED = 3, 11
+REQUEST = GenerationRequest(task="t2va", prompt=PROMPT, steps=STEPS, seed=SEED, recipe="diffusers")
+# fp32 everywhere; measured ~1e-7 (the LoRA moves the outputs by ~1e-1, see `assert_changed`).
+PARITY_BOUND = 1e-5
+# Quantized vs unquantized tiny DiT, max relative error per velocity (tests/test_fp8.py measures and explains it).
+FP8_DIT_ERROR_BOUND = 2.0**-3
+
+
+def relative_l2(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((ours.double() - reference.double()).norm() / reference.double().norm())
+
+
+def tiny_dit(state: dict[str, torch.Tensor]) -> H3DiT:
+    model = H3DiT(DiTConfig.tiny(), dtype=torch.float32)
+    model.load_state_dict(native_to_module(state, DiTConfig.tiny()), strict=True)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoints) -> Path:
+    return tiny_checkpoints("diffusers", seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint: Path) -> Engine:
+    return Engine.from_checkpoint(checkpoint, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def base(engine: Engine):
+    engine.set_adapters([])
+    output, _ = engine.generate(REQUEST)
+    return output
+
+
+def small_lora(config: DiTConfig, seed: int, only: str = "", shrink: float = 0.02) -> RandomLora:
+    """`random_lora` with its down factors shrunk so the update moves the outputs by ~10 %, not to noise;
+    `only`: keep just the modules whose name contains it."""
+    lora = random_lora(config, seed)
+    keep = [module for module in lora.down if only in module]
+    return RandomLora(
+        {m: lora.down[m] * shrink for m in keep},
+        {m: lora.up[m] for m in keep},
+        {m: lora.alpha[m] for m in keep},
+    )
+
+
+def lora_file(tmp_path: Path, engine: Engine, layout: str, seed: int, only: str = "") -> Path:
+    path = tmp_path / f"{layout}_{seed}{only}.safetensors"
+    write_lora(
+        path,
+        small_lora(engine.store.dit_config("fl2va"), seed, only),
+        layout,
+        engine.store.dit_config("fl2va"),
+    )
+    return path
+
+
+def reference_generation(folder: Path, loras: list[tuple[Path, float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' T2VA pipeline with the files loaded by `load_lora_weights`, each at its strength."""
+    from diffusers import ModularPipeline
+
+    pipe = ModularPipeline.from_pretrained(str(folder), workflow="t2va")
+    pipe.load_components(dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    names = [f"adapter{index}" for index in range(len(loras))]
+    for name, (path, _) in zip(names, loras, strict=True):
+        pipe.load_lora_weights(str(path), adapter_name=name)
+    pipe.set_adapters(names, adapter_weights=[strength for _, strength in loras])
+    state = pipe(
+        prompt=PROMPT,
+        num_inference_steps=STEPS,
+        generator=torch.Generator().manual_seed(SEED),
+        output_type="pt",
+    )
+    return state.get("videos")[0].permute(0, 2, 3, 1).float(), state.get("audio")[0].float()
+
+
+def assert_equal(ours, other) -> None:
+    for name in ("video_latents", "audio_latents", "video", "audio"):
+        assert torch.equal(getattr(ours, name), getattr(other, name)), name
+
+
+def assert_changed(ours, other) -> None:
+    assert relative_l2(ours.video_latents, other.video_latents) > 1e-2
+    assert relative_l2(ours.audio_latents, other.audio_latents) > 1e-2
+
+
+@pytest.mark.parametrize("layout", ["diffusers", "kohya"])
+def test_t2va_with_a_lora_equals_diffusers(engine, base, checkpoint, tmp_path, layout: str) -> None:
+    path = lora_file(tmp_path, engine, layout, seed=5)
+    engine.set_adapters([(path, 1.0, "transformer")])
+    output, _ = engine.generate(REQUEST)
+    engine.set_adapters([])
+    reference_video, reference_audio = reference_generation(checkpoint, [(path, 1.0)])
+    assert relative_l2(output.video, reference_video) <= PARITY_BOUND
+    assert relative_l2(output.audio, reference_audio) <= PARITY_BOUND
+    assert_changed(output, base)  # the comparison can fail: without the LoRA the outputs are ~10 % off
+
+
+def test_two_loras_with_strengths_equal_diffusers(engine, base, checkpoint, tmp_path) -> None:
+    first, second = lora_file(tmp_path, engine, "diffusers", 6), lora_file(tmp_path, engine, "kohya", 7)
+    loras = [(first, 0.7), (second, -0.4)]
+    engine.set_adapters([(path, strength, "transformer") for path, strength in loras])
+    output, _ = engine.generate(REQUEST)
+    engine.set_adapters([(first, 0.7, "transformer")])
+    first_only, _ = engine.generate(REQUEST)
+    engine.set_adapters([])
+    reference_video, reference_audio = reference_generation(checkpoint, loras)
+    assert relative_l2(output.video, reference_video) <= PARITY_BOUND
+    assert relative_l2(output.audio, reference_audio) <= PARITY_BOUND
+    assert_changed(output, first_only)  # the second adapter counts
+
+
+def test_strength_zero_removal_and_switching_are_exact(engine, base, tmp_path) -> None:
+    first, second = lora_file(tmp_path, engine, "original", 8), lora_file(tmp_path, engine, "peft", 9)
+    dit = engine.store.models_for_partition("fl2va").dit
+    weights = {name: tensor.clone() for name, tensor in dit.state_dict().items()}
+
+    engine.set_adapters([(first, 0.0, "transformer")])
+    zero, _ = engine.generate(REQUEST)
+    assert_equal(zero, base)
+    assert adapted_layers(dit) == 0
+
+    engine.set_adapters([(first, 1.0, "transformer")])
+    with_first, _ = engine.generate(REQUEST)
+    assert_changed(with_first, base)
+    engine.set_adapters([(second, 1.0, "transformer")])
+    with_second, _ = engine.generate(REQUEST)
+    assert_changed(with_second, with_first)
+    engine.set_adapters([(first, 1.0, "transformer")])
+    again, _ = engine.generate(REQUEST)
+    assert_equal(again, with_first)
+
+    engine.set_adapters([])
+    removed, _ = engine.generate(REQUEST)
+    assert_equal(removed, base)
+    assert adapted_layers(dit) == 0
+    for name, tensor in dit.state_dict().items():
+        assert torch.equal(tensor, weights[name]), name  # the weights were never written
+
+
+def test_an_adaln_lora_takes_effect_after_a_cached_schedule(engine, base, checkpoint, tmp_path) -> None:
+    """The AdaLN tables of a schedule are cached per DiT (h3engine.modulation): `base` filled the cache for this
+    request, so an adapter on the AdaLN projections must make the engine build them again."""
+    path = lora_file(tmp_path, engine, "diffusers", 10, only="adaln_proj")
+    engine.set_adapters([(path, 1.0, "transformer")])
+    output, _ = engine.generate(REQUEST)
+    engine.set_adapters([])
+    fresh = Engine.from_checkpoint(checkpoint, device="cpu", dtype=torch.float32)
+    fresh.set_adapters([(path, 1.0, "transformer")])
+    expected, _ = fresh.generate(REQUEST)
+    assert_changed(output, base)
+    assert_equal(output, expected)
+
+
+def test_bad_adapters_are_refused_before_anything_changes(engine, base, tmp_path) -> None:
+    good = lora_file(tmp_path, engine, "original", 12)
+    engine.set_adapters([(good, 0.5, "transformer")])
+    with_good, _ = engine.generate(REQUEST)
+    wider = dataclasses.replace(DiTConfig.tiny(), hidden_size=2 * DiTConfig.tiny().hidden_size)
+    misfit = tmp_path / "misfit.safetensors"
+    write_lora(misfit, small_lora(wider, 13), "original", wider)
+    ref_only = tmp_path / "ref_only.safetensors"
+    ref_config = engine.store.dit_config("ref2va")
+    write_lora(ref_only, small_lora(ref_config, 14), "diffusers_ref", ref_config)
+    not_lora = tmp_path / "notes.safetensors"
+    not_lora.write_text("not a safetensors file")
+    cases = [
+        ([(misfit, 1.0, "transformer")], r"'misfit\.safetensors': key '.*' updates a \[.*trained on another"),
+        ([(ref_only, 1.0, "transformer")], r"'ref_only\.safetensors': key 'transformer_ref\..*' targets "),
+        ([(not_lora, 1.0, "transformer")], r"'notes\.safetensors' is not a readable \.safetensors file"),
+        ([(good, float("nan"), "transformer")], r"strength must be a finite number, got nan"),
+        ([(good, 1.0, "vae")], r"target 'vae' is not a DiT of this checkpoint"),
+    ]
+    for adapters, message in cases:
+        with pytest.raises(LoraError, match=message) as raised:
+            engine.set_adapters([(good, 1.0, "transformer"), *adapters])
+        assert str(tmp_path) not in str(raised.value)
+        output, _ = engine.generate(REQUEST)
+        assert_equal(output, with_good)
+    engine.set_adapters([])
+
+
+def test_a_transformer_ref_adapter_leaves_t2va_alone(engine, base, tmp_path) -> None:
+    path = tmp_path / "ref.safetensors"
+    config = engine.store.dit_config("ref2va")
+    write_lora(path, small_lora(config, 15), "diffusers_ref", config)
+    engine.set_adapters([(path, 1.0, "transformer_ref")])
+    output, _ = engine.generate(REQUEST)
+    assert_equal(output, base)
+    ref_dit = engine._models_with_adapters("ref2va").dit
+    assert adapted_layers(ref_dit) == len(read_lora(path).layers("transformer_ref"))
+    engine.set_adapters([])
+
+
+def test_the_sidecar_records_each_adapter(engine, tmp_path) -> None:
+    path = lora_file(tmp_path, engine, "kohya", 16)
+    engine.set_adapters([(path, 0.25, "transformer")])
+    files = engine.generate_to_file(REQUEST, tmp_path / "out.mp4")
+    engine.set_adapters([])
+    sidecar = json.loads(files.sidecar.read_text())
+    record = {
+        "file": path.name,
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "strength": 0.25,
+        "target": "transformer",
+    }
+    assert sidecar["adapters"] == [record]
+    assert engine.record()["adapters"] == []
+
+
+def test_fp8_linears_carry_the_update_beside_them(tmp_path) -> None:
+    config = DiTConfig.tiny()
+    state = random_native_state(config, 2468)
+    path = tmp_path / "lora.safetensors"
+    write_lora(path, small_lora(config, 17, shrink=0.1), "original", config)  # well beyond the FP8 noise
+    adapter = Adapter(read_lora(path))
+    request = tiny_fl2va_request(config, torch.float32, 2469)
+
+    fused = tiny_dit(state)  # the reference: the dense update added to the fp32 weights
+    with torch.no_grad():
+        plain = fused(*request.as_h3_arguments())
+        for module, layer in adapter.lora.layers().items():
+            fused.get_submodule(module).weight += layer.delta()
+        reference = fused(*request.as_h3_arguments())
+    quantized = tiny_dit(state)
+    quantize_dit_linears(quantized)
+    apply_adapters(quantized, [adapter])
+    block = quantized.blocks[0]
+    hidden = torch.randn(5, config.hidden_size)
+    with torch.no_grad():
+        assert isinstance(block.mlp.fc2, Fp8Linear)
+        fc2_input = torch.randn(5, config.ffn_dim)
+        expected = Fp8Linear.forward(block.mlp.fc2, fc2_input) + block.mlp.fc2.low_rank_update(fc2_input)
+        assert torch.equal(block.mlp.fc2(fc2_input), expected)
+        chunks = block.attn.qkv_proj.forward_chunks(hidden, 3)
+        updates = block.attn.qkv_proj.low_rank_update.chunks(hidden, 3)
+        for got, part, update in zip(block.attn._project_qkv(hidden), chunks, updates, strict=True):
+            assert torch.equal(got, part + update)
+        candidate = quantized(*request.as_h3_arguments())
+    for reference_velocity, candidate_velocity, plain_velocity in zip(
+        reference, candidate, plain, strict=True
+    ):
+        error = max_relative_error(candidate_velocity, reference_velocity)
+        assert error < FP8_DIT_ERROR_BOUND
+        assert max_relative_error(plain_velocity, reference_velocity) > 4 * error
+    remove_adapters(quantized)
+    never_adapted = tiny_dit(state)
+    quantize_dit_linears(never_adapted)
+    with torch.no_grad():
+        pairs = zip(
+            quantized(*request.as_h3_arguments()), never_adapted(*request.as_h3_arguments()), strict=True
+        )
+        assert all(torch.equal(restored, expected) for restored, expected in pairs)
+
+
+def test_a_tensor_parallel_rank_is_refused_before_anything_changes(tmp_path) -> None:
+    config = DiTConfig.tiny()
+    path = tmp_path / "lora.safetensors"
+    write_lora(path, small_lora(config, 18), "original", config)
+    sharded = H3DiT(config, torch.float32, "meta")
+    _apply_tensor_parallel(sharded, GroupMembership(None, 2, 0))
+    with pytest.raises(ValueError, match=r"blocks\.\d+\.\S+ holds a \[.*tensor-parallel rank's shards"):
+        apply_adapters(sharded, [Adapter(read_lora(path))], "cpu")
+    assert adapted_layers(sharded) == 0
