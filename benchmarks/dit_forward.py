@@ -23,9 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import diffusers
 import torch
-from diffusers import MiniMaxH3Transformer3DModel
 
 from benchmarks._common import RESULTS_DIR, device_label, kernel_profile, package_version, synchronize
 from benchmarks._packed_request import PackedRequest, build_packed_request, max_relative_error, relative_l2
@@ -183,14 +181,17 @@ def build_ours(config: DiTConfig, device: torch.device, seed: int) -> H3DiT:
 
 def move_into_diffusers(
     ours: H3DiT, config: DiTConfig, device: torch.device, keep_ours: bool = False
-) -> MiniMaxH3Transformer3DModel:
-    """Hand ours' weights to a meta-built diffusers model one group at a time, freeing ours as it goes.
+) -> torch.nn.Module:
+    """Hand ours' weights to a meta-built diffusers model one group at a time, freeing ours as it goes (diffusers is
+    imported here: the benchmarks that reuse this module's builders run without it).
 
     Renamed tensors are shared (no copy); split/swapped ones are new, so the peak is ours + one block.
     The fp32 islands keep their dtype, which is exactly where diffusers' `_keep_in_fp32_modules` keeps fp32.
     With `keep_ours` ours stays usable: both models share the renamed tensors, and the split/swapped ones (q/k/v,
     fc1) exist twice.
     """
+    from diffusers import MiniMaxH3Transformer3DModel
+
     with torch.device("meta"):
         reference = MiniMaxH3Transformer3DModel.from_config(config_to_diffusers(config))
     groups: list[tuple[str, torch.nn.Module]] = [
@@ -560,7 +561,7 @@ def main() -> None:
         "cuda": torch.version.cuda,
         "triton": package_version("triton"),
         "flash_attn_4": package_version("flash-attn-4"),
-        "diffusers": diffusers.__version__,
+        "diffusers": package_version("diffusers"),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "shapes": {
             "text_rows": request.text_index.numel(),

@@ -35,6 +35,8 @@ import torch
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
 
 from benchmarks._common import RESULTS_DIR, device_label, package_version, synchronize
+from benchmarks.adapters import random_block_adapter
+from h3engine.adapters import Adapter, apply_adapters
 from h3engine.checkpoint import audio_vae_keys, video_vae_keys
 from h3engine.checkpoint.dit_keys import random_native_tensor
 from h3engine.checkpoint.loader import ComponentSource
@@ -459,6 +461,12 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         "its duration at this canvas, one step, decoded) and report its time ('warm_up_run_s'); with --no-warmup "
         "the request's first-call times then show what the warm-up leaves",
     )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="run the DiT with a random adapter of this rank on every block linear (benchmarks.adapters; 0: none)",
+    )
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     if args.warm_up_run and not args.resident:
@@ -555,7 +563,11 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         return build_text_encoder(configs.text_encoder, device, dtype, args.seed)
 
     def build_diffusion() -> H3DiT:
-        return build_dit(configs.dit, device, args.seed)
+        dit = build_dit(configs.dit, device, args.seed)
+        if args.lora_rank:
+            lora = random_block_adapter(configs.dit, args.lora_rank, args.seed)
+            apply_adapters(dit, [Adapter(lora, 1.0, "transformer")], device)
+        return dit
 
     def build_vaes() -> tuple[torch.nn.Module, torch.nn.Module]:
         return (
@@ -642,6 +654,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     stem = (
         f"e2e_{device_label(device)}_{datetime.date.today().strftime('%Y%m%d')}{'_tiny' if args.tiny else ''}"
+        f"{f'_{args.steps}steps' if args.steps != 50 else ''}{f'_lora{args.lora_rank}' if args.lora_rank else ''}"
     )
     with tempfile.TemporaryDirectory() as scratch:
         # A partly denoised clip is muxed for its time only; the file is kept when every step ran. The engine's
@@ -728,6 +741,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
         },
         "parameters": parameters,
         "schedule": {"recipe": RECIPE, "steps": schedule.num_steps, "timed_steps": timed_steps},
+        "lora_rank": args.lora_rank,
         "extrapolated": extrapolated,
         "build_s": builds.seconds,
         "phases_s": {
