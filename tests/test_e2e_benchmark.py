@@ -4,6 +4,7 @@ positive times and finite outputs, for a K-of-N extrapolated run and for a resid
 from __future__ import annotations
 
 import json
+import re
 import math
 from pathlib import Path
 
@@ -29,7 +30,8 @@ def run_tiny(e2e, output_dir: Path, *options: str) -> dict:
             *options,
         ]
     )
-    assert path.parent == output_dir and path.name.startswith("e2e_cpu_") and path.name.endswith("_tiny.json")
+    # A step count other than the released 50 and an adapter name the file too, so no run overwrites another's.
+    assert path.parent == output_dir and re.fullmatch(r"e2e_cpu_\d{8}_tiny(_\d+steps)?(_lora\d+)?\.json", path.name)
     return json.loads(path.read_text())
 
 
