@@ -4,8 +4,8 @@ positive times and finite outputs, for a K-of-N extrapolated run and for a resid
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -31,7 +31,9 @@ def run_tiny(e2e, output_dir: Path, *options: str) -> dict:
         ]
     )
     # A step count other than the released 50 and an adapter name the file too, so no run overwrites another's.
-    assert path.parent == output_dir and re.fullmatch(r"e2e_cpu_\d{8}_tiny(_\d+steps)?(_lora\d+)?\.json", path.name)
+    assert path.parent == output_dir and re.fullmatch(
+        r"e2e_cpu_\d{8}_tiny(_\d+steps)?(_lora\d+)?\.json", path.name
+    )
     return json.loads(path.read_text())
 
 
