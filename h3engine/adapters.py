@@ -15,16 +15,26 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from h3engine.checkpoint.lora_format import LoraError, LoraFile, LoraLayer, Partition, check_lora_fits
+from h3engine.checkpoint.lora_format import (
+    LoraError,
+    LoraFile,
+    LoraLayer,
+    Partition,
+    check_lora_fits,
+    read_lora,
+)
 from h3engine.models.dit import LOW_RANK_ATTRIBUTE, DiTConfig, H3DiT
 from h3engine.modulation import clear_modulation_cache
 
@@ -167,15 +177,58 @@ def _add_update(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> 
     return output + getattr(module, LOW_RANK_ATTRIBUTE)(args[0])
 
 
-def adapter_record(adapter: Adapter) -> dict[str, object]:
+def default_targets(lora: LoraFile) -> tuple[Partition, ...]:
+    """The DiTs diffusers 0.42.1 loads `lora` into without `load_into_transformer_ref`: those its key prefixes name,
+    and "transformer" for keys without one."""
+    return tuple(sorted({partition or "transformer" for partition in lora.partitions}))
+
+
+class LoraFiles:
+    """Parsed LoRA files and their sha256, by (path, size, mtime): a file read before is not read again until it
+    changes. Holds the last `capacity` files (their factors in fp32, host memory)."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self._files: OrderedDict[tuple[str, str, int, int], tuple[LoraFile, str]] = OrderedDict()
+
+    def read(self, path: str | os.PathLike[str]) -> tuple[LoraFile, str]:
+        """(the file as `read_lora` gives it, named by its own file name; its sha256); LoraError like read_lora's."""
+        name = Path(path).name
+        try:
+            stat = os.stat(path)
+        except OSError as error:
+            raise LoraError(f"LoRA file {name!r} cannot be read: {error.strerror}") from None
+        key = (os.path.realpath(path), name, stat.st_size, stat.st_mtime_ns)
+        if key in self._files:
+            self._files.move_to_end(key)
+            return self._files[key]
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+        self._files[key] = (read_lora(path, name=name), digest.hexdigest())
+        while len(self._files) > self.capacity:
+            self._files.popitem(last=False)
+        return self._files[key]
+
+
+def same_adapters(first: Sequence[Adapter] | None, second: Sequence[Adapter]) -> bool:
+    """Whether two adapter lists apply the same files (the same parsed objects) at the same strengths and targets."""
+    return (
+        first is not None
+        and len(first) == len(second)
+        and all(
+            a.lora is b.lora and a.strength == b.strength and a.target == b.target
+            for a, b in zip(first, second, strict=True)
+        )
+    )
+
+
+def adapter_record(adapter: Adapter, sha256: str) -> dict[str, object]:
     """What a sidecar says about one adapter: the file's name (never its folder), sha256, strength and target."""
-    digest = hashlib.sha256()
-    with open(adapter.lora.path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
     return {
         "file": adapter.lora.name,
-        "sha256": digest.hexdigest(),
+        "sha256": sha256,
         "strength": float(adapter.strength),
         "target": adapter.target,
     }
