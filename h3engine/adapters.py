@@ -35,8 +35,10 @@ from h3engine.checkpoint.lora_format import (
     check_lora_fits,
     read_lora,
 )
+from h3engine.errors import RequestError
 from h3engine.models.dit import LOW_RANK_ATTRIBUTE, DiTConfig, H3DiT
 from h3engine.modulation import clear_modulation_cache
+from h3engine.request import GenerationRequest
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,32 @@ class LoraFiles:
         while len(self._files) > self.capacity:
             self._files.popitem(last=False)
         return self._files[key]
+
+
+def request_adapters(
+    request: GenerationRequest, target: Partition, config: DiTConfig, files: LoraFiles
+) -> tuple[tuple[Adapter, str], ...]:
+    """The validated `request`'s `loras` as adapters of its DiT (`target`, of `config`) with their files' sha256,
+    each file read through `files` and checked against that DiT: RequestError naming `loras[i]`, the file and its
+    first offending key, or a target other than the task's (None: `default_targets`)."""
+    adapters = []
+    for index, choice in enumerate(request.loras):
+        field = f"loras[{index}]"
+        try:
+            lora, sha256 = files.read(choice.path)
+            targets = (choice.target,) if choice.target is not None else default_targets(lora)
+            if target not in targets:
+                raise RequestError(
+                    f"{field}.target: {lora.name!r} targets {' and '.join(map(repr, targets))} (its key prefixes, "
+                    f"else diffusers' default 'transformer'), a {request.task} request runs {target!r}: "
+                    f"set target to {target}"
+                )
+            adapter = Adapter(lora, choice.strength, target)
+            check_adapter(adapter, config)
+        except LoraError as error:
+            raise RequestError(f"{field}: {error}") from None
+        adapters.append((adapter, sha256))
+    return tuple(adapters)
 
 
 def same_adapters(first: Sequence[Adapter] | None, second: Sequence[Adapter]) -> bool:

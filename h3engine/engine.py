@@ -29,8 +29,7 @@ from h3engine.adapters import (
     adapter_record,
     applied_adapters,
     apply_adapters,
-    check_adapter,
-    default_targets,
+    request_adapters,
     same_adapters,
 )
 from h3engine.checkpoint.layout import (
@@ -39,7 +38,6 @@ from h3engine.checkpoint.layout import (
     CheckpointLayout,
     detect_layout,
 )
-from h3engine.checkpoint.lora_format import LoraError
 from h3engine.errors import RequestError
 from h3engine.geometry import Geometry
 from h3engine.media import inputs as media_inputs
@@ -106,24 +104,7 @@ class Engine:
         offending key). Validate the request first."""
         partition = self.store.partition_for(request.task)
         target = DIFFUSERS_DIT_FOLDERS.get(partition, "transformer")
-        adapters = []
-        for index, choice in enumerate(request.loras):
-            field = f"loras[{index}]"
-            try:
-                lora, sha256 = self._lora_files.read(choice.path)
-                targets = (choice.target,) if choice.target is not None else default_targets(lora)
-                if target not in targets:
-                    named = " and ".join(repr(t) for t in targets)
-                    raise RequestError(
-                        f"{field}.target: {lora.name!r} targets {named} (its key prefixes, else diffusers' "
-                        f"default 'transformer'), a {request.task} request runs {target!r}: set target to {target}"
-                    )
-                adapter = Adapter(lora, choice.strength, target)
-                check_adapter(adapter, self.store.dit_config(partition))
-            except LoraError as error:
-                raise RequestError(f"{field}: {error}") from None
-            adapters.append((adapter, sha256))
-        return tuple(adapters)
+        return request_adapters(request, target, self.store.dit_config(partition), self._lora_files)
 
     def record(self, request: GenerationRequest | None = None) -> dict[str, Any]:
         """What a sidecar says about the engine: the store's record and the adapters `request` runs with (file

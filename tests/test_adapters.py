@@ -20,7 +20,15 @@ from _dit_helpers import tiny_fl2va_request
 from _lora_helpers import RandomLora, random_lora, write_lora
 
 from benchmarks._packed_request import max_relative_error
-from h3engine.adapters import Adapter, adapted_layers, applied_adapters, apply_adapters, remove_adapters
+from h3engine import adapters as adapters_module
+from h3engine.adapters import (
+    Adapter,
+    LoraFiles,
+    adapted_layers,
+    applied_adapters,
+    apply_adapters,
+    remove_adapters,
+)
 from h3engine.checkpoint.dit_format import native_to_module
 from h3engine.checkpoint.dit_keys import random_native_state
 from h3engine.checkpoint.lora_format import read_lora
@@ -329,3 +337,30 @@ def test_a_tensor_parallel_rank_is_refused_before_anything_changes(tmp_path) -> 
     with pytest.raises(ValueError, match=r"blocks\.\d+\.\S+ holds a \[.*tensor-parallel rank's shards"):
         apply_adapters(sharded, [Adapter(read_lora(path))], "cpu")
     assert adapted_layers(sharded) == 0
+
+
+def test_a_lora_file_is_read_once_until_it_changes(engine, tmp_path, monkeypatch) -> None:
+    path = lora_file(tmp_path, engine, "original", 19)
+    reads: list[str] = []
+    read_lora_once = adapters_module.read_lora
+    monkeypatch.setattr(
+        adapters_module, "read_lora", lambda p, **kw: reads.append(p) or read_lora_once(p, **kw)
+    )
+    request = dataclasses.replace(REQUEST, loras=(LoraChoice(str(path), 0.5),))
+    dit = engine.models_for(request).dit
+    applied = applied_adapters(dit)
+    assert engine.models_for(dataclasses.replace(request)).dit is dit
+    assert applied_adapters(dit) is applied  # the same file at the same strength: applied once
+    assert len(reads) == 1
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    engine.models_for(request)
+    assert len(reads) == 2 and applied_adapters(dit) is not applied  # a changed file is read again
+
+
+def test_lora_files_keeps_the_last_files_it_read(engine, tmp_path) -> None:
+    paths = [lora_file(tmp_path, engine, "kohya", 20 + index) for index in range(3)]
+    files = LoraFiles(capacity=2)
+    first = [files.read(path)[0] for path in paths]
+    assert files.read(paths[2])[0] is first[2] and files.read(paths[1])[0] is first[1]
+    assert files.read(paths[0])[0] is not first[0]  # evicted: read again
