@@ -7,8 +7,10 @@ update rides on the layer as `h3engine.models.dit.LOW_RANK_ATTRIBUTE`: a forward
 called, and the two places that read weights instead (the stacked QKV chunks, the AdaLN projection with streamed
 weights) add it themselves. The factors live on `device` in the linear's dtype (fp32 islands stay fp32; FP8 linears
 get the DiT's compute dtype), as peft holds a bf16 model's: no activation is cast. Every change forgets the DiT's
-cached AdaLN tables (h3engine.modulation), which an adapter on the AdaLN or time-embedding linears changes.
-Strength 0 adds nothing (the adapter is skipped). Everything is checked before anything changes.
+cached AdaLN tables (h3engine.modulation). Strength 0 adds nothing. Everything is checked before anything changes.
+A tensor-parallel rank holds its slice of the factors (h3engine.parallel.linear: B's rows, A's columns; a
+row-parallel layer adds its partial update before its all-reduce). `request_adapters` turns a request's `loras`
+into adapters, reading files through a `LoraFiles` cache.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from h3engine.checkpoint.lora_format import (
 from h3engine.errors import RequestError
 from h3engine.models.dit import LOW_RANK_ATTRIBUTE, DiTConfig, H3DiT
 from h3engine.modulation import clear_modulation_cache
+from h3engine.parallel.linear import ColumnParallelLinear, ParallelLinear, RowParallelLinear
 from h3engine.request import GenerationRequest
 
 
@@ -70,7 +73,7 @@ class LowRankUpdate:
 @dataclass
 class _Applied:
     adapters: tuple[Adapter, ...]
-    handles: list[tuple[nn.Module, RemovableHandle]]
+    handles: list[tuple[nn.Module, RemovableHandle | None]]
 
 
 # DiT -> its adapters as given and the forward-hook handles of its adapted layers (absent: none).
@@ -113,24 +116,24 @@ def apply_adapters(dit: H3DiT, adapters: Sequence[Adapter], device: torch.device
         check_adapter(adapter, dit.config)
     device = torch.device(device) if device is not None else dit.condition_proj.weight.device
     modules = dict(dit.named_modules())
-    per_module: dict[str, list[tuple[LoraLayer, float]]] = {}
+    per_module: dict[str, list[tuple[Tensor, Tensor]]] = {}
     for adapter in adapters:
         if adapter.strength == 0:
             continue
         for module, layer in adapter_layers(adapter).items():
-            _check_whole(modules[module], module, layer)
-            per_module.setdefault(module, []).append((layer, float(adapter.strength)))
+            down, up = _local_factors(modules[module], module, layer)
+            per_module.setdefault(module, []).append((down, up * (layer.scale * float(adapter.strength))))
     remove_adapters(dit)
     handles = []
-    for module, layers in per_module.items():
+    for module, factors in per_module.items():
         linear = modules[module]
         dtype = _factor_dtype(linear, dit)
-        down = torch.cat([layer.down for layer, _ in layers]).to(device, dtype)
-        up = torch.cat([layer.up * (layer.scale * strength) for layer, strength in layers], dim=1).to(
-            device, dtype
-        )
+        down = torch.cat([down for down, _ in factors]).to(device, dtype)
+        up = torch.cat([up for _, up in factors], dim=1).to(device, dtype)
         setattr(linear, LOW_RANK_ATTRIBUTE, LowRankUpdate(down, up))
-        handles.append((linear, linear.register_forward_hook(_add_update)))
+        # A row-parallel layer adds its partial update itself, before the sum over its group.
+        hook = None if isinstance(linear, RowParallelLinear) else linear.register_forward_hook(_add_update)
+        handles.append((linear, hook))
     _applied[dit] = _Applied(adapters, handles)
     clear_modulation_cache(dit)
     return len(handles)
@@ -140,7 +143,8 @@ def remove_adapters(dit: H3DiT) -> None:
     """Drop every adapter of `dit` (its weights were never changed, so it computes exactly as before)."""
     applied = _applied.pop(dit, None)
     for linear, handle in applied.handles if applied is not None else []:
-        handle.remove()
+        if handle is not None:
+            handle.remove()
         delattr(linear, LOW_RANK_ATTRIBUTE)
     clear_modulation_cache(dit)
 
@@ -157,15 +161,25 @@ def adapted_layers(dit: H3DiT) -> int:
     return 0 if applied is None else len(applied.handles)
 
 
-def _check_whole(linear: nn.Module, module: str, layer: LoraLayer) -> None:
-    """ValueError unless `linear` holds the whole weight the update is for (not a tensor-parallel shard)."""
-    weight = getattr(linear, "weight", None)
-    shape = tuple(weight.shape) if isinstance(weight, Tensor) else (linear.out_features, linear.in_features)
+def _local_factors(linear: nn.Module, module: str, layer: LoraLayer) -> tuple[Tensor, Tensor]:
+    """(A, B) of `layer` for `linear`: whole, or a tensor-parallel rank's slice (B's rows for a column-parallel
+    layer, A's columns for a row-parallel one, as the layer slices its weight); ValueError if the shapes differ."""
+    if isinstance(linear, ParallelLinear):
+        shape = (linear.out_features, linear.in_features)
+    else:
+        weight = getattr(linear, "weight", None)
+        shape = (
+            tuple(weight.shape) if isinstance(weight, Tensor) else (linear.out_features, linear.in_features)
+        )
     if shape != (layer.up.shape[0], layer.down.shape[1]):
         raise ValueError(
-            f"{module} holds a {list(shape)} weight, the adapter updates [{layer.up.shape[0]}, "
-            f"{layer.down.shape[1]}]: adapters apply to a whole DiT, not to a tensor-parallel rank's shards"
+            f"{module} is a {list(shape)} linear, the adapter updates [{layer.up.shape[0]}, {layer.down.shape[1]}]"
         )
+    if isinstance(linear, ColumnParallelLinear):
+        return layer.down, linear.local_rows(layer.up)
+    if isinstance(linear, RowParallelLinear):
+        return linear.local_columns(layer.down), layer.up
+    return layer.down, layer.up
 
 
 def _factor_dtype(linear: nn.Module, dit: H3DiT) -> torch.dtype:

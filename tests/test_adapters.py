@@ -328,15 +328,19 @@ def test_fp8_linears_carry_the_update_beside_them(tmp_path) -> None:
         assert all(torch.equal(restored, expected) for restored, expected in pairs)
 
 
-def test_a_tensor_parallel_rank_is_refused_before_anything_changes(tmp_path) -> None:
+def test_a_tensor_parallel_rank_holds_its_slice_of_the_factors(tmp_path) -> None:
+    """Every update fits the rank's shard of its linear (tests/test_parallel_adapters.py checks the outputs)."""
     config = DiTConfig.tiny()
     path = tmp_path / "lora.safetensors"
     write_lora(path, small_lora(config, 18), "original", config)
     sharded = H3DiT(config, torch.float32, "meta")
-    _apply_tensor_parallel(sharded, GroupMembership(None, 2, 0))
-    with pytest.raises(ValueError, match=r"blocks\.\d+\.\S+ holds a \[.*tensor-parallel rank's shards"):
-        apply_adapters(sharded, [Adapter(read_lora(path))], "cpu")
-    assert adapted_layers(sharded) == 0
+    _apply_tensor_parallel(sharded, GroupMembership(None, 2, 1))
+    lora = read_lora(path)
+    assert apply_adapters(sharded, [Adapter(lora)], "cpu") == len(lora.layers()) == adapted_layers(sharded)
+    for module in lora.layers():
+        linear = sharded.get_submodule(module)
+        update = linear.low_rank_update
+        assert (update.up.shape[0], update.down.shape[1]) == tuple(linear.weight.shape), module
 
 
 def test_a_lora_file_is_read_once_until_it_changes(engine, tmp_path, monkeypatch) -> None:
