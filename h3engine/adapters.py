@@ -7,26 +7,41 @@ update rides on the layer as `h3engine.models.dit.LOW_RANK_ATTRIBUTE`: a forward
 called, and the two places that read weights instead (the stacked QKV chunks, the AdaLN projection with streamed
 weights) add it themselves. The factors live on `device` in the linear's dtype (fp32 islands stay fp32; FP8 linears
 get the DiT's compute dtype), as peft holds a bf16 model's: no activation is cast. Every change forgets the DiT's
-cached AdaLN tables (h3engine.modulation), which an adapter on the AdaLN or time-embedding linears changes.
-Strength 0 adds nothing (the adapter is skipped). Everything is checked before anything changes.
+cached AdaLN tables (h3engine.modulation). Strength 0 adds nothing. Everything is checked before anything changes.
+A tensor-parallel rank holds its slice of the factors (h3engine.parallel.linear: B's rows, A's columns; a
+row-parallel layer adds its partial update before its all-reduce). `request_adapters` turns a request's `loras`
+into adapters, reading files through a `LoraFiles` cache.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from h3engine.checkpoint.lora_format import LoraError, LoraFile, LoraLayer, Partition, check_lora_fits
+from h3engine.checkpoint.lora_format import (
+    LoraError,
+    LoraFile,
+    LoraLayer,
+    Partition,
+    check_lora_fits,
+    read_lora,
+)
+from h3engine.errors import RequestError
 from h3engine.models.dit import LOW_RANK_ATTRIBUTE, DiTConfig, H3DiT
 from h3engine.modulation import clear_modulation_cache
+from h3engine.parallel.linear import ColumnParallelLinear, ParallelLinear, RowParallelLinear
+from h3engine.request import GenerationRequest
 
 
 @dataclass(frozen=True)
@@ -58,7 +73,7 @@ class LowRankUpdate:
 @dataclass
 class _Applied:
     adapters: tuple[Adapter, ...]
-    handles: list[tuple[nn.Module, RemovableHandle]]
+    handles: list[tuple[nn.Module, RemovableHandle | None]]
 
 
 # DiT -> its adapters as given and the forward-hook handles of its adapted layers (absent: none).
@@ -101,24 +116,24 @@ def apply_adapters(dit: H3DiT, adapters: Sequence[Adapter], device: torch.device
         check_adapter(adapter, dit.config)
     device = torch.device(device) if device is not None else dit.condition_proj.weight.device
     modules = dict(dit.named_modules())
-    per_module: dict[str, list[tuple[LoraLayer, float]]] = {}
+    per_module: dict[str, list[tuple[Tensor, Tensor]]] = {}
     for adapter in adapters:
         if adapter.strength == 0:
             continue
         for module, layer in adapter_layers(adapter).items():
-            _check_whole(modules[module], module, layer)
-            per_module.setdefault(module, []).append((layer, float(adapter.strength)))
+            down, up = _local_factors(modules[module], module, layer)
+            per_module.setdefault(module, []).append((down, up * (layer.scale * float(adapter.strength))))
     remove_adapters(dit)
     handles = []
-    for module, layers in per_module.items():
+    for module, factors in per_module.items():
         linear = modules[module]
         dtype = _factor_dtype(linear, dit)
-        down = torch.cat([layer.down for layer, _ in layers]).to(device, dtype)
-        up = torch.cat([layer.up * (layer.scale * strength) for layer, strength in layers], dim=1).to(
-            device, dtype
-        )
+        down = torch.cat([down for down, _ in factors]).to(device, dtype)
+        up = torch.cat([up for _, up in factors], dim=1).to(device, dtype)
         setattr(linear, LOW_RANK_ATTRIBUTE, LowRankUpdate(down, up))
-        handles.append((linear, linear.register_forward_hook(_add_update)))
+        # A row-parallel layer adds its partial update itself, before the sum over its group.
+        hook = None if isinstance(linear, RowParallelLinear) else linear.register_forward_hook(_add_update)
+        handles.append((linear, hook))
     _applied[dit] = _Applied(adapters, handles)
     clear_modulation_cache(dit)
     return len(handles)
@@ -128,7 +143,8 @@ def remove_adapters(dit: H3DiT) -> None:
     """Drop every adapter of `dit` (its weights were never changed, so it computes exactly as before)."""
     applied = _applied.pop(dit, None)
     for linear, handle in applied.handles if applied is not None else []:
-        handle.remove()
+        if handle is not None:
+            handle.remove()
         delattr(linear, LOW_RANK_ATTRIBUTE)
     clear_modulation_cache(dit)
 
@@ -145,15 +161,25 @@ def adapted_layers(dit: H3DiT) -> int:
     return 0 if applied is None else len(applied.handles)
 
 
-def _check_whole(linear: nn.Module, module: str, layer: LoraLayer) -> None:
-    """ValueError unless `linear` holds the whole weight the update is for (not a tensor-parallel shard)."""
-    weight = getattr(linear, "weight", None)
-    shape = tuple(weight.shape) if isinstance(weight, Tensor) else (linear.out_features, linear.in_features)
+def _local_factors(linear: nn.Module, module: str, layer: LoraLayer) -> tuple[Tensor, Tensor]:
+    """(A, B) of `layer` for `linear`: whole, or a tensor-parallel rank's slice (B's rows for a column-parallel
+    layer, A's columns for a row-parallel one, as the layer slices its weight); ValueError if the shapes differ."""
+    if isinstance(linear, ParallelLinear):
+        shape = (linear.out_features, linear.in_features)
+    else:
+        weight = getattr(linear, "weight", None)
+        shape = (
+            tuple(weight.shape) if isinstance(weight, Tensor) else (linear.out_features, linear.in_features)
+        )
     if shape != (layer.up.shape[0], layer.down.shape[1]):
         raise ValueError(
-            f"{module} holds a {list(shape)} weight, the adapter updates [{layer.up.shape[0]}, "
-            f"{layer.down.shape[1]}]: adapters apply to a whole DiT, not to a tensor-parallel rank's shards"
+            f"{module} is a {list(shape)} linear, the adapter updates [{layer.up.shape[0]}, {layer.down.shape[1]}]"
         )
+    if isinstance(linear, ColumnParallelLinear):
+        return layer.down, linear.local_rows(layer.up)
+    if isinstance(linear, RowParallelLinear):
+        return linear.local_columns(layer.down), layer.up
+    return layer.down, layer.up
 
 
 def _factor_dtype(linear: nn.Module, dit: H3DiT) -> torch.dtype:
@@ -167,15 +193,84 @@ def _add_update(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> 
     return output + getattr(module, LOW_RANK_ATTRIBUTE)(args[0])
 
 
-def adapter_record(adapter: Adapter) -> dict[str, object]:
+def default_targets(lora: LoraFile) -> tuple[Partition, ...]:
+    """The DiTs diffusers 0.42.1 loads `lora` into without `load_into_transformer_ref`: those its key prefixes name,
+    and "transformer" for keys without one."""
+    return tuple(sorted({partition or "transformer" for partition in lora.partitions}))
+
+
+class LoraFiles:
+    """Parsed LoRA files and their sha256, by (path, size, mtime): a file read before is not read again until it
+    changes. Holds the last `capacity` files (their factors in fp32, host memory)."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self._files: OrderedDict[tuple[str, str, int, int], tuple[LoraFile, str]] = OrderedDict()
+
+    def read(self, path: str | os.PathLike[str]) -> tuple[LoraFile, str]:
+        """(the file as `read_lora` gives it, named by its own file name; its sha256); LoraError like read_lora's."""
+        name = Path(path).name
+        try:
+            stat = os.stat(path)
+        except OSError as error:
+            raise LoraError(f"LoRA file {name!r} cannot be read: {error.strerror}") from None
+        key = (os.path.realpath(path), name, stat.st_size, stat.st_mtime_ns)
+        if key in self._files:
+            self._files.move_to_end(key)
+            return self._files[key]
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(chunk)
+        self._files[key] = (read_lora(path, name=name), digest.hexdigest())
+        while len(self._files) > self.capacity:
+            self._files.popitem(last=False)
+        return self._files[key]
+
+
+def request_adapters(
+    request: GenerationRequest, target: Partition, config: DiTConfig, files: LoraFiles
+) -> tuple[tuple[Adapter, str], ...]:
+    """The validated `request`'s `loras` as adapters of its DiT (`target`, of `config`) with their files' sha256,
+    each file read through `files` and checked against that DiT: RequestError naming `loras[i]`, the file and its
+    first offending key, or a target other than the task's (None: `default_targets`)."""
+    adapters = []
+    for index, choice in enumerate(request.loras):
+        field = f"loras[{index}]"
+        try:
+            lora, sha256 = files.read(choice.path)
+            targets = (choice.target,) if choice.target is not None else default_targets(lora)
+            if target not in targets:
+                raise RequestError(
+                    f"{field}.target: {lora.name!r} targets {' and '.join(map(repr, targets))} (its key prefixes, "
+                    f"else diffusers' default 'transformer'), a {request.task} request runs {target!r}: "
+                    f"set target to {target}"
+                )
+            adapter = Adapter(lora, choice.strength, target)
+            check_adapter(adapter, config)
+        except LoraError as error:
+            raise RequestError(f"{field}: {error}") from None
+        adapters.append((adapter, sha256))
+    return tuple(adapters)
+
+
+def same_adapters(first: Sequence[Adapter] | None, second: Sequence[Adapter]) -> bool:
+    """Whether two adapter lists apply the same files (the same parsed objects) at the same strengths and targets."""
+    return (
+        first is not None
+        and len(first) == len(second)
+        and all(
+            a.lora is b.lora and a.strength == b.strength and a.target == b.target
+            for a, b in zip(first, second, strict=True)
+        )
+    )
+
+
+def adapter_record(adapter: Adapter, sha256: str) -> dict[str, object]:
     """What a sidecar says about one adapter: the file's name (never its folder), sha256, strength and target."""
-    digest = hashlib.sha256()
-    with open(adapter.lora.path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
     return {
         "file": adapter.lora.name,
-        "sha256": digest.hexdigest(),
+        "sha256": sha256,
         "strength": float(adapter.strength),
         "target": adapter.target,
     }

@@ -1,18 +1,18 @@
 """Command line: `python -m h3engine generate ...` and `python -m h3engine make-tiny-checkpoint DIR`.
 
 Task inputs: `--first-frame` / `--last-frame` (FL2VA) and repeatable `--ref KIND:PATH[@START_SECONDS]` (Ref2VA, in
-prompt label order); without `--task` the inputs pick it. Devices: one (`--device`, default cuda when present) runs
-the engine in this process; `--gpus N`, `--devices 0,1,...` or `--world-size N` (with `--device cpu`: CPU ranks over
-gloo) run a resident worker group behind the app's engine front (h3engine.runtime.workers). The engine flags
-(layout, `--dtype`, `--memory-profile`, `--fp8-linear`) are the app's too (h3engine.engine_options).
+prompt label order); without `--task` the inputs pick it. Adapters: repeatable `--lora PATH[:STRENGTH]`, on the DiT
+`--lora-target` names (default: as diffusers). Devices: one (`--device`, default cuda when present) runs the engine
+in this process; `--gpus N`, `--devices 0,1,...` or `--world-size N` (with `--device cpu`: CPU ranks over gloo) run
+a resident worker group behind the app's engine front (h3engine.runtime.workers). The engine flags (layout,
+`--dtype`, `--memory-profile`, `--fp8-linear`) are the app's too (h3engine.engine_options).
 
 Order of the checks: the output flags, the request and its files (headers only) and `--dtype` before torch is
 imported; then the device, memory-profile and layout flags, a step-distilled checkpoint's step count (`--steps`
-defaults to it) and the prompt's tokens (index and tokenizer only); then models load. Progress: h3engine.cli_progress.
-
-Exit codes: 0 success; 2 a bad request, input file, output, flag or checkpoint (one line on stderr naming it); 1 an
-internal error (one line; `--debug` adds the traceback); 130 Ctrl-C, 143 SIGTERM: a running generation is cancelled
-and every worker process ends. Nothing is written under the output name unless the whole generation succeeded.
+defaults to it), the prompt's tokens and the LoRA files (against the DiT's config); then models load.
+Exit codes: 0 success; 2 a bad request, input file, output, flag, LoRA or checkpoint (one line on stderr naming it);
+1 an internal error (one line; `--debug` adds the traceback); 130 Ctrl-C, 143 SIGTERM: a running generation is
+cancelled and every worker process ends. Nothing is written under the output name unless all of it succeeded.
 """
 
 from __future__ import annotations
@@ -41,7 +41,15 @@ from h3engine.engine_options import (
 )
 from h3engine.errors import H3Error, RequestError
 from h3engine.media.formats import accepted_text
-from h3engine.request import REFERENCE_KINDS, GenerationRequest, check_prompt_tokens, validate
+from h3engine.request import (
+    LORA_TARGETS,
+    MAX_LORA_STRENGTH,
+    MAX_LORAS,
+    REFERENCE_KINDS,
+    GenerationRequest,
+    check_prompt_tokens,
+    validate,
+)
 from h3engine.request_shapes import from_dict
 
 if TYPE_CHECKING:  # torch is imported only once a generation really starts
@@ -91,6 +99,21 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="KIND:PATH[@START_SECONDS]",
         help="Ref2VA reference, repeatable, in prompt order (<Picture i>, <Video k>, <Audio j>): KIND is image, "
         f"video or audio ({accepted_text()}); @START_SECONDS (videos only) skips the start of the clip",
+    )
+    generate.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="PATH[:STRENGTH]",
+        help=f"LoRA adapter (.safetensors), repeatable (at most {MAX_LORAS}); STRENGTH from "
+        f"{-MAX_LORA_STRENGTH:g} to {MAX_LORA_STRENGTH:g}, default 1",
+    )
+    generate.add_argument(
+        "--lora-target",
+        choices=LORA_TARGETS,
+        default=None,
+        help="the DiT every --lora applies to: transformer (T2VA / FL2VA) or transformer_ref (Ref2VA); default: "
+        "the file's transformer. / transformer_ref. key prefixes, else transformer (as diffusers)",
     )
     generate.add_argument("--duration", type=float, default=None, help="seconds, 4 to 15 (default 5)")
     generate.add_argument("--aspect-ratio", default="auto", help="21:9, 16:9, 4:3, 1:1, 3:4, 9:16 or auto")
@@ -183,6 +206,21 @@ def parse_reference_spec(spec: str) -> dict[str, object]:
     return {"kind": kind, "path": rest}
 
 
+def parse_lora_spec(spec: str, target: str | None) -> dict[str, object]:
+    """`PATH[:STRENGTH]` -> a LoRA entry of our request shape. The text after the last `:` is the strength when it
+    reads as a number; otherwise it belongs to the path, if that path exists (else RequestError naming --lora)."""
+    path, colon, strength_text = spec.rpartition(":")
+    if colon and path:
+        try:
+            return {"path": path, "strength": float(strength_text), "target": target}
+        except ValueError:
+            if not Path(spec).exists():
+                raise RequestError(
+                    f"--lora: expected PATH[:STRENGTH] with STRENGTH a number such as 0.8, got '{spec}'"
+                ) from None
+    return {"path": spec, "strength": 1.0, "target": target}
+
+
 def _task(args: argparse.Namespace) -> str:
     if args.task is not None:
         return args.task
@@ -207,7 +245,10 @@ def _request_payload(args: argparse.Namespace) -> dict:
         "recipe": args.recipe,
         "keyframes": keyframes,
         "references": [parse_reference_spec(spec) for spec in args.ref],
+        "loras": [parse_lora_spec(spec, args.lora_target) for spec in args.lora],
     }
+    if args.lora_target is not None and not args.lora:
+        raise RequestError("--lora-target: given without --lora (it sets the target of each --lora)")
     optional = {
         "steps": args.steps,
         "duration_seconds": args.duration,
@@ -245,6 +286,7 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
     # The checkpoint's index and tokenizer alone; the checkpoint itself loads after this.
     request = _checkpoint_steps(args.checkpoint, request, explicit=args.steps is not None)
     _check_prompt_tokens(args.checkpoint, request)
+    _check_loras(args.checkpoint, request)
     if device is not None:
         return _generate_in_process(
             args.checkpoint, options, request, device, out_path, save_tensors_path, progress
@@ -304,6 +346,22 @@ def _check_prompt_tokens(checkpoint: str, request: GenerationRequest) -> None:
 
     tokenizer_folder = detect_layout(checkpoint).for_task(request.task).tokenizer
     check_prompt_tokens(request.prompt, prompt_token_counter(tokenizer_folder))
+
+
+def _check_loras(checkpoint: str, request: GenerationRequest) -> None:
+    """Each LoRA file read and checked against the DiT its task runs (that DiT's config only: no model loads)."""
+    if not request.loras:
+        return
+    import torch
+
+    from h3engine.adapters import LoraFiles, request_adapters
+    from h3engine.checkpoint.layout import DIFFUSERS_DIT_FOLDERS, detect_layout
+    from h3engine.checkpoint.loader import dit_source
+
+    layout = detect_layout(checkpoint)
+    paths = layout.for_task(request.task)
+    config = dit_source(layout, paths, torch.float32).config
+    request_adapters(request, DIFFUSERS_DIT_FOLDERS.get(paths.partition, "transformer"), config, LoraFiles())
 
 
 def _generate_in_process(

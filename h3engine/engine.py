@@ -10,27 +10,34 @@ Contract:
   output names first, then writes the MP4 (while the video decodes), the optional tensors and the sidecar into
   staging files that appear together, only when all are complete (h3engine.media.outputs.staged).
 * `should_cancel` is polled between the phases (h3engine.pipeline); a `True` raises GenerationCancelled.
-* `set_adapters([(path, strength, target)])`: LoRAs (h3engine.adapters) for later requests; the sidecar lists them.
+* A request's `loras` (h3engine.adapters) apply to its DiT for that request only; the sidecar lists them.
 * `memory_profile` (h3engine.placement): "resident" (default) keeps every component on the compute device;
   "low-memory" keeps them in host memory and moves each onto the device only for the phase that runs it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from h3engine.adapters import Adapter, adapter_record, applied_adapters, apply_adapters, check_adapter
+from h3engine.adapters import (
+    Adapter,
+    LoraFiles,
+    adapter_record,
+    applied_adapters,
+    apply_adapters,
+    request_adapters,
+    same_adapters,
+)
 from h3engine.checkpoint.layout import (
     DIFFUSERS_DIT_FOLDERS,
     PARTITION_OF_TASK,
     CheckpointLayout,
     detect_layout,
 )
-from h3engine.checkpoint.lora_format import LoraError, read_lora
 from h3engine.errors import RequestError
 from h3engine.geometry import Geometry
 from h3engine.media import inputs as media_inputs
@@ -48,7 +55,7 @@ from h3engine.pipeline import (
 )
 from h3engine.placement import Placement
 from h3engine.presentation import prompt_token_counter
-from h3engine.request import GenerationRequest, validate
+from h3engine.request import MAX_LORAS, GenerationRequest, validate
 from h3engine.sampling.schedule import check_distilled_steps
 
 
@@ -70,9 +77,7 @@ class Engine:
         self.store = ModelStore(
             layout, device, dtype, self.placement, loader or ModelLoader(), fp8_linear, on_load
         )
-        # DiT partition -> the adapters its requests run with (the same tuple until `set_adapters` changes it).
-        self._adapters: dict[str, tuple[Adapter, ...]] = {}
-        self._adapter_records: list[dict[str, Any]] = []
+        self._lora_files = LoraFiles(MAX_LORAS)
 
     @classmethod
     def from_checkpoint(
@@ -93,34 +98,26 @@ class Engine:
         anything loads."""
         return Placement(memory_profile, device)
 
-    def set_adapters(self, adapters: Sequence[tuple[str | Path, float, str]]) -> None:
-        """Run every later request with these LoRA files, each (path, strength, target); `[]`: none. Every file is
-        read and checked against its partition first (LoraError naming the file and key), so a bad one changes
-        nothing; the weights are never written (h3engine.adapters), so switching needs no reload."""
-        partitions = {target: partition for partition, target in DIFFUSERS_DIT_FOLDERS.items()}
-        wanted: dict[str, list[Adapter]] = {}
-        for path, strength, target in adapters:
-            name = Path(path).name
-            if partitions.get(target) not in self.layout.partitions:
-                raise LoraError(
-                    f"LoRA file {name!r}: target {target!r} is not a DiT of this checkpoint (it has "
-                    f"{' and '.join(repr(DIFFUSERS_DIT_FOLDERS[p]) for p in self.layout.partitions)})"
-                )
-            adapter = Adapter(read_lora(path, name=name), strength, target)  # type: ignore[arg-type]
-            check_adapter(adapter, self.store.dit_config(partitions[target]))
-            wanted.setdefault(partitions[target], []).append(adapter)
-        self._adapters = {partition: tuple(group) for partition, group in wanted.items()}
-        self._adapter_records = [adapter_record(a) for group in self._adapters.values() for a in group]
+    def adapters_for(self, request: GenerationRequest) -> tuple[tuple[Adapter, str], ...]:
+        """The request's `loras` as adapters of the DiT its task runs, with their files' sha256; each file is read
+        once (`LoraFiles`) and checked against that DiT (RequestError naming `loras[i]`, the file and its first
+        offending key). Validate the request first."""
+        partition = self.store.partition_for(request.task)
+        target = DIFFUSERS_DIT_FOLDERS.get(partition, "transformer")
+        return request_adapters(request, target, self.store.dit_config(partition), self._lora_files)
 
-    def record(self) -> dict[str, Any]:
-        """What a sidecar says about the engine: the store's record and the adapters requests run with."""
-        return {**self.store.record(), "adapters": list(self._adapter_records)}
+    def record(self, request: GenerationRequest | None = None) -> dict[str, Any]:
+        """What a sidecar says about the engine: the store's record and the adapters `request` runs with (file
+        name, sha256, strength, target)."""
+        adapters = self.adapters_for(request) if request is not None else ()
+        return {**self.store.record(), "adapters": [adapter_record(*pair) for pair in adapters]}
 
-    def _models_with_adapters(self, task: str) -> Models:
-        """The task's models, their DiT carrying exactly the adapters set for its partition."""
-        models = self.store.models_for_task(task)
-        wanted = self._adapters.get(self.store.partition_for(task), ())
-        if applied_adapters(models.dit) is not wanted and (wanted or applied_adapters(models.dit)):
+    def models_for(self, request: GenerationRequest) -> Models:
+        """The request's models, their DiT carrying exactly the request's adapters (none: the base model)."""
+        models = self.store.models_for_task(request.task)
+        wanted = tuple(adapter for adapter, _ in self.adapters_for(request))
+        applied = applied_adapters(models.dit)
+        if not same_adapters(applied, wanted) and (wanted or applied):
             apply_adapters(models.dit, wanted, self.device)
         return models
 
@@ -141,6 +138,7 @@ class Engine:
             count_prompt_tokens=prompt_token_counter(self.layout.partitions[partition].tokenizer),
         )
         check_distilled_steps(request.steps, request.recipe, self.layout.dmd_steps_for(request.task))
+        self.adapters_for(request)
         if request.task == "ref2va" and request.keyframes:
             # SGLang's schema admits them, but no reference implementation we follow lays them out next to
             # references; dropping them silently would generate something the user did not ask for.
@@ -174,7 +172,7 @@ class Engine:
     ) -> tuple[GenerationOutput, Geometry]:
         """The request's video and audio tensors; with `mp4_path`, also its MP4, written while the video decodes."""
         prepared = self.prepare(request, should_cancel)
-        models = self._models_with_adapters(request.task)
+        models = self.models_for(request)
         with torch.inference_mode():
             output = run_generation(models, prepared, self.device, on_step, should_cancel, mp4_path)
         return output, prepared.geometry
@@ -194,5 +192,5 @@ class Engine:
             output, geometry = self.generate(
                 request, on_step=on_step, should_cancel=should_cancel, mp4_path=staging.files.video
             )
-            write_outputs(staging, request, inputs, output, geometry, self.record(), mp4_written=True)
+            write_outputs(staging, request, inputs, output, geometry, self.record(request), mp4_written=True)
             return staging.commit()

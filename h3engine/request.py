@@ -17,6 +17,7 @@ as well as ranges and must only ever raise `RequestError`.
 from __future__ import annotations
 
 import math
+import os
 import re
 import reprlib
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +41,13 @@ TASKS = ("t2va", "fl2va", "ref2va")
 KEYFRAME_POSITIONS = ("first", "last")
 REFERENCE_KINDS = ("image", "video", "audio")
 RECIPES = ("sglang", "diffusers")
+# The two DiTs a LoRA can target (diffusers' component names) and the one each task runs.
+LORA_TARGETS = ("transformer", "transformer_ref")
+LORA_TARGET_OF_TASK = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
+# peft takes any adapter weight; published adapters are used within about [-2, 2] (negative: the concept taken
+# away) and far beyond that a low-rank update swamps the base model, so wider values are a typo, not a choice.
+MAX_LORA_STRENGTH = 4.0
+MAX_LORAS = 8  # each adds a low-rank product to every adapted linear's forward
 
 # The only configuration MiniMax verified; other short edges run but warn.
 VERIFIED_SHORT_EDGE = RELEASED_SHORT_EDGE
@@ -128,7 +136,21 @@ class MediaInfo:
 
 
 MediaProbe = Callable[[Reference], MediaInfo]
-EntryT = TypeVar("EntryT", Keyframe, Reference)
+LoraTarget = Literal["transformer", "transformer_ref"]
+
+
+@dataclass(frozen=True)
+class LoraChoice:
+    """A LoRA file (.safetensors) applied at `strength` to the DiT `target` ("transformer": T2VA / FL2VA,
+    "transformer_ref": Ref2VA); None follows diffusers: the file's own `transformer.` / `transformer_ref.` key
+    prefixes, else "transformer"."""
+
+    path: str
+    strength: float = 1.0
+    target: LoraTarget | None = None
+
+
+EntryT = TypeVar("EntryT", Keyframe, Reference, LoraChoice)
 
 
 @dataclass(frozen=True)
@@ -149,6 +171,7 @@ class GenerationRequest:
     recipe: RecipeName = "sglang"
     keyframes: tuple[Keyframe, ...] = ()
     references: tuple[Reference, ...] = ()
+    loras: tuple[LoraChoice, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Our JSON shape, every field spelled out, so that `from_dict(request.to_dict()) == request`."""
@@ -171,6 +194,9 @@ class GenerationRequest:
             "references": [
                 {"kind": reference.kind, "path": reference.path, "start_seconds": reference.start_seconds}
                 for reference in self.references
+            ],
+            "loras": [
+                {"path": lora.path, "strength": lora.strength, "target": lora.target} for lora in self.loras
             ],
         }
 
@@ -207,6 +233,7 @@ def validate(
     references = _checked_references(request.references)
     _check_conditions_for_task(request.task, keyframes, references)
     _check_duration_field(request.task, request.duration_seconds, references)
+    _check_loras(request.task, request.loras)
     first_keyframe_size = None
     if media_durations is not None:
         probe = _remembering(media_durations)
@@ -349,6 +376,35 @@ def _checked_references(references: Any) -> tuple[Reference, ...]:
                     f"{MAX_CLIP_SECONDS:g} s), got {_describe(reference.start_seconds)}",
                 )
     return tuple(references)
+
+
+def _check_loras(task: str, loras: Any) -> None:
+    """Each LoRA's path names a file, its strength is within the bound and its target serves `task`; what the
+    file holds is checked against the checkpoint by the engine (h3engine.engine)."""
+    entries = list(_typed_entries(loras, "loras", LoraChoice))
+    if len(entries) > MAX_LORAS:
+        _fail("loras", f"at most {MAX_LORAS} adapters per request, got {len(entries)}")
+    for field, lora in entries:
+        _check_local_path(lora.path, f"{field}.path")
+        if not os.path.isfile(lora.path):
+            problem = "is a folder, not a .safetensors file" if os.path.isdir(lora.path) else "no such file"
+            _fail(f"{field}.path", f"{problem}: {os.path.basename(lora.path.rstrip(os.sep))!r}")
+        _check_finite_number(lora.strength, f"{field}.strength")
+        if not -MAX_LORA_STRENGTH <= lora.strength <= MAX_LORA_STRENGTH:
+            _fail(
+                f"{field}.strength",
+                f"must be within [{-MAX_LORA_STRENGTH:g}, {MAX_LORA_STRENGTH:g}], got {_describe(lora.strength)}",
+            )
+        if lora.target is not None and (not isinstance(lora.target, str) or lora.target not in LORA_TARGETS):
+            _fail(
+                f"{field}.target",
+                f"must be transformer, transformer_ref or null, got {_describe(lora.target)}",
+            )
+        if lora.target is not None and lora.target != LORA_TARGET_OF_TASK[task]:
+            _fail(
+                f"{field}.target",
+                f"a {task} request runs the '{LORA_TARGET_OF_TASK[task]}' DiT, this adapter targets '{lora.target}'",
+            )
 
 
 def _check_conditions_for_task(

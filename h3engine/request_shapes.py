@@ -19,6 +19,7 @@ from h3engine.request import (
     VERIFIED_SHORT_EDGE,
     GenerationRequest,
     Keyframe,
+    LoraChoice,
     Reference,
     _describe,
     _fail,
@@ -42,6 +43,7 @@ _TIMING_FIELDS = frozenset({"seconds", "length", "video_length", "frames", "fram
 _ENGINE_INTEGER_FIELDS = ("short_edge", "width", "height", "seed", "steps")
 _KEYFRAME_FIELDS = ("path", "position")
 _REFERENCE_FIELDS = ("kind", "path", "start_seconds")
+_LORA_FIELDS = ("path", "strength", "target")
 _SGLANG_FIELDS = (
     "task",
     "prompt",
@@ -92,7 +94,24 @@ def _from_engine_shape(payload: Mapping[str, Any]) -> GenerationRequest:
         _reference_from_dict(entry, f"references[{index}]")
         for index, entry in enumerate(_as_list(payload.get("references", []), "references"))
     )
+    values["loras"] = tuple(
+        _lora_from_dict(entry, f"loras[{index}]")
+        for index, entry in enumerate(_as_list(payload.get("loras", []), "loras"))
+    )
     return GenerationRequest(**values)
+
+
+def _lora_from_dict(entry: Any, field: str) -> LoraChoice:
+    if not isinstance(entry, Mapping):
+        _fail(field, f"must be an object with {', '.join(_LORA_FIELDS)}, got {_describe(entry)}")
+    _check_field_names(entry, _LORA_FIELDS, f"{field}.")
+    if "path" not in entry:
+        _fail(f"{field}.path", "is required")
+    return LoraChoice(
+        path=_local_path(entry["path"], f"{field}.path"),
+        strength=entry.get("strength", 1.0),
+        target=entry.get("target"),
+    )
 
 
 def _keyframe_from_dict(entry: Any, field: str) -> Keyframe:

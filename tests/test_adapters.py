@@ -1,4 +1,4 @@
-"""LoRA adapters applied beside the DiT's linears (h3engine.adapters, Engine.set_adapters), in one process.
+"""LoRA adapters applied beside the DiT's linears (h3engine.adapters, a request's `loras`), in one process.
 
 Whole T2VA generations at fp32 on a tiny checkpoint equal diffusers 0.42.1's pipeline after `load_lora_weights`
 (peft's unfused LoRA layers), one LoRA or two with strengths; strength 0 and removal give the base outputs
@@ -20,16 +20,25 @@ from _dit_helpers import tiny_fl2va_request
 from _lora_helpers import RandomLora, random_lora, write_lora
 
 from benchmarks._packed_request import max_relative_error
-from h3engine.adapters import Adapter, adapted_layers, apply_adapters, remove_adapters
+from h3engine import adapters as adapters_module
+from h3engine.adapters import (
+    Adapter,
+    LoraFiles,
+    adapted_layers,
+    applied_adapters,
+    apply_adapters,
+    remove_adapters,
+)
 from h3engine.checkpoint.dit_format import native_to_module
 from h3engine.checkpoint.dit_keys import random_native_state
-from h3engine.checkpoint.lora_format import LoraError, read_lora
+from h3engine.checkpoint.lora_format import read_lora
 from h3engine.engine import Engine
+from h3engine.errors import RequestError
 from h3engine.models.dit import DiTConfig, H3DiT
 from h3engine.parallel.dit import _apply_tensor_parallel
 from h3engine.parallel.groups import GroupMembership
 from h3engine.quantization import Fp8Linear, quantize_dit_linears
-from h3engine.request import GenerationRequest
+from h3engine.request import MAX_LORAS, GenerationRequest, LoraChoice, Reference
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -40,6 +49,13 @@ REQUEST = GenerationRequest(task="t2va", prompt=PROMPT, steps=STEPS, seed=SEED, 
 PARITY_BOUND = 1e-5
 # Quantized vs unquantized tiny DiT, max relative error per velocity (tests/test_fp8.py measures and explains it).
 FP8_DIT_ERROR_BOUND = 2.0**-3
+
+
+def generate(engine: Engine, *loras: tuple[Path, float] | tuple[Path, float, str]):
+    """The request with these LoRAs (path, strength[, target]); returns its output tensors."""
+    choices = tuple(LoraChoice(str(lora[0]), *lora[1:]) for lora in loras)
+    output, _ = engine.generate(dataclasses.replace(REQUEST, loras=choices))
+    return output
 
 
 def relative_l2(ours: torch.Tensor, reference: torch.Tensor) -> float:
@@ -64,9 +80,7 @@ def engine(checkpoint: Path) -> Engine:
 
 @pytest.fixture(scope="module")
 def base(engine: Engine):
-    engine.set_adapters([])
-    output, _ = engine.generate(REQUEST)
-    return output
+    return generate(engine)
 
 
 def small_lora(config: DiTConfig, seed: int, only: str = "", shrink: float = 0.02) -> RandomLora:
@@ -125,9 +139,7 @@ def assert_changed(ours, other) -> None:
 @pytest.mark.parametrize("layout", ["diffusers", "kohya"])
 def test_t2va_with_a_lora_equals_diffusers(engine, base, checkpoint, tmp_path, layout: str) -> None:
     path = lora_file(tmp_path, engine, layout, seed=5)
-    engine.set_adapters([(path, 1.0, "transformer")])
-    output, _ = engine.generate(REQUEST)
-    engine.set_adapters([])
+    output = generate(engine, (path, 1.0, "transformer"))
     reference_video, reference_audio = reference_generation(checkpoint, [(path, 1.0)])
     assert relative_l2(output.video, reference_video) <= PARITY_BOUND
     assert relative_l2(output.audio, reference_audio) <= PARITY_BOUND
@@ -137,11 +149,8 @@ def test_t2va_with_a_lora_equals_diffusers(engine, base, checkpoint, tmp_path, l
 def test_two_loras_with_strengths_equal_diffusers(engine, base, checkpoint, tmp_path) -> None:
     first, second = lora_file(tmp_path, engine, "diffusers", 6), lora_file(tmp_path, engine, "kohya", 7)
     loras = [(first, 0.7), (second, -0.4)]
-    engine.set_adapters([(path, strength, "transformer") for path, strength in loras])
-    output, _ = engine.generate(REQUEST)
-    engine.set_adapters([(first, 0.7, "transformer")])
-    first_only, _ = engine.generate(REQUEST)
-    engine.set_adapters([])
+    output = generate(engine, *[(path, strength, "transformer") for path, strength in loras])
+    first_only = generate(engine, (first, 0.7, "transformer"))
     reference_video, reference_audio = reference_generation(checkpoint, loras)
     assert relative_l2(output.video, reference_video) <= PARITY_BOUND
     assert relative_l2(output.audio, reference_audio) <= PARITY_BOUND
@@ -153,23 +162,18 @@ def test_strength_zero_removal_and_switching_are_exact(engine, base, tmp_path) -
     dit = engine.store.models_for_partition("fl2va").dit
     weights = {name: tensor.clone() for name, tensor in dit.state_dict().items()}
 
-    engine.set_adapters([(first, 0.0, "transformer")])
-    zero, _ = engine.generate(REQUEST)
+    zero = generate(engine, (first, 0.0, "transformer"))
     assert_equal(zero, base)
     assert adapted_layers(dit) == 0
 
-    engine.set_adapters([(first, 1.0, "transformer")])
-    with_first, _ = engine.generate(REQUEST)
+    with_first = generate(engine, (first, 1.0, "transformer"))
     assert_changed(with_first, base)
-    engine.set_adapters([(second, 1.0, "transformer")])
-    with_second, _ = engine.generate(REQUEST)
+    with_second = generate(engine, (second, 1.0, "transformer"))
     assert_changed(with_second, with_first)
-    engine.set_adapters([(first, 1.0, "transformer")])
-    again, _ = engine.generate(REQUEST)
+    again = generate(engine, (first, 1.0, "transformer"))
     assert_equal(again, with_first)
 
-    engine.set_adapters([])
-    removed, _ = engine.generate(REQUEST)
+    removed = generate(engine)
     assert_equal(removed, base)
     assert adapted_layers(dit) == 0
     for name, tensor in dit.state_dict().items():
@@ -180,20 +184,16 @@ def test_an_adaln_lora_takes_effect_after_a_cached_schedule(engine, base, checkp
     """The AdaLN tables of a schedule are cached per DiT (h3engine.modulation): `base` filled the cache for this
     request, so an adapter on the AdaLN projections must make the engine build them again."""
     path = lora_file(tmp_path, engine, "diffusers", 10, only="adaln_proj")
-    engine.set_adapters([(path, 1.0, "transformer")])
-    output, _ = engine.generate(REQUEST)
-    engine.set_adapters([])
+    output = generate(engine, (path, 1.0, "transformer"))
     fresh = Engine.from_checkpoint(checkpoint, device="cpu", dtype=torch.float32)
-    fresh.set_adapters([(path, 1.0, "transformer")])
-    expected, _ = fresh.generate(REQUEST)
+    expected = generate(fresh, (path, 1.0, "transformer"))
     assert_changed(output, base)
     assert_equal(output, expected)
 
 
 def test_bad_adapters_are_refused_before_anything_changes(engine, base, tmp_path) -> None:
     good = lora_file(tmp_path, engine, "original", 12)
-    engine.set_adapters([(good, 0.5, "transformer")])
-    with_good, _ = engine.generate(REQUEST)
+    with_good = generate(engine, (good, 0.5, "transformer"))
     wider = dataclasses.replace(DiTConfig.tiny(), hidden_size=2 * DiTConfig.tiny().hidden_size)
     misfit = tmp_path / "misfit.safetensors"
     write_lora(misfit, small_lora(wider, 13), "original", wider)
@@ -203,38 +203,74 @@ def test_bad_adapters_are_refused_before_anything_changes(engine, base, tmp_path
     not_lora = tmp_path / "notes.safetensors"
     not_lora.write_text("not a safetensors file")
     cases = [
-        ([(misfit, 1.0, "transformer")], r"'misfit\.safetensors': key '.*' updates a \[.*trained on another"),
-        ([(ref_only, 1.0, "transformer")], r"'ref_only\.safetensors': key 'transformer_ref\..*' targets "),
-        ([(not_lora, 1.0, "transformer")], r"'notes\.safetensors' is not a readable \.safetensors file"),
-        ([(good, float("nan"), "transformer")], r"strength must be a finite number, got nan"),
-        ([(good, 1.0, "vae")], r"target 'vae' is not a DiT of this checkpoint"),
+        (
+            (misfit, 1.0, "transformer"),
+            r"loras\[1\]: LoRA file 'misfit\.safetensors': key '.*' updates a \[.*trained ",
+        ),
+        (
+            (ref_only, 1.0, "transformer"),
+            r"loras\[1\]: LoRA file 'ref_only\.safetensors': key 'transformer_ref\..*' targets ",
+        ),
+        (
+            (ref_only, 1.0),
+            r"loras\[1\]\.target: 'ref_only\.safetensors' targets 'transformer_ref' .* set target to transformer$",
+        ),
+        (
+            (not_lora, 1.0, "transformer"),
+            r"loras\[1\]: LoRA file 'notes\.safetensors' is not a readable \.safetensors file",
+        ),
+        ((good, float("nan"), "transformer"), r"loras\[1\]\.strength: must be a finite number, got nan"),
+        ((good, 4.5, "transformer"), r"loras\[1\]\.strength: must be within \[-4, 4\], got 4\.5"),
+        ((good, 1.0, "vae"), r"loras\[1\]\.target: must be transformer, transformer_ref or null, got 'vae'"),
+        (
+            (good, 1.0, "transformer_ref"),
+            r"loras\[1\]\.target: a t2va request runs the 'transformer' DiT, this ",
+        ),
+        ((tmp_path / "gone.safetensors", 1.0), r"loras\[1\]\.path: no such file: 'gone\.safetensors'$"),
+        ((tmp_path, 1.0), r"loras\[1\]\.path: is a folder, not a \.safetensors file: "),
     ]
-    for adapters, message in cases:
-        with pytest.raises(LoraError, match=message) as raised:
-            engine.set_adapters([(good, 1.0, "transformer"), *adapters])
-        assert str(tmp_path) not in str(raised.value)
-        output, _ = engine.generate(REQUEST)
-        assert_equal(output, with_good)
-    engine.set_adapters([])
+    dit = engine.store.models_for_partition("fl2va").dit
+    applied = applied_adapters(dit)
+    for lora, message in cases:
+        with pytest.raises(RequestError, match=message) as raised:
+            generate(engine, (good, 0.5, "transformer"), lora)
+        assert str(tmp_path) not in str(raised.value) and "\n" not in str(raised.value)
+        assert applied_adapters(dit) is applied
+    assert_equal(generate(engine, (good, 0.5, "transformer")), with_good)
+    too_many = [(good, 0.1, "transformer")] * (MAX_LORAS + 1)
+    with pytest.raises(
+        RequestError, match=rf"^loras: at most {MAX_LORAS} adapters per request, got {MAX_LORAS + 1}$"
+    ):
+        generate(engine, *too_many)
 
 
-def test_a_transformer_ref_adapter_leaves_t2va_alone(engine, base, tmp_path) -> None:
-    path = tmp_path / "ref.safetensors"
+def test_a_request_runs_only_its_partitions_adapter(engine, base, tmp_path) -> None:
+    """A `transformer_ref.` file goes to the Ref2VA DiT by its prefix (diffusers' default), an unprefixed one to
+    the FL2VA DiT unless its target says transformer_ref; a request applies nothing to the other DiT."""
+    ref_path, plain = tmp_path / "ref.safetensors", lora_file(tmp_path, engine, "original", 15)
     config = engine.store.dit_config("ref2va")
-    write_lora(path, small_lora(config, 15), "diffusers_ref", config)
-    engine.set_adapters([(path, 1.0, "transformer_ref")])
-    output, _ = engine.generate(REQUEST)
-    assert_equal(output, base)
-    ref_dit = engine._models_with_adapters("ref2va").dit
-    assert adapted_layers(ref_dit) == len(read_lora(path).layers("transformer_ref"))
-    engine.set_adapters([])
+    write_lora(ref_path, small_lora(config, 15), "diffusers_ref", config)
+    assert_equal(generate(engine), base)
+    fl2va_dit = engine.store.models_for_partition("fl2va").dit
+    reference = Reference("image", str(tmp_path / "unused.png"))
+    ref2va = dataclasses.replace(REQUEST, task="ref2va", references=(reference,))
+    for lora, layers in [
+        (LoraChoice(str(ref_path)), "transformer_ref"),
+        (LoraChoice(str(plain), 1, "transformer_ref"), None),
+    ]:
+        ref_dit = engine.models_for(dataclasses.replace(ref2va, loras=(lora,))).dit
+        assert adapted_layers(ref_dit) == len(read_lora(lora.path).layers(layers)) > 0
+        assert adapted_layers(fl2va_dit) == 0
+    with pytest.raises(
+        RequestError, match=r"^loras\[0\]\.target: 'original_15\.safetensors' targets 'transformer' "
+    ):
+        engine.models_for(dataclasses.replace(ref2va, loras=(LoraChoice(str(plain)),)))
 
 
 def test_the_sidecar_records_each_adapter(engine, tmp_path) -> None:
     path = lora_file(tmp_path, engine, "kohya", 16)
-    engine.set_adapters([(path, 0.25, "transformer")])
-    files = engine.generate_to_file(REQUEST, tmp_path / "out.mp4")
-    engine.set_adapters([])
+    request = dataclasses.replace(REQUEST, loras=(LoraChoice(str(path), 0.25),))
+    files = engine.generate_to_file(request, tmp_path / "out.mp4")
     sidecar = json.loads(files.sidecar.read_text())
     record = {
         "file": path.name,
@@ -243,7 +279,8 @@ def test_the_sidecar_records_each_adapter(engine, tmp_path) -> None:
         "target": "transformer",
     }
     assert sidecar["adapters"] == [record]
-    assert engine.record()["adapters"] == []
+    assert sidecar["request"]["loras"] == [{"path": str(path), "strength": 0.25, "target": None}]
+    assert engine.record(REQUEST)["adapters"] == []
 
 
 def test_fp8_linears_carry_the_update_beside_them(tmp_path) -> None:
@@ -291,12 +328,43 @@ def test_fp8_linears_carry_the_update_beside_them(tmp_path) -> None:
         assert all(torch.equal(restored, expected) for restored, expected in pairs)
 
 
-def test_a_tensor_parallel_rank_is_refused_before_anything_changes(tmp_path) -> None:
+def test_a_tensor_parallel_rank_holds_its_slice_of_the_factors(tmp_path) -> None:
+    """Every update fits the rank's shard of its linear (tests/test_parallel_adapters.py checks the outputs)."""
     config = DiTConfig.tiny()
     path = tmp_path / "lora.safetensors"
     write_lora(path, small_lora(config, 18), "original", config)
     sharded = H3DiT(config, torch.float32, "meta")
-    _apply_tensor_parallel(sharded, GroupMembership(None, 2, 0))
-    with pytest.raises(ValueError, match=r"blocks\.\d+\.\S+ holds a \[.*tensor-parallel rank's shards"):
-        apply_adapters(sharded, [Adapter(read_lora(path))], "cpu")
-    assert adapted_layers(sharded) == 0
+    _apply_tensor_parallel(sharded, GroupMembership(None, 2, 1))
+    lora = read_lora(path)
+    assert apply_adapters(sharded, [Adapter(lora)], "cpu") == len(lora.layers()) == adapted_layers(sharded)
+    for module in lora.layers():
+        linear = sharded.get_submodule(module)
+        update = linear.low_rank_update
+        assert (update.up.shape[0], update.down.shape[1]) == tuple(linear.weight.shape), module
+
+
+def test_a_lora_file_is_read_once_until_it_changes(engine, tmp_path, monkeypatch) -> None:
+    path = lora_file(tmp_path, engine, "original", 19)
+    reads: list[str] = []
+    read_lora_once = adapters_module.read_lora
+    monkeypatch.setattr(
+        adapters_module, "read_lora", lambda p, **kw: reads.append(p) or read_lora_once(p, **kw)
+    )
+    request = dataclasses.replace(REQUEST, loras=(LoraChoice(str(path), 0.5),))
+    dit = engine.models_for(request).dit
+    applied = applied_adapters(dit)
+    assert engine.models_for(dataclasses.replace(request)).dit is dit
+    assert applied_adapters(dit) is applied  # the same file at the same strength: applied once
+    assert len(reads) == 1
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    engine.models_for(request)
+    assert len(reads) == 2 and applied_adapters(dit) is not applied  # a changed file is read again
+
+
+def test_lora_files_keeps_the_last_files_it_read(engine, tmp_path) -> None:
+    paths = [lora_file(tmp_path, engine, "kohya", 20 + index) for index in range(3)]
+    files = LoraFiles(capacity=2)
+    first = [files.read(path)[0] for path in paths]
+    assert files.read(paths[2])[0] is first[2] and files.read(paths[1])[0] is first[1]
+    assert files.read(paths[0])[0] is not first[0]  # evicted: read again

@@ -64,6 +64,25 @@ def cli_arguments(tmp_path: Path, *extra: str | bytes, checkpoint: Path | None =
         (["--out", "{tmp}/folder.mp4"], "error: --out: "),
         (["--save-tensors", "{tmp}/missing/t.safetensors"], "error: --save-tensors: folder "),
         (["--dtype", "float16"], "error: --dtype: expected bfloat16 or float32, got 'float16'"),
+        (
+            ["--lora", "{tmp}/style.safetensors:strong"],
+            "error: --lora: expected PATH[:STRENGTH] with STRENGTH a ",
+        ),
+        (
+            ["--lora", "{tmp}/style.safetensors:0.5"],
+            "error: loras[0].path: no such file: 'style.safetensors'\n",
+        ),
+        (["--lora", "{tmp}/folder.mp4"], "error: loras[0].path: is a folder, not a .safetensors file: "),
+        (["--lora", f"{__file__}:4.5"], "error: loras[0].strength: must be within [-4, 4], got 4.5\n"),
+        (
+            ["--lora", __file__, "--lora-target", "vae"],
+            "error: argument --lora-target: invalid choice: 'vae'",
+        ),
+        (["--lora-target", "transformer"], "error: --lora-target: given without --lora"),
+        (
+            ["--lora", __file__, "--lora-target", "transformer_ref"],
+            "error: loras[0].target: a t2va request runs the 'transformer' DiT, this adapter targets ",
+        ),
     ],
     ids=[
         "duration",
@@ -73,6 +92,13 @@ def cli_arguments(tmp_path: Path, *extra: str | bytes, checkpoint: Path | None =
         "out-is-folder",
         "tensors-folder",
         "dtype",
+        "lora-strength-text",
+        "lora-missing",
+        "lora-folder",
+        "lora-strength-range",
+        "lora-target-unknown",
+        "lora-target-alone",
+        "lora-target-other-task",
     ],
 )
 def test_bad_requests_exit_2_without_importing_torch(tmp_path: Path, extra: list, starts: str) -> None:

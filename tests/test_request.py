@@ -13,6 +13,7 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +35,8 @@ from h3engine.request_shapes import from_dict
 # Media the fake probe knows about (what the PyAV/Pillow probe would report for such files)
 
 PICTURE = "/media/picture_1920x1080.png"
+LORA = __file__  # request validation only checks that a LoRA's path names a file
+LORA_FOLDER = str(Path(__file__).parent)
 PORTRAIT = "/media/portrait_1080x1920.png"
 WIDE_PICTURE = "/media/wide_2000x400.png"
 BROKEN_PICTURE = "/media/broken.png"
@@ -406,6 +409,21 @@ INVALID = [
         edit(T2VA, prompt="<Audio 1> plays."),
         True, "prompt", "cites <Audio 1>, which no input defines: task 't2va' defines no labels", id="label-t2va",
     ),
+    # LoRA choices (the file's contents are the engine's to check: tests/test_adapters.py)
+    pytest.param(edit(T2VA, loras={"path": LORA}), False, "loras", "must be a list", id="loras-not-list"),
+    pytest.param(edit(T2VA, loras=[LORA]), False, "loras[0]", "must be an object with path, strength, target", id="lora-string"),
+    pytest.param(edit(T2VA, loras=[{"strength": 1}]), False, "loras[0].path", "is required", id="lora-path-missing"),
+    pytest.param(edit(T2VA, loras=[{"path": LORA, "rank": 4}]), False, "loras[0].rank", "unknown field (allowed: path, strength, target)", id="lora-unknown-field"),
+    pytest.param(edit(T2VA, loras=[{"path": "https://hf.co/x.safetensors"}]), False, "loras[0].path", "remote URIs are not supported", id="lora-https"),
+    pytest.param(edit(T2VA, loras=[{"path": "/nowhere/style.safetensors"}]), False, "loras[0].path", "no such file: 'style.safetensors'", id="lora-missing-file"),
+    pytest.param(edit(T2VA, loras=[{"path": LORA_FOLDER}]), False, "loras[0].path", "is a folder, not a .safetensors file", id="lora-folder"),
+    pytest.param(edit(T2VA, loras=[{"path": LORA, "strength": "1"}]), False, "loras[0].strength", "must be a finite number, got '1'", id="lora-strength-string"),
+    pytest.param(edit(T2VA, loras=[{"path": LORA, "strength": -4.01}]), False, "loras[0].strength", "must be within [-4, 4], got -4.01", id="lora-strength-range"),
+    pytest.param(edit(T2VA, loras=[{"path": LORA, "target": "vae"}]), False, "loras[0].target", "must be transformer, transformer_ref or null", id="lora-target-unknown"),
+    pytest.param(edit(T2VA, loras=[{"path": LORA, "target": "transformer_ref"}]), False, "loras[0].target", "a t2va request runs the 'transformer' DiT, this adapter targets 'transformer_ref'", id="lora-target-ref-on-t2va"),
+    pytest.param(edit(REF2VA, loras=[{"path": LORA}, {"path": LORA, "target": "transformer"}]), False, "loras[1].target", "a ref2va request runs the 'transformer_ref' DiT", id="lora-target-fl2va-on-ref2va"),
+    pytest.param(edit(T2VA, loras=[{"path": LORA}] * 9), False, "loras", "at most 8 adapters per request, got 9", id="lora-too-many"),
+    pytest.param(GenerationRequest(task="t2va", prompt="p", loras=(LORA,)), False, "loras[0]", "must be a LoraChoice", id="direct-lora-string"),
     # requests built directly in Python
     pytest.param(GenerationRequest(task="fl2va", prompt="p", keyframes=(PICTURE,)), False, "keyframes[0]", "must be a Keyframe", id="direct-keyframe-string"),
     pytest.param(GenerationRequest(task="ref2va", prompt="p", references=PICTURE), False, "references", "must be a tuple of Reference", id="direct-references-string"),
@@ -492,6 +510,14 @@ VALID = [
         with_keyframes((PICTURE, "first"), (PORTRAIT, "last"), aspect_ratio="1:1"), id="fl2va-first-last"
     ),
     pytest.param(REF2VA, id="ref2va"),
+    pytest.param(
+        edit(T2VA, loras=[{"path": LORA}, {"path": LORA, "strength": -4, "target": "transformer"}] * 4),
+        id="t2va-eight-loras",
+    ),
+    pytest.param(
+        edit(REF2VA, loras=[{"path": f"file://{LORA}", "strength": 4.0, "target": "transformer_ref"}]),
+        id="ref2va-lora",
+    ),
     pytest.param(
         with_references(
             ("image", PICTURE), ("video", SILENT_CLIP, 1.5), ("audio", VOICE_5S), duration_seconds=None

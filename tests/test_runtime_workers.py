@@ -21,6 +21,7 @@ A CUDA variant (skipped without a GPU) runs the same parity check on real GPUs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -32,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from _app_helpers import assert_browser_playable, start_app, stop_app
+from _lora_helpers import RandomLora, random_lora, write_lora
 from _runtime_helpers import events_until_done, max_relative_errors, process_exists, wait_for_step
 
 from h3engine.cli import main
@@ -39,7 +41,7 @@ from h3engine.engine import Engine
 from h3engine.errors import RequestError
 from h3engine.media.mux import probe_mp4
 from h3engine.parallel.groups import PROFILES, RuntimeLayout
-from h3engine.request import GenerationRequest, Keyframe, Reference
+from h3engine.request import GenerationRequest, Keyframe, LoraChoice, Reference
 from h3engine.runtime.front import EngineFront
 from h3engine.runtime.messages import (
     JobFailed,
@@ -280,6 +282,48 @@ def test_generations_equal_the_single_process_engine(
     assert [event.step for event in events if isinstance(event, PreviewFrame)] == [2, 3]
     finished = events[-1]
     assert Path(finished.video_path) == tmp_path / f"{task}.mp4" and Path(finished.sidecar_path).is_file()
+
+
+@pytest.fixture(scope="module")
+def lora_generation(
+    checkpoint, tmp_path_factory, single_process_tensors
+) -> tuple[GenerationRequest, Path, list]:
+    """A T2VA request with two LoRAs (fused-QKV and kohya files, one of them at a negative strength), its
+    single-process tensors and the adapters its sidecar lists."""
+    folder = tmp_path_factory.mktemp("loras")
+    engine = Engine.from_checkpoint(checkpoint, device="cpu", dtype=torch.float32)
+    config = engine.store.dit_config("fl2va")
+    loras = []
+    for layout, seed, strength in (("original", 41, 0.8), ("kohya", 42, -0.5)):
+        lora = random_lora(config, seed)
+        path = folder / f"{layout}.safetensors"
+        write_lora(
+            path, RandomLora({m: d * 0.02 for m, d in lora.down.items()}, lora.up, lora.alpha), layout, config
+        )
+        loras.append(LoraChoice(str(path), strength))
+    request = dataclasses.replace(REQUESTS["t2va"], loras=tuple(loras))
+    files = engine.generate_to_file(
+        request, folder / "single.mp4", save_tensors_path=folder / "single.safetensors"
+    )
+    assert min(max_relative_errors(files.tensors, single_process_tensors["t2va"]).values()) > 1e-2
+    return request, files.tensors, json.loads(files.sidecar.read_text())["adapters"]
+
+
+@pytest.mark.parametrize("layout_name", COMPARED_LAYOUTS)
+def test_a_request_with_loras_equals_the_single_process_engine(
+    groups, lora_generation, layout_name, tmp_path
+) -> None:
+    """Each rank applies the request's LoRAs (a TP rank its slice); the sidecar lists them as one process does."""
+    request, expected, adapters = lora_generation
+    front, _ = groups.get(layout_name)
+    tensors = tmp_path / "group.safetensors"
+    finished = events_until_done(front.submit(request, tmp_path / "lora.mp4", tensors), EVENT_TIMEOUT_S)[-1]
+    assert isinstance(finished, JobFinished), finished
+    errors = max_relative_errors(tensors, expected)
+    assert max(errors.values()) <= TOLERANCE, errors
+    sidecar = json.loads(Path(finished.sidecar_path).read_text())
+    assert sidecar["adapters"] == adapters and [a["strength"] for a in adapters] == [0.8, -0.5]
+    assert [a["target"] for a in adapters] == ["transformer"] * 2
 
 
 def test_a_vae_rank_alone_writes_the_mp4_while_it_decodes(groups, single_process_tensors, tmp_path) -> None:

@@ -8,10 +8,10 @@ None of the split H3 linears has a bias. `ColumnParallelLinear` splits the outpu
 row range per block, no communication. `QKVParallelLinear` splits the fused QKV by heads: the file interleaves
 rows per head, so a rank's heads are ONE row range, kept stacked [q; k; v] in memory like `Attention`.
 `RowParallelLinear` splits the input features: reads a column range and sums the partial products over the group.
-
-Danger: `RowParallelLinear` sums partial products in the compute dtype (bf16 is not bit-identical to one GEMM;
-fp32 agrees to rounding noise). Its input must be the matching shard of the previous column-parallel layer (same
-group, same rank order), or the sum is silently wrong.
+A LoRA's factors are sliced alike (`local_rows` of B, `local_columns` of A; h3engine.adapters), its partial
+low-rank product added before that sum. Danger: `RowParallelLinear` sums partial products in the compute dtype
+(bf16 is not bit-identical to one GEMM; fp32 agrees to rounding noise). Its input must be the matching shard of
+the previous column-parallel layer (same group, same rank order), or the sum is silently wrong.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from h3engine.checkpoint.dit_format import interleaved_to_stacked_qkv
+from h3engine.checkpoint.dit_format import interleaved_to_stacked_qkv, stacked_to_interleaved_qkv
 from h3engine.checkpoint.safetensors_io import WeightFiles, placed
 from h3engine.errors import CheckpointError
+from h3engine.models.dit import LOW_RANK_ATTRIBUTE
 from h3engine.parallel.collectives import all_reduce_sum
 from h3engine.parallel.groups import GroupMembership
 
@@ -121,6 +122,11 @@ class ColumnParallelLinear(EvenlySplitLinear):
     def _read_shard(self, weight_files: WeightFiles, key: str) -> Tensor:
         return torch.cat([weight_files.row_slice(key, start, stop) for start, stop in self.file_row_ranges()])
 
+    def local_rows(self, full: Tensor) -> Tensor:
+        """This rank's rows of a tensor with the whole layer's rows in the module's order (a LoRA's B), in the
+        local weight's order."""
+        return torch.cat([full[start:stop] for start, stop in self.file_row_ranges()])
+
 
 class GateValueParallelLinear(ColumnParallelLinear):
     """fc1 of a SwiGLU: rows [gate; value], each half split alike (the local output is still [gate; value])."""
@@ -146,6 +152,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     def _read_shard(self, weight_files: WeightFiles, key: str) -> Tensor:
         return interleaved_to_stacked_qkv(super()._read_shard(weight_files, key), self.local_heads)
 
+    def local_rows(self, full: Tensor) -> Tensor:
+        """As the base weight: the module's stacked rows put in the file's per-head order, sliced, stacked again."""
+        interleaved = stacked_to_interleaved_qkv(full, self.local_heads * self.group.size)
+        return interleaved_to_stacked_qkv(super().local_rows(interleaved), self.local_heads)
+
 
 class RowParallelLinear(EvenlySplitLinear):
     """y = sum over ranks of x_local W[:, local columns]^T; every rank ends with the full output."""
@@ -159,7 +170,15 @@ class RowParallelLinear(EvenlySplitLinear):
         return start, start + self.local_in_features
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return all_reduce_sum(F.linear(hidden, self.weight), self.group)
+        partial = F.linear(hidden, self.weight)
+        update = getattr(self, LOW_RANK_ATTRIBUTE, None)  # a LoRA's partial product, on its columns of A
+        if update is not None:
+            partial = partial + update(hidden)
+        return all_reduce_sum(partial, self.group)
+
+    def local_columns(self, full: Tensor) -> Tensor:
+        """This rank's columns of a tensor with the whole layer's input features (a LoRA's A)."""
+        return full[:, slice(*self.file_column_range())]
 
     def _read_shard(self, weight_files: WeightFiles, key: str) -> Tensor:
         return weight_files.column_slice(key, *self.file_column_range())

@@ -319,7 +319,7 @@ def serve_job(engine: Engine, groups: RankGroups, job: RunJob, outbox: Outbox, c
     if prepared is None:
         return
     request = job.request
-    models = engine.store.models_for_task(request.task)
+    models = engine.models_for(request)  # every rank applies the request's LoRAs (its slice of them)
     on_step = None
     if groups.rank == 0:
         on_step = step_reporter(job.job_id, prepared.geometry, job.preview_every, outbox.offer)
@@ -354,7 +354,7 @@ def serve_job(engine: Engine, groups: RankGroups, job: RunJob, outbox: Outbox, c
         # From here on rank 0 works alone, so a failure is this job's only: it is reported, the group stays up.
         try:
             output = latents.output(*decoded)
-            record = engine.store.record()
+            record = engine.record(request)
             write_outputs(staging, request, inputs, output, prepared.geometry, record, mp4_written)
             outbox.post(job_finished(job.job_id, staging.commit()))
         except Exception as error:
