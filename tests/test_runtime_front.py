@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from _runtime_helpers import events_until_done
 
 from h3engine.engine import Engine
 from h3engine.media.preview import PREVIEW_SHORT_EDGE, channel_to_rgb_weights, latent_preview_rgb
@@ -54,15 +55,6 @@ def front(engines, tmp_path):
     front.shutdown()
 
 
-def _events_until_done(handle: JobHandle) -> list:
-    events = []
-    while not events or not isinstance(events[-1], TERMINAL_EVENTS):
-        event = handle.next_event(timeout=EVENT_TIMEOUT_S)
-        assert event is not None, f"no message within {EVENT_TIMEOUT_S} s; so far: {events}"
-        events.append(event)
-    return events
-
-
 def _wait_for_step(handle: JobHandle) -> list:
     events = []
     while not any(isinstance(event, StepProgress) for event in events):
@@ -79,7 +71,7 @@ def _long_request(prompt: str = "long") -> GenerationRequest:
 def test_a_job_reports_queue_start_steps_previews_and_files(front) -> None:
     request = GenerationRequest(task="t2va", prompt="a kite", steps=6, seed=5)
     expected_geometry = front.expected_geometry(request)
-    events = _events_until_done(front.submit(request))
+    events = events_until_done(front.submit(request), EVENT_TIMEOUT_S)
 
     assert events[0] == JobQueued(events[0].job_id, position=1)
     started = events[1]
@@ -116,17 +108,21 @@ def test_cancel_removes_a_waiting_job_and_stops_a_running_one(front) -> None:
     assert waiting.next_event(timeout=EVENT_TIMEOUT_S) == JobQueued(waiting.job_id, position=1)
 
     front.cancel(waiting)
-    assert _events_until_done(waiting)[-1] == JobFailed(
+    assert events_until_done(waiting, EVENT_TIMEOUT_S)[-1] == JobFailed(
         waiting.job_id, "cancelled", "Cancelled before it started."
     )
     cancelled_at = time.monotonic()
     front.cancel(running)
-    assert _events_until_done(running)[-1] == JobFailed(running.job_id, "cancelled", "Cancelled.")
+    assert events_until_done(running, EVENT_TIMEOUT_S)[-1] == JobFailed(
+        running.job_id, "cancelled", "Cancelled."
+    )
     assert time.monotonic() - cancelled_at < 10
     assert not list(front.outputs_dir.glob("*.mp4"))
 
     # The replica is free again.
-    after = _events_until_done(front.submit(GenerationRequest(task="t2va", prompt="after", steps=2)))
+    after = events_until_done(
+        front.submit(GenerationRequest(task="t2va", prompt="after", steps=2)), EVENT_TIMEOUT_S
+    )
     assert isinstance(after[-1], JobFinished)
 
 
@@ -135,18 +131,23 @@ def test_an_engine_failure_is_one_sentence_and_the_replica_survives(front, engin
         raise RuntimeError("internal detail that must not reach the user")
 
     monkeypatch.setattr(engines[0], "generate_to_file", fail)
-    failed = _events_until_done(front.submit(GenerationRequest(task="t2va", prompt="x", steps=2)))[-1]
+    failed = events_until_done(
+        front.submit(GenerationRequest(task="t2va", prompt="x", steps=2)), EVENT_TIMEOUT_S
+    )[-1]
     assert failed == JobFailed(failed.job_id, "engine", ENGINE_FAILURE_MESSAGE)
     monkeypatch.undo()
     assert isinstance(
-        _events_until_done(front.submit(GenerationRequest(task="t2va", prompt="y", steps=2)))[-1], JobFinished
+        events_until_done(front.submit(GenerationRequest(task="t2va", prompt="y", steps=2)), EVENT_TIMEOUT_S)[
+            -1
+        ],
+        JobFinished,
     )
 
 
 def test_a_request_error_keeps_the_engine_message(front, tmp_path) -> None:
     missing = str(tmp_path / "missing.png")
     request = GenerationRequest(task="fl2va", prompt="x", steps=2, keyframes=(Keyframe(missing, "first"),))
-    failed = _events_until_done(front.submit(request))[-1]
+    failed = events_until_done(front.submit(request), EVENT_TIMEOUT_S)[-1]
     assert failed.kind == "request"
     assert "missing.png" in failed.message and "Traceback" not in failed.message
 
@@ -161,7 +162,7 @@ def test_two_replicas_run_two_jobs_at_once(engines, tmp_path) -> None:
     finally:
         front.shutdown()
     for handle in handles:
-        assert _events_until_done(handle)[-1].kind == "cancelled"
+        assert events_until_done(handle, EVENT_TIMEOUT_S)[-1].kind == "cancelled"
 
 
 def test_preview_reads_only_the_newest_latent_frame() -> None:
@@ -211,7 +212,7 @@ def test_a_warm_up_runs_before_the_first_job_and_leaves_no_files(engines, tmp_pa
     front = EngineFront(engines[:1], outputs, warm_up=True)
     try:
         request = GenerationRequest(task="t2va", prompt="after the warm-up", steps=2)
-        events = _events_until_done(front.submit(request))
+        events = events_until_done(front.submit(request), EVENT_TIMEOUT_S)
     finally:
         front.shutdown()
     assert isinstance(events[-1], JobFinished)
@@ -235,7 +236,9 @@ def test_a_failed_warm_up_leaves_the_replica_serving(engines, tmp_path, monkeypa
     monkeypatch.setattr(engines[0], "generate_to_file", fail_the_warm_up)
     front = EngineFront(engines[:1], tmp_path / "outputs", warm_up=True)
     try:
-        events = _events_until_done(front.submit(GenerationRequest(task="t2va", prompt="x", steps=2)))
+        events = events_until_done(
+            front.submit(GenerationRequest(task="t2va", prompt="x", steps=2)), EVENT_TIMEOUT_S
+        )
     finally:
         front.shutdown()
     assert isinstance(events[-1], JobFinished)
@@ -273,7 +276,7 @@ def test_shutdown_cancels_a_warm_up_that_is_still_running(tmp_path) -> None:
     front.shutdown(timeout=EVENT_TIMEOUT_S)
     assert time.monotonic() - started < 10
     assert replica.requests == [WARM_UP_REQUEST]  # the queued job never ran
-    assert _events_until_done(waiting)[-1].kind == "cancelled"
+    assert events_until_done(waiting, EVENT_TIMEOUT_S)[-1].kind == "cancelled"
 
 
 def test_no_warm_up_where_the_checkpoint_does_not_serve_its_task(tmp_path) -> None:

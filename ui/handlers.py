@@ -120,7 +120,7 @@ def build_request(
 
 def check_input_types(values: TaskValues) -> None:
     """The type checks GenerationRequest cannot make: its checkboxes are not request fields, and a file input must
-    hold uploaded files (ui.tabs.as_uploaded), not a bare path or some other value."""
+    hold uploaded files (ui.components.as_uploaded), not a bare path or some other value."""
     for name in _BOOLEAN_FIELDS:
         if name in values.values and not isinstance(values.values[name], bool):
             raise RequestError(f"{name}: must be true or false, got {_short(values.values[name])}")
