@@ -19,11 +19,10 @@ from __future__ import annotations
 import math
 import os
 import re
-import reprlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Literal, NoReturn, TypeVar
+from typing import Any, Literal, TypeVar
 
 from h3engine.errors import RequestError
 from h3engine.geometry import (
@@ -35,6 +34,17 @@ from h3engine.geometry import (
     RELEASED_SHORT_EDGE,
     RELEASED_VAE_SPATIAL_RATIO,
     parse_aspect_ratio,
+)
+from h3engine.request_checks import (
+    check_finite_number,
+    check_integer_range,
+    check_local_path,
+    check_utf8,
+    describe,
+    fail,
+    is_integer,
+    is_number,
+    path_name,
 )
 
 TASKS = ("t2va", "fl2va", "ref2va")
@@ -224,7 +234,7 @@ def validate(
     it only the character bound applies.
     """
     if not isinstance(request, GenerationRequest):
-        _fail("request", f"must be a GenerationRequest, got {_describe(request)}")
+        fail("request", f"must be a GenerationRequest, got {describe(request)}")
     _check_scalars(request)
     if count_prompt_tokens is not None:
         check_prompt_tokens(request.prompt, count_prompt_tokens)
@@ -247,32 +257,32 @@ def validate(
 
 def _check_scalars(request: GenerationRequest) -> None:
     if not isinstance(request.task, str) or request.task not in TASKS:
-        _fail("task", f"must be one of {', '.join(TASKS)}, got {_describe(request.task)}")
+        fail("task", f"must be one of {', '.join(TASKS)}, got {describe(request.task)}")
     if not isinstance(request.prompt, str) or not request.prompt.strip():
-        _fail("prompt", f"must be a non-empty string, got {_describe(request.prompt)}")
+        fail("prompt", f"must be a non-empty string, got {describe(request.prompt)}")
     _check_prompt_characters(request.prompt)
     for token in RESERVED_PROMPT_TOKENS:
         if token in request.prompt:
-            _fail(
+            fail(
                 "prompt",
                 f"must not contain the reserved token {token}: the engine places vision blocks itself",
             )
     if not isinstance(request.recipe, str) or request.recipe not in RECIPES:
-        _fail("recipe", f"must be one of {', '.join(RECIPES)}, got {_describe(request.recipe)}")
-    _check_integer_range(request.seed, "seed", 0, MAX_SEED)
+        fail("recipe", f"must be one of {', '.join(RECIPES)}, got {describe(request.recipe)}")
+    check_integer_range(request.seed, "seed", 0, MAX_SEED)
     # The diffusers scheduler spends N grid points on N-1 forwards, so one step would generate nothing.
     minimum_steps = 2 if request.recipe == "diffusers" else 1
-    _check_integer_range(request.steps, "steps", minimum_steps, MAX_STEPS)
+    check_integer_range(request.steps, "steps", minimum_steps, MAX_STEPS)
     for field in ("flow_shift", "audio_flow_shift"):
         value = getattr(request, field)
-        _check_finite_number(value, field)
+        check_finite_number(value, field)
         if value <= 0:
-            _fail(field, f"must be positive, got {_describe(value)}")
+            fail(field, f"must be positive, got {describe(value)}")
         if not MIN_FLOW_SHIFT <= value <= MAX_FLOW_SHIFT:
-            _fail(
+            fail(
                 field,
                 f"must be within [{MIN_FLOW_SHIFT:g}, {MAX_FLOW_SHIFT:g}] (released: 12 video, 3 audio), "
-                f"got {_describe(value)}",
+                f"got {describe(value)}",
             )
 
 
@@ -282,7 +292,7 @@ def check_prompt_tokens(prompt: str, count_prompt_tokens: Callable[[str], int]) 
     _check_prompt_characters(prompt)
     tokens = count_prompt_tokens(prompt)
     if tokens > MAX_PROMPT_TOKENS:
-        _fail(
+        fail(
             "prompt",
             f"must be at most {MAX_PROMPT_TOKENS:,} tokens of the checkpoint's tokenizer, got {tokens:,}; "
             "shorten it",
@@ -291,18 +301,18 @@ def check_prompt_tokens(prompt: str, count_prompt_tokens: Callable[[str], int]) 
 
 def _check_prompt_characters(prompt: str) -> None:
     if len(prompt) > MAX_PROMPT_CHARACTERS:
-        _fail("prompt", f"must be at most {MAX_PROMPT_CHARACTERS:,} characters, got {len(prompt):,}")
-    _check_utf8(prompt, "prompt")
+        fail("prompt", f"must be at most {MAX_PROMPT_CHARACTERS:,} characters, got {len(prompt):,}")
+    check_utf8(prompt, "prompt")
 
 
 def _check_canvas(request: GenerationRequest, canvas_multiple: int) -> list[str]:
-    _check_integer_range(request.short_edge, "short_edge", 1, MAX_SHORT_EDGE)
+    check_integer_range(request.short_edge, "short_edge", 1, MAX_SHORT_EDGE)
     if not isinstance(request.aspect_ratio, str) or (
         request.aspect_ratio != "auto" and request.aspect_ratio not in PRESET_ASPECT_RATIOS
     ):
-        _fail(
+        fail(
             "aspect_ratio",
-            f"must be 'auto' or one of {', '.join(PRESET_ASPECT_RATIOS)}, got {_describe(request.aspect_ratio)}",
+            f"must be 'auto' or one of {', '.join(PRESET_ASPECT_RATIOS)}, got {describe(request.aspect_ratio)}",
         )
     if request.width is None and request.height is None:
         if request.short_edge != VERIFIED_SHORT_EDGE:
@@ -311,25 +321,25 @@ def _check_canvas(request: GenerationRequest, canvas_multiple: int) -> list[str]
             ]
         return []
     if request.width is None or request.height is None:
-        _fail(
+        fail(
             "width" if request.width is None else "height",
             "width and height go together; give both or neither",
         )
     for field in ("width", "height"):
         value = getattr(request, field)
-        _check_integer_range(value, field, canvas_multiple, MAX_CANVAS_SIDE)
+        check_integer_range(value, field, canvas_multiple, MAX_CANVAS_SIDE)
         if value % canvas_multiple:
-            _fail(field, f"must be a multiple of {canvas_multiple}, got {value}")
+            fail(field, f"must be a multiple of {canvas_multiple}, got {value}")
     if request.width * request.height > MAX_CANVAS_PIXELS:
-        _fail(
+        fail(
             "width, height",
             f"the canvas may have at most {MAX_CANVAS_PIXELS:,} pixels (2048x3584, the area cap at the largest "
             f"short edge), got {request.width}x{request.height} = {request.width * request.height:,}",
         )
     if request.aspect_ratio != "auto":
-        _fail(
+        fail(
             "aspect_ratio",
-            f"must be 'auto' when width and height are given, got {_describe(request.aspect_ratio)}",
+            f"must be 'auto' when width and height are given, got {describe(request.aspect_ratio)}",
         )
     return [
         f"width, height: the explicit {request.width}x{request.height} canvas replaces aspect_ratio and "
@@ -340,40 +350,40 @@ def _check_canvas(request: GenerationRequest, canvas_multiple: int) -> list[str]
 def _typed_entries(entries: Any, field: str, entry_type: type[EntryT]) -> Iterator[tuple[str, EntryT]]:
     """(field name, entry) of each entry of a tuple or list, in order, each checked to be an `entry_type`."""
     if not isinstance(entries, tuple | list):
-        _fail(field, f"must be a tuple of {entry_type.__name__}, got {_describe(entries)}")
+        fail(field, f"must be a tuple of {entry_type.__name__}, got {describe(entries)}")
     for index, entry in enumerate(entries):
         if not isinstance(entry, entry_type):
-            _fail(f"{field}[{index}]", f"must be a {entry_type.__name__}, got {_describe(entry)}")
+            fail(f"{field}[{index}]", f"must be a {entry_type.__name__}, got {describe(entry)}")
         yield f"{field}[{index}]", entry
 
 
 def _checked_keyframes(keyframes: Any) -> tuple[Keyframe, ...]:
     for field, keyframe in _typed_entries(keyframes, "keyframes", Keyframe):
-        _check_local_path(keyframe.path, f"{field}.path")
+        check_local_path(keyframe.path, f"{field}.path")
         if not isinstance(keyframe.position, str) or keyframe.position not in KEYFRAME_POSITIONS:
-            _fail(f"{field}.position", f"must be 'first' or 'last', got {_describe(keyframe.position)}")
+            fail(f"{field}.position", f"must be 'first' or 'last', got {describe(keyframe.position)}")
     return tuple(keyframes)
 
 
 def _checked_references(references: Any) -> tuple[Reference, ...]:
     for field, reference in _typed_entries(references, "references", Reference):
         if not isinstance(reference.kind, str) or reference.kind not in REFERENCE_KINDS:
-            _fail(
+            fail(
                 f"{field}.kind",
-                f"must be one of {', '.join(REFERENCE_KINDS)}, got {_describe(reference.kind)}",
+                f"must be one of {', '.join(REFERENCE_KINDS)}, got {describe(reference.kind)}",
             )
-        _check_local_path(reference.path, f"{field}.path")
+        check_local_path(reference.path, f"{field}.path")
         if reference.start_seconds is not None:
             if reference.kind != "video":
-                _fail(f"{field}.start_seconds", f"is only allowed for video references, not {reference.kind}")
-            _check_finite_number(reference.start_seconds, f"{field}.start_seconds")
+                fail(f"{field}.start_seconds", f"is only allowed for video references, not {reference.kind}")
+            check_finite_number(reference.start_seconds, f"{field}.start_seconds")
             if reference.start_seconds < 0:
-                _fail(f"{field}.start_seconds", f"must be >= 0, got {_describe(reference.start_seconds)}")
+                fail(f"{field}.start_seconds", f"must be >= 0, got {describe(reference.start_seconds)}")
             if reference.start_seconds >= MAX_CLIP_SECONDS:
-                _fail(
+                fail(
                     f"{field}.start_seconds",
                     f"must be less than {MAX_CLIP_SECONDS:g} s (a reference clip lasts at most "
-                    f"{MAX_CLIP_SECONDS:g} s), got {_describe(reference.start_seconds)}",
+                    f"{MAX_CLIP_SECONDS:g} s), got {describe(reference.start_seconds)}",
                 )
     return tuple(references)
 
@@ -383,25 +393,25 @@ def _check_loras(task: str, loras: Any) -> None:
     file holds is checked against the checkpoint by the engine (h3engine.engine)."""
     entries = list(_typed_entries(loras, "loras", LoraChoice))
     if len(entries) > MAX_LORAS:
-        _fail("loras", f"at most {MAX_LORAS} adapters per request, got {len(entries)}")
+        fail("loras", f"at most {MAX_LORAS} adapters per request, got {len(entries)}")
     for field, lora in entries:
-        _check_local_path(lora.path, f"{field}.path")
+        check_local_path(lora.path, f"{field}.path")
         if not os.path.isfile(lora.path):
             problem = "is a folder, not a .safetensors file" if os.path.isdir(lora.path) else "no such file"
-            _fail(f"{field}.path", f"{problem}: {os.path.basename(lora.path.rstrip(os.sep))!r}")
-        _check_finite_number(lora.strength, f"{field}.strength")
+            fail(f"{field}.path", f"{problem}: {os.path.basename(lora.path.rstrip(os.sep))!r}")
+        check_finite_number(lora.strength, f"{field}.strength")
         if not -MAX_LORA_STRENGTH <= lora.strength <= MAX_LORA_STRENGTH:
-            _fail(
+            fail(
                 f"{field}.strength",
-                f"must be within [{-MAX_LORA_STRENGTH:g}, {MAX_LORA_STRENGTH:g}], got {_describe(lora.strength)}",
+                f"must be within [{-MAX_LORA_STRENGTH:g}, {MAX_LORA_STRENGTH:g}], got {describe(lora.strength)}",
             )
         if lora.target is not None and (not isinstance(lora.target, str) or lora.target not in LORA_TARGETS):
-            _fail(
+            fail(
                 f"{field}.target",
-                f"must be transformer, transformer_ref or null, got {_describe(lora.target)}",
+                f"must be transformer, transformer_ref or null, got {describe(lora.target)}",
             )
         if lora.target is not None and lora.target != LORA_TARGET_OF_TASK[task]:
-            _fail(
+            fail(
                 f"{field}.target",
                 f"a {task} request runs the '{LORA_TARGET_OF_TASK[task]}' DiT, this adapter targets '{lora.target}'",
             )
@@ -412,15 +422,15 @@ def _check_conditions_for_task(
 ) -> None:
     if task == "t2va":
         if keyframes:
-            _fail("keyframes", f"task 't2va' takes no keyframes (use 'fl2va'), got {len(keyframes)}")
+            fail("keyframes", f"task 't2va' takes no keyframes (use 'fl2va'), got {len(keyframes)}")
         if references:
-            _fail("references", f"task 't2va' takes no references (use 'ref2va'), got {len(references)}")
+            fail("references", f"task 't2va' takes no references (use 'ref2va'), got {len(references)}")
         return
     if task == "fl2va":
         if references:
-            _fail("references", f"task 'fl2va' takes no references (use 'ref2va'), got {len(references)}")
+            fail("references", f"task 'fl2va' takes no references (use 'ref2va'), got {len(references)}")
         if not keyframes:
-            _fail("keyframes", "task 'fl2va' needs a first and/or a last keyframe, got none")
+            fail("keyframes", "task 'fl2va' needs a first and/or a last keyframe, got none")
     _check_keyframe_positions(keyframes)
     if task == "ref2va":
         _check_reference_set(keyframes, references)
@@ -430,7 +440,7 @@ def _check_keyframe_positions(keyframes: tuple[Keyframe, ...]) -> None:
     # The released recipe knows these three keyframe layouts only, and anchors the geometry on the first listed.
     positions = tuple(keyframe.position for keyframe in keyframes)
     if positions not in ((), ("first",), ("last",), ("first", "last")):
-        _fail(
+        fail(
             "keyframes",
             f"must be a first keyframe, a last keyframe, or first then last, got {', '.join(positions)}",
         )
@@ -438,43 +448,41 @@ def _check_keyframe_positions(keyframes: tuple[Keyframe, ...]) -> None:
 
 def _check_reference_set(keyframes: tuple[Keyframe, ...], references: tuple[Reference, ...]) -> None:
     if keyframes and not references:
-        _fail(
+        fail(
             "references", "ref2va keyframes need at least one reference; use task 'fl2va' for keyframes only"
         )
     if not references:
-        _fail("references", "task 'ref2va' needs at least one reference (use 't2va' for text only)")
+        fail("references", "task 'ref2va' needs at least one reference (use 't2va' for text only)")
     kinds = [reference.kind for reference in references]
     for kind, limit in MAX_REFERENCES_OF_KIND.items():
         if kinds.count(kind) > limit:
-            _fail("references", f"at most {limit} {kind} references, got {kinds.count(kind)}")
+            fail("references", f"at most {limit} {kind} references, got {kinds.count(kind)}")
     if len(kinds) > MAX_REFERENCES:
-        _fail("references", f"at most {MAX_REFERENCES} references in total, got {len(kinds)}")
+        fail("references", f"at most {MAX_REFERENCES} references in total, got {len(kinds)}")
     if set(kinds) == {"audio"}:
-        _fail("references", "an audio reference needs at least one image or video reference next to it")
+        fail("references", "an audio reference needs at least one image or video reference next to it")
 
 
 def _check_duration_field(task: str, duration_seconds: Any, references: tuple[Reference, ...]) -> None:
     if duration_seconds is not None:
-        _check_finite_number(duration_seconds, "duration_seconds")
+        check_finite_number(duration_seconds, "duration_seconds")
         _check_duration_range(duration_seconds, "duration_seconds", "")
         return
     if task != "ref2va":
-        _fail("duration_seconds", f"is required for task {task!r}")
+        fail("duration_seconds", f"is required for task {task!r}")
     # Whether a video carries a soundtrack is only known once it is probed (`_check_reference_media`).
     kinds = [reference.kind for reference in references]
     if kinds.count("audio") > 1:
-        _fail("duration_seconds", "is required when several references carry audio")
+        fail("duration_seconds", "is required when several references carry audio")
     if kinds.count("audio") + kinds.count("video") == 0:
-        _fail(
-            "duration_seconds", "is required, or exactly one reference with audio to take the duration from"
-        )
+        fail("duration_seconds", "is required, or exactly one reference with audio to take the duration from")
 
 
 def _check_duration_range(seconds: float, field: str, origin: str) -> None:
     if not MIN_DURATION_SECONDS <= seconds <= MAX_DURATION_SECONDS:
-        _fail(
+        fail(
             field,
-            f"must be within [{MIN_DURATION_SECONDS:g}, {MAX_DURATION_SECONDS:g}] s{origin}, got {_describe(seconds)}",
+            f"must be within [{MIN_DURATION_SECONDS:g}, {MAX_DURATION_SECONDS:g}] s{origin}, got {describe(seconds)}",
         )
 
 
@@ -512,32 +520,32 @@ def _check_reference_media(request: GenerationRequest, probe: MediaProbe) -> Non
             _check_image_ratio(size, field, "reference image")
             continue
         if reference.kind == "video" and not _has_size(info):
-            _fail(field, f"video file has no video stream: {_describe(reference.path)}")
+            fail(field, f"video file has no video stream: {describe(reference.path)}")
         if reference.kind == "video" and min(info.width, info.height) < MIN_IMAGE_SIDE:
-            _fail(
+            fail(
                 field,
-                f"video {_path_name(reference.path)} frames are {info.width}x{info.height} pixels; each side must "
+                f"video {path_name(reference.path)} frames are {info.width}x{info.height} pixels; each side must "
                 f"be at least {MIN_IMAGE_SIDE}",
             )
         if reference.kind == "audio" and not info.has_audio:
-            _fail(field, f"audio file has no audio stream: {_describe(reference.path)}")
+            fail(field, f"audio file has no audio stream: {describe(reference.path)}")
         seconds = _clip_seconds(info, field)
         if not MIN_CLIP_SECONDS <= seconds <= MAX_CLIP_SECONDS:
-            _fail(
+            fail(
                 field,
                 f"{reference.kind} clip must last {MIN_CLIP_SECONDS:g}-{MAX_CLIP_SECONDS:g} s, "
-                f"got {_describe(seconds)} s",
+                f"got {describe(seconds)} s",
             )
         if reference.start_seconds is not None and reference.start_seconds >= seconds:
-            _fail(
+            fail(
                 f"{field}.start_seconds",
-                f"must be less than the clip duration {seconds:g} s, got {_describe(reference.start_seconds)}",
+                f"must be less than the clip duration {seconds:g} s, got {describe(reference.start_seconds)}",
             )
         total_seconds[reference.kind] += seconds
     limits = {"video": MAX_TOTAL_VIDEO_SECONDS, "audio": MAX_TOTAL_AUDIO_SECONDS}
     for kind, total in total_seconds.items():
         if total > limits[kind]:
-            _fail("references", f"{kind} references may last {limits[kind]:g} s in total, got {total:g} s")
+            fail("references", f"{kind} references may last {limits[kind]:g} s in total, got {total:g} s")
     if request.duration_seconds is None:
         seconds = resolve_duration_seconds(request, probe)
         _check_duration_range(seconds, "duration_seconds", " (taken from the reference with audio)")
@@ -594,7 +602,7 @@ def _check_prompt_labels(request: GenerationRequest, probe: MediaProbe) -> None:
     defines = f"{source} define {', '.join(defined)}" if defined else f"{source} defines no labels"
     if not defined and request.task == "t2va":
         defines += " (labels cite fl2va keyframes or ref2va references)"
-    _fail("prompt", f"cites {', '.join(undefined)}, which no input defines: {defines}")
+    fail("prompt", f"cites {', '.join(undefined)}, which no input defines: {defines}")
 
 
 def resolve_duration_seconds(request: GenerationRequest, media_durations: MediaProbe | None) -> float:
@@ -605,13 +613,13 @@ def resolve_duration_seconds(request: GenerationRequest, media_durations: MediaP
     if request.duration_seconds is not None:
         return request.duration_seconds
     if media_durations is None:
-        _fail("duration_seconds", "is required when the reference media cannot be probed")
+        fail("duration_seconds", "is required when the reference media cannot be probed")
     with_audio = []
     for index, reference in enumerate(request.references):
         if reference.kind != "image" and media_durations(reference).has_audio:
             with_audio.append((index, reference))
     if len(with_audio) != 1:
-        _fail(
+        fail(
             "duration_seconds",
             f"is required unless exactly one reference carries audio, got {len(with_audio)}",
         )
@@ -636,18 +644,18 @@ def _checked_keyframe_sizes(request: GenerationRequest, probe: MediaProbe) -> tu
 
 
 def _has_size(info: MediaInfo) -> bool:
-    return _is_integer(info.width) and _is_integer(info.height) and info.width > 0 and info.height > 0
+    return is_integer(info.width) and is_integer(info.height) and info.width > 0 and info.height > 0
 
 
 def _image_size(info: MediaInfo, field: str, what: str, path: str) -> tuple[int, int]:
     if not _has_size(info):
-        _fail(field, f"{what} has no usable size, got {_describe(info.width)}x{_describe(info.height)}")
+        fail(field, f"{what} has no usable size, got {describe(info.width)}x{describe(info.height)}")
     width, height = info.width, info.height
-    size = f"{what} {_path_name(path)} is {_describe(width)}x{_describe(height)} pixels"
+    size = f"{what} {path_name(path)} is {describe(width)}x{describe(height)} pixels"
     if min(width, height) < MIN_IMAGE_SIDE:
-        _fail(field, f"{size}; each side must be at least {MIN_IMAGE_SIDE}")
+        fail(field, f"{size}; each side must be at least {MIN_IMAGE_SIDE}")
     if max(width, height) > MAX_IMAGE_SIDE or width * height > MAX_IMAGE_PIXELS:
-        _fail(
+        fail(
             field,
             f"{size}; at most {MAX_IMAGE_SIDE} pixels a side and {MAX_IMAGE_PIXELS:,} pixels in all are read "
             f"(the model's largest picture is 8192x2048): downscale it",
@@ -657,7 +665,7 @@ def _image_size(info: MediaInfo, field: str, what: str, path: str) -> tuple[int,
 
 def _check_image_ratio(size: tuple[int, int], field: str, what: str) -> None:
     if not _ratio_is_supported(*size):
-        _fail(field, f"{what} ratio must be within 1:4 to 4:1, got {size[0]}x{size[1]}")
+        fail(field, f"{what} ratio must be within 1:4 to 4:1, got {size[0]}x{size[1]}")
 
 
 def _ratio_is_supported(width: float, height: float) -> bool:
@@ -668,8 +676,8 @@ def _ratio_is_supported(width: float, height: float) -> bool:
 
 def _clip_seconds(info: MediaInfo, field: str) -> float:
     seconds = info.duration_seconds
-    if not _is_number(seconds) or (isinstance(seconds, float) and not math.isfinite(seconds)) or seconds <= 0:
-        _fail(field, f"clip duration is unknown, got {_describe(seconds)}")
+    if not is_number(seconds) or (isinstance(seconds, float) and not math.isfinite(seconds)) or seconds <= 0:
+        fail(field, f"clip duration is unknown, got {describe(seconds)}")
     return seconds
 
 
@@ -691,108 +699,11 @@ def resolve_aspect(
         aspect, source = parse_aspect_ratio(request.aspect_ratio), "aspect_ratio"
     elif request.task == "fl2va":
         if first_keyframe_size is None:
-            _fail("keyframes[0]", "its image size is needed to resolve aspect_ratio 'auto'")
+            fail("keyframes[0]", "its image size is needed to resolve aspect_ratio 'auto'")
         aspect, source = first_keyframe_size, "aspect_ratio ('auto' follows keyframes[0])"
     else:
         aspect, source = DEFAULT_ASPECT, "aspect_ratio"
     width, height = aspect
     if not _ratio_is_supported(width, height):
-        _fail(source, f"resolved ratio must be within 1:4 to 4:1, got {_describe(width)}:{_describe(height)}")
+        fail(source, f"resolved ratio must be within 1:4 to 4:1, got {describe(width)}:{describe(height)}")
     return width, height
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Small checks shared by the rules above
-
-
-def _fail(field: str, problem: str) -> NoReturn:
-    raise RequestError(f"{field}: {problem}")
-
-
-def _is_integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _check_integer_range(value: Any, field: str, minimum: int, maximum: int | None) -> None:
-    if not _is_integer(value):
-        _fail(field, f"must be an integer, got {_describe(value)}")
-    if value < minimum:
-        _fail(field, f"must be >= {minimum}, got {_describe(value)}")
-    if maximum is not None and value > maximum:
-        _fail(field, f"must be <= {maximum}, got {_describe(value)}")
-
-
-def _check_finite_number(value: Any, field: str) -> None:
-    # Only floats can be NaN or infinite; ints are compared as they are (a huge one must not go through float).
-    if not _is_number(value) or (isinstance(value, float) and not math.isfinite(value)):
-        _fail(field, f"must be a finite number, got {_describe(value)}")
-
-
-def _check_local_path(value: Any, field: str) -> None:
-    if not isinstance(value, str) or not value.strip():
-        _fail(field, f"must be a non-empty path, got {_describe(value)}")
-    if "\x00" in value:
-        _fail(field, "must not contain a NUL character")
-    # Such a name opens, but the UTF-8 sidecar that records it could not be written after the generation.
-    _check_utf8(value, field)
-    if _uri_scheme(value) is not None:
-        _fail(
-            field,
-            f"must be a local path, not a URI (from_dict turns file:// URIs into paths), got {_describe(value)}",
-        )
-
-
-def _uri_scheme(value: str) -> str | None:
-    """The scheme of `scheme://...`, or None for a path (a one-letter "scheme" is a Windows drive: `C://x`)."""
-    head, separator, _ = value.partition("://")
-    if not separator or len(head) < 2 or not head[0].isalpha():
-        return None
-    if not all(character.isalnum() or character in "+-." for character in head):
-        return None
-    return head.lower()
-
-
-def _check_utf8(value: str, field: str) -> None:
-    """Refuse lone surrogates: what Python makes of bytes that are not UTF-8 (command-line arguments, file names) or
-    of half a UTF-16 pair in JSON. The tokenizer, the sidecar and the MP4 muxer would all fail on them later."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as error:
-        _fail(
-            field,
-            f"must be valid UTF-8 text; character {error.start} is {value[error.start]!r}, a lone surrogate "
-            "(a byte that is not UTF-8, or half a UTF-16 pair)",
-        )
-
-
-class _ShortRepr(reprlib.Repr):
-    """reprlib, except that huge ints are not printed: past 4300 digits Python refuses to turn them into text."""
-
-    def repr_int(self, value: int, level: int) -> str:
-        if value.bit_length() > 64:
-            return f"<{value.bit_length()}-bit integer>"
-        return super().repr_int(value, level)
-
-
-_SHORT_REPR = _ShortRepr()
-_SHORT_REPR.maxlevel = 2
-_SHORT_REPR.maxstring = 48
-_SHORT_REPR.maxother = 48
-
-
-def _path_name(path: str) -> str:
-    """A file's path for messages: whole (as `repr`) unless it is absurdly long."""
-    text = repr(path)
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def _describe(value: Any) -> str:
-    """A short printable form of any value for messages, with its type unless it is a plain JSON scalar."""
-    text = _SHORT_REPR.repr(value)
-    if value is None or isinstance(value, str | int | float):
-        return text
-    return f"{text} ({type(value).__name__})"

@@ -21,11 +21,8 @@ from h3engine.request import (
     Keyframe,
     LoraChoice,
     Reference,
-    _describe,
-    _fail,
-    _is_integer,
-    _uri_scheme,
 )
+from h3engine.request_checks import describe, fail, is_integer, uri_scheme
 
 # SGLang fills in this seed when a request in its shape carries none; keeping it reproduces its outputs.
 SGLANG_DEFAULT_SEED = 42
@@ -71,7 +68,7 @@ def from_dict(payload: Mapping[str, Any]) -> GenerationRequest:
     judged by `validate`.
     """
     if not isinstance(payload, Mapping):
-        _fail("request", f"must be a JSON object, got {_describe(payload)}")
+        fail("request", f"must be a JSON object, got {describe(payload)}")
     if "target" in payload or "conditions" in payload:
         return _from_sglang_shape(payload)
     return _from_engine_shape(payload)
@@ -81,7 +78,7 @@ def _from_engine_shape(payload: Mapping[str, Any]) -> GenerationRequest:
     _check_field_names(payload, _ENGINE_FIELDS, "")
     for required in ("task", "prompt"):
         if required not in payload:
-            _fail(required, "is required")
+            fail(required, "is required")
     values = {name: payload[name] for name in _ENGINE_FIELDS if name in payload}
     for name in _ENGINE_INTEGER_FIELDS:
         if name in values:
@@ -103,10 +100,10 @@ def _from_engine_shape(payload: Mapping[str, Any]) -> GenerationRequest:
 
 def _lora_from_dict(entry: Any, field: str) -> LoraChoice:
     if not isinstance(entry, Mapping):
-        _fail(field, f"must be an object with {', '.join(_LORA_FIELDS)}, got {_describe(entry)}")
+        fail(field, f"must be an object with {', '.join(_LORA_FIELDS)}, got {describe(entry)}")
     _check_field_names(entry, _LORA_FIELDS, f"{field}.")
     if "path" not in entry:
-        _fail(f"{field}.path", "is required")
+        fail(f"{field}.path", "is required")
     return LoraChoice(
         path=_local_path(entry["path"], f"{field}.path"),
         strength=entry.get("strength", 1.0),
@@ -116,21 +113,21 @@ def _lora_from_dict(entry: Any, field: str) -> LoraChoice:
 
 def _keyframe_from_dict(entry: Any, field: str) -> Keyframe:
     if not isinstance(entry, Mapping):
-        _fail(field, f"must be an object with {', '.join(_KEYFRAME_FIELDS)}, got {_describe(entry)}")
+        fail(field, f"must be an object with {', '.join(_KEYFRAME_FIELDS)}, got {describe(entry)}")
     _check_field_names(entry, _KEYFRAME_FIELDS, f"{field}.")
     for required in _KEYFRAME_FIELDS:
         if required not in entry:
-            _fail(f"{field}.{required}", "is required")
+            fail(f"{field}.{required}", "is required")
     return Keyframe(path=_local_path(entry["path"], f"{field}.path"), position=entry["position"])
 
 
 def _reference_from_dict(entry: Any, field: str) -> Reference:
     if not isinstance(entry, Mapping):
-        _fail(field, f"must be an object with {', '.join(_REFERENCE_FIELDS)}, got {_describe(entry)}")
+        fail(field, f"must be an object with {', '.join(_REFERENCE_FIELDS)}, got {describe(entry)}")
     _check_field_names(entry, _REFERENCE_FIELDS, f"{field}.")
     for required in ("kind", "path"):
         if required not in entry:
-            _fail(f"{field}.{required}", "is required")
+            fail(f"{field}.{required}", "is required")
     return Reference(
         kind=entry["kind"],
         path=_local_path(entry["path"], f"{field}.path"),
@@ -142,10 +139,10 @@ def _from_sglang_shape(payload: Mapping[str, Any]) -> GenerationRequest:
     _check_field_names(payload, _SGLANG_FIELDS, "")
     for required in ("task", "prompt"):
         if required not in payload:
-            _fail(required, "is required")
+            fail(required, "is required")
     target = payload.get("target")
     if not isinstance(target, Mapping):
-        _fail("target", f"is required and must be an object, got {_describe(target)}")
+        fail("target", f"is required and must be an object, got {describe(target)}")
     _check_field_names(target, _SGLANG_TARGET_FIELDS, "target.")
 
     keyframes: list[Keyframe] = []
@@ -153,11 +150,11 @@ def _from_sglang_shape(payload: Mapping[str, Any]) -> GenerationRequest:
     for index, condition in enumerate(_as_list(payload.get("conditions", []), "conditions")):
         field = f"conditions[{index}]"
         if not isinstance(condition, Mapping):
-            _fail(field, f"must be an object, got {_describe(condition)}")
+            fail(field, f"must be an object, got {describe(condition)}")
         _check_field_names(condition, _SGLANG_CONDITION_FIELDS, f"{field}.")
         for required in ("type", "uri", "role"):
             if required not in condition:
-                _fail(f"{field}.{required}", "is required")
+                fail(f"{field}.{required}", "is required")
         path = _local_path(condition["uri"], f"{field}.uri")
         role, condition_type = condition["role"], condition["type"]
         if role == "keyframe":
@@ -165,7 +162,7 @@ def _from_sglang_shape(payload: Mapping[str, Any]) -> GenerationRequest:
         elif role == "reference":
             references.append(_sglang_reference(condition, condition_type, path, field))
         else:
-            _fail(f"{field}.role", f"must be 'keyframe' or 'reference', got {_describe(role)}")
+            fail(f"{field}.role", f"must be 'keyframe' or 'reference', got {describe(role)}")
 
     return GenerationRequest(
         task=payload["task"],
@@ -185,28 +182,28 @@ def _from_sglang_shape(payload: Mapping[str, Any]) -> GenerationRequest:
 
 def _sglang_keyframe(condition: Mapping[str, Any], condition_type: Any, path: str, field: str) -> Keyframe:
     if condition_type != "image":
-        _fail(f"{field}.type", f"a keyframe must be an 'image', got {_describe(condition_type)}")
+        fail(f"{field}.type", f"a keyframe must be an 'image', got {describe(condition_type)}")
     if "start_time_seconds" in condition:
-        _fail(f"{field}.start_time_seconds", "is only allowed for video references")
+        fail(f"{field}.start_time_seconds", "is only allowed for video references")
     if "frame_index" not in condition:
-        _fail(f"{field}.frame_index", "is required for a keyframe (0 = first frame, -1 = last frame)")
+        fail(f"{field}.frame_index", "is required for a keyframe (0 = first frame, -1 = last frame)")
     frame_index = _integral_float_as_int(condition["frame_index"])
-    if not _is_integer(frame_index) or frame_index not in _SGLANG_KEYFRAME_POSITIONS:
-        _fail(
+    if not is_integer(frame_index) or frame_index not in _SGLANG_KEYFRAME_POSITIONS:
+        fail(
             f"{field}.frame_index",
-            f"must be 0 (first frame) or -1 (last frame), got {_describe(frame_index)}",
+            f"must be 0 (first frame) or -1 (last frame), got {describe(frame_index)}",
         )
     return Keyframe(path=path, position=_SGLANG_KEYFRAME_POSITIONS[frame_index])
 
 
 def _sglang_reference(condition: Mapping[str, Any], condition_type: Any, path: str, field: str) -> Reference:
     if not isinstance(condition_type, str) or condition_type not in _SGLANG_REFERENCE_KINDS:
-        _fail(
+        fail(
             f"{field}.type",
-            f"must be one of {', '.join(_SGLANG_REFERENCE_KINDS)}, got {_describe(condition_type)}",
+            f"must be one of {', '.join(_SGLANG_REFERENCE_KINDS)}, got {describe(condition_type)}",
         )
     if "frame_index" in condition:
-        _fail(f"{field}.frame_index", "is not allowed for role 'reference'")
+        fail(f"{field}.frame_index", "is not allowed for role 'reference'")
     return Reference(
         kind=_SGLANG_REFERENCE_KINDS[condition_type],
         path=path,
@@ -216,21 +213,21 @@ def _sglang_reference(condition: Mapping[str, Any], condition_type: Any, path: s
 
 def _check_field_names(entry: Mapping[Any, Any], allowed: tuple[str, ...], prefix: str) -> None:
     """Refuse guidance and timing knobs with their reason, then anything else we do not know, by name."""
-    unknown = [name for name in sorted(entry, key=_describe) if name not in allowed]
+    unknown = [name for name in sorted(entry, key=describe) if name not in allowed]
     for name in unknown:
         reason = _refusal_reason(name)
         if reason is not None:
-            _fail(prefix + _field_name(name), reason)
+            fail(prefix + _field_name(name), reason)
     if unknown:
         plural = "s" if len(unknown) > 1 else ""
-        _fail(
+        fail(
             ", ".join(prefix + _field_name(name) for name in unknown),
             f"unknown field{plural} (allowed: {', '.join(allowed)})",
         )
 
 
 def _field_name(name: Any) -> str:
-    return name if isinstance(name, str) and 0 < len(name) <= 64 else _describe(name)
+    return name if isinstance(name, str) and 0 < len(name) <= 64 else describe(name)
 
 
 def _refusal_reason(name: Any) -> str | None:
@@ -251,7 +248,7 @@ def _refusal_reason(name: Any) -> str | None:
 
 def _as_list(value: Any, field: str) -> list[Any]:
     if not isinstance(value, list | tuple):
-        _fail(field, f"must be a list, got {_describe(value)}")
+        fail(field, f"must be a list, got {describe(value)}")
     return list(value)
 
 
@@ -260,25 +257,25 @@ def _local_path(value: Any, field: str) -> str:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if not isinstance(value, str):
-        _fail(field, f"must be a local path or file:// URI, got {_describe(value)}")
-    scheme = _uri_scheme(value)
+        fail(field, f"must be a local path or file:// URI, got {describe(value)}")
+    scheme = uri_scheme(value)
     if scheme is None:
         return value
     if scheme != "file":
-        _fail(field, _remote_uri_problem(value))
+        fail(field, _remote_uri_problem(value))
     try:
         parsed = urllib.parse.urlsplit(value)
     except ValueError:
-        _fail(field, f"is not a valid file:// URI, got {_describe(value)}")
+        fail(field, f"is not a valid file:// URI, got {describe(value)}")
     if parsed.netloc not in ("", "localhost"):
-        _fail(field, f"file:// URIs must name this machine (file:///path), got {_describe(value)}")
+        fail(field, f"file:// URIs must name this machine (file:///path), got {describe(value)}")
     return urllib.parse.unquote(parsed.path)
 
 
 def _remote_uri_problem(value: str) -> str:
     return (
         f"remote URIs are not supported (h3engine never downloads); download the file and pass its local "
-        f"path, got {_describe(value)}"
+        f"path, got {describe(value)}"
     )
 
 

@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "h3engine.sampling.*",
         "h3engine.conditioning",
         "h3engine.media.*",
+        "h3engine.request_checks",
         "h3engine.request",
         "h3engine.request_shapes",
         "h3engine.presentation",
