@@ -2,10 +2,11 @@
 
 Task inputs: `--first-frame` / `--last-frame` (FL2VA) and repeatable `--ref KIND:PATH[@START_SECONDS]` (Ref2VA, in
 prompt label order); without `--task` the inputs pick it. Adapters: repeatable `--lora PATH[:STRENGTH]`, on the DiT
-`--lora-target` names (default: as diffusers). Devices: one (`--device`, default cuda when present) runs the engine
-in this process; `--gpus N`, `--devices 0,1,...` or `--world-size N` (with `--device cpu`: CPU ranks over gloo) run
-a resident worker group behind the app's engine front (h3engine.runtime.workers). The engine flags (layout,
-`--dtype`, `--memory-profile`, `--fp8-linear`) are the app's too (h3engine.engine_options).
+`--lora-target` names (default: as diffusers); `--turbo` sets the steps, shifts and `--rungs` they run with.
+Devices: one (`--device`, default cuda when present) runs the engine in this process; `--gpus N`,
+`--devices 0,1,...` or `--world-size N` (with `--device cpu`: CPU ranks over gloo) run a resident worker group
+behind the app's engine front (h3engine.runtime.workers). The engine flags (layout, `--dtype`, `--memory-profile`,
+`--fp8-linear`) are the app's too (h3engine.engine_options).
 
 Order of the checks: the output flags, the request and its files (headers only) and `--dtype` before torch is
 imported; then the device, memory-profile and layout flags, a step-distilled checkpoint's step count (`--steps`
@@ -48,6 +49,7 @@ from h3engine.request import (
     REFERENCE_KINDS,
     GenerationRequest,
     check_prompt_tokens,
+    distilled_step_count,
     validate,
 )
 from h3engine.request_shapes import from_dict
@@ -132,6 +134,19 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--audio-flow-shift", type=float, default=None, help="audio sigma shift (checkpoint: 3)"
     )
+    generate.add_argument(
+        "--rungs",
+        default=None,
+        metavar="T1,T2,...",
+        help="step-distilled rungs, e.g. 999,750,500,250 (timesteps in (0, 1000], decreasing), one forward each "
+        "instead of the grid of --steps (which then defaults to their count)",
+    )
+    generate.add_argument(
+        "--turbo",
+        action="store_true",
+        help="the Turbo preset for step-distilled adapters: steps, flow shifts and rungs from the first --lora "
+        "whose metadata declares them, else 8 steps with shifts 6 / 3; flags given explicitly win",
+    )
     generate.add_argument("--recipe", default="sglang", help="sglang (default) or diffusers")
     generate.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     ranks = generate.add_argument_group("worker group (several GPUs, or CPU ranks)")
@@ -174,15 +189,15 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_dmd_steps(text: str | None) -> list[int] | None:
-    """`--dmd-steps 999,750,500,250` -> the rungs (RequestError naming the flag for anything else)."""
+def parse_dmd_steps(text: str | None, flag: str = "--dmd-steps") -> list[int] | None:
+    """`999,750,500,250` -> the rungs (RequestError naming `flag` for anything else)."""
     if text is None:
         return None
     try:
         return [int(part) for part in text.split(",")]
     except ValueError:
         raise RequestError(
-            f"--dmd-steps: expected comma-separated integers such as 999,750,500,250, got '{text}'"
+            f"{flag}: expected comma-separated integers such as 999,750,500,250, got '{text}'"
         ) from None
 
 
@@ -249,8 +264,13 @@ def _request_payload(args: argparse.Namespace) -> dict:
     }
     if args.lora_target is not None and not args.lora:
         raise RequestError("--lora-target: given without --lora (it sets the target of each --lora)")
+    rungs = parse_dmd_steps(args.rungs, "--rungs")
+    steps = args.steps
+    if rungs is not None and steps is None:
+        steps = distilled_step_count(rungs, args.recipe)
     optional = {
-        "steps": args.steps,
+        "rungs": rungs,
+        "steps": steps,
         "duration_seconds": args.duration,
         "short_edge": args.short_edge,
         "width": args.width,
@@ -272,6 +292,9 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
     request = from_dict(_request_payload(args))
     # The canvas multiple of explicit width/height depends on the checkpoint and is checked once it is known.
     validate(request, probe_media, canvas_multiple=1)
+    if args.turbo:
+        request = _with_turbo(args, request)
+        validate(request, canvas_multiple=1)  # the steps, shifts and rungs it set
     options = EngineOptions.from_args(args)
     check_dtype(options.dtype)
 
@@ -294,6 +317,25 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
     return _generate_on_workers(
         args.checkpoint, options, request, devices, layout, out_path, save_tensors_path, progress
     )
+
+
+def _with_turbo(args: argparse.Namespace, request: GenerationRequest) -> GenerationRequest:
+    """`--turbo`: the preset's steps, flow shifts and rungs (h3engine.lora_library), except where a flag set one."""
+    from h3engine.lora_library import file_turbo, turbo_settings
+
+    if not request.loras:
+        raise RequestError("--turbo: needs a --lora (the preset is for step-distilled adapters)")
+    turbo = turbo_settings([file_turbo(lora.path) for lora in request.loras], request.recipe)
+    rungs = request.rungs if args.rungs is not None else turbo.rungs
+    preset = {
+        "rungs": rungs,
+        "steps": turbo.steps if args.steps is None and args.rungs is None else request.steps,
+        "flow_shift": turbo.flow_shift if args.flow_shift is None else request.flow_shift,
+        "audio_flow_shift": turbo.audio_flow_shift
+        if args.audio_flow_shift is None
+        else request.audio_flow_shift,
+    }
+    return replace(request, **preset)
 
 
 def _check_utf8_flag(flag: str, value: str) -> None:
@@ -330,9 +372,10 @@ def _checkpoint_steps(checkpoint: str, request: GenerationRequest, explicit: boo
     """The request with a step-distilled checkpoint's own step count where `--steps` was left out; an explicit
     other count is refused (RequestError naming `steps`) before any model loads."""
     from h3engine.checkpoint.layout import detect_layout
-    from h3engine.sampling.schedule import check_distilled_steps, distilled_step_count
+    from h3engine.request import distilled_step_count
+    from h3engine.sampling.schedule import check_distilled_steps, effective_rungs
 
-    rungs = detect_layout(checkpoint).dmd_steps_for(request.task)
+    rungs = effective_rungs(request.rungs, detect_layout(checkpoint).dmd_steps_for(request.task))
     if rungs is not None and not explicit:
         request = replace(request, steps=distilled_step_count(rungs, request.recipe))
     check_distilled_steps(request.steps, request.recipe, rungs)

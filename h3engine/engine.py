@@ -56,7 +56,7 @@ from h3engine.pipeline import (
 from h3engine.placement import Placement
 from h3engine.presentation import prompt_token_counter
 from h3engine.request import MAX_LORAS, GenerationRequest, validate
-from h3engine.sampling.schedule import check_distilled_steps
+from h3engine.sampling.schedule import check_distilled_steps, effective_rungs
 
 
 class Engine:
@@ -137,7 +137,7 @@ class Engine:
             canvas_multiple=vae_ratio * patch,
             count_prompt_tokens=prompt_token_counter(self.layout.partitions[partition].tokenizer),
         )
-        check_distilled_steps(request.steps, request.recipe, self.layout.dmd_steps_for(request.task))
+        check_distilled_steps(request.steps, request.recipe, self.rungs_for(request))
         self.adapters_for(request)
         if request.task == "ref2va" and request.keyframes:
             # SGLang's schema admits them, but no reference implementation we follow lays them out next to
@@ -160,8 +160,11 @@ class Engine:
         """Validate the request, read its input files and encode its conditioning (RequestError naming the field)."""
         self.validate(request)
         models = self.store.models_for_task(request.task)
-        dmd_steps = self.layout.dmd_steps_for(request.task)
-        return prepare_request(request, models, self.layout.canvas, should_cancel, dmd_steps)
+        return prepare_request(request, models, self.layout.canvas, should_cancel, self.rungs_for(request))
+
+    def rungs_for(self, request: GenerationRequest) -> tuple[int, ...] | None:
+        """The rungs `request` runs (its own or a step-distilled checkpoint's), None for the grid of its steps."""
+        return effective_rungs(request.rungs, self.layout.dmd_steps_for(request.task))
 
     def generate(
         self,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal, TypeVar
 
+from h3engine.checkpoint.layout import valid_dmd_steps
 from h3engine.errors import RequestError
 from h3engine.geometry import (
     MAX_ASPECT_RATIO,
@@ -182,6 +183,9 @@ class GenerationRequest:
     keyframes: tuple[Keyframe, ...] = ()
     references: tuple[Reference, ...] = ()
     loras: tuple[LoraChoice, ...] = ()
+    # Step-distilled rungs (timesteps in (0, 1000], strictly decreasing) run instead of the grid of `steps`, one
+    # forward each; empty: a step-distilled checkpoint's own rungs, else the usual grid.
+    rungs: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Our JSON shape, every field spelled out, so that `from_dict(request.to_dict()) == request`."""
@@ -208,6 +212,7 @@ class GenerationRequest:
             "loras": [
                 {"path": lora.path, "strength": lora.strength, "target": lora.target} for lora in self.loras
             ],
+            "rungs": list(self.rungs),
         }
 
 
@@ -273,6 +278,7 @@ def _check_scalars(request: GenerationRequest) -> None:
     # The diffusers scheduler spends N grid points on N-1 forwards, so one step would generate nothing.
     minimum_steps = 2 if request.recipe == "diffusers" else 1
     check_integer_range(request.steps, "steps", minimum_steps, MAX_STEPS)
+    _check_rungs(request)
     for field in ("flow_shift", "audio_flow_shift"):
         value = getattr(request, field)
         check_finite_number(value, field)
@@ -284,6 +290,28 @@ def _check_scalars(request: GenerationRequest) -> None:
                 f"must be within [{MIN_FLOW_SHIFT:g}, {MAX_FLOW_SHIFT:g}] (released: 12 video, 3 audio), "
                 f"got {describe(value)}",
             )
+
+
+def distilled_step_count(rungs: Sequence[int], recipe: str) -> int:
+    """The step count (`num_inference_steps`) that runs `rungs` under `recipe`: one forward per rung, and the
+    diffusers recipe counts the terminal grid point too."""
+    return len(rungs) + 1 if recipe == "diffusers" else len(rungs)
+
+
+def _check_rungs(request: GenerationRequest) -> None:
+    rungs = request.rungs
+    if not isinstance(rungs, tuple) or not rungs:
+        if rungs != ():
+            fail("rungs", f"must be a list of timesteps such as [999, 750, 500, 250], got {describe(rungs)}")
+        return
+    if not valid_dmd_steps(list(rungs)):
+        fail("rungs", f"must be strictly decreasing integers in (0, 1000], got {describe(list(rungs))}")
+    expected = distilled_step_count(rungs, request.recipe)
+    if request.steps != expected:
+        counted = (
+            "" if expected == len(rungs) else " (the diffusers recipe counts the terminal grid point too)"
+        )
+        fail("steps", f"{len(rungs)} rungs run {expected} steps{counted}, got {describe(request.steps)}")
 
 
 def check_prompt_tokens(prompt: str, count_prompt_tokens: Callable[[str], int]) -> None:

@@ -95,6 +95,9 @@ def _from_engine_shape(payload: Mapping[str, Any]) -> GenerationRequest:
         _lora_from_dict(entry, f"loras[{index}]")
         for index, entry in enumerate(_as_list(payload.get("loras", []), "loras"))
     )
+    if "rungs" in values:
+        rungs = values["rungs"]
+        values["rungs"] = tuple(rungs) if isinstance(rungs, list) else rungs
     return GenerationRequest(**values)
 
 

@@ -40,6 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "h3engine.presentation",
         "h3engine.leftovers",
         "h3engine.adapters",
+        "h3engine.lora_library",
     ),
     ("h3engine.pipeline",),
     ("h3engine.engine", "h3engine.model_store", "h3engine.engine_options"),

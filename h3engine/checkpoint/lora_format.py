@@ -203,19 +203,32 @@ def check_lora_fits(lora: LoraFile, config: DiTConfig) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _load(path: Path, name: str) -> tuple[dict[str, Tensor], dict[str, str]]:
+def read_lora_header(path: Path | str, name: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """A LoRA file's tensor names and `__metadata__`, no tensor read (LoraError naming the file, as `read_lora`)."""
+    path = Path(path)
+    name = name or path.name
     if not path.is_file():
         raise LoraError(f"LoRA file {name!r} does not exist or is not a file")
     try:
         with safe_open(str(path), framework="pt") as handle:
-            metadata = dict(handle.metadata() or {})
-        tensors = load_file(str(path), device="cpu")
+            return list(handle.keys()), dict(handle.metadata() or {})
     except Exception as error:  # safetensors raises its own error types for every malformed file
-        detail = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise LoraError(
-            f"LoRA file {name!r} is not a readable .safetensors file ({detail}); only safetensors LoRAs are read"
-        ) from None
-    return tensors, metadata
+        raise _unreadable(name, error) from None
+
+
+def _unreadable(name: str, error: Exception) -> LoraError:
+    detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return LoraError(
+        f"LoRA file {name!r} is not a readable .safetensors file ({detail}); only safetensors LoRAs are read"
+    )
+
+
+def _load(path: Path, name: str) -> tuple[dict[str, Tensor], dict[str, str]]:
+    _, metadata = read_lora_header(path, name)
+    try:
+        return load_file(str(path), device="cpu"), metadata
+    except Exception as error:  # the header read, a tensor did not
+        raise _unreadable(name, error) from None
 
 
 def _split_role(key: str, name: str, allowed: tuple[str, ...]) -> tuple[str, str]:

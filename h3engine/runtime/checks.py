@@ -26,8 +26,8 @@ from h3engine.geometry import Geometry
 from h3engine.media.inputs import probe_media
 from h3engine.media.request_inputs import request_geometry
 from h3engine.presentation import prompt_token_counter
-from h3engine.request import GenerationRequest, validate
-from h3engine.sampling.schedule import check_distilled_steps, distilled_step_count
+from h3engine.request import GenerationRequest, distilled_step_count, validate
+from h3engine.sampling.schedule import check_distilled_steps, effective_rungs
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,8 @@ def check_request(request: GenerationRequest, facts: CheckpointFacts) -> list[st
         raise RequestError(
             f"task: this checkpoint cannot serve '{request.task}' (it serves {', '.join(facts.tasks)})"
         )
-    check_distilled_steps(request.steps, request.recipe, facts.dmd_steps.get(request.task))
+    rungs = effective_rungs(request.rungs, facts.dmd_steps.get(request.task))
+    check_distilled_steps(request.steps, request.recipe, rungs)
     return warnings
 
 

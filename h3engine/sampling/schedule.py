@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from h3engine.errors import RequestError
+from h3engine.request import distilled_step_count
 
 SCHEDULE_RECIPES = ("sglang", "diffusers")
 
@@ -57,10 +58,19 @@ def rung_sigmas(rungs: tuple[int, ...], shift: float) -> torch.Tensor:
     return _shifted(base, shift)
 
 
-def distilled_step_count(rungs: tuple[int, ...], recipe: str) -> int:
-    """The ``num_inference_steps`` that runs ``rungs`` under ``recipe``: one forward per rung, and the diffusers
-    recipe counts the terminal grid point too."""
-    return len(rungs) + 1 if recipe == "diffusers" else len(rungs)
+def effective_rungs(
+    request_rungs: tuple[int, ...], checkpoint_rungs: tuple[int, ...] | None
+) -> tuple[int, ...] | None:
+    """The rungs a request runs: its own (a Turbo adapter's), else a step-distilled checkpoint's, else None (the
+    grid of its step count). A step-distilled checkpoint runs only its own rungs (RequestError naming `rungs`)."""
+    if not request_rungs:
+        return checkpoint_rungs
+    if checkpoint_rungs is not None and tuple(request_rungs) != checkpoint_rungs:
+        raise RequestError(
+            f"rungs: this checkpoint is step-distilled to the rungs {', '.join(map(str, checkpoint_rungs))}, got "
+            f"{', '.join(map(str, request_rungs))} (leave rungs empty to run the checkpoint's)"
+        )
+    return tuple(request_rungs)
 
 
 def check_distilled_steps(steps: int, recipe: str, rungs: tuple[int, ...] | None) -> None:
