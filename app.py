@@ -92,6 +92,7 @@ class AppConfig:
     preview_every: int
     warm_up: bool = True  # GPU replicas run `WARM_UP_REQUEST` before taking jobs (h3engine.runtime.front)
     shared_history: bool = False  # one History and outputs folder for everyone (ui.access)
+    lora_dir: Path | None = None  # the LoRA adapters the app offers (h3engine.lora_library)
     # Whether the outputs / cache folder was named (--outputs or H3_OUTPUTS / H3_CACHE_DIR): a named folder that
     # cannot be written is refused; a default one is replaced by a temp folder (`settle_folders`).
     outputs_named: bool = True
@@ -160,6 +161,12 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="one History and outputs folder for everyone, the outputs folder served (a personal machine); "
         "default: each user (--auth) or browser session sees only its own results",
     )
+    parser.add_argument(
+        "--lora-dir",
+        default=environ.get("H3_LORA_DIR") or None,
+        help="folder of LoRA adapters (.safetensors, subfolders too) offered in each tab's LoRA panel and by name "
+        "in the API's loras parameter; env H3_LORA_DIR",
+    )
     parser.add_argument("--queue-size", type=int, default=DEFAULT_QUEUE_SIZE, help="most requests waiting")
     parser.add_argument("--preview-every", type=int, default=5, help="live preview every N denoising steps")
     parser.add_argument(
@@ -203,6 +210,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppC
         preview_every=args.preview_every,
         warm_up=args.warm_up,
         shared_history=args.shared_history,
+        lora_dir=Path(args.lora_dir).expanduser().resolve() if args.lora_dir else None,
         outputs_named=bool(args.outputs),
         cache_named=bool(environ.get("H3_CACHE_DIR")),
     )
@@ -271,6 +279,8 @@ def check_before_loading(config: AppConfig) -> None:
     except RequestError as error:
         raise ConfigError(str(error)) from None
     _check_can_listen(config.host, config.port)
+    if config.lora_dir is not None and not config.lora_dir.is_dir():
+        raise ConfigError(f"--lora-dir: no such folder: {config.lora_dir}")
     problem = _cannot_write(config.outputs_dir)
     if problem is not None:
         raise ConfigError(f"--outputs: cannot write to {config.outputs_dir} ({problem})")
@@ -460,6 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         memory_profile=config.engine.memory_profile,
         banner_markdown=banner,
         max_jobs=config.queue_size,
+        lora_dir=config.lora_dir,
     )
     access = ui.AccessPolicy(
         config.outputs_dir,

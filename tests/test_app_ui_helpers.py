@@ -141,6 +141,8 @@ def _values(task: str, **overrides) -> TaskValues:
         "audio_flow_shift": 2.5,
         "short_edge": 768,
         "takes": 1,
+        "rungs": "",
+        "loras": [],
     }
     defaults |= overrides
     return TaskValues.from_inputs(task, [defaults[name] for name in parameter_names(task)])

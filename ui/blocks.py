@@ -18,11 +18,13 @@ from typing import Any
 
 import gradio as gr
 
+from h3engine.lora_library import LoraLibrary
 from h3engine.runtime.front import EngineFront
 from ui.access import AccessPolicy
 from ui.examples import Example, load_examples
 from ui.handlers import Handlers, parameter_names, swap_keyframes
 from ui.history import HistoryEntry
+from ui.loras import wire_lora_panel
 from ui.prompt_builder import wire_prompt_builder
 from ui.references import wire_reference_gallery
 from ui.result import ResultColumn, build_history, build_result_column
@@ -55,6 +57,7 @@ class UiOptions:
     memory_profile: str = "resident"
     banner_markdown: str | None = None
     max_jobs: int = 32  # generate events running at once (the engine front queues their jobs)
+    lora_dir: Path | None = None  # the adapters the LoRA panels and the endpoints' `loras` may name
 
 
 def build_ui(
@@ -65,7 +68,8 @@ def build_ui(
 ) -> gr.Blocks:
     """`access`: who sees which results (default: per user or session); `delete_cache`: Gradio's (every N s,
     its files older than M s), for the uploads."""
-    handlers = Handlers(front, access or AccessPolicy(options.outputs_dir))
+    library = LoraLibrary(options.lora_dir)
+    handlers = Handlers(front, access or AccessPolicy(options.outputs_dir), library)
     examples = load_examples(options.examples_path, options.repository_root)
     builders = {"t2va": build_t2va_tab, "fl2va": build_fl2va_tab, "ref2va": build_ref2va_tab}
     with gr.Blocks(title="MiniMax H3", delete_cache=delete_cache) as demo:
@@ -86,6 +90,7 @@ def build_ui(
                             tabs[task] = build(
                                 _initial_canvas_text(handlers, task),
                                 [example.title for example in examples[task]],
+                                library,
                             )
             with gr.Column(scale=2, elem_id="h3-result-column"):
                 result = build_result_column()
@@ -101,6 +106,14 @@ def build_ui(
             _wire_canvas_text(tab, handlers)
             _wire_examples(tab, examples[tab.task], handlers)
             wire_prompt_builder(tab.prompt_builder, tab.prompt)
+            settings = tab.settings
+            wire_lora_panel(
+                settings.lora_panel,
+                settings.steps,
+                settings.flow_shift,
+                settings.audio_flow_shift,
+                settings.rungs,
+            )
         _wire_keyframes(tabs["fl2va"], handlers, result, task_tabs)
         wire_reference_gallery(tabs["ref2va"].reference_gallery, tabs["ref2va"].prompt)
 

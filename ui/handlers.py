@@ -30,6 +30,7 @@ from typing import Any
 import gradio as gr
 
 from h3engine.errors import RequestError
+from h3engine.lora_library import LoraLibrary
 from h3engine.request import GenerationRequest, Keyframe, Reference
 from h3engine.request_shapes import from_dict
 from h3engine.runtime.front import EngineFront, JobHandle, stamped_output_name
@@ -38,6 +39,7 @@ from ui.access import AccessPolicy
 from ui.components import NotAnUpload
 from ui.history import HistoryEntry, entry_markdown, find_entry, history_rows, list_history, result_markdown
 from ui.inputs import InputStore, last_frame_png, reference_kind
+from ui.loras import lora_choices, lora_values
 from ui.result import RESULT_FIELDS
 from ui.tabs import DEFAULT_VALUES, MEDIA_PARAMETERS, SETTINGS_PARAMETERS
 from ui.takes import Take, TakeSet, checked_takes
@@ -54,6 +56,8 @@ _SCALAR_FIELDS = {
     "flow_shift",
     "audio_flow_shift",
     "takes",
+    "rungs",
+    "loras",
 }
 _BOOLEAN_FIELDS = ("randomize_seed", "duration_from_reference")
 _FILE_FIELDS = ("first_image", "last_image", "references")
@@ -89,10 +93,29 @@ class TaskValues:
         return files
 
 
+def parse_rungs(text: Any) -> tuple[int, ...]:
+    """The Rungs field (`999,750,500,250`; empty: none) as the request's rungs (RequestError naming `rungs`)."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return ()
+    try:
+        if not isinstance(text, str):
+            raise ValueError
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise RequestError(
+            f"rungs: expected comma-separated integers such as 999,750,500,250, got {_short(text)}"
+        ) from None
+
+
 def build_request(
-    values: TaskValues, seed: int | None = None, keep: Callable[[str], str] = str, prompt: str | None = None
+    values: TaskValues,
+    seed: int | None = None,
+    keep: Callable[[str], str] = str,
+    prompt: str | None = None,
+    library: LoraLibrary | None = None,
 ) -> GenerationRequest:
-    """A GenerationRequest from a tab's inputs; `keep` maps each input file to the path the request names."""
+    """A GenerationRequest from a tab's inputs; `keep` maps each input file to the path the request names, `library`
+    each adapter name (the app's --lora-dir)."""
     named = values.values
     keyframes = tuple(
         Keyframe(path=keep(named[name]), position=position)
@@ -115,6 +138,8 @@ def build_request(
         audio_flow_shift=named["audio_flow_shift"],
         keyframes=keyframes,
         references=references,
+        loras=lora_choices(named.get("loras"), values.task, library or LoraLibrary(None)),
+        rungs=parse_rungs(named.get("rungs")),
     )
 
 
@@ -208,8 +233,11 @@ def result_update(**fields: Any) -> tuple[Any, ...]:
     return tuple(fields.get(name, gr.skip()) for name in RESULT_FIELDS)
 
 
-def request_values(request: GenerationRequest, keep: Callable[[str], str]) -> dict[str, Any]:
-    """A request's settings as input values by parameter name (files that no longer exist are left out)."""
+def request_values(
+    request: GenerationRequest, keep: Callable[[str], str], library: LoraLibrary | None = None
+) -> dict[str, Any]:
+    """A request's settings as input values by parameter name (files that no longer exist, and adapters no longer
+    in the LoRA folder, are left out)."""
     values: dict[str, Any] = {
         "prompt": request.prompt,
         "duration_seconds": request.duration_seconds or DEFAULT_VALUES["duration_seconds"],
@@ -221,6 +249,8 @@ def request_values(request: GenerationRequest, keep: Callable[[str], str]) -> di
         "audio_flow_shift": request.audio_flow_shift,
         "short_edge": request.short_edge,
         "takes": 1,
+        "rungs": ",".join(map(str, request.rungs)),
+        "loras": lora_values(request, library or LoraLibrary(None)),
     }
     if request.task == "fl2va":
         by_position = {keyframe.position: keyframe.path for keyframe in request.keyframes}
@@ -248,9 +278,10 @@ def swap_keyframes(first_image: str | None, last_image: str | None) -> tuple[str
 
 
 class Handlers:
-    def __init__(self, front: EngineFront, access: AccessPolicy) -> None:
+    def __init__(self, front: EngineFront, access: AccessPolicy, library: LoraLibrary | None = None) -> None:
         self.front = front
         self.access = access
+        self.library = library or LoraLibrary(None)
         self.store = InputStore(access.outputs_dir)
         # The jobs each browser session has running, for its Cancel button.
         self._running: dict[str, set[JobHandle]] = {}
@@ -264,7 +295,7 @@ class Handlers:
             checked_takes(values.values["takes"])
             # A random seed is drawn later; check the request with a valid placeholder.
             seed = 0 if values.values["randomize_seed"] else None
-            self.front.check(build_request(values, seed=seed))
+            self.front.check(build_request(values, seed=seed, library=self.library))
         except RequestError as error:
             return error
         return None
@@ -309,7 +340,7 @@ class Handlers:
             values = TaskValues.from_inputs(task, inputs)
             try:
                 check_input_types(values)
-                request = build_request(values, seed=0, prompt=PLACEHOLDER_PROMPT)
+                request = build_request(values, seed=0, prompt=PLACEHOLDER_PROMPT, library=self.library)
                 self.front.check(request)
                 geometry = self.front.expected_geometry(request)
             except RequestError as error:
@@ -369,7 +400,7 @@ class Handlers:
             takes = checked_takes(values.values["takes"])
             # Consecutive seeds from the first: a drawn first seed leaves room for the others.
             seed = secrets.randbelow(RANDOM_SEED_LIMIT) if values.values["randomize_seed"] else None
-            request = build_request(values, seed=seed, keep=self.store.keep_file)
+            request = build_request(values, seed=seed, keep=self.store.keep_file, library=self.library)
             requests = [dataclasses.replace(request, seed=request.seed + take) for take in range(takes)]
             self.front.check(request)
             if takes > 1:
@@ -484,7 +515,7 @@ class Handlers:
             request = from_dict(entry.sidecar["request"])
         except RequestError as error:
             raise gr.Error(f"Cannot restore {entry.stem}: {error}", print_exception=False) from None
-        return request, request_values(request, self.access.publish)
+        return request, request_values(request, self.access.publish, self.library)
 
     def result_of(self, entry: HistoryEntry, keep_takes: bool = False) -> tuple[Any, ...]:
         """The result column showing a past result; `keep_takes`: it is one of the takes shown, which stay."""
@@ -526,7 +557,7 @@ class Handlers:
         return entry
 
     def example_values(self, request: GenerationRequest) -> dict[str, Any]:
-        return request_values(request, self.access.publish)
+        return request_values(request, self.access.publish, self.library)
 
     def use_last_frame(self, last_result: str | None) -> str:
         if not last_result or not Path(last_result).is_file():

@@ -17,8 +17,10 @@ from typing import Any
 import gradio as gr
 
 from h3engine.geometry import PRESET_ASPECT_RATIOS
+from h3engine.lora_library import LoraLibrary
 from h3engine.request import MAX_DURATION_SECONDS, MIN_DURATION_SECONDS, VERIFIED_SHORT_EDGE
 from ui.components import as_sent, as_uploaded
+from ui.loras import LoraPanel, build_lora_panel
 from ui.prompt_builder import PromptBuilderPanel, build_prompt_builder
 from ui.references import ReferenceGallery, build_reference_gallery
 from ui.takes import MAX_TAKES
@@ -39,6 +41,8 @@ DEFAULT_VALUES = {
     "audio_flow_shift": 3.0,
     "short_edge": VERIFIED_SHORT_EDGE,
     "takes": 1,
+    "rungs": "",
+    "loras": [],
 }
 AUTO_ASPECT_LABELS = {
     "t2va": "auto (16:9)",
@@ -56,6 +60,8 @@ SETTINGS_PARAMETERS = (
     "audio_flow_shift",
     "short_edge",
     "takes",
+    "rungs",
+    "loras",
 )
 MEDIA_PARAMETERS = {
     "t2va": (),
@@ -81,6 +87,12 @@ class SettingsControls:
     audio_flow_shift: gr.Number
     short_edge: gr.Number
     takes: gr.Slider
+    rungs: gr.Textbox
+    lora_panel: LoraPanel
+
+    @property
+    def loras(self) -> gr.JSON:
+        return self.lora_panel.loras
 
     @property
     def inputs(self) -> list[gr.components.Component]:
@@ -121,7 +133,7 @@ class TaskTab:
         return [self.prompt, *self.media, *self.settings.inputs]
 
 
-def _settings_controls(task: str, derived_text: str) -> SettingsControls:
+def _settings_controls(task: str, derived_text: str, library: LoraLibrary) -> SettingsControls:
     with gr.Row():
         duration = as_sent(
             gr.Slider(
@@ -162,6 +174,7 @@ def _settings_controls(task: str, derived_text: str) -> SettingsControls:
                 elem_id=f"{task}-takes",
             )
         )
+    lora_panel = build_lora_panel(task, library)
     with gr.Accordion("Advanced", open=False, elem_id=f"{task}-advanced"):
         with gr.Row():
             steps = as_sent(
@@ -180,6 +193,15 @@ def _settings_controls(task: str, derived_text: str) -> SettingsControls:
             audio_flow_shift = as_sent(
                 gr.Number(value=DEFAULT_VALUES["audio_flow_shift"], label="Audio flow shift")
             )
+        rungs = as_sent(
+            gr.Textbox(
+                value=DEFAULT_VALUES["rungs"],
+                label="Rungs (step-distilled adapters)",
+                placeholder="e.g. 999,750,500,250; empty: the usual grid of Steps",
+                info="one denoising step at each timestep (1000 is pure noise); Steps must equal their count",
+                elem_id=f"{task}-rungs",
+            )
+        )
     return SettingsControls(
         duration,
         aspect_ratio,
@@ -191,6 +213,8 @@ def _settings_controls(task: str, derived_text: str) -> SettingsControls:
         audio_flow_shift,
         short_edge,
         takes,
+        rungs,
+        lora_panel,
     )
 
 
@@ -217,21 +241,26 @@ def _examples(task: str, titles: list[str]) -> gr.Dataset | None:
 
 
 def _task_tab(
-    task: str, prompt: gr.Textbox, derived_text: str, example_titles: list[str], **controls: Any
+    task: str,
+    prompt: gr.Textbox,
+    derived_text: str,
+    example_titles: list[str],
+    library: LoraLibrary,
+    **controls: Any,
 ) -> TaskTab:
     """A tab's settings, Generate button and examples, made under its prompt and its own controls (the task's
     `TaskTab` fields)."""
-    settings = _settings_controls(task, derived_text)
+    settings = _settings_controls(task, derived_text, library)
     generate = gr.Button("Generate", variant="primary", elem_id=f"{task}-generate")
     return TaskTab(task, prompt, settings, generate, _examples(task, example_titles), **controls)
 
 
-def build_t2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
+def build_t2va_tab(derived_text: str, example_titles: list[str], library: LoraLibrary) -> TaskTab:
     prompt, builder = _prompt("t2va")
-    return _task_tab("t2va", prompt, derived_text, example_titles, prompt_builder=builder)
+    return _task_tab("t2va", prompt, derived_text, example_titles, library, prompt_builder=builder)
 
 
-def build_fl2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
+def build_fl2va_tab(derived_text: str, example_titles: list[str], library: LoraLibrary) -> TaskTab:
     prompt, builder = _prompt("fl2va")
     with gr.Row(equal_height=True):
         # Gradio's Image picker offers any image/*; what is accepted (h3engine.media.formats) is checked.
@@ -251,10 +280,12 @@ def build_fl2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
             "Use the last frame of the previous result", size="sm", elem_id="fl2va-use-last-frame"
         )
     controls = dict(first_image=first_image, last_image=last_image, swap=swap, use_last_frame=use_last_frame)
-    return _task_tab("fl2va", prompt, derived_text, example_titles, prompt_builder=builder, **controls)
+    return _task_tab(
+        "fl2va", prompt, derived_text, example_titles, library, prompt_builder=builder, **controls
+    )
 
 
-def build_ref2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
+def build_ref2va_tab(derived_text: str, example_titles: list[str], library: LoraLibrary) -> TaskTab:
     prompt, builder = _prompt("ref2va")
     gallery = build_reference_gallery()  # its events and cards are wired by ui.blocks
     duration_from_reference = as_sent(
@@ -269,4 +300,6 @@ def build_ref2va_tab(derived_text: str, example_titles: list[str]) -> TaskTab:
         duration_from_reference=duration_from_reference,
         reference_gallery=gallery,
     )
-    return _task_tab("ref2va", prompt, derived_text, example_titles, prompt_builder=builder, **controls)
+    return _task_tab(
+        "ref2va", prompt, derived_text, example_titles, library, prompt_builder=builder, **controls
+    )
