@@ -4,14 +4,20 @@
 AdaLN projections as published adapters do, alpha per module); `write_lora(path, lora, layout, config)` writes it in
 one of `LAYOUTS` and returns the dense fp32 update per module that the file means. `diffusers_deltas` reads a file
 through diffusers' MiniMaxH3LoraLoaderMixin and returns its dense updates under diffusers' module names.
+`small_lora` is a `random_lora` that moves a tiny generation by ~10 %; `assert_equal` / `assert_changed` compare
+two generations' outputs bit for bit / by more than 1 %; `loras_loaded(pipeline, loras)` loads files into a diffusers
+pipeline with `load_lora_weights` for the length of a `with` block.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from _parity_helpers import relative_l2
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -60,6 +66,18 @@ def random_lora(config: DiTConfig, seed: int = 0) -> RandomLora:
         up[module] = torch.randn(out_features, rank, generator=generator)
         alpha[module] = float(rank) * (0.5 + len(module) % 3)
     return RandomLora(down, up, alpha)
+
+
+def small_lora(config: DiTConfig, seed: int, only: str = "", shrink: float = 0.02) -> RandomLora:
+    """`random_lora` with its down factors shrunk so the update moves the outputs by ~10 %, not to noise;
+    `only`: keep just the modules whose name contains it."""
+    lora = random_lora(config, seed)
+    keep = [module for module in lora.down if only in module]
+    return RandomLora(
+        {m: lora.down[m] * shrink for m in keep},
+        {m: lora.up[m] for m in keep},
+        {m: lora.alpha[m] for m in keep},
+    )
 
 
 def _flattened(module: str) -> str:
@@ -135,3 +153,28 @@ def diffusers_deltas(path: Path) -> dict[str, dict[str, Tensor]]:
         scale = 1.0 if alpha is None else alpha / rank
         deltas.setdefault(partition, {})[module] = up @ down.float() * scale
     return deltas
+
+
+def assert_equal(ours, other) -> None:
+    for name in ("video_latents", "audio_latents", "video", "audio"):
+        assert torch.equal(getattr(ours, name), getattr(other, name)), name
+
+
+def assert_changed(ours, other) -> None:
+    assert relative_l2(ours.video_latents, other.video_latents) > 1e-2
+    assert relative_l2(ours.audio_latents, other.audio_latents) > 1e-2
+
+
+@contextmanager
+def loras_loaded(pipeline, loras: Sequence[tuple[Path, float]], into_ref: bool = False) -> Iterator[None]:
+    """diffusers' `pipeline` with `loras` (path, strength) loaded by `load_lora_weights` (`into_ref`: its
+    `load_into_transformer_ref`) and set to their strengths; unloaded again on leaving, so the pipeline can serve
+    the next comparison bare."""
+    names = [f"adapter{index}" for index in range(len(loras))]
+    try:
+        for name, (path, _) in zip(names, loras, strict=True):
+            pipeline.load_lora_weights(str(path), adapter_name=name, load_into_transformer_ref=into_ref)
+        pipeline.set_adapters(names, adapter_weights=[strength for _, strength in loras])
+        yield
+    finally:
+        pipeline.unload_lora_weights()

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from _dit_helpers import tiny_fl2va_request
-from _lora_helpers import RandomLora, random_lora, write_lora
+from _lora_helpers import assert_changed, assert_equal, loras_loaded, small_lora, write_lora
+from _parity_helpers import reference_pipeline, relative_l2
 
 from benchmarks._packed_request import max_relative_error
 from h3engine import adapters as adapters_module
@@ -58,10 +59,6 @@ def generate(engine: Engine, *loras: tuple[Path, float] | tuple[Path, float, str
     return output
 
 
-def relative_l2(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((ours.double() - reference.double()).norm() / reference.double().norm())
-
-
 def tiny_dit(state: dict[str, torch.Tensor]) -> H3DiT:
     model = H3DiT(DiTConfig.tiny(), dtype=torch.float32)
     model.load_state_dict(native_to_module(state, DiTConfig.tiny()), strict=True)
@@ -83,18 +80,6 @@ def base(engine: Engine):
     return generate(engine)
 
 
-def small_lora(config: DiTConfig, seed: int, only: str = "", shrink: float = 0.02) -> RandomLora:
-    """`random_lora` with its down factors shrunk so the update moves the outputs by ~10 %, not to noise;
-    `only`: keep just the modules whose name contains it."""
-    lora = random_lora(config, seed)
-    keep = [module for module in lora.down if only in module]
-    return RandomLora(
-        {m: lora.down[m] * shrink for m in keep},
-        {m: lora.up[m] for m in keep},
-        {m: lora.alpha[m] for m in keep},
-    )
-
-
 def lora_file(tmp_path: Path, engine: Engine, layout: str, seed: int, only: str = "") -> Path:
     path = tmp_path / f"{layout}_{seed}{only}.safetensors"
     write_lora(
@@ -108,32 +93,15 @@ def lora_file(tmp_path: Path, engine: Engine, layout: str, seed: int, only: str 
 
 def reference_generation(folder: Path, loras: list[tuple[Path, float]]) -> tuple[torch.Tensor, torch.Tensor]:
     """diffusers' T2VA pipeline with the files loaded by `load_lora_weights`, each at its strength."""
-    from diffusers import ModularPipeline
-
-    pipe = ModularPipeline.from_pretrained(str(folder), workflow="t2va")
-    pipe.load_components(dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
-    names = [f"adapter{index}" for index in range(len(loras))]
-    for name, (path, _) in zip(names, loras, strict=True):
-        pipe.load_lora_weights(str(path), adapter_name=name)
-    pipe.set_adapters(names, adapter_weights=[strength for _, strength in loras])
-    state = pipe(
-        prompt=PROMPT,
-        num_inference_steps=STEPS,
-        generator=torch.Generator().manual_seed(SEED),
-        output_type="pt",
-    )
+    pipe = reference_pipeline(folder, "t2va")
+    with loras_loaded(pipe, loras):
+        state = pipe(
+            prompt=PROMPT,
+            num_inference_steps=STEPS,
+            generator=torch.Generator().manual_seed(SEED),
+            output_type="pt",
+        )
     return state.get("videos")[0].permute(0, 2, 3, 1).float(), state.get("audio")[0].float()
-
-
-def assert_equal(ours, other) -> None:
-    for name in ("video_latents", "audio_latents", "video", "audio"):
-        assert torch.equal(getattr(ours, name), getattr(other, name)), name
-
-
-def assert_changed(ours, other) -> None:
-    assert relative_l2(ours.video_latents, other.video_latents) > 1e-2
-    assert relative_l2(ours.audio_latents, other.audio_latents) > 1e-2
 
 
 @pytest.mark.parametrize("layout", ["diffusers", "kohya"])

@@ -23,6 +23,14 @@ import numpy as np
 import pytest
 import soundfile
 import torch
+from _parity_helpers import (
+    DIT_INPUT_NAMES,
+    reference_objects,
+    reference_pipeline,
+    reference_run,
+    relative_l2,
+    synthetic_image,
+)
 from PIL import Image
 
 from h3engine.cli import main, parse_reference_spec
@@ -45,40 +53,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 PROMPT = "At 0.00 seconds <Picture 1> is fully referenced. A fox runs through snow; wind hisses softly."
 REF_PROMPT = "<Picture 1> walks along the beach in the style of <Picture 2>, humming softly."
-DIT_INPUT_NAMES = (
-    "hidden_states",
-    "audio_hidden_states",
-    "encoder_hidden_states",
-    "timestep",
-    "timestep_indices",
-    "token_tags",
-    "position_ids",
-    "video_indices",
-    "audio_indices",
-    "text_indices",
-)
-EXACT_INPUTS = (
-    "timestep",
-    "timestep_indices",
-    "token_tags",
-    "position_ids",
-    "video_indices",
-    "audio_indices",
-)
-
-
-def relative_l2(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((ours.double() - reference.double()).norm() / reference.double().norm())
-
-
-def synthetic_image(width: int, height: int, seed: int) -> Image.Image:
-    """A smooth gradient with texture, so that resampling and cropping differences show in the latents."""
-    rng = np.random.default_rng(seed)
-    rows, columns = np.mgrid[0:height, 0:width]
-    base = np.stack(
-        [columns * 255 / width, rows * 255 / height, (rows + columns) * 127 / (width + height)], -1
-    )
-    return Image.fromarray(np.clip(base + rng.normal(0, 25, base.shape), 0, 255).astype(np.uint8))
+# timestep, timestep_indices, token_tags, position_ids, video_indices, audio_indices.
+EXACT_INPUTS = DIT_INPUT_NAMES[3:9]
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
@@ -96,15 +72,7 @@ def engine(checkpoint) -> Engine:
 
 @pytest.fixture(scope="module")
 def reference_pipelines(checkpoint) -> dict:
-    from diffusers import ModularPipeline
-
-    pipelines = {}
-    for workflow in ("fl2va", "ref2va"):
-        pipeline = ModularPipeline.from_pretrained(str(checkpoint), workflow=workflow)
-        pipeline.load_components(dtype=torch.float32)
-        pipeline.set_progress_bar_config(disable=True)
-        pipelines[workflow] = pipeline
-    return pipelines
+    return {workflow: reference_pipeline(checkpoint, workflow) for workflow in ("fl2va", "ref2va")}
 
 
 @pytest.fixture(scope="module")
@@ -135,24 +103,6 @@ def media(tmp_path_factory) -> dict[str, Path]:
 
 
 # ------------------------------------------------------------------------------------------------ runs and checks
-
-
-def reference_run(pipeline, **inputs) -> tuple[list[dict], torch.Tensor, torch.Tensor]:
-    seed = inputs.pop("seed")
-    transformer = pipeline.transformer_ref if "references" in inputs else pipeline.transformer
-    calls: list[dict] = []
-
-    def capture(module, args, kwargs) -> None:
-        # Cloned: the loop writes the generated rows in place after the forward.
-        calls.append({name: kwargs[name].clone() for name in DIT_INPUT_NAMES})
-
-    handle = transformer.register_forward_pre_hook(capture, with_kwargs=True)
-    try:
-        state = pipeline(**inputs, generator=torch.Generator().manual_seed(seed), output_type="pt")
-    finally:
-        handle.remove()
-    video = state.get("videos")[0].permute(0, 2, 3, 1).float()
-    return calls, video, state.get("audio")[0].float()
 
 
 def our_run(engine: Engine, request: GenerationRequest, validated: bool = True):
@@ -281,21 +231,6 @@ def test_keyframe_fitting_arithmetic() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ Ref2VA
-
-
-def reference_objects(references: tuple[Reference, ...]) -> list:
-    from diffusers.modular_pipelines.minimax_h3 import (
-        MiniMaxH3AudioReference,
-        MiniMaxH3ImageReference,
-        MiniMaxH3VideoReference,
-    )
-
-    classes = {
-        "image": MiniMaxH3ImageReference,
-        "audio": MiniMaxH3AudioReference,
-        "video": MiniMaxH3VideoReference,
-    }
-    return [classes[reference.kind].from_file(reference.path) for reference in references]
 
 
 @pytest.mark.parametrize(
