@@ -5,6 +5,9 @@ Random bf16 base weights (`benchmarks.dit_forward.build_ours`) and a random adap
 factors as a file reads them, a scale of 1). Forwards are timed in ABBA pairs, the adapter applied and removed
 between them (outside the timed forwards), with the AdaLN tables built once per variant as the denoising loop does.
 Checks: strength 0 and the base after removal are bit-identical to the base forward; the adapter changes it.
+The alternative, fused into the weights (`--fused`): each adapted weight is saved to pinned host memory (the only way
+back to the base bit for bit), then W + B A is computed in fp32 and rounded to bf16 in place; removing copies the
+saved weights back. Its times, host bytes and forward, and how far its bf16 rounding moves the output, are recorded.
 
     python -m benchmarks.adapters                                          # GPU, released size, rank 64, JSON
     python -m benchmarks.adapters --tiny --device cpu --output-dir /tmp    # smoke test
@@ -55,6 +58,57 @@ def factor_bytes(lora: LoraFile, dtype: torch.dtype) -> int:
     return sum((layer.down.numel() + layer.up.numel()) * element for layer in layers.values())
 
 
+def measure_fused(
+    ours: H3DiT, lora: LoraFile, device: torch.device, forward, adapter_output, base_output
+) -> dict[str, object]:
+    """Fuse the adapter into the weights and back (host copies for an exact restore): seconds, bytes, outputs."""
+    linears = {name: ours.get_submodule(name) for name in lora.layers()}
+    timings: dict[str, float] = {}
+
+    def span(name: str, action) -> None:
+        synchronize(device)
+        began = time.perf_counter()
+        action()
+        synchronize(device)
+        timings[name] = time.perf_counter() - began
+
+    saved: dict[str, torch.Tensor] = {}
+
+    def allocate() -> None:
+        for name, linear in linears.items():
+            saved[name] = torch.empty(
+                linear.weight.shape, dtype=linear.weight.dtype, pin_memory=device.type == "cuda"
+            )
+
+    def save() -> None:
+        for name, linear in linears.items():
+            saved[name].copy_(linear.weight, non_blocking=True)
+
+    def fuse() -> None:
+        for name, layer in lora.layers().items():
+            weight = linears[name].weight
+            update = layer.up.to(device) @ layer.down.to(device) * layer.scale
+            weight.copy_((weight.float() + update).to(weight.dtype))
+
+    def restore() -> None:
+        for name, linear in linears.items():
+            linear.weight.copy_(saved[name], non_blocking=True)
+
+    span("host_alloc_s", allocate)
+    span("save_s", save)
+    span("fuse_s", fuse)
+    fused_s, fused_output = time_forward(forward, device, warmup=1, runs=2)
+    span("restore_s", restore)
+    restored = all(torch.equal(a, b) for a, b in zip(forward(), base_output, strict=True))
+    return {
+        **timings,
+        "host_bytes": sum(tensor.numel() * tensor.element_size() for tensor in saved.values()),
+        "forward_s": fused_s,
+        "relative_l2_to_low_rank_output": relative_l2(fused_output[0], adapter_output[0]),
+        "restored_bit_exact": restored,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny config and layout (smoke test)")
@@ -62,6 +116,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--pairs", type=int, default=4, help="ABBA pairs of (no adapter, adapter) forwards")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--fused", action="store_true", help="also measure fusing into the weights (see above)"
+    )
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
 
@@ -105,6 +162,11 @@ def main() -> None:
         change = relative_l2(adapter_output[0], base_output[0])
         remove_adapters(ours)
         restored_equal = all(torch.equal(a, b) for a, b in zip(run("base"), base_output, strict=True))
+        fused = (
+            measure_fused(ours, lora, device, lambda: run("base"), adapter_output, base_output)
+            if args.fused
+            else None
+        )
 
         def timed(variant: str) -> float:
             if variant == "adapter":
@@ -129,6 +191,8 @@ def main() -> None:
         f"ratio median {statistics.median(ratios):.4f} ({[round(r, 4) for r in ratios]}); output change {change:.3e}; "
         f"strength 0 bit-exact {strength_0_equal}, restored bit-exact {restored_equal}"
     )
+    if fused is not None:
+        print(f"fused into the weights: {fused}")
     result = {
         "benchmark": "adapters",
         "date": datetime.date.today().isoformat(),
@@ -154,6 +218,7 @@ def main() -> None:
         "strength_0_bit_exact": strength_0_equal,
         "restored_bit_exact": restored_equal,
         "first_forward_s": base_s,
+        "fused": fused,
     }
     args.output_dir.mkdir(parents=True, exist_ok=True)
     name = device_label(device).replace(" ", "_")

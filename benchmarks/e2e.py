@@ -44,6 +44,7 @@ from h3engine.checkpoint.text_encoder_files import build_tiny_tokenizer, tiny_te
 from h3engine.checkpoint.tiny import TINY_CANVAS
 from h3engine.conditioning import EncodedConditions
 from h3engine.geometry import Geometry
+from h3engine.lora_library import TURBO_TABLE
 from h3engine.media import mux
 from h3engine.models.audio_vae import AudioVAE, AudioVAEConfig
 from h3engine.models.dit import DiTConfig, H3DiT
@@ -61,7 +62,7 @@ from h3engine.pipeline import (
 )
 from h3engine.presentation import Presentation, text_presentation
 from h3engine.runtime.front import WARM_UP_REQUEST
-from h3engine.sampling.schedule import Schedule
+from h3engine.sampling.schedule import RELEASED_AUDIO_SHIFT, RELEASED_VIDEO_SHIFT, Schedule
 
 RECIPE = "sglang"  # the serving recipe: N forwards for N steps
 ASPECT = "16:9"
@@ -467,8 +468,18 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="run the DiT with a random adapter of this rank on every block linear (benchmarks.adapters; 0: none)",
     )
+    parser.add_argument(
+        "--turbo",
+        action="store_true",
+        help="the Turbo preset's table (h3engine.lora_library.TURBO_TABLE: 8 steps, flow shifts 6 / 3) instead of "
+        "--steps and the released shifts",
+    )
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
+    args.shifts = {"video_shift": RELEASED_VIDEO_SHIFT, "audio_shift": RELEASED_AUDIO_SHIFT}
+    if args.turbo:
+        args.steps = TURBO_TABLE.steps
+        args.shifts = {"video_shift": TURBO_TABLE.flow_shift, "audio_shift": TURBO_TABLE.audio_flow_shift}
     if args.warm_up_run and not args.resident:
         parser.error("--warm-up-run needs --resident (it runs on the models the request then uses)")
     if args.steps < 1:
@@ -529,7 +540,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     # decode on a GPU.
     dtype = torch.bfloat16
     video_decode_autocast = torch.float16 if device.type == "cuda" else None
-    schedule = Schedule.build(args.steps, recipe=RECIPE)
+    schedule = Schedule.build(args.steps, recipe=RECIPE, **args.shifts)
     timed_steps = args.timed_steps or schedule.num_steps
     extrapolated = timed_steps < schedule.num_steps
     presentation, prompt_tokens = benchmark_presentation(args.prompt, args.text_rows)
@@ -655,6 +666,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     stem = (
         f"e2e_{device_label(device)}_{datetime.date.today().strftime('%Y%m%d')}{'_tiny' if args.tiny else ''}"
         f"{f'_{args.steps}steps' if args.steps != 50 else ''}{f'_lora{args.lora_rank}' if args.lora_rank else ''}"
+        f"{'_turbo' if args.turbo else ''}"
     )
     with tempfile.TemporaryDirectory() as scratch:
         # A partly denoised clip is muxed for its time only; the file is kept when every step ran. The engine's
@@ -740,7 +752,13 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
             "text_hidden": int(text_states.shape[-1]),
         },
         "parameters": parameters,
-        "schedule": {"recipe": RECIPE, "steps": schedule.num_steps, "timed_steps": timed_steps},
+        "schedule": {
+            "recipe": RECIPE,
+            "steps": schedule.num_steps,
+            "timed_steps": timed_steps,
+            "flow_shifts": [args.shifts["video_shift"], args.shifts["audio_shift"]],
+            "turbo_preset": args.turbo,
+        },
         "lora_rank": args.lora_rank,
         "extrapolated": extrapolated,
         "build_s": builds.seconds,

@@ -72,7 +72,12 @@ class LibraryEntry:
         if self.problem is not None:
             return f"{self.name} (unusable: {self.problem})"
         turbo = " · Turbo" if self.turbo is not None else ""
-        return f"{self.name} ({self.size_bytes / 2**20:.1f} MiB{turbo})"
+        size = (
+            f"{self.size_bytes / 2**20:.1f} MiB"
+            if self.size_bytes >= 2**20
+            else f"{self.size_bytes // 1024} KiB"
+        )
+        return f"{self.name} ({size}{turbo})"
 
 
 class LoraLibrary:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -58,7 +59,9 @@ def test_the_parameter_becomes_the_requests_adapters_and_back(loras: Path) -> No
     )
     # The Ref2VA tab puts every adapter on its own DiT.
     assert lora_choices([{"name": "ref/only.safetensors"}], "ref2va", library)[0].target == "transformer_ref"
-    request = GenerationRequest(task="t2va", prompt="p", loras=choices + (LoraChoice("/elsewhere/x.safetensors"),))
+    request = GenerationRequest(
+        task="t2va", prompt="p", loras=choices + (LoraChoice("/elsewhere/x.safetensors"),)
+    )
     assert lora_values(request, library) == [
         {"name": "style.safetensors", "strength": 0.5},
         {"name": "turbo.safetensors", "strength": 1.0},
@@ -70,7 +73,7 @@ def test_the_parameter_becomes_the_requests_adapters_and_back(loras: Path) -> No
         "loras[0].name: 'ref/only.safetensors' is for the transformer_ref DiT; this task runs transformer": [
             {"name": "ref/only.safetensors"}
         ],
-        'loras[1]: must be an object {"name": ..., "strength": ...}, got {\'name\': \'style.safetensors\', '
+        "loras[1]: must be an object {\"name\": ..., \"strength\": ...}, got {'name': 'style.safetensors', "
         "'path': '/etc'}": [{"name": "style.safetensors"}, {"name": "style.safetensors", "path": "/etc"}],
         'loras: must be a list such as [{"name": "style.safetensors", "strength": 0.8}], got \'style\'': "style",
         "loras: at most 8 adapters per request, got 9": [{"name": "style.safetensors"}] * 9,
@@ -100,29 +103,36 @@ def test_the_rungs_field() -> None:
         parse_rungs("999;500")
 
 
-def test_the_api_runs_named_adapters_and_history_keeps_them(loras: Path, tiny_native: Path, tmp_path: Path) -> None:
+def test_the_api_runs_named_adapters_and_rungs(loras: Path, tiny_native: Path, tmp_path: Path) -> None:
     app = start_app(tmp_path, extra_arguments=["--lora-dir", str(loras)], checkpoint=tiny_native)
     try:
         client = Client(app.url, verbose=False, download_files=str(tmp_path / "downloads"))
         base = client.predict(prompt="A kite.", **SETTINGS, api_name="/t2va")
         adapted = client.predict(
-            prompt="A kite.", loras=[{"name": "style.safetensors", "strength": 0.75}], **SETTINGS, api_name="/t2va"
+            prompt="A kite.",
+            loras=[{"name": "style.safetensors", "strength": 0.75}],
+            **SETTINGS,
+            api_name="/t2va",
         )
         assert adapted[0].startswith("Done"), adapted[0]
         sidecar_path = next(path for path in adapted[5] if path.endswith(".json"))
         sidecar = json.loads(Path(sidecar_path).read_text())
         style = loras / "style.safetensors"
-        assert sidecar["request"]["loras"] == [{"path": str(style), "strength": 0.75, "target": "transformer"}]
+        assert sidecar["request"]["loras"] == [
+            {"path": str(style), "strength": 0.75, "target": "transformer"}
+        ]
         assert sidecar["adapters"] == [
             {"file": "style.safetensors", "sha256": hashlib.sha256(style.read_bytes()).hexdigest()}
             | {"strength": 0.75, "target": "transformer"}
         ]
-        assert Path(adapted[2]["video"]).read_bytes() != Path(base[2]["video"]).read_bytes()
+        assert Path(adapted[2]).read_bytes() != Path(base[2]).read_bytes()  # the video files
         # Turbo rungs through the API: two forwards.
         turbo = client.predict(prompt="A kite.", rungs="999,500", **SETTINGS, api_name="/t2va")
         assert turbo[0].startswith("Done"), turbo[0]
         with pytest.raises(ValidationError, match=r"loras\[0\].name: no adapter named 'missing.safetensors'"):
-            client.predict(prompt="A kite.", loras=[{"name": "missing.safetensors"}], **SETTINGS, api_name="/t2va")
+            client.predict(
+                prompt="A kite.", loras=[{"name": "missing.safetensors"}], **SETTINGS, api_name="/t2va"
+            )
         with pytest.raises(ValidationError, match=r"steps: 2 rungs run 2 steps, got 3"):
             client.predict(prompt="A kite.", rungs="999,500", **(SETTINGS | {"steps": 3}), api_name="/t2va")
         # A file gone from the folder: the request names it and nothing is written.
@@ -131,7 +141,9 @@ def test_the_api_runs_named_adapters_and_history_keeps_them(loras: Path, tiny_na
         style.unlink()
         try:
             with pytest.raises(ValidationError, match=r"loras\[0\].path: no such file: 'style.safetensors'"):
-                client.predict(prompt="A kite.", loras=[{"name": "style.safetensors"}], **SETTINGS, api_name="/t2va")
+                client.predict(
+                    prompt="A kite.", loras=[{"name": "style.safetensors"}], **SETTINGS, api_name="/t2va"
+                )
         finally:
             shutil.move(moved, style)
         assert len(app.mp4_files()) == 3
@@ -146,7 +158,14 @@ def test_a_missing_lora_folder_is_refused_at_start(tmp_path: Path) -> None:
     from _app_helpers import REPOSITORY_ROOT
 
     done = subprocess.run(
-        [sys.executable, str(REPOSITORY_ROOT / "app.py"), "--lora-dir", str(tmp_path / "nope"), "--devices", "cpu"],
+        [
+            sys.executable,
+            str(REPOSITORY_ROOT / "app.py"),
+            "--lora-dir",
+            str(tmp_path / "nope"),
+            "--devices",
+            "cpu",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -155,7 +174,9 @@ def test_a_missing_lora_folder_is_refused_at_start(tmp_path: Path) -> None:
 
 
 @needs_chromium
-def test_the_panel_the_turbo_preset_and_a_restore_in_a_browser(loras: Path, tiny_native: Path, tmp_path: Path) -> None:
+def test_the_panel_the_turbo_preset_and_a_restore_in_a_browser(
+    loras: Path, tiny_native: Path, tmp_path: Path
+) -> None:
     from playwright.sync_api import expect
 
     app = start_app(tmp_path, extra_arguments=["--lora-dir", str(loras)], checkpoint=tiny_native)
@@ -163,7 +184,9 @@ def test_the_panel_the_turbo_preset_and_a_restore_in_a_browser(loras: Path, tiny
         with browser_page(app.url) as page:
             page.locator("#t2va-prompt textarea").fill("A kite over the sea.")
             page.locator("#t2va-loras").get_by_text("LoRA adapters").click()
-            expect(page.locator("#t2va-lora-note")).to_contain_text("3 adapter(s) in `adapters`")
+            expect(page.locator("#t2va-lora-note")).to_contain_text(
+                "2 of 3 adapter(s) in adapters fit this tab's DiT"
+            )
             # The Text tab offers the adapters that fit its DiT: not the transformer_ref one.
             page.locator("#t2va-lora-0 input").click()
             options = page.get_by_role("option")
@@ -189,10 +212,16 @@ def test_the_panel_the_turbo_preset_and_a_restore_in_a_browser(loras: Path, tiny
             ]
             assert sidecar["request"]["rungs"] == [999, 500] and sidecar["request"]["flow_shift"] == 5.0
 
-            # Another page clears the panel; History's row brings the adapter, its strength and the rungs back.
-            page.reload()
-            page.locator("#h3-history tbody tr").first.click()
-            page.locator("#t2va-loras").get_by_text("LoRA adapters").click()
-            expect(page.locator("#t2va-lora-0 input")).to_have_value("turbo.safetensors (", timeout=30_000)
+            # Emptied panel and fields; History's row brings the adapter, its strength and the rungs back.
+            page.locator("#t2va-lora-0 input").click()
+            page.get_by_role("option", name="none", exact=True).click()
+            expect(page.locator("#t2va-lora-row-1")).to_be_hidden()
+            page.locator("#t2va-rungs textarea").fill("")
+            page.locator("#h3-history tbody tr", has_text="A kite over the sea.").first.click()
+            expect(page.locator("#t2va-lora-0 input")).to_have_value(
+                re.compile(r"^turbo\.safetensors \(\d+ KiB · Turbo\)$")
+            )
+            expect(page.locator("#t2va-lora-strength-0 input[type=number]")).to_have_value("0.6")
+            expect(page.locator("#t2va-rungs textarea")).to_have_value("999,500")
     finally:
         stop_app(app)

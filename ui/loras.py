@@ -57,7 +57,10 @@ def _note(library: LoraLibrary, task: str) -> str:
         return "No LoRA folder: start the app with `--lora-dir DIR` to pick adapters (`.safetensors`) here."
     usable = library.usable(LORA_TARGET_OF_TASK[task])
     unusable = [entry.label() for entry in library.entries if entry.problem is not None]
-    text = f"{len(usable)} adapter(s) in `{library.folder.name}` fit this tab's DiT ({LORA_TARGET_OF_TASK[task]})."
+    text = (
+        f"{len(usable)} of {len(library.entries)} adapter(s) in `{library.folder.name}` fit this tab's DiT "
+        f"({LORA_TARGET_OF_TASK[task]})."
+    )
     if unusable:
         text += " Not usable: " + "; ".join(unusable[:4]) + (" …" if len(unusable) > 4 else "")
     return text
