@@ -3,10 +3,9 @@
 Task inputs: `--first-frame` / `--last-frame` (FL2VA) and repeatable `--ref KIND:PATH[@START_SECONDS]` (Ref2VA, in
 prompt label order); without `--task` the inputs pick it. Adapters: repeatable `--lora PATH[:STRENGTH]`, on the DiT
 `--lora-target` names (default: as diffusers); `--turbo` sets the steps, shifts and `--rungs` they run with.
-Devices: one (`--device`, default cuda when present) runs the engine in this process; `--gpus N`,
-`--devices 0,1,...` or `--world-size N` (with `--device cpu`: CPU ranks over gloo) run a resident worker group
-behind the app's engine front (h3engine.runtime.workers). The engine flags (layout, `--dtype`, `--memory-profile`,
-`--fp8-linear`) are the app's too (h3engine.engine_options).
+Devices: `--device` (default cuda when present) runs the engine here; `--gpus N`, `--devices 0,1,...` or
+`--world-size N` (`--device cpu`: CPU ranks over gloo) run a resident worker group (h3engine.runtime.workers). The
+engine flags (layout, `--dtype`, `--memory-profile`, `--fp8-linear`) are the app's too (h3engine.engine_options).
 
 Order of the checks: the output flags, the request and its files (headers only) and `--dtype` before torch is
 imported; then the device, memory-profile and layout flags, a step-distilled checkpoint's step count (`--steps`

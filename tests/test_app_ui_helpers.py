@@ -21,6 +21,7 @@ from _app_helpers import ASSETS, REPOSITORY_ROOT
 
 from h3engine.cli import _build_parser
 from h3engine.errors import RequestError
+from h3engine.lora_library import LoraLibrary
 from h3engine.media.formats import FORMATS, accepted_text
 from h3engine.request import GenerationRequest, Keyframe, Reference, reference_labels
 from ui.components import NotAnUpload, as_uploaded
@@ -241,7 +242,7 @@ def test_file_inputs_hand_over_upload_paths_undecoded_and_refuse_anything_else()
 
 def test_the_pickers_offer_exactly_what_is_accepted() -> None:
     with gr.Blocks():
-        tab = build_ref2va_tab("", [])
+        tab = build_ref2va_tab("", [], LoraLibrary(None))
     accepted = [suffix for media in FORMATS.values() for suffix in media.suffixes]
     assert tab.references.file_types == accepted
     for kind, media in FORMATS.items():

@@ -13,6 +13,7 @@ generates exactly what the resident engine does, and so does a low-memory worker
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections.abc import Iterable, Iterator
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _lora_helpers import small_lora, write_lora
 from PIL import Image
 from safetensors.torch import load_file
 from torch import nn
@@ -33,7 +35,7 @@ from h3engine.errors import GenerationCancelled, RequestError
 from h3engine.parallel.groups import RuntimeLayout
 from h3engine.pipeline import Models
 from h3engine.placement import Placement, pin_in_place
-from h3engine.request import GenerationRequest, Keyframe
+from h3engine.request import GenerationRequest, Keyframe, LoraChoice
 from h3engine.runtime.front import EngineFront
 from h3engine.runtime.messages import TERMINAL_EVENTS, JobFinished
 from h3engine.runtime.workers import ProcessReplica, validated_spec
@@ -264,6 +266,25 @@ def test_the_cli_refuses_an_unknown_profile_with_exit_code_2(capsys, tmp_path) -
     assert code == 2, stderr
     assert stderr.startswith("error: --memory-profile:") and "'huge'" in stderr and stderr.count("\n") == 1
     assert not out.exists()
+
+
+def test_adapters_run_under_every_profile_alike(checkpoint, fl2va_request, low_memory, tmp_path) -> None:
+    """A LoRA's factors ride on the layers beside their weights (h3engine.adapters), not as parameters, so they are
+    where the forward runs while the DiT moves for its phase: low-memory with an adapter equals resident with it."""
+    _, _, base = low_memory
+    engine = RecordingEngine.from_checkpoint(checkpoint, device="cpu", memory_profile="low-memory")
+    engine.placement.watch(engine.store.models_for_partition(engine.layout.for_task("fl2va").partition))
+    config = engine.store.models_for_task("fl2va").dit.config
+    path = tmp_path / "style.safetensors"
+    write_lora(path, small_lora(config, 4), "diffusers", config)
+    request = dataclasses.replace(fl2va_request, loras=(LoraChoice(str(path), 0.7),))
+    adapted, _ = engine.generate(request)
+    expected, _ = Engine.from_checkpoint(checkpoint, device="cpu").generate(request)
+    for name in ("video", "audio"):
+        assert torch.equal(getattr(adapted, name), getattr(expected, name)), name
+        assert not torch.equal(getattr(adapted, name), getattr(base, name)), name
+    assert ("enter", "denoise", expected_places(("dit",))) in engine.placement.log
+    assert engine.placement.where() == expected_places(())
 
 
 @pytest.mark.cuda
