@@ -8,6 +8,7 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from _app_helpers import start_app, stop_app
@@ -244,6 +245,12 @@ def test_the_cli_steps_default_to_the_distilled_count(capsys, dmd_checkpoint: Pa
 def test_the_app_api_refuses_another_count_and_runs_the_rungs(dmd_checkpoint: Path, tmp_path: Path) -> None:
     app = start_app(tmp_path, checkpoint=dmd_checkpoint)
     try:
+        # The page starts at the distilled count, so its canvas line and Generate are valid as they stand.
+        components = httpx.get(f"{app.url}config").json()["components"]
+        by_id = {component["props"].get("elem_id"): component["props"] for component in components}
+        for task in ("t2va", "fl2va", "ref2va"):
+            assert by_id[f"{task}-steps"]["value"] == 4
+        assert by_id["t2va-derived"]["value"].startswith("Canvas **"), by_id["t2va-derived"]["value"]
         client = Client(app.url, verbose=False, download_files=str(tmp_path / "downloads"))
         settings = dict(duration_seconds=4, aspect_ratio="auto", randomize_seed=False)
         with pytest.raises(

@@ -87,10 +87,12 @@ def build_ui(
                     tabs: dict[str, TaskTab] = {}
                     for task, build in builders.items():
                         with gr.Tab(TAB_TITLES[task], id=task, elem_id=f"tab-{task}"):
+                            initial = _initial_values(front, task)
                             tabs[task] = build(
-                                _initial_canvas_text(handlers, task),
+                                _initial_canvas_text(handlers, task, initial),
                                 [example.title for example in examples[task]],
                                 library,
+                                initial["steps"],
                             )
             with gr.Column(scale=2, elem_id="h3-result-column"):
                 result = build_result_column()
@@ -148,8 +150,14 @@ def build_ui(
     return demo
 
 
-def _initial_canvas_text(handlers: Handlers, task: str) -> str:
-    return handlers.describe_canvas(task)(*(DEFAULT_VALUES[name] for name in parameter_names(task)))
+def _initial_values(front: EngineFront, task: str) -> dict[str, Any]:
+    """The values a tab starts with: the defaults, with a step-distilled checkpoint's own step count."""
+    distilled = front.facts.distilled_steps(task) if task in front.facts.tasks else None
+    return DEFAULT_VALUES | ({"steps": distilled} if distilled is not None else {})
+
+
+def _initial_canvas_text(handlers: Handlers, task: str, initial: dict[str, Any]) -> str:
+    return handlers.describe_canvas(task)(*(initial[name] for name in parameter_names(task)))
 
 
 def _tab_updates(tab: TaskTab, values: dict[str, Any]) -> dict[Any, Any]:

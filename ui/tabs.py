@@ -133,7 +133,7 @@ class TaskTab:
         return [self.prompt, *self.media, *self.settings.inputs]
 
 
-def _settings_controls(task: str, derived_text: str, library: LoraLibrary) -> SettingsControls:
+def _settings_controls(task: str, derived_text: str, library: LoraLibrary, steps: int) -> SettingsControls:
     with gr.Row():
         duration = as_sent(
             gr.Slider(
@@ -177,9 +177,7 @@ def _settings_controls(task: str, derived_text: str, library: LoraLibrary) -> Se
     lora_panel = build_lora_panel(task, library)
     with gr.Accordion("Advanced", open=False, elem_id=f"{task}-advanced"):
         with gr.Row():
-            steps = as_sent(
-                gr.Number(value=DEFAULT_VALUES["steps"], precision=0, label="Steps", elem_id=f"{task}-steps")
-            )
+            steps = as_sent(gr.Number(value=steps, precision=0, label="Steps", elem_id=f"{task}-steps"))
             short_edge = as_sent(
                 gr.Number(
                     value=DEFAULT_VALUES["short_edge"],
@@ -246,21 +244,26 @@ def _task_tab(
     derived_text: str,
     example_titles: list[str],
     library: LoraLibrary,
+    steps: int,
     **controls: Any,
 ) -> TaskTab:
     """A tab's settings, Generate button and examples, made under its prompt and its own controls (the task's
-    `TaskTab` fields)."""
-    settings = _settings_controls(task, derived_text, library)
+    `TaskTab` fields); `steps`: the Steps field's first value (a step-distilled checkpoint's count)."""
+    settings = _settings_controls(task, derived_text, library, steps)
     generate = gr.Button("Generate", variant="primary", elem_id=f"{task}-generate")
     return TaskTab(task, prompt, settings, generate, _examples(task, example_titles), **controls)
 
 
-def build_t2va_tab(derived_text: str, example_titles: list[str], library: LoraLibrary) -> TaskTab:
+def build_t2va_tab(
+    derived_text: str, example_titles: list[str], library: LoraLibrary, steps: int = DEFAULT_VALUES["steps"]
+) -> TaskTab:
     prompt, builder = _prompt("t2va")
-    return _task_tab("t2va", prompt, derived_text, example_titles, library, prompt_builder=builder)
+    return _task_tab("t2va", prompt, derived_text, example_titles, library, steps, prompt_builder=builder)
 
 
-def build_fl2va_tab(derived_text: str, example_titles: list[str], library: LoraLibrary) -> TaskTab:
+def build_fl2va_tab(
+    derived_text: str, example_titles: list[str], library: LoraLibrary, steps: int = DEFAULT_VALUES["steps"]
+) -> TaskTab:
     prompt, builder = _prompt("fl2va")
     with gr.Row(equal_height=True):
         # Gradio's Image picker offers any image/*; what is accepted (h3engine.media.formats) is checked.
@@ -281,11 +284,13 @@ def build_fl2va_tab(derived_text: str, example_titles: list[str], library: LoraL
         )
     controls = dict(first_image=first_image, last_image=last_image, swap=swap, use_last_frame=use_last_frame)
     return _task_tab(
-        "fl2va", prompt, derived_text, example_titles, library, prompt_builder=builder, **controls
+        "fl2va", prompt, derived_text, example_titles, library, steps, prompt_builder=builder, **controls
     )
 
 
-def build_ref2va_tab(derived_text: str, example_titles: list[str], library: LoraLibrary) -> TaskTab:
+def build_ref2va_tab(
+    derived_text: str, example_titles: list[str], library: LoraLibrary, steps: int = DEFAULT_VALUES["steps"]
+) -> TaskTab:
     prompt, builder = _prompt("ref2va")
     gallery = build_reference_gallery()  # its events and cards are wired by ui.blocks
     duration_from_reference = as_sent(
@@ -301,5 +306,5 @@ def build_ref2va_tab(derived_text: str, example_titles: list[str], library: Lora
         reference_gallery=gallery,
     )
     return _task_tab(
-        "ref2va", prompt, derived_text, example_titles, library, prompt_builder=builder, **controls
+        "ref2va", prompt, derived_text, example_titles, library, steps, prompt_builder=builder, **controls
     )
