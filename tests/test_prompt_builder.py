@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import gradio as gr
@@ -380,6 +381,32 @@ def test_clicking_an_example_in_the_app_fills_each_tab_builder(tmp_path: Path) -
         example = next(example for example in EXAMPLES if example["request"]["task"] == task)
         updates = click.fn(0)
         assert updates[builder] == parse_prompt(example["request"]["prompt"], task).shots[0].text != ""
+
+
+def test_restoring_a_result_fills_its_tab_builder(tmp_path: Path) -> None:
+    """A History row puts the result's prompt in its tab and in that tab's builder."""
+    from ui.access import owner_folder
+    from ui.blocks import UiOptions, build_ui
+
+    outputs = tmp_path / "outputs"
+    front = EngineFront([StandInReplica()], outputs)
+    try:
+        demo = build_ui(
+            front, UiOptions(outputs, REPO_ROOT / "assets" / "examples.json", REPO_ROOT, "stand-in")
+        )
+    finally:
+        front.shutdown()
+    example = next(example for example in EXAMPLES if example["request"]["task"] == "t2va")
+    caller = SimpleNamespace(username=None, session_hash="session-1")
+    results = outputs / owner_folder(None, "session-1")
+    results.mkdir(parents=True)
+    (results / "t2va-1.mp4").write_bytes(b"\0")
+    (results / "t2va-1.json").write_text(json.dumps({"request": example["request"], "seed": 1}))
+    history = next(block for block in demo.blocks.values() if block.elem_id == "h3-history")
+    (click,) = [fn for fn in demo.fns.values() if (history._id, "click") in fn.targets]
+    builder = next(block for block in demo.blocks.values() if block.elem_id == "t2va-builder-shot-0")
+    updates = click.fn(["t2va-1"], caller)
+    assert updates[builder] == parse_prompt(example["request"]["prompt"], "t2va").shots[0].text != ""
 
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -121,13 +121,15 @@ def build_ui(
 
         restore_outputs = [task_tabs, *result.outputs]
         for tab in tabs.values():
-            restore_outputs += tab.inputs
+            restore_outputs += [*tab.inputs, *tab.prompt_builder.inputs]
 
         def restore(entry: HistoryEntry, keep_takes: bool) -> dict[Any, Any]:
             request, values = handlers.settings_of(entry)
             updates: dict[Any, Any] = {task_tabs: gr.Tabs(selected=request.task)}
             updates.update(zip(result.outputs, handlers.result_of(entry, keep_takes), strict=True))
-            updates.update(_tab_updates(tabs[request.task], values))
+            tab = tabs[request.task]
+            updates.update(_tab_updates(tab, values))
+            updates.update(tab.prompt_builder.builder_values(values["prompt"]))
             return updates
 
         def restore_from_history(row: list[Any], caller: gr.Request) -> dict[Any, Any]:
