@@ -33,10 +33,15 @@ from ui.tabs import DEFAULT_VALUES, TaskTab, build_fl2va_tab, build_ref2va_tab, 
 ENGINE_CONCURRENCY_ID = "h3-engine"
 # Brings the status into view when Generate is pressed (on a phone the result column is below the tab).
 SHOW_STATUS_JS = """() => {
-    const status = document.querySelector("#h3-status");
-    if (!status) return;
-    const box = status.getBoundingClientRect();
-    if (box.top < 0 || box.bottom > window.innerHeight) status.scrollIntoView({ block: "start" });
+    const show = () => {
+        const status = document.querySelector("#h3-status");
+        if (!status) return;
+        const box = status.getBoundingClientRect();
+        if (box.top < 0 || box.bottom > window.innerHeight) status.scrollIntoView({ block: "start" });
+    };
+    show();
+    // Again once the cleared result column has settled (a slow page may still be laying it out).
+    setTimeout(show, 400);
 }"""
 # Short enough that all three fit a phone-wide tab bar (Gradio folds the others into a menu).
 TAB_TITLES = {"t2va": "Text", "fl2va": "First / last frame", "ref2va": "References"}
