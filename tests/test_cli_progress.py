@@ -255,7 +255,14 @@ def test_bars_draw_on_a_terminal_that_reports_no_size() -> None:
             progress.step(step, 4, elapsed_s=2.0 * step)
         progress.close()
         stream.flush()
-        output = os.read(master, 65536).decode("utf-8", "replace")
+        # A pty hands its bytes over in pieces (one read returned only the first bar line in a loaded full run).
+        chunks = []
+        while select.select([master], [], [], 0.5)[0]:
+            chunk = os.read(master, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        output = b"".join(chunks).decode("utf-8", "replace")
     finally:
         stream.close()
         os.close(master)

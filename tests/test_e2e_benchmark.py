@@ -32,12 +32,12 @@ def run_tiny(e2e, output_dir: Path, *options: str) -> dict:
     )
     # A step count other than the released 50 and an adapter name the file too, so no run overwrites another's.
     assert path.parent == output_dir and re.fullmatch(
-        r"e2e_cpu_\d{8}_tiny(_\d+steps)?(_lora\d+)?\.json", path.name
+        r"e2e_cpu_\d{8}_tiny(_\d+steps)?(_lora\d+)?(_turbo)?\.json", path.name
     )
     return json.loads(path.read_text())
 
 
-def check_common_fields(result: dict, steps: int, timed_steps: int) -> None:
+def check_common_fields(result: dict, steps: int, timed_steps: int, turbo: bool = False) -> None:
     assert result["config"] == "tiny" and result["task"] == "t2va" and result["device"] == "cpu"
     for key in ("python", "torch", "transformers", "date"):
         assert result[key]
@@ -64,7 +64,13 @@ def check_common_fields(result: dict, steps: int, timed_steps: int) -> None:
     )
     assert phases["decode_and_mux"] >= phases["mux_overlapped"]
 
-    assert result["schedule"] == {"recipe": "sglang", "steps": steps, "timed_steps": timed_steps}
+    assert result["schedule"] == {
+        "recipe": "sglang",
+        "steps": steps,
+        "timed_steps": timed_steps,
+        "flow_shifts": [6.0, 3.0] if turbo else [12.0, 3.0],
+        "turbo_preset": turbo,
+    }
     assert len(result["step_s"]) == timed_steps and all(seconds > 0 for seconds in result["step_s"])
     assert math.isclose(result["step_mean_s"], sum(result["step_s"]) / timed_steps)
     # The events bracket the DiT forward and the update of each step, inside the pipeline's own loop timer.
@@ -118,6 +124,11 @@ def test_without_a_repeat_the_rate_covers_every_step(tmp_path):
     result = run_tiny(e2e, tmp_path, "--steps", "3", "--timed-steps", "2", "--repeat-steps", "0")
     assert result["warm_repeat"] is None
     assert math.isclose(result["denoise_s"], result["denoise_outside_steps_s"] + result["step_s"][1] * 3)
+
+
+def test_the_turbo_preset_times_its_8_steps_on_its_shifts(tmp_path):
+    result = run_tiny(e2e, tmp_path, "--turbo", "--timed-steps", "2")
+    check_common_fields(result, steps=8, timed_steps=2, turbo=True)
 
 
 def test_resident_full_run_keeps_the_mp4(tmp_path):
