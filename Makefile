@@ -1,7 +1,8 @@
 # Set-up and the two everyday commands. Each target installs only what is missing:
 #   make app    the browser app on http://127.0.0.1:7860 (a tiny random-weight demo when no checkpoint is given;
 #               pass options with ARGS, e.g. make app ARGS="--checkpoint /path/to/MiniMax-H3")
-#   make test   lint + the whole test suite (installs Debian's chromium for the browser test when it is absent)
+#   make test   lint + the whole test suite (installs Debian's chromium for the browser test when it is absent,
+#               and Ray Serve for the tests of `app.py --ray`)
 #   make gpu    adds FlashAttention-4 (requirements-gpu.txt) to the venv, for Hopper and newer GPUs
 #   make ray    adds Ray Serve (requirements-ray.txt) to the venv, for `python app.py --ray ADDRESS` and `ray start`
 #   make lock   recompiles the four lock files from pyproject.toml (keeps every existing pin; bump one with
@@ -23,7 +24,8 @@ LOCK_FLAGS := --universal --python-version 3.11 --fork-strategy fewest --generat
 app: $(VENV)/.installed-app
 	$(BIN)/python app.py $(ARGS)
 
-test: $(VENV)/.installed-dev browser
+# The Ray Serve tests (tests/test_ray_serve.py, a local Ray cluster) are part of the suite: Ray comes in with it.
+test: $(VENV)/.installed-dev $(VENV)/.installed-ray browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q

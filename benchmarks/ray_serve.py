@@ -1,20 +1,26 @@
 """Ray Serve engine replicas on a local CPU cluster: throughput, per-request overhead, memory (issue 22, point 5).
 
-`python -m benchmarks.ray_serve [--jobs 12] [--sequential 8] [--steps 2]` (needs `make ray`). On a fresh tiny
-checkpoint, one run measures: the latency of jobs one after another on a local in-process replica and on one Ray
-replica, both on one torch thread (the difference is the Ray path's overhead per request); requests per minute with `--jobs` submitted at
-once to one and then to two Ray CPU replicas (and their ratio); the resident memory of every Ray process while two
-replicas are up. Results: benchmarks/results/ray_serve_cpu_DATE.json.
+`python -m benchmarks.ray_serve [--jobs 12] [--sequential 8] [--rounds 2] [--steps 2]` (needs `make ray`). On a fresh
+tiny checkpoint, one run measures: the latency of jobs one after another on a local replica (a front and an engine
+in a process of its own, like a Ray replica's) and on one Ray replica, both on one torch thread, alternating (the
+difference is the Ray path's overhead per request); requests per minute with `--jobs` submitted at once to the
+local replica, to one and to two Ray CPU replicas (bursts alternating between them, `--rounds` each; the ratio two
+to one); the resident memory of every Ray process with the three replicas up (two applications side by side).
+Results: benchmarks/results/ray_serve_cpu_DATE.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import multiprocessing
 import os
+import shutil
 import statistics
 import tempfile
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every address on 127.0.0.1
@@ -43,13 +49,13 @@ def finished(handle: JobHandle) -> JobFinished:
 
 
 def sequential_s(front: EngineFront, request: GenerationRequest, count: int) -> list[float]:
-    """Seconds from submit to the terminal message, jobs one after another (the first one, a warm-up, dropped)."""
+    """Seconds from submit to the terminal message, jobs one after another."""
     times = []
-    for index in range(count + 1):
+    for index in range(count):
         started = time.perf_counter()
         finished(front.submit(GenerationRequest(**{**request.__dict__, "seed": index})))
         times.append(time.perf_counter() - started)
-    return times[1:]
+    return times
 
 
 def requests_per_minute(front: EngineFront, request: GenerationRequest, jobs: int) -> float:
@@ -60,14 +66,58 @@ def requests_per_minute(front: EngineFront, request: GenerationRequest, jobs: in
     return jobs / (time.perf_counter() - started) * 60
 
 
-def ray_memory_mb() -> dict[str, float]:
-    """Resident MB per kind of Ray process started by this driver (its descendants)."""
+class LocalPath:
+    """The local replica in a child process of its own, as lean as a Ray replica's process (a front of one
+    in-process engine on one torch thread, as Ray gives a replica of one CPU): it measures what the parent asks."""
+
+    def __init__(self, checkpoint: Path, request: GenerationRequest, folder: Path) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._pipe, child = context.Pipe()
+        self._process = context.Process(target=_local_path, args=(child, checkpoint, request, folder))
+        self._process.start()
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def ask(self, what: str, count: int) -> object:
+        self._pipe.send((what, count))
+        return self._pipe.recv()
+
+    def close(self) -> None:
+        self._pipe.send(("stop", 0))
+        self._process.join()
+
+
+def _local_path(pipe: Connection, checkpoint: Path, request: GenerationRequest, folder: Path) -> None:
+    torch.set_num_threads(1)
+    front = EngineFront([Engine.from_checkpoint(checkpoint, device="cpu", dtype=torch.float32)], folder)
+    # As Ray Serve does in a replica once it has started (RAY_SERVE_FREEZE_GC_ON_STARTUP): the front's gc.collect()
+    # after each job then skips the start-up objects, ~0.3 s on this machine otherwise, more than a tiny job's work.
+    gc.collect()
+    gc.freeze()
+    while (command := pipe.recv())[0] != "stop":
+        what, count = command
+        pipe.send(
+            sequential_s(front, request, count)
+            if what == "seq"
+            else requests_per_minute(front, request, count)
+        )
+    front.shutdown()
+
+
+def ray_memory_mb(other: int) -> dict[str, float]:
+    """Resident MB per kind of Ray process started by this driver (its descendants but `other`)."""
     memory: dict[str, float] = {}
     for process in psutil.Process().children(recursive=True):
+        if process.pid == other:
+            continue
         try:
             name = " ".join(process.cmdline()[:3])
             rss = process.memory_info().rss / 2**20
         except psutil.Error:
+            continue
+        if "multiprocessing" in name:  # the resource tracker of LocalPath's spawn
             continue
         kind = next(
             (
@@ -92,6 +142,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=12, help="jobs submitted at once for requests per minute")
     parser.add_argument("--sequential", type=int, default=8, help="jobs one after another for the overhead")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="bursts per path, alternating between the paths"
+    )
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
 
@@ -108,30 +161,48 @@ def main() -> None:
         "cpus": os.cpu_count(),
     }
 
-    torch.set_num_threads(1)  # as a Ray CPU replica of one CPU runs (Ray sets OMP_NUM_THREADS=1 in it)
-    local = EngineFront(
-        [Engine.from_checkpoint(checkpoint, device="cpu", dtype=torch.float32)], folder / "local"
-    )
-    results["local_s"] = sequential_s(local, request, args.sequential)
-    results["local_rpm"] = requests_per_minute(local, request, args.jobs)
-    local.shutdown()
-
+    local = LocalPath(checkpoint, request, folder / "local")
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
     spec = RayReplicaSpec(
         str(checkpoint), 1, False, EngineOptions(dtype="float32"), python_path=str(REPOSITORY_ROOT)
     )
-    for replicas in (1, 2):
+    fronts: dict[str, EngineFront] = {}
+    for replicas in (1, 2):  # two applications side by side on the cluster: 3 replicas
         started = time.perf_counter()
         engine = start_ray_replicas("auto", spec, replicas)
         results[f"ray{replicas}_start_s"] = time.perf_counter() - started
-        front = EngineFront(engine.slots(), folder / f"ray{replicas}")
-        if replicas == 1:
-            results["ray1_s"] = sequential_s(front, request, args.sequential)
-        results[f"ray{replicas}_rpm"] = requests_per_minute(front, request, args.jobs)
-        if replicas == 2:
-            results["memory_mb_two_replicas"] = ray_memory_mb()
+        fronts[f"ray{replicas}"] = EngineFront(engine.slots(), folder / f"ray{replicas}")
+    results["memory_mb_three_replicas"] = ray_memory_mb(other=local.pid)
+
+    def measure(name: str, what: str, count: int) -> object:
+        if name == "local":
+            return local.ask(what, count)
+        front = fronts[name]
+        return (
+            sequential_s(front, request, count)
+            if what == "seq"
+            else requests_per_minute(front, request, count)
+        )
+
+    paths = ["local", *fronts]
+    for name in paths:  # a first job pays one-time costs on each path
+        measure(name, "seq", 1)
+    # Interleaved, so that a change in the machine's load falls on every path alike.
+    for name in ("local", "ray1"):
+        results[f"{name}_s"] = []
+    for _ in range(args.sequential):
+        for name in ("local", "ray1"):
+            results[f"{name}_s"] += measure(name, "seq", 1)  # type: ignore[operator]
+    for name in paths:
+        results[f"{name}_rpm"] = 0.0
+    for _ in range(args.rounds):
+        for name in paths:
+            results[f"{name}_rpm"] += measure(name, "rpm", args.jobs) / args.rounds  # type: ignore[operator]
+    local.close()
+    for front in fronts.values():
         front.shutdown()
     ray.shutdown()
+    shutil.rmtree(folder, ignore_errors=True)
 
     local_mean = statistics.mean(results["local_s"])  # type: ignore[arg-type]
     ray_mean = statistics.mean(results["ray1_s"])  # type: ignore[arg-type]

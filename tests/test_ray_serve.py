@@ -10,7 +10,8 @@ What is compared:
   on, Ray Serve starts a new replica, and the next jobs finish on both.
 * The app (`--ray ADDRESS`): progress with ETA and cancel through the gradio_client API, a playable MP4 in the
   outputs folder; after SIGTERM no actor of its application is left.
-* Shutdown of the front cancels the running job and leaves no Ray actor of ours (Serve's controller included).
+* Shutdown of the front cancels the running job and leaves no Ray actor of ours (Serve's controller included)
+  and no replica folder; a killed replica's folder is removed by the next job on that node.
 Marked `ray`: they need `make ray` (requirements-ray.txt); see README for their time.
 """
 
@@ -21,6 +22,7 @@ import json
 import os
 import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,7 +50,12 @@ from h3engine.runtime.messages import (  # noqa: E402
 )
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (make ray)")
-from h3engine.runtime.ray_serve import RayEngine, RayReplicaSpec, start_ray_replicas  # noqa: E402
+from h3engine.runtime.ray_serve import (  # noqa: E402
+    RAY_FOLDER_PREFIX,
+    RayEngine,
+    RayReplicaSpec,
+    start_ray_replicas,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -65,6 +72,11 @@ REPLACEMENT_TIMEOUT_S = 90
 LONG_REQUEST = GenerationRequest(
     task="t2va", prompt="a long one", steps=1000, duration_seconds=15.0, width=112, height=64
 )
+# The app's /t2va parameters: a job long enough to cancel mid-run (tens of seconds), and a short one.
+LONG_API_JOB = dict(
+    prompt="A long one.", duration_seconds=15, aspect_ratio="auto", seed=1, randomize_seed=False, steps=1000
+)
+SHORT_API_JOB = {**LONG_API_JOB, "prompt": "Right after.", "duration_seconds": 5, "seed": 2, "steps": 2}
 COMPARED_SIDECAR_KEYS = ("request", "inputs", "adapters", "seed", "geometry", "recipe")
 
 
@@ -155,6 +167,17 @@ def wait_for_replicas(engine: RayEngine, count: int, other_than: set[str] | None
         time.sleep(0.5)
 
 
+def wait_until(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s"
+        time.sleep(0.2)
+
+
+def replica_folders(pid: int) -> list[Path]:
+    return list(Path(tempfile.gettempdir()).glob(f"{RAY_FOLDER_PREFIX}{pid}-*"))
+
+
 def our_actors(prefix: str) -> list[str]:
     return [
         actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True) if prefix in actor["name"]
@@ -234,6 +257,7 @@ def test_a_killed_replica_fails_its_job_alone_and_comes_back(deployment, request
     assert len(new_names - old_names) == 1 and victim not in engine.replica_pids()
     following = [front.submit(requests[0], tmp_path / f"after-{n}.mp4") for n in range(2)]
     assert all(isinstance(events_until_done(h, EVENT_TIMEOUT_S)[-1], JobFinished) for h in following)
+    assert replica_folders(victim) == []  # a replica removed the killed one's folder
 
 
 def test_the_app_serves_progress_and_cancel_through_ray(cluster, checkpoint, tmp_path) -> None:
@@ -244,34 +268,12 @@ def test_the_app_serves_progress_and_cancel_through_ray(cluster, checkpoint, tmp
     )
     try:
         client = Client(app.url, verbose=False, download_files=str(tmp_path / "downloads"))
-        job = client.submit(
-            prompt="A long one.",
-            duration_seconds=15,
-            aspect_ratio="auto",
-            seed=1,
-            randomize_seed=False,
-            steps=1000,
-            api_name="/t2va",
-        )
-        deadline = time.monotonic() + 60
-        while not any("s left" in str(update[0]) for update in job.outputs()):
-            assert time.monotonic() < deadline, f"no progress arrived:\n{app.log_tail()}"
-            assert not job.done(), job.status()
-            time.sleep(0.2)
+        job = client.submit(**LONG_API_JOB, api_name="/t2va")
+        wait_until(lambda: any("s left" in str(update[0]) for update in job.outputs()) or job.done(), 60)
+        assert not job.done(), f"no progress arrived before the end:\n{app.log_tail()}"
         job.cancel()
-        deadline = time.monotonic() + 20
-        while not job.done():
-            assert time.monotonic() < deadline, "the cancelled job did not end"
-            time.sleep(0.2)
-        result = client.predict(
-            prompt="Right after.",
-            duration_seconds=5,
-            aspect_ratio="auto",
-            randomize_seed=False,
-            seed=2,
-            steps=2,
-            api_name="/t2va",
-        )
+        wait_until(job.done, 20)
+        result = client.predict(**SHORT_API_JOB, api_name="/t2va")
         assert result[0].startswith("Done"), result[0]
         assert_browser_playable(result[2], 124)
         assert "Ray Serve application h3engine-" in app.log_tail(20000)
@@ -283,10 +285,13 @@ def test_the_app_serves_progress_and_cancel_through_ray(cluster, checkpoint, tmp
 
 def test_shutdown_cancels_the_running_job_and_leaves_no_actor_of_ours(deployment) -> None:
     front, engine = deployment
+    pids = engine.replica_pids()
+    assert all(replica_folders(pid) for pid in pids)
     handle = front.submit(LONG_REQUEST)
     wait_for_step(handle, 1, EVENT_TIMEOUT_S)
     front.shutdown()
     assert events_until_done(handle, 30)[-1] == JobFailed(handle.job_id, "cancelled", "Cancelled.")
     assert our_actors(engine.app_name) == []
+    assert [folder for pid in pids for folder in replica_folders(pid)] == []
     # No application was left, so Serve itself (its controller) went too.
     assert [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == "serve"] == []

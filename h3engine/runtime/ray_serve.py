@@ -1,13 +1,13 @@
 """Engine replicas on a Ray Serve cluster behind the engine front (`python app.py --ray ADDRESS`).
 
 `start_ray_replicas(address, spec, replicas)` deploys `EngineDeployment` (one Serve replica = one engine replica:
-an in-process `Engine`, or with `world_size` > 1 a resident worker group, h3engine.runtime.workers; the replica's
-GPUs are one actor's, so on one node) and returns a `RayEngine` whose `slots()` are the front's replicas: one
+an in-process `Engine`, or with `world_size` > 1 a resident worker group, h3engine.runtime.workers; a replica's
+GPUs are one placement-group bundle's, so on one node) and returns a `RayEngine` whose `slots()` are the front's replicas: one
 worker thread each, so the front's queue, positions, progress, previews, cancel and History stay as they are. A job
 streams its messages back (`DeploymentHandle.options(stream=True)`); its files come back as bytes
 (h3engine.runtime.ray_jobs). Cancel cancels the Serve request: the replica stops the job at its next step.
-A replica that dies fails its job with `JobFailed(kind="engine")` saying so (no retry: the job may have written
-half its files); Ray Serve replaces it. `RayEngine.close()` deletes our application (and Serve, when it was the
+A replica that dies fails its job with `JobFailed(kind="engine")` saying so (no retry: a job that killed its replica,
+say out of memory, would kill the next one too); Ray Serve replaces it. `RayEngine.close()` deletes our application (and Serve, when it was the
 last), so no actor of ours outlives the app. Ray is imported here only, and only when used.
 """
 
@@ -19,7 +19,6 @@ import logging
 import os
 import secrets
 import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Any
 
 from h3engine.engine_options import EngineOptions
 from h3engine.errors import RequestError
+from h3engine.leftovers import owned_temp_folder, remove_dead_temp_folders
 from h3engine.media.outputs import OutputFiles
 from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.front import (
@@ -55,6 +55,8 @@ DEPLOYMENT_NAME = "H3EngineReplica"
 APP_NAME_PREFIX = "h3engine-"
 SERVE_NAMESPACE = "serve"
 POLL_INTERVAL_S = 0.05
+# A replica's folder for its jobs' inputs and outputs (h3engine.leftovers: `PREFIX-PID-*`).
+RAY_FOLDER_PREFIX = "h3-ray-"
 # Serve checks each replica this often; a dead replica's actor is noticed sooner, through Ray's own heartbeat.
 HEALTH_CHECK_PERIOD_S = 2.0
 GRACEFUL_SHUTDOWN_S = 20.0
@@ -109,7 +111,7 @@ class EngineDeployment:
     def __init__(self, spec: RayReplicaSpec) -> None:
         logging.basicConfig(level=logging.INFO)
         self._spec = spec
-        self._folder = Path(tempfile.mkdtemp(prefix=f"h3-ray-{os.getpid()}-"))
+        self._folder = owned_temp_folder(RAY_FOLDER_PREFIX)
         self._replica = _local_replica(spec)
         self._busy = threading.Lock()
         if spec.warm_up and spec.gpus:
@@ -135,6 +137,9 @@ class EngineDeployment:
 
     async def run(self, job: RayJob) -> Any:
         """Run one job, yielding its messages, then its files' chunks and its terminal message."""
+        # Those of replicas on this node that were killed (here, not only at start: a killed process may linger
+        # unreaped for a moment, and counts as alive until then).
+        remove_dead_temp_folders(RAY_FOLDER_PREFIX)
         folder = self._folder / f"job-{job.job_id}"
         folder.mkdir()
         inputs_folder = self._folder / "inputs"
@@ -246,24 +251,20 @@ class RaySlot:
         self._engine.close()
 
 
+@dataclass
 class RayEngine:
-    """Our Serve application on a Ray cluster: its handle, the checkpoint facts, its slots for the front."""
+    """Our Serve application on a Ray cluster: its handle, the checkpoint facts, its slots for the front.
 
-    def __init__(
-        self,
-        app_name: str,
-        handle: Any,
-        replicas: int,
-        facts: CheckpointFacts | None,
-        disconnect: bool = True,
-    ) -> None:
-        self.app_name = app_name
-        self.handle = handle
-        self.replicas = replicas
-        self.facts = facts
-        self._disconnect = disconnect
-        self._closed = False
-        self._lock = threading.Lock()
+    `disconnect`: whether `close` also ends this process's connection to the cluster (it made it).
+    """
+
+    app_name: str
+    handle: Any
+    replicas: int
+    facts: CheckpointFacts | None
+    disconnect: bool = True
+    _closed: bool = dataclasses.field(default=False, init=False)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False)
 
     def slots(self) -> list[RaySlot]:
         """One front replica per Serve replica: the front's queue runs as many jobs at once as there are replicas."""
@@ -303,7 +304,7 @@ class RayEngine:
             if not serve.status().applications:
                 serve.shutdown()
         finally:
-            if self._disconnect:
+            if self.disconnect:
                 ray.shutdown()
 
 
@@ -325,7 +326,11 @@ def start_ray_replicas(address: str, spec: RayReplicaSpec, replicas: int) -> Ray
             f"--ray: cannot join the Ray cluster at {address!r} ({_first_line(error)})"
         ) from None
     app_name = f"{APP_NAME_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
-    actor_options: dict[str, Any] = {"num_cpus": spec.cpus, "num_gpus": spec.world_size if spec.gpus else 0}
+    gpus = spec.world_size if spec.gpus else 0
+    actor_options: dict[str, Any] = {"num_cpus": spec.cpus, "num_gpus": gpus}
+    # One bundle holds the whole replica (its ranks are the actor's child processes), so all of its GPUs are on one
+    # node; STRICT_PACK says so should a bundle ever be added.
+    bundle = {"CPU": spec.cpus, **({"GPU": gpus} if gpus else {})}
     if spec.python_path is not None:
         actor_options["runtime_env"] = {"env_vars": {"PYTHONPATH": spec.python_path}}
     engine = RayEngine(app_name, None, replicas, None, disconnect=connected)
@@ -335,6 +340,8 @@ def start_ray_replicas(address: str, spec: RayReplicaSpec, replicas: int) -> Ray
             num_replicas=replicas,
             max_ongoing_requests=1,
             ray_actor_options=actor_options,
+            placement_group_bundles=[bundle],
+            placement_group_strategy="STRICT_PACK",
             health_check_period_s=HEALTH_CHECK_PERIOD_S,
             graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
         )
