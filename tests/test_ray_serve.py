@@ -167,6 +167,17 @@ def wait_for_replicas(engine: RayEngine, count: int, other_than: set[str] | None
         time.sleep(0.5)
 
 
+def events_within(handle, seconds: float) -> list:
+    """The job's messages up to its terminal one, which must come within `seconds` in all."""
+    deadline = time.monotonic() + seconds
+    events = []
+    while not events or not isinstance(events[-1], (JobFinished, JobFailed)):
+        event = handle.next_event(timeout=max(0.0, deadline - time.monotonic()))
+        assert event is not None, f"the job did not end within {seconds} s; so far: {events[-3:]}"
+        events.append(event)
+    return events
+
+
 def wait_until(condition, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -223,7 +234,7 @@ def test_cancel_mid_run_stops_the_job_and_frees_its_replica(deployment, requests
     handle = front.submit(LONG_REQUEST)
     wait_for_step(handle, 2, EVENT_TIMEOUT_S)
     front.cancel(handle)
-    after_cancel = events_until_done(handle, 30)
+    after_cancel = events_within(handle, 30)
     assert after_cancel[-1] == JobFailed(handle.job_id, "cancelled", "Cancelled.")
     assert len([event for event in after_cancel if isinstance(event, StepProgress)]) <= 5
     # Both replicas are free again: two jobs run side by side and finish.
@@ -251,7 +262,7 @@ def test_a_killed_replica_fails_its_job_alone_and_comes_back(deployment, request
     survivor = next(handle for handle in handles if not handle.done)
     wait_for_step(survivor, 4, EVENT_TIMEOUT_S)  # the other replica keeps denoising
     front.cancel(survivor)
-    assert events_until_done(survivor, 30)[-1].kind == "cancelled"
+    assert events_within(survivor, 30)[-1].kind == "cancelled"
 
     new_names = wait_for_replicas(engine, 2, other_than=old_names)
     assert len(new_names - old_names) == 1 and victim not in engine.replica_pids()
@@ -290,7 +301,7 @@ def test_shutdown_cancels_the_running_job_and_leaves_no_actor_of_ours(deployment
     handle = front.submit(LONG_REQUEST)
     wait_for_step(handle, 1, EVENT_TIMEOUT_S)
     front.shutdown()
-    assert events_until_done(handle, 30)[-1] == JobFailed(handle.job_id, "cancelled", "Cancelled.")
+    assert events_within(handle, 30)[-1] == JobFailed(handle.job_id, "cancelled", "Cancelled.")
     assert our_actors(engine.app_name) == []
     assert [folder for pid in pids for folder in replica_folders(pid)] == []
     # No application was left, so Serve itself (its controller) went too.
