@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -178,3 +179,21 @@ def test_streamed_files_appear_together_on_finish_or_not_at_all(tmp_path) -> Non
     cut.write(chunks[0])
     cut.discard()  # the stream broke off: no file, no staging leftover
     assert list((tmp_path / "broken").iterdir()) == []
+
+
+def test_a_token_on_this_machine_turns_token_auth_on_for_any_address(tmp_path, monkeypatch) -> None:
+    """Ray does so for --ray auto only; an explicit HOST:PORT of a cluster with a token would be refused."""
+    from h3engine.runtime.ray_serve import _token_auth_when_a_token_is_here
+
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _token_auth_when_a_token_is_here()
+    assert "RAY_AUTH_MODE" not in os.environ  # no token here: Ray's default
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("secret")
+    _token_auth_when_a_token_is_here()
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the user's choice stays
+    _token_auth_when_a_token_is_here()
+    assert os.environ["RAY_AUTH_MODE"] == "disabled"

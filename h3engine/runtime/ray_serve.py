@@ -80,6 +80,7 @@ class RayReplicaSpec:
 
 def require_ray() -> None:
     """RequestError naming --ray when Ray cannot be imported."""
+    _token_auth_when_a_token_is_here()  # before Ray is imported: it reads the setting then
     try:
         import ray  # noqa: F401
         from ray import serve  # noqa: F401
@@ -355,6 +356,16 @@ def start_ray_replicas(address: str, spec: RayReplicaSpec, replicas: int) -> Ray
         raise
     logger.info("Ray Serve application %s: %d engine replicas ready", app_name, replicas)
     return engine
+
+
+def _token_auth_when_a_token_is_here() -> None:
+    """Ray turns token authentication on by itself for address "auto" when this machine has a token, but not for
+    an explicit address; do the same for both (RAY_AUTH_MODE set by the user wins)."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or token_file.is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def _first_line(error: BaseException) -> str:
