@@ -162,7 +162,7 @@ def main() -> None:
     }
 
     local = LocalPath(checkpoint, request, folder / "local")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
     spec = RayReplicaSpec(
         str(checkpoint), 1, False, EngineOptions(dtype="float32"), python_path=str(REPOSITORY_ROOT)
     )

@@ -83,7 +83,9 @@ COMPARED_SIDECAR_KEYS = ("request", "inputs", "adapters", "seed", "geometry", "r
 @pytest.fixture(scope="module")
 def cluster():
     """A local Ray cluster of this process (4 logical CPUs on the 2 cores), ended with the module."""
-    context = ray.init(num_cpus=4, include_dashboard=False, namespace="h3engine", logging_level="WARNING")
+    context = ray.init(
+        address="local", num_cpus=4, include_dashboard=False, namespace="h3engine", logging_level="WARNING"
+    )
     yield context.address_info["gcs_address"]
     ray.shutdown()
 

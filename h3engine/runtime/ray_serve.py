@@ -111,7 +111,6 @@ class EngineDeployment:
 
     def __init__(self, spec: RayReplicaSpec) -> None:
         logging.basicConfig(level=logging.INFO)
-        self._spec = spec
         self._folder = owned_temp_folder(RAY_FOLDER_PREFIX)
         self._replica = _local_replica(spec)
         self._busy = threading.Lock()
@@ -128,9 +127,6 @@ class EngineDeployment:
 
     def facts(self) -> CheckpointFacts:
         return self._replica.facts
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def _run_job(self, handle: JobHandle, job: RayJob) -> JobFinished | JobFailed:
         with self._busy:
