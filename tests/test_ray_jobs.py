@@ -38,6 +38,13 @@ from h3engine.runtime.ray_jobs import (
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 
 
+def forget_after_the_test(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Unset `name`, and have it as it was after the test even when code under test sets it (monkeypatch's
+    delenv of an unset name records nothing)."""
+    monkeypatch.setenv(name, "")
+    monkeypatch.delenv(name)
+
+
 def test_ray_options_are_read_and_checked() -> None:
     config = app.parse_config(["--ray", "auto", "--ray-replicas", "3", "--world-size", "4"], {})
     assert (config.ray, config.ray_replicas, config.world_size) == ("auto", 3, 4)
@@ -53,6 +60,7 @@ def test_ray_options_are_read_and_checked() -> None:
 
 def test_without_ray_installed_the_ray_option_is_refused_before_loading(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    forget_after_the_test(monkeypatch, "RAY_AUTH_MODE")  # require_ray may set it
     config = app.parse_config(["--ray", "auto", "--outputs", str(tmp_path)], {})
     with pytest.raises(
         app.ConfigError, match=r"^--ray: Ray is not installed .*\(install it with `make ray`\)$"
@@ -186,7 +194,7 @@ def test_a_token_on_this_machine_turns_token_auth_on_for_any_address(tmp_path, m
     from h3engine.runtime.ray_serve import _token_auth_when_a_token_is_here
 
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        monkeypatch.delenv(name, raising=False)
+        forget_after_the_test(monkeypatch, name)
     monkeypatch.setenv("HOME", str(tmp_path))
     _token_auth_when_a_token_is_here()
     assert "RAY_AUTH_MODE" not in os.environ  # no token here: Ray's default
