@@ -21,10 +21,14 @@ ENV PATH=/opt/venv/bin:$PATH
 # The locked sets (exact versions, hashes; see README). requirements-gpu.txt is requirements.txt plus
 # FlashAttention-4, the fastest exact attention on Hopper and newer (h3engine.ops.attention); without it (or if it
 # fails to import) attention runs on torch's cuDNN kernel. `--build-arg WITH_FA4=0` leaves it out.
-COPY requirements.txt requirements-gpu.txt /app/
+# `--build-arg WITH_RAY=1` adds Ray Serve (requirements-ray.txt): the image then also runs a Ray node
+# (docker/ray-compose.yaml) and `python app.py --ray ADDRESS`.
+COPY requirements.txt requirements-gpu.txt requirements-ray.txt /app/
 ARG WITH_FA4=1
+ARG WITH_RAY=0
 RUN if [ "$WITH_FA4" = 1 ]; then lock=requirements-gpu.txt; else lock=requirements.txt; fi \
-    && pip install --require-hashes --no-deps -r /app/$lock
+    && if [ "$WITH_RAY" = 1 ]; then extra="-r /app/requirements-ray.txt"; else extra=""; fi \
+    && pip install --require-hashes --no-deps -r /app/$lock $extra
 
 COPY pyproject.toml app.py /app/
 COPY h3engine /app/h3engine

@@ -3,7 +3,8 @@
 Command line and environment -> `AppConfig`; load the engine replicas; start the engine front; build the UI; launch.
 Each of `--devices` is a replica holding a whole `Engine` in this process, or with `--world-size N` every N devices
 form a resident worker group (h3engine.runtime.workers); the engine flags (layout, `--dtype`, `--memory-profile`,
-`--fp8-linear`) are the CLI's (h3engine.engine_options). Without a checkpoint (`--checkpoint` / `H3_CHECKPOINT`) it
+`--fp8-linear`) are the CLI's (h3engine.engine_options). `--ray ADDRESS` serves from `--ray-replicas` engine replicas of
+`--world-size` GPUs (or CPU ranks with `--devices cpu`) on a Ray Serve cluster instead (h3engine.runtime.ray_serve). Without a checkpoint (`--checkpoint` / `H3_CHECKPOINT`) it
 runs on a tiny random-weight checkpoint made once in a cache folder, and says so in a banner. GPU replicas make one
 warm-up run before they take jobs (`--no-warm-up` skips it).
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from h3engine.engine import Engine
     from h3engine.model_store import LoadEvent
     from h3engine.parallel.groups import RuntimeLayout
+    from h3engine.runtime.ray_serve import RaySlot
     from h3engine.runtime.workers import ProcessReplica
     from ui.access import AccessPolicy
 
@@ -93,6 +95,8 @@ class AppConfig:
     warm_up: bool = True  # GPU replicas run `WARM_UP_REQUEST` before taking jobs (h3engine.runtime.front)
     shared_history: bool = False  # one History and outputs folder for everyone (ui.access)
     lora_dir: Path | None = None  # the LoRA adapters the app offers (h3engine.lora_library)
+    ray: str | None = None  # a Ray cluster's address ("auto": this node's): the replicas run there
+    ray_replicas: int = 1
     # Whether the outputs / cache folder was named (--outputs or H3_OUTPUTS / H3_CACHE_DIR): a named folder that
     # cannot be written is refused; a default one is replaced by a temp folder (`settle_folders`).
     outputs_named: bool = True
@@ -167,6 +171,19 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="folder of LoRA adapters (.safetensors, subfolders too) offered in each tab's LoRA panel and by name "
         "in the API's loras parameter; env H3_LORA_DIR",
     )
+    parser.add_argument(
+        "--ray",
+        default=environ.get("H3_RAY") or None,
+        help="run the engine replicas on the Ray cluster at this address (auto: the cluster this node joined) "
+        "as a Ray Serve deployment; each replica has --world-size GPUs, or CPU ranks with --devices cpu; "
+        "needs `make ray`; env H3_RAY",
+    )
+    parser.add_argument(
+        "--ray-replicas",
+        type=int,
+        default=environ.get("H3_RAY_REPLICAS") or "1",
+        help="with --ray: how many engine replicas to deploy (jobs that run at once); env H3_RAY_REPLICAS",
+    )
     parser.add_argument("--queue-size", type=int, default=DEFAULT_QUEUE_SIZE, help="most requests waiting")
     parser.add_argument("--preview-every", type=int, default=5, help="live preview every N denoising steps")
     parser.add_argument(
@@ -192,6 +209,12 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppC
         raise ConfigError("--queue-size and --preview-every must be at least 1")
     if args.world_size < 1:
         raise ConfigError(f"--world-size must be at least 1, got {args.world_size}")
+    if args.ray_replicas < 1:
+        raise ConfigError(f"--ray-replicas must be at least 1, got {args.ray_replicas}")
+    if args.ray and args.devices and devices != ("cpu",):
+        raise ConfigError(
+            "--devices: with --ray give cpu (CPU replicas) or leave it out (Ray places the GPUs)"
+        )
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port: must be within 1-65535, got {args.port}")
     return AppConfig(
@@ -211,6 +234,8 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppC
         warm_up=args.warm_up,
         shared_history=args.shared_history,
         lora_dir=Path(args.lora_dir).expanduser().resolve() if args.lora_dir else None,
+        ray=args.ray,
+        ray_replicas=args.ray_replicas,
         outputs_named=bool(args.outputs),
         cache_named=bool(environ.get("H3_CACHE_DIR")),
     )
@@ -270,11 +295,15 @@ def check_before_loading(config: AppConfig) -> None:
 
     try:
         check_engine_options(config.engine, config.world_size)
-        for name in config.devices:
+        if config.ray is not None:
+            from h3engine.runtime.ray_serve import require_ray
+
+            require_ray()  # the devices are the cluster's, not this host's
+        for name in config.devices if config.ray is None else ():
             device = resolve_device(name, "--devices")
             if config.engine.fp8_linear:
                 check_fp8_device(device)
-        if config.world_size > 1:
+        if config.world_size > 1 and config.ray is None:
             replica_device_groups(config.devices, config.world_size)
     except RequestError as error:
         raise ConfigError(str(error)) from None
@@ -304,10 +333,13 @@ def _check_can_listen(host: str, port: int) -> None:
             raise ConfigError(f"--port: cannot listen on {host}:{port} ({error.strerror or error})") from None
 
 
-def _load_engines(checkpoint: Path, config: AppConfig) -> list[Engine | ProcessReplica]:
-    """One replica per device (in-process engines) or per group of `world_size` devices (worker groups)."""
+def _load_engines(checkpoint: Path, config: AppConfig) -> list[Engine | ProcessReplica | RaySlot]:
+    """One replica per device (in-process engines) or per group of `world_size` devices (worker groups), or the
+    slots of the replicas on a Ray cluster."""
     from h3engine.engine_options import check_engine_options, load_engine, resolve_device
 
+    if config.ray is not None:
+        return _start_ray_replicas(checkpoint, config)
     layout = check_engine_options(config.engine, config.world_size)
     if layout.world_size > 1:
         return _start_worker_groups(checkpoint, config, layout)
@@ -352,6 +384,23 @@ def _start_worker_groups(checkpoint: Path, config: AppConfig, layout: RuntimeLay
     return replicas
 
 
+def _start_ray_replicas(checkpoint: Path, config: AppConfig) -> list[RaySlot]:
+    from h3engine.runtime.ray_serve import RayReplicaSpec, start_ray_replicas
+
+    spec = RayReplicaSpec(
+        checkpoint=str(checkpoint.resolve()),
+        world_size=config.world_size,
+        gpus=config.devices != ("cpu",),
+        engine=config.engine,
+        warm_up=config.warm_up,
+        python_path=str(REPOSITORY_ROOT),
+    )
+    started = time.perf_counter()
+    engine = start_ray_replicas(config.ray or "auto", spec, config.ray_replicas)
+    logger.info("%d Ray replicas ready in %.2f s", config.ray_replicas, time.perf_counter() - started)
+    return engine.slots()
+
+
 def _make_tiny_checkpoint_once(folder: Path) -> None:
     from h3engine.checkpoint.tiny import make_tiny_checkpoint
 
@@ -364,7 +413,7 @@ def _make_tiny_checkpoint_once(folder: Path) -> None:
         pass  # another app instance made it first
 
 
-def _tiny_engines(config: AppConfig) -> tuple[Path, list[Engine | ProcessReplica]]:
+def _tiny_engines(config: AppConfig) -> tuple[Path, list[Engine | ProcessReplica | RaySlot]]:
     """The embedded default: a tiny random-weight checkpoint, made once per engine version into the cache."""
     from h3engine import __version__
     from h3engine.errors import CheckpointError
@@ -459,7 +508,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         engines,
         config.outputs_dir,
         preview_every=config.preview_every,
-        warm_up=config.warm_up and any(_computes_on_cuda(replica) for replica in engines),
+        # Ray replicas warm up in their own start (h3engine.runtime.ray_serve).
+        warm_up=config.warm_up and config.ray is None and any(_computes_on_cuda(r) for r in engines),
     )
     options = ui.UiOptions(
         outputs_dir=config.outputs_dir,
