@@ -1,11 +1,12 @@
 """The MiniMax H3 browser app: `python app.py [--checkpoint DIR] [--host H] [--port P] [--share] [--auth U:P]`.
 
-Command line and environment -> `AppConfig`; load the engine replicas; start the engine front; build the UI; launch.
-Each of `--devices` is a replica holding a whole `Engine` in this process, or with `--world-size N` every N devices
-form a resident worker group (h3engine.runtime.workers); the engine flags (layout, `--dtype`, `--memory-profile`,
-`--fp8-linear`) are the CLI's (h3engine.engine_options). `--ray ADDRESS` serves from `--ray-replicas` engine replicas of
-`--world-size` GPUs (or CPU ranks with `--devices cpu`) on a Ray Serve cluster instead (h3engine.runtime.ray_serve). Without a checkpoint (`--checkpoint` / `H3_CHECKPOINT`) it
-runs on a tiny random-weight checkpoint made once in a cache folder, and says so in a banner. GPU replicas make one
+Command line and environment -> `AppConfig`; load the engine replicas; start the engine front; build the UI;
+launch. Each of `--devices` is a replica holding a whole `Engine` in this process, or with `--world-size N`
+every N devices form a resident worker group (h3engine.runtime.workers); the engine flags (layout, `--dtype`,
+`--memory-profile`, `--fp8-linear`) are the CLI's (h3engine.engine_options). `--ray ADDRESS` serves from
+`--ray-replicas` engine replicas of `--world-size` GPUs (or CPU ranks with `--devices cpu`) on a Ray Serve
+cluster instead (h3engine.runtime.ray_serve). Without a checkpoint (`--checkpoint` / `H3_CHECKPOINT`) it runs
+on a tiny random-weight checkpoint made once in a cache folder, and says so in a banner. GPU replicas make one
 warm-up run before they take jobs (`--no-warm-up` skips it).
 
 Safety: binds 127.0.0.1 unless told otherwise (a Space sets GRADIO_SERVER_NAME); `--share`, `--auth` are opt-in;

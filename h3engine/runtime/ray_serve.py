@@ -1,14 +1,15 @@
 """Engine replicas on a Ray Serve cluster behind the engine front (`python app.py --ray ADDRESS`).
 
-`start_ray_replicas(address, spec, replicas)` deploys `EngineDeployment` (one Serve replica = one engine replica:
-an in-process `Engine`, or with `world_size` > 1 a resident worker group, h3engine.runtime.workers; a replica's
-GPUs are one placement-group bundle's, so on one node) and returns a `RayEngine` whose `slots()` are the front's replicas: one
-worker thread each, so the front's queue, positions, progress, previews, cancel and History stay as they are. A job
-streams its messages back (`DeploymentHandle.options(stream=True)`); its files come back as bytes
-(h3engine.runtime.ray_jobs). Cancel cancels the Serve request: the replica stops the job at its next step.
-A replica that dies fails its job with `JobFailed(kind="engine")` saying so (no retry: a job that killed its replica,
-say out of memory, would kill the next one too); Ray Serve replaces it. `RayEngine.close()` deletes our application (and Serve, when it was the
-last), so no actor of ours outlives the app. Ray is imported here only, and only when used.
+`start_ray_replicas(address, spec, replicas)` deploys `EngineDeployment` (one Serve replica = one engine
+replica: an in-process `Engine`, or with `world_size` > 1 a resident worker group, h3engine.runtime.workers; a
+replica's GPUs are one placement-group bundle's, so on one node) and returns a `RayEngine` whose `slots()` are
+the front's replicas: one worker thread each, so the front's queue, positions, progress, previews, cancel and
+History stay as they are. A job streams its messages back (`DeploymentHandle.options(stream=True)`); its files
+come back as bytes (h3engine.runtime.ray_jobs). Cancel cancels the Serve request: the replica stops the job at
+its next step. A replica that dies fails its job with `JobFailed(kind="engine")` saying so (no retry: a job
+that killed its replica, say out of memory, would kill the next one too); Ray Serve replaces it.
+`RayEngine.close()` deletes our application (and Serve, when it was the last), so no actor of ours outlives
+the app. Ray is imported here only, and only when used.
 """
 
 from __future__ import annotations
