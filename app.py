@@ -258,16 +258,18 @@ def check_before_loading(config: AppConfig) -> None:
     listen on, the outputs and cache folders (ConfigError naming the option)."""
     from h3engine.engine_options import check_engine_options, check_fp8_device, resolve_device
     from h3engine.errors import RequestError
-    from h3engine.runtime.workers import replica_device_groups
+    from h3engine.runtime.workers import replica_device_groups, stage_devices
 
     try:
-        check_engine_options(config.engine, config.world_size)
+        layout = check_engine_options(config.engine, config.world_size)
         for name in config.devices:
             device = resolve_device(name, "--devices")
             if config.engine.fp8_linear:
                 check_fp8_device(device)
-        if config.world_size > 1:
-            replica_device_groups(config.devices, config.world_size)
+        if config.world_size > 1 or layout.split:
+            for devices in replica_device_groups(config.devices, config.world_size):
+                if layout.split:
+                    stage_devices(layout, devices, config.engine.encoder_devices, config.engine.vae_devices)
     except RequestError as error:
         raise ConfigError(str(error)) from None
     _check_can_listen(config.host, config.port)

@@ -146,6 +146,33 @@ def replica_device_groups(devices: Sequence[str | None], world_size: int) -> lis
     return [names[start : start + world_size] for start in range(0, len(names), world_size)]
 
 
+def stage_devices(
+    layout: RuntimeLayout, dit_devices: Sequence[str], encoder_devices: str | None, vae_devices: str | None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The split layout's text-encoder and VAE devices: `--encoder-devices` / `--vae-devices` when given, else the
+    first `encoder_tp` / `vae_ranks` of the DiT group's devices (CPU ranks when the DiT runs on the CPU)."""
+    chosen = []
+    for flag, size_flag, size, text in (
+        ("--encoder-devices", "--encoder-tp", layout.encoder_tp, encoder_devices),
+        ("--vae-devices", "--vae-ranks", layout.vae_ranks, vae_devices),
+    ):
+        if text is not None:
+            names = _cuda_device_list(flag, text)
+            if len(names) != size:
+                raise RequestError(f"{flag}: {len(names)} GPUs given, but {size_flag} {size} asks for {size}")
+        elif dit_devices[0] == "cpu":
+            names = ("cpu",) * size
+        elif size > len(dit_devices):
+            raise RequestError(
+                f"{size_flag} {size}: the group shares the DiT's {len(dit_devices)} GPUs by default, one rank "
+                f"per GPU; give {flag} with {size} GPUs"
+            )
+        else:
+            names = tuple(dit_devices[:size])
+        chosen.append(names)
+    return chosen[0], chosen[1]
+
+
 def validated_spec(
     checkpoint: CheckpointLayout,
     devices: Sequence[str],

@@ -1,0 +1,112 @@
+"""Split stage groups (`--stage-layout split`): the option, its checks, and generations through three groups.
+
+What is checked:
+* The option and its device flags are read by the CLI and the app and checked before anything starts, with errors
+  naming the flag: an unknown layout, encoder / VAE devices without the split layout or disagreeing with the group
+  sizes, more default ranks than the DiT's GPUs, FP8 with worker groups.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import app
+from h3engine.cli import main
+from h3engine.engine_options import EngineOptions, check_engine_options
+from h3engine.errors import RequestError
+from h3engine.parallel.groups import RuntimeLayout
+from h3engine.runtime.workers import stage_devices
+
+# --------------------------------------------------------------------------------------------------------------
+# The option (no process started)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_split_layout_sizes_its_groups_from_the_profile_and_the_device_flags() -> None:
+    split = check_engine_options(EngineOptions(stage_layout="split"), 4)
+    assert split == RuntimeLayout(4, 2, 2, 4, 4, "split")
+    # The encoder group is a world of its own: one tensor-parallel replica over its ranks.
+    encoder_config = SimpleNamespace(
+        text_config=SimpleNamespace(num_attention_heads=64, num_key_value_heads=8, intermediate_size=25600)
+    )
+    assert split.encoder_layout(encoder_config).world_size == 4
+    # The encoder group need not divide the DiT group: it is a world of its own.
+    assert check_engine_options(EngineOptions(stage_layout="split", encoder_tp=3), 2).encoder_tp == 3
+    assert split.vae_layout().world_size == 4 and split.describe().startswith("split stages: DiT Ulysses 2")
+    sized = check_engine_options(
+        EngineOptions(stage_layout="split", encoder_devices="4,5", vae_devices="6"), 4
+    )
+    assert (sized.encoder_tp, sized.vae_ranks) == (2, 1)
+    assert check_engine_options(EngineOptions(), 1) == RuntimeLayout(1, 1, 1, 1, 1, "colocated")
+
+
+@pytest.mark.parametrize(
+    ("options", "world_size", "message"),
+    [
+        (
+            EngineOptions(stage_layout="pipelined"),
+            1,
+            "^--stage-layout: expected colocated or split, got 'pipelined'$",
+        ),
+        (EngineOptions(encoder_devices="1"), 2, r"^--encoder-devices: only with --stage-layout split"),
+        (
+            EngineOptions(stage_layout="split", vae_devices="2,3", vae_ranks=1),
+            2,
+            "^--vae-devices: 2 GPUs given, but --vae-ranks 1 asks for 1",
+        ),
+        (EngineOptions(stage_layout="split", fp8_linear=True), 1, "^--fp8-linear: .* one GPU only"),
+        (EngineOptions(stage_layout="split", dit_sp=3), 2, "^--dit-sp 3 does not divide the 2 GPUs"),
+    ],
+    ids=["unknown", "devices-without-split", "count-mismatch", "fp8", "dit-layout"],
+)
+def test_bad_stage_options_are_refused_naming_the_flag(options, world_size, message) -> None:
+    with pytest.raises(RequestError, match=message):
+        check_engine_options(options, world_size)
+
+
+def test_stage_devices_default_to_the_dit_groups_and_name_the_flag() -> None:
+    layout = RuntimeLayout.choose(2, stages="split")
+    assert stage_devices(layout, ("cpu", "cpu"), None, None) == (("cpu", "cpu"), ("cpu", "cpu"))
+    one = RuntimeLayout.choose(2, encoder_tp=1, vae_ranks=4, stages="split")
+    assert stage_devices(one, ("cpu", "cpu"), None, None) == (("cpu",), ("cpu",) * 4)
+    assert stage_devices(RuntimeLayout.choose(2, stages="split"), ("cuda:0", "cuda:1"), None, None) == (
+        ("cuda:0", "cuda:1"),
+        ("cuda:0", "cuda:1"),
+    )
+    with pytest.raises(RequestError, match=r"^--vae-ranks 4: the group shares the DiT's 2 GPUs by default"):
+        stage_devices(one, ("cuda:0", "cuda:1"), None, None)
+    visible = torch.cuda.device_count()
+    with pytest.raises(
+        RequestError, match=rf"^--encoder-devices: cuda:{visible} is not one of the {visible}"
+    ):
+        stage_devices(layout, ("cuda:0", "cuda:1"), f"0,{visible}", None)
+
+
+def test_the_cli_and_the_app_read_the_option_and_refuse_a_bad_one(tmp_path, capsys) -> None:
+    config = app.parse_config(["--stage-layout", "split", "--vae-devices", "0,1"], {})
+    assert (config.engine.stage_layout, config.engine.vae_devices) == ("split", "0,1")
+    assert app.parse_config([], {"H3_STAGE_LAYOUT": "split"}).engine.stage_layout == "split"
+    bad = app.parse_config(
+        [
+            "--devices",
+            "cpu",
+            "--stage-layout",
+            "split",
+            "--encoder-devices",
+            "0,1",
+            "--outputs",
+            str(tmp_path),
+        ],
+        {},
+    )
+    with pytest.raises(app.ConfigError, match="^--encoder-devices: cuda:"):
+        app.check_before_loading(bad)
+    arguments = ["generate", "--checkpoint", str(tmp_path), "--prompt", "x", "--out", str(tmp_path / "x.mp4")]
+    assert main([*arguments, "--device", "cpu", "--stage-layout", "sideways"]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == "error: --stage-layout: expected colocated or split, got 'sideways'"
+    )
