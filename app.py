@@ -301,7 +301,7 @@ def _load_engines(checkpoint: Path, config: AppConfig) -> list[Engine | ProcessR
     from h3engine.engine_options import check_engine_options, load_engine, resolve_device
 
     layout = check_engine_options(config.engine, config.world_size)
-    if layout.world_size > 1:
+    if layout.world_size > 1 or layout.split:
         return _start_worker_groups(checkpoint, config, layout)
     engines = []
     for name in config.devices:
@@ -322,7 +322,8 @@ def _load_logger(device: str) -> Callable[[LoadEvent], None]:
 
 
 def _start_worker_groups(checkpoint: Path, config: AppConfig, layout: RuntimeLayout) -> list[ProcessReplica]:
-    from h3engine.runtime.workers import ProcessReplica, replica_device_groups
+    from h3engine.runtime.split import start_replica
+    from h3engine.runtime.workers import replica_device_groups
 
     options = config.engine
     replicas: list[ProcessReplica] = []
@@ -330,9 +331,7 @@ def _start_worker_groups(checkpoint: Path, config: AppConfig, layout: RuntimeLay
         for devices in replica_device_groups(config.devices, config.world_size):
             logger.info("starting a worker group on %s (%s)", ", ".join(devices), layout.describe())
             started = time.perf_counter()
-            replicas.append(
-                ProcessReplica(checkpoint, devices, layout, options.dtype, options.memory_profile)
-            )
+            replicas.append(start_replica(checkpoint, devices, layout, options))
             # Its ranks load in their own processes: the group is reported as a whole.
             logger.info(
                 "loaded the worker group on %s in %.2f s", ", ".join(devices), time.perf_counter() - started

@@ -4,21 +4,69 @@ What is checked:
 * The option and its device flags are read by the CLI and the app and checked before anything starts, with errors
   naming the flag: an unknown layout, encoder / VAE devices without the split layout or disagreeing with the group
   sizes, more default ranks than the DiT's GPUs, FP8 with worker groups.
+* A generation through the three groups (CPU, fp32, shared-memory channels) equals the colocated engine bit for bit
+  (the saved video, audio and both latents) for T2VA, FL2VA (a keyframe) and Ref2VA (an image and an audio
+  reference): at world size 1 against the in-process engine.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from _runtime_helpers import events_until_done, parity_requests
+from safetensors.torch import load_file
 
 import app
 from h3engine.cli import main
+from h3engine.engine import Engine
 from h3engine.engine_options import EngineOptions, check_engine_options
 from h3engine.errors import RequestError
 from h3engine.parallel.groups import RuntimeLayout
+from h3engine.runtime.front import EngineFront
+from h3engine.runtime.messages import JobFinished, JobStarted, StepProgress
+from h3engine.runtime.split import SplitReplica
 from h3engine.runtime.workers import stage_devices
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+SEED = 11
+STEPS = 2
+EVENT_TIMEOUT_S = 180
+REQUESTS = parity_requests(STEPS, SEED)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoints) -> Path:
+    """The session's tiny checkpoint of this module's seed."""
+    return tiny_checkpoints("native", seed=SEED)
+
+
+@pytest.fixture(scope="module")
+def colocated_tensors(checkpoint, tmp_path_factory) -> dict[str, Path]:
+    """task -> the tensors of the in-process fp32 engine (world size 1, as many threads as a rank of one uses)."""
+    folder = tmp_path_factory.mktemp("colocated")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        engine = Engine.from_checkpoint(checkpoint, device="cpu", dtype=torch.float32)
+        paths = {}
+        for task, request in REQUESTS.items():
+            paths[task] = folder / f"{task}.safetensors"
+            engine.generate_to_file(request, folder / f"{task}.mp4", save_tensors_path=paths[task])
+    finally:
+        torch.set_num_threads(threads)
+    return paths
+
+
+def assert_bit_equal(got: Path, expected: Path) -> None:
+    got_tensors, expected_tensors = load_file(got), load_file(expected)
+    assert set(got_tensors) == set(expected_tensors) == {"video", "audio", "video_latents", "audio_latents"}
+    for name, tensor in expected_tensors.items():
+        assert torch.equal(got_tensors[name], tensor), name
+
 
 # --------------------------------------------------------------------------------------------------------------
 # The option (no process started)
@@ -110,3 +158,54 @@ def test_the_cli_and_the_app_read_the_option_and_refuse_a_bad_one(tmp_path, caps
         capsys.readouterr().err.strip()
         == "error: --stage-layout: expected colocated or split, got 'sideways'"
     )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Generations through the three groups
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def split_world_1(checkpoint, tmp_path_factory):
+    replica = SplitReplica(checkpoint, ("cpu",), RuntimeLayout.choose(1, stages="split"), dtype="float32")
+    front = EngineFront([replica], tmp_path_factory.mktemp("split_1"), preview_every=1)
+    yield front, replica
+    front.shutdown()
+
+
+def test_split_world_1_equals_the_colocated_engine_bit_for_bit(
+    split_world_1, colocated_tensors, tmp_path
+) -> None:
+    front, replica = split_world_1
+    assert {stage: len(pids) for stage, pids in replica.worker_pids.items()} == {
+        "vae": 1,
+        "encoder": 1,
+        "dit": 1,
+    }
+    handles = {
+        task: front.submit(request, tmp_path / f"{task}.mp4", tmp_path / f"{task}.safetensors")
+        for task, request in REQUESTS.items()
+    }
+    for task, handle in handles.items():
+        events = events_until_done(handle, EVENT_TIMEOUT_S)
+        assert isinstance(events[-1], JobFinished), events[-1]
+        assert [type(event) for event in events if isinstance(event, JobStarted)] == [JobStarted]
+        assert [event.step for event in events if isinstance(event, StepProgress)] == [1, 2]
+        assert_bit_equal(tmp_path / f"{task}.safetensors", colocated_tensors[task])
+        assert set(events[-1].timings_s) >= {
+            "conditioning_s",
+            "text_encode_s",
+            "denoise_s",
+            "handoff_denoise_s",
+        }
+
+
+def test_the_cli_generates_through_split_groups(checkpoint, colocated_tensors, tmp_path) -> None:
+    request = REQUESTS["t2va"]
+    arguments = ["generate", "--checkpoint", str(checkpoint), "--prompt", request.prompt, "--seed", str(SEED)]
+    arguments += ["--steps", str(STEPS), "--duration", "4", "--device", "cpu", "--dtype", "float32"]
+    arguments += ["--stage-layout", "split", "--progress", "plain"]
+    arguments += ["--out", str(tmp_path / "cli.mp4"), "--save-tensors", str(tmp_path / "cli.safetensors")]
+    assert main(arguments) == 0
+    assert_bit_equal(tmp_path / "cli.safetensors", colocated_tensors["t2va"])
+

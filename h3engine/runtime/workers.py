@@ -20,7 +20,7 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from h3engine.checkpoint.loader import dit_source
 from h3engine.checkpoint.text_encoder_files import open_text_encoder_files
 from h3engine.errors import CheckpointError, RequestError
 from h3engine.leftovers import WORKER_FOLDER_PREFIX, owned_temp_folder, remove_dead_temp_folders
-from h3engine.parallel.groups import RuntimeLayout
+from h3engine.parallel.groups import EncoderLayout, ParallelLayout, RuntimeLayout
 from h3engine.placement import check_memory_profile
 from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.front import (
@@ -173,15 +173,11 @@ def stage_devices(
     return chosen[0], chosen[1]
 
 
-def validated_spec(
-    checkpoint: CheckpointLayout,
-    devices: Sequence[str],
-    layout: RuntimeLayout,
-    dtype: str | None,
-    memory_profile: str = "resident",
-) -> WorkerSpec:
-    """The layout checked against every partition's DiT and text encoder, and the memory profile's name
-    (RequestError naming the flag)."""
+def checked_layouts(
+    checkpoint: CheckpointLayout, devices: Sequence[str], layout: RuntimeLayout, memory_profile: str
+) -> tuple[ParallelLayout, EncoderLayout]:
+    """The DiT and text-encoder layouts, checked against every partition's models, and the memory profile's name
+    (RequestError naming the flag); `devices` are the DiT's."""
     check_memory_profile(memory_profile)
     if layout.world_size != len(devices):
         raise RequestError(
@@ -193,6 +189,19 @@ def validated_spec(
             encoder_layout = layout.encoder_layout(open_text_encoder_files(paths.text_encoder)[0])
     except ValueError as error:
         raise RequestError(str(error)) from None
+    return dit_layout, encoder_layout
+
+
+def validated_spec(
+    checkpoint: CheckpointLayout,
+    devices: Sequence[str],
+    layout: RuntimeLayout,
+    dtype: str | None,
+    memory_profile: str = "resident",
+) -> WorkerSpec:
+    """The layout checked against every partition's DiT and text encoder, and the memory profile's name
+    (RequestError naming the flag)."""
+    dit_layout, encoder_layout = checked_layouts(checkpoint, devices, layout, memory_profile)
     return WorkerSpec(
         checkpoint=str(checkpoint.root),
         devices=tuple(devices),
@@ -209,9 +218,19 @@ def validated_spec(
 
 
 class WorkerGroup:
-    """The rank processes of one start of a group, their pipes and their shared cancel slot."""
+    """The rank processes of one start of a group, their pipes and their shared cancel slot.
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    Rank r runs `target(r, spec, commands, messages, cancel_job, *rank_args[r])` (default: `rank_main`, no extra
+    arguments); `spec` is any frozen dataclass with `world_size` and `init_method` (a split stage's spec too).
+    """
+
+    def __init__(
+        self,
+        spec: Any,
+        target: Callable[..., None] = rank_main,
+        rank_args: Sequence[tuple[Any, ...]] | None = None,
+        name: str = "h3-rank",
+    ) -> None:
         context = torch.multiprocessing.get_context("spawn")
         self._store_dir = owned_temp_folder(WORKER_FOLDER_PREFIX)
         spec = dataclasses.replace(spec, init_method=f"file://{self._store_dir / 'store'}")
@@ -226,10 +245,11 @@ class WorkerGroup:
             for rank in range(spec.world_size):
                 command_reader, command_writer = context.Pipe(duplex=False)
                 message_reader, message_writer = context.Pipe(duplex=False)
+                extra = tuple(rank_args[rank]) if rank_args is not None else ()
                 process = context.Process(
-                    target=rank_main,
-                    args=(rank, spec, command_reader, message_writer, self.cancel_job),
-                    name=f"h3-rank-{rank}",
+                    target=target,
+                    args=(rank, spec, command_reader, message_writer, self.cancel_job, *extra),
+                    name=f"{name}-{rank}",
                     daemon=True,
                 )
                 process.start()
@@ -292,7 +312,7 @@ class WorkerGroup:
             return f"Worker rank {first.rank} failed with {first.message}"
         return "The worker group stopped answering"
 
-    def send_to_all(self, command: RunJob | Stop) -> None:
+    def send_to_all(self, command: Any) -> None:
         for connection in self._commands:
             connection.send(command)
 
@@ -420,16 +440,7 @@ class ProcessReplica:
         if isinstance(group, JobFailed):
             return group
         job_number = next(self._job_numbers)
-        job = RunJob(
-            job_number,
-            handle.job_id,
-            handle.request,
-            str(handle.out_path),
-            str(handle.save_tensors_path) if handle.save_tensors_path is not None else None,
-            handle.submitted_at,
-            replica_index,
-            preview_every,
-        )
+        job = RunJob.of(job_number, handle, replica_index, preview_every)
         try:
             group.send_to_all(job)
         except OSError:
