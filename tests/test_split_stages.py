@@ -6,11 +6,13 @@ What is checked:
   sizes, more default ranks than the DiT's GPUs, FP8 with worker groups.
 * A generation through the three groups (CPU, fp32, shared-memory channels) equals the colocated engine bit for bit
   (the saved video, audio and both latents) for T2VA, FL2VA (a keyframe) and Ref2VA (an image and an audio
-  reference): at world size 1 against the in-process engine.
+  reference): at world size 1 against the in-process engine; at world sizes 2 and 4 (gloo) against a colocated group
+  of two; each VAE rank but the first receives only the latent frames its tiles read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,10 +28,11 @@ from h3engine.engine import Engine
 from h3engine.engine_options import EngineOptions, check_engine_options
 from h3engine.errors import RequestError
 from h3engine.parallel.groups import RuntimeLayout
+from h3engine.parallel.vae import latent_frame_shares, rank_tiles
 from h3engine.runtime.front import EngineFront
 from h3engine.runtime.messages import JobFinished, JobStarted, StepProgress
 from h3engine.runtime.split import SplitReplica
-from h3engine.runtime.workers import stage_devices
+from h3engine.runtime.workers import ProcessReplica, stage_devices
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SEED = 11
@@ -209,3 +212,71 @@ def test_the_cli_generates_through_split_groups(checkpoint, colocated_tensors, t
     assert main(arguments) == 0
     assert_bit_equal(tmp_path / "cli.safetensors", colocated_tensors["t2va"])
 
+
+# World sizes 2 and 4 (gloo): the DiT as Ulysses 2 and the encoder as tensor-parallel 2 in both, the VAE over 2 and
+# over 4 ranks (the tiny DiT and encoder have 2 heads: 4 ranks cannot split them; the tiled decode splits any way
+# bit for bit). The colocated reference is a worker group of two with the same DiT and encoder layouts: the same
+# arithmetic, the same threads per rank.
+SPLIT_LAYOUTS = {
+    2: RuntimeLayout.choose(2, dit_sp=2, encoder_tp=2, vae_ranks=2, stages="split"),
+    4: RuntimeLayout.choose(2, dit_sp=2, encoder_tp=2, vae_ranks=4, stages="split"),
+}
+
+
+@pytest.fixture(scope="module")
+def colocated_world_2_tensors(checkpoint, tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("colocated_2")
+    replica = ProcessReplica(checkpoint, ("cpu", "cpu"), RuntimeLayout.choose(2, dit_sp=2), dtype="float32")
+    front = EngineFront([replica], folder)
+    try:
+        paths = {task: folder / f"{task}.safetensors" for task in REQUESTS}
+        handles = [
+            front.submit(request, folder / f"{task}.mp4", paths[task]) for task, request in REQUESTS.items()
+        ]
+        for handle in handles:
+            assert isinstance(events_until_done(handle, EVENT_TIMEOUT_S)[-1], JobFinished)
+    finally:
+        front.shutdown()
+    return paths
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_split_equals_the_colocated_group_bit_for_bit(
+    checkpoint, colocated_world_2_tensors, world_size, tmp_path
+) -> None:
+    layout = SPLIT_LAYOUTS[world_size]
+    replica = SplitReplica(checkpoint, ("cpu", "cpu"), layout, dtype="float32")
+    front = EngineFront([replica], tmp_path)
+    try:
+        assert {stage: len(pids) for stage, pids in replica.worker_pids.items()} == {
+            "vae": layout.vae_ranks,
+            "encoder": 2,
+            "dit": 2,
+        }
+        handles = {
+            task: front.submit(request, tmp_path / f"{task}.mp4", tmp_path / f"{task}.safetensors")
+            for task, request in REQUESTS.items()
+        }
+        for task, handle in handles.items():
+            assert isinstance(events_until_done(handle, EVENT_TIMEOUT_S)[-1], JobFinished)
+            assert_bit_equal(tmp_path / f"{task}.safetensors", colocated_world_2_tensors[task])
+    finally:
+        front.shutdown()
+
+
+def test_each_vae_rank_receives_only_the_latent_frames_its_tiles_read(checkpoint) -> None:
+    engine = Engine.from_checkpoint(checkpoint, device="cpu", dtype=torch.float32)
+    models = engine.store.models_for_task("t2va")
+    video_vae = models.video_vae
+    geometry = engine.geometry_for(dataclasses.replace(REQUESTS["t2va"], duration_seconds=15.0))
+    shape = torch.Size(
+        (1, models.dit.config.video_in_channels, geometry.latent_frames, geometry.latent_h, geometry.latent_w)
+    )
+    plan = video_vae.plan_decode(shape)
+    shares = latent_frame_shares(video_vae, shape, 4)
+    assert len(shares) == 4 and shares[0][0] == 0 and max(stop for _, stop in shares) == shape[2]
+    assert any(stop - start < shape[2] for start, stop in shares if stop > start)  # a shard, not everything
+    for rank, (start, stop) in enumerate(shares):
+        for index in rank_tiles(video_vae, plan, 4, rank):
+            first, last = plan.tiles[index].frames
+            assert start <= min(first, shape[2] - 1) and min(last, shape[2]) <= stop
