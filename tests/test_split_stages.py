@@ -8,6 +8,8 @@ What is checked:
   (the saved video, audio and both latents) for T2VA, FL2VA (a keyframe) and Ref2VA (an image and an audio
   reference): at world size 1 against the in-process engine; at world sizes 2 and 4 (gloo) against a colocated group
   of two; each VAE rank but the first receives only the latent frames its tiles read.
+* Three queued jobs: every group takes them in submission order; the encoder has encoded job k + 1 before the DiT
+  is done denoising job k, and the VAE decodes job k - 1 while the DiT denoises job k (the ranks' own clocks).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from h3engine.parallel.groups import RuntimeLayout
 from h3engine.parallel.vae import latent_frame_shares, rank_tiles
 from h3engine.runtime.front import EngineFront
 from h3engine.runtime.messages import JobFinished, JobStarted, StepProgress
+from h3engine.runtime.split import STEPS as PIPELINE_STEPS
 from h3engine.runtime.split import SplitReplica
 from h3engine.runtime.workers import ProcessReplica, stage_devices
 
@@ -280,3 +283,28 @@ def test_each_vae_rank_receives_only_the_latent_frames_its_tiles_read(checkpoint
         for index in rank_tiles(video_vae, plan, 4, rank):
             first, last = plan.tiles[index].frames
             assert start <= min(first, shape[2] - 1) and min(last, shape[2]) <= stop
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Pipelining, failures, cancel (one group of each size 1, shared by the tests below)
+# --------------------------------------------------------------------------------------------------------------
+
+# 15 s at the tiny canvas: each stage takes a visible share of a second on two busy CPU cores.
+PIPELINED_REQUEST = dataclasses.replace(REQUESTS["t2va"], duration_seconds=15.0)
+
+
+def test_queued_jobs_overlap_their_stages(split_world_1, tmp_path) -> None:
+    """While the DiT denoises job k, the encoder has already encoded job k + 1 and the VAE decodes job k - 1."""
+    front, replica = split_world_1
+    handles = [front.submit(PIPELINED_REQUEST, tmp_path / f"job{index}.mp4") for index in range(3)]
+    for handle in handles:
+        assert isinstance(events_until_done(handle, EVENT_TIMEOUT_S)[-1], JobFinished)
+    records = {(record.job_id, record.stage): record for record in replica.stage_log}
+    steps = [{stage: records[handle.job_id, stage] for stage in PIPELINE_STEPS} for handle in handles]
+    for stage in PIPELINE_STEPS:  # every group takes the jobs in submission order
+        assert [job[stage].started_at for job in steps] == sorted(job[stage].started_at for job in steps)
+    for previous, current, following in [(None, steps[0], steps[1]), (steps[0], steps[1], steps[2])]:
+        assert following["encode"].ended_at < current["denoise"].ended_at
+        if previous is not None:
+            assert previous["decode"].started_at < current["denoise"].ended_at
+            assert current["denoise"].started_at < previous["decode"].ended_at

@@ -22,7 +22,9 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,7 @@ JOBS_IN_FLIGHT = 3  # one per group: encoding k+1, denoising k, decoding k-1
 CHANNEL_SLOTS = 2 * JOBS_IN_FLIGHT
 CHANNEL_CLOSE_S = 2.0
 RESTARTING = "the stage groups are restarting"
+STAGE_LOG_SIZE = 256
 
 
 def validated_stage_specs(
@@ -133,6 +136,16 @@ class Turns:
         self._condition.notify_all()
 
 
+@dataclass(frozen=True)
+class StageRecord:
+    """When a group's rank 0 took a job's command and when it was done (time.monotonic())."""
+
+    job_id: str
+    stage: str
+    started_at: float
+    ended_at: float
+
+
 class _Retry:
     """The groups restarted under a job none of them was running: it starts over."""
 
@@ -143,8 +156,11 @@ RETRY = _Retry()
 class StageGroups:
     """One start of the three groups and the channels between them; jobs run through it until it breaks."""
 
-    def __init__(self, specs: dict[Stage, StageSpec], on_break: Callable[[StageGroups], None]) -> None:
+    def __init__(
+        self, specs: dict[Stage, StageSpec], on_break: Callable[[StageGroups], None], log: deque[StageRecord]
+    ) -> None:
         self._on_break = on_break
+        self._log = log
         self.channels: dict[str, list[TensorChannel]] = {}
         for route, (producer, consumer) in CHANNEL_ROUTES.items():
             device = "cpu" if route in CPU_ROUTES else specs[producer].devices[0]
@@ -226,6 +242,8 @@ class StageGroups:
                 if number in jobs:
                     jobs.remove(number)
             inbox, handle = self._inboxes.get(job_id), self._handles.get(job_id)
+        if isinstance(message, StageDone):
+            self._log.append(StageRecord(message.job_id, message.stage, message.started_at, message.ended_at))
         if isinstance(message, (StageDone, *TERMINAL_EVENTS)):
             if inbox is not None:
                 inbox.put(message)
@@ -289,8 +307,9 @@ class StageGroups:
         }
         geometry = prepared.skeleton.geometry
         command = Decode(job, geometry, prepared.latent_shape, prepared.frame_shares, timings)
-        outcome = self._step("decode", command, handle, job, ticket, inbox, done, wait_for="decode")
-        assert outcome is not None  # decode ends with the job's terminal message
+        # Its report comes just before the job's end: wait for the end.
+        outcome = self._step("decode", command, handle, job, ticket, inbox, done, wait_for="the job's end")
+        assert outcome is not None
         return outcome
 
     def _step(
@@ -415,11 +434,13 @@ class SplitReplica:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._job_numbers = itertools.count()
+        # The newest steps of the jobs, in the order reported (for tests and benchmarks: how the jobs overlapped).
+        self.stage_log: deque[StageRecord] = deque(maxlen=STAGE_LOG_SIZE)
         self._groups: StageGroups | None = None
         self._restart: threading.Thread | None = None
         self._restart_error: str | None = None
         remove_dead_temp_folders(WORKER_FOLDER_PREFIX)
-        groups = StageGroups(self.specs, self._replace)
+        groups = StageGroups(self.specs, self._replace, self.stage_log)
         try:
             self.facts = groups.wait_ready(self._closed)
         except BaseException:
@@ -489,7 +510,7 @@ class SplitReplica:
     def _restart_groups(self) -> None:
         groups = None
         try:
-            groups = StageGroups(self.specs, self._replace)
+            groups = StageGroups(self.specs, self._replace, self.stage_log)
             self.facts = groups.wait_ready(self._closed)
         except Exception as error:
             logger.error("the stage groups could not restart: %s", error)

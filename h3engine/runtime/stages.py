@@ -144,11 +144,15 @@ class StageDone:
     """A group's rank 0 finished its part of a job (the job's end comes as JobFinished / JobFailed)."""
 
     job_id: str
-    stage: str  # "prepare", "encode", "denoise"
+    stage: str  # "prepare", "encode", "denoise", "decode" (just before the job's end)
     timings: dict[str, float] = field(default_factory=dict)
     skeleton: Any = None  # prepare: the prepared request without its tensors
     latent_shape: tuple[int, ...] = ()
     frame_shares: tuple[tuple[int, int], ...] = ()
+    # time.monotonic() (one clock for every process of the machine) when the rank took the command and when it
+    # was done: what the pipelining of consecutive jobs is judged by.
+    started_at: float = 0.0
+    ended_at: float = 0.0
 
 
 # --- tensors out of and back into a prepared request ----------------------------------------------------------
@@ -289,6 +293,12 @@ class StageRank:
     producers: dict[str, list[ChannelProducer]]
     # VAE rank 0: the input records of each prepared job (hashed before generating), until its decode.
     inputs: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    command_started: float = 0.0
+
+    def report(self, job: RunJob, stage: str, timings: dict[str, float], **details: Any) -> None:
+        """Rank 0's `StageDone` for the command being served."""
+        started, ended = self.command_started, time.monotonic()
+        self.outbox.post(StageDone(job.job_id, stage, timings, started_at=started, ended_at=ended, **details))
 
     @property
     def rank(self) -> int:
@@ -311,6 +321,7 @@ class StageRank:
         return time.perf_counter() - started
 
     def serve(self, command: Prepare | Encode | Denoise | Decode) -> None:
+        self.command_started = time.monotonic()
         if isinstance(command, Prepare):
             if self.rank == 0:
                 self.prepare(command.job)
@@ -365,7 +376,9 @@ class StageRank:
         }
         self.inputs[job.job_number] = inputs
         timings = {"handoff_prepare_s": handoff_s}
-        outbox.post(StageDone(job.job_id, "prepare", timings, skeleton, latent_shape, tuple(shares)))
+        self.report(
+            job, "prepare", timings, skeleton=skeleton, latent_shape=latent_shape, frame_shares=tuple(shares)
+        )
 
     def encode(self, job: RunJob, skeleton: Any) -> None:
         """Every encoder rank encodes (tensor-parallel); rank 0 hands the states to every DiT rank."""
@@ -379,7 +392,7 @@ class StageRank:
         if self.rank == 0:
             handoff_s += self.send("text", {"text_states": text_states}, job)
             timings = {"text_encode_s": text_encode_s, "handoff_encode_s": handoff_s}
-            self.outbox.post(StageDone(job.job_id, "encode", timings))
+            self.report(job, "encode", timings)
 
     def denoise(self, job: RunJob, skeleton: Any, frame_shares: tuple[tuple[int, int], ...]) -> None:
         """Every DiT rank denoises the request; rank 0 reports the steps and hands the latents to the VAE ranks."""
@@ -411,7 +424,7 @@ class StageRank:
             producer.send(share, tag=job.job_number, timeout=math.inf)
         handoff_s += time.perf_counter() - started
         timings = {**latents.timings, "handoff_denoise_s": handoff_s}
-        self.outbox.post(StageDone(job.job_id, "denoise", timings))
+        self.report(job, "denoise", timings)
 
     def decode(self, command: Decode) -> None:
         """Every VAE rank decodes its tiles of the job's latents; rank 0 writes the files and reports the end."""
@@ -455,6 +468,7 @@ class StageRank:
                 record = self.engine.record(job.request)
                 inputs = self.inputs.pop(job.job_number, [])
                 write_outputs(staging, job.request, inputs, output, command.geometry, record, mp4_written)
+                self.report(job, "decode", {})
                 self.outbox.post(job_finished(job.job_id, staging.commit()))
             except Exception as error:
                 _report_output_failure(job, error, self.outbox)
