@@ -8,20 +8,26 @@ What is checked:
   (the saved video, audio and both latents) for T2VA, FL2VA (a keyframe) and Ref2VA (an image and an audio
   reference): at world size 1 against the in-process engine; at world sizes 2 and 4 (gloo) against a colocated group
   of two; each VAE rank but the first receives only the latent frames its tiles read.
-* Three queued jobs: every group takes them in submission order; the encoder has encoded job k + 1 before the DiT
+* Three queued jobs: every group takes them in the same order; the encoder has encoded job k + 1 before the DiT
   is done denoising job k, and the VAE decodes job k - 1 while the DiT denoises job k (the ranks' own clocks).
+* SIGKILL to the rank of each group while it holds a job: that job fails within a second naming the group, a job
+  queued behind it starts over on the restarted groups and finishes, no old process or /dev/shm file is left; a
+  group killed between jobs costs no job. A job cancelled in the DiT while the VAE decodes the job before it ends
+  within a few steps and the other finishes; shutdown with a job running leaves no process and no /dev/shm file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from _runtime_helpers import events_until_done, parity_requests
+from _runtime_helpers import events_until_done, parity_requests, process_exists, wait_for_step
 from safetensors.torch import load_file
 
 import app
@@ -31,8 +37,9 @@ from h3engine.engine_options import EngineOptions, check_engine_options
 from h3engine.errors import RequestError
 from h3engine.parallel.groups import RuntimeLayout
 from h3engine.parallel.vae import latent_frame_shares, rank_tiles
-from h3engine.runtime.front import EngineFront
-from h3engine.runtime.messages import JobFinished, JobStarted, StepProgress
+from h3engine.request import GenerationRequest
+from h3engine.runtime.front import EngineFront, JobHandle
+from h3engine.runtime.messages import JobFailed, JobFinished, JobStarted, StepProgress
 from h3engine.runtime.split import STEPS as PIPELINE_STEPS
 from h3engine.runtime.split import SplitReplica
 from h3engine.runtime.workers import ProcessReplica, stage_devices
@@ -65,6 +72,17 @@ def colocated_tensors(checkpoint, tmp_path_factory) -> dict[str, Path]:
     finally:
         torch.set_num_threads(threads)
     return paths
+
+
+def submit_parity_requests(
+    front: EngineFront, replica: SplitReplica, group_sizes: dict[str, int], folder: Path
+) -> dict[str, JobHandle]:
+    """Check each group's number of ranks, then queue every parity request, its tensors saved in `folder`."""
+    assert {stage: len(pids) for stage, pids in replica.worker_pids.items()} == group_sizes
+    return {
+        task: front.submit(request, folder / f"{task}.mp4", folder / f"{task}.safetensors")
+        for task, request in REQUESTS.items()
+    }
 
 
 def assert_bit_equal(got: Path, expected: Path) -> None:
@@ -183,15 +201,7 @@ def test_split_world_1_equals_the_colocated_engine_bit_for_bit(
     split_world_1, colocated_tensors, tmp_path
 ) -> None:
     front, replica = split_world_1
-    assert {stage: len(pids) for stage, pids in replica.worker_pids.items()} == {
-        "vae": 1,
-        "encoder": 1,
-        "dit": 1,
-    }
-    handles = {
-        task: front.submit(request, tmp_path / f"{task}.mp4", tmp_path / f"{task}.safetensors")
-        for task, request in REQUESTS.items()
-    }
+    handles = submit_parity_requests(front, replica, {"vae": 1, "encoder": 1, "dit": 1}, tmp_path)
     for task, handle in handles.items():
         events = events_until_done(handle, EVENT_TIMEOUT_S)
         assert isinstance(events[-1], JobFinished), events[-1]
@@ -251,18 +261,21 @@ def test_split_equals_the_colocated_group_bit_for_bit(
     replica = SplitReplica(checkpoint, ("cpu", "cpu"), layout, dtype="float32")
     front = EngineFront([replica], tmp_path)
     try:
-        assert {stage: len(pids) for stage, pids in replica.worker_pids.items()} == {
-            "vae": layout.vae_ranks,
-            "encoder": 2,
-            "dit": 2,
-        }
-        handles = {
-            task: front.submit(request, tmp_path / f"{task}.mp4", tmp_path / f"{task}.safetensors")
-            for task, request in REQUESTS.items()
-        }
+        sizes = {"vae": layout.vae_ranks, "encoder": 2, "dit": 2}
+        handles = submit_parity_requests(front, replica, sizes, tmp_path)
         for task, handle in handles.items():
             assert isinstance(events_until_done(handle, EVENT_TIMEOUT_S)[-1], JobFinished)
             assert_bit_equal(tmp_path / f"{task}.safetensors", colocated_world_2_tensors[task])
+        # The DiT's rank 0 sends VAE rank 0 all the latents, every other VAE rank only its frames.
+        saved = load_file(tmp_path / "t2va.safetensors")
+        video_bytes = saved["video_latents"].numel() * 4
+        whole = video_bytes + saved["audio_latents"].numel() * 4
+        sent = next(
+            r.sent_bytes
+            for r in replica.stage_log
+            if r.job_id == handles["t2va"].job_id and r.stage == "denoise"
+        )
+        assert whole < sent < whole + (layout.vae_ranks - 1) * video_bytes
     finally:
         front.shutdown()
 
@@ -301,10 +314,114 @@ def test_queued_jobs_overlap_their_stages(split_world_1, tmp_path) -> None:
         assert isinstance(events_until_done(handle, EVENT_TIMEOUT_S)[-1], JobFinished)
     records = {(record.job_id, record.stage): record for record in replica.stage_log}
     steps = [{stage: records[handle.job_id, stage] for stage in PIPELINE_STEPS} for handle in handles]
-    for stage in PIPELINE_STEPS:  # every group takes the jobs in submission order
+    # Every group takes the jobs in one order (the order their threads took their turns: submission order but for
+    # a race between the front's threads).
+    steps.sort(key=lambda job: job["prepare"].started_at)
+    for stage in PIPELINE_STEPS:
         assert [job[stage].started_at for job in steps] == sorted(job[stage].started_at for job in steps)
     for previous, current, following in [(None, steps[0], steps[1]), (steps[0], steps[1], steps[2])]:
         assert following["encode"].ended_at < current["denoise"].ended_at
         if previous is not None:
             assert previous["decode"].started_at < current["denoise"].ended_at
             assert current["denoise"].started_at < previous["decode"].ended_at
+
+
+# Steps of about 0.3 s on two busy cores: long against the front's reading delay.
+LONG_REQUEST = GenerationRequest(
+    task="t2va", prompt="a long one", steps=1000, duration_seconds=15.0, width=112, height=64
+)
+DEATH_REPORT_LIMIT_S = 1.0
+
+
+def shared_memory_files_of(pids: list[int]) -> list[str]:
+    return [path.name for pid in pids for path in Path("/dev/shm").glob(f"torch_{pid}_*")]
+
+
+def wait_until(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def split_for_failures(checkpoint, tmp_path_factory):
+    replica = SplitReplica(checkpoint, ("cpu",), RuntimeLayout.choose(1, stages="split"), dtype="float32")
+    front = EngineFront([replica], tmp_path_factory.mktemp("split_failures"))
+    yield front, replica
+    front.shutdown()
+
+
+@pytest.mark.parametrize("stage", ["dit", "encoder", "vae"])
+def test_a_killed_process_fails_only_the_job_its_group_held(split_for_failures, stage, tmp_path) -> None:
+    """SIGKILL to a group's rank while it holds a job: that job fails within a second naming the group; a job queued
+    behind it starts over on the restarted groups and finishes; nothing of the old groups is left."""
+    front, replica = split_for_failures
+    wait_until(lambda: replica.worker_pids, 120)
+    old_pids = replica.worker_pids
+    victim = old_pids[stage][0]
+    if stage == "dit":
+        held = front.submit(LONG_REQUEST, tmp_path / "held.mp4")
+        wait_for_step(held, 1, EVENT_TIMEOUT_S)
+    else:
+        # Stopped, the rank keeps the command it gets: it holds the job when it dies.
+        os.kill(victim, signal.SIGSTOP)
+        held = front.submit(REQUESTS["t2va"], tmp_path / "held.mp4")
+        if stage == "encoder":  # once prepared, its encode is sent
+            wait_until(lambda: any(isinstance(event, JobStarted) for event in held.drain()), EVENT_TIMEOUT_S)
+        time.sleep(0.5)
+    queued = front.submit(REQUESTS["t2va"], tmp_path / "queued.mp4")
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    failed = events_until_done(held, EVENT_TIMEOUT_S)[-1]
+    assert time.monotonic() - killed_at <= DEATH_REPORT_LIMIT_S
+    group = {"dit": "DiT", "encoder": "text-encoder", "vae": "VAE"}[stage]
+    assert isinstance(failed, JobFailed) and failed.kind == "engine", failed
+    assert failed.message.startswith(f"A worker process died (rank 0, exit code -9) in the {group} group")
+    assert isinstance(events_until_done(queued, EVENT_TIMEOUT_S)[-1], JobFinished)
+    every_old_pid = [pid for pids in old_pids.values() for pid in pids]
+    assert not any(process_exists(pid) for pid in every_old_pid)
+    assert not set(every_old_pid) & {pid for pids in replica.worker_pids.values() for pid in pids}
+    assert shared_memory_files_of(every_old_pid) == []
+
+
+def test_a_group_that_dies_between_jobs_costs_no_job(split_for_failures, tmp_path) -> None:
+    front, replica = split_for_failures
+    wait_until(lambda: replica.worker_pids, 120)
+    old_pids = replica.worker_pids
+    os.kill(old_pids["encoder"][0], signal.SIGKILL)
+    wait_until(lambda: replica.worker_pids and replica.worker_pids != old_pids, 120)
+    assert isinstance(events_until_done(front.submit(REQUESTS["t2va"]), EVENT_TIMEOUT_S)[-1], JobFinished)
+
+
+def test_cancel_while_another_job_is_being_decoded(split_for_failures, tmp_path) -> None:
+    """A job cancelled in the DiT while the VAE decodes the job before it: it ends as cancelled within a few steps,
+    before that decode is done, and the decoded job finishes."""
+    front, replica = split_for_failures
+    decoding = front.submit(PIPELINED_REQUEST, tmp_path / "decoding.mp4")
+    cancelled = front.submit(LONG_REQUEST, tmp_path / "cancelled.mp4")
+    wait_until(
+        lambda: any(r.job_id == decoding.job_id and r.stage == "denoise" for r in replica.stage_log), 120
+    )
+    time.sleep(0.3)  # its decode has begun
+    front.cancel(cancelled)
+    events = events_until_done(cancelled, EVENT_TIMEOUT_S)
+    cancelled_at = time.monotonic()
+    assert isinstance(events[-1], JobFailed) and events[-1].kind == "cancelled", events[-1]
+    assert max([event.step for event in events if isinstance(event, StepProgress)], default=0) <= 4
+    assert isinstance(events_until_done(decoding, EVENT_TIMEOUT_S)[-1], JobFinished)
+    decode = next(r for r in replica.stage_log if r.job_id == decoding.job_id and r.stage == "decode")
+    assert decode.started_at < cancelled_at < decode.ended_at
+    assert not (tmp_path / "cancelled.mp4").exists()
+
+
+def test_shutdown_leaves_no_process_and_no_shared_memory(checkpoint, tmp_path) -> None:
+    replica = SplitReplica(checkpoint, ("cpu",), RuntimeLayout.choose(1, stages="split"), dtype="float32")
+    front = EngineFront([replica], tmp_path)
+    running = front.submit(LONG_REQUEST)
+    wait_for_step(running, 1, EVENT_TIMEOUT_S)
+    pids = [pid for stage_pids in replica.worker_pids.values() for pid in stage_pids]
+    front.shutdown()
+    assert isinstance(events_until_done(running, EVENT_TIMEOUT_S)[-1], JobFailed)
+    assert not any(process_exists(pid) for pid in pids)
+    assert shared_memory_files_of(pids) == []

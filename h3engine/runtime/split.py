@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,13 @@ from h3engine.runtime.stages import (
     StageSpec,
     stage_main,
 )
-from h3engine.runtime.workers import POLL_INTERVAL_S, WorkerGroup, checked_layouts, stage_devices
+from h3engine.runtime.workers import (
+    FAILURE_SETTLE_S,
+    POLL_INTERVAL_S,
+    WorkerGroup,
+    checked_layouts,
+    stage_devices,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +76,8 @@ CHANNEL_SLOTS = 2 * JOBS_IN_FLIGHT
 CHANNEL_CLOSE_S = 2.0
 RESTARTING = "the stage groups are restarting"
 STAGE_LOG_SIZE = 256
+# What a rank reports when the group at the other end of a channel died or was ended (h3engine.runtime.channel).
+CHANNEL_ECHOES = ("ChannelPeerGone", "ChannelClosed")
 
 
 def validated_stage_specs(
@@ -144,6 +153,7 @@ class StageRecord:
     stage: str
     started_at: float
     ended_at: float
+    sent_bytes: int  # handed to the next groups (every consumer rank counted)
 
 
 class _Retry:
@@ -178,6 +188,7 @@ class StageGroups:
         self._outstanding: dict[Stage, list[int]] = {stage: [] for stage in STAGES}
         self.broken: tuple[Stage, int | None, str] | None = None  # the group, the job it ran, what happened
         self._stopping = threading.Event()
+        self.ended = threading.Event()  # every rank has ended and the channels are closed
         try:
             for stage, spec in specs.items():
                 ends = [self._ends(stage, rank) for rank in range(spec.world_size)]
@@ -212,11 +223,15 @@ class StageGroups:
 
     def _read_reports(self) -> None:
         while not self._stopping.is_set() and self.broken is None:
+            try:  # one wait over every group, so that a report is routed as soon as it comes
+                wait([item for group in self.groups.values() for item in group.waitables()], POLL_INTERVAL_S)
+            except (OSError, ValueError):
+                pass  # torn down under us: judged below
             for stage, group in self.groups.items():
                 try:
-                    messages = group.receive(POLL_INTERVAL_S / len(self.groups))
+                    messages = group.receive(0.0)
                 except (OSError, ValueError):
-                    messages = []  # torn down under us: judged below
+                    messages = []
                 for message in messages:
                     self._route(stage, message)
                 if group.broken() and not self._stopping.is_set():
@@ -243,7 +258,11 @@ class StageGroups:
                     jobs.remove(number)
             inbox, handle = self._inboxes.get(job_id), self._handles.get(job_id)
         if isinstance(message, StageDone):
-            self._log.append(StageRecord(message.job_id, message.stage, message.started_at, message.ended_at))
+            self._log.append(
+                StageRecord(
+                    message.job_id, message.stage, message.started_at, message.ended_at, message.sent_bytes
+                )
+            )
         if isinstance(message, (StageDone, *TERMINAL_EVENTS)):
             if inbox is not None:
                 inbox.put(message)
@@ -251,16 +270,43 @@ class StageGroups:
             handle.publish(message)  # start, steps, previews
 
     def _break(self, stage: Stage, group: WorkerGroup) -> None:
-        description = group.failure_description()
+        group.failure_description()  # lets the group settle
+        stage = self._cause(stage)
+        description = self.groups[stage].failure_description()
         with self._lock:
             running = self._outstanding[stage][0] if self._outstanding[stage] else None
             self.broken = (stage, running, description)
             inboxes = list(self._inboxes.values())
         logger.error("%s in the %s group; %s", description, GROUP_NAMES[stage], RESTARTING)
-        self.kill()
         for inbox in inboxes:
-            inbox.put(None)  # wake the job threads
-        self._on_break(self)
+            inbox.put(None)  # wake the job threads: the failed job is reported before the groups are ended
+        self.kill()
+        self._on_break(self)  # only now: new groups must not load while the old ones still hold the memory
+
+    def _cause(self, noticed: Stage) -> Stage:
+        """The group whose failure came first. A rank that died without a report (killed, crashed in native code)
+        is the cause before any report, and a report of a channel peer gone or closed is the echo of another
+        group's death, which a rank may notice (through /proc) before this process can reap the dead one: for up to
+        `FAILURE_SETTLE_S` an echo waits for its cause."""
+        deadline = time.monotonic() + FAILURE_SETTLE_S
+        while True:
+            for group in self.groups.values():
+                group.receive(0.0)
+            silent = [
+                stage
+                for stage, group in self.groups.items()
+                if set(group.exit_codes()) - {failure.rank for failure in group.failures}
+            ]
+            first_hand = [
+                stage
+                for stage, group in self.groups.items()
+                if any(failure.message not in CHANNEL_ECHOES for failure in group.failures)
+            ]
+            if silent or first_hand:
+                return (silent or first_hand)[0]
+            if time.monotonic() >= deadline:
+                return noticed
+            time.sleep(POLL_INTERVAL_S / 5)
 
     # --- one job ----------------------------------------------------------------------------------------
 
@@ -390,12 +436,14 @@ class StageGroups:
         for group in self.groups.values():
             group.stop()
         self._close_channels()
+        self.ended.set()
 
     def kill(self) -> None:
         self._stopping.set()
         for group in self.groups.values():
             group.kill()
         self._close_channels()
+        self.ended.set()
 
     def _close_channels(self) -> None:
         for channels in self.channels.values():
@@ -464,8 +512,6 @@ class SplitReplica:
                 return groups
             job = RunJob.of(next(self._job_numbers), handle, replica_index, preview_every)
             outcome = groups.run_job(handle, job)
-            if groups.broken is not None:
-                self._replace(groups)
             if self._closed.is_set() and isinstance(outcome, (JobFailed, _Retry)):
                 return JobFailed(handle.job_id, "cancelled", SHUTTING_DOWN_MESSAGE)
             if not isinstance(outcome, _Retry):
@@ -484,7 +530,10 @@ class SplitReplica:
                         )
                     self._start_restart()
             if groups is not None and groups.broken is not None:
-                self._replace(groups)
+                if groups.ended.is_set():
+                    self._replace(groups)
+                else:
+                    time.sleep(POLL_INTERVAL_S)  # the groups are being ended; then they restart
                 continue
             if groups is not None:
                 return groups

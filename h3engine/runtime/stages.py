@@ -153,6 +153,7 @@ class StageDone:
     # was done: what the pipelining of consecutive jobs is judged by.
     started_at: float = 0.0
     ended_at: float = 0.0
+    sent_bytes: int = 0  # what rank 0 handed to the next groups for this step (every consumer rank counted)
 
 
 # --- tensors out of and back into a prepared request ----------------------------------------------------------
@@ -294,11 +295,16 @@ class StageRank:
     # VAE rank 0: the input records of each prepared job (hashed before generating), until its decode.
     inputs: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     command_started: float = 0.0
+    command_sent_bytes: int = 0
 
     def report(self, job: RunJob, stage: str, timings: dict[str, float], **details: Any) -> None:
         """Rank 0's `StageDone` for the command being served."""
-        started, ended = self.command_started, time.monotonic()
-        self.outbox.post(StageDone(job.job_id, stage, timings, started_at=started, ended_at=ended, **details))
+        started, ended, sent = self.command_started, time.monotonic(), self.command_sent_bytes
+        self.outbox.post(
+            StageDone(
+                job.job_id, stage, timings, started_at=started, ended_at=ended, sent_bytes=sent, **details
+            )
+        )
 
     @property
     def rank(self) -> int:
@@ -318,10 +324,13 @@ class StageRank:
         started = time.perf_counter()
         for producer in self.producers[route]:
             producer.send(tensors, tag=job.job_number, timeout=math.inf)
+        self.command_sent_bytes += len(self.producers[route]) * sum(
+            t.numel() * t.element_size() for t in tensors.values()
+        )
         return time.perf_counter() - started
 
     def serve(self, command: Prepare | Encode | Denoise | Decode) -> None:
-        self.command_started = time.monotonic()
+        self.command_started, self.command_sent_bytes = time.monotonic(), 0
         if isinstance(command, Prepare):
             if self.rank == 0:
                 self.prepare(command.job)
@@ -422,6 +431,9 @@ class StageRank:
             start, stop = frame_shares[vae_rank]
             share = {"video": video, "audio": audio} if vae_rank == 0 else {"video": video[:, :, start:stop]}
             producer.send(share, tag=job.job_number, timeout=math.inf)
+            self.command_sent_bytes += sum(
+                tensor.numel() * tensor.element_size() for tensor in share.values()
+            )
         handoff_s += time.perf_counter() - started
         timings = {**latents.timings, "handoff_denoise_s": handoff_s}
         self.report(job, "denoise", timings)

@@ -267,12 +267,17 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         return [process.pid for process in self.processes]
 
+    def waitables(self) -> list[Any]:
+        """What `multiprocessing.connection.wait` can wait on for this group: its open pipes and the sentinels of
+        its living ranks (a dead one's stays ready and would turn every wait into a spin)."""
+        return self._message_pipes + [
+            process.sentinel for process in self.processes if process.exitcode is None
+        ]
+
     def receive(self, timeout: float) -> list[Any]:
         """Every message that arrives within `timeout` (returns early once one has); `RankFailed` is also kept."""
         received = []
-        # Only living ranks' sentinels: a dead one stays ready and would turn every wait into a spin.
-        living = [process.sentinel for process in self.processes if process.exitcode is None]
-        ready = wait(self._message_pipes + living, timeout)
+        ready = wait(self.waitables(), timeout)
         for connection in [item for item in ready if item in self._message_pipes]:
             try:
                 while connection.poll():
