@@ -211,6 +211,9 @@ def receive_job(consumer: ChannelConsumer, job_number: int, device: torch.device
         tag, tensors = consumer.receive(timeout=math.inf)
         if tag == job_number:
             copies = {name: tensor.to(device, copy=True) for name, tensor in tensors.items()}
+            if device.type == "cuda" and any(tensor.device != device for tensor in tensors.values()):
+                # A copy from another GPU runs on this device's stream, which the release's event does not cover.
+                torch.cuda.current_stream(device).synchronize()
             consumer.release(tag)
             return copies
         consumer.release(tag)
