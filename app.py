@@ -292,11 +292,15 @@ def check_before_loading(config: AppConfig) -> None:
     listen on, the outputs and cache folders (ConfigError naming the option)."""
     from h3engine.engine_options import check_engine_options, check_fp8_device, resolve_device
     from h3engine.errors import RequestError
-    from h3engine.runtime.workers import replica_device_groups
+    from h3engine.runtime.workers import replica_device_groups, stage_devices
 
     try:
-        check_engine_options(config.engine, config.world_size)
+        layout = check_engine_options(config.engine, config.world_size)
         if config.ray is not None:
+            if layout.split:
+                raise ConfigError(
+                    "--stage-layout: split is not available with --ray yet (each Ray replica is one colocated group)"
+                )
             from h3engine.runtime.ray_serve import require_ray
 
             require_ray()  # the devices are the cluster's, not this host's
@@ -304,8 +308,10 @@ def check_before_loading(config: AppConfig) -> None:
             device = resolve_device(name, "--devices")
             if config.engine.fp8_linear:
                 check_fp8_device(device)
-        if config.world_size > 1 and config.ray is None:
-            replica_device_groups(config.devices, config.world_size)
+        if (config.world_size > 1 or layout.split) and config.ray is None:
+            for devices in replica_device_groups(config.devices, config.world_size):
+                if layout.split:
+                    stage_devices(layout, devices, config.engine.encoder_devices, config.engine.vae_devices)
     except RequestError as error:
         raise ConfigError(str(error)) from None
     _check_can_listen(config.host, config.port)
@@ -342,7 +348,7 @@ def _load_engines(checkpoint: Path, config: AppConfig) -> list[Engine | ProcessR
     if config.ray is not None:
         return _start_ray_replicas(checkpoint, config)
     layout = check_engine_options(config.engine, config.world_size)
-    if layout.world_size > 1:
+    if layout.world_size > 1 or layout.split:
         return _start_worker_groups(checkpoint, config, layout)
     engines = []
     for name in config.devices:
@@ -363,7 +369,8 @@ def _load_logger(device: str) -> Callable[[LoadEvent], None]:
 
 
 def _start_worker_groups(checkpoint: Path, config: AppConfig, layout: RuntimeLayout) -> list[ProcessReplica]:
-    from h3engine.runtime.workers import ProcessReplica, replica_device_groups
+    from h3engine.runtime.split import start_replica
+    from h3engine.runtime.workers import replica_device_groups
 
     options = config.engine
     replicas: list[ProcessReplica] = []
@@ -371,9 +378,7 @@ def _start_worker_groups(checkpoint: Path, config: AppConfig, layout: RuntimeLay
         for devices in replica_device_groups(config.devices, config.world_size):
             logger.info("starting a worker group on %s (%s)", ", ".join(devices), layout.describe())
             started = time.perf_counter()
-            replicas.append(
-                ProcessReplica(checkpoint, devices, layout, options.dtype, options.memory_profile)
-            )
+            replicas.append(start_replica(checkpoint, devices, layout, options))
             # Its ranks load in their own processes: the group is reported as a whole.
             logger.info(
                 "loaded the worker group on %s in %.2f s", ", ".join(devices), time.perf_counter() - started

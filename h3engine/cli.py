@@ -302,7 +302,7 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
 
     devices = rank_devices(args.device, args.world_size, args.gpus, args.devices)
     layout = check_engine_options(options, len(devices))
-    device = resolve_device(devices[0]) if len(devices) == 1 else None
+    device = resolve_device(devices[0]) if len(devices) == 1 and not layout.split else None
     if options.fp8_linear and device is not None:
         check_fp8_device(device)
     # The checkpoint's index and tokenizer alone; the checkpoint itself loads after this.
@@ -444,11 +444,11 @@ def _generate_on_workers(
     loads in its own processes: its loading is one component, `worker_group`)."""
     from h3engine.runtime.front import EngineFront
     from h3engine.runtime.messages import JobFailed, JobFinished, StepProgress
-    from h3engine.runtime.workers import ProcessReplica
+    from h3engine.runtime.split import start_replica
 
     progress.group_loading(devices, layout.describe())
     started = time.perf_counter()
-    replica = ProcessReplica(checkpoint, devices, layout, options.dtype, options.memory_profile)
+    replica = start_replica(checkpoint, devices, layout, options)
     progress.group_loaded(devices, layout.describe(), time.perf_counter() - started)
     front = EngineFront([replica], out_path.parent)
     try:

@@ -1,7 +1,8 @@
 """The engine half of both front-ends' command lines (app.py and h3engine.cli), declared once.
 
 `add_engine_flags` declares the flags: the worker group's layout (`--dit-sp`, `--dit-tp`, `--encoder-tp`,
-`--vae-ranks`; left out: the profile of the group's size, h3engine.parallel.groups), `--dtype`, `--memory-profile`
+`--vae-ranks`; left out: the profile of the group's size, h3engine.parallel.groups; `--stage-layout` colocated or
+split, with `--encoder-devices` / `--vae-devices`), `--dtype`, `--memory-profile`
 (h3engine.placement) and `--fp8-linear`; `EngineOptions.from_args` reads them back. `check_dtype` needs no torch;
 `check_engine_options` checks the rest for an engine of a given number of ranks and returns its worker-group
 layout; `resolve_device` and `check_fp8_device` check the device of an engine in this process; `load_engine` builds
@@ -46,6 +47,9 @@ class EngineOptions:
     dtype: str | None = None
     memory_profile: str = "resident"
     fp8_linear: bool = False
+    stage_layout: str = "colocated"
+    encoder_devices: str | None = None  # split layout: the text-encoder group's GPUs (e.g. "4,5")
+    vae_devices: str | None = None  # split layout: the VAE group's GPUs
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
@@ -60,6 +64,25 @@ def add_engine_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]
     layout.add_argument("--dit-tp", type=int, default=None, help="DiT tensor-parallel degree")
     layout.add_argument("--encoder-tp", type=int, default=None, help="text-encoder tensor-parallel degree")
     layout.add_argument("--vae-ranks", type=int, default=None, help="ranks sharing the video decode")
+    environ_note = "" if environ is None else "; env H3_STAGE_LAYOUT"
+    layout.add_argument(
+        "--stage-layout",
+        default=(environ or {}).get("H3_STAGE_LAYOUT") or "colocated",
+        metavar="{colocated,split}",
+        help="colocated (default): every rank holds a share of every model; split: the text encoder (--encoder-tp "
+        "ranks), the DiT and the VAE (--vae-ranks ranks) run as three resident groups handing tensors over CUDA "
+        f"IPC, so that consecutive requests overlap{environ_note}",
+    )
+    layout.add_argument(
+        "--encoder-devices",
+        default=None,
+        help="split layout: the text encoder's GPUs, e.g. 4,5 (default: the first --encoder-tp of the DiT's)",
+    )
+    layout.add_argument(
+        "--vae-devices",
+        default=None,
+        help="split layout: the VAE's GPUs, e.g. 6,7 (default: the first --vae-ranks of the DiT's)",
+    )
     parser.add_argument("--dtype", default=None, help="bfloat16 (released precision, default) or float32")
     memory_profile_help = (
         "resident (default): every model stays on the GPU; low-memory: models wait in host memory and each phase "
@@ -121,19 +144,47 @@ def resolve_device(name: str | None, flag: str = "--device") -> torch.device:
 
 def check_engine_options(options: EngineOptions, world_size: int) -> RuntimeLayout:
     """Dtype, memory profile and the layout of an engine of `world_size` ranks (a worker group when more than
-    one); FP8 linear layers only for an engine of one rank."""
-    from h3engine.parallel.groups import RuntimeLayout
+    one, or split stage groups); FP8 linear layers only for an engine of one rank.
+
+    Split: `--encoder-devices` / `--vae-devices` give those groups' sizes when `--encoder-tp` / `--vae-ranks` are
+    left out (and must agree with them when not); the devices themselves are checked by the front-end
+    (h3engine.runtime.workers.stage_devices)."""
+    from h3engine.parallel.groups import STAGE_LAYOUTS, RuntimeLayout
     from h3engine.placement import check_memory_profile
 
     check_dtype(options.dtype)
     check_memory_profile(options.memory_profile)
+    if options.stage_layout not in STAGE_LAYOUTS:
+        raise RequestError(f"--stage-layout: expected colocated or split, got '{options.stage_layout}'")
+    split = options.stage_layout == "split"
+    group_sizes = {"--encoder-tp": options.encoder_tp, "--vae-ranks": options.vae_ranks}
+    for devices_flag, size_flag, devices in (
+        ("--encoder-devices", "--encoder-tp", options.encoder_devices),
+        ("--vae-devices", "--vae-ranks", options.vae_devices),
+    ):
+        if devices is None:
+            continue
+        if not split:
+            raise RequestError(f"{devices_flag}: only with --stage-layout split (its groups' own GPUs)")
+        count = len(devices.split(","))
+        if group_sizes[size_flag] not in (None, count):
+            raise RequestError(
+                f"{devices_flag}: {count} GPUs given, but {size_flag} {group_sizes[size_flag]} asks for "
+                f"{group_sizes[size_flag]} (the group has one rank per GPU)"
+            )
+        group_sizes[size_flag] = count
     try:
         layout = RuntimeLayout.choose(
-            world_size, options.dit_sp, options.dit_tp, options.encoder_tp, options.vae_ranks
+            world_size,
+            options.dit_sp,
+            options.dit_tp,
+            group_sizes["--encoder-tp"],
+            group_sizes["--vae-ranks"],
+            options.stage_layout,
         )
     except ValueError as error:
         raise RequestError(str(error)) from None
-    if options.fp8_linear and world_size > 1:
+    if options.fp8_linear and (world_size > 1 or split):
         raise RequestError("--fp8-linear: FP8 linear layers run on one GPU only (no worker group)")
     return layout
 

@@ -197,7 +197,10 @@ class ModelStore:
     def _prepare_dit(self, dit: torch.nn.Module) -> torch.nn.Module:
         """On a GPU, the DiT's AdaLN projections go to pinned host memory: `modulation.schedule_modulation` streams
         them to the device once per request schedule, and the placement leaves pinned tensors where they are.
-        With `fp8_linear`, the blocks' linears are then quantized (h3engine.quantization)."""
+        With `fp8_linear`, the blocks' linears are then quantized (h3engine.quantization). A DiT without parameters
+        is one another stage group holds (h3engine.runtime.stages): only its config is here."""
+        if next(dit.parameters(), None) is None:
+            return dit
         if self.device.type == "cuda":
             offload_adaln(dit)
         if self.fp8_linear:

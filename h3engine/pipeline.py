@@ -337,16 +337,39 @@ def denoise_request(
     should_cancel: Callable[[], bool] | None = None,
 ) -> DenoisedLatents:
     """Encode the presentation, pack the condition rows and the seed's noise, and run every step."""
-    presentation, conditions, geometry = prepared.presentation, prepared.conditions, prepared.geometry
-    timings = {"conditioning_s": prepared.conditioning_s}
     check_cancelled(should_cancel)
+    text_states, text_encode_s = encode_text(models, prepared.presentation, device)
+    return denoise_encoded(
+        models, prepared, text_states, device, on_step, should_cancel, {"text_encode_s": text_encode_s}
+    )
+
+
+def encode_text(
+    models: Models, presentation: Presentation, device: torch.device
+) -> tuple[torch.Tensor, float]:
+    """The text-encoder states of a presentation and the seconds they took (the split layout's encoder group runs
+    this alone)."""
     started = time.perf_counter()
     with models.resident_for("text_encode"):
         text_states = encode_presentation(models, presentation, device)
         _synchronize(device)
-    timings["text_encode_s"] = time.perf_counter() - started
+    return text_states, time.perf_counter() - started
 
-    layout = conditions.layout(presentation.row_tags, geometry)
+
+def denoise_encoded(
+    models: Models,
+    prepared: PreparedRequest,
+    text_states: torch.Tensor,
+    device: torch.device,
+    on_step: Callable[[StepEvent], None] | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+    timings: dict[str, float] | None = None,
+) -> DenoisedLatents:
+    """Pack the condition rows and the seed's noise around the text states and run every step (`timings`: what the
+    earlier phases took, carried into the result)."""
+    conditions, geometry = prepared.conditions, prepared.geometry
+    timings = {"conditioning_s": prepared.conditioning_s, **(timings or {})}
+    layout = conditions.layout(prepared.presentation.row_tags, geometry)
     # The latent channel counts come from the DiT, which every rank holds (the VAEs live on some ranks only); they
     # are the VAEs' latent channels, which is what the DiT's patch projections read.
     noise = draw_initial_noise(

@@ -1,4 +1,5 @@
-"""Helpers of the worker-group tests (tests/test_runtime_workers.py on the CPU, tests/test_runtime_gpu.py on GPUs)."""
+"""Helpers of the worker-group tests (tests/test_runtime_workers.py and tests/test_split_stages.py on the CPU,
+tests/test_runtime_gpu.py on GPUs)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from h3engine.request import GenerationRequest, Keyframe, Reference
 from h3engine.runtime.front import JobHandle
 from h3engine.runtime.messages import TERMINAL_EVENTS, StepProgress
 
@@ -46,3 +48,30 @@ def process_exists(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended (not yet reaped)
     except OSError:
         return False
+
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+def parity_requests(steps: int, seed: int) -> dict[str, GenerationRequest]:
+    """task -> the request a worker test compares with the in-process engine: T2VA, FL2VA (a keyframe PNG) and
+    Ref2VA (an image and an audio reference), 4 s each."""
+    common = {"steps": steps, "seed": seed, "duration_seconds": 4.0}
+    return {
+        "t2va": GenerationRequest(task="t2va", prompt="a red kite over the hills", **common),
+        "fl2va": GenerationRequest(
+            task="fl2va",
+            prompt="<Picture 1> the kite rises with the sun",
+            keyframes=(Keyframe(str(ASSETS / "fl2va" / "first.png"), "first"),),
+            **common,
+        ),
+        "ref2va": GenerationRequest(
+            task="ref2va",
+            prompt="<Picture 1> sings <Audio 1>",
+            references=(
+                Reference("image", str(ASSETS / "ref2va" / "picture1.png")),
+                Reference("audio", str(ASSETS / "ref2va" / "audio1.wav")),
+            ),
+            **common,
+        ),
+    }

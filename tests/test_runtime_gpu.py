@@ -25,11 +25,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from _runtime_helpers import events_until_done, max_relative_errors, process_exists, wait_for_step
+from _runtime_helpers import (
+    events_until_done,
+    max_relative_errors,
+    parity_requests,
+    process_exists,
+    wait_for_step,
+)
 
 from h3engine.engine import Engine
 from h3engine.parallel.groups import RuntimeLayout
-from h3engine.request import GenerationRequest, Keyframe, Reference
+from h3engine.request import GenerationRequest
 from h3engine.runtime.front import EngineFront
 from h3engine.runtime.messages import (
     JobFailed,
@@ -49,28 +55,7 @@ DEATH_REPORT_LIMIT_S = 5.0
 FP32_TOLERANCE = 1e-3
 BF16_TOLERANCE = 1e-1  # a sanity bound: a split group rounds its bf16 partial sums differently
 MEMORY_SLACK_BYTES = 256 << 20
-REQUESTS = {
-    "t2va": GenerationRequest(task="t2va", prompt="a red kite", steps=STEPS, seed=3, duration_seconds=4.0),
-    "fl2va": GenerationRequest(
-        task="fl2va",
-        prompt="<Picture 1> the kite rises",
-        steps=STEPS,
-        seed=3,
-        duration_seconds=4.0,
-        keyframes=(Keyframe(str(ASSETS / "fl2va" / "first.png"), "first"),),
-    ),
-    "ref2va": GenerationRequest(
-        task="ref2va",
-        prompt="<Picture 1> sings <Audio 1>",
-        steps=STEPS,
-        seed=3,
-        duration_seconds=4.0,
-        references=(
-            Reference("image", str(ASSETS / "ref2va" / "picture1.png")),
-            Reference("audio", str(ASSETS / "ref2va" / "audio1.wav")),
-        ),
-    ),
-}
+REQUESTS = parity_requests(STEPS, seed=3)
 # Canvases whose steps take tens of milliseconds on an H200 and about 0.3 s on two CPU cores: long against the
 # front's reading delay, so the steps reported after a cancel count the ranks' steps, not the reader's lag.
 LONG_CANVAS = {"cuda": (448, 256), "cpu": (112, 64)}

@@ -34,14 +34,20 @@ import pytest
 import torch
 from _app_helpers import assert_browser_playable, start_app, stop_app
 from _lora_helpers import RandomLora, random_lora, write_lora
-from _runtime_helpers import events_until_done, max_relative_errors, process_exists, wait_for_step
+from _runtime_helpers import (
+    events_until_done,
+    max_relative_errors,
+    parity_requests,
+    process_exists,
+    wait_for_step,
+)
 
 from h3engine.cli import main
 from h3engine.engine import Engine
 from h3engine.errors import RequestError
 from h3engine.media.mux import probe_mp4
 from h3engine.parallel.groups import PROFILES, RuntimeLayout
-from h3engine.request import GenerationRequest, Keyframe, LoraChoice, Reference
+from h3engine.request import GenerationRequest, Keyframe, LoraChoice
 from h3engine.runtime.front import EngineFront
 from h3engine.runtime.messages import (
     JobFailed,
@@ -69,30 +75,7 @@ LAYOUTS = {
     "sp2_vae1": RuntimeLayout.choose(2, dit_sp=2, vae_ranks=1),
 }
 COMPARED_LAYOUTS = ["sp2", "tp2"]
-REQUESTS = {
-    "t2va": GenerationRequest(
-        task="t2va", prompt="a red kite over the hills", steps=STEPS, seed=SEED, duration_seconds=4.0
-    ),
-    "fl2va": GenerationRequest(
-        task="fl2va",
-        prompt="<Picture 1> the kite rises with the sun",
-        steps=STEPS,
-        seed=SEED,
-        duration_seconds=4.0,
-        keyframes=(Keyframe(str(ASSETS / "fl2va" / "first.png"), "first"),),
-    ),
-    "ref2va": GenerationRequest(
-        task="ref2va",
-        prompt="<Picture 1> sings <Audio 1>",
-        steps=STEPS,
-        seed=SEED,
-        duration_seconds=4.0,
-        references=(
-            Reference("image", str(ASSETS / "ref2va" / "picture1.png")),
-            Reference("audio", str(ASSETS / "ref2va" / "audio1.wav")),
-        ),
-    ),
-}
+REQUESTS = parity_requests(STEPS, SEED)
 # Steps of about 0.3 s on two busy cores: long against the front's reading delay, short for the test.
 LONG_REQUEST = GenerationRequest(
     task="t2va", prompt="a long one", steps=1000, duration_seconds=15.0, width=112, height=64

@@ -209,14 +209,20 @@ PROFILES: dict[int, tuple[int, int, int, int]] = {
 }
 
 
+# --stage-layout: every rank holds a share of every model, or three groups (encoder, DiT, VAE) of their own.
+STAGE_LAYOUTS = ("colocated", "split")
+
+
 @dataclass(frozen=True)
 class RuntimeLayout:
-    """One worker group: `world_size` ranks and the layout flags, each rank hosting its share of every component
-    (rank r is DiT rank r, text-encoder rank r and, when r < vae_ranks, VAE rank r).
+    """The worker processes of one replica: `world_size` ranks and the layout flags.
 
-    `choose` fills the flags the user left out from the profile of that world size (`PROFILES`). The checks here
-    need no model; `dit_layout` and `encoder_layout` add the ones against the checkpoint's heads
-    and widths. Errors are ValueErrors whose message starts with the flag.
+    `stages` "colocated": one group, each rank hosting its share of every component (rank r is DiT rank r,
+    text-encoder rank r and, when r < vae_ranks, VAE rank r). "split": three groups of their own (each its own
+    world): the DiT on `world_size` ranks, the text encoder on `encoder_tp` ranks (one tensor-parallel replica) and
+    the VAE on `vae_ranks` ranks (h3engine.runtime.split). `choose` fills the flags the user left out from the
+    profile of that world size (`PROFILES`). The checks here need no model; `dit_layout` and `encoder_layout` add
+    the ones against the checkpoint's heads and widths. Errors are ValueErrors whose message starts with the flag.
     """
 
     world_size: int
@@ -224,8 +230,11 @@ class RuntimeLayout:
     dit_tp: int
     encoder_tp: int
     vae_ranks: int
+    stages: str = "colocated"
 
     def __post_init__(self) -> None:
+        if self.stages not in STAGE_LAYOUTS:
+            raise ValueError(f"--stage-layout: expected colocated or split, got {self.stages!r}")
         _require_positive("number of GPUs", self.world_size)
         for flag, value in (
             ("--dit-sp", self.dit_sp),
@@ -239,6 +248,8 @@ class RuntimeLayout:
                 f"--dit-sp {self.dit_sp} x --dit-tp {self.dit_tp} = {self.dit_sp * self.dit_tp} ranks, but the "
                 f"worker group has {self.world_size}: the product must equal the number of GPUs"
             )
+        if self.split:
+            return  # the encoder and VAE groups have sizes of their own
         if self.world_size % self.encoder_tp:
             raise ValueError(
                 f"--encoder-tp {self.encoder_tp} does not divide the {self.world_size} GPUs (divisors: "
@@ -254,10 +265,12 @@ class RuntimeLayout:
         dit_tp: int | None = None,
         encoder_tp: int | None = None,
         vae_ranks: int | None = None,
+        stages: str = "colocated",
     ) -> RuntimeLayout:
         """The layout the flags ask for; a flag left out (None) comes from `PROFILES`, or, for a world size with
         no profile, from "Ulysses over every rank, the encoder over every rank, the VAE over every rank". One DiT
-        flag alone gets the other from the world size."""
+        flag alone gets the other from the world size. With `stages` "split" the profile's encoder and VAE sizes
+        become those groups' sizes (by default on the DiT group's devices)."""
         _require_positive("number of GPUs", world_size)
         profile = PROFILES.get(world_size, (world_size, 1, world_size, world_size))
         if dit_sp is None and dit_tp is None:
@@ -272,22 +285,31 @@ class RuntimeLayout:
             dit_tp,
             profile[2] if encoder_tp is None else encoder_tp,
             profile[3] if vae_ranks is None else vae_ranks,
+            stages,
         )
+
+    @property
+    def split(self) -> bool:
+        return self.stages == "split"
 
     def dit_layout(self, config: DiTConfig) -> ParallelLayout:
         return ParallelLayout.for_dit(config, self.world_size, self.dit_sp, self.dit_tp)
 
     def encoder_layout(self, config: Qwen3VLConfig) -> EncoderLayout:
-        return EncoderLayout.for_text_encoder(config, self.world_size, self.encoder_tp)
+        world_size = self.encoder_tp if self.split else self.world_size
+        return EncoderLayout.for_text_encoder(config, world_size, self.encoder_tp)
 
     def vae_layout(self) -> VAELayout:
-        return VAELayout(self.world_size, self.vae_ranks)
+        return VAELayout(self.vae_ranks if self.split else self.world_size, self.vae_ranks)
 
     def describe(self) -> str:
-        return (
-            f"{self.world_size} ranks: DiT Ulysses {self.dit_sp} x tensor {self.dit_tp}, text encoder tensor "
-            f"{self.encoder_tp}, VAE over {self.vae_ranks}"
-        )
+        dit = f"DiT Ulysses {self.dit_sp} x tensor {self.dit_tp}"
+        if self.split:
+            return (
+                f"split stages: {dit} on {self.world_size} ranks, text encoder tensor {self.encoder_tp} on "
+                f"{self.encoder_tp}, VAE on {self.vae_ranks}"
+            )
+        return f"{self.world_size} ranks: {dit}, text encoder tensor {self.encoder_tp}, VAE over {self.vae_ranks}"
 
 
 def _complement(flag: str, value: object, world_size: int) -> int:

@@ -114,3 +114,24 @@ def decode_video_and_audio(
     with decode_autocast(latents.device, autocast_dtype):
         pixels = video_vae.assemble_decode(plan, windows)
     return pixels, waveform
+
+
+def latent_frame_shares(video_vae: VideoVAE, latent_shape: torch.Size, ranks: int) -> list[tuple[int, int]]:
+    """Per VAE-group rank, the latent frames [start, stop) its tiles read, in the un-padded latents of
+    `latent_shape` ([B, C, T, h, w]): what a rank needs to receive to run its share of `decode_video_and_audio`.
+
+    The padding repeats the last latent, so a share that reaches into it ends at T and starts no later than T - 1;
+    an empty share is (0, 0). The frames outside a rank's share are never read by its tiles.
+    """
+    plan = video_vae.plan_decode(latent_shape)
+    count = latent_shape[2]
+    shares = []
+    for rank in range(ranks):
+        tiles = [plan.tiles[index] for index in rank_tiles(video_vae, plan, ranks, rank)]
+        if not tiles:
+            shares.append((0, 0))
+            continue
+        start = min(tile.frames[0] for tile in tiles)
+        stop = max(tile.frames[1] for tile in tiles)
+        shares.append((min(start, count - 1), min(stop, count)))
+    return shares

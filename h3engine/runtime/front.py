@@ -129,7 +129,8 @@ class JobHandle:
 
 
 class Replica(Protocol):
-    """What the front needs from a replica. `run` is only ever called from that replica's worker thread."""
+    """What the front needs from a replica. `run` is only called from that replica's worker threads: one, or
+    `jobs_in_flight` when the replica has that attribute (a pipelined replica: h3engine.runtime.split)."""
 
     facts: CheckpointFacts
 
@@ -216,14 +217,18 @@ class EngineFront:
         ]
         self.facts = self._replicas[0].facts
         self._pending: list[JobHandle] = []
-        self._running: dict[int, JobHandle] = {}
+        self._running: dict[tuple[int, int], JobHandle] = {}  # (replica, its worker thread) -> its job
         self._condition = threading.Condition()
         self._stopping = False
         self._workers = [
             threading.Thread(
-                target=self._worker_loop, args=(index, replica), name=f"h3-replica-{index}", daemon=True
+                target=self._worker_loop,
+                args=(index, slot, replica),
+                name=f"h3-replica-{index}" + (f"-{slot}" if slot else ""),
+                daemon=True,
             )
             for index, replica in enumerate(self._replicas)
+            for slot in range(getattr(replica, "jobs_in_flight", 1))
         ]
         for worker in self._workers:
             worker.start()
@@ -301,14 +306,14 @@ class EngineFront:
         for position, handle in enumerate(self._pending, start=1):
             handle.publish(JobQueued(handle.job_id, position))
 
-    def _take(self, index: int) -> JobHandle | None:
+    def _take(self, key: tuple[int, int]) -> JobHandle | None:
         with self._condition:
             while not self._pending and not self._stopping:
                 self._condition.wait()
             if self._stopping:
                 return None
             handle = self._pending.pop(0)
-            self._running[index] = handle
+            self._running[key] = handle
             self._announce_positions()
             return handle
 
@@ -326,13 +331,13 @@ class EngineFront:
             with self._condition:
                 if self._stopping:
                     return
-                self._running[index] = handle  # so that `shutdown` cancels it
+                self._running[index, 0] = handle  # so that `shutdown` cancels it
             started = time.perf_counter()
             try:
                 result = replica.run(handle, index, self.preview_every)
             finally:
                 with self._condition:
-                    del self._running[index]
+                    del self._running[index, 0]
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         if isinstance(result, JobFailed):
@@ -340,15 +345,15 @@ class EngineFront:
         else:
             logger.info("replica %d warmed up in %.1f s", index, time.perf_counter() - started)
 
-    def _worker_loop(self, index: int, replica: Replica) -> None:
-        if self.warm_up:
+    def _worker_loop(self, index: int, slot: int, replica: Replica) -> None:
+        if self.warm_up and slot == 0:
             self._warm_up(index, replica)
-        while (handle := self._take(index)) is not None:
+        while (handle := self._take((index, slot))) is not None:
             try:
                 handle._finish(replica.run(handle, index, self.preview_every))
             finally:
                 with self._condition:
-                    del self._running[index]
+                    del self._running[index, slot]
 
 
 def stamped_output_name(task: str, job_id: str) -> str:

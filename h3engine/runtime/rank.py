@@ -70,6 +70,7 @@ from h3engine.runtime.front import (
     CANCELLED_MESSAGE,
     ENGINE_FAILURE_MESSAGE,
     EVENT_BUFFER_SIZE,
+    JobHandle,
     release_memory,
 )
 from h3engine.runtime.messages import JobFailed, job_finished, job_started, step_reporter
@@ -118,6 +119,21 @@ class RunJob:
     submitted_at: float  # time.monotonic() of the submit, for JobStarted.queue_wait_s
     replica_index: int
     preview_every: int
+
+    @classmethod
+    def of(cls, job_number: int, handle: JobHandle, replica_index: int, preview_every: int) -> RunJob:
+        """The command for the front's job `handle` (its paths as text: the rank reads them)."""
+        tensors = str(handle.save_tensors_path) if handle.save_tensors_path is not None else None
+        return cls(
+            job_number,
+            handle.job_id,
+            handle.request,
+            str(handle.out_path),
+            tensors,
+            handle.submitted_at,
+            replica_index,
+            preview_every,
+        )
 
 
 @dataclass(frozen=True)
@@ -389,6 +405,15 @@ def _start(rank: int, spec: WorkerSpec) -> tuple[Engine, RankGroups]:
     return engine, groups
 
 
+def begin_rank_process(messages: Connection, label: str) -> Outbox:
+    """What every rank process does first: leave Ctrl-C to the front (a terminal sends it to the whole process
+    group; only the front decides when ranks stop), end with its parent, log under `label`; its outbox."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {label} %(levelname)s %(name)s: %(message)s")
+    return Outbox(messages)
+
+
 def _fail_and_exit(outbox: Outbox, report: RankFailed, exit_code: int) -> None:
     outbox.post(report)
     outbox.close()
@@ -409,12 +434,7 @@ def rank_main(
     audio VAE on rank 0), says `RankReady` and serves commands in arrival order. It also exits as soon as the
     process that started it is gone.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with_parent()
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"
-    )
-    outbox = Outbox(messages)
+    outbox = begin_rank_process(messages, f"rank {rank}")
     try:
         engine, groups = _start(rank, spec)
     except H3Error as error:

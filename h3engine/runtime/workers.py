@@ -20,7 +20,7 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from h3engine.checkpoint.loader import dit_source
 from h3engine.checkpoint.text_encoder_files import open_text_encoder_files
 from h3engine.errors import CheckpointError, RequestError
 from h3engine.leftovers import WORKER_FOLDER_PREFIX, owned_temp_folder, remove_dead_temp_folders
-from h3engine.parallel.groups import RuntimeLayout
+from h3engine.parallel.groups import EncoderLayout, ParallelLayout, RuntimeLayout
 from h3engine.placement import check_memory_profile
 from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.front import (
@@ -146,15 +146,38 @@ def replica_device_groups(devices: Sequence[str | None], world_size: int) -> lis
     return [names[start : start + world_size] for start in range(0, len(names), world_size)]
 
 
-def validated_spec(
-    checkpoint: CheckpointLayout,
-    devices: Sequence[str],
-    layout: RuntimeLayout,
-    dtype: str | None,
-    memory_profile: str = "resident",
-) -> WorkerSpec:
-    """The layout checked against every partition's DiT and text encoder, and the memory profile's name
-    (RequestError naming the flag)."""
+def stage_devices(
+    layout: RuntimeLayout, dit_devices: Sequence[str], encoder_devices: str | None, vae_devices: str | None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The split layout's text-encoder and VAE devices: `--encoder-devices` / `--vae-devices` when given, else the
+    first `encoder_tp` / `vae_ranks` of the DiT group's devices (CPU ranks when the DiT runs on the CPU)."""
+    chosen = []
+    for flag, size_flag, size, text in (
+        ("--encoder-devices", "--encoder-tp", layout.encoder_tp, encoder_devices),
+        ("--vae-devices", "--vae-ranks", layout.vae_ranks, vae_devices),
+    ):
+        if text is not None:
+            names = _cuda_device_list(flag, text)
+            if len(names) != size:
+                raise RequestError(f"{flag}: {len(names)} GPUs given, but {size_flag} {size} asks for {size}")
+        elif dit_devices[0] == "cpu":
+            names = ("cpu",) * size
+        elif size > len(dit_devices):
+            raise RequestError(
+                f"{size_flag} {size}: the group shares the DiT's {len(dit_devices)} GPUs by default, one rank "
+                f"per GPU; give {flag} with {size} GPUs"
+            )
+        else:
+            names = tuple(dit_devices[:size])
+        chosen.append(names)
+    return chosen[0], chosen[1]
+
+
+def checked_layouts(
+    checkpoint: CheckpointLayout, devices: Sequence[str], layout: RuntimeLayout, memory_profile: str
+) -> tuple[ParallelLayout, EncoderLayout]:
+    """The DiT and text-encoder layouts, checked against every partition's models, and the memory profile's name
+    (RequestError naming the flag); `devices` are the DiT's."""
     check_memory_profile(memory_profile)
     if layout.world_size != len(devices):
         raise RequestError(
@@ -166,6 +189,19 @@ def validated_spec(
             encoder_layout = layout.encoder_layout(open_text_encoder_files(paths.text_encoder)[0])
     except ValueError as error:
         raise RequestError(str(error)) from None
+    return dit_layout, encoder_layout
+
+
+def validated_spec(
+    checkpoint: CheckpointLayout,
+    devices: Sequence[str],
+    layout: RuntimeLayout,
+    dtype: str | None,
+    memory_profile: str = "resident",
+) -> WorkerSpec:
+    """The layout checked against every partition's DiT and text encoder, and the memory profile's name
+    (RequestError naming the flag)."""
+    dit_layout, encoder_layout = checked_layouts(checkpoint, devices, layout, memory_profile)
     return WorkerSpec(
         checkpoint=str(checkpoint.root),
         devices=tuple(devices),
@@ -182,9 +218,19 @@ def validated_spec(
 
 
 class WorkerGroup:
-    """The rank processes of one start of a group, their pipes and their shared cancel slot."""
+    """The rank processes of one start of a group, their pipes and their shared cancel slot.
 
-    def __init__(self, spec: WorkerSpec) -> None:
+    Rank r runs `target(r, spec, commands, messages, cancel_job, *rank_args[r])` (default: `rank_main`, no extra
+    arguments); `spec` is any frozen dataclass with `world_size` and `init_method` (a split stage's spec too).
+    """
+
+    def __init__(
+        self,
+        spec: Any,
+        target: Callable[..., None] = rank_main,
+        rank_args: Sequence[tuple[Any, ...]] | None = None,
+        name: str = "h3-rank",
+    ) -> None:
         context = torch.multiprocessing.get_context("spawn")
         self._store_dir = owned_temp_folder(WORKER_FOLDER_PREFIX)
         spec = dataclasses.replace(spec, init_method=f"file://{self._store_dir / 'store'}")
@@ -199,10 +245,11 @@ class WorkerGroup:
             for rank in range(spec.world_size):
                 command_reader, command_writer = context.Pipe(duplex=False)
                 message_reader, message_writer = context.Pipe(duplex=False)
+                extra = tuple(rank_args[rank]) if rank_args is not None else ()
                 process = context.Process(
-                    target=rank_main,
-                    args=(rank, spec, command_reader, message_writer, self.cancel_job),
-                    name=f"h3-rank-{rank}",
+                    target=target,
+                    args=(rank, spec, command_reader, message_writer, self.cancel_job, *extra),
+                    name=f"{name}-{rank}",
                     daemon=True,
                 )
                 process.start()
@@ -220,12 +267,17 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         return [process.pid for process in self.processes]
 
+    def waitables(self) -> list[Any]:
+        """What `multiprocessing.connection.wait` can wait on for this group: its open pipes and the sentinels of
+        its living ranks (a dead one's stays ready and would turn every wait into a spin)."""
+        return self._message_pipes + [
+            process.sentinel for process in self.processes if process.exitcode is None
+        ]
+
     def receive(self, timeout: float) -> list[Any]:
         """Every message that arrives within `timeout` (returns early once one has); `RankFailed` is also kept."""
         received = []
-        # Only living ranks' sentinels: a dead one stays ready and would turn every wait into a spin.
-        living = [process.sentinel for process in self.processes if process.exitcode is None]
-        ready = wait(self._message_pipes + living, timeout)
+        ready = wait(self.waitables(), timeout)
         for connection in [item for item in ready if item in self._message_pipes]:
             try:
                 while connection.poll():
@@ -265,7 +317,7 @@ class WorkerGroup:
             return f"Worker rank {first.rank} failed with {first.message}"
         return "The worker group stopped answering"
 
-    def send_to_all(self, command: RunJob | Stop) -> None:
+    def send_to_all(self, command: Any) -> None:
         for connection in self._commands:
             connection.send(command)
 
@@ -393,16 +445,7 @@ class ProcessReplica:
         if isinstance(group, JobFailed):
             return group
         job_number = next(self._job_numbers)
-        job = RunJob(
-            job_number,
-            handle.job_id,
-            handle.request,
-            str(handle.out_path),
-            str(handle.save_tensors_path) if handle.save_tensors_path is not None else None,
-            handle.submitted_at,
-            replica_index,
-            preview_every,
-        )
+        job = RunJob.of(job_number, handle, replica_index, preview_every)
         try:
             group.send_to_all(job)
         except OSError:

@@ -1,0 +1,603 @@
+"""The split stage layout behind the engine front: text-encoder, DiT and VAE groups with tensor channels between them.
+
+`SplitReplica(checkpoint, devices, layout, encoder_devices, vae_devices, dtype, memory_profile)` checks the layout
+against the checkpoint, starts the three groups (h3engine.runtime.stages, each its own world) and one tensor channel
+(h3engine.runtime.channel) per producer and consumer rank, and waits until every rank has loaded. It is a pipelined
+`Replica` of `EngineFront`: `jobs_in_flight` jobs at once, each going prepare (VAE) -> encode (encoder) -> denoise
+(DiT) -> decode (VAE) and taking each step in arrival order (`Turns`), so the encoder works on job k+1 and the VAE
+decodes job k-1 while the DiT denoises job k. This process sends commands and reads small reports only.
+
+Failure: a rank that dies or fails in any group fails the job that group was running (within about a second,
+naming the group, the rank and its exit code); all three groups and their channels are then ended and started
+again (channels can be handed to processes only when they start), and the other jobs in flight start over on the
+new groups. Cancel: the job's number goes into every group's cancel slot. `close()` stops every rank, then closes
+the channels, which removes what dead ranks left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+from h3engine.checkpoint.layout import detect_layout
+from h3engine.engine_options import EngineOptions
+from h3engine.leftovers import WORKER_FOLDER_PREFIX, remove_dead_temp_folders
+from h3engine.parallel.groups import RuntimeLayout
+from h3engine.runtime.channel import TensorChannel
+from h3engine.runtime.front import (
+    CANCELLED_BEFORE_START_MESSAGE,
+    CANCELLED_MESSAGE,
+    SHUTTING_DOWN_MESSAGE,
+    JobHandle,
+)
+from h3engine.runtime.messages import TERMINAL_EVENTS, JobFailed, JobFinished
+from h3engine.runtime.rank import RankReady, RunJob, Stop
+from h3engine.runtime.stages import (
+    CHANNEL_ROUTES,
+    CPU_ROUTES,
+    Decode,
+    Denoise,
+    Encode,
+    Prepare,
+    Stage,
+    StageDone,
+    StageEnds,
+    StageSpec,
+    stage_main,
+)
+from h3engine.runtime.workers import (
+    FAILURE_SETTLE_S,
+    POLL_INTERVAL_S,
+    WorkerGroup,
+    checked_layouts,
+    stage_devices,
+)
+
+logger = logging.getLogger(__name__)
+
+STAGES: tuple[Stage, ...] = ("vae", "encoder", "dit")
+GROUP_NAMES = {"vae": "VAE", "encoder": "text-encoder", "dit": "DiT"}
+# A job's steps in order, and the group each runs on.
+STEPS = ("prepare", "encode", "denoise", "decode")
+GROUP_OF_STEP: dict[str, Stage] = {"prepare": "vae", "encode": "encoder", "denoise": "dit", "decode": "vae"}
+JOBS_IN_FLIGHT = 3  # one per group: encoding k+1, denoising k, decoding k-1
+# Sends a consumer has not taken yet, per channel: the jobs in flight, and as many of cancelled ones.
+CHANNEL_SLOTS = 2 * JOBS_IN_FLIGHT
+CHANNEL_CLOSE_S = 2.0
+RESTARTING = "the stage groups are restarting"
+STAGE_LOG_SIZE = 256
+# What a rank reports when the group at the other end of a channel died or was ended (h3engine.runtime.channel).
+CHANNEL_ECHOES = ("ChannelPeerGone", "ChannelClosed")
+
+
+def validated_stage_specs(
+    checkpoint: str | Path,
+    layout: RuntimeLayout,
+    devices: Sequence[str],
+    encoder_devices: Sequence[str],
+    vae_devices: Sequence[str],
+    dtype: str | None,
+    memory_profile: str = "resident",
+) -> dict[Stage, StageSpec]:
+    """Each group's spec, its layout checked against every partition's DiT and text encoder (RequestError naming
+    the flag)."""
+    if not layout.split:
+        raise ValueError("validated_stage_specs is for the split layout")
+    checkpoint_layout = detect_layout(checkpoint)
+    dit_layout, encoder_layout = checked_layouts(checkpoint_layout, devices, layout, memory_profile)
+    # What a colocated rank of the DiT's world size would use, so that the CPU arithmetic is the same.
+    threads = max(1, (os.cpu_count() or 1) // layout.world_size)
+    common = dict(
+        checkpoint=str(checkpoint_layout.root),
+        dtype=dtype,
+        cpu_threads=threads,
+        memory_profile=memory_profile,
+    )
+    return {
+        "vae": StageSpec("vae", devices=tuple(vae_devices), layout=layout.vae_layout(), **common),
+        "encoder": StageSpec("encoder", devices=tuple(encoder_devices), layout=encoder_layout, **common),
+        "dit": StageSpec("dit", devices=tuple(devices), layout=dit_layout, **common),
+    }
+
+
+class Turns:
+    """Tickets in arrival order; each step admits them one at a time, in ticket order, skipping tickets that left."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._issued = itertools.count()
+        self._next = dict.fromkeys(STEPS, 0)
+        self._left: set[int] = set()
+
+    def ticket(self) -> int:
+        with self._condition:
+            return next(self._issued)
+
+    def wait(self, step: str, ticket: int, timeout: float) -> bool:
+        with self._condition:
+            return self._condition.wait_for(lambda: self._next[step] == ticket, timeout)
+
+    def done(self, step: str, ticket: int) -> None:
+        with self._condition:
+            self._next[step] = ticket + 1
+            self._skip_left()
+
+    def leave(self, ticket: int) -> None:
+        with self._condition:
+            self._left.add(ticket)
+            self._skip_left()
+
+    def _skip_left(self) -> None:
+        for step, ticket in self._next.items():
+            while ticket in self._left:
+                ticket += 1
+            self._next[step] = ticket
+        self._condition.notify_all()
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    """When a group's rank 0 took a job's command and when it was done (time.monotonic())."""
+
+    job_id: str
+    stage: str
+    started_at: float
+    ended_at: float
+    sent_bytes: int  # handed to the next groups (every consumer rank counted)
+
+
+class _Retry:
+    """The groups restarted under a job none of them was running: it starts over."""
+
+
+RETRY = _Retry()
+
+
+class StageGroups:
+    """One start of the three groups and the channels between them; jobs run through it until it breaks."""
+
+    def __init__(
+        self, specs: dict[Stage, StageSpec], on_break: Callable[[StageGroups], None], log: deque[StageRecord]
+    ) -> None:
+        self._on_break = on_break
+        self._log = log
+        self.channels: dict[str, list[TensorChannel]] = {}
+        for route, (producer, consumer) in CHANNEL_ROUTES.items():
+            device = "cpu" if route in CPU_ROUTES else specs[producer].devices[0]
+            self.channels[route] = [
+                TensorChannel(device, CHANNEL_SLOTS, f"{route} to {consumer} rank {rank}")
+                for rank in range(specs[consumer].world_size)
+            ]
+        self.groups: dict[Stage, WorkerGroup] = {}
+        self.turns = Turns()
+        self._lock = threading.Lock()
+        self._inboxes: dict[str, queue.Queue[Any]] = {}
+        self._handles: dict[str, JobHandle] = {}
+        self._numbers: dict[str, int] = {}
+        # Per group, the jobs whose command was sent and not yet done, in order: the first is the one it runs.
+        self._outstanding: dict[Stage, list[int]] = {stage: [] for stage in STAGES}
+        self.broken: tuple[Stage, int | None, str] | None = None  # the group, the job it ran, what happened
+        self._stopping = threading.Event()
+        self.ended = threading.Event()  # every rank has ended and the channels are closed
+        try:
+            for stage, spec in specs.items():
+                ends = [self._ends(stage, rank) for rank in range(spec.world_size)]
+                self.groups[stage] = WorkerGroup(spec, stage_main, [(end,) for end in ends], f"h3-{stage}")
+        except BaseException:
+            self.kill()
+            raise
+        self._reader = threading.Thread(target=self._read_reports, name="h3-stage-reports", daemon=True)
+
+    def _ends(self, stage: Stage, rank: int) -> StageEnds:
+        ends = StageEnds()
+        for route, (producer, consumer) in CHANNEL_ROUTES.items():
+            if consumer == stage:
+                ends.receive[route] = self.channels[route][rank]
+            if producer == stage and rank == 0:
+                ends.send[route] = self.channels[route]
+        return ends
+
+    def wait_ready(self, abort: threading.Event) -> Any:
+        """Wait until every rank of every group has loaded; the VAE group's rank 0 checkpoint facts."""
+        facts = self.groups["vae"].wait_ready(abort)
+        for stage in ("encoder", "dit"):
+            self.groups[stage].wait_ready(abort)
+        self._reader.start()
+        return facts
+
+    @property
+    def pids(self) -> dict[Stage, list[int]]:
+        return {stage: group.pids for stage, group in self.groups.items()}
+
+    # --- reports ----------------------------------------------------------------------------------------
+
+    def _read_reports(self) -> None:
+        while not self._stopping.is_set() and self.broken is None:
+            try:  # one wait over every group, so that a report is routed as soon as it comes
+                wait([item for group in self.groups.values() for item in group.waitables()], POLL_INTERVAL_S)
+            except (OSError, ValueError):
+                pass  # torn down under us: judged below
+            for stage, group in self.groups.items():
+                try:
+                    messages = group.receive(0.0)
+                except (OSError, ValueError):
+                    messages = []
+                for message in messages:
+                    self._route(stage, message)
+                if group.broken() and not self._stopping.is_set():
+                    self._break(stage, group)
+                    return
+
+    def _route(self, stage: Stage, message: Any) -> None:
+        job_id = getattr(message, "job_id", None)
+        if job_id is None or isinstance(message, RankReady):
+            return
+        with self._lock:
+            number = self._numbers.get(job_id)
+            # A step's report ends that group's work on the job; the job's end ends every group's.
+            if isinstance(message, TERMINAL_EVENTS):
+                finished = list(self._outstanding.values())
+            else:
+                finished = (
+                    [self._outstanding[GROUP_OF_STEP[message.stage]]]
+                    if isinstance(message, StageDone)
+                    else []
+                )
+            for jobs in finished:
+                if number in jobs:
+                    jobs.remove(number)
+            inbox, handle = self._inboxes.get(job_id), self._handles.get(job_id)
+        if isinstance(message, StageDone):
+            self._log.append(
+                StageRecord(
+                    message.job_id, message.stage, message.started_at, message.ended_at, message.sent_bytes
+                )
+            )
+        if isinstance(message, (StageDone, *TERMINAL_EVENTS)):
+            if inbox is not None:
+                inbox.put(message)
+        elif handle is not None:
+            handle.publish(message)  # start, steps, previews
+
+    def _break(self, stage: Stage, group: WorkerGroup) -> None:
+        group.failure_description()  # lets the group settle
+        stage = self._cause(stage)
+        description = self.groups[stage].failure_description()
+        with self._lock:
+            running = self._outstanding[stage][0] if self._outstanding[stage] else None
+            self.broken = (stage, running, description)
+            inboxes = list(self._inboxes.values())
+        logger.error("%s in the %s group; %s", description, GROUP_NAMES[stage], RESTARTING)
+        for inbox in inboxes:
+            inbox.put(None)  # wake the job threads: the failed job is reported before the groups are ended
+        self.kill()
+        self._on_break(self)  # only now: new groups must not load while the old ones still hold the memory
+
+    def _cause(self, noticed: Stage) -> Stage:
+        """The group whose failure came first. A rank that died without a report (killed, crashed in native code)
+        is the cause before any report, and a report of a channel peer gone or closed is the echo of another
+        group's death, which a rank may notice (through /proc) before this process can reap the dead one: for up to
+        `FAILURE_SETTLE_S` an echo waits for its cause."""
+        deadline = time.monotonic() + FAILURE_SETTLE_S
+        while True:
+            for group in self.groups.values():
+                group.receive(0.0)
+            silent = [
+                stage
+                for stage, group in self.groups.items()
+                if set(group.exit_codes()) - {failure.rank for failure in group.failures}
+            ]
+            first_hand = [
+                stage
+                for stage, group in self.groups.items()
+                if any(failure.message not in CHANNEL_ECHOES for failure in group.failures)
+            ]
+            if silent or first_hand:
+                return (silent or first_hand)[0]
+            if time.monotonic() >= deadline:
+                return noticed
+            time.sleep(POLL_INTERVAL_S / 5)
+
+    # --- one job ----------------------------------------------------------------------------------------
+
+    def run_job(self, handle: JobHandle, job: RunJob) -> JobFinished | JobFailed | _Retry:
+        ticket = self.turns.ticket()
+        inbox: queue.Queue[Any] = queue.Queue()
+        with self._lock:
+            self._inboxes[job.job_id], self._handles[job.job_id] = inbox, handle
+            self._numbers[job.job_id] = job.job_number
+        try:
+            return self._steps(handle, job, ticket, inbox)
+        finally:
+            self.turns.leave(ticket)
+            with self._lock:
+                for table in (self._inboxes, self._handles, self._numbers):
+                    table.pop(job.job_id, None)
+
+    def _steps(
+        self, handle: JobHandle, job: RunJob, ticket: int, inbox: queue.Queue[Any]
+    ) -> JobFinished | JobFailed | _Retry:
+        done: dict[str, StageDone] = {}
+        outcome = self._step("prepare", Prepare(job), handle, job, ticket, inbox, done, wait_for="prepare")
+        if outcome is not None:
+            return outcome
+        prepared = done["prepare"]
+        outcome = self._step("encode", Encode(job, prepared.skeleton), handle, job, ticket, inbox, done)
+        if outcome is not None:
+            return outcome
+        command = Denoise(job, prepared.skeleton, prepared.frame_shares)
+        outcome = self._step("denoise", command, handle, job, ticket, inbox, done, wait_for="denoise")
+        if outcome is None:
+            outcome = self._await(handle, job, inbox, done, "encode")
+        if outcome is not None:
+            return outcome
+        timings = {
+            **done["denoise"].timings,
+            **done["encode"].timings,
+            **done["prepare"].timings,
+        }
+        timings = {
+            "conditioning_s": timings.pop("conditioning_s"),
+            "text_encode_s": timings.pop("text_encode_s"),
+            **timings,
+        }
+        geometry = prepared.skeleton.geometry
+        command = Decode(job, geometry, prepared.latent_shape, prepared.frame_shares, timings)
+        # Its report comes just before the job's end: wait for the end.
+        outcome = self._step("decode", command, handle, job, ticket, inbox, done, wait_for="the job's end")
+        assert outcome is not None
+        return outcome
+
+    def _step(
+        self,
+        step: str,
+        command: Any,
+        handle: JobHandle,
+        job: RunJob,
+        ticket: int,
+        inbox: queue.Queue[Any],
+        done: dict[str, StageDone],
+        wait_for: str | None = None,
+    ) -> JobFinished | JobFailed | _Retry | None:
+        """Wait for the step's turn, send its command, and (with `wait_for`) wait for its report; None: go on."""
+        while not self.turns.wait(step, ticket, POLL_INTERVAL_S):
+            outcome = self._interrupted(handle, job)
+            if outcome is not None:
+                return outcome
+        outcome = self._interrupted(handle, job)
+        if outcome is not None:
+            return outcome
+        stage = GROUP_OF_STEP[step]
+        with self._lock:
+            self._outstanding[stage].append(job.job_number)
+        try:
+            self.groups[stage].send_to_all(command)
+        except OSError:
+            pass  # the group is gone: the report reader says how
+        self.turns.done(step, ticket)
+        return None if wait_for is None else self._await(handle, job, inbox, done, wait_for)
+
+    def _await(
+        self, handle: JobHandle, job: RunJob, inbox: queue.Queue[Any], done: dict[str, StageDone], wanted: str
+    ) -> JobFinished | JobFailed | _Retry | None:
+        cancel_forwarded = False
+        while wanted not in done:
+            if handle.cancel_requested and not cancel_forwarded:
+                for group in self.groups.values():
+                    group.cancel_job.value = job.job_number
+                cancel_forwarded = True
+            try:
+                message = inbox.get(timeout=POLL_INTERVAL_S)
+            except queue.Empty:
+                message = None
+            if isinstance(message, TERMINAL_EVENTS):
+                return message
+            if isinstance(message, StageDone):
+                done[message.stage] = message
+            elif self.broken is not None:
+                return self._broken_outcome(job)
+        return None
+
+    def _interrupted(self, handle: JobHandle, job: RunJob) -> JobFailed | _Retry | None:
+        if self.broken is not None:
+            return self._broken_outcome(job)
+        if handle.cancel_requested:
+            return JobFailed(job.job_id, "cancelled", CANCELLED_MESSAGE)
+        return None
+
+    def _broken_outcome(self, job: RunJob) -> JobFailed | _Retry:
+        stage, running, description = self.broken
+        if running != job.job_number:
+            return RETRY
+        return JobFailed(
+            job.job_id, "engine", f"{description} in the {GROUP_NAMES[stage]} group; {RESTARTING}."
+        )
+
+    # --- the end ----------------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Every rank is asked to stop first (a producer waits for its consumer, in another group), then joined."""
+        self._stopping.set()
+        for group in self.groups.values():
+            try:
+                group.send_to_all(Stop())
+            except OSError:
+                pass
+        for group in self.groups.values():
+            group.stop()
+        self._close_channels()
+        self.ended.set()
+
+    def kill(self) -> None:
+        self._stopping.set()
+        for group in self.groups.values():
+            group.kill()
+        self._close_channels()
+        self.ended.set()
+
+    def _close_channels(self) -> None:
+        for channels in self.channels.values():
+            for channel in channels:
+                channel.close(timeout=CHANNEL_CLOSE_S)
+
+
+class SplitReplica:
+    """An `EngineFront` replica whose engine is three stage groups (see the module's docstring).
+
+    Start: a RequestError whose message starts with the flag for a layout the checkpoint cannot serve, a
+    CheckpointError naming the file when the checkpoint is broken (nothing is left running either way).
+    """
+
+    jobs_in_flight = JOBS_IN_FLIGHT
+
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        devices: Sequence[str],
+        layout: RuntimeLayout,
+        encoder_devices: Sequence[str] | None = None,
+        vae_devices: Sequence[str] | None = None,
+        dtype: str | None = None,
+        memory_profile: str = "resident",
+    ) -> None:
+        if encoder_devices is None or vae_devices is None:
+            defaults = stage_devices(layout, devices, None, None)
+            encoder_devices = encoder_devices or defaults[0]
+            vae_devices = vae_devices or defaults[1]
+        self.layout = layout
+        self.specs = validated_stage_specs(
+            checkpoint, layout, devices, encoder_devices, vae_devices, dtype, memory_profile
+        )
+        self.spec = self.specs["dit"]  # the replica's own devices are the DiT group's
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._job_numbers = itertools.count()
+        # The newest steps of the jobs, in the order reported (for tests and benchmarks: how the jobs overlapped).
+        self.stage_log: deque[StageRecord] = deque(maxlen=STAGE_LOG_SIZE)
+        self._groups: StageGroups | None = None
+        self._restart: threading.Thread | None = None
+        self._restart_error: str | None = None
+        remove_dead_temp_folders(WORKER_FOLDER_PREFIX)
+        groups = StageGroups(self.specs, self._replace, self.stage_log)
+        try:
+            self.facts = groups.wait_ready(self._closed)
+        except BaseException:
+            groups.kill()
+            raise
+        self._groups = groups
+        logger.info("stage groups ready (%s)", layout.describe())
+
+    @property
+    def worker_pids(self) -> dict[Stage, list[int]]:
+        """Each group's rank processes (empty while the groups restart)."""
+        with self._lock:
+            return self._groups.pids if self._groups is not None else {}
+
+    def run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFinished | JobFailed:
+        while True:
+            if handle.cancel_requested:
+                return JobFailed(handle.job_id, "cancelled", CANCELLED_BEFORE_START_MESSAGE)
+            groups = self._ready_groups(handle)
+            if isinstance(groups, JobFailed):
+                return groups
+            job = RunJob.of(next(self._job_numbers), handle, replica_index, preview_every)
+            outcome = groups.run_job(handle, job)
+            if self._closed.is_set() and isinstance(outcome, (JobFailed, _Retry)):
+                return JobFailed(handle.job_id, "cancelled", SHUTTING_DOWN_MESSAGE)
+            if not isinstance(outcome, _Retry):
+                return outcome
+
+    def _ready_groups(self, handle: JobHandle) -> StageGroups | JobFailed:
+        while True:
+            with self._lock:
+                groups, restart = self._groups, self._restart
+                if groups is None and (restart is None or not restart.is_alive()):
+                    if self._restart_error is not None:
+                        error, self._restart_error = self._restart_error, None
+                        self._start_restart()
+                        return JobFailed(
+                            handle.job_id, "engine", f"The stage groups could not restart: {error}."
+                        )
+                    self._start_restart()
+            if groups is not None and groups.broken is not None:
+                if groups.ended.is_set():
+                    self._replace(groups)
+                else:
+                    time.sleep(POLL_INTERVAL_S)  # the groups are being ended; then they restart
+                continue
+            if groups is not None:
+                return groups
+            if self._closed.is_set():
+                return JobFailed(handle.job_id, "cancelled", SHUTTING_DOWN_MESSAGE)
+            if handle.cancel_requested:
+                return JobFailed(handle.job_id, "cancelled", CANCELLED_BEFORE_START_MESSAGE)
+            time.sleep(POLL_INTERVAL_S)
+
+    def _replace(self, broken: StageGroups) -> None:
+        with self._lock:
+            if self._groups is broken:
+                self._groups = None
+                self._start_restart()
+
+    def _start_restart(self) -> None:
+        """Start new groups in the background (the caller holds the lock)."""
+        if self._closed.is_set() or (self._restart is not None and self._restart.is_alive()):
+            return
+        self._restart = threading.Thread(target=self._restart_groups, name="h3-stage-restart", daemon=True)
+        self._restart.start()
+
+    def _restart_groups(self) -> None:
+        groups = None
+        try:
+            groups = StageGroups(self.specs, self._replace, self.stage_log)
+            self.facts = groups.wait_ready(self._closed)
+        except Exception as error:
+            logger.error("the stage groups could not restart: %s", error)
+            if groups is not None:
+                groups.kill()
+            with self._lock:
+                self._restart_error = str(error)
+            return
+        with self._lock:
+            keep = not self._closed.is_set()
+            if keep:
+                self._groups = groups
+        if keep:
+            logger.info("stage groups restarted")
+        else:
+            groups.kill()
+
+    def close(self) -> None:
+        """Stop every rank of every group (a restart in progress is waited for, then ended too)."""
+        with self._lock:
+            self._closed.set()
+            restart = self._restart
+        if restart is not None:
+            restart.join()
+        with self._lock:
+            groups, self._groups = self._groups, None
+        if groups is not None:
+            groups.stop()
+
+
+def start_replica(
+    checkpoint: str | Path, devices: Sequence[str], layout: RuntimeLayout, options: EngineOptions
+) -> Any:
+    """A worker-group replica for `layout` and the engine options (dtype, memory profile, the split layout's
+    device flags): `SplitReplica` for the split layout, else a `ProcessReplica`."""
+    from h3engine.runtime.workers import ProcessReplica
+
+    if not layout.split:
+        return ProcessReplica(checkpoint, devices, layout, options.dtype, options.memory_profile)
+    encoder, vae = stage_devices(layout, devices, options.encoder_devices, options.vae_devices)
+    return SplitReplica(checkpoint, devices, layout, encoder, vae, options.dtype, options.memory_profile)

@@ -1,0 +1,30 @@
+"""The stage-layout benchmark (benchmarks.stage_layouts) in its tiny CPU mode: both layouts serve the queued
+requests, and the JSON holds the versions, each request's latency (measured and extrapolated), the split layout's
+handoff bytes per step and the peak memory of every worker process."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import stage_layouts
+
+
+def test_the_tiny_run_writes_both_layouts(tmp_path) -> None:
+    arguments = ["--tiny", "--devices", "cpu", "--requests", "2", "--timed-steps", "1", "--steps", "4"]
+    path = stage_layouts.main([*arguments, "--seconds", "4", "--output-dir", str(tmp_path)])
+    record = json.loads(path.read_text())
+    assert record["versions"]["torch"] and record["request"]["steps_extrapolated_to"] == 4
+    colocated, split = record["results"]
+    assert (colocated["layout"], split["layout"]) == ("colocated", "split")
+    for result in (colocated, split):
+        measured, extrapolated = result["measured"], result["extrapolated_to_4_steps"]
+        assert len(measured["latency_s"]) == 2 and measured["makespan_s"] > 0
+        assert all(e > m for e, m in zip(extrapolated["latency_s"], measured["latency_s"], strict=True))
+        assert all(peak > 0 for peaks in result["peak_memory_mib"].values() for peak in peaks)
+    assert set(split["peak_memory_mib"]) == {"vae", "encoder", "dit"}
+    steps = {(entry["request"], entry["step"]) for entry in split["handoff"]}
+    assert steps == {
+        (request, step) for request in (0, 1) for step in ("prepare", "encode", "denoise", "decode")
+    }
+    assert all(entry["sent_bytes"] > 0 for entry in split["handoff"] if entry["step"] != "decode")
+    assert "handoff_denoise_s" in split["timings_s"][0]
