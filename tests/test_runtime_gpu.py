@@ -245,3 +245,34 @@ def test_worker_group_matches_the_engine_cancels_survives_a_killed_rank_and_shut
     report = check_group(name, tiny_native, devices, layout, references(devices[0]), tmp_path, problems)
     print(json.dumps(report, indent=2, sort_keys=True))
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.cuda
+def test_split_stage_groups_on_one_gpu_equal_colocated(tmp_path) -> None:
+    """`--stage-layout split` with the three groups on cuda:0 (the tensor channel's CUDA IPC hand-offs) against the
+    in-process engine on it, through the CLI: the saved tensors are identical."""
+    from safetensors.torch import load_file
+
+    from h3engine.checkpoint.tiny import make_tiny_checkpoint
+    from h3engine.cli import main
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "checkpoint", seed=11)
+    saved = {}
+    for layout in ("colocated", "split"):
+        saved[layout] = tmp_path / f"{layout}.safetensors"
+        arguments = [
+            "generate",
+            "--checkpoint",
+            str(checkpoint),
+            "--prompt",
+            "A kite over the sea.",
+            "--seed",
+            "3",
+        ]
+        arguments += ["--steps", "2", "--duration", "4", "--gpus", "1", "--stage-layout", layout]
+        arguments += ["--out", str(tmp_path / f"{layout}.mp4"), "--save-tensors", str(saved[layout])]
+        assert main([*arguments, "--progress", "plain"]) == 0
+    split, colocated = load_file(saved["split"]), load_file(saved["colocated"])
+    assert set(split) == set(colocated) == {"video", "audio", "video_latents", "audio_latents"}
+    for name, tensor in colocated.items():
+        assert torch.equal(split[name], tensor), name
