@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -124,10 +125,29 @@ def _write_text_side(folder: Path, seed: int, text_dim: int) -> None:
     write_tiny_processor(folder / "processor")
 
 
-def _write_native(root: Path, seed: int, dmd_steps: list[int] | None = None) -> None:
-    dit_config, video_config, audio_config = _tiny_configs()
-    video_state = video_vae_keys.random_native_state(video_config, component_seed(seed, "video_vae"))
-    audio_state = audio_vae_keys.random_native_state(audio_config, component_seed(seed, "audio_vae"))
+@dataclass(frozen=True)
+class NativeWeightWriters:
+    """How `write_native_tree` writes a tree's weight files: this module draws and saves tiny weights, and
+    h3engine.checkpoint.placeholder writes header-only files."""
+
+    dit: Callable[[str, DiTConfig, Path], None]  # (partition, config, the transformer folder)
+    video_vae: Callable[[VideoVAEConfig, Path], None]  # (config, the model.safetensors path)
+    audio_vae: Callable[[AudioVAEConfig, Path], None]
+    text_side: Callable[
+        [Path, int], None
+    ]  # (the partition folder, the DiT's text_dim): encoder, tokenizer, processor
+
+
+def write_native_tree(
+    root: Path,
+    configs: tuple[DiTConfig, VideoVAEConfig, AudioVAEConfig],
+    canvas: dict[str, int],
+    writers: NativeWeightWriters,
+    dmd_steps: list[int] | None = None,
+) -> None:
+    """Both native partition folders under `root`: configs written here, weight files by `writers`; `canvas` goes
+    into `_minimax_h3` (empty: the released 768 defaults)."""
+    dit_config, video_config, audio_config = configs
     for partition, folder_name in NATIVE_PARTITION_FOLDERS.items():
         folder = root / folder_name
         write_json(
@@ -148,29 +168,47 @@ def _write_native(root: Path, seed: int, dmd_steps: list[int] | None = None) -> 
                     "tasks": PARTITION_TASKS[partition],
                     "task_aliases": {},
                     "sigma_shift_scales": SHIFTS,
-                    **TINY_CANVAS,
+                    **canvas,
                     **({} if dmd_steps is None else {"dmd_denoising_steps": dmd_steps}),
                 },
             },
         )
-        dit_state = dit_keys.random_native_state(dit_config, component_seed(seed, partition))
         write_json(folder / "transformer" / "config.json", dit_format.config_to_native(dit_config))
-        save_sharded(dit_state, folder / "transformer", "model", 2, "model.safetensors.index.json")
+        writers.dit(partition, dit_config, folder / "transformer")
 
         wrapper, source = video_vae_format.config_to_native(video_config)
         write_json(folder / "video_vae" / "config.json", wrapper)
         write_json(folder / "video_vae" / "source" / "config.json", source)
-        save_file(
-            video_state, str(folder / "video_vae" / "source" / "model.safetensors"), metadata={"format": "pt"}
-        )
+        writers.video_vae(video_config, folder / "video_vae" / "source" / "model.safetensors")
 
         audio_json, audio_metadata, audio_yaml = audio_vae_format.config_to_native(audio_config)
         write_json(folder / "audio_vae" / "config.json", audio_json)
         write_json(folder / "audio_vae" / "metadata.json", audio_metadata)
         (folder / "audio_vae" / "config.yaml").write_text(audio_yaml)
-        save_file(audio_state, str(folder / "audio_vae" / "model.safetensors"), metadata={"format": "pt"})
+        writers.audio_vae(audio_config, folder / "audio_vae" / "model.safetensors")
 
-        _write_text_side(folder, seed, dit_config.text_dim)
+        writers.text_side(folder, dit_config.text_dim)
+
+
+def _write_native(root: Path, seed: int, dmd_steps: list[int] | None = None) -> None:
+    def save(state: dict[str, torch.Tensor], path: Path) -> None:
+        save_file(state, str(path), metadata={"format": "pt"})
+
+    def dit(partition: str, config: DiTConfig, folder: Path) -> None:
+        state = dit_keys.random_native_state(config, component_seed(seed, partition))
+        save_sharded(state, folder, "model", 2, "model.safetensors.index.json")
+
+    writers = NativeWeightWriters(
+        dit=dit,
+        video_vae=lambda config, path: save(
+            video_vae_keys.random_native_state(config, component_seed(seed, "video_vae")), path
+        ),
+        audio_vae=lambda config, path: save(
+            audio_vae_keys.random_native_state(config, component_seed(seed, "audio_vae")), path
+        ),
+        text_side=lambda folder, text_dim: _write_text_side(folder, seed, text_dim),
+    )
+    write_native_tree(root, _tiny_configs(), TINY_CANVAS, writers, dmd_steps)
 
 
 def _component_entry(library: str, class_name: str, subfolder: str) -> list:
