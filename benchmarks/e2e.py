@@ -40,6 +40,7 @@ from h3engine.adapters import Adapter, apply_adapters
 from h3engine.checkpoint import audio_vae_keys, video_vae_keys
 from h3engine.checkpoint.dit_keys import random_native_tensor
 from h3engine.checkpoint.loader import ComponentSource
+from h3engine.checkpoint.placeholder import RELEASED_TEXT_ENCODER_CONFIG
 from h3engine.checkpoint.text_encoder_files import build_tiny_tokenizer, tiny_text_encoder_config
 from h3engine.checkpoint.tiny import TINY_CANVAS
 from h3engine.conditioning import EncodedConditions
@@ -70,49 +71,6 @@ DEFAULT_PROMPT = (
     "A red fox runs across a snowy field at dawn while the camera slowly pans to the left; "
     "the wind hisses through the grass and a crow calls twice in the distance."
 )
-
-# Qwen3-VL-32B as H3 ships it (H3_SPEC §4): 64 decoder layers of which H3TextEncoder keeps 50, plus the vision
-# tower (unused by T2VA but held in memory like the engine holds it).
-RELEASED_TEXT_ENCODER_CONFIG: dict[str, Any] = {
-    "model_type": "qwen3_vl",
-    "image_token_id": 151655,
-    "video_token_id": 151656,
-    "vision_start_token_id": 151652,
-    "vision_end_token_id": 151653,
-    "tie_word_embeddings": False,
-    "text_config": {
-        "model_type": "qwen3_vl_text",
-        "hidden_size": 5120,
-        "intermediate_size": 25600,
-        "num_hidden_layers": 64,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "vocab_size": 151936,
-        "max_position_embeddings": 262144,
-        "rope_theta": 5000000,
-        "rope_scaling": {"rope_type": "default", "mrope_interleaved": True, "mrope_section": [24, 20, 20]},
-        "attention_bias": False,
-        "dtype": "bfloat16",
-    },
-    "vision_config": {
-        "model_type": "qwen3_vl",
-        "depth": 27,
-        "hidden_size": 1152,
-        "intermediate_size": 4304,
-        "num_heads": 16,
-        "out_hidden_size": 5120,
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "num_position_embeddings": 2304,
-        "deepstack_visual_indexes": [8, 16, 24],
-        "hidden_act": "gelu_pytorch_tanh",
-        "in_channels": 3,
-    },
-}
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Command line: `python -m h3engine generate ...` and `python -m h3engine make-tiny-checkpoint DIR`.
+"""Command line: `python -m h3engine generate ...`, `make-tiny-checkpoint DIR` and `make-placeholder-checkpoint DIR`.
 
 Task inputs: `--first-frame` / `--last-frame` (FL2VA) and repeatable `--ref KIND:PATH[@START_SECONDS]` (Ref2VA, in
 prompt label order); without `--task` the inputs pick it. Adapters: repeatable `--lora PATH[:STRENGTH]`, on the DiT
@@ -184,6 +184,16 @@ def _build_parser() -> argparse.ArgumentParser:
         "--dmd-steps",
         metavar="RUNGS",
         help="write a step-distilled checkpoint running these rungs, e.g. 999,750,500,250 (native layout only)",
+    )
+    placeholder = commands.add_parser(
+        "make-placeholder-checkpoint",
+        help="write a checkpoint of the released shapes whose weights are drawn at load (benchmarks; outputs are "
+        "noise): about 1 MB on disk",
+    )
+    placeholder.add_argument("folder")
+    placeholder.add_argument("--seed", type=int, default=0)
+    placeholder.add_argument(
+        "--tiny", action="store_true", help="the tiny shapes instead of the released ones"
     )
     return parser
 
@@ -499,6 +509,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ValueError
             ) as error:  # the rungs themselves or the layout (only "dmd_steps: ..." can reach here)
                 raise RequestError("--dmd-steps" + str(error).removeprefix("dmd_steps")) from None
+            return 0
+        if args.command == "make-placeholder-checkpoint":
+            from h3engine.checkpoint.placeholder import make_placeholder_checkpoint
+
+            try:
+                print(make_placeholder_checkpoint(args.folder, seed=args.seed, tiny=args.tiny))
+            except FileExistsError as error:
+                raise RequestError(str(error)) from None
             return 0
         if args.quiet and args.progress != "auto":
             raise RequestError(f"--quiet: shows no progress, so it cannot go with --progress {args.progress}")

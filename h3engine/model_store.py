@@ -17,6 +17,7 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from h3engine.ops import attention as attention_ops
 from h3engine.pipeline import Models
 from h3engine.placement import Placement
 from h3engine.presentation import load_processor
+
+logger = logging.getLogger(__name__)
 
 
 class ModelLoader:
@@ -114,6 +117,12 @@ class ModelStore:
             sources.dit.check()
             sources.video_vae.check()
             sources.audio_vae.check()
+        # A placeholder checkpoint (h3engine.checkpoint.placeholder) loads like any other; its outputs are noise.
+        self.placeholder = any(sources.dit.files.placeholder for sources in self._sources.values())
+        if self.placeholder:
+            logger.warning(
+                "%s holds placeholder weights: values are drawn at load, outputs are noise", layout.root
+            )
         # Loaded modules by the folder they came from: the diffusers layout shares everything but the DiT.
         self._modules: dict[tuple[str, Path], Any] = {}
         self.load_timings: dict[str, float] = {}
@@ -235,4 +244,5 @@ class ModelStore:
             "memory_profile": self.placement.profile,
             "fp8_linear": self.fp8_linear,
             "kernels": self.kernel_report(),
+            **({"weights": "placeholder"} if self.placeholder else {}),
         }

@@ -4,7 +4,8 @@ Contract: a `WeightFiles` is opened from a single `.safetensors` file or a `*.sa
 reads only the JSON headers, and checks that every shard the index names exists, that each header parses and
 that each file is as long as its header says (a truncated download fails here, naming the file). Tensors are read
 one at a time through `safe_open`, whole (`tensor`) or as a slice (`row_slice`, for a tensor-parallel rank that
-needs only its rows), so nothing is loaded before it is asked for.
+needs only its rows), so nothing is loaded before it is asked for. A placeholder file (header only, its data a hole)
+hands out drawn values instead (`placeholder_values`): h3engine.checkpoint.placeholder writes them.
 
 Danger: a released checkpoint is 66 GB per DiT partition; never materialize the whole state dict on the host when
 the target is a GPU — read tensor by tensor straight to the device.
@@ -13,7 +14,9 @@ the target is a GPU — read tensor by tensor straight to the device.
 from __future__ import annotations
 
 import json
+import math
 import struct
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +58,9 @@ class TensorInfo:
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
+    placeholder_seed: int | None = (
+        None  # a placeholder file's: values are drawn, not read (`placeholder_values`)
+    )
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
@@ -77,6 +83,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(f"{path}: corrupt safetensors header")
 
     infos: dict[str, TensorInfo] = {}
+    placeholder_seed = _placeholder_seed(path, header.get("__metadata__"))
     data_end = 0
     for key, entry in header.items():
         if key == "__metadata__":
@@ -87,7 +94,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             begin, end = (int(o) for o in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt header entry for tensor '{key}'") from None
-        infos[key] = TensorInfo(path, dtype, shape)
+        infos[key] = TensorInfo(path, dtype, shape, placeholder_seed)
         data_end = max(data_end, end)
         if end < begin:
             raise CheckpointError(f"{path}: corrupt offsets for tensor '{key}'")
@@ -197,17 +204,96 @@ class WeightFiles:
         info = self.infos.get(key)
         if info is None:
             raise CheckpointError(f"{self.description}: missing tensor '{key}'")
+        if info.placeholder_seed is not None:
+            return placeholder_values(key, info)
         return self._handle(info.file).get_tensor(key)
 
     def row_slice(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Read rows [start, stop) of a tensor without reading the rest of it."""
         info = self.infos[key]
+        if info.placeholder_seed is not None:
+            return placeholder_values(key, info)[start:stop]
         return self._handle(info.file).get_slice(key)[start:stop]
 
     def column_slice(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Read columns [start, stop) of a 2-D tensor: each row's contiguous run of bytes, nothing else."""
         info = self.infos[key]
+        if info.placeholder_seed is not None:
+            return placeholder_values(key, info)[:, start:stop]
         return self._handle(info.file).get_slice(key)[:, start:stop]
+
+    @property
+    def placeholder(self) -> bool:
+        """Whether these are placeholder files (h3engine.checkpoint.placeholder): values drawn at load."""
+        return any(info.placeholder_seed is not None for info in self.infos.values())
 
     def close(self) -> None:
         self._handles.clear()
+
+
+# --- placeholder files ------------------------------------------------------------------------------------------
+# A placeholder file (h3engine.checkpoint.placeholder) is a real header, `__metadata__[PLACEHOLDER_KEY]` = a seed,
+# followed by a data region the file's length covers but nothing was written to (a hole in a sparse file).
+
+PLACEHOLDER_KEY = "h3_placeholder_seed"
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+# Drawing 60 GB of normal values on the host would take minutes: each tensor repeats one draw of this (prime) length.
+_PLACEHOLDER_PERIOD = 1_000_003
+
+
+def _placeholder_seed(path: Path, metadata: object) -> int | None:
+    if not isinstance(metadata, dict) or PLACEHOLDER_KEY not in metadata:
+        return None
+    try:
+        return int(metadata[PLACEHOLDER_KEY])
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{path}: corrupt {PLACEHOLDER_KEY} metadata") from None
+
+
+def write_placeholder_file(
+    path: Path, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]], seed: int
+) -> None:
+    """A safetensors header for `shapes` (key -> (shape, dtype)) whose data is a hole: no byte of it is written."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt", PLACEHOLDER_KEY: str(seed)}}
+    offset = 0
+    for key in sorted(shapes):
+        shape, dtype = shapes[key]
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[key] = {
+            "dtype": _DTYPE_NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(encoded)) + encoded)
+        handle.truncate(8 + len(encoded) + offset)
+
+
+def placeholder_values(key: str, info: TensorInfo) -> torch.Tensor:
+    """The values a placeholder file stands for, on the CPU like a read tensor (so loading allocates as a real
+    checkpoint does): a draw seeded by the file's seed and the key's name (every rank and every slice agrees),
+    repeated with a prime period, scaled so activations stay O(1): matrices N(0, 1/fan_in), biases N(0, 0.1^2),
+    other vectors 1 + N(0, 0.1^2) (gains); integer tensors are zero."""
+    count = math.prod(info.shape)
+    values = torch.zeros(count, dtype=info.dtype)
+    if not info.dtype.is_floating_point or count == 0:
+        return values.view(info.shape)
+    # The host generator keeps 32 bits of a seed: the file's seed and the key are hashed together into those.
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{info.placeholder_seed}:{key}".encode()))
+    period = min(count, _PLACEHOLDER_PERIOD)
+    pattern = torch.randn(period, generator=generator)
+    if len(info.shape) >= 2:
+        pattern /= math.sqrt(math.prod(info.shape[1:]))
+    elif key.endswith(".bias"):
+        pattern *= 0.1
+    else:
+        pattern = 1.0 + 0.1 * pattern
+    pattern = pattern.to(info.dtype)
+    for start in range(0, count, period):
+        stop = min(start + period, count)
+        values[start:stop] = pattern[: stop - start]
+    return values.view(info.shape)
