@@ -1,17 +1,15 @@
 """Split against colocated stage layouts in one run: back-to-back requests through the engine's own runtime.
 
-For each layout (`--layouts colocated,split`) the script starts the replica the app would start (a colocated worker
-group, or the three split groups, h3engine.runtime.split) on `--devices`, queues `--requests` identical T2VA requests
-at once (768p / 5 s by default) and waits for all of them. Each request runs `--timed-steps` denoising steps; the
-result is also extrapolated to `--steps` (the denoise time per step, measured, times the steps left: every layout
-runs one DiT at a time, so the extra steps of the requests before a request delay it too). Recorded per layout:
-load time, makespan and throughput, each request's latency and sidecar timings (conditioning, text encode,
-denoise, decode, the split layout's handoff seconds), per step of the split layout the bytes handed over and
-when each group took and finished each request (`SplitReplica.stage_log`), and the peak memory of every worker
-process (GPU: `nvidia-smi` sampled every 0.5 s; CPU: the kernel's peak resident size). JSON in benchmarks/results/.
+Per layout (`--layouts colocated,split`) it starts the replica the app would (a colocated worker group, or the three
+split groups) on `--devices`, runs a warm-up (the request with one step: every kernel built before timing), queues
+`--requests` identical T2VA requests (768p / 5 s) of `--timed-steps` steps and waits for all; `extrapolate` scales
+them to `--steps`. Recorded: load time, makespan, throughput, each request's latency and sidecar timings (the split
+layout's handoff seconds too), the split layout's bytes handed over and when each group took and finished each
+request (`SplitReplica.stage_log`), the peak memory of every worker process (GPU: `nvidia-smi` every 0.5 s, and the
+whole GPU's; CPU: peak resident size). The JSON in benchmarks/results/ is rewritten after each layout.
 
     python -m benchmarks.stage_layouts --checkpoint DIR --devices cuda:0             # one H200
-    python -m benchmarks.stage_layouts --devices cuda:0,cuda:1,cuda:2,cuda:3         # (needs --checkpoint)
+    python -m benchmarks.stage_layouts --placeholder --devices cuda:0                 # released shapes, no weights
     python -m benchmarks.stage_layouts --tiny --output-dir /tmp                       # CPU smoke test
 """
 
@@ -32,6 +30,7 @@ from typing import Any
 import torch
 
 from benchmarks._common import RESULTS_DIR, package_version
+from h3engine.checkpoint.placeholder import make_placeholder_checkpoint
 from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.engine_options import EngineOptions, check_engine_options
 from h3engine.request import GenerationRequest
@@ -54,6 +53,13 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--tiny", action="store_true", help="a tiny random-weight checkpoint made in a temp folder"
     )
+    parser.add_argument(
+        "--placeholder",
+        action="store_true",
+        help="a placeholder checkpoint of the released shapes made in a temp folder (h3engine.checkpoint."
+        "placeholder: weights drawn at load); with --tiny, of the tiny shapes",
+    )
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false")
     parser.add_argument(
         "--devices", default="cuda:0", help="the DiT group's devices, e.g. cuda:0,cuda:1 or cpu"
     )
@@ -80,6 +86,7 @@ class MemorySampler:
     def __init__(self, pids: list[int], gpu: bool) -> None:
         self.pids, self.gpu = pids, gpu
         self.peak_mib: dict[int, float] = dict.fromkeys(pids, 0.0)
+        self.peak_gpu_used_mib = 0.0  # the whole GPU's (per-process figures need nvidia-smi to see our PIDs)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -97,11 +104,26 @@ class MemorySampler:
                 ).stdout.splitlines()
             except (OSError, subprocess.TimeoutExpired):
                 continue
+            self._sample_whole_gpu()
             for line in lines:
                 pid_text, _, used = line.partition(",")
                 if pid_text.strip().isdigit() and int(pid_text) in self.peak_mib:
                     pid = int(pid_text)
                     self.peak_mib[pid] = max(self.peak_mib[pid], float(used))
+
+    def _sample_whole_gpu(self) -> None:
+        try:
+            lines = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.split()
+        except (OSError, subprocess.TimeoutExpired):
+            return
+        used = [float(value) for value in lines if value.replace(".", "", 1).isdigit()]
+        if used:
+            self.peak_gpu_used_mib = max(self.peak_gpu_used_mib, sum(used))
 
     def stop(self) -> dict[int, float]:
         self._stop.set()
@@ -138,10 +160,12 @@ def run_layout(
     replica = start_replica(checkpoint, devices, layout, options)
     load_s = time.perf_counter() - started
     pids = worker_pids(replica)
-    sampler = MemorySampler([pid for group in pids.values() for pid in group], devices[0].startswith("cuda"))
+    gpu = devices[0].startswith("cuda")
+    sampler = MemorySampler([pid for group in pids.values() for pid in group], gpu)
     with tempfile.TemporaryDirectory() as folder:
         front = EngineFront([replica], folder)
         try:
+            warm_up_s = run_warm_up(front, request) if args.warm_up else None
             submitted = time.monotonic()
             handles = [front.submit(request) for _ in range(args.requests)]
             finished = []
@@ -154,7 +178,36 @@ def run_layout(
             log = list(getattr(replica, "stage_log", []))
         finally:
             front.shutdown()
-    return summarize(name, layout.describe(), load_s, submitted, handles, finished, log, pids, peak, args)
+    result = summarize(name, layout.describe(), load_s, submitted, handles, finished, log, pids, peak, args)
+    return {**result, "warm_up_s": warm_up_s, "peak_gpu_used_mib": sampler.peak_gpu_used_mib if gpu else None}
+
+
+def run_warm_up(front: EngineFront, request: GenerationRequest) -> float:
+    """The timed request with one step, waited for: the kernels of this shape are built before timing."""
+    started = time.monotonic()
+    handle = front.submit(dataclasses.replace(request, steps=1))
+    while not isinstance(event := handle.next_event(timeout=3600), JobFinished):
+        if event is None or isinstance(event, JobFailed):
+            raise RuntimeError(f"the warm-up request did not finish: {event}")
+    return time.monotonic() - started
+
+
+def extrapolate(
+    latencies: list[float], denoise_s: list[float], timed_steps: int, steps: int
+) -> dict[str, Any]:
+    """Each request's latency had it run `steps` steps: one DiT runs at a time in either layout, so the steps left of
+    every request up to and including this one delay it. A step left costs the uncontended step time, the fastest
+    request's denoise per step (in the split layout a denoise overlapping another request's decode shares the GPU,
+    which the measured latency keeps once but 50 steps would not repeat)."""
+    step_s = min(denoise_s) / timed_steps
+    extra = (steps - timed_steps) * step_s
+    extrapolated = [latency + extra * (index + 1) for index, latency in enumerate(latencies)]
+    return {
+        "step_s": step_s,
+        "makespan_s": max(extrapolated),
+        "throughput_per_min": 60 * len(latencies) / max(extrapolated),
+        "latency_s": extrapolated,
+    }
 
 
 def summarize(
@@ -170,13 +223,8 @@ def summarize(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     latencies = [end - submitted for end, _ in finished]
-    # The extra denoise of every request up to and including this one (one DiT at a time in either layout).
-    extra = [
-        result.timings_s["denoise_s"] * (args.steps - args.timed_steps) / args.timed_steps
-        for _, result in finished
-    ]
-    extrapolated = [latency + sum(extra[: index + 1]) for index, latency in enumerate(latencies)]
     makespan = max(latencies)
+    denoise = [result.timings_s["denoise_s"] for _, result in finished]
     ids = {handle.job_id: index for index, handle in enumerate(handles)}
     return {
         "layout": name,
@@ -187,11 +235,7 @@ def summarize(
             "throughput_per_min": 60 * len(finished) / makespan,
             "latency_s": latencies,
         },
-        f"extrapolated_to_{args.steps}_steps": {
-            "makespan_s": max(extrapolated),
-            "throughput_per_min": 60 * len(finished) / max(extrapolated),
-            "latency_s": extrapolated,
-        },
+        f"extrapolated_to_{args.steps}_steps": extrapolate(latencies, denoise, args.timed_steps, args.steps),
         "timings_s": [result.timings_s for _, result in finished],
         "handoff": [
             {
@@ -214,7 +258,13 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_arguments(argv)
     temporary = None
     checkpoint = args.checkpoint
-    if args.tiny or checkpoint is None:
+    if args.placeholder:
+        temporary = tempfile.TemporaryDirectory()
+        placeholder = make_placeholder_checkpoint(
+            Path(temporary.name) / "placeholder", seed=0, tiny=args.tiny
+        )
+        checkpoint = str(placeholder)
+    elif args.tiny or checkpoint is None:
         temporary = tempfile.TemporaryDirectory()
         checkpoint = str(make_tiny_checkpoint(Path(temporary.name) / "tiny", seed=0))
     if args.devices == "cpu":
@@ -229,8 +279,11 @@ def main(argv: list[str] | None = None) -> Path:
         width=args.width,
         height=args.height,
     )
-    results = [run_layout(name, args, checkpoint, devices, request) for name in args.layouts.split(",")]
     gpu = devices[0].startswith("cuda")
+    if args.placeholder:
+        described = f"placeholder ({'tiny' if args.tiny else 'released'} shapes, weights drawn at load)"
+    else:
+        described = "tiny (random weights)" if temporary is not None else checkpoint
     record = {
         "benchmark": "stage_layouts",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -247,16 +300,22 @@ def main(argv: list[str] | None = None) -> Path:
             "transformers": package_version("transformers"),
             "h3engine": package_version("h3engine"),
         },
-        "checkpoint": "tiny (random weights)" if temporary is not None else checkpoint,
+        "checkpoint": described,
         "request": {**dataclasses.asdict(request), "steps_extrapolated_to": args.steps},
-        "results": results,
+        "warm_up": "the request with one step, before the timed ones" if args.warm_up else None,
+        "results": [],
     }
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     label = (record["device"] if gpu else "cpu").replace(" ", "_")
     stamp = datetime.date.today().strftime("%Y%m%d")
     path = output_dir / f"stage_layouts_{label}_x{len(devices)}_{stamp}.json"
-    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    for name in args.layouts.split(","):
+        record["results"].append(run_layout(name, args, checkpoint, devices, request))
+        path.write_text(
+            json.dumps(record, indent=2, default=str) + "\n"
+        )  # what finished survives a time limit
+    results = record["results"]
     for result in results:
         measured = result[f"extrapolated_to_{args.steps}_steps"]
         print(

@@ -21,6 +21,7 @@ def test_the_tiny_run_writes_both_layouts(tmp_path) -> None:
         assert len(measured["latency_s"]) == 2 and measured["makespan_s"] > 0
         assert all(e > m for e, m in zip(extrapolated["latency_s"], measured["latency_s"], strict=True))
         assert all(peak > 0 for peaks in result["peak_memory_mib"].values() for peak in peaks)
+        assert result["warm_up_s"] > 0 and result["peak_gpu_used_mib"] is None  # CPU: no GPU to sample
     assert set(split["peak_memory_mib"]) == {"vae", "encoder", "dit"}
     steps = {(entry["request"], entry["step"]) for entry in split["handoff"]}
     assert steps == {
@@ -28,3 +29,11 @@ def test_the_tiny_run_writes_both_layouts(tmp_path) -> None:
     }
     assert all(entry["sent_bytes"] > 0 for entry in split["handoff"] if entry["step"] != "decode")
     assert "handoff_denoise_s" in split["timings_s"][0]
+
+
+def test_extrapolation_adds_the_uncontended_steps_of_every_request_so_far() -> None:
+    # Request 1's denoise shared the GPU (4 s for 2 steps); the steps left cost the uncontended 1 s each.
+    result = stage_layouts.extrapolate([10.0, 20.0], [2.0, 4.0], timed_steps=2, steps=5)
+    assert result["step_s"] == 1.0
+    assert result["latency_s"] == [13.0, 26.0] and result["makespan_s"] == 26.0
+    assert result["throughput_per_min"] == 60 * 2 / 26.0
