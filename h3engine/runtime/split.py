@@ -31,7 +31,6 @@ from typing import Any
 
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.engine_options import EngineOptions
-from h3engine.leftovers import WORKER_FOLDER_PREFIX, remove_dead_temp_folders
 from h3engine.parallel.groups import RuntimeLayout
 from h3engine.runtime.channel import TensorChannel
 from h3engine.runtime.front import (
@@ -55,13 +54,8 @@ from h3engine.runtime.stages import (
     StageSpec,
     stage_main,
 )
-from h3engine.runtime.workers import (
-    FAILURE_SETTLE_S,
-    POLL_INTERVAL_S,
-    WorkerGroup,
-    checked_layouts,
-    stage_devices,
-)
+from h3engine.runtime.supervision import POLL_INTERVAL_S, RestartingReplica
+from h3engine.runtime.workers import FAILURE_SETTLE_S, WorkerGroup, checked_layouts, stage_devices
 
 logger = logging.getLogger(__name__)
 
@@ -451,7 +445,7 @@ class StageGroups:
                 channel.close(timeout=CHANNEL_CLOSE_S)
 
 
-class SplitReplica:
+class SplitReplica(RestartingReplica[StageGroups]):
     """An `EngineFront` replica whose engine is three stage groups (see the module's docstring).
 
     Start: a RequestError whose message starts with the flag for a layout the checkpoint cannot serve, a
@@ -459,6 +453,7 @@ class SplitReplica:
     """
 
     jobs_in_flight = JOBS_IN_FLIGHT
+    supervised = "stage groups"
 
     def __init__(
         self,
@@ -479,35 +474,35 @@ class SplitReplica:
             checkpoint, layout, devices, encoder_devices, vae_devices, dtype, memory_profile
         )
         self.spec = self.specs["dit"]  # the replica's own devices are the DiT group's
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._job_numbers = itertools.count()
         # The newest steps of the jobs, in the order reported (for tests and benchmarks: how the jobs overlapped).
         self.stage_log: deque[StageRecord] = deque(maxlen=STAGE_LOG_SIZE)
-        self._groups: StageGroups | None = None
-        self._restart: threading.Thread | None = None
-        self._restart_error: str | None = None
-        remove_dead_temp_folders(WORKER_FOLDER_PREFIX)
-        groups = StageGroups(self.specs, self._replace, self.stage_log)
-        try:
-            self.facts = groups.wait_ready(self._closed)
-        except BaseException:
-            groups.kill()
-            raise
-        self._groups = groups
+        self._start_first()
         logger.info("stage groups ready (%s)", layout.describe())
 
     @property
     def worker_pids(self) -> dict[Stage, list[int]]:
         """Each group's rank processes (empty while the groups restart)."""
         with self._lock:
-            return self._groups.pids if self._groups is not None else {}
+            return self._current.pids if self._current is not None else {}
+
+    def _start_incarnation(self) -> StageGroups:
+        return StageGroups(self.specs, self._replace, self.stage_log)
+
+    def _serves(self, groups: StageGroups) -> bool:
+        """Broken groups are ended by their report reader, which then replaces them; meanwhile jobs wait."""
+        if groups.broken is None:
+            return True
+        if groups.ended.is_set():
+            self._replace(groups)
+        else:
+            time.sleep(POLL_INTERVAL_S)
+        return False
 
     def run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFinished | JobFailed:
         while True:
             if handle.cancel_requested:
                 return JobFailed(handle.job_id, "cancelled", CANCELLED_BEFORE_START_MESSAGE)
-            groups = self._ready_groups(handle)
+            groups = self._ready(handle)
             if isinstance(groups, JobFailed):
                 return groups
             job = RunJob.of(next(self._job_numbers), handle, replica_index, preview_every)
@@ -516,78 +511,6 @@ class SplitReplica:
                 return JobFailed(handle.job_id, "cancelled", SHUTTING_DOWN_MESSAGE)
             if not isinstance(outcome, _Retry):
                 return outcome
-
-    def _ready_groups(self, handle: JobHandle) -> StageGroups | JobFailed:
-        while True:
-            with self._lock:
-                groups, restart = self._groups, self._restart
-                if groups is None and (restart is None or not restart.is_alive()):
-                    if self._restart_error is not None:
-                        error, self._restart_error = self._restart_error, None
-                        self._start_restart()
-                        return JobFailed(
-                            handle.job_id, "engine", f"The stage groups could not restart: {error}."
-                        )
-                    self._start_restart()
-            if groups is not None and groups.broken is not None:
-                if groups.ended.is_set():
-                    self._replace(groups)
-                else:
-                    time.sleep(POLL_INTERVAL_S)  # the groups are being ended; then they restart
-                continue
-            if groups is not None:
-                return groups
-            if self._closed.is_set():
-                return JobFailed(handle.job_id, "cancelled", SHUTTING_DOWN_MESSAGE)
-            if handle.cancel_requested:
-                return JobFailed(handle.job_id, "cancelled", CANCELLED_BEFORE_START_MESSAGE)
-            time.sleep(POLL_INTERVAL_S)
-
-    def _replace(self, broken: StageGroups) -> None:
-        with self._lock:
-            if self._groups is broken:
-                self._groups = None
-                self._start_restart()
-
-    def _start_restart(self) -> None:
-        """Start new groups in the background (the caller holds the lock)."""
-        if self._closed.is_set() or (self._restart is not None and self._restart.is_alive()):
-            return
-        self._restart = threading.Thread(target=self._restart_groups, name="h3-stage-restart", daemon=True)
-        self._restart.start()
-
-    def _restart_groups(self) -> None:
-        groups = None
-        try:
-            groups = StageGroups(self.specs, self._replace, self.stage_log)
-            self.facts = groups.wait_ready(self._closed)
-        except Exception as error:
-            logger.error("the stage groups could not restart: %s", error)
-            if groups is not None:
-                groups.kill()
-            with self._lock:
-                self._restart_error = str(error)
-            return
-        with self._lock:
-            keep = not self._closed.is_set()
-            if keep:
-                self._groups = groups
-        if keep:
-            logger.info("stage groups restarted")
-        else:
-            groups.kill()
-
-    def close(self) -> None:
-        """Stop every rank of every group (a restart in progress is waited for, then ended too)."""
-        with self._lock:
-            self._closed.set()
-            restart = self._restart
-        if restart is not None:
-            restart.join()
-        with self._lock:
-            groups, self._groups = self._groups, None
-        if groups is not None:
-            groups.stop()
 
 
 def start_replica(
