@@ -10,8 +10,8 @@ decodes job k-1 while the DiT denoises job k. This process sends commands and re
 Failure: a rank that dies or fails in any group fails the job that group was running (within about a second,
 naming the group, the rank and its exit code); all three groups and their channels are then ended and started
 again (channels can be handed to processes only when they start), and the other jobs in flight start over on the
-new groups. Cancel: the job's number goes into every group's cancel slot. `close()` stops every rank, then closes
-the channels, which removes what dead ranks left in /dev/shm.
+new groups (their start is not announced again). Cancel: the job's number goes into every group's cancel slot.
+`close()` stops every rank, then closes the channels, which removes what dead ranks left in /dev/shm.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from h3engine.runtime.front import (
     SHUTTING_DOWN_MESSAGE,
     JobHandle,
 )
-from h3engine.runtime.messages import TERMINAL_EVENTS, JobFailed, JobFinished
+from h3engine.runtime.messages import TERMINAL_EVENTS, JobFailed, JobFinished, JobStarted
 from h3engine.runtime.rank import RankReady, RunJob, Stop
 from h3engine.runtime.stages import (
     CHANNEL_ROUTES,
@@ -157,6 +157,22 @@ class _Retry:
 RETRY = _Retry()
 
 
+class FirstStartOnly:
+    """Publishes a job's messages on its handle, but only its first `JobStarted`: a job that starts over on restarted
+    groups has started once (its queue wait was measured then); its steps count again from 1."""
+
+    def __init__(self, handle: JobHandle) -> None:
+        self._handle = handle
+        self._started = False
+
+    def __call__(self, message: Any) -> None:
+        if isinstance(message, JobStarted):
+            if self._started:
+                return
+            self._started = True
+        self._handle.publish(message)
+
+
 class StageGroups:
     """One start of the three groups and the channels between them; jobs run through it until it breaks."""
 
@@ -176,7 +192,7 @@ class StageGroups:
         self.turns = Turns()
         self._lock = threading.Lock()
         self._inboxes: dict[str, queue.Queue[Any]] = {}
-        self._handles: dict[str, JobHandle] = {}
+        self._publishers: dict[str, Callable[[Any], None]] = {}  # a job's start, steps and previews go here
         self._numbers: dict[str, int] = {}
         # Per group, the jobs whose command was sent and not yet done, in order: the first is the one it runs.
         self._outstanding: dict[Stage, list[int]] = {stage: [] for stage in STAGES}
@@ -250,7 +266,7 @@ class StageGroups:
             for jobs in finished:
                 if number in jobs:
                     jobs.remove(number)
-            inbox, handle = self._inboxes.get(job_id), self._handles.get(job_id)
+            inbox, publish = self._inboxes.get(job_id), self._publishers.get(job_id)
         if isinstance(message, StageDone):
             self._log.append(
                 StageRecord(
@@ -260,8 +276,8 @@ class StageGroups:
         if isinstance(message, (StageDone, *TERMINAL_EVENTS)):
             if inbox is not None:
                 inbox.put(message)
-        elif handle is not None:
-            handle.publish(message)  # start, steps, previews
+        elif publish is not None:
+            publish(message)  # start, steps, previews
 
     def _break(self, stage: Stage, group: WorkerGroup) -> None:
         group.failure_description()  # lets the group settle
@@ -304,18 +320,21 @@ class StageGroups:
 
     # --- one job ----------------------------------------------------------------------------------------
 
-    def run_job(self, handle: JobHandle, job: RunJob) -> JobFinished | JobFailed | _Retry:
+    def run_job(
+        self, handle: JobHandle, job: RunJob, publish: Callable[[Any], None]
+    ) -> JobFinished | JobFailed | _Retry:
+        """Run the job through the groups; its start, steps and previews go to `publish` as they come."""
         ticket = self.turns.ticket()
         inbox: queue.Queue[Any] = queue.Queue()
         with self._lock:
-            self._inboxes[job.job_id], self._handles[job.job_id] = inbox, handle
+            self._inboxes[job.job_id], self._publishers[job.job_id] = inbox, publish
             self._numbers[job.job_id] = job.job_number
         try:
             return self._steps(handle, job, ticket, inbox)
         finally:
             self.turns.leave(ticket)
             with self._lock:
-                for table in (self._inboxes, self._handles, self._numbers):
+                for table in (self._inboxes, self._publishers, self._numbers):
                     table.pop(job.job_id, None)
 
     def _steps(
@@ -499,6 +518,7 @@ class SplitReplica(RestartingReplica[StageGroups]):
         return False
 
     def run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFinished | JobFailed:
+        publish = FirstStartOnly(handle)
         while True:
             if handle.cancel_requested:
                 return JobFailed(handle.job_id, "cancelled", CANCELLED_BEFORE_START_MESSAGE)
@@ -506,7 +526,7 @@ class SplitReplica(RestartingReplica[StageGroups]):
             if isinstance(groups, JobFailed):
                 return groups
             job = RunJob.of(next(self._job_numbers), handle, replica_index, preview_every)
-            outcome = groups.run_job(handle, job)
+            outcome = groups.run_job(handle, job, publish)
             if self._closed.is_set() and isinstance(outcome, (JobFailed, _Retry)):
                 return JobFailed(handle.job_id, "cancelled", SHUTTING_DOWN_MESSAGE)
             if not isinstance(outcome, _Retry):
