@@ -137,9 +137,11 @@ class RestartingReplica(Generic[T]):
                 incarnation = self._starting = self._start_incarnation()
             facts = incarnation.wait_ready(self._closed)
         except Exception as error:
-            logger.error("the %s could not restart: %s", self.supervised, error)
             with self._lock:
-                self._restart_error = str(error)
+                # Ended by `close`, it did not fail: the jobs are told of the shutdown instead.
+                if not self._closed.is_set():
+                    logger.error("the %s could not restart: %s", self.supervised, error)
+                    self._restart_error = str(error)
                 self._starting, self._restarting = None, False
             if incarnation is not None:
                 incarnation.kill()
