@@ -10,8 +10,8 @@ decodes job k-1 while the DiT denoises job k. This process sends commands and re
 Failure: a rank that dies or fails in any group fails the job that group was running (within about a second,
 naming the group, the rank and its exit code); all three groups and their channels are then ended and started
 again (channels can be handed to processes only when they start), and the other jobs in flight start over on the
-new groups. Cancel: the job's number goes into every group's cancel slot. `close()` stops every rank, then closes
-the channels, which removes what dead ranks left in /dev/shm.
+new groups (their start is not announced again). Cancel: the job's number goes into every group's cancel slot.
+`close()` stops every rank, then closes the channels, which removes what dead ranks left in /dev/shm.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from typing import Any
 
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.engine_options import EngineOptions
-from h3engine.leftovers import WORKER_FOLDER_PREFIX, remove_dead_temp_folders
 from h3engine.parallel.groups import RuntimeLayout
 from h3engine.runtime.channel import TensorChannel
 from h3engine.runtime.front import (
@@ -40,7 +39,7 @@ from h3engine.runtime.front import (
     SHUTTING_DOWN_MESSAGE,
     JobHandle,
 )
-from h3engine.runtime.messages import TERMINAL_EVENTS, JobFailed, JobFinished
+from h3engine.runtime.messages import TERMINAL_EVENTS, JobFailed, JobFinished, JobStarted
 from h3engine.runtime.rank import RankReady, RunJob, Stop
 from h3engine.runtime.stages import (
     CHANNEL_ROUTES,
@@ -55,13 +54,8 @@ from h3engine.runtime.stages import (
     StageSpec,
     stage_main,
 )
-from h3engine.runtime.workers import (
-    FAILURE_SETTLE_S,
-    POLL_INTERVAL_S,
-    WorkerGroup,
-    checked_layouts,
-    stage_devices,
-)
+from h3engine.runtime.supervision import POLL_INTERVAL_S, RestartingReplica
+from h3engine.runtime.workers import FAILURE_SETTLE_S, WorkerGroup, checked_layouts, stage_devices
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +157,22 @@ class _Retry:
 RETRY = _Retry()
 
 
+class FirstStartOnly:
+    """Publishes a job's messages on its handle, but only its first `JobStarted`: a job that starts over on restarted
+    groups has started once (its queue wait was measured then); its steps count again from 1."""
+
+    def __init__(self, handle: JobHandle) -> None:
+        self._handle = handle
+        self._started = False
+
+    def __call__(self, message: Any) -> None:
+        if isinstance(message, JobStarted):
+            if self._started:
+                return
+            self._started = True
+        self._handle.publish(message)
+
+
 class StageGroups:
     """One start of the three groups and the channels between them; jobs run through it until it breaks."""
 
@@ -182,7 +192,7 @@ class StageGroups:
         self.turns = Turns()
         self._lock = threading.Lock()
         self._inboxes: dict[str, queue.Queue[Any]] = {}
-        self._handles: dict[str, JobHandle] = {}
+        self._publishers: dict[str, Callable[[Any], None]] = {}  # a job's start, steps and previews go here
         self._numbers: dict[str, int] = {}
         # Per group, the jobs whose command was sent and not yet done, in order: the first is the one it runs.
         self._outstanding: dict[Stage, list[int]] = {stage: [] for stage in STAGES}
@@ -256,7 +266,7 @@ class StageGroups:
             for jobs in finished:
                 if number in jobs:
                     jobs.remove(number)
-            inbox, handle = self._inboxes.get(job_id), self._handles.get(job_id)
+            inbox, publish = self._inboxes.get(job_id), self._publishers.get(job_id)
         if isinstance(message, StageDone):
             self._log.append(
                 StageRecord(
@@ -266,8 +276,8 @@ class StageGroups:
         if isinstance(message, (StageDone, *TERMINAL_EVENTS)):
             if inbox is not None:
                 inbox.put(message)
-        elif handle is not None:
-            handle.publish(message)  # start, steps, previews
+        elif publish is not None:
+            publish(message)  # start, steps, previews
 
     def _break(self, stage: Stage, group: WorkerGroup) -> None:
         group.failure_description()  # lets the group settle
@@ -310,18 +320,21 @@ class StageGroups:
 
     # --- one job ----------------------------------------------------------------------------------------
 
-    def run_job(self, handle: JobHandle, job: RunJob) -> JobFinished | JobFailed | _Retry:
+    def run_job(
+        self, handle: JobHandle, job: RunJob, publish: Callable[[Any], None]
+    ) -> JobFinished | JobFailed | _Retry:
+        """Run the job through the groups; its start, steps and previews go to `publish` as they come."""
         ticket = self.turns.ticket()
         inbox: queue.Queue[Any] = queue.Queue()
         with self._lock:
-            self._inboxes[job.job_id], self._handles[job.job_id] = inbox, handle
+            self._inboxes[job.job_id], self._publishers[job.job_id] = inbox, publish
             self._numbers[job.job_id] = job.job_number
         try:
             return self._steps(handle, job, ticket, inbox)
         finally:
             self.turns.leave(ticket)
             with self._lock:
-                for table in (self._inboxes, self._handles, self._numbers):
+                for table in (self._inboxes, self._publishers, self._numbers):
                     table.pop(job.job_id, None)
 
     def _steps(
@@ -451,7 +464,7 @@ class StageGroups:
                 channel.close(timeout=CHANNEL_CLOSE_S)
 
 
-class SplitReplica:
+class SplitReplica(RestartingReplica[StageGroups]):
     """An `EngineFront` replica whose engine is three stage groups (see the module's docstring).
 
     Start: a RequestError whose message starts with the flag for a layout the checkpoint cannot serve, a
@@ -459,6 +472,7 @@ class SplitReplica:
     """
 
     jobs_in_flight = JOBS_IN_FLIGHT
+    supervised = "stage groups"
 
     def __init__(
         self,
@@ -479,115 +493,44 @@ class SplitReplica:
             checkpoint, layout, devices, encoder_devices, vae_devices, dtype, memory_profile
         )
         self.spec = self.specs["dit"]  # the replica's own devices are the DiT group's
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._job_numbers = itertools.count()
         # The newest steps of the jobs, in the order reported (for tests and benchmarks: how the jobs overlapped).
         self.stage_log: deque[StageRecord] = deque(maxlen=STAGE_LOG_SIZE)
-        self._groups: StageGroups | None = None
-        self._restart: threading.Thread | None = None
-        self._restart_error: str | None = None
-        remove_dead_temp_folders(WORKER_FOLDER_PREFIX)
-        groups = StageGroups(self.specs, self._replace, self.stage_log)
-        try:
-            self.facts = groups.wait_ready(self._closed)
-        except BaseException:
-            groups.kill()
-            raise
-        self._groups = groups
+        self._start_first()
         logger.info("stage groups ready (%s)", layout.describe())
 
     @property
     def worker_pids(self) -> dict[Stage, list[int]]:
         """Each group's rank processes (empty while the groups restart)."""
         with self._lock:
-            return self._groups.pids if self._groups is not None else {}
+            return self._current.pids if self._current is not None else {}
+
+    def _start_incarnation(self) -> StageGroups:
+        return StageGroups(self.specs, self._replace, self.stage_log)
+
+    def _serves(self, groups: StageGroups) -> bool:
+        """Broken groups are ended by their report reader, which then replaces them; meanwhile jobs wait."""
+        if groups.broken is None:
+            return True
+        if groups.ended.is_set():
+            self._replace(groups)
+        else:
+            time.sleep(POLL_INTERVAL_S)
+        return False
 
     def run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFinished | JobFailed:
+        publish = FirstStartOnly(handle)
         while True:
             if handle.cancel_requested:
                 return JobFailed(handle.job_id, "cancelled", CANCELLED_BEFORE_START_MESSAGE)
-            groups = self._ready_groups(handle)
+            groups = self._ready(handle)
             if isinstance(groups, JobFailed):
                 return groups
             job = RunJob.of(next(self._job_numbers), handle, replica_index, preview_every)
-            outcome = groups.run_job(handle, job)
+            outcome = groups.run_job(handle, job, publish)
             if self._closed.is_set() and isinstance(outcome, (JobFailed, _Retry)):
                 return JobFailed(handle.job_id, "cancelled", SHUTTING_DOWN_MESSAGE)
             if not isinstance(outcome, _Retry):
                 return outcome
-
-    def _ready_groups(self, handle: JobHandle) -> StageGroups | JobFailed:
-        while True:
-            with self._lock:
-                groups, restart = self._groups, self._restart
-                if groups is None and (restart is None or not restart.is_alive()):
-                    if self._restart_error is not None:
-                        error, self._restart_error = self._restart_error, None
-                        self._start_restart()
-                        return JobFailed(
-                            handle.job_id, "engine", f"The stage groups could not restart: {error}."
-                        )
-                    self._start_restart()
-            if groups is not None and groups.broken is not None:
-                if groups.ended.is_set():
-                    self._replace(groups)
-                else:
-                    time.sleep(POLL_INTERVAL_S)  # the groups are being ended; then they restart
-                continue
-            if groups is not None:
-                return groups
-            if self._closed.is_set():
-                return JobFailed(handle.job_id, "cancelled", SHUTTING_DOWN_MESSAGE)
-            if handle.cancel_requested:
-                return JobFailed(handle.job_id, "cancelled", CANCELLED_BEFORE_START_MESSAGE)
-            time.sleep(POLL_INTERVAL_S)
-
-    def _replace(self, broken: StageGroups) -> None:
-        with self._lock:
-            if self._groups is broken:
-                self._groups = None
-                self._start_restart()
-
-    def _start_restart(self) -> None:
-        """Start new groups in the background (the caller holds the lock)."""
-        if self._closed.is_set() or (self._restart is not None and self._restart.is_alive()):
-            return
-        self._restart = threading.Thread(target=self._restart_groups, name="h3-stage-restart", daemon=True)
-        self._restart.start()
-
-    def _restart_groups(self) -> None:
-        groups = None
-        try:
-            groups = StageGroups(self.specs, self._replace, self.stage_log)
-            self.facts = groups.wait_ready(self._closed)
-        except Exception as error:
-            logger.error("the stage groups could not restart: %s", error)
-            if groups is not None:
-                groups.kill()
-            with self._lock:
-                self._restart_error = str(error)
-            return
-        with self._lock:
-            keep = not self._closed.is_set()
-            if keep:
-                self._groups = groups
-        if keep:
-            logger.info("stage groups restarted")
-        else:
-            groups.kill()
-
-    def close(self) -> None:
-        """Stop every rank of every group (a restart in progress is waited for, then ended too)."""
-        with self._lock:
-            self._closed.set()
-            restart = self._restart
-        if restart is not None:
-            restart.join()
-        with self._lock:
-            groups, self._groups = self._groups, None
-        if groups is not None:
-            groups.stop()
 
 
 def start_replica(

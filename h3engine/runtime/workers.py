@@ -15,7 +15,6 @@ device appears once per group.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import shutil
 import threading
@@ -32,7 +31,7 @@ from h3engine.checkpoint.layout import CheckpointLayout, detect_layout
 from h3engine.checkpoint.loader import dit_source
 from h3engine.checkpoint.text_encoder_files import open_text_encoder_files
 from h3engine.errors import CheckpointError, RequestError
-from h3engine.leftovers import WORKER_FOLDER_PREFIX, owned_temp_folder, remove_dead_temp_folders
+from h3engine.leftovers import WORKER_FOLDER_PREFIX, owned_temp_folder
 from h3engine.parallel.groups import EncoderLayout, ParallelLayout, RuntimeLayout
 from h3engine.placement import check_memory_profile
 from h3engine.runtime.checks import CheckpointFacts
@@ -43,10 +42,10 @@ from h3engine.runtime.front import (
 )
 from h3engine.runtime.messages import TERMINAL_EVENTS, JobFailed, JobFinished
 from h3engine.runtime.rank import NO_JOB, RankFailed, RankReady, RunJob, Stop, WorkerSpec, rank_main
+from h3engine.runtime.supervision import POLL_INTERVAL_S, RestartingReplica
 
 logger = logging.getLogger(__name__)
 
-POLL_INTERVAL_S = 0.1
 # After the first sign of a failure, how long to keep listening before judging it: a rank that was killed makes
 # its gloo partners fail a moment later, and the report should name the first cause, not the echoes.
 FAILURE_SETTLE_S = 0.5
@@ -381,7 +380,7 @@ class WorkerGroup:
 # --- the replica --------------------------------------------------------------------------------------------------
 
 
-class ProcessReplica:
+class ProcessReplica(RestartingReplica[WorkerGroup]):
     """An `EngineFront` replica whose engine is a resident worker group.
 
     Start: a RequestError whose message starts with the flag for a layout or memory profile the checkpoint cannot
@@ -402,6 +401,8 @@ class ProcessReplica:
     (h3engine.leftovers).
     """
 
+    supervised = "worker group"
+
     def __init__(
         self,
         checkpoint: str | Path,
@@ -413,35 +414,33 @@ class ProcessReplica:
         layout = layout if layout is not None else RuntimeLayout.choose(len(devices))
         self.layout = layout
         self.spec = validated_spec(detect_layout(checkpoint), devices, layout, dtype, memory_profile)
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._job_numbers = itertools.count()
-        self._group: WorkerGroup | None = None
-        self._starting: WorkerGroup | None = None
-        self._restart: threading.Thread | None = None
-        self._restart_error: str | None = None
-        remove_dead_temp_folders(WORKER_FOLDER_PREFIX)
-        group = WorkerGroup(self.spec)
-        try:
-            self.facts = group.wait_ready(self._closed)
-        except BaseException:
-            group.kill()
-            raise
-        self._group = group
+        self._start_first()
         logger.info("worker group ready on %s (%s)", ", ".join(devices), layout.describe())
 
     @property
     def worker_pids(self) -> list[int]:
         """The rank processes of the current group (empty while it restarts)."""
         with self._lock:
-            return self._group.pids if self._group is not None else []
+            return self._current.pids if self._current is not None else []
+
+    def _start_incarnation(self) -> WorkerGroup:
+        return WorkerGroup(self.spec)
+
+    def _serves(self, group: WorkerGroup) -> bool:
+        """A group that broke while idle (a rank killed between jobs) is replaced here, costing no job."""
+        if not group.broken():
+            return True
+        logger.error("%s while idle; %s", group.failure_description(), RESTARTING)
+        group.kill()
+        self._replace(group)
+        return False
 
     # --- jobs -------------------------------------------------------------------------------------------
 
     def run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFinished | JobFailed:
         if handle.cancel_requested:
             return JobFailed(handle.job_id, "cancelled", CANCELLED_BEFORE_START_MESSAGE)
-        group = self._ready_group(handle)
+        group = self._ready(handle)
         if isinstance(group, JobFailed):
             return group
         job_number = next(self._job_numbers)
@@ -468,87 +467,12 @@ class ProcessReplica:
             if group.broken():
                 return self._fail(group, handle)
 
-    def _ready_group(self, handle: JobHandle) -> WorkerGroup | JobFailed:
-        """The running group; waits for a restart in progress (starting one if none is), unless cancelled.
-
-        A group that broke while idle (a rank killed between jobs) is replaced here, costing no job.
-        """
-        while True:
-            with self._lock:
-                if self._group is not None and self._group.broken():
-                    broken, self._group = self._group, None
-                    logger.error("%s while idle; %s", broken.failure_description(), RESTARTING)
-                    broken.kill()
-                group, restart = self._group, self._restart
-                if group is None and (restart is None or not restart.is_alive()):
-                    if self._restart_error is not None:
-                        error, self._restart_error = self._restart_error, None
-                        self._start_restart()  # for the jobs after this one
-                        return JobFailed(
-                            handle.job_id, "engine", f"The worker group could not restart: {error}."
-                        )
-                    self._start_restart()
-            if group is not None:
-                return group
-            if self._closed.is_set():
-                return JobFailed(handle.job_id, "cancelled", SHUTTING_DOWN_MESSAGE)
-            if handle.cancel_requested:
-                return JobFailed(handle.job_id, "cancelled", CANCELLED_BEFORE_START_MESSAGE)
-            time.sleep(POLL_INTERVAL_S)
-
     def _fail(self, group: WorkerGroup, handle: JobHandle) -> JobFailed:
         """Judge the failure, kill the group, start a new one in the background; the job's terminal message."""
         description = group.failure_description()
         group.kill()
-        with self._lock:
-            if self._group is group:
-                self._group = None
-                self._start_restart()
+        self._replace(group)
         if self._closed.is_set():
             return JobFailed(handle.job_id, "cancelled", SHUTTING_DOWN_MESSAGE)
         logger.error("job %s: %s; %s", handle.job_id, description, RESTARTING)
         return JobFailed(handle.job_id, "engine", f"{description}; {RESTARTING}.")
-
-    # --- restarts and shutdown --------------------------------------------------------------------------
-
-    def _start_restart(self) -> None:
-        """Start a new group in the background (the caller holds the lock)."""
-        if self._closed.is_set():
-            return
-        self._restart = threading.Thread(target=self._restart_group, name="h3-group-restart", daemon=True)
-        self._restart.start()
-
-    def _restart_group(self) -> None:
-        try:
-            with self._lock:
-                if self._closed.is_set():
-                    return
-                group = self._starting = WorkerGroup(self.spec)
-            self.facts = group.wait_ready(self._closed)
-        except Exception as error:
-            logger.error("the worker group could not restart: %s", error)
-            with self._lock:
-                self._restart_error = str(error)
-                starting, self._starting = self._starting, None
-            if starting is not None:
-                starting.kill()
-            return
-        with self._lock:
-            self._starting = None
-            if not self._closed.is_set():
-                self._group = group
-                logger.info("worker group restarted")
-                return
-        group.kill()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed.set()
-            group, starting, restart = self._group, self._starting, self._restart
-            self._group = self._starting = None
-        if starting is not None:
-            starting.kill()
-        if restart is not None:
-            restart.join()
-        if group is not None:
-            group.stop()
