@@ -89,8 +89,12 @@ def validated_stage_specs(
         raise ValueError("validated_stage_specs is for the split layout")
     checkpoint_layout = detect_layout(checkpoint)
     dit_layout, encoder_layout = checked_layouts(checkpoint_layout, devices, layout, memory_profile)
-    # What a colocated rank of the DiT's world size would use, so that the CPU arithmetic is the same.
-    threads = max(1, (os.cpu_count() or 1) // layout.world_size)
+    # CPU ranks: what a colocated rank of the DiT's world size would use, so that the CPU arithmetic is the same. GPU
+    # ranks do host work only (loading, muxing): the three groups' processes share the cores, not oversubscribe them.
+    processes = layout.world_size
+    if str(devices[0]).startswith("cuda"):
+        processes = len(devices) + len(encoder_devices) + len(vae_devices)
+    threads = max(1, (os.cpu_count() or 1) // processes)
     common = dict(
         checkpoint=str(checkpoint_layout.root),
         dtype=dtype,

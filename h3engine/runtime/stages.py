@@ -95,7 +95,9 @@ class StageSpec:
     devices: tuple[str, ...]
     dtype: str | None
     layout: parallel_groups.ParallelLayout | parallel_groups.EncoderLayout | parallel_groups.VAELayout
-    cpu_threads: int  # per rank on the CPU: what a colocated rank of the DiT's world size would use
+    cpu_threads: (
+        int  # per rank: on the CPU what a colocated rank would use; on GPUs the cores over all processes
+    )
     init_method: str = ""
     memory_profile: str = "resident"
 
@@ -266,8 +268,7 @@ def _stage_groups(rank: int, spec: StageSpec) -> RankGroups:
 
 def _start(rank: int, spec: StageSpec) -> tuple[Engine, RankGroups]:
     device = torch.device(spec.devices[rank])
-    if device.type == "cpu":
-        torch.set_num_threads(spec.cpu_threads)
+    torch.set_num_threads(spec.cpu_threads)
     if spec.world_size > 1:
         parallel_groups.initialize_process_group(
             rank, spec.world_size, spec.init_method, device, timeout=COLLECTIVE_TIMEOUT
