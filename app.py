@@ -508,7 +508,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     gradio_cache = own_gradio_cache()
     import ui
-    from h3engine.runtime.front import EngineFront
+    from h3engine.runtime.front import EngineFront, settle_heap
 
     front = EngineFront(
         engines,
@@ -537,6 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     demo = ui.build_ui(front, options, access, delete_cache=(CACHE_SWEEP_S, CACHE_MAX_AGE_S))
     demo.queue(default_concurrency_limit=LIGHT_EVENT_CONCURRENCY, max_size=config.queue_size)
+    settle_heap()
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         demo.launch(

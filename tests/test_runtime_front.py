@@ -290,3 +290,33 @@ def test_no_warm_up_where_the_checkpoint_does_not_serve_its_task(tmp_path) -> No
         assert replica.requests == [handle.request]  # the job ran first: no warm-up before it
     finally:
         front.shutdown(timeout=EVENT_TIMEOUT_S)
+
+
+def test_settle_heap_collects_start_up_garbage_and_later_cycles_are_still_collected() -> None:
+    import gc
+    import weakref
+
+    from h3engine.runtime.front import release_memory, settle_heap
+
+    class Node:
+        pass
+
+    def cycle() -> weakref.ref:
+        node = Node()
+        node.self = node  # only the cyclic collector frees it
+        return weakref.ref(node)
+
+    gc.disable()  # nothing but these calls may collect
+    try:
+        before = cycle()
+        frozen_before = gc.get_freeze_count()
+        settle_heap()
+        assert before() is None  # start-up's cyclic garbage is collected, not frozen forever
+        assert gc.get_freeze_count() > frozen_before  # what start-up made is now out of later collections
+        after = cycle()
+        assert after() is not None
+        release_memory(torch.device("cpu"))
+        assert after() is None  # a job's cycles are still found
+    finally:
+        gc.unfreeze()
+        gc.enable()

@@ -361,6 +361,14 @@ def stamped_output_name(task: str, job_id: str) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{task}-{job_id}.mp4"
 
 
+def settle_heap() -> None:
+    """Collect once, then freeze what start-up made (modules, models, the app's page): the collection after each
+    job (`release_memory`) then walks only what jobs made. With the app loaded it took 0.5-0.8 s a job before, ~0
+    after. Frozen objects are still freed when their last reference goes; only their cycles are no longer looked for."""
+    gc.collect()
+    gc.freeze()
+
+
 def release_memory(device: torch.device) -> None:
     # A cancelled or failed job's tensors die with its frames; collect them now and give cached GPU blocks back
     # so the next job (or another process) sees the memory as free.

@@ -72,6 +72,7 @@ from h3engine.runtime.front import (
     EVENT_BUFFER_SIZE,
     JobHandle,
     release_memory,
+    settle_heap,
 )
 from h3engine.runtime.messages import JobFailed, job_finished, job_started, step_reporter
 
@@ -442,6 +443,7 @@ def rank_main(
     except Exception as error:
         logger.exception("rank %d could not start", rank)
         _fail_and_exit(outbox, RankFailed(rank, None, "internal", type(error).__name__), EXIT_START_FAILED)
+    settle_heap()
     outbox.post(RankReady(rank, CheckpointFacts.from_engine(engine) if rank == 0 else None))
 
     while True:

@@ -50,7 +50,7 @@ from h3engine.pipeline import (
 )
 from h3engine.runtime.channel import ChannelConsumer, ChannelProducer, TensorChannel
 from h3engine.runtime.checks import CheckpointFacts
-from h3engine.runtime.front import CANCELLED_MESSAGE, ENGINE_FAILURE_MESSAGE, release_memory
+from h3engine.runtime.front import CANCELLED_MESSAGE, ENGINE_FAILURE_MESSAGE, release_memory, settle_heap
 from h3engine.runtime.messages import JobFailed, job_finished, job_started, step_reporter
 from h3engine.runtime.rank import (
     COLLECTIVE_TIMEOUT,
@@ -522,6 +522,7 @@ def stage_main(
         logger.exception("%s rank %d could not start", spec.stage, rank)
         _fail_and_exit(outbox, RankFailed(rank, None, "internal", type(error).__name__), EXIT_START_FAILED)
     facts = CheckpointFacts.from_engine(engine) if rank == 0 and spec.stage == "vae" else None
+    settle_heap()
     outbox.post(RankReady(rank, facts))
     state = StageRank(spec, engine, groups, outbox, cancel_job, consumers, producers)
     while True:
