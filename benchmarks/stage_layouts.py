@@ -95,35 +95,14 @@ class MemorySampler:
         while not self._stop.wait(MEMORY_SAMPLE_S):
             if not self.gpu:
                 continue
-            try:
-                lines = subprocess.run(
-                    ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                    capture_output=True,
-                    text=True,
-                    timeout=10,
-                ).stdout.splitlines()
-            except (OSError, subprocess.TimeoutExpired):
-                continue
-            self._sample_whole_gpu()
-            for line in lines:
-                pid_text, _, used = line.partition(",")
+            used = [float(value) for value in nvidia_smi("--query-gpu=memory.used") if _is_number(value)]
+            if used:
+                self.peak_gpu_used_mib = max(self.peak_gpu_used_mib, sum(used))
+            for line in nvidia_smi("--query-compute-apps=pid,used_memory"):
+                pid_text, _, used_text = line.partition(",")
                 if pid_text.strip().isdigit() and int(pid_text) in self.peak_mib:
                     pid = int(pid_text)
-                    self.peak_mib[pid] = max(self.peak_mib[pid], float(used))
-
-    def _sample_whole_gpu(self) -> None:
-        try:
-            lines = subprocess.run(
-                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout.split()
-        except (OSError, subprocess.TimeoutExpired):
-            return
-        used = [float(value) for value in lines if value.replace(".", "", 1).isdigit()]
-        if used:
-            self.peak_gpu_used_mib = max(self.peak_gpu_used_mib, sum(used))
+                    self.peak_mib[pid] = max(self.peak_mib[pid], float(used_text))
 
     def stop(self) -> dict[int, float]:
         self._stop.set()
@@ -139,6 +118,19 @@ class MemorySampler:
                 )
                 self.peak_mib[pid] = int(kib) / 1024
         return self.peak_mib
+
+
+def nvidia_smi(query: str) -> list[str]:
+    """The lines `nvidia-smi QUERY --format=csv,noheader,nounits` prints (none when it cannot run)."""
+    try:
+        command = ["nvidia-smi", query, "--format=csv,noheader,nounits"]
+        return subprocess.run(command, capture_output=True, text=True, timeout=10).stdout.splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+
+
+def _is_number(text: str) -> bool:
+    return text.strip().replace(".", "", 1).isdigit()
 
 
 def worker_pids(replica: Any) -> dict[str, list[int]]:

@@ -5,6 +5,7 @@ handoff bytes per step and the peak memory of every worker process."""
 from __future__ import annotations
 
 import json
+import time
 
 from benchmarks import stage_layouts
 
@@ -37,3 +38,33 @@ def test_extrapolation_adds_the_uncontended_steps_of_every_request_so_far() -> N
     assert result["step_s"] == 1.0
     assert result["latency_s"] == [13.0, 26.0] and result["makespan_s"] == 26.0
     assert result["throughput_per_min"] == 60 * 2 / 26.0
+
+
+def test_the_memory_sampler_keeps_each_process_peak_and_the_whole_gpu_peak(monkeypatch) -> None:
+    readings = iter(
+        [
+            (["1000"], ["11, 500", "99, 7000"]),  # pid 99 is not ours
+            (["3000"], ["11, 2500", "12, 400"]),
+            (["2000"], ["11, 1200", "12, 900"]),
+        ]
+    )
+    answers: list[list[str]] = []
+
+    def fake_nvidia_smi(query: str) -> list[str]:
+        if query == "--query-gpu=memory.used":
+            try:
+                whole, apps = next(readings)
+            except StopIteration:
+                return []
+            answers.append(apps)
+            return whole
+        return answers[-1] if answers else []
+
+    monkeypatch.setattr(stage_layouts, "nvidia_smi", fake_nvidia_smi)
+    monkeypatch.setattr(stage_layouts, "MEMORY_SAMPLE_S", 0.01)
+    sampler = stage_layouts.MemorySampler([11, 12], gpu=True)
+    while len(answers) < 3:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert sampler.stop() == {11: 2500.0, 12: 900.0}
+    assert sampler.peak_gpu_used_mib == 3000.0
