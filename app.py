@@ -453,6 +453,14 @@ def random_weights_banner(folder: Path | None) -> str:
     )
 
 
+def placeholder_banner(name: str) -> str:
+    return (
+        f"**Placeholder weights.** The checkpoint `{name}` is a placeholder (`make-placeholder-checkpoint`): its "
+        "weights are drawn when it loads, to measure the engine at the released size. Every step runs for real, "
+        "but the pictures and the sound are noise (the players start muted)."
+    )
+
+
 def _stop_on_sigterm(signal_number: int, frame: object) -> None:
     # Gradio's blocking launch() closes the server on KeyboardInterrupt; SIGTERM (docker stop) takes that path too.
     raise KeyboardInterrupt
@@ -491,6 +499,7 @@ def own_gradio_cache() -> Path | None:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per internal request otherwise
+    from h3engine.checkpoint.placeholder import is_placeholder
     from h3engine.errors import H3Error
 
     try:
@@ -501,7 +510,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoint, engines = _tiny_engines(config)
             banner = random_weights_banner(checkpoint if config.shared_history else None)
         else:
-            checkpoint, engines, banner = config.checkpoint, _load_engines(config.checkpoint, config), None
+            checkpoint, engines = config.checkpoint, _load_engines(config.checkpoint, config)
+            banner = placeholder_banner(checkpoint.name) if is_placeholder(checkpoint) else None
     except (ConfigError, H3Error) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -129,3 +129,21 @@ def test_the_cli_writes_one_and_sidecars_say_placeholder(tmp_path: Path, tiny_na
     )
     assert "weights" not in json.loads((tmp_path / "r.json").read_text())
     assert not is_placeholder(tiny_native)
+
+
+def test_the_app_on_a_placeholder_says_so_and_serves(tmp_path: Path, tiny_placeholder: Path) -> None:
+    import httpx
+    from _app_helpers import start_app, stop_app
+    from gradio_client import Client
+
+    app = start_app(tmp_path, checkpoint=tiny_placeholder)
+    try:
+        config = httpx.get(f"{app.url}config").text
+        assert "Placeholder weights" in config and "`checkpoint` is a placeholder" in config
+        assert str(tiny_placeholder) not in config  # named by its folder, never its path
+        status = Client(app.url, verbose=False).predict(
+            prompt="A kite.", steps=1, duration_seconds=4, randomize_seed=False, api_name="/t2va"
+        )[0]
+        assert status.startswith("Done in"), status
+    finally:
+        assert stop_app(app) == 0
