@@ -228,8 +228,16 @@ class LoraFiles:
         return self._files[key]
 
 
+class LoraHeaders:
+    """Reads LoRA files as `LoraFiles` does, but their headers only (`read_lora(shapes_only=True)`) and without a
+    sha256: what the checks before a job need to refuse a file that does not fit (h3engine.runtime.checks)."""
+
+    def read(self, path: str | os.PathLike[str]) -> tuple[LoraFile, str]:
+        return read_lora(path, name=Path(path).name, shapes_only=True), ""
+
+
 def request_adapters(
-    request: GenerationRequest, target: Partition, config: DiTConfig, files: LoraFiles
+    request: GenerationRequest, target: Partition, config: DiTConfig, files: LoraFiles | LoraHeaders
 ) -> tuple[tuple[Adapter, str], ...]:
     """The validated `request`'s `loras` as adapters of its DiT (`target`, of `config`) with their files' sha256,
     each file read through `files` and checked against that DiT: RequestError naming `loras[i]`, the file and its

@@ -386,3 +386,44 @@ def test_a_kohya_module_that_does_not_fit_is_named_by_its_down_factor(tmp_path: 
         str(path),
     )
     assert "'lora_unet_blocks_1_mlp_fc2.lora_down.weight'" in _error(path)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Headers only (the checks before a job)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _outline(lora: LoraFile) -> dict:
+    return {
+        partition: {
+            module: (tuple(layer.down.shape), tuple(layer.up.shape), layer.scale)
+            for module, layer in layers.items()
+        }
+        for partition, layers in lora.partitions.items()
+    }
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_shapes_only_read_gives_the_layers_scales_and_targets_of_a_full_read(
+    tmp_path: Path, layout: str
+) -> None:
+    path = tmp_path / f"{layout}.safetensors"
+    write_lora(path, random_lora(TINY, seed=1), layout, TINY)
+    full = read_lora(path, head_dim=TINY.head_dim)
+    header = read_lora(path, head_dim=TINY.head_dim, shapes_only=True)
+    assert _outline(header) == _outline(full) and header.layout == full.layout
+    assert all(layer.down.is_meta and layer.up.is_meta for layer in header.layers().values())
+    check_lora_fits(header, TINY)
+    with pytest.raises(LoraError, match="the DiT's"):  # the fit check sees the shapes alone
+        check_lora_fits(header, dataclasses.replace(TINY, ffn_dim=TINY.ffn_dim * 2))
+
+
+def test_a_shapes_only_read_of_separate_q_k_v_parts_has_the_merged_shape(tmp_path: Path) -> None:
+    prefix = "transformer.transformer_blocks.1.attn."
+    tensors = {}
+    for part, rank in (("to_q", 3), ("to_v", 2)):
+        tensors[f"{prefix}{part}.lora_A.weight"] = torch.ones(rank, TINY.hidden_size)
+        tensors[f"{prefix}{part}.lora_B.weight"] = torch.ones(TINY.inner_dim, rank)
+    path = tmp_path / "qv.safetensors"
+    save_file(tensors, str(path))
+    assert _outline(read_lora(path, shapes_only=True)) == _outline(read_lora(path))

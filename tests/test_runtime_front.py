@@ -320,3 +320,51 @@ def test_settle_heap_collects_start_up_garbage_and_later_cycles_are_still_collec
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+def test_a_lora_that_does_not_fit_is_refused_before_the_job_is_queued(front, tmp_path) -> None:
+    from _app_helpers import ASSETS
+    from _lora_helpers import random_lora, write_lora
+    from safetensors.torch import save_file
+
+    from h3engine.errors import RequestError
+    from h3engine.models.dit import DiTConfig
+    from h3engine.request import LoraChoice, Reference
+
+    config = DiTConfig.tiny()
+    fits = tmp_path / "fits.safetensors"
+    write_lora(fits, random_lora(config, seed=1), "diffusers", config)
+    pruned = tmp_path / "pruned.safetensors"  # fc2's input narrower than this DiT's
+    save_file(
+        {
+            "blocks.1.mlp.fc2.lora_A.weight": torch.ones(4, config.ffn_dim - 8),
+            "blocks.1.mlp.fc2.lora_B.weight": torch.ones(config.hidden_size, 4),
+        },
+        str(pruned),
+    )
+    ref_only = tmp_path / "ref_only.safetensors"
+    write_lora(ref_only, random_lora(config, seed=2), "diffusers_ref", config)
+
+    def request(path: Path, task: str = "t2va") -> GenerationRequest:
+        picture = (Reference("image", str(ASSETS / "ref2va" / "picture1.png")),) if task == "ref2va" else ()
+        return GenerationRequest(
+            task=task,
+            prompt="<Picture 1> waves." if picture else "Waves.",
+            steps=2,
+            references=picture,
+            loras=(LoraChoice(str(path), 0.5),),
+        )
+
+    assert front.check(request(fits)) == []
+    with pytest.raises(RequestError) as refused:
+        front.check(request(pruned))
+    message = str(refused.value)
+    assert message.startswith(
+        "loras[0]: LoRA file 'pruned.safetensors': key 'blocks.1.mlp.fc2.lora_A.weight'"
+    )
+    assert str(tmp_path) not in message  # the user's file name, never the server's path
+    with pytest.raises(
+        RequestError, match=r"^loras\[0\]\.target: 'ref_only.safetensors' targets 'transformer_ref'"
+    ):
+        front.check(request(ref_only))
+    assert front.check(request(ref_only, "ref2va")) == []  # the Ref2VA DiT is what it names

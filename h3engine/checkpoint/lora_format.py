@@ -136,14 +136,18 @@ class _Entry:
             )
 
 
-def read_lora(path: Path | str, *, name: str | None = None, head_dim: int = RELEASED_HEAD_DIM) -> LoraFile:
+def read_lora(
+    path: Path | str, *, name: str | None = None, head_dim: int = RELEASED_HEAD_DIM, shapes_only: bool = False
+) -> LoraFile:
     """Read a .safetensors LoRA in any H3 layout diffusers accepts; `name` (default: the file name) names it in errors.
 
-    `head_dim` is the head width a DiffSynth-Studio file's interleaved QKV is read with.
+    `head_dim` is the head width a DiffSynth-Studio file's interleaved QKV is read with. `shapes_only`: read the
+    header (and the scalar `.alpha` tensors) only; the factors are meta tensors of the shapes and scales a full read
+    gives, for the checks before a job (`check_lora_fits`, the targets); the values' own checks wait for that read.
     """
     path = Path(path)
     name = name or path.name
-    tensors, metadata = _load(path, name)
+    tensors, metadata = _load_shapes(path, name) if shapes_only else _load(path, name)
     if not tensors:
         raise LoraError(f"LoRA file {name!r} holds no tensors")
     for key in tensors:
@@ -229,6 +233,25 @@ def _load(path: Path, name: str) -> tuple[dict[str, Tensor], dict[str, str]]:
         return load_file(str(path), device="cpu"), metadata
     except Exception as error:  # the header read, a tensor did not
         raise _unreadable(name, error) from None
+
+
+def _load_shapes(path: Path, name: str) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Meta tensors of the header's shapes (float32 for float factors), real `.alpha` scalars."""
+    _, metadata = read_lora_header(path, name)
+    tensors: dict[str, Tensor] = {}
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                if key.endswith(".alpha"):
+                    tensors[key] = handle.get_tensor(key)
+                    continue
+                info = handle.get_slice(key)
+                floating = info.get_dtype().startswith(("F", "BF"))
+                dtype = torch.float32 if floating else torch.int64
+                tensors[key] = torch.empty(info.get_shape(), dtype=dtype, device="meta")
+    except Exception as error:  # the header read, a tensor did not
+        raise _unreadable(name, error) from None
+    return tensors, metadata
 
 
 def _split_role(key: str, name: str, allowed: tuple[str, ...]) -> tuple[str, str]:
@@ -378,7 +401,7 @@ def _layer(entry: _Entry, scales: _Scales, partition: Partition | None, name: st
     if not (entry.down.is_floating_point() and entry.up.is_floating_point()):
         raise LoraError(f"LoRA file {name!r}: key {entry.source_key!r} is not a floating-point factor")
     down, up = entry.down.to(torch.float32), entry.up.to(torch.float32)
-    if not (torch.isfinite(down).all() and torch.isfinite(up).all()):
+    if not down.is_meta and not (torch.isfinite(down).all() and torch.isfinite(up).all()):
         raise LoraError(f"LoRA file {name!r}: key {entry.source_key!r} holds NaN or infinite values")
     if down.ndim != 2 or up.ndim != 2 or down.shape[0] != up.shape[1] or down.shape[0] == 0:
         raise LoraError(
@@ -403,10 +426,10 @@ def _merge_qkv_parts(parts: dict[int, LoraLayer], name: str) -> LoraLayer:
             raise LoraError(
                 f"LoRA file {name!r}: key {part.source_key!r}: its to_q / to_k / to_v LoRAs differ in shape"
             )
-    if len(parts) == 3 and all(torch.equal(p.down, first.down) and p.scale == first.scale for p in ordered):
+    if len(parts) == 3 and all(_same_down(p.down, first.down) and p.scale == first.scale for p in ordered):
         return LoraLayer(first.down, torch.cat([p.up for p in ordered]), first.scale, first.source_key)
     same_scale = all(p.scale == first.scale for p in ordered)
-    up = torch.zeros(3 * rows, sum(p.rank for p in ordered))
+    up = torch.zeros(3 * rows, sum(p.rank for p in ordered), device=first.up.device)
     column = 0
     for index, part in sorted(parts.items()):
         factor = 1.0 if same_scale else part.scale
@@ -414,3 +437,11 @@ def _merge_qkv_parts(parts: dict[int, LoraLayer], name: str) -> LoraLayer:
         column += part.rank
     down = torch.cat([p.down for p in ordered])
     return LoraLayer(down, up, first.scale if same_scale else 1.0, first.source_key)
+
+
+def _same_down(down: Tensor, other: Tensor) -> bool:
+    """Whether two parts share their down factor (for a shapes-only read: whether they could; either way the merged
+    layer has the same outer shape)."""
+    if down.is_meta:
+        return down.shape == other.shape
+    return torch.equal(down, other)

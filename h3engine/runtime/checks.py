@@ -6,7 +6,8 @@ Contract:
   partition; MiniMax H3's partitions share the video VAE, the patch and the tokenizer, so they hold for all.
 * `check_request(request, facts)` runs every rule `validate` knows (file headers through
   `media.inputs.probe_media`, the prompt's token bound) plus "does this checkpoint serve the task" and, for a
-  step-distilled partition, "does the request run its rungs" (`distilled_steps` is the count to ask for);
+  step-distilled partition, "does the request run its rungs" (`distilled_steps` is the count to ask for), and
+  whether each LoRA file fits the task's DiT and targets it (headers only, `adapters.LoraHeaders`);
   `expected_geometry(request, facts)` is `media.request_inputs.request_geometry` on those facts.
 
 Danger: these checks exist so that the app never calls into a shared `Engine` from a request thread (on a GPU
@@ -19,12 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from h3engine.checkpoint.layout import CanvasRules
+from h3engine.adapters import LoraHeaders, request_adapters
+from h3engine.checkpoint.layout import DIFFUSERS_DIT_FOLDERS, CanvasRules
 from h3engine.engine import Engine
 from h3engine.errors import RequestError
 from h3engine.geometry import Geometry
 from h3engine.media.inputs import probe_media
 from h3engine.media.request_inputs import request_geometry
+from h3engine.models.dit import DiTConfig
 from h3engine.presentation import prompt_token_counter
 from h3engine.request import GenerationRequest, distilled_step_count, validate
 from h3engine.sampling.schedule import check_distilled_steps, effective_rungs
@@ -40,6 +43,9 @@ class CheckpointFacts:
     tokenizer: Path | None = None
     # The rungs of each task whose DiT is step-distilled (`_minimax_h3.dmd_denoising_steps`); other tasks are absent.
     dmd_steps: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Each task's DiT as LoRA files name it ("transformer" / "transformer_ref") and its config, for the adapters' fit
+    # (a task absent here has its adapters checked only when the job runs).
+    lora_targets: dict[str, tuple[str, DiTConfig]] = field(default_factory=dict)
 
     @property
     def canvas_multiple(self) -> int:
@@ -61,6 +67,13 @@ class CheckpointFacts:
                 for task in engine.layout.tasks
                 if (rungs := engine.layout.dmd_steps_for(task)) is not None
             },
+            lora_targets={
+                task: (
+                    DIFFUSERS_DIT_FOLDERS.get(engine.store.partition_for(task), "transformer"),
+                    engine.store.dit_config(engine.store.partition_for(task)),
+                )
+                for task in engine.layout.tasks
+            },
         )
 
     def distilled_steps(self, task: str, recipe: str = "sglang") -> int | None:
@@ -81,6 +94,9 @@ def check_request(request: GenerationRequest, facts: CheckpointFacts) -> list[st
         )
     rungs = effective_rungs(request.rungs, facts.dmd_steps.get(request.task))
     check_distilled_steps(request.steps, request.recipe, rungs)
+    if request.loras and request.task in facts.lora_targets:
+        target, config = facts.lora_targets[request.task]
+        request_adapters(request, target, config, LoraHeaders())  # headers only: each file's fit and targets
     return warnings
 
 
