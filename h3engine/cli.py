@@ -401,19 +401,22 @@ def _check_prompt_tokens(checkpoint: str, request: GenerationRequest) -> None:
 
 
 def _check_loras(checkpoint: str, request: GenerationRequest) -> None:
-    """Each LoRA file read and checked against the DiT its task runs (that DiT's config only: no model loads)."""
+    """Each LoRA file's header checked against the DiT its task runs (that DiT's config only: no model loads; the
+    engine reads the whole file when it runs)."""
     if not request.loras:
         return
     import torch
 
-    from h3engine.adapters import LoraFiles, request_adapters
+    from h3engine.adapters import LoraHeaders, request_adapters
     from h3engine.checkpoint.layout import DIFFUSERS_DIT_FOLDERS, detect_layout
     from h3engine.checkpoint.loader import dit_source
 
     layout = detect_layout(checkpoint)
     paths = layout.for_task(request.task)
     config = dit_source(layout, paths, torch.float32).config
-    request_adapters(request, DIFFUSERS_DIT_FOLDERS.get(paths.partition, "transformer"), config, LoraFiles())
+    request_adapters(
+        request, DIFFUSERS_DIT_FOLDERS.get(paths.partition, "transformer"), config, LoraHeaders()
+    )
 
 
 def _generate_in_process(
