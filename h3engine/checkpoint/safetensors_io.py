@@ -58,9 +58,8 @@ class TensorInfo:
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
-    placeholder_seed: int | None = (
-        None  # a placeholder file's: values are drawn, not read (`placeholder_values`)
-    )
+    # A placeholder file's seed: its values are drawn, not read (`placeholder_values`).
+    placeholder_seed: int | None = None
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
