@@ -499,7 +499,6 @@ def own_gradio_cache() -> Path | None:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per internal request otherwise
-    from h3engine.checkpoint.placeholder import is_placeholder
     from h3engine.errors import H3Error
 
     try:
@@ -510,6 +509,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoint, engines = _tiny_engines(config)
             banner = random_weights_banner(checkpoint if config.shared_history else None)
         else:
+            from h3engine.checkpoint.placeholder import is_placeholder  # after the options' checks: torch
+
             checkpoint, engines = config.checkpoint, _load_engines(config.checkpoint, config)
             banner = placeholder_banner(checkpoint.name) if is_placeholder(checkpoint) else None
     except (ConfigError, H3Error) as error:
