@@ -198,17 +198,17 @@ def _write_native(root: Path, seed: int, dmd_steps: list[int] | None = None) -> 
         state = dit_keys.random_native_state(config, component_seed(seed, partition))
         save_sharded(state, folder, "model", 2, "model.safetensors.index.json")
 
+    configs = _tiny_configs()
+    # Both partitions hold the same VAEs: drawn once.
+    video_state = video_vae_keys.random_native_state(configs[1], component_seed(seed, "video_vae"))
+    audio_state = audio_vae_keys.random_native_state(configs[2], component_seed(seed, "audio_vae"))
     writers = NativeWeightWriters(
         dit=dit,
-        video_vae=lambda config, path: save(
-            video_vae_keys.random_native_state(config, component_seed(seed, "video_vae")), path
-        ),
-        audio_vae=lambda config, path: save(
-            audio_vae_keys.random_native_state(config, component_seed(seed, "audio_vae")), path
-        ),
+        video_vae=lambda _, path: save(video_state, path),
+        audio_vae=lambda _, path: save(audio_state, path),
         text_side=lambda folder, text_dim: _write_text_side(folder, seed, text_dim),
     )
-    write_native_tree(root, _tiny_configs(), TINY_CANVAS, writers, dmd_steps)
+    write_native_tree(root, configs, TINY_CANVAS, writers, dmd_steps)
 
 
 def _component_entry(library: str, class_name: str, subfolder: str) -> list:

@@ -37,6 +37,7 @@ from h3engine.runtime.front import (
     ENGINE_FAILURE_MESSAGE,
     JobHandle,
     Replica,
+    settle_heap,
     warm_up_request,
 )
 from h3engine.runtime.messages import JobFailed, JobFinished, JobStarted
@@ -117,6 +118,7 @@ class EngineDeployment:
         self._busy = threading.Lock()
         if spec.warm_up and spec.gpus:
             self._warm_up()
+        settle_heap()  # each job's collection then walks only what jobs made
 
     def _warm_up(self) -> None:
         if "t2va" not in self._replica.facts.tasks:
