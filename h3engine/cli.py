@@ -1,11 +1,11 @@
-"""Command line: `python -m h3engine generate ...`, `make-tiny-checkpoint DIR` and `make-placeholder-checkpoint DIR`.
+"""Command line: `generate ...`, `make-tiny-checkpoint DIR`, `make-placeholder-checkpoint DIR`, `plan-memory ...`.
 
 Task inputs: `--first-frame` / `--last-frame` (FL2VA) and repeatable `--ref KIND:PATH[@START_SECONDS]` (Ref2VA, in
 prompt label order); without `--task` the inputs pick it. Adapters: repeatable `--lora PATH[:STRENGTH]`, on the DiT
 `--lora-target` names (default: as diffusers); `--turbo` sets the steps, shifts and `--rungs` they run with.
 Devices: `--device` (default cuda when present) runs the engine here; `--gpus N`, `--devices 0,1,...` or
 `--world-size N` (`--device cpu`: CPU ranks over gloo) run a resident worker group (h3engine.runtime.workers). The
-engine flags (layout, `--dtype`, `--memory-profile`, `--fp8-linear`) are the app's too (h3engine.engine_options).
+engine flags (layout, `--dtype`, the memory budget, `--fp8-linear`) are the app's too (h3engine.engine_options).
 
 Order of the checks: the output flags, the request and its files (headers only) and `--dtype` before torch is
 imported; then the device, memory-profile and layout flags, a step-distilled checkpoint's step count (`--steps`
@@ -41,6 +41,7 @@ from h3engine.engine_options import (
 )
 from h3engine.errors import H3Error, RequestError
 from h3engine.media.formats import accepted_text
+from h3engine.memory.plan_cli import add_plan_memory_parser, run_plan_memory
 from h3engine.request import (
     LORA_TARGETS,
     MAX_LORA_STRENGTH,
@@ -195,6 +196,7 @@ def _build_parser() -> argparse.ArgumentParser:
     placeholder.add_argument(
         "--tiny", action="store_true", help="the tiny shapes instead of the released ones"
     )
+    add_plan_memory_parser(commands)
     return parser
 
 
@@ -521,6 +523,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except FileExistsError as error:
                 raise RequestError(str(error)) from None
             return 0
+        if args.command == "plan-memory":
+            return run_plan_memory(args)
         if args.quiet and args.progress != "auto":
             raise RequestError(f"--quiet: shows no progress, so it cannot go with --progress {args.progress}")
         progress = make_progress(args.progress, args.quiet)

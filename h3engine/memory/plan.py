@@ -1,0 +1,715 @@
+"""A memory plan: where each model of a checkpoint lives so that an engine's peak stays under its budget.
+
+Types: per model (`ModelPlacement`) its repeated layers are "resident" (on the device for the engine's life),
+"phase" (moved onto the device for the phases that run it) or "streamed" (through a ring of `ring_depth` device
+buffers filled a few layers ahead, the first `resident_layers` staying on the device); the rest is resident or phase.
+What is not resident waits in a host home: "pinned", "mapped" (read again from the checkpoint files) or "none". On a
+GPU the DiT's AdaLN projections wait on the host (`adaln_home`), streamed once per request; the partition not served
+waits in `other_partition_home` ("pinned", "mapped" or "disk").
+
+The planner: `plan_for_shape(sizes, budget, shape, profile)` (`auto`: of the placements that fit, the one losing the
+fewest seconds per request under the cost model below), `plan_engine(..., shapes)` (the most demanding shape whose plan costs little more),
+`request_peak_bytes` / `check_request_fits` (one request under a plan). Shapes: h3engine.memory.shapes; working
+memory: .working; peaks and host homes: .peaks; words: .plan_cli.
+
+Danger: the peaks rest on estimated activations (h3engine.memory.working). Imports no torch (budget.py relies on it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from h3engine.errors import RequestError
+from h3engine.memory.peaks import (
+    HostPlan,
+    dit_image_bytes,
+    host_plan,
+    moved_home_bytes,
+    phase_peaks,
+    ring_slot_bytes,
+    streamed_home_bytes,
+)
+from h3engine.memory.shapes import (
+    DEFAULT_STEPS,
+    MIN_DURATION_SECONDS,
+    ReferenceSpec,
+    RequestShape,
+    engine_shapes,
+    partition_for_task,
+    request_shape,
+    reshaped,
+)
+from h3engine.memory.working import (
+    adaln_in_flight_bytes,
+    decoder_call_flops,
+    dit_forward_flops,
+    phase_working,
+    text_encode_flops,
+)
+
+if TYPE_CHECKING:
+    from h3engine.memory.sizes import CheckpointSizes, PartitionSizes
+
+# The engine-facing API (shapes and peaks re-exported from the modules that compute them).
+__all__ = [
+    "GIB",
+    "HOMES",
+    "MEMORY_PROFILES",
+    "MODELS",
+    "RESIDENT",
+    "WEIGHT_FORMATS",
+    "MemoryBudget",
+    "MemoryPlan",
+    "ModelPlacement",
+    "PlannedComponent",
+    "ReferenceSpec",
+    "RequestShape",
+    "check_request_fits",
+    "engine_shapes",
+    "phase_peaks",
+    "plan_engine",
+    "plan_for_shape",
+    "request_peak_bytes",
+    "request_shape",
+    "resident_plan",
+]
+
+GIB = 1 << 30
+
+MEMORY_PROFILES = ("auto", "resident", "streamed", "low-memory")
+WEIGHT_FORMATS = ("bf16", "fp8")
+MODELS = ("text_encoder", "dit", "video_vae", "audio_vae")
+LAYER_PLACEMENTS = ("resident", "phase", "streamed")
+OTHER_PLACEMENTS = ("resident", "phase")
+HOMES = ("none", "pinned", "mapped")
+
+
+@dataclass(frozen=True)
+class ModelPlacement:
+    """How one model is held: its repeated layers, the rest of it, and the host home of what is not resident."""
+
+    layers: str = "resident"  # LAYER_PLACEMENTS
+    other: str = "resident"  # OTHER_PLACEMENTS
+    home: str = "none"  # HOMES
+    resident_layers: int = 0  # streamed: how many leading layers stay on the device
+    ring_depth: int = 0  # streamed: device buffers in the ring (at least 2)
+
+    def __post_init__(self) -> None:
+        if (
+            self.layers not in LAYER_PLACEMENTS
+            or self.other not in OTHER_PLACEMENTS
+            or self.home not in HOMES
+        ):
+            raise ValueError(f"invalid model placement {self}")
+        if self.layers == "streamed" and self.ring_depth < 2:
+            raise ValueError(f"a streamed model needs a ring of at least 2 buffers, got {self.ring_depth}")
+        if (self.layers != "resident" or self.other != "resident") and self.home == "none":
+            raise ValueError(f"{self}: what is not resident needs a host home")
+
+    @property
+    def all_resident(self) -> bool:
+        return self.layers == "resident" and self.other == "resident"
+
+
+RESIDENT = ModelPlacement()
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The bytes an engine (one rank) may use on its GPU and on the host; None: no limit (the CPU)."""
+
+    gpu_bytes: int | None
+    host_bytes: int | None
+    # Where each number came from, for the plan's log lines: "--gpu-memory", "H3_GPU_MEMORY", "free memory of
+    # cuda:0 (79.1 GiB) less 2.0 GiB", "no GPU"...
+    gpu_source: str = ""
+    host_source: str = ""
+
+
+@dataclass(frozen=True)
+class PlannedComponent:
+    """One line of a plan: a part of a model, where it lives and what it costs."""
+
+    # e.g. "dit.layers", "dit.adaln", "dit.other", "text_encoder.layers", "dit (Ref2VA, not served)"
+    name: str
+    placement: str  # resident | phase | streamed | host | disk
+    bytes: int  # its weights as held (layers on a device unquantized, FP8 stream images as stored)
+    gpu_bytes: int  # the most it holds on the GPU at once (a streamed one: its ring and resident layers)
+    host_bytes: int  # pinned host bytes it holds (a mapped home counts 0: it is the page cache)
+    home: str = "none"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What an engine (one rank) holds where, and the peaks that follow for its design request."""
+
+    profile: str  # as asked: MEMORY_PROFILES
+    weights: str  # WEIGHT_FORMATS
+    budget: MemoryBudget
+    models: Mapping[str, ModelPlacement]  # one per MODELS entry
+    adaln_home: str = "device"  # "device" (the CPU: stays with the module), "pinned" or "mapped"
+    other_partition_home: str = "disk"  # "pinned", "mapped" or "disk"
+    components: tuple[PlannedComponent, ...] = ()
+    phase_peaks: Mapping[str, int] = field(default_factory=dict)  # predicted peak GPU bytes per phase
+    peak_gpu_bytes: int = 0
+    peak_host_bytes: int = 0
+    bytes_per_step: int = 0  # host -> GPU bytes per DiT forward
+    bytes_per_request: int = 0  # host -> GPU bytes per request besides the steps
+    minimum_gpu_bytes: int = 0  # the smallest budget any plan fits the design request in
+    fits: bool = True
+    design_request: str = ""  # the request the peaks are for, e.g. "t2va 5 s 1344x768"
+    # Added by the planner (below); defaults describe a plan made by hand.
+    device_type: str = "cuda"  # "cuda" or "cpu" (on the CPU the models live in host memory: no GPU peak)
+    # The partition the peaks are for (its DiT is "served"; the other one waits in its home).
+    partition: str = ""
+    gpu_fits: bool = True
+    host_fits: bool = True
+    minimum_host_bytes: int = 0  # pinned host bytes with every home demoted as far as it goes
+    # Estimated activation bytes per phase (x WORKING_SAFETY).
+    working: Mapping[str, int] = field(default_factory=dict)
+    seconds_lost_per_request: float = 0.0  # predicted time over the all-resident plan (the cost model below)
+    # The h3engine.memory.sizes.CheckpointSizes the plan was made from (for `request_peak_bytes`).
+    sizes: Any = None
+    shape: Any = None  # the RequestShape of `design_request`
+
+    @property
+    def streams(self) -> bool:
+        return any(model.layers == "streamed" for model in self.models.values())
+
+    def summary_lines(self) -> list[str]:
+        """The plan in a few lines, for logs at start (the app's and the CLI's)."""
+        from h3engine.memory.plan_cli import summary_lines
+
+        return summary_lines(self)
+
+
+# A plan that also fits the largest requests is chosen when it costs each request at most this many seconds more than
+# the plan for the default request (what a 5 s request pays so that 15 s ones can run without a restart); a dearer one
+# is not, and larger requests are refused one by one with what would fit (`check_request_fits`).
+LONGER_REQUESTS_ALLOWANCE_S = 2.0
+
+
+def resident_plan(profile: str = "resident", weights: str = "bf16") -> MemoryPlan:
+    """Everything on the compute device (the CPU's plan, and `resident` where it fits)."""
+    return MemoryPlan(
+        profile=profile,
+        weights=weights,
+        budget=MemoryBudget(None, None, "no limit", "no limit"),
+        models={name: RESIDENT for name in MODELS},
+    )
+
+
+# The cost model (seconds lost per request against keeping everything resident).
+# Host -> GPU copy rates: pinned memory over PCIe Gen5 x16 reaches ~50 GB/s alone; half of it allows for the NUMA
+# distance and the other copies sharing the link. Mapped homes read through the page cache or, when evicted, the
+# disk: 2 GB/s is a pessimistic NVMe rate.
+PINNED_BYTES_PER_SECOND = 25e9
+MAPPED_BYTES_PER_SECOND = 2e9
+# Effective dense bf16 rate of the DiT's forward on one H200 (DESIGN.md §5: 3.57 PFLOP in ~5.3 s); used for every
+# model's compute time, which only decides how much of a streamed model's copying hides under its compute.
+EFFECTIVE_FLOPS_PER_SECOND = 6.7e14
+# Ring depths tried for a streamed model, deepest (most copy-ahead) first.
+RING_DEPTHS = (3, 2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The cost model
+
+
+def _bandwidth(home: str) -> float:
+    return PINNED_BYTES_PER_SECOND if home == "pinned" else MAPPED_BYTES_PER_SECOND
+
+
+def _streamed_bus_bytes(model: str, placement: ModelPlacement, partition: PartitionSizes, home: str) -> int:
+    """Bytes one pass over a streamed model's layers moves: the images as stored, or the files' (unquantized) bytes
+    from a mapped home."""
+    size = partition.model(model)
+    if home == "mapped":
+        return size.layers_compute_total - size.leading_compute_bytes(placement.resident_layers)
+    return streamed_home_bytes(model, placement, partition)
+
+
+@dataclass(frozen=True)
+class _Cost:
+    seconds: float
+    bytes_per_step: int
+    bytes_per_request: int
+
+
+def _cost(
+    models: Mapping[str, ModelPlacement],
+    homes: Mapping[str, str],
+    partition: PartitionSizes,
+    shape: RequestShape,
+    share: Any,
+    device_type: str,
+) -> _Cost:
+    """Seconds a request loses against the all-resident plan, and the bytes it moves host -> GPU.
+
+    A streamed model's copies hide under its compute: a DiT step loses max(0, copy - compute), and the first step also
+    carries the AdaLN projections (built on a side stream under it); the text encoder streams its layers once per
+    request, the video decoder once per decoder call, each losing max(0, copy - compute). A phase-moved part copies
+    all of itself each time its phase begins. Compute times are this rank's FLOPs / EFFECTIVE_FLOPS_PER_SECOND.
+    Repeated schedules reuse cached AdaLN tables; the model charges every request as if it were the first.
+    """
+    if device_type == "cpu":
+        return _Cost(0.0, 0, 0)
+    seconds, per_request = 0.0, 0
+
+    def moved(name: str, entries: int) -> None:
+        nonlocal seconds, per_request
+        size = moved_home_bytes(name, models[name], partition) * entries
+        per_request += size
+        seconds += size / PINNED_BYTES_PER_SECOND  # moved parts are always pinned
+
+    dit, placement = partition.dit, models["dit"]
+    step_compute = (
+        dit_forward_flops(partition, shape) / (share.dit_tp * share.dit_sp) / EFFECTIVE_FLOPS_PER_SECOND
+    )
+    adaln_copy = dit.adaln_bytes / _bandwidth(homes["adaln"])
+    per_request += dit.adaln_bytes
+    per_step = 0
+    if placement.layers == "streamed":
+        per_step = _streamed_bus_bytes("dit", placement, partition, homes["dit"])
+        step_copy = per_step / _bandwidth(homes["dit"])
+        seconds += max(0.0, adaln_copy + step_copy - step_compute)
+        seconds += (shape.steps - 1) * max(0.0, step_copy - step_compute)
+    else:
+        seconds += max(0.0, adaln_copy - step_compute)
+    moved("dit", 1)
+
+    placement = models["text_encoder"]
+    moved("text_encoder", 1)
+    if placement.layers == "streamed":
+        streamed = _streamed_bus_bytes("text_encoder", placement, partition, homes["text_encoder"])
+        per_request += streamed
+        compute = text_encode_flops(partition, shape) / share.encoder_tp / EFFECTIVE_FLOPS_PER_SECOND
+        seconds += max(0.0, streamed / _bandwidth(homes["text_encoder"]) - compute)
+
+    # The VAEs' phases: decode, and conditioning for the tasks that encode.
+    entries = 1 if shape.task == "t2va" else 2
+    moved("video_vae", entries)
+    moved("audio_vae", entries)
+    placement = models["video_vae"]
+    if placement.layers == "streamed" and shape.decode is not None:
+        streamed = _streamed_bus_bytes("video_vae", placement, partition, homes["video_vae"])
+        for rows in shape.decode.call_rows:
+            per_request += streamed
+            compute = decoder_call_flops(partition, rows) / EFFECTIVE_FLOPS_PER_SECOND
+            seconds += max(0.0, streamed / _bandwidth(homes["video_vae"]) - compute)
+    return _Cost(seconds, per_step, per_request)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Candidates
+
+
+def _layer_options(model: str, size: Any) -> list[ModelPlacement]:
+    """The placements tried for a model with layers (homes come later): resident, moved per phase, and streamed
+    with its other part resident or moved, at each ring depth (the DiT's resident layers are chosen later; the
+    text encoder and the video decoder keep none: the DiT's gain more, every step). The DiT's other part (patch
+    projections, time embedder, norms: ~0.1 GB) stays resident when its layers stream."""
+    if not size.total:
+        return [RESIDENT]
+    options = [RESIDENT, ModelPlacement("phase", "phase", "pinned")]
+    if size.num_layers >= 2:
+        others = ("resident",) if model == "dit" else ("phase", "resident")
+        for other in others:
+            for depth in RING_DEPTHS:
+                options.append(
+                    ModelPlacement("streamed", other, "pinned", ring_depth=min(depth, size.num_layers))
+                )
+    return options
+
+
+def _audio_options(size: Any) -> list[ModelPlacement]:
+    if not size.total:
+        return [RESIDENT]
+    return [RESIDENT, ModelPlacement("phase", "phase", "pinned")]
+
+
+def _profile_candidates(profile: str, partition: PartitionSizes) -> list[dict[str, ModelPlacement]]:
+    """The placements a profile considers, before the DiT's resident layers and the homes.
+
+    `low-memory`: every model moved per phase (pinned homes). `streamed`: every model with layers streams them (other
+    parts resident, as h3engine.memory.placement.profile_plan has it), a ring of 3 where it fits, else 2, no resident
+    layers. `auto`: the grid of every model's options.
+    """
+    phase = ModelPlacement("phase", "phase", "pinned")
+
+    def whole(size: Any, placement: ModelPlacement) -> ModelPlacement:
+        return placement if size.total else RESIDENT
+
+    if profile == "resident":
+        return [{name: RESIDENT for name in MODELS}]
+    if profile == "low-memory":
+        return [{name: whole(partition.model(name), phase) for name in MODELS}]
+    if profile == "streamed":
+        candidates = []
+        for depth in RING_DEPTHS:
+            models = {}
+            for name in MODELS:
+                size = partition.model(name)
+                if size.num_layers >= 2:
+                    models[name] = ModelPlacement(
+                        "streamed", "resident", "pinned", ring_depth=min(depth, size.num_layers)
+                    )
+                else:
+                    models[name] = RESIDENT
+            candidates.append(models)
+        return candidates
+    grids = {
+        "dit": _layer_options("dit", partition.dit),
+        "text_encoder": _layer_options("text_encoder", partition.text_encoder),
+        "video_vae": _layer_options("video_vae", partition.video_vae),
+        "audio_vae": _audio_options(partition.audio_vae),
+    }
+    return [
+        dict(zip(MODELS, choice, strict=True))
+        for choice in itertools.product(*(grids[name] for name in MODELS))
+    ]
+
+
+@dataclass(frozen=True)
+class _Evaluated:
+    models: dict[str, ModelPlacement]
+    peaks: dict[str, int]
+    peak: int
+    host: HostPlan
+    cost: _Cost
+    gpu_fits: bool
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_fits and self.host.fits
+
+    def rank(self) -> tuple:
+        """Fewest seconds lost, then fewest bytes moved (a step's bytes weigh as all steps'), then the deeper DiT
+        ring (more slack for a copy that runs late), then the lowest peak."""
+        moved = self.cost.bytes_per_step * DEFAULT_STEPS + self.cost.bytes_per_request
+        return (round(self.cost.seconds, 3), moved, -self.models["dit"].ring_depth, self.peak)
+
+
+def _with_homes(models: Mapping[str, ModelPlacement], homes: Mapping[str, str]) -> dict[str, ModelPlacement]:
+    """Each placement with its chosen home ("none" for what is all resident)."""
+    return {
+        name: replace(placement, home="none" if placement.all_resident else homes[name])
+        for name, placement in models.items()
+    }
+
+
+def _evaluate(
+    models: Mapping[str, ModelPlacement],
+    sizes: CheckpointSizes,
+    partition: PartitionSizes,
+    shape: RequestShape,
+    working: Mapping[str, int],
+    budget: MemoryBudget,
+    device_type: str,
+    most_resident: bool = True,
+) -> _Evaluated:
+    """Peaks, homes and cost of a placement; a streamed DiT first gets the most leading resident layers that fit
+    (`most_resident`; none otherwise)."""
+    gpu_limit = None if device_type == "cpu" else budget.gpu_bytes
+    models = dict(models)
+    dit = models["dit"]
+    if dit.layers == "streamed" and most_resident:
+        # Resident layers add to every phase alike, so the room is the budget less the highest phase without them.
+        room = (
+            None
+            if gpu_limit is None
+            else gpu_limit - max(phase_peaks(models, partition, shape, working, device_type).values())
+        )
+        count = partition.dit.num_layers if room is None else 0
+        while (
+            room is not None
+            and count < partition.dit.num_layers
+            and partition.dit.leading_compute_bytes(count + 1) <= room
+        ):
+            count += 1
+        models["dit"] = RESIDENT if count >= partition.dit.num_layers else replace(dit, resident_layers=count)
+    peaks = phase_peaks(models, partition, shape, working, device_type)
+    peak = max(peaks.values())
+    host = host_plan(models, sizes, partition, shape, budget, device_type)
+    models = _with_homes(models, host.homes)
+    cost = _cost(models, host.homes, partition, shape, sizes.share, device_type)
+    return _Evaluated(models, peaks, peak, host, cost, gpu_limit is None or peak <= gpu_limit)
+
+
+def minimum_gpu_bytes(
+    sizes: CheckpointSizes,
+    partition: PartitionSizes,
+    shape: RequestShape,
+    working: Mapping[str, int],
+    device_type: str,
+) -> int:
+    """The smallest peak any placement reaches for this request: no resident DiT layers, the shallowest rings."""
+    unlimited = MemoryBudget(None, None)
+    peaks = []
+    for models in _profile_candidates("auto", partition):
+        shallow = {
+            name: replace(placement, ring_depth=min(RING_DEPTHS))
+            if placement.layers == "streamed"
+            else placement
+            for name, placement in models.items()
+        }
+        evaluated = _evaluate(
+            shallow, sizes, partition, shape, working, unlimited, device_type, most_resident=False
+        )
+        peaks.append(evaluated.peak)
+    return min(peaks, default=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plans
+
+
+def plan_for_shape(
+    sizes: CheckpointSizes,
+    budget: MemoryBudget,
+    shape: RequestShape,
+    profile: str = "auto",
+    device_type: str = "cuda",
+) -> MemoryPlan:
+    """The plan of `profile` for requests of `shape` under `budget`, on a "cuda" or "cpu" engine.
+
+    `auto` takes, among the placements that fit (GPU and host), the one losing the fewest seconds per request (the
+    cost model above), then the one moving the fewest bytes, then the lowest peak; none fitting, the lowest peak
+    (fits=False). On the CPU, or without a GPU budget, `auto` is the all-resident plan (so is every profile on the
+    CPU: the device is the host). `resident`, `low-memory` and `streamed` place as `_profile_candidates` says and
+    report whether that fits.
+    """
+    if profile not in MEMORY_PROFILES:
+        raise ValueError(f"profile must be one of {', '.join(MEMORY_PROFILES)}, got {profile!r}")
+    partition = partition_for_task(sizes, shape.task)
+    working = phase_working(partition, shape, sizes.share, sizes.weights, device_type)
+    effective = profile
+    if device_type == "cpu" or (budget.gpu_bytes is None and profile == "auto"):
+        effective = "resident"
+    # Only `auto` fills the room left with resident DiT layers; `streamed` keeps none.
+    evaluated = [
+        _evaluate(
+            models, sizes, partition, shape, working, budget, device_type, most_resident=effective == "auto"
+        )
+        for models in _profile_candidates(effective, partition)
+    ]
+    fitting = [candidate for candidate in evaluated if candidate.fits]
+    if effective == "streamed":
+        chosen = fitting[0] if fitting else min(evaluated, key=lambda candidate: candidate.peak)
+    elif fitting:
+        chosen = min(fitting, key=_Evaluated.rank)
+    else:
+        chosen = min(evaluated, key=lambda candidate: (candidate.peak, candidate.rank()))
+    minimum = 0 if device_type == "cpu" else minimum_gpu_bytes(sizes, partition, shape, working, device_type)
+    return _plan_of(chosen, profile, sizes, partition, shape, budget, working, minimum, device_type)
+
+
+def _plan_of(
+    chosen: _Evaluated,
+    profile: str,
+    sizes: CheckpointSizes,
+    partition: PartitionSizes,
+    shape: RequestShape,
+    budget: MemoryBudget,
+    working: Mapping[str, int],
+    minimum: int,
+    device_type: str,
+) -> MemoryPlan:
+    homes = chosen.host.homes
+    cpu = device_type == "cpu"
+    return MemoryPlan(
+        profile=profile,
+        weights=sizes.weights,
+        budget=budget,
+        models=chosen.models,
+        adaln_home="device" if cpu else homes["adaln"],
+        other_partition_home=homes["other_partition"],
+        components=_components(chosen, sizes, partition, device_type),
+        phase_peaks=dict(chosen.peaks),
+        peak_gpu_bytes=0 if cpu else chosen.peak,
+        # On the CPU the working memory is host memory too.
+        peak_host_bytes=chosen.host.pinned_bytes + (max(working.values()) if cpu else 0),
+        bytes_per_step=chosen.cost.bytes_per_step,
+        bytes_per_request=chosen.cost.bytes_per_request,
+        minimum_gpu_bytes=minimum,
+        fits=chosen.fits,
+        design_request=shape.label,
+        device_type=device_type,
+        partition=partition.partition,
+        gpu_fits=chosen.gpu_fits,
+        host_fits=chosen.host.fits,
+        minimum_host_bytes=chosen.host.minimum_bytes,
+        working=dict(working),
+        seconds_lost_per_request=chosen.cost.seconds,
+        sizes=sizes,
+        shape=shape,
+    )
+
+
+_PARTITION_NAMES = {"fl2va": "FL2VA", "ref2va": "Ref2VA"}
+
+
+def _components(
+    chosen: _Evaluated, sizes: CheckpointSizes, partition: PartitionSizes, device_type: str
+) -> tuple[PlannedComponent, ...]:
+    """One line per part of each model (layers, other, AdaLN projections), and the other partition's DiT.
+
+    `bytes` is the part as held: layers on the device unquantized, streamed layers' images as stored; `gpu_bytes`
+    the most it holds on the device at once (a streamed part: its resident layers and its ring); `host_bytes` its
+    pinned bytes (the served DiT's include its warm copy when both partitions stay warm)."""
+    rows: list[PlannedComponent] = []
+    homes, cpu = chosen.host.homes, device_type == "cpu"
+    warm = chosen.host.pinned.get("warm_dit", 0) > 0
+    for name in MODELS:
+        placement, size = chosen.models[name], partition.model(name)
+        if not size.total:
+            continue
+        kept_home = homes[name] == "pinned"
+        if size.num_layers:
+            if placement.layers == "streamed":
+                resident = size.leading_compute_bytes(placement.resident_layers)
+                images = size.trailing_layers_bytes(placement.resident_layers)
+                held, on_gpu = (
+                    resident + images,
+                    resident + placement.ring_depth * ring_slot_bytes(name, partition),
+                )
+                pinned = (images if kept_home else 0) + (resident if name == "dit" and warm else 0)
+            else:
+                held = on_gpu = size.layers_compute_total
+                pinned = held if placement.layers == "phase" or (name == "dit" and warm) else 0
+            rows.append(
+                PlannedComponent(
+                    f"{name}.layers", placement.layers, held, on_gpu, 0 if cpu else pinned, placement.home
+                )
+            )
+        pinned = size.other_bytes if placement.other == "phase" or (name == "dit" and warm) else 0
+        rows.append(
+            PlannedComponent(
+                f"{name}.other" if size.num_layers else name,
+                placement.other,
+                size.other_bytes,
+                size.other_bytes,
+                0 if cpu else pinned,
+                placement.home,
+            )
+        )
+        if name == "dit" and size.adaln_bytes:
+            if cpu:
+                rows.append(
+                    PlannedComponent("dit.adaln", "resident", size.adaln_bytes, size.adaln_bytes, 0, "none")
+                )
+            else:
+                in_flight = adaln_in_flight_bytes(partition, sizes.weights, device_type)
+                pinned = size.adaln_bytes if homes["adaln"] == "pinned" else 0
+                rows.append(
+                    PlannedComponent("dit.adaln", "host", size.adaln_bytes, in_flight, pinned, homes["adaln"])
+                )
+    other = sizes.other_partition(partition.partition)
+    if other is not None:
+        home = homes["other_partition"]
+        label = _PARTITION_NAMES.get(other.partition, other.partition)
+        image = dit_image_bytes(chosen.models["dit"], other) if not cpu else other.dit.total
+        rows.append(
+            PlannedComponent(
+                f"dit ({label}, not served)",
+                "disk" if home == "disk" else "host",
+                image,
+                0,
+                chosen.host.pinned.get("other_partition", 0),
+                home,
+            )
+        )
+    return tuple(rows)
+
+
+def plan_engine(
+    sizes: CheckpointSizes,
+    budget: MemoryBudget,
+    profile: str,
+    weights: str,
+    device_type: str,
+    shapes: Sequence[RequestShape],
+) -> MemoryPlan:
+    """The engine's plan, `shapes` most demanding first (e.g. the largest request it accepts, then the default
+    request): the plan for the most demanding shape that fits and costs each request at most
+    `LONGER_REQUESTS_ALLOWANCE_S` more than the plan for the last shape that fits; requests larger than its shape
+    are then judged one by one (`check_request_fits`). None fitting: the last one's plan (fits=False: the caller
+    refuses to start, naming `minimum_gpu_bytes`). `weights` must be the format `sizes` were computed for."""
+    if not shapes:
+        raise ValueError("plan_engine needs at least one request shape")
+    if weights != sizes.weights:
+        raise ValueError(f"sizes are for {sizes.weights} weights, the plan asks for {weights}")
+    plans = [plan_for_shape(sizes, budget, shape, profile, device_type) for shape in shapes]
+    fitting = [plan for plan in plans if plan.fits]
+    if not fitting:
+        return plans[-1]
+    baseline = fitting[-1].seconds_lost_per_request
+    return next(
+        plan for plan in fitting if plan.seconds_lost_per_request <= baseline + LONGER_REQUESTS_ALLOWANCE_S
+    )
+
+
+def request_peak_bytes(plan: MemoryPlan, shape: RequestShape) -> int:
+    """The peak GPU bytes of one request of `shape` under `plan`'s placements (0 on the CPU)."""
+    if plan.device_type == "cpu":
+        return 0
+    if plan.sizes is None:
+        raise ValueError("this plan was not made by the planner (it has no sizes)")
+    partition = partition_for_task(plan.sizes, shape.task)
+    working = phase_working(partition, shape, plan.sizes.share, plan.weights, plan.device_type)
+    return max(phase_peaks(plan.models, partition, shape, working, plan.device_type).values())
+
+
+def _budget_flag(budget: MemoryBudget) -> str:
+    source = budget.gpu_source
+    for name in ("--gpu-memory", "H3_GPU_MEMORY"):
+        if source.startswith(name):
+            return name
+    return "the GPU's free memory"
+
+
+def check_request_fits(plan: MemoryPlan, shape: RequestShape) -> None:
+    """Raise RequestError when one request of `shape` would not fit `plan`'s GPU budget, naming the field to change:
+    `duration_seconds` when a shorter request fits (the longest whole second that does), else `short_edge` (the
+    largest canvas multiple that does), else `references` / `keyframes` / `prompt`."""
+    limit = plan.budget.gpu_bytes
+    if limit is None or plan.device_type == "cpu":
+        return
+    peak = request_peak_bytes(plan, shape)
+    if peak <= limit:
+        return
+    sizes = plan.sizes
+    over = f"at this plan, over the {limit / GIB:.1f} GiB budget ({_budget_flag(plan.budget)})"
+    seconds = shape.duration_seconds
+    candidate = math.ceil(seconds) - 1
+    while candidate >= MIN_DURATION_SECONDS:
+        if request_peak_bytes(plan, reshaped(sizes, shape, duration_seconds=float(candidate))) <= limit:
+            raise RequestError(
+                f"duration_seconds: a {seconds:g} s request needs about {peak / GIB:.1f} GiB {over}; ask for "
+                f"{candidate} s or less, or raise --gpu-memory"
+            )
+        candidate -= 1
+    partition = partition_for_task(sizes, shape.task)
+    multiple = partition.video_config.spatial_compression_ratio * partition.dit_config.patch_size[-1]
+    edge = min(shape.height, shape.width)
+    smaller = (edge // multiple - 1) * multiple
+    while smaller >= multiple:
+        try:
+            variant = reshaped(sizes, shape, short_edge=smaller)
+        except ValueError:
+            break
+        if request_peak_bytes(plan, variant) <= limit:
+            raise RequestError(
+                f"short_edge: a {edge}-pixel short edge needs about {peak / GIB:.1f} GiB {over}; ask for "
+                f"{smaller} or less, or raise --gpu-memory"
+            )
+        smaller -= multiple
+    field_name = {"ref2va": "references", "fl2va": "keyframes"}.get(shape.task, "prompt")
+    raise RequestError(
+        f"{field_name}: this request needs about {peak / GIB:.1f} GiB {over}, even at its shortest and smallest; "
+        "raise --gpu-memory"
+    )

@@ -1,0 +1,380 @@
+"""`python -m h3engine plan-memory`: a checkpoint's memory plan under a budget, before anything loads.
+
+    python -m h3engine plan-memory --checkpoint DIR --gpu-memory 24 [--host-memory 120] [--task t2va|fl2va|ref2va]
+        [--duration S] [--aspect-ratio R] [--short-edge E] [--weights bf16|fp8] [--memory-profile auto|...]
+        [--references image:4:1,video:5,audio:5] [--prompt-tokens N] [--json]
+
+Reads configs and headers only; prints, for the design request the flags describe (what they leave open takes the
+worst case the request limits allow), each component's placement and bytes, the peak GPU memory per phase and in
+all, the pinned host memory, and the bytes moved per DiT step and per request; `--json`: one object instead. Also
+the plan's log lines (`summary_lines`). Exit 0 when the plan fits; 2 with one line on stderr for a bad flag (checked
+before torch loads), a checkpoint problem, a GPU budget below the request's smallest plan (nothing on stdout), or a
+plan that does not fit (printed first).
+
+Danger: the peaks rest on estimated activations (h3engine.memory.working); they are not measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from h3engine.errors import RequestError
+from h3engine.geometry import MAX_ASPECT_RATIO, MIN_ASPECT_RATIO, parse_aspect_ratio
+from h3engine.memory.budget import GPU_MEMORY_ENV, parse_gib, resolve_budget
+from h3engine.memory.plan import GIB, MEMORY_PROFILES, MODELS, WEIGHT_FORMATS, plan_for_shape
+from h3engine.memory.shapes import (
+    MAX_CLIP_SECONDS,
+    MAX_DURATION_SECONDS,
+    MAX_PROMPT_TOKENS,
+    MAX_REFERENCES,
+    MAX_SHORT_EDGE,
+    MIN_DURATION_SECONDS,
+    ReferenceSpec,
+    request_shape,
+)
+
+TASKS = ("t2va", "fl2va", "ref2va")
+
+
+def add_plan_memory_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Declare the `plan-memory` subcommand on the CLI's subparsers."""
+    plan = commands.add_parser(
+        "plan-memory",
+        help="show where each model would live under a GPU / host memory budget (reads headers only)",
+    )
+    plan.add_argument("--checkpoint", required=True, help="checkpoint folder (native or diffusers layout)")
+    plan.add_argument(
+        "--gpu-memory",
+        default=None,
+        metavar="GIB",
+        help=f"GPU budget in GiB (env {GPU_MEMORY_ENV}; default: free)",
+    )
+    plan.add_argument(
+        "--host-memory",
+        default=None,
+        metavar="GIB",
+        help="host budget in GiB (env H3_HOST_MEMORY; default: free)",
+    )
+    plan.add_argument("--task", choices=TASKS, default="t2va")
+    plan.add_argument("--duration", type=float, default=5.0, help="seconds, 4 to 15 (default 5)")
+    plan.add_argument("--aspect-ratio", default="16:9", help="W:H (default 16:9)")
+    plan.add_argument("--short-edge", type=int, default=None, help="canvas short edge (checkpoint default)")
+    plan.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16")
+    plan.add_argument("--memory-profile", choices=MEMORY_PROFILES, default="auto")
+    plan.add_argument(
+        "--references",
+        default=None,
+        metavar="KIND[:VALUE],...",
+        help="ref2va: the references, e.g. image:4:1,video:5,audio:3 (image: W:H, default 16:9; video / audio: "
+        "seconds, default the duration); default: the worst case the request limits allow",
+    )
+    plan.add_argument(
+        "--prompt-tokens", type=int, default=None, help="prompt tokens (default: the bound, 8,192)"
+    )
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Flags (no torch)
+
+
+def _check_flags(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """RequestError naming the flag for a value the planner cannot use; returns the parsed GiB values."""
+    gpu = None if args.gpu_memory is None else parse_gib(args.gpu_memory, "--gpu-memory")
+    host = None if args.host_memory is None else parse_gib(args.host_memory, "--host-memory")
+    if not MIN_DURATION_SECONDS <= args.duration <= MAX_DURATION_SECONDS:
+        raise RequestError(
+            f"--duration: must be within [{MIN_DURATION_SECONDS:g}, {MAX_DURATION_SECONDS:g}] s, got {args.duration:g}"
+        )
+    try:
+        width, height = parse_aspect_ratio(args.aspect_ratio)
+    except ValueError as error:
+        raise RequestError(f"--aspect-ratio: {error}") from None
+    if not MIN_ASPECT_RATIO <= width / height <= MAX_ASPECT_RATIO:
+        raise RequestError(f"--aspect-ratio: must be within 1:4 to 4:1, got {args.aspect_ratio}")
+    if args.short_edge is not None and not 1 <= args.short_edge <= MAX_SHORT_EDGE:
+        raise RequestError(f"--short-edge: must be within [1, {MAX_SHORT_EDGE}], got {args.short_edge}")
+    if args.prompt_tokens is not None and not 1 <= args.prompt_tokens <= MAX_PROMPT_TOKENS:
+        raise RequestError(
+            f"--prompt-tokens: must be within [1, {MAX_PROMPT_TOKENS:,}], got {args.prompt_tokens}"
+        )
+    if args.references is not None and args.task != "ref2va":
+        raise RequestError(f"--references: only for --task ref2va, got --task {args.task}")
+    return gpu, host
+
+
+def parse_references(text: str) -> tuple[Any, ...]:
+    """ "image:4:1,video:5,audio" -> ReferenceSpecs (RequestError naming --references)."""
+    references = []
+    for entry in (part.strip() for part in text.split(",")):
+        kind, _, value = entry.partition(":")
+        try:
+            if kind == "image":
+                aspect = parse_aspect_ratio(value) if value else (16.0, 9.0)
+                references.append(ReferenceSpec("image", aspect=aspect))
+            elif kind in ("video", "audio"):
+                seconds = float(value) if value else None
+                if seconds is not None and not 0 < seconds <= MAX_CLIP_SECONDS:
+                    raise ValueError(f"seconds must be within (0, {MAX_CLIP_SECONDS:g}]")
+                references.append(ReferenceSpec(kind, seconds=seconds))
+            else:
+                raise ValueError("a reference is image[:W:H], video[:SECONDS] or audio[:SECONDS]")
+        except ValueError as error:
+            raise RequestError(f"--references: {entry!r}: {error}") from None
+    if not references or len(references) > MAX_REFERENCES:
+        raise RequestError(f"--references: 1 to {MAX_REFERENCES} references, got {len(references)}")
+    return tuple(references)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run
+
+
+def run_plan_memory(args: argparse.Namespace) -> int:
+    """Print the plan (or its JSON); RequestError / CheckpointError (exit 2 by the CLI) for what cannot be planned."""
+    gpu_flag, host_flag = _check_flags(args)
+    references = parse_references(args.references) if args.references is not None else None
+    # Torch from here on. A GPU budget given (flag or environment) plans for a GPU on any machine.
+    from h3engine.memory.sizes import checkpoint_sizes
+
+    explicit_gpu = gpu_flag is not None or os.environ.get(GPU_MEMORY_ENV, "").strip()
+    device = "cuda" if explicit_gpu else _default_device()
+    budget = resolve_budget(device, args.gpu_memory, args.host_memory)
+    sizes = checkpoint_sizes(args.checkpoint, weights=args.weights)
+    try:
+        shape = request_shape(
+            sizes,
+            args.task,
+            duration_seconds=args.duration,
+            aspect_ratio=args.aspect_ratio,
+            short_edge=args.short_edge,
+            text_tokens=args.prompt_tokens,
+            references=references,
+        )
+    except ValueError as error:
+        raise RequestError(f"--short-edge / --aspect-ratio: {error}") from None
+    device_type = "cpu" if device == "cpu" else "cuda"
+    plan = plan_for_shape(sizes, budget, shape, args.memory_profile, device_type)
+    if budget.gpu_bytes is not None and device_type != "cpu" and budget.gpu_bytes < plan.minimum_gpu_bytes:
+        raise RequestError(
+            f"{_gpu_budget_words(budget)} cannot hold even the smallest plan for this request ({shape.label}): it "
+            f"needs {plan.minimum_gpu_bytes / GIB:.1f} GiB; raise --gpu-memory, or plan a shorter or smaller request "
+            f"(--duration, --short-edge{', --references' if args.task == 'ref2va' else ''})"
+        )
+    print(json.dumps(plan_json(plan), indent=2) if args.json else "\n".join(plan_table(plan)))
+    sys.stdout.flush()
+    if not plan.gpu_fits:
+        raise RequestError(
+            f"--memory-profile {plan.profile}: its peak is {plan.peak_gpu_bytes / GIB:.1f} GiB, over "
+            f"{_gpu_budget_words(budget)}; use --memory-profile auto (needs at least "
+            f"{plan.minimum_gpu_bytes / GIB:.1f} GiB)"
+        )
+    if not plan.host_fits:
+        raise RequestError(
+            f"--host-memory: the plan pins at least {plan.minimum_host_bytes / GIB:.1f} GiB of host memory even with "
+            f"every home mapped, over the {budget.host_bytes / GIB:.1f} GiB budget ({budget.host_source}); raise "
+            "--host-memory"
+        )
+    return 0
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def _gpu_budget_words(budget: Any) -> str:
+    """ "--gpu-memory 2 GiB", "H3_GPU_MEMORY 2 GiB" or "the 22.1 GiB budget (free memory of ...)"."""
+    value = f"{budget.gpu_bytes / GIB:g} GiB"
+    for name in ("--gpu-memory", GPU_MEMORY_ENV):
+        if budget.gpu_source.startswith(name):
+            return f"{name} {value}"
+    return f"the {budget.gpu_bytes / GIB:.1f} GiB budget ({budget.gpu_source})"
+
+
+def _gib(size: int | None) -> str:
+    return "-" if size is None else f"{size / GIB:.2f}"
+
+
+def plan_table(plan: Any) -> list[str]:
+    """The human form: a table of components, then the peaks, the traffic and a verdict."""
+    lines = [f"design request: {plan.design_request}"]
+    lines.append(
+        f"budget: GPU {_budget(plan.budget.gpu_bytes, plan.budget.gpu_source)}; host "
+        f"{_budget(plan.budget.host_bytes, plan.budget.host_source)}"
+    )
+    lines.append(f"profile {plan.profile}, {plan.weights} weights, serving partition {plan.partition}")
+    header = ("component", "placement", "home", "GiB", "GPU GiB", "pinned GiB")
+    rows = [header] + [
+        (c.name, c.placement, c.home, _gib(c.bytes), _gib(c.gpu_bytes), _gib(c.host_bytes))
+        for c in plan.components
+    ]
+    widths = [max(len(row[index]) for row in rows) for index in range(len(header))]
+    for row in rows:
+        cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1]), row[2].ljust(widths[2])]
+        cells += [cell.rjust(width) for cell, width in zip(row[3:], widths[3:], strict=True)]
+        lines.append("  ".join(cells).rstrip())
+    if plan.device_type != "cpu":
+        lines.append(
+            "peak GPU per phase: "
+            + ", ".join(
+                f"{phase} {value / GIB:.1f} GiB (working {plan.working[phase] / GIB:.1f})"
+                for phase, value in plan.phase_peaks.items()
+            )
+        )
+        lines.append(
+            f"peak GPU: {plan.peak_gpu_bytes / GIB:.1f} GiB (the smallest plan needs {plan.minimum_gpu_bytes / GIB:.1f})"
+        )
+    if plan.device_type == "cpu":
+        lines.append(
+            f"peak host: {plan.peak_host_bytes / GIB:.1f} GiB (on the CPU the models and activations live there)"
+        )
+    else:
+        lines.append(
+            f"peak host: {plan.peak_host_bytes / GIB:.1f} GiB pinned (at least {plan.minimum_host_bytes / GIB:.1f} "
+            f"with every home mapped); AdaLN home {plan.adaln_home}, other partition's DiT {plan.other_partition_home}"
+        )
+    if plan.device_type != "cpu":
+        lines.append(
+            f"moved host -> GPU: {plan.bytes_per_step / 1e9:.1f} GB per DiT step, {plan.bytes_per_request / 1e9:.1f} GB "
+            f"per request besides; predicted {plan.seconds_lost_per_request:.1f} s per request over all-resident"
+        )
+    lines.append("verdict: " + ("fits" if plan.fits else "does NOT fit"))
+    return lines
+
+
+def _budget(size: int | None, source: str) -> str:
+    return ("no limit" if size is None else f"{size / GIB:.1f} GiB") + (f" ({source})" if source else "")
+
+
+def plan_json(plan: Any) -> dict[str, Any]:
+    """The `--json` object."""
+    shape = plan.shape
+    return {
+        "fits": plan.fits,
+        "gpu_fits": plan.gpu_fits,
+        "host_fits": plan.host_fits,
+        "peak_gpu_bytes": plan.peak_gpu_bytes,
+        "peak_host_bytes": plan.peak_host_bytes,
+        "minimum_gpu_bytes": plan.minimum_gpu_bytes,
+        "minimum_host_bytes": plan.minimum_host_bytes,
+        "phase_peaks": dict(plan.phase_peaks),
+        "working_bytes": dict(plan.working),
+        "bytes_per_step": plan.bytes_per_step,
+        "bytes_per_request": plan.bytes_per_request,
+        "seconds_lost_per_request": round(plan.seconds_lost_per_request, 3),
+        "profile": plan.profile,
+        "weights": plan.weights,
+        "device": plan.device_type,
+        "partition": plan.partition,
+        "budget": {
+            "gpu_bytes": plan.budget.gpu_bytes,
+            "host_bytes": plan.budget.host_bytes,
+            "gpu_source": plan.budget.gpu_source,
+            "host_source": plan.budget.host_source,
+        },
+        "models": {
+            name: {
+                "layers": placement.layers,
+                "other": placement.other,
+                "home": placement.home,
+                "resident_layers": placement.resident_layers,
+                "ring_depth": placement.ring_depth,
+            }
+            for name, placement in plan.models.items()
+        },
+        "adaln_home": plan.adaln_home,
+        "other_partition_home": plan.other_partition_home,
+        "components": [
+            {
+                "name": component.name,
+                "placement": component.placement,
+                "bytes": component.bytes,
+                "gpu_bytes": component.gpu_bytes,
+                "host_bytes": component.host_bytes,
+                "home": component.home,
+            }
+            for component in plan.components
+        ],
+        "design_request": plan.design_request,
+        "request": {
+            "task": shape.task,
+            "height": shape.height,
+            "width": shape.width,
+            "frames": shape.frames,
+            "text_rows": shape.text_rows,
+            "video_rows": shape.video_rows,
+            "audio_rows": shape.audio_rows,
+            "condition_video_rows": shape.condition_video_rows,
+            "condition_audio_rows": shape.condition_audio_rows,
+            "sequence_rows": shape.sequence_rows,
+            "steps": shape.steps,
+        },
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The log lines
+
+
+def _one_decimal(size: int) -> str:
+    return f"{size / GIB:.1f} GiB"
+
+
+def describe_placement(name: str, placement: Any, size: Any = None) -> str:
+    """ "layers streamed (16 of 52 resident, ring 3), other resident, home pinned" and the like."""
+    if placement.all_resident:
+        return "resident"
+    layers = placement.layers
+    if layers == "streamed":
+        total = f" of {size.num_layers}" if size is not None else ""
+        layers = f"streamed ({placement.resident_layers}{total} resident, ring {placement.ring_depth})"
+    if name == "audio_vae":
+        return f"{placement.other}, home {placement.home}"
+    return f"layers {layers}, other {placement.other}, home {placement.home}"
+
+
+def summary_lines(plan: Any) -> list[str]:
+    """`MemoryPlan.summary_lines`: the plan in a few lines, for the log at start."""
+    budget = plan.budget
+    verdict = "fits" if plan.fits else "does NOT fit"
+    lines = [
+        f"memory plan ({plan.profile}, {plan.weights} weights, {plan.device_type}) for {plan.design_request}: "
+        f"{verdict} in GPU {_budget_text(budget.gpu_bytes, budget.gpu_source)}, host "
+        f"{_budget_text(budget.host_bytes, budget.host_source)}"
+    ]
+    partition = plan.sizes.partitions.get(plan.partition) if plan.sizes is not None else None
+    for name in MODELS:
+        size = partition.model(name) if partition is not None else None
+        if size is not None and not size.total:
+            continue
+        lines.append(f"  {name}: {describe_placement(name, plan.models[name], size)}")
+    if plan.device_type != "cpu":
+        lines.append(f"  dit AdaLN projections: host ({plan.adaln_home}), streamed once per request")
+    lines.append(f"  other partition's DiT: {plan.other_partition_home}")
+    if plan.device_type != "cpu":
+        peaks = ", ".join(f"{phase} {_one_decimal(value)}" for phase, value in plan.phase_peaks.items())
+        lines.append(
+            f"  peak GPU {_one_decimal(plan.peak_gpu_bytes)} ({peaks}); smallest possible {_one_decimal(plan.minimum_gpu_bytes)}"
+        )
+    lines.append(
+        f"  peak host {_one_decimal(plan.peak_host_bytes)} pinned (at least {_one_decimal(plan.minimum_host_bytes)} with every home "
+        "mapped)"
+    )
+    if plan.device_type != "cpu":
+        lines.append(
+            f"  host -> GPU: {plan.bytes_per_step / 1e9:.1f} GB per DiT step, {plan.bytes_per_request / 1e9:.1f} GB per "
+            f"request besides; about {plan.seconds_lost_per_request:.1f} s per request over the all-resident plan"
+        )
+    return lines
+
+
+def _budget_text(size: int | None, source: str) -> str:
+    text = "no limit" if size is None else _one_decimal(size)
+    return f"{text} ({source})" if source else text

@@ -1,0 +1,377 @@
+"""The shape of a request as far as memory goes: its canvas, frames, packed rows and what its encoders see.
+
+`request_shape(sizes, task, ...)` builds a `RequestShape` from a request's fields with the project's geometry
+(h3engine.geometry) on a checkpoint's canvas rule, VAE and patch factors and Qwen vision rules; what the request
+leaves open takes its worst case under the request limits (the prompt bound, both FL2VA keyframes,
+`worst_case_references`). `reshaped` builds a variant (a shorter duration, a smaller short edge); `engine_shapes`
+lists the requests an engine plans for.
+
+Danger: h3engine.memory sits below the request layer (tests/test_house.py), so the request limits and three small
+rules of h3engine.request, .conditioning and .presentation are mirrored here; tests/test_memory_plan.py keeps each
+mirror equal to its original. Importing this module imports no torch; `request_shape` does (through the sizes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from h3engine.checkpoint.layout import PARTITION_OF_TASK
+from h3engine.errors import CheckpointError
+from h3engine.geometry import (
+    AUDIO_LATENTS_PER_SECOND,
+    AUDIO_SAMPLE_RATE,
+    FPS,
+    MAX_ASPECT_RATIO,
+    RELEASED_SHORT_EDGE,
+    VAE_FRAMES_PER_CHUNK,
+    VAE_LATENTS_PER_CHUNK,
+    Geometry,
+    canvas_rule,
+    resolve_canvas,
+    video_latent_frames,
+)
+
+if TYPE_CHECKING:
+    from h3engine.memory.sizes import CheckpointSizes, DecodeShape, PartitionSizes
+
+# h3engine.request's limits (mirrored: see the module docstring).
+MAX_PROMPT_TOKENS = 8_192
+MIN_DURATION_SECONDS = 4.0
+MAX_DURATION_SECONDS = 15.0
+MAX_SHORT_EDGE = 2048
+MIN_CLIP_SECONDS = 2.0
+MAX_CLIP_SECONDS = 15.0
+MAX_TOTAL_VIDEO_SECONDS = 15.0
+MAX_TOTAL_AUDIO_SECONDS = 15.0
+MAX_REFERENCES_OF_KIND = {"image": 9, "video": 3, "audio": 3}
+MAX_REFERENCES = 12
+# h3engine.presentation.QWEN_VIDEO_SAMPLE_FPS: the rate the text encoder reads a reference video at.
+QWEN_VIDEO_SAMPLE_FPS = 2.0
+
+# The number of distinct per-row timesteps M of a forward, which sizes the AdaLN tables ([M * 3, hidden] per table):
+# text and target video share t_video, target audio has t_audio, visual conditions sit at 0.999, reference audio at 1.
+TIMESTEP_LEVELS = {"t2va": 2, "fl2va": 3, "ref2va": 4}
+# An upper bound on the tokens of one label H3 puts before a keyframe or reference ("<Picture 1>: ", a video
+# block's "<0.2 seconds>"): a few BPE tokens each; 8 covers the tiny tokenizer's longer splits too.
+LABEL_TOKENS = 8
+# Default denoising steps (GenerationRequest.steps).
+DEFAULT_STEPS = 50
+# The Qwen vision block around each image or video block: <|vision_start|> ... <|vision_end|>.
+VISION_BLOCK_TOKENS = 2
+
+
+def reference_image_size(width: float, height: float, short_edge: int, multiple: int) -> tuple[int, int]:
+    """(width, height) of a reference image scaled to `short_edge`, each side rounded to `multiple`
+    (h3engine.conditioning.reference_image_size)."""
+    scale = short_edge / min(width, height)
+    return (
+        max(multiple, round(width * scale / multiple) * multiple),
+        max(multiple, round(height * scale / multiple) * multiple),
+    )
+
+
+def reference_video_encode_frames(num_frames: int) -> int:
+    """Frames of a reference video the VAE encodes: snapped down to 17n + 5, n >= 1
+    (h3engine.conditioning.reference_video_encode_frames)."""
+    chunks = max(1, (num_frames - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK)
+    return chunks * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
+
+
+def qwen_sampled_frames(num_frames: int, fps: float = FPS, sample_fps: float = QWEN_VIDEO_SAMPLE_FPS) -> int:
+    """How many frames of a `fps` clip the text encoder reads: frames round(m * fps / sample_fps), duplicates
+    dropped (the length of h3engine.presentation.qwen_video_sampling's first list)."""
+    stride = fps / sample_fps
+    sampled, cursor, last = 0, 0.0, -1
+    while round(cursor) < num_frames:
+        if round(cursor) > last:
+            sampled, last = sampled + 1, round(cursor)
+        cursor += stride
+    return sampled
+
+
+@dataclass(frozen=True)
+class ReferenceSpec:
+    """One Ref2VA reference of a planned request: an image (`aspect` W:H), a video of `seconds` (its soundtrack
+    when `has_audio`; None seconds: as long as the request) on the request's canvas rule, or an audio clip."""
+
+    kind: str  # "image" | "video" | "audio"
+    seconds: float | None = None
+    aspect: tuple[float, float] = (16.0, 9.0)
+    has_audio: bool = True
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """The sizes of one request that fix its memory: canvas, frames, the packed rows and what the encoders see.
+
+    Built by `request_shape` from the request's fields with the project's own geometry (h3engine.geometry, the
+    conditioning and presentation rules); `arguments` are that call's keyword arguments, so that a variant (a
+    shorter duration, a smaller short edge) can be rebuilt.
+    """
+
+    task: str
+    height: int
+    width: int
+    frames: int
+    latent_frames: int
+    latent_h: int
+    latent_w: int
+    audio_latents: int
+    patch: int
+    text_rows: int  # text-encoder tokens = the DiT's text rows (vision blocks included)
+    condition_video_rows: int = 0
+    condition_audio_rows: int = 0
+    vision_patches: int = (
+        0  # Qwen vision-tower patches (before the 2x2 merge) of every keyframe and reference
+    )
+    vision_tokens: int = 0  # the merged vision tokens among the text rows
+    steps: int = DEFAULT_STEPS
+    timestep_levels: int = 2
+    encode_pixels: int = (
+        0  # frames x height x width of the largest visual condition (encoded whole, on the GPU)
+    )
+    encode_clip_frames: int = (
+        0  # frames one encoder pass sees (17: a video clip, 1: an image; 0: nothing encoded)
+    )
+    encode_tile: tuple[int, int] = (0, 0)  # pixels (h, w) of one encoder tile
+    encode_audio_samples: int = 0  # samples per channel of the longest audio condition
+    decode: DecodeShape | None = None
+    arguments: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def video_rows(self) -> int:
+        return self.latent_frames * (self.latent_h // self.patch) * (self.latent_w // self.patch)
+
+    @property
+    def audio_rows(self) -> int:
+        return 2 * self.audio_latents
+
+    @property
+    def total_video_rows(self) -> int:
+        return self.video_rows + self.condition_video_rows
+
+    @property
+    def total_audio_rows(self) -> int:
+        return self.audio_rows + self.condition_audio_rows
+
+    @property
+    def sequence_rows(self) -> int:
+        """The packed sequence's length: text + condition blocks + target audio + target video."""
+        return self.text_rows + self.total_video_rows + self.total_audio_rows
+
+    @property
+    def duration_seconds(self) -> float:
+        return float(self.arguments.get("duration_seconds", 0.0))
+
+    @property
+    def label(self) -> str:
+        seconds = self.arguments.get("duration_seconds")
+        duration = f"{seconds:g} s " if seconds is not None else ""
+        return (
+            f"{self.task} {duration}{self.width}x{self.height} ({self.frames} frames), {self.text_rows:,} text rows, "
+            f"{self.sequence_rows:,} rows in all"
+        )
+
+
+def worst_case_references(duration_seconds: float) -> tuple[ReferenceSpec, ...]:
+    """The Ref2VA references that make the longest sequence the request checker accepts (h3engine.request limits):
+    every image reference it allows, at the widest ratio (4:1, normalized to the reference short edge: the most rows
+    and vision tokens), then videos with sound, then audio clips, each at most as long as the request (references
+    are cut to it) and the clips within their total lengths."""
+    references = [ReferenceSpec("image", aspect=(MAX_ASPECT_RATIO, 1.0))] * MAX_REFERENCES_OF_KIND["image"]
+    for kind, total in (("video", MAX_TOTAL_VIDEO_SECONDS), ("audio", MAX_TOTAL_AUDIO_SECONDS)):
+        count = 0
+        while (
+            len(references) < MAX_REFERENCES
+            and count < MAX_REFERENCES_OF_KIND[kind]
+            and total >= MIN_CLIP_SECONDS
+        ):
+            seconds = min(duration_seconds, total)
+            references.append(ReferenceSpec(kind, seconds=seconds))
+            total -= seconds
+            count += 1
+    return tuple(references)
+
+
+def request_shape(
+    sizes: CheckpointSizes,
+    task: str = "t2va",
+    *,
+    duration_seconds: float = 5.0,
+    aspect_ratio: str | tuple[float, float] = "16:9",
+    short_edge: int | None = None,
+    text_tokens: int | None = None,
+    keyframes: Sequence[str] = ("first", "last"),
+    references: Sequence[ReferenceSpec] | None = None,
+    steps: int = DEFAULT_STEPS,
+) -> RequestShape:
+    """The shape of a request on this checkpoint (its canvas rule, VAE and patch factors, tokenizer's vision rules).
+
+    Left out, the request's variable parts take their worst case under the request limits: `text_tokens` the prompt
+    bound (h3engine.request.MAX_PROMPT_TOKENS), FL2VA both keyframes, Ref2VA `worst_case_references`. `short_edge`
+    None is the checkpoint's own canvas rule (768 for the release). ValueError for a geometry the resolver refuses.
+    """
+    from h3engine.memory.sizes import decode_shape, image_vision_patches, video_vision_patches
+
+    arguments = {
+        "task": task,
+        "duration_seconds": duration_seconds,
+        "aspect_ratio": aspect_ratio,
+        "short_edge": short_edge,
+        "text_tokens": text_tokens,
+        "keyframes": tuple(keyframes),
+        "references": None if references is None else tuple(references),
+        "steps": steps,
+    }
+    partition = partition_for_task(sizes, task)
+    dims, video_config = partition.text_dims, partition.video_config
+    vae_ratio, patch = video_config.spatial_compression_ratio, partition.dit_config.patch_size[-1]
+    multiple = vae_ratio * patch
+    rule_short_edge, max_pixels = canvas_rule(
+        RELEASED_SHORT_EDGE if short_edge is None else short_edge,
+        sizes.canvas.short_edge,
+        sizes.canvas.max_pixels,
+    )
+    geometry = Geometry.for_request(
+        aspect_ratio,
+        duration_seconds,
+        short_edge=rule_short_edge,
+        max_pixels=max_pixels,
+        vae_spatial_ratio=vae_ratio,
+        patch=patch,
+    )
+    merge_area = dims.merge**2
+    text_rows = MAX_PROMPT_TOKENS if text_tokens is None else text_tokens
+    condition_video = condition_audio = vision_patches = vision_tokens = 0
+    encode_pixels = encode_clip = encode_samples = 0
+    encode_tile = (0, 0)
+
+    def visual_condition(frames: int, height: int, width: int) -> None:
+        nonlocal encode_pixels, encode_clip, encode_tile
+        if frames * height * width > encode_pixels:
+            encode_pixels = frames * height * width
+            encode_tile = (min(video_config.tile_size, height), min(video_config.tile_size, width))
+        encode_clip = max(encode_clip, video_config.clip_length if frames > 1 else 1)
+
+    def image_block(height: int, width: int) -> None:
+        nonlocal text_rows, vision_patches, vision_tokens
+        patches = image_vision_patches(height, width, dims)
+        vision_patches += patches
+        vision_tokens += patches // merge_area
+        text_rows += LABEL_TOKENS + VISION_BLOCK_TOKENS + patches // merge_area
+
+    if task == "fl2va":
+        for _ in keyframes:
+            # One latent frame on the target canvas, and the fitted keyframe's image block in the text.
+            condition_video += geometry.rows_per_frame
+            image_block(geometry.height, geometry.width)
+            visual_condition(1, geometry.height, geometry.width)
+    elif task == "ref2va":
+        clip_seconds = geometry.frames / FPS  # references are cut to the generated length
+        chosen = worst_case_references(clip_seconds) if references is None else tuple(references)
+        for reference in chosen:
+            seconds = min(clip_seconds if reference.seconds is None else reference.seconds, clip_seconds)
+            if reference.kind == "image":
+                width, height = reference_image_size(
+                    *reference.aspect, short_edge=sizes.canvas.reference_image_short_edge, multiple=multiple
+                )
+                condition_video += (height // vae_ratio // patch) * (width // vae_ratio // patch)
+                image_block(height, width)
+                visual_condition(1, height, width)
+                continue
+            latents = math.ceil(seconds * AUDIO_LATENTS_PER_SECOND)
+            if reference.kind == "audio" or reference.has_audio:
+                condition_audio += 2 * latents
+                text_rows += LABEL_TOKENS  # "<Audio j>: "
+                encode_samples = max(encode_samples, math.ceil(seconds * AUDIO_SAMPLE_RATE))
+            if reference.kind == "video":
+                frames = min(max(1, round(seconds * FPS)), geometry.frames)
+                height, width = resolve_canvas(
+                    *reference.aspect, multiple=multiple, short_edge=rule_short_edge, max_pixels=max_pixels
+                )
+                encoded = reference_video_encode_frames(frames)
+                condition_video += (
+                    video_latent_frames(encoded)
+                    * (height // vae_ratio // patch)
+                    * (width // vae_ratio // patch)
+                )
+                sampled = qwen_sampled_frames(frames)
+                patches, blocks = video_vision_patches(sampled, height, width, dims)
+                vision_patches += patches
+                vision_tokens += patches // merge_area
+                text_rows += (
+                    LABEL_TOKENS + blocks * (LABEL_TOKENS + VISION_BLOCK_TOKENS) + patches // merge_area
+                )
+                visual_condition(encoded, height, width)
+    elif task != "t2va":
+        raise ValueError(f"unknown task '{task}'")
+    return RequestShape(
+        task=task,
+        height=geometry.height,
+        width=geometry.width,
+        frames=geometry.frames,
+        latent_frames=geometry.latent_frames,
+        latent_h=geometry.latent_h,
+        latent_w=geometry.latent_w,
+        audio_latents=geometry.audio_latents,
+        patch=geometry.patch,
+        text_rows=text_rows,
+        condition_video_rows=condition_video,
+        condition_audio_rows=condition_audio,
+        vision_patches=vision_patches,
+        vision_tokens=vision_tokens,
+        steps=steps,
+        timestep_levels=TIMESTEP_LEVELS[task],
+        encode_pixels=encode_pixels,
+        encode_clip_frames=encode_clip,
+        encode_tile=encode_tile,
+        encode_audio_samples=encode_samples,
+        decode=decode_shape(video_config, geometry.latent_frames, geometry.latent_h, geometry.latent_w),
+        arguments=arguments,
+    )
+
+
+def reshaped(sizes: CheckpointSizes, shape: RequestShape, **changes: Any) -> RequestShape:
+    """`shape` built again with some of its request fields changed (e.g. `duration_seconds=9`)."""
+    arguments = {**shape.arguments, **changes}
+    task = arguments.pop("task")
+    return request_shape(sizes, task, **arguments)
+
+
+def partition_for_task(sizes: CheckpointSizes, task: str) -> PartitionSizes:
+    partition = PARTITION_OF_TASK.get(task)
+    if partition is None:
+        raise ValueError(f"unknown task '{task}'")
+    if partition not in sizes.partitions:
+        raise CheckpointError(
+            f"{sizes.root}: this checkpoint has no {partition} partition, so it cannot serve task '{task}' "
+            f"(it has: {', '.join(sizes.partitions)})"
+        )
+    return sizes.partitions[partition]
+
+
+def engine_shapes(sizes: CheckpointSizes) -> list[RequestShape]:
+    """The requests an engine plans for, most demanding first: the largest it accepts (15 s at the largest short
+    edge), the longest at the checkpoint's canvas (15 s), and the default one (5 s), each with the prompt bound.
+    `plan_engine` keeps the first that fits, so a budget that holds every duration at the usual canvas gets a plan
+    that serves them all (possibly slower: it streams more) rather than one tuned to 5 s that refuses 6 s. A
+    checkpoint serving T2VA plans for T2VA; a Ref2VA-only one for one 16:9 image reference (what the reference
+    limits allow at worst needs tens of GiB of activations alone: `check_request_fits` judges such requests)."""
+    if "fl2va" in sizes.partitions:
+        task, references = "t2va", None
+    else:
+        task, references = "ref2va", (ReferenceSpec("image"),)
+    return [
+        request_shape(
+            sizes,
+            task,
+            duration_seconds=MAX_DURATION_SECONDS,
+            short_edge=MAX_SHORT_EDGE,
+            references=references,
+        ),
+        request_shape(sizes, task, duration_seconds=MAX_DURATION_SECONDS, references=references),
+        request_shape(sizes, task, references=references),
+    ]
