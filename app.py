@@ -3,7 +3,8 @@
 Command line and environment -> `AppConfig`; load the engine replicas; start the engine front; build the UI;
 launch. Each of `--devices` is a replica holding a whole `Engine` in this process, or with `--world-size N`
 every N devices form a resident worker group (h3engine.runtime.workers); the engine flags (layout, `--dtype`,
-`--memory-profile`, `--fp8-linear`) are the CLI's (h3engine.engine_options). `--ray ADDRESS` serves from
+`--memory-profile`, `--gpu-memory`, `--host-memory`, `--weights`, `--fp8-linear`) are the CLI's
+(h3engine.engine_options). `--ray ADDRESS` serves from
 `--ray-replicas` engine replicas of `--world-size` GPUs (or CPU ranks with `--devices cpu`) on a Ray Serve
 cluster instead (h3engine.runtime.ray_serve). Without a checkpoint (`--checkpoint` / `H3_CHECKPOINT`) it runs
 on a tiny random-weight checkpoint made once in a cache folder, and says so in a banner. GPU replicas make one
@@ -287,6 +288,16 @@ def parse_file_size(text: str) -> int:
     return int(match.group(1)) * FILE_SIZE_UNITS[match.group(2)]
 
 
+def memory_label(options: EngineOptions) -> str:
+    """The memory flags in a few words for the page's header, e.g. "auto, 24 GiB per GPU, FP8 weights"."""
+    parts = [options.memory_profile]
+    if options.gpu_memory is not None:
+        parts.append(f"{options.gpu_memory} GiB per GPU")
+    if options.weights == "fp8":
+        parts.append("FP8 weights (not the released precision)")
+    return ", ".join(parts)
+
+
 def check_before_loading(config: AppConfig) -> None:
     """What can fail without a model, checked before any is loaded: the engine options, the devices, the address to
     listen on, the outputs and cache folders (ConfigError naming the option)."""
@@ -534,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         repository_root=REPOSITORY_ROOT,
         # The page config is the same for everyone: only a single-user app shows the server path.
         checkpoint_label=str(checkpoint) if config.shared_history else checkpoint.name,
-        memory_profile=config.engine.memory_profile,
+        memory_profile=memory_label(config.engine),
         banner_markdown=banner,
         max_jobs=config.queue_size,
         lora_dir=config.lora_dir,

@@ -9,14 +9,14 @@ Contract:
   conditioning: a `PreparedRequest`) then the pipeline, and returns float tensors; `generate_to_file` checks its
   output names first, then writes the MP4 (while the video decodes), the optional tensors and the sidecar into
   staging files that appear together, only when all are complete (h3engine.media.outputs.staged).
-* `should_cancel` is polled between the phases (h3engine.pipeline); a `True` raises GenerationCancelled.
-* A request's `loras` (h3engine.adapters) apply to its DiT for that request only; the sidecar lists them.
-* `memory_profile` (h3engine.placement): "resident" (default) keeps every component on the compute device;
-  "low-memory" keeps them in host memory and moves each onto the device only for the phase that runs it.
+* `should_cancel` is polled between the phases; a request's `loras` apply to its DiT for that request only.
+* Memory (h3engine.memory.engine_plan): the profile, the GPU / host budgets and the weight format become a plan
+  before anything loads (`plan`, logged); a budget no plan fits, or a request too large for it, raises RequestError.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,9 @@ from h3engine.geometry import Geometry
 from h3engine.media import inputs as media_inputs
 from h3engine.media.outputs import OutputFiles, checked_output_files, input_records, staged
 from h3engine.media.request_inputs import request_geometry
+from h3engine.memory.engine_plan import MemoryRequest, check_request_memory, plan_memory
+from h3engine.memory.placement import Placement
+from h3engine.memory.plan import MemoryPlan
 from h3engine.model_store import LoadEvent, ModelLoader, ModelStore
 from h3engine.pipeline import (
     GenerationOutput,
@@ -53,10 +56,11 @@ from h3engine.pipeline import (
     run_generation,
     write_outputs,
 )
-from h3engine.placement import Placement
 from h3engine.presentation import prompt_token_counter
 from h3engine.request import MAX_LORAS, GenerationRequest, validate
 from h3engine.sampling.schedule import check_distilled_steps, effective_rungs
+
+logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -65,15 +69,19 @@ class Engine:
         layout: CheckpointLayout,
         device: torch.device,
         dtype: torch.dtype,
-        memory_profile: str = "resident",
+        memory: MemoryRequest | str = "auto",
         fp8_linear: bool = False,
         loader: ModelLoader | None = None,
         on_load: Callable[[LoadEvent], None] | None = None,
     ) -> None:
+        """`memory`: the memory flags (a profile name: that profile under the default budgets)."""
         self.layout = layout
         self.device = device
         self.dtype = dtype
-        self.placement = self._make_placement(memory_profile, device)
+        self.memory = MemoryRequest.of(memory)
+        self.placement = self._make_placement(self.memory.profile, device)
+        for line in self.placement.plan_lines():
+            logger.info("memory plan on %s: %s", device, line)
         self.store = ModelStore(
             layout, device, dtype, self.placement, loader or ModelLoader(), fp8_linear, on_load
         )
@@ -85,18 +93,24 @@ class Engine:
         folder: str | Path,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.bfloat16,
-        memory_profile: str = "resident",
+        memory_profile: str = "auto",
         fp8_linear: bool = False,
         on_load: Callable[[LoadEvent], None] | None = None,
+        gpu_memory: str | float | None = None,
+        host_memory: str | float | None = None,
+        weights: str = "bf16",
     ) -> Engine:
-        return cls(
-            detect_layout(folder), torch.device(device), dtype, memory_profile, fp8_linear, on_load=on_load
-        )
+        memory = MemoryRequest(memory_profile, gpu_memory, host_memory, weights)
+        return cls(detect_layout(folder), torch.device(device), dtype, memory, fp8_linear, on_load=on_load)
+
+    @property
+    def plan(self) -> MemoryPlan:
+        return self.placement.plan
 
     def _make_placement(self, memory_profile: str, device: torch.device) -> Placement:
-        """The profile's `Placement` (RequestError naming --memory-profile for an unknown one), made before
-        anything loads."""
-        return Placement(memory_profile, device)
+        """The memory plan's `Placement` (RequestError naming the flag for an unknown profile or weight format, or a
+        budget no plan fits), made before anything loads."""
+        return Placement(plan_memory(self.layout, device, self.dtype, self.memory), device)
 
     def adapters_for(self, request: GenerationRequest) -> tuple[tuple[Adapter, str], ...]:
         """The request's `loras` as adapters of the DiT its task runs, with their files' sha256; each file is read
@@ -139,6 +153,12 @@ class Engine:
         )
         check_distilled_steps(request.steps, request.recipe, self.rungs_for(request))
         self.adapters_for(request)
+        if self.plan.sizes is not None:
+            geometry = self.geometry_for(request)
+            tokens = prompt_token_counter(self.layout.partitions[partition].tokenizer)(request.prompt)
+            check_request_memory(
+                self.plan, request, (geometry.height, geometry.width), tokens, media_inputs.probe_media
+            )
         if request.task == "ref2va" and request.keyframes:
             # SGLang's schema admits them, but no reference implementation we follow lays them out next to
             # references; dropping them silently would generate something the user did not ask for.

@@ -2,8 +2,9 @@
 
 `add_engine_flags` declares the flags: the worker group's layout (`--dit-sp`, `--dit-tp`, `--encoder-tp`,
 `--vae-ranks`; left out: the profile of the group's size, h3engine.parallel.groups; `--stage-layout` colocated or
-split, with `--encoder-devices` / `--vae-devices`), `--dtype`, `--memory-profile`
-(h3engine.placement) and `--fp8-linear`; `EngineOptions.from_args` reads them back. `check_dtype` needs no torch;
+split, with `--encoder-devices` / `--vae-devices`), `--dtype`, the memory budget (`--memory-profile`, `--gpu-memory`,
+`--host-memory`, `--weights`: h3engine.memory) and `--fp8-linear`; `EngineOptions.from_args` reads them back.
+`check_dtype` needs no torch;
 `check_engine_options` checks the rest for an engine of a given number of ranks and returns its worker-group
 layout; `resolve_device` and `check_fp8_device` check the device of an engine in this process; `load_engine` builds
 that engine. Which devices each engine runs on is the front-end's own flag (the CLI runs one engine, the app one
@@ -45,7 +46,14 @@ class EngineOptions:
     encoder_tp: int | None = None
     vae_ranks: int | None = None
     dtype: str | None = None
-    memory_profile: str = "resident"
+    memory_profile: str = "auto"
+    gpu_memory: str | None = (
+        None  # GiB per GPU, as given (None: H3_GPU_MEMORY, else the free memory less a margin)
+    )
+    host_memory: str | None = (
+        None  # GiB of host memory per engine rank (None: H3_HOST_MEMORY, else MemAvailable less a margin)
+    )
+    weights: str = "bf16"  # how the large linears' weights are stored: bf16 (released) or fp8
     fp8_linear: bool = False
     stage_layout: str = "colocated"
     encoder_devices: str | None = None  # split layout: the text-encoder group's GPUs (e.g. "4,5")
@@ -58,7 +66,8 @@ class EngineOptions:
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
-    """The engine flags, with their help and defaults; `environ` (the app's) supplies H3_MEMORY_PROFILE."""
+    """The engine flags, with their help and defaults; `environ` (the app's) supplies H3_MEMORY_PROFILE,
+    H3_GPU_MEMORY and H3_HOST_MEMORY (without it, the budgets read those two when the engine plans)."""
     layout = parser.add_argument_group("worker group layout (default: the profile of the group's size)")
     layout.add_argument("--dit-sp", type=int, default=None, help="DiT Ulysses sequence-parallel degree")
     layout.add_argument("--dit-tp", type=int, default=None, help="DiT tensor-parallel degree")
@@ -85,14 +94,36 @@ def add_engine_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]
     )
     parser.add_argument("--dtype", default=None, help="bfloat16 (released precision, default) or float32")
     memory_profile_help = (
-        "resident (default): every model stays on the GPU; low-memory: models wait in host memory and each phase "
-        "moves onto the GPU only the ones it runs (smaller GPUs; slower)"
+        "auto (default): the plan that fits the GPU and host budgets fastest; resident: every model stays on the "
+        "GPU; streamed: the DiT, text-encoder and video-decoder layers visit the GPU a few at a time from host memory; "
+        "low-memory: models wait in host memory and each phase moves onto the GPU only the ones it runs"
     )
     parser.add_argument(
         "--memory-profile",
-        default=(environ or {}).get("H3_MEMORY_PROFILE") or "resident",
-        metavar="{resident,low-memory}",
+        default=(environ or {}).get("H3_MEMORY_PROFILE") or "auto",
+        metavar="{auto,resident,streamed,low-memory}",
         help=memory_profile_help if environ is None else f"{memory_profile_help}; env H3_MEMORY_PROFILE",
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        default=(environ or {}).get("H3_GPU_MEMORY"),
+        metavar="GIB",
+        help="GPU memory each engine rank may use, in GiB (default: env H3_GPU_MEMORY, else the GPU's free memory "
+        "less 2 GiB); `python -m h3engine plan-memory` shows the plan a budget gives",
+    )
+    parser.add_argument(
+        "--host-memory",
+        default=(environ or {}).get("H3_HOST_MEMORY"),
+        metavar="GIB",
+        help="host memory each engine rank may pin, in GiB (default: env H3_HOST_MEMORY, else the available memory "
+        "less 4 GiB); what does not fit is streamed from the memory-mapped checkpoint files (slower)",
+    )
+    parser.add_argument(
+        "--weights",
+        default="bf16",
+        metavar="{bf16,fp8}",
+        help="bf16 (default): the released weights; fp8: the large linears stored as e4m3 with per-row scales "
+        "(half the host memory and PCIe bytes, not the released precision)",
     )
     parser.add_argument(
         "--fp8-linear",
@@ -100,6 +131,16 @@ def add_engine_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]
         help="quantize the DiT blocks' linear layers to FP8 (faster on Hopper, not the released precision; one "
         "GPU per engine, no worker group)",
     )
+
+
+def check_memory_options(options: EngineOptions) -> None:
+    """The profile, the weight format and the budgets' numbers (their environment variables included)."""
+    from h3engine.memory.budget import resolve_budget
+    from h3engine.memory.placement import check_memory_profile, check_weights
+
+    check_memory_profile(options.memory_profile)
+    check_weights(options.weights)
+    resolve_budget("cpu", options.gpu_memory, options.host_memory)
 
 
 def check_dtype(name: str | None) -> str:
@@ -150,10 +191,9 @@ def check_engine_options(options: EngineOptions, world_size: int) -> RuntimeLayo
     left out (and must agree with them when not); the devices themselves are checked by the front-end
     (h3engine.runtime.workers.stage_devices)."""
     from h3engine.parallel.groups import STAGE_LAYOUTS, RuntimeLayout
-    from h3engine.placement import check_memory_profile
 
     check_dtype(options.dtype)
-    check_memory_profile(options.memory_profile)
+    check_memory_options(options)
     if options.stage_layout not in STAGE_LAYOUTS:
         raise RequestError(f"--stage-layout: expected colocated or split, got '{options.stage_layout}'")
     split = options.stage_layout == "split"
@@ -225,4 +265,7 @@ def load_engine(
         memory_profile=options.memory_profile,
         fp8_linear=options.fp8_linear,
         on_load=on_load,
+        gpu_memory=options.gpu_memory,
+        host_memory=options.host_memory,
+        weights=options.weights,
     )

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from h3engine import __version__, ops
-from h3engine.checkpoint.layout import PARTITION_OF_TASK, CheckpointLayout, PartitionPaths
+from h3engine.checkpoint.layout import PARTITION_OF_TASK, CheckpointLayout, PartitionPaths, folder_fingerprint
 from h3engine.checkpoint.loader import (
     ComponentSource,
     audio_vae_source,
@@ -35,31 +35,45 @@ from h3engine.checkpoint.loader import (
     load_text_encoder,
     video_vae_source,
 )
-from h3engine.checkpoint.text_encoder_files import load_tokenizer
+from h3engine.checkpoint.safetensors_io import DeferredReads
+from h3engine.checkpoint.text_encoder_files import load_tokenizer, open_text_encoder_files
+from h3engine.memory.placement import Placement
 from h3engine.models.text_encoder import H3TextEncoder
-from h3engine.modulation import offload_adaln
+from h3engine.modulation import offload_adaln, store_adaln_in_fp8
 from h3engine.ops import attention as attention_ops
 from h3engine.pipeline import Models
-from h3engine.placement import Placement
 from h3engine.presentation import load_processor
 
 logger = logging.getLogger(__name__)
 
 
 class ModelLoader:
-    """Builds each component whole, on `device` (the single-process engine's loader)."""
+    """Builds each component whole, on `device` (the single-process engine's loader). The keys `deferred` wants are
+    left unread (h3engine.checkpoint.safetensors_io.DeferredReads: a layer streamed from the mapped files)."""
 
-    def text_encoder(self, folder: Path, device: torch.device, dtype: torch.dtype) -> H3TextEncoder:
-        return load_text_encoder(folder, device=device, dtype=dtype)
+    def text_encoder(
+        self, folder: Path, device: torch.device, dtype: torch.dtype, deferred: DeferredReads | None = None
+    ) -> H3TextEncoder:
+        return load_text_encoder(folder, device=device, dtype=dtype, deferred=deferred)
 
-    def dit(self, source: ComponentSource, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-        return source.load(device)
+    def dit(
+        self,
+        source: ComponentSource,
+        device: torch.device,
+        dtype: torch.dtype,
+        deferred: DeferredReads | None = None,
+    ) -> torch.nn.Module:
+        return source.load(device, deferred)
 
-    def video_vae(self, source: ComponentSource, device: torch.device) -> torch.nn.Module | None:
-        return source.load(device)
+    def video_vae(
+        self, source: ComponentSource, device: torch.device, deferred: DeferredReads | None = None
+    ) -> torch.nn.Module | None:
+        return source.load(device, deferred)
 
-    def audio_vae(self, source: ComponentSource, device: torch.device) -> torch.nn.Module | None:
-        return source.load(device)
+    def audio_vae(
+        self, source: ComponentSource, device: torch.device, deferred: DeferredReads | None = None
+    ) -> torch.nn.Module | None:
+        return source.load(device, deferred)
 
 
 # The components of a partition, in the order `models_for_partition` loads them.
@@ -123,12 +137,16 @@ class ModelStore:
             logger.warning(
                 "%s holds placeholder weights: values are drawn at load, outputs are noise", layout.root
             )
-        # Loaded modules by the folder they came from: the diffusers layout shares everything but the DiT.
-        self._modules: dict[tuple[str, Path], Any] = {}
+        # Loaded modules by what they were loaded from: the diffusers layout shares everything but the DiT, and the
+        # native layout's partitions carry identical copies of the rest (`_identity`), which load once.
+        self._modules: dict[tuple[str, Path | str], Any] = {}
+        self._identities: dict[Path, str] = {}
         self.load_timings: dict[str, float] = {}
         # The partition being loaded and its components not yet held (what `on_load` counts).
         self._loading: tuple[str, list[str]] = ("", [])
         self.first_partition = next(iter(self._sources))
+        # The partition whose DiT is on the device (the last one a request asked for).
+        self.partition_on_device: str | None = None
         self.models_for_partition(self.first_partition)
 
     def dit_config(self, partition: str) -> Any:
@@ -150,28 +168,27 @@ class ModelStore:
         pending = [
             kind
             for kind, folder in zip(COMPONENTS, folders, strict=True)
-            if (kind, folder) not in self._modules
+            if (kind, self._identity(kind, folder)) not in self._modules
         ]
         self._loading = (partition, pending)
         tokenizer = self._module("tokenizer", paths.tokenizer, lambda: load_tokenizer(paths.tokenizer))
         text_encoder = self._module(
-            "text_encoder",
-            paths.text_encoder,
-            lambda: adopt(loader.text_encoder(paths.text_encoder, load_device, self.dtype)),
+            "text_encoder", paths.text_encoder, lambda: self._load_text_encoder(paths.text_encoder)
         )
         text_encoder.verify_tokenizer(tokenizer)
         processor = self._module("processor", paths.processor, lambda: load_processor(paths.processor))
+        dit = self._module("dit", paths.dit, lambda: self._load_dit(sources.dit))
+        self.placement.activate(dit)
+        self.partition_on_device = partition
         return Models(
-            dit=self._module(
-                "dit",
-                paths.dit,
-                lambda: adopt(self._prepare_dit(loader.dit(sources.dit, load_device, self.dtype))),
-            ),
+            dit=dit,
             video_vae=self._module(
-                "video_vae", paths.video_vae, lambda: adopt(loader.video_vae(sources.video_vae, load_device))
+                "video_vae", paths.video_vae, lambda: self._load_video_vae(sources.video_vae)
             ),
             audio_vae=self._module(
-                "audio_vae", paths.audio_vae, lambda: adopt(loader.audio_vae(sources.audio_vae, load_device))
+                "audio_vae",
+                paths.audio_vae,
+                lambda: adopt(loader.audio_vae(sources.audio_vae, load_device("audio_vae")), "audio_vae"),
             ),
             text_encoder=text_encoder,
             tokenizer=tokenizer,
@@ -182,14 +199,21 @@ class ModelStore:
             placement=self.placement,
         )
 
+    def _identity(self, kind: str, folder: Path) -> Path | str:
+        """What tells one loaded component from another: a DiT's folder (partitions differ there), the contents'
+        fingerprint for the rest (h3engine.checkpoint.layout.folder_fingerprint), so that each partition's copy of
+        the same text encoder, VAEs, tokenizer and processor loads once."""
+        if kind == "dit":
+            return folder
+        if folder not in self._identities:
+            self._identities[folder] = folder_fingerprint(folder)
+        return self._identities[folder]
+
     def _module(self, kind: str, folder: Path, load: Callable[[], Any]) -> Any:
-        key = (kind, folder)
+        key = (kind, self._identity(kind, folder))
         if key not in self._modules:
             if kind == "dit" and self.device.type == "cuda":
-                # A DiT partition at the released size fills most of a GPU: drop the other one before loading.
-                for other in [k for k in self._modules if k[0] == "dit"]:
-                    del self._modules[other]
-                torch.cuda.empty_cache()
+                self._make_room_for_a_dit()
             self._report(kind, None)
             started = time.perf_counter()
             self._modules[key] = load()
@@ -198,20 +222,57 @@ class ModelStore:
             self._report(kind, seconds)
         return self._modules[key]
 
+    def _deferred(self, model: str, meta_module: Callable[[], torch.nn.Module]) -> DeferredReads | None:
+        keys = self.placement.deferred_keys(model, meta_module)
+        return DeferredReads(keys) if keys else None
+
+    def _load_text_encoder(self, folder: Path) -> H3TextEncoder:
+        deferred = self._deferred("text_encoder", lambda: H3TextEncoder(open_text_encoder_files(folder)[0]))
+        encoder = self.loader.text_encoder(
+            folder, self.placement.load_device("text_encoder"), self.dtype, deferred
+        )
+        return self.placement.adopt(encoder, "text_encoder", deferred)
+
+    def _load_dit(self, source: ComponentSource) -> torch.nn.Module:
+        deferred = self._deferred("dit", source.build)
+        dit = self.loader.dit(source, self.placement.load_device("dit"), self.dtype, deferred)
+        return self.placement.adopt(self._prepare_dit(dit, deferred), "dit", deferred)
+
+    def _load_video_vae(self, source: ComponentSource) -> torch.nn.Module | None:
+        deferred = self._deferred("video_vae", source.build) if source.read_key is not None else None
+        video_vae = self.loader.video_vae(source, self.placement.load_device("video_vae"), deferred)
+        return self.placement.adopt(video_vae, "video_vae", deferred)
+
+    def _make_room_for_a_dit(self) -> None:
+        """A DiT partition at the released size fills most of a GPU: before another one loads, the one on the device
+        goes back to its host home (a plan that keeps both partitions warm) or is dropped (it loads again from the
+        checkpoint when a request needs it)."""
+        for other in [key for key in self._modules if key[0] == "dit"]:
+            module = self._modules[other]
+            if self.placement.keeps_partitions_warm:
+                self.placement.deactivate(module)
+            else:
+                self.placement.forget(module)
+                del self._modules[other]
+        torch.cuda.empty_cache()
+
     def _report(self, kind: str, seconds: float | None) -> None:
         partition, pending = self._loading
         if self.on_load is not None and kind in pending:
             self.on_load(LoadEvent(kind, partition, pending.index(kind) + 1, len(pending), seconds))
 
-    def _prepare_dit(self, dit: torch.nn.Module) -> torch.nn.Module:
+    def _prepare_dit(self, dit: torch.nn.Module, deferred: DeferredReads | None = None) -> torch.nn.Module:
         """On a GPU, the DiT's AdaLN projections go to pinned host memory: `modulation.schedule_modulation` streams
         them to the device once per request schedule, and the placement leaves pinned tensors where they are.
         With `fp8_linear`, the blocks' linears are then quantized (h3engine.quantization). A DiT without parameters
         is one another stage group holds (h3engine.runtime.stages): only its config is here."""
         if next(dit.parameters(), None) is None:
             return dit
+        fp8_weights = self.placement.plan.weights == "fp8"
         if self.device.type == "cuda":
-            offload_adaln(dit)
+            offload_adaln(dit, fp8=fp8_weights, readers=deferred.readers if deferred is not None else None)
+        elif fp8_weights:
+            store_adaln_in_fp8(dit)
         if self.fp8_linear:
             from h3engine.quantization import quantize_dit_linears
 
@@ -242,6 +303,8 @@ class ModelStore:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "memory_profile": self.placement.profile,
+            "memory_plan": self.placement.describe(),
+            "weight_format": self.placement.plan.weights,
             "fp8_linear": self.fp8_linear,
             "kernels": self.kernel_report(),
             **({"weights": "placeholder"} if self.placeholder else {}),

@@ -4,7 +4,8 @@ Contract
 --------
 `schedule_modulation(dit, step_timesteps, device)` returns one `StepModulation` per denoising step, from exactly
 the computation `H3DiT.modulation` does (same shapes, so the same values); each AdaLN projection's weights are
-read once for all steps, streamed to `device` when `offload_adaln(dit)` moved them to (pinned) CPU memory. The
+read once for all steps, streamed to `device` when `offload_adaln(dit)` moved them to (pinned) CPU memory (in FP8
+with `fp8=True`: half the bytes, dequantized on the device, h3engine.memory.homes). The
 tables of each DiT's last `MODULATION_CACHE_SCHEDULES` schedules are kept, keyed by device and timestep values,
 so repeated requests with the same schedule skip the work; loading weights into the DiT or
 `clear_modulation_cache(dit)` forgets them. `build_modulation` is the same work without the cache.
@@ -19,14 +20,15 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor, nn
 
+from h3engine.checkpoint.safetensors_io import is_parked, parked
+from h3engine.memory.homes import dequantize_into, dequantized, pin_in_place, quantize_weight
 from h3engine.models.dit import BlockModulation, H3DiT, StepModulation
-from h3engine.placement import pin_in_place
 
 # Schedules whose AdaLN tables `schedule_modulation` keeps per DiT.
 MODULATION_CACHE_SCHEDULES = 2
@@ -35,6 +37,11 @@ MODULATION_CACHE_SCHEDULES = 2
 _caches: weakref.WeakKeyDictionary[H3DiT, OrderedDict[tuple, list[StepModulation]]] = (
     weakref.WeakKeyDictionary()
 )
+# An offloaded AdaLN linear stored in FP8 -> (e4m3 values, fp32 row scales) in host memory; its own weight is then a
+# broadcast NaN of the right shape (nothing reads it: `_on_device` hands out the dequantized copy).
+_fp8_weights: weakref.WeakKeyDictionary[nn.Linear, tuple[Tensor, Tensor]] = weakref.WeakKeyDictionary()
+# An offloaded AdaLN linear whose weight stays in the mapped checkpoint file -> its reader.
+_mapped_weights: weakref.WeakKeyDictionary[nn.Linear, Callable[[], Tensor]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -65,17 +72,42 @@ def _adaln_projections(dit: H3DiT) -> list[nn.Module]:
     return [block.adaln_proj for block in dit.blocks] + [dit.final_layer.adaln_proj]
 
 
-def offload_adaln(dit: H3DiT) -> None:
+def offload_adaln(
+    dit: H3DiT, fp8: bool = False, readers: Mapping[str, Callable[[], Tensor]] | None = None
+) -> None:
     """Move every AdaLN projection of `dit` to CPU memory, pinned when CUDA is present; `schedule_modulation`
-    streams them to the compute device when it builds tables."""
-    parameters = [
-        parameter for projection in _adaln_projections(dit) for parameter in projection.parameters()
-    ]
+    streams them to the compute device when it builds tables. `fp8`: their weights wait as e4m3 values with row
+    scales (h3engine.memory.homes) and are dequantized on the device. `readers`: weights the loader left unread
+    (module key -> reader of the mapped file): they are read again for each schedule, nothing waits in memory."""
+    readers = readers or {}
+    projections = _adaln_projections(dit)
+    names = {id(projection): name for name, projection in dit.named_modules()}
+    parameters = []
+    for projection in projections:
+        linear, key = projection.linear, f"{names[id(projection)]}.linear.weight"
+        if key in readers:
+            _mapped_weights[linear] = readers[key]
+            parameters.append(linear.bias)
+            continue
+        parameters += [linear.weight, linear.bias]
+        if fp8:
+            _fp8_weights[linear] = quantize_weight(linear.weight.data.to("cpu"))
+            linear.weight.data = parked(linear.weight.shape, linear.weight.dtype)
+            parameters += list(_fp8_weights[linear])
+    parameters = [parameter for parameter in parameters if not is_parked(parameter)]
     for parameter in parameters:
         parameter.data = parameter.data.to("cpu")
     if torch.cuda.is_available():
         # Packed into slabs: pinned one by one, each weight would take a pinned block rounded up to a power of two.
         pin_in_place(parameters)
+    clear_modulation_cache(dit)
+
+
+def store_adaln_in_fp8(dit: H3DiT) -> None:
+    """`--weights fp8` for AdaLN projections that stay with the module (the CPU): their weights become the values
+    the FP8 copies give back."""
+    for projection in _adaln_projections(dit):
+        projection.linear.weight.data = dequantized(projection.linear.weight.data)
     clear_modulation_cache(dit)
 
 
@@ -143,8 +175,18 @@ def _tables(modulation: BlockModulation) -> tuple[Tensor, ...]:
 
 
 def _on_device(linear: nn.Linear, device: torch.device) -> tuple[Tensor, Tensor]:
-    """A linear's weight and bias on `device` (a copy when they live elsewhere, e.g. offloaded to pinned CPU)."""
-    return linear.weight.to(device, non_blocking=True), linear.bias.to(device, non_blocking=True)
+    """A linear's weight and bias on `device` (a copy when they live elsewhere, e.g. offloaded to pinned CPU; an FP8
+    home dequantized there)."""
+    bias = linear.bias.to(device, non_blocking=True)
+    if linear in _mapped_weights:
+        return _mapped_weights[linear]().to(device), bias
+    if linear in _fp8_weights:
+        values, scales = _fp8_weights[linear]
+        weight = torch.empty(linear.weight.shape, dtype=linear.weight.dtype, device=device)
+        return dequantize_into(
+            weight, values.to(device, non_blocking=True), scales.to(device, non_blocking=True)
+        ), bias
+    return linear.weight.to(device, non_blocking=True), bias
 
 
 def _wait_for(event: torch.cuda.Event | None, device: torch.device) -> None:

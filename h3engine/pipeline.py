@@ -11,7 +11,7 @@ stays fp32 whatever the DiT's compute dtype.
 
 Cancellation: `should_cancel` is polled before each input file, the conditioning encode, the text encode, every
 step, after the last one and between the video decoder's windows; a `True` raises `GenerationCancelled`. Each
-phase runs inside `Models.resident_for(phase)` (h3engine.placement: the low-memory profile moves that phase's
+phase runs inside `Models.resident_for(phase)` (h3engine.memory.placement: the low-memory profile moves that phase's
 components onto the device and home again; the timings include those copies).
 """
 
@@ -37,10 +37,10 @@ from h3engine.media.mux import write_mp4
 from h3engine.media.outputs import StagedOutputs, save_tensors, sidecar_record, write_sidecar
 from h3engine.media.progressive import ProgressiveFrames
 from h3engine.media.request_inputs import read_reference, request_geometry
+from h3engine.memory.placement import PHASE_COMPONENTS, Placement
 from h3engine.modulation import schedule_modulation
 from h3engine.parallel.groups import GroupMembership
 from h3engine.parallel.vae import decode_video_and_audio
-from h3engine.placement import PHASE_COMPONENTS, Placement
 from h3engine.presentation import (
     Presentation,
     keyframe_presentation,

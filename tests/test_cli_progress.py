@@ -13,6 +13,7 @@ import logging
 import os
 import pty
 import select
+import shutil
 import struct
 import subprocess
 import sys
@@ -71,12 +72,11 @@ def test_the_store_reports_each_component_as_it_loads(tiny_native: Path, tiny_di
     seen = [(e.component, e.partition, e.index, e.total, e.seconds is not None) for e in events]
     assert seen == expected_load_events("fl2va", COMPONENTS)
     assert all(event.seconds >= 0 for event in events if event.seconds is not None)
-    # The other partition loads on first use, and reports then.
+    # The other partition loads on first use, and reports then: its DiT only, since the native layout's partitions
+    # carry identical copies of everything else (loaded once).
     events.clear()
     engine.store.models_for_partition("ref2va")
-    assert [(e.component, e.partition, e.index) for e in events if e.seconds] == [
-        (name, "ref2va", index) for index, name in enumerate(COMPONENTS, start=1)
-    ]
+    assert [(e.component, e.partition, e.index) for e in events if e.seconds] == [("dit", "ref2va", 1)]
     # The diffusers layout shares all but the DiT: only that one loads (and counts) for the second partition.
     engine = Engine.from_checkpoint(tiny_diffusers)
     events.clear()
@@ -86,6 +86,20 @@ def test_the_store_reports_each_component_as_it_loads(tiny_native: Path, tiny_di
         ("dit", 1, 1, False),
         ("dit", 1, 1, True),
     ]
+
+
+def test_a_partition_whose_text_encoder_differs_loads_its_own(tiny_native: Path, tmp_path: Path) -> None:
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(tiny_native, checkpoint)
+    weights = sorted((checkpoint / "Ref2VA" / "text_encoder").glob("*.safetensors"))[-1]
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # one bit of the last tensor's last value
+    weights.write_bytes(bytes(data))
+    events: list[LoadEvent] = []
+    engine = Engine.from_checkpoint(checkpoint, on_load=events.append)
+    events.clear()
+    engine.store.models_for_partition("ref2va")
+    assert [e.component for e in events if e.seconds is not None] == ["text_encoder", "dit"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

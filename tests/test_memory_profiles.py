@@ -1,4 +1,4 @@
-"""Memory profiles (h3engine.placement): the profile name is checked, phases hold the right components, outputs agree.
+"""Memory profiles (h3engine.memory.placement): the profile name is checked, phases hold the right components, outputs agree.
 
 How "moved" is seen on the CPU: the low-memory placement under test copies with `torch.clone`, so a component on
 the compute device is one whose parameters and buffers no longer share storage with their home tensors (the ones
@@ -32,9 +32,10 @@ from h3engine.checkpoint.layout import detect_layout
 from h3engine.cli import main
 from h3engine.engine import Engine
 from h3engine.errors import GenerationCancelled, RequestError
+from h3engine.memory.homes import pin_in_place
+from h3engine.memory.placement import Placement
 from h3engine.parallel.groups import RuntimeLayout
 from h3engine.pipeline import Models
-from h3engine.placement import Placement, pin_in_place
 from h3engine.request import GenerationRequest, Keyframe, LoraChoice
 from h3engine.runtime.front import EngineFront
 from h3engine.runtime.messages import TERMINAL_EVENTS, JobFinished
@@ -140,7 +141,7 @@ def test_low_memory_phases_hold_only_their_components(low_memory) -> None:
 
 def test_profiles_generate_identical_outputs(checkpoint, fl2va_request, low_memory) -> None:
     _, _, low_memory_output = low_memory
-    resident = Engine.from_checkpoint(checkpoint, device="cpu")
+    resident = Engine.from_checkpoint(checkpoint, device="cpu", memory_profile="resident")
     assert resident.placement.profile == "resident"
     output, _ = resident.generate(fl2va_request)
     for name in ("video", "audio", "video_latents", "audio_latents"):
@@ -175,14 +176,14 @@ def test_a_failed_copy_sends_everything_home_and_phases_do_not_nest() -> None:
         return tensor.clone()
 
     placement = Placement("low-memory", "cpu", transfer=clone_then_fail)
-    placement.adopt(module)
+    placement.adopt(module, "audio_vae")
     homes = storages(module)
     with pytest.raises(torch.OutOfMemoryError), placement.resident_for("denoise", [module]):
         pass
     assert storages(module) == homes and placement.phase is None
 
     placement = Placement("low-memory", "cpu", transfer=torch.clone)
-    placement.adopt(module)
+    placement.adopt(module, "audio_vae")
     with placement.resident_for("decode", [module, None]):
         assert all(now != home for now, home in zip(storages(module), homes, strict=True))
         with pytest.raises(RuntimeError, match="'text_encode' entered while 'decode'"):
@@ -194,7 +195,9 @@ def test_a_failed_copy_sends_everything_home_and_phases_do_not_nest() -> None:
 def test_the_resident_profile_moves_nothing() -> None:
     module = nn.Linear(4, 4)
     placement = Placement("resident", "cpu", transfer=torch.clone)
-    assert placement.adopt(module) is module and placement.load_device == torch.device("cpu")
+    assert placement.adopt(module, "audio_vae") is module and placement.load_device(
+        "audio_vae"
+    ) == torch.device("cpu")
     homes = storages(module)
     with placement.resident_for("denoise", [module]):
         assert storages(module) == homes
@@ -248,12 +251,14 @@ def test_pinning_packs_tensors_into_power_of_two_slabs_and_stops_at_a_failed_all
 def test_an_unknown_profile_is_refused_naming_the_flag_and_a_known_one_reaches_the_ranks(checkpoint) -> None:
     for build in (
         lambda: Engine.from_checkpoint(checkpoint, device="cpu", memory_profile="tiny-gpu"),
-        lambda: ProcessReplica(checkpoint, ("cpu",), memory_profile="tiny-gpu"),
+        lambda: ProcessReplica(checkpoint, ("cpu",), memory="tiny-gpu"),
     ):
-        with pytest.raises(RequestError, match="^--memory-profile: .*resident, low-memory.*'tiny-gpu'"):
+        with pytest.raises(
+            RequestError, match="^--memory-profile: .*auto, resident, streamed, low-memory.*'tiny-gpu'"
+        ):
             build()
     spec = validated_spec(detect_layout(checkpoint), ("cpu",), RuntimeLayout.choose(1), None, "low-memory")
-    assert spec.memory_profile == "low-memory"
+    assert spec.memory.profile == "low-memory"
 
 
 def test_the_cli_refuses_an_unknown_profile_with_exit_code_2(capsys, tmp_path) -> None:
@@ -321,7 +326,7 @@ def test_a_low_memory_worker_rank_generates_what_the_resident_engine_does(
     resident.generate_to_file(fl2va_request, tmp_path / "resident.mp4", save_tensors_path=expected)
     del resident
     torch.cuda.empty_cache()
-    front = EngineFront([ProcessReplica(checkpoint, ("cuda:0",), memory_profile="low-memory")], tmp_path)
+    front = EngineFront([ProcessReplica(checkpoint, ("cuda:0",), memory="low-memory")], tmp_path)
     try:
         got = tmp_path / "rank.safetensors"
         handle = front.submit(fl2va_request, tmp_path / "rank.mp4", got)

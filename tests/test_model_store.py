@@ -20,19 +20,19 @@ class RecordingLoader(ModelLoader):
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    def text_encoder(self, folder: Path, device: torch.device, dtype: torch.dtype):
+    def text_encoder(self, folder: Path, device: torch.device, dtype: torch.dtype, deferred=None):
         self.calls.append("text_encoder")
-        return super().text_encoder(folder, device, dtype)
+        return super().text_encoder(folder, device, dtype, deferred)
 
-    def dit(self, source: ComponentSource, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    def dit(self, source: ComponentSource, device: torch.device, dtype: torch.dtype, deferred=None):
         self.calls.append("dit")
-        return super().dit(source, device, dtype)
+        return super().dit(source, device, dtype, deferred)
 
-    def video_vae(self, source: ComponentSource, device: torch.device) -> torch.nn.Module | None:
+    def video_vae(self, source: ComponentSource, device: torch.device, deferred=None):
         self.calls.append("video_vae")
-        return super().video_vae(source, device)
+        return super().video_vae(source, device, deferred)
 
-    def audio_vae(self, source: ComponentSource, device: torch.device) -> torch.nn.Module | None:
+    def audio_vae(self, source: ComponentSource, device: torch.device, deferred=None):
         self.calls.append("audio_vae")
         return None
 
@@ -59,5 +59,7 @@ def test_the_sidecar_names_the_engine_that_made_the_video(checkpoint) -> None:
     record = engine.store.record()
     assert record["checkpoint"] == f"native:{Path(checkpoint).resolve()}"
     assert record["device"] == "cpu" and record["dtype"] == "float32"
-    assert record["memory_profile"] == "resident" and record["fp8_linear"] is False
+    assert record["memory_profile"] == "auto" and record["fp8_linear"] is False
+    # On the CPU there is no budget: `auto` keeps every model resident, in the released bf16.
+    assert set(record["memory_plan"].values()) == {"resident"} and record["weight_format"] == "bf16"
     assert record["kernels"]["attention"] == "sdpa"

@@ -59,7 +59,7 @@ class UiOptions:
     examples_path: Path
     repository_root: Path
     checkpoint_label: str
-    memory_profile: str = "resident"
+    memory_profile: str = "auto"
     banner_markdown: str | None = None
     max_jobs: int = 32  # generate events running at once (the engine front queues their jobs)
     lora_dir: Path | None = None  # the adapters the LoRA panels and the endpoints' `loras` may name

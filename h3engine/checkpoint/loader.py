@@ -25,7 +25,7 @@ import torch
 from h3engine.checkpoint import audio_vae_keys, dit_format, video_vae_keys
 from h3engine.checkpoint.audio_vae_format import read_audio_vae_config
 from h3engine.checkpoint.layout import CheckpointLayout, PartitionPaths, read_json
-from h3engine.checkpoint.safetensors_io import WeightFiles, placed
+from h3engine.checkpoint.safetensors_io import DeferredReads, WeightFiles, parked, placed
 from h3engine.checkpoint.text_encoder_files import (
     check_text_encoder_files,
     open_text_encoder_files,
@@ -59,6 +59,9 @@ class ComponentSource:
     files: WeightFiles
     to_file_names: Callable[[StateDict], StateDict]
     from_file_names: Callable[[StateDict], StateDict]
+    # One module key's tensor as loading makes it, on the host, in the given dtype (a deferred read, see `load`);
+    # None: this layout cannot read a key alone (the diffusers VAEs, whose renames need their neighbours).
+    read_key: Callable[[str, torch.dtype], torch.Tensor] | None = None
 
     def expected_state(self) -> StateDict:
         """Our module's state dict on the meta device (keys, shapes and target dtypes, no memory)."""
@@ -69,20 +72,40 @@ class ComponentSource:
         expected = self.to_file_names(self.expected_state())
         self.files.check({key: tuple(tensor.shape) for key, tensor in expected.items()})
 
-    def load(self, device: torch.device) -> torch.nn.Module:
+    def load(self, device: torch.device, deferred: DeferredReads | None = None) -> torch.nn.Module:
+        """The component on `device`; the keys `deferred` wants are not read: each gets a parked tensor and a
+        reader (`read_key`)."""
         with torch.device("meta"):
             module = self.build()
         expected = module.state_dict()
         file_names = self.to_file_names(expected)
         self.files.check({key: tuple(tensor.shape) for key, tensor in file_names.items()})
+        wanted = [key for key in expected if deferred is not None and deferred.wants(key)]
+        if wanted and self.read_key is None:
+            raise ValueError(f"{self.name}: this checkpoint layout cannot read its tensors one key at a time")
+        for key in wanted:
+            deferred.add(key, partial(self.read_key, key, expected[key].dtype))
         if self.to_file_names is _identity:
             # Native layout: stream tensor by tensor straight to the device, so the host never holds the whole model.
-            file_state = {key: self._read(key, tensor.dtype, device) for key, tensor in expected.items()}
+            file_state = {
+                key: self._read(key, tensor.dtype, device)
+                for key, tensor in expected.items()
+                if key not in wanted
+            }
             state = self.from_file_names(file_state)
         else:
-            # Each renamed tensor is dropped once placed, so at most one is held twice.
-            native = self.from_file_names({key: self.files.tensor(key) for key in file_names})
-            state = {key: placed(native.pop(key), device, tensor.dtype) for key, tensor in expected.items()}
+            # Each renamed tensor is dropped once placed, so at most one is held twice. The file tensors of deferred
+            # keys (their whole attention and feed-forward, siblings included) are not read.
+            skipped = set(self.to_file_names({key: expected[key] for key in wanted})) if wanted else set()
+            native = self.from_file_names(
+                {key: self.files.tensor(key) for key in file_names if key not in skipped}
+            )
+            state = {
+                key: placed(native.pop(key), device, tensor.dtype)
+                for key, tensor in expected.items()
+                if key not in wanted
+            }
+        state.update({key: parked(expected[key].shape, expected[key].dtype) for key in wanted})
         module.load_state_dict(state, strict=True, assign=True)
         _materialize_computed_buffers(module, device)
         return module.eval().requires_grad_(False)
@@ -120,17 +143,25 @@ def dit_source(layout: CheckpointLayout, paths: PartitionPaths, dtype: torch.dty
     except (KeyError, TypeError, ValueError) as error:
         raise CheckpointError(f"{config_path}: invalid DiT config ({error})") from None
     native = layout.kind == "native"
+    files = WeightFiles.open(paths.dit)
     return ComponentSource(
         name=f"{paths.partition} transformer",
         config=config,
         build=lambda: H3DiT(config, dtype=dtype),
-        files=WeightFiles.open(paths.dit),
+        files=files,
         # The file's names and shapes are the module's for the native layout: only the QKV row order differs.
         to_file_names=_identity if native else partial(dit_format.module_to_diffusers, config=config),
         from_file_names=partial(
             dit_format.native_to_module if native else dit_format.diffusers_to_module, config=config
         ),
+        read_key=partial(_read_dit_key, files, config),
     )
+
+
+def _read_dit_key(files: WeightFiles, config: Any, key: str, dtype: torch.dtype) -> torch.Tensor:
+    """One module key of a DiT in either layout (a diffusers one read as native), QKV rows stacked, on the host."""
+    native = dit_format.as_native_files(files, config)
+    return placed(dit_format.native_to_module({key: native.tensor(key)}, config)[key], "cpu", dtype)
 
 
 def video_vae_source(layout: CheckpointLayout, paths: PartitionPaths) -> ComponentSource:
@@ -171,26 +202,32 @@ def _component_source(
     in the diffusers layout only."""
     native = layout.kind == "native"
     to_diffusers, to_native = key_maps
+    files = WeightFiles.open(weights)
     return ComponentSource(
         name=name,
         config=config,
         build=build,
-        files=WeightFiles.open(weights),
+        files=files,
         to_file_names=_identity if native else to_diffusers,
         from_file_names=_identity if native else to_native,
+        read_key=(lambda key, dtype: placed(files.tensor(key), "cpu", dtype)) if native else None,
     )
 
 
 def load_text_encoder(
-    folder: Path, device: torch.device | str, dtype: torch.dtype = torch.bfloat16
+    folder: Path,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.bfloat16,
+    deferred: DeferredReads | None = None,
 ) -> H3TextEncoder:
     """H3's text encoder from a stock Qwen3-VL `text_encoder/` folder, reading only the tensors H3 needs (see
-    `text_encoder_files`): our module's keys are the stock keys, so nothing is renamed."""
+    `text_encoder_files`): our module's keys are the stock keys, so nothing is renamed. The keys `deferred` wants are
+    left unread (a parked tensor and a reader each)."""
     config, weight_files = open_text_encoder_files(folder)
     device = torch.device(device)
     with torch.device("meta"):
         encoder = H3TextEncoder(config)
     needed_shapes = check_text_encoder_files(encoder, weight_files)
-    read_text_encoder_tensors(encoder, weight_files, needed_shapes, device, dtype)
+    read_text_encoder_tensors(encoder, weight_files, needed_shapes, device, dtype, deferred)
     encoder.rebuild_computed_buffers(device)
     return encoder.eval().requires_grad_(False)

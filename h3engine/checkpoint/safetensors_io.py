@@ -17,7 +17,7 @@ import json
 import math
 import struct
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +51,44 @@ def placed(tensor: torch.Tensor, device: torch.device | str | None, dtype: torch
     loaded weight's memory layout the same whatever its path from the file.
     """
     return torch.empty(tensor.shape, dtype=dtype, device=device).copy_(tensor)
+
+
+def parked(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A tensor of `shape` and `dtype` backed by one element (a broadcast NaN for floats, so that a stray read
+    shows): what a parameter holds while its values wait elsewhere (a deferred read, a streamed layer between
+    visits)."""
+    fill = float("nan") if dtype.is_floating_point else 0
+    return torch.full((), fill, dtype=dtype, device=device).expand(torch.Size(shape))
+
+
+def is_parked(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a `parked` one (more than one element, all of them the same memory)."""
+    return tensor.numel() > 1 and all(stride == 0 for stride in tensor.stride())
+
+
+class DeferredReads:
+    """Module keys a loader is asked to leave unread, and how to read each one again.
+
+    For a key it `wants`, a loader installs a `parked` tensor of the module's shape and dtype and `add`s a reader
+    that returns the module's tensor (its shard, renamed and reordered as loading would) on the host, from the
+    memory-mapped checkpoint file (a placeholder file draws it again): a layer streamed from mapped files reads
+    through it at every visit (h3engine.memory.streaming).
+    """
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self.keys = frozenset(keys)
+        self.readers: dict[str, Callable[[], torch.Tensor]] = {}
+
+    def wants(self, key: str) -> bool:
+        return key in self.keys
+
+    def add(self, key: str, reader: Callable[[], torch.Tensor]) -> None:
+        self.readers[key] = reader
+
+    def check_complete(self, what: str) -> None:
+        missing = sorted(self.keys - self.readers.keys())
+        if missing:
+            raise RuntimeError(f"{what}: deferred keys without a reader: {missing[:5]}")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration
 
-from h3engine.checkpoint.safetensors_io import WeightFiles, placed
+from h3engine.checkpoint.safetensors_io import DeferredReads, WeightFiles, parked, placed
 from h3engine.errors import CheckpointError
 from h3engine.models.text_encoder import (
     H3_DIALOGUE_TOKENS,
@@ -182,17 +183,28 @@ def read_text_encoder_tensors(
     keys: Iterable[str],
     device: torch.device,
     dtype: torch.dtype,
+    deferred: DeferredReads | None = None,
 ) -> None:
-    """Read the tensors `keys` whole, cast to `dtype` on `device`, into `encoder`'s parameters and buffers."""
+    """Read the tensors `keys` whole, cast to `dtype` on `device`, into `encoder`'s parameters and buffers; the ones
+    `deferred` wants get a parked tensor and a reader instead."""
     for key in sorted(keys):
         require_float_tensor(weight_files, key)
-        tensor = placed(weight_files.tensor(key), device, dtype)
         owner_name, _, leaf_name = key.rpartition(".")
         owner = encoder.get_submodule(owner_name)
+        if deferred is not None and deferred.wants(key):
+            shape = getattr(owner, leaf_name).shape
+            tensor = parked(shape, dtype)
+            deferred.add(key, partial(_read_whole, weight_files, key, dtype))
+        else:
+            tensor = placed(weight_files.tensor(key), device, dtype)
         if leaf_name in owner._parameters:
             setattr(owner, leaf_name, nn.Parameter(tensor, requires_grad=False))
         else:
             owner._buffers[leaf_name] = tensor
+
+
+def _read_whole(weight_files: WeightFiles, key: str, dtype: torch.dtype) -> torch.Tensor:
+    return placed(weight_files.tensor(key), "cpu", dtype)
 
 
 def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:

@@ -17,6 +17,7 @@ call order). bf16 results differ from one process at the bf16 rounding level (pa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ from torch import Tensor
 
 from h3engine.checkpoint.dit_format import as_native_files
 from h3engine.checkpoint.dit_keys import native_state_shapes
-from h3engine.checkpoint.safetensors_io import WeightFiles, placed
+from h3engine.checkpoint.safetensors_io import DeferredReads, WeightFiles, parked, placed
 from h3engine.errors import CheckpointError
 from h3engine.models.dit import (
     Attention,
@@ -231,9 +232,10 @@ def load_dit_shard(
     groups: DiTGroups,
     dtype: torch.dtype,
     device: torch.device | str,
+    deferred: DeferredReads | None = None,
 ) -> H3DiT:
     """Build this rank's DiT and read only its shard of the checkpoint, in either layout (replicated tensors
-    whole)."""
+    whole); the keys `deferred` wants get a parked tensor and a reader of this rank's part instead."""
     weight_files = as_native_files(weight_files, config)
     weight_files.check(native_state_shapes(config))
     model = parallelize_dit(config, groups, dtype)
@@ -242,21 +244,32 @@ def load_dit_shard(
     }
     replicated = {}
     for key, expected in model.state_dict().items():
-        if key not in sharded:
-            try:
-                replicated[key] = placed(weight_files.tensor(key), device, expected.dtype)
-            except CheckpointError:
-                raise
-            except Exception as error:  # safetensors raises its own error types
-                raise CheckpointError(
-                    f"{weight_files.infos[key].file}: cannot read tensor '{key}' ({error})"
-                ) from None
+        if key in sharded:
+            continue
+        if deferred is not None and deferred.wants(key):
+            deferred.add(key, partial(_read_replicated, weight_files, key, "cpu", expected.dtype))
+            replicated[key] = parked(expected.shape, expected.dtype)
+        else:
+            replicated[key] = _read_replicated(weight_files, key, device, expected.dtype)
     missing, unexpected = model.load_state_dict(replicated, strict=False, assign=True)
     if set(missing) != set(sharded) or unexpected:
         raise RuntimeError(f"replicated DiT keys do not line up: missing {missing}, unexpected {unexpected}")
     for key, layer in sharded.items():
-        layer.load_shard(weight_files, key, device)
+        layer.load_shard(weight_files, key, device, deferred)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.is_meta:
             raise RuntimeError(f"'{name}' was not loaded")
     return model.eval().requires_grad_(False)
+
+
+def _read_replicated(
+    weight_files: WeightFiles, key: str, device: torch.device | str, dtype: torch.dtype
+) -> torch.Tensor:
+    try:
+        return placed(weight_files.tensor(key), device, dtype)
+    except CheckpointError:
+        raise
+    except Exception as error:  # safetensors raises its own error types
+        raise CheckpointError(
+            f"{weight_files.infos[key].file}: cannot read tensor '{key}' ({error})"
+        ) from None

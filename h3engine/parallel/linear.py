@@ -16,12 +16,14 @@ the previous column-parallel layer (same group, same rank order), or the sum is 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from h3engine.checkpoint.dit_format import interleaved_to_stacked_qkv, stacked_to_interleaved_qkv
-from h3engine.checkpoint.safetensors_io import WeightFiles, placed
+from h3engine.checkpoint.safetensors_io import DeferredReads, WeightFiles, parked, placed
 from h3engine.errors import CheckpointError
 from h3engine.models.dit import LOW_RANK_ATTRIBUTE
 from h3engine.parallel.collectives import all_reduce_sum
@@ -55,8 +57,15 @@ class ParallelLinear(nn.Module):
     def forward(self, hidden: Tensor) -> Tensor:
         return F.linear(hidden, self.weight)
 
-    def load_shard(self, weight_files: WeightFiles, key: str, device: torch.device | str) -> None:
-        """Replace the (meta) weight with this rank's part of `key`, cast to the layer's dtype on `device`."""
+    def load_shard(
+        self,
+        weight_files: WeightFiles,
+        key: str,
+        device: torch.device | str,
+        deferred: DeferredReads | None = None,
+    ) -> None:
+        """Replace the (meta) weight with this rank's part of `key`, cast to the layer's dtype on `device` (a parked
+        weight and a reader of that part when `deferred` wants the key)."""
         info = weight_files.infos.get(key)
         if info is None:
             raise CheckpointError(f"{weight_files.description}: missing tensor '{key}'")
@@ -65,16 +74,26 @@ class ParallelLinear(nn.Module):
                 f"{info.file}: tensor '{key}' has shape {list(info.shape)}, "
                 f"expected {[self.out_features, self.in_features]}"
             )
-        try:
-            shard = self._read_shard(weight_files, key)
-        except Exception as error:  # safetensors raises its own error types
-            raise CheckpointError(f"{info.file}: cannot read this rank's part of '{key}' ({error})") from None
-        shard = placed(shard, device, self.weight.dtype)
+        if deferred is not None and deferred.wants(key):
+            deferred.add(key, partial(self._read_placed, weight_files, key, "cpu", self.weight.dtype))
+            self.weight = nn.Parameter(parked(self.weight.shape, self.weight.dtype), requires_grad=False)
+            return
+        shard = self._read_placed(weight_files, key, device, self.weight.dtype)
         if shard.shape != self.weight.shape:
             raise RuntimeError(
                 f"'{key}': read a {list(shard.shape)} shard for a {list(self.weight.shape)} weight"
             )
         self.weight = nn.Parameter(shard, requires_grad=False)
+
+    def _read_placed(
+        self, weight_files: WeightFiles, key: str, device: torch.device | str, dtype: torch.dtype
+    ) -> Tensor:
+        try:
+            shard = self._read_shard(weight_files, key)
+        except Exception as error:  # safetensors raises its own error types
+            info = weight_files.infos[key]
+            raise CheckpointError(f"{info.file}: cannot read this rank's part of '{key}' ({error})") from None
+        return placed(shard, device, dtype)
 
     def _read_shard(self, weight_files: WeightFiles, key: str) -> Tensor:
         raise NotImplementedError

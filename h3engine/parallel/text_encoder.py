@@ -22,7 +22,7 @@ from torch import Tensor
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextAttention, Qwen3VLTextMLP
 
-from h3engine.checkpoint.safetensors_io import WeightFiles
+from h3engine.checkpoint.safetensors_io import DeferredReads, WeightFiles
 from h3engine.checkpoint.text_encoder_files import (
     check_text_encoder_files,
     read_text_encoder_tensors,
@@ -103,8 +103,10 @@ def load_text_encoder_shard(
     groups: EncoderGroups,
     dtype: torch.dtype,
     device: torch.device | str,
+    deferred: DeferredReads | None = None,
 ) -> H3TextEncoder:
-    """This rank's text encoder: its row / column shard of each split weight, every other tensor whole.
+    """This rank's text encoder: its row / column shard of each split weight, every other tensor whole (the keys
+    `deferred` wants: a parked tensor and a reader of this rank's part each).
 
     The files are checked exactly as `load_text_encoder` checks them (every needed key at its full shape,
     nothing unexpected) before anything is read.
@@ -122,8 +124,8 @@ def load_text_encoder_shard(
     }
     for key, layer in sharded.items():
         require_float_tensor(weight_files, key)
-        layer.load_shard(weight_files, key, device)
+        layer.load_shard(weight_files, key, device, deferred)
     replicated = [key for key in needed_shapes if key not in sharded]
-    read_text_encoder_tensors(encoder, weight_files, replicated, device, dtype)
+    read_text_encoder_tensors(encoder, weight_files, replicated, device, dtype, deferred)
     encoder.rebuild_computed_buffers(device)
     return encoder.eval().requires_grad_(False)

@@ -3,16 +3,16 @@
 Contract:
 * `CheckpointFacts.from_engine(engine)` captures once, at start-up, the checkpoint facts the checks need (served
   tasks, canvas rules, VAE ratio and DiT patch, tokenizer folder, each task's DMD rungs) from the engine's first
-  partition; MiniMax H3's partitions share the video VAE, the patch and the tokenizer, so they hold for all.
+  partition (`first_partition`, whose DiT a fresh engine holds); MiniMax H3's partitions share the video VAE, the
+  patch and the tokenizer, so they hold for all.
 * `check_request(request, facts)` runs every rule `validate` knows (file headers through
   `media.inputs.probe_media`, the prompt's token bound) plus "does this checkpoint serve the task" and, for a
   step-distilled partition, "does the request run its rungs" (`distilled_steps` is the count to ask for), and
   whether each LoRA file fits the task's DiT and targets it (headers only, `adapters.LoraHeaders`);
   `expected_geometry(request, facts)` is `media.request_inputs.request_geometry` on those facts.
 
-Danger: these checks exist so that the app never calls into a shared `Engine` from a request thread (on a GPU
-that could load a whole DiT partition next to the one a worker is using). The engine validates again when the job
-runs, and its geometry (reported in `JobStarted` and the sidecar) is the authority.
+Danger: these checks exist so that the app never calls into a shared `Engine` from a request thread (on a GPU that
+could load a whole DiT partition next to the one a worker uses). The engine validates again when the job runs.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ class CheckpointFacts:
     # Each task's DiT as LoRA files name it ("transformer" / "transformer_ref") and its config, for the adapters' fit
     # (a task absent here has its adapters checked only when the job runs).
     lora_targets: dict[str, tuple[str, DiTConfig]] = field(default_factory=dict)
+    # The partition an engine loads at start ("fl2va" or "ref2va"; None: not known).
+    first_partition: str | None = None
 
     @property
     def canvas_multiple(self) -> int:
@@ -74,6 +76,7 @@ class CheckpointFacts:
                 )
                 for task in engine.layout.tasks
             },
+            first_partition=partition,
         )
 
     def distilled_steps(self, task: str, recipe: str = "sglang") -> int | None:

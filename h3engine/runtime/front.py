@@ -5,6 +5,10 @@ group (h3engine.runtime.workers.ProcessReplica). `EngineFront.submit(request)` r
 yields the job's messages (h3engine.runtime.messages); `cancel(handle)` stops a job, `shutdown()` everything.
 `check(request)` / `expected_geometry(request)` are the model-free checks to run before `submit`.
 
+Order: a replica that says which DiT partition is on its device (`Replica.partition_on_device`) takes the oldest
+waiting job of that partition's tasks, so a queue mixing t2va/fl2va and ref2va does not swap DiTs on every job; a
+job passed over `MAX_PASSED_OVER` times is taken before anything younger (`next_job_index`).
+
 Danger: an `Engine` is not thread-safe; each one is only called from its own worker thread, which catches every
 exception (a bad job never kills it). `on_step` runs inside the denoising loop and only puts small messages
 without blocking: a full buffer drops progress and previews, never the terminal message.
@@ -26,6 +30,7 @@ from typing import Protocol
 
 import torch
 
+from h3engine.checkpoint.layout import PARTITION_OF_TASK
 from h3engine.engine import Engine
 from h3engine.errors import GenerationCancelled, H3Error
 from h3engine.geometry import Geometry
@@ -55,6 +60,11 @@ SHUTTING_DOWN_MESSAGE = "The app is shutting down."
 # What a warm-up runs: the shortest duration at the verified canvas, one step. It uses the same kernels as any request
 # (the DiT's head size, the video decoder's full-size tiles).
 WARM_UP_REQUEST = GenerationRequest(task="t2va", prompt="A warm-up run.", duration_seconds=4.0, steps=1)
+# How many times a waiting job may see a younger one taken before it. Each pass spares one DiT partition switch (a
+# host-to-device copy of the DiT, or a disk read of it, on the order of the DiT's load time) and costs the passed job
+# one other job's run. 2 lets a run of same-partition jobs save up to two switches in three jobs, and keeps the
+# worst extra wait of any job to two runs: the price of a preference, not a second queue.
+MAX_PASSED_OVER = 2
 
 
 def warm_up_request(facts: CheckpointFacts) -> GenerationRequest:
@@ -78,6 +88,8 @@ class JobHandle:
         self.out_path = out_path
         self.save_tensors_path = save_tensors_path
         self.submitted_at = time.monotonic()
+        # Times a younger job was taken before this one while it waited (the front's, under its lock).
+        self.passed_over = 0
         self._events: queue.Queue[JobEvent] = queue.Queue(maxsize=EVENT_BUFFER_SIZE)
         self._cancel_requested = threading.Event()
         self._done = threading.Event()
@@ -130,7 +142,14 @@ class JobHandle:
 
 class Replica(Protocol):
     """What the front needs from a replica. `run` is only called from that replica's worker threads: one, or
-    `jobs_in_flight` when the replica has that attribute (a pipelined replica: h3engine.runtime.split)."""
+    `jobs_in_flight` when the replica has that attribute (a pipelined replica: h3engine.runtime.split).
+
+    Optional (looked up with getattr, so not a member here; without it the replica is served in submission order):
+    `partition_on_device() -> str | None`, the DiT partition (a value of h3engine.checkpoint.layout.PARTITION_OF_TASK:
+    "fl2va", "ref2va") that the replica's next job would find on its device, None when it cannot tell. The front
+    calls it under its lock from any worker thread, also while the replica runs jobs: it must be cheap, never block
+    and never raise (an exception is logged and read as None).
+    """
 
     facts: CheckpointFacts
 
@@ -177,9 +196,18 @@ class EngineReplica:
             return JobFailed(job_id, "cancelled", CANCELLED_MESSAGE)
         except H3Error as error:
             return JobFailed(job_id, "request", str(error))
+        except torch.OutOfMemoryError:
+            # The job's tensors go with its frames (`run` releases the cached memory): the engine keeps serving.
+            logger.exception("job %s ran out of GPU memory in engine replica %d", job_id, replica_index)
+            return JobFailed(job_id, "engine", engine.placement.out_of_memory_message())
         except Exception:
             logger.exception("job %s failed in engine replica %d", job_id, replica_index)
             return JobFailed(job_id, "engine", ENGINE_FAILURE_MESSAGE)
+
+    def partition_on_device(self) -> str | None:
+        """The partition whose DiT the engine's model store holds (None before any, or from a store that does not
+        say)."""
+        return getattr(self.engine.store, "partition_on_device", None)
 
     def close(self) -> None:
         pass  # the engine's models go with the process
@@ -188,7 +216,8 @@ class EngineReplica:
 class EngineFront:
     """A job queue in front of the replicas, one worker thread each.
 
-    Jobs run in submission order, one per replica. A handle yields `JobQueued` on every queue move, `JobStarted`,
+    Jobs run one per replica (or per worker thread of a pipelined one), in submission order but for the partition
+    preference in the module's docstring. A handle yields `JobQueued` on every queue move, `JobStarted`,
     `StepProgress` after every step, `PreviewFrame` every `preview_every` steps, then one `JobFinished` or
     `JobFailed`; by default the MP4 gets a stamped name in the outputs folder. `cancel` removes a waiting job at once
     or stops a running one at its next check (its memory freed for the next job); `shutdown()` cancels everything,
@@ -218,6 +247,9 @@ class EngineFront:
         self.facts = self._replicas[0].facts
         self._pending: list[JobHandle] = []
         self._running: dict[tuple[int, int], JobHandle] = {}  # (replica, its worker thread) -> its job
+        # Replica -> the task of the job last handed to it: while jobs run there, the next one's DiT turn comes
+        # after theirs, so their partition is what it will find (the replica may not have started them yet).
+        self._last_taken_task: dict[int, str] = {}
         self._condition = threading.Condition()
         self._stopping = False
         self._workers = [
@@ -306,16 +338,36 @@ class EngineFront:
         for position, handle in enumerate(self._pending, start=1):
             handle.publish(JobQueued(handle.job_id, position))
 
-    def _take(self, key: tuple[int, int]) -> JobHandle | None:
+    def _take(self, key: tuple[int, int], replica: Replica) -> JobHandle | None:
         with self._condition:
             while not self._pending and not self._stopping:
                 self._condition.wait()
             if self._stopping:
                 return None
-            handle = self._pending.pop(0)
+            index = next_job_index(self._pending, self._partition_for_next(key, replica))
+            for passed in self._pending[:index]:
+                passed.passed_over += 1
+            handle = self._pending.pop(index)
             self._running[key] = handle
+            self._last_taken_task[key[0]] = handle.request.task
             self._announce_positions()
             return handle
+
+    def _partition_for_next(self, key: tuple[int, int], replica: Replica) -> str | None:
+        """The partition the next job of `replica` would find on its device (the caller holds the lock)."""
+        report = getattr(replica, "partition_on_device", None)
+        if report is None:
+            return None
+        try:
+            reported = report()
+        except Exception:  # a preference must never stop the worker thread: serve in order
+            logger.exception("replica %d could not say which partition it holds", key[0])
+            return None
+        if reported is None:
+            return None
+        if any(index == key[0] for index, _ in self._running):
+            return PARTITION_OF_TASK.get(self._last_taken_task.get(key[0], ""), reported)
+        return reported
 
     def _warm_up(self, index: int, replica: Replica) -> None:
         if WARM_UP_REQUEST.task not in replica.facts.tasks:  # e.g. a checkpoint of the Ref2VA partition alone
@@ -332,6 +384,7 @@ class EngineFront:
                 if self._stopping:
                     return
                 self._running[index, 0] = handle  # so that `shutdown` cancels it
+                self._last_taken_task[index] = handle.request.task
             started = time.perf_counter()
             try:
                 result = replica.run(handle, index, self.preview_every)
@@ -348,12 +401,26 @@ class EngineFront:
     def _worker_loop(self, index: int, slot: int, replica: Replica) -> None:
         if self.warm_up and slot == 0:
             self._warm_up(index, replica)
-        while (handle := self._take((index, slot))) is not None:
+        while (handle := self._take((index, slot), replica)) is not None:
             try:
                 handle._finish(replica.run(handle, index, self.preview_every))
             finally:
                 with self._condition:
                     del self._running[index, slot]
+
+
+def next_job_index(pending: Sequence[JobHandle], partition: str | None) -> int:
+    """Which waiting job (oldest first) a replica holding `partition` takes: the oldest of that partition's tasks
+    (or of a task of no partition), unless an older job was passed over `MAX_PASSED_OVER` times: then the oldest such
+    job. With `partition` None, or no job of it, the oldest job."""
+    if partition is None:
+        return 0
+    for index, handle in enumerate(pending):
+        if handle.passed_over >= MAX_PASSED_OVER:
+            return index
+        if PARTITION_OF_TASK.get(handle.request.task, partition) == partition:
+            return index
+    return 0
 
 
 def stamped_output_name(task: str, job_id: str) -> str:

@@ -22,7 +22,7 @@ import queue
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -33,11 +33,14 @@ import torch.distributed as dist
 
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.loader import ComponentSource
+from h3engine.checkpoint.safetensors_io import DeferredReads
 from h3engine.checkpoint.text_encoder_files import open_text_encoder_files
 from h3engine.engine import Engine
 from h3engine.engine_options import resolve_dtype
 from h3engine.errors import GenerationCancelled, H3Error
 from h3engine.media.outputs import OutputFiles, input_records, staged
+from h3engine.memory.engine_plan import MemoryRequest
+from h3engine.memory.sizes import RankShare
 from h3engine.model_store import ModelLoader
 from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.parallel.collectives import all_reduce_sum
@@ -103,7 +106,9 @@ class WorkerSpec:
     encoder_layout: EncoderLayout
     vae_layout: VAELayout
     init_method: str  # the rendezvous of this incarnation of the group
-    memory_profile: str = "resident"  # every rank's engine runs under it (h3engine.placement)
+    memory: MemoryRequest = field(
+        default_factory=MemoryRequest
+    )  # every rank plans for its own share under it
 
     @property
     def world_size(self) -> int:
@@ -162,6 +167,11 @@ class RankFailed:
     message: str
 
 
+class RankOutOfMemory(Exception):
+    """A rank of a group of several ran out of GPU memory during a job; the message says the budget and what to
+    change (the group restarts: its partners may be waiting in a collective)."""
+
+
 # --- this rank's groups and engine --------------------------------------------------------------------------------
 
 
@@ -202,22 +212,34 @@ class ShardedLoader(ModelLoader):
     def __init__(self, groups: RankGroups) -> None:
         self.groups = groups
 
-    def text_encoder(self, folder: Path, device: torch.device, dtype: torch.dtype) -> H3TextEncoder:
+    def text_encoder(
+        self, folder: Path, device: torch.device, dtype: torch.dtype, deferred: DeferredReads | None = None
+    ) -> H3TextEncoder:
         if self.groups.encoder.tp.size == 1:
-            return super().text_encoder(folder, device, dtype)
+            return super().text_encoder(folder, device, dtype, deferred)
         config, weight_files = open_text_encoder_files(folder)
-        return load_text_encoder_shard(weight_files, config, self.groups.encoder, dtype, device)
+        return load_text_encoder_shard(weight_files, config, self.groups.encoder, dtype, device, deferred)
 
-    def dit(self, source: ComponentSource, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    def dit(
+        self,
+        source: ComponentSource,
+        device: torch.device,
+        dtype: torch.dtype,
+        deferred: DeferredReads | None = None,
+    ) -> torch.nn.Module:
         if self.groups.dit.sp.size == 1 and self.groups.dit.tp.size == 1:
-            return super().dit(source, device, dtype)
-        return load_dit_shard(source.files, source.config, self.groups.dit, dtype, device)
+            return super().dit(source, device, dtype, deferred)
+        return load_dit_shard(source.files, source.config, self.groups.dit, dtype, device, deferred)
 
-    def video_vae(self, source: ComponentSource, device: torch.device) -> torch.nn.Module | None:
-        return super().video_vae(source, device) if self.groups.vae is not None else None
+    def video_vae(
+        self, source: ComponentSource, device: torch.device, deferred: DeferredReads | None = None
+    ) -> torch.nn.Module | None:
+        return super().video_vae(source, device, deferred) if self.groups.vae is not None else None
 
-    def audio_vae(self, source: ComponentSource, device: torch.device) -> torch.nn.Module | None:
-        return super().audio_vae(source, device) if self.groups.hosts_audio_vae else None
+    def audio_vae(
+        self, source: ComponentSource, device: torch.device, deferred: DeferredReads | None = None
+    ) -> torch.nn.Module | None:
+        return super().audio_vae(source, device, deferred) if self.groups.hosts_audio_vae else None
 
 
 # --- messages to the front ----------------------------------------------------------------------------------------
@@ -363,6 +385,13 @@ def serve_job(engine: Engine, groups: RankGroups, job: RunJob, outbox: Outbox, c
             if groups.rank == 0:
                 outbox.post(JobFailed(job.job_id, "cancelled", CANCELLED_MESSAGE))
             return
+        except torch.OutOfMemoryError as error:
+            if groups.control.size > 1:
+                # Partners may wait in a collective this rank will never join: the group has to go.
+                raise RankOutOfMemory(engine.placement.out_of_memory_message()) from error
+            logger.exception("job %s ran out of GPU memory", job.job_id)
+            outbox.post(JobFailed(job.job_id, "engine", engine.placement.out_of_memory_message()))
+            return
         except Mp4WriteError as error:  # the file of a VAE group of one: this rank's failure alone
             _report_output_failure(job, error.__cause__ or error, outbox)
             return
@@ -402,8 +431,21 @@ def _start(rank: int, spec: WorkerSpec) -> tuple[Engine, RankGroups]:
     groups = RankGroups.create(rank, spec)
     dtype = resolve_dtype(spec.dtype, device)
     loader = ShardedLoader(groups)
-    engine = Engine(detect_layout(spec.checkpoint), device, dtype, spec.memory_profile, loader=loader)
+    memory = replace(spec.memory, share=rank_share(spec, rank))
+    engine = Engine(detect_layout(spec.checkpoint), device, dtype, memory, loader=loader)
     return engine, groups
+
+
+def rank_share(spec: WorkerSpec, rank: int) -> RankShare:
+    """What rank `rank` of the group holds (its shards of the DiT and the text encoder, which VAEs): what it plans
+    its memory for."""
+    return RankShare(
+        dit_tp=spec.dit_layout.dit_tp,
+        dit_sp=spec.dit_layout.dit_sp,
+        encoder_tp=spec.encoder_layout.encoder_tp,
+        holds_video_vae=rank < spec.vae_layout.vae_ranks,
+        holds_audio_vae=rank == AUDIO_DECODE_RANK,
+    )
 
 
 def begin_rank_process(messages: Connection, label: str) -> Outbox:
@@ -457,11 +499,8 @@ def rank_main(
             serve_job(engine, groups, command, outbox, cancel_job)
         except Exception as error:
             logger.exception("rank %d failed during job %s", rank, command.job_id)
-            _fail_and_exit(
-                outbox,
-                RankFailed(rank, command.job_number, "internal", type(error).__name__),
-                EXIT_JOB_FAILED,
-            )
+            message = str(error) if isinstance(error, RankOutOfMemory) else type(error).__name__
+            _fail_and_exit(outbox, RankFailed(rank, command.job_number, "internal", message), EXIT_JOB_FAILED)
         finally:
             release_memory(engine.device)
     if dist.is_initialized():

@@ -97,6 +97,7 @@ def _local_replica(spec: RayReplicaSpec) -> Replica:
     import torch
 
     from h3engine.engine_options import check_engine_options, load_engine
+    from h3engine.memory.engine_plan import MemoryRequest
     from h3engine.runtime.front import EngineReplica
     from h3engine.runtime.workers import ProcessReplica
 
@@ -105,7 +106,8 @@ def _local_replica(spec: RayReplicaSpec) -> Replica:
     devices = [f"cuda:{index}" if spec.gpus else "cpu" for index in range(spec.world_size)]
     if spec.world_size == 1:
         return EngineReplica(load_engine(spec.checkpoint, torch.device(devices[0]), spec.engine))
-    return ProcessReplica(spec.checkpoint, devices, layout, spec.engine.dtype, spec.engine.memory_profile)
+    memory = MemoryRequest.from_options(spec.engine)
+    return ProcessReplica(spec.checkpoint, devices, layout, spec.engine.dtype, memory)
 
 
 class EngineDeployment:
@@ -186,6 +188,11 @@ class RaySlot:
     def __init__(self, engine: RayEngine) -> None:
         self._engine = engine
         self.facts = engine.facts
+
+    def partition_on_device(self) -> str | None:
+        """Unknown: Serve routes each job to whichever replica is free, so a slot has no device of its own and the
+        front takes its jobs in submission order."""
+        return None
 
     def run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFinished | JobFailed:
         if handle.cancel_requested:

@@ -1,6 +1,6 @@
 """The split stage layout behind the engine front: text-encoder, DiT and VAE groups with tensor channels between them.
 
-`SplitReplica(checkpoint, devices, layout, encoder_devices, vae_devices, dtype, memory_profile)` checks the layout
+`SplitReplica(checkpoint, devices, layout, encoder_devices, vae_devices, dtype, memory)` checks the layout
 against the checkpoint, starts the three groups (h3engine.runtime.stages, each its own world) and one tensor channel
 (h3engine.runtime.channel) per producer and consumer rank, and waits until every rank has loaded. It is a pipelined
 `Replica` of `EngineFront`: `jobs_in_flight` jobs at once, each going prepare (VAE) -> encode (encoder) -> denoise
@@ -31,6 +31,7 @@ from typing import Any
 
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.engine_options import EngineOptions
+from h3engine.memory.engine_plan import MemoryRequest
 from h3engine.parallel.groups import RuntimeLayout
 from h3engine.runtime.channel import TensorChannel
 from h3engine.runtime.front import (
@@ -81,14 +82,14 @@ def validated_stage_specs(
     encoder_devices: Sequence[str],
     vae_devices: Sequence[str],
     dtype: str | None,
-    memory_profile: str = "resident",
+    memory: MemoryRequest | str = "auto",
 ) -> dict[Stage, StageSpec]:
     """Each group's spec, its layout checked against every partition's DiT and text encoder (RequestError naming
     the flag)."""
     if not layout.split:
         raise ValueError("validated_stage_specs is for the split layout")
     checkpoint_layout = detect_layout(checkpoint)
-    dit_layout, encoder_layout = checked_layouts(checkpoint_layout, devices, layout, memory_profile)
+    dit_layout, encoder_layout = checked_layouts(checkpoint_layout, devices, layout, memory)
     # CPU ranks: what a colocated rank of the DiT's world size would use, so that the CPU arithmetic is the same. GPU
     # ranks do host work only (loading, muxing): the three groups' processes share the cores, not oversubscribe them.
     processes = layout.world_size
@@ -99,7 +100,7 @@ def validated_stage_specs(
         checkpoint=str(checkpoint_layout.root),
         dtype=dtype,
         cpu_threads=threads,
-        memory_profile=memory_profile,
+        memory=MemoryRequest.of(memory),
     )
     return {
         "vae": StageSpec("vae", devices=tuple(vae_devices), layout=layout.vae_layout(), **common),
@@ -473,6 +474,8 @@ class SplitReplica(RestartingReplica[StageGroups]):
 
     Start: a RequestError whose message starts with the flag for a layout the checkpoint cannot serve, a
     CheckpointError naming the file when the checkpoint is broken (nothing is left running either way).
+    `partition_on_device()` is the DiT group's partition as of the last job started (jobs reach the DiT in the order
+    they start), or the first partition after a start (h3engine.runtime.supervision).
     """
 
     jobs_in_flight = JOBS_IN_FLIGHT
@@ -486,7 +489,7 @@ class SplitReplica(RestartingReplica[StageGroups]):
         encoder_devices: Sequence[str] | None = None,
         vae_devices: Sequence[str] | None = None,
         dtype: str | None = None,
-        memory_profile: str = "resident",
+        memory: MemoryRequest | str = "auto",
     ) -> None:
         if encoder_devices is None or vae_devices is None:
             defaults = stage_devices(layout, devices, None, None)
@@ -494,7 +497,7 @@ class SplitReplica(RestartingReplica[StageGroups]):
             vae_devices = vae_devices or defaults[1]
         self.layout = layout
         self.specs = validated_stage_specs(
-            checkpoint, layout, devices, encoder_devices, vae_devices, dtype, memory_profile
+            checkpoint, layout, devices, encoder_devices, vae_devices, dtype, memory
         )
         self.spec = self.specs["dit"]  # the replica's own devices are the DiT group's
         # The newest steps of the jobs, in the order reported (for tests and benchmarks: how the jobs overlapped).
@@ -530,6 +533,7 @@ class SplitReplica(RestartingReplica[StageGroups]):
             if isinstance(groups, JobFailed):
                 return groups
             job = RunJob.of(next(self._job_numbers), handle, replica_index, preview_every)
+            self._started(handle)
             outcome = groups.run_job(handle, job, publish)
             if self._closed.is_set() and isinstance(outcome, (JobFailed, _Retry)):
                 return JobFailed(handle.job_id, "cancelled", SHUTTING_DOWN_MESSAGE)
@@ -545,6 +549,7 @@ def start_replica(
     from h3engine.runtime.workers import ProcessReplica
 
     if not layout.split:
-        return ProcessReplica(checkpoint, devices, layout, options.dtype, options.memory_profile)
+        return ProcessReplica(checkpoint, devices, layout, options.dtype, MemoryRequest.from_options(options))
     encoder, vae = stage_devices(layout, devices, options.encoder_devices, options.vae_devices)
-    return SplitReplica(checkpoint, devices, layout, encoder, vae, options.dtype, options.memory_profile)
+    memory = MemoryRequest.from_options(options)
+    return SplitReplica(checkpoint, devices, layout, encoder, vae, options.dtype, memory)

@@ -37,6 +37,7 @@ from h3engine.engine_options import resolve_dtype
 from h3engine.errors import GenerationCancelled, H3Error
 from h3engine.geometry import Geometry
 from h3engine.media.outputs import OutputFiles, input_records, staged
+from h3engine.memory.engine_plan import MemoryRequest
 from h3engine.parallel import groups as parallel_groups
 from h3engine.parallel.collectives import all_reduce_sum
 from h3engine.parallel.vae import latent_frame_shares
@@ -99,7 +100,7 @@ class StageSpec:
         int  # per rank: on the CPU what a colocated rank would use; on GPUs the cores over all processes
     )
     init_method: str = ""
-    memory_profile: str = "resident"
+    memory: MemoryRequest = field(default_factory=MemoryRequest)
 
     @property
     def world_size(self) -> int:
@@ -244,11 +245,21 @@ class StageLoader(ShardedLoader):
         super().__init__(groups)
         self.stage = stage
 
-    def text_encoder(self, folder: Any, device: torch.device, dtype: torch.dtype) -> Any:
-        return super().text_encoder(folder, device, dtype) if self.stage == "encoder" else AbsentComponent()
+    def text_encoder(
+        self, folder: Any, device: torch.device, dtype: torch.dtype, deferred: Any = None
+    ) -> Any:
+        if self.stage != "encoder":
+            return AbsentComponent()
+        return super().text_encoder(folder, device, dtype, deferred)
 
-    def dit(self, source: Any, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-        return super().dit(source, device, dtype) if self.stage == "dit" else AbsentComponent(source.config)
+    def dit(
+        self, source: Any, device: torch.device, dtype: torch.dtype, deferred: Any = None
+    ) -> torch.nn.Module:
+        return (
+            super().dit(source, device, dtype, deferred)
+            if self.stage == "dit"
+            else AbsentComponent(source.config)
+        )
 
 
 def _stage_groups(rank: int, spec: StageSpec) -> RankGroups:
@@ -278,7 +289,8 @@ def _start(rank: int, spec: StageSpec) -> tuple[Engine, RankGroups]:
     groups = _stage_groups(rank, spec)
     loader = StageLoader(spec.stage, groups)
     dtype = resolve_dtype(spec.dtype, device)
-    engine = Engine(detect_layout(spec.checkpoint), device, dtype, spec.memory_profile, loader=loader)
+    # A stage rank plans as if it held every model whole: an overestimate, its stage's models being its only load.
+    engine = Engine(detect_layout(spec.checkpoint), device, dtype, spec.memory, loader=loader)
     return engine, groups
 
 

@@ -7,6 +7,11 @@ run a job on it; the job that a failure cost is the subclass's to fail. Here: `_
 incarnation, waiting for a restart in progress (starting one if none is) unless the job is cancelled or the replica
 closes, and fails the job once when a restart failed; `_replace` retires a broken incarnation and starts a new one
 in a background thread (only one at a time); `close` ends the starting incarnation, then stops the current one.
+
+Partition: `partition_on_device()` (the front's optional `Replica` method) is the DiT partition of the last job a
+subclass started (`_started`), or the first partition (`CheckpointFacts.first_partition`) while no job started on
+the current incarnation: every incarnation's ranks load that one at start. A retired incarnation resets it, since
+its replacement starts with the first partition again.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import threading
 import time
 from typing import Any, Generic, Protocol, TypeVar
 
+from h3engine.checkpoint.layout import PARTITION_OF_TASK
 from h3engine.leftovers import WORKER_FOLDER_PREFIX, remove_dead_temp_folders
 from h3engine.runtime.front import CANCELLED_BEFORE_START_MESSAGE, SHUTTING_DOWN_MESSAGE, JobHandle
 from h3engine.runtime.messages import JobFailed
@@ -49,7 +55,8 @@ class RestartingReplica(Generic[T]):
     """The supervision half of a process replica; see the module's docstring.
 
     Subclasses set `supervised` (what the messages call it: "worker group", "stage groups"), implement
-    `_start_incarnation` and `_serves`, and call `_start_first` in `__init__`.
+    `_start_incarnation` and `_serves`, call `_start_first` in `__init__`, and `_started(handle)` when a job is
+    handed to an incarnation.
     """
 
     supervised = "worker group"
@@ -64,6 +71,7 @@ class RestartingReplica(Generic[T]):
         self._restart: threading.Thread | None = None
         self._restarting = False  # a restart thread runs and has not yet set `_current` or `_restart_error`
         self._restart_error: str | None = None
+        self._partition: str | None = None
         remove_dead_temp_folders(WORKER_FOLDER_PREFIX)
         first = self._start_incarnation()
         try:
@@ -72,6 +80,7 @@ class RestartingReplica(Generic[T]):
             first.kill()
             raise
         self._current = first
+        self._partition = self._first_partition()
 
     def _start_incarnation(self) -> T:
         """A new incarnation, started but not waited for (called with the lock held during restarts)."""
@@ -80,6 +89,21 @@ class RestartingReplica(Generic[T]):
     def _serves(self, current: T) -> bool:
         """Whether `current` can take a job now; when it cannot, this retires it (or waits while it is retired)."""
         raise NotImplementedError
+
+    # --- the partition on the device -------------------------------------------------------------------
+
+    def partition_on_device(self) -> str | None:
+        """The DiT partition the next job finds loaded (see the module's docstring); None when the facts do not
+        name one. A plain read, no lock: the front asks under its own lock, and a restart may hold ours for long."""
+        return self._partition
+
+    def _first_partition(self) -> str | None:
+        return getattr(self.facts, "first_partition", None)
+
+    def _started(self, handle: JobHandle) -> None:
+        """`handle`'s job was handed to the current incarnation: its ranks now load (or keep) its task's partition.
+        A task of no partition leaves the DiT where it is."""
+        self._partition = PARTITION_OF_TASK.get(handle.request.task, self._partition)
 
     # --- jobs -------------------------------------------------------------------------------------------
 
@@ -116,6 +140,7 @@ class RestartingReplica(Generic[T]):
         with self._lock:
             if self._current is broken:
                 self._current = None
+                self._partition = self._first_partition()
                 self._start_restart()
 
     def _start_restart(self) -> None:
@@ -151,6 +176,7 @@ class RestartingReplica(Generic[T]):
             keep = not self._closed.is_set()
             if keep:
                 self.facts, self._current = facts, incarnation
+                self._partition = self._first_partition()
         if keep:
             logger.info("%s restarted", self.supervised)
         else:

@@ -1,6 +1,6 @@
 """Resident worker groups behind the engine front: one process per rank, started with torch.multiprocessing (spawn).
 
-`ProcessReplica(checkpoint, devices, layout, dtype, memory_profile)` checks the layout against the checkpoint,
+`ProcessReplica(checkpoint, devices, layout, dtype, memory)` checks the layout against the checkpoint,
 starts one group (h3engine.runtime.rank in a process per device) and waits until every rank has loaded its shards.
 It is a `Replica` of `EngineFront`: the app and the CLI get the same `JobHandle` and messages as from an
 in-process engine. A rank that dies fails only the running job, within about a second, and the group restarts;
@@ -32,8 +32,8 @@ from h3engine.checkpoint.loader import dit_source
 from h3engine.checkpoint.text_encoder_files import open_text_encoder_files
 from h3engine.errors import CheckpointError, RequestError
 from h3engine.leftovers import WORKER_FOLDER_PREFIX, owned_temp_folder
+from h3engine.memory.engine_plan import MemoryRequest
 from h3engine.parallel.groups import EncoderLayout, ParallelLayout, RuntimeLayout
-from h3engine.placement import check_memory_profile
 from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.front import (
     CANCELLED_BEFORE_START_MESSAGE,
@@ -173,11 +173,11 @@ def stage_devices(
 
 
 def checked_layouts(
-    checkpoint: CheckpointLayout, devices: Sequence[str], layout: RuntimeLayout, memory_profile: str
+    checkpoint: CheckpointLayout, devices: Sequence[str], layout: RuntimeLayout, memory: MemoryRequest | str
 ) -> tuple[ParallelLayout, EncoderLayout]:
-    """The DiT and text-encoder layouts, checked against every partition's models, and the memory profile's name
-    (RequestError naming the flag); `devices` are the DiT's."""
-    check_memory_profile(memory_profile)
+    """The DiT and text-encoder layouts, checked against every partition's models, and the memory flags (a profile
+    name or a `MemoryRequest`; RequestError naming the flag); `devices` are the DiT's."""
+    MemoryRequest.of(memory)
     if layout.world_size != len(devices):
         raise RequestError(
             f"the layout is for {layout.world_size} ranks, but {len(devices)} devices were given"
@@ -196,11 +196,11 @@ def validated_spec(
     devices: Sequence[str],
     layout: RuntimeLayout,
     dtype: str | None,
-    memory_profile: str = "resident",
+    memory: MemoryRequest | str = "auto",
 ) -> WorkerSpec:
-    """The layout checked against every partition's DiT and text encoder, and the memory profile's name
-    (RequestError naming the flag)."""
-    dit_layout, encoder_layout = checked_layouts(checkpoint, devices, layout, memory_profile)
+    """The layout checked against every partition's DiT and text encoder, and the memory flags (a profile name or a
+    `MemoryRequest`: every rank plans for its own share under them; RequestError naming the flag)."""
+    dit_layout, encoder_layout = checked_layouts(checkpoint, devices, layout, memory)
     return WorkerSpec(
         checkpoint=str(checkpoint.root),
         devices=tuple(devices),
@@ -209,7 +209,7 @@ def validated_spec(
         encoder_layout=encoder_layout,
         vae_layout=layout.vae_layout(),
         init_method="",  # each incarnation gets its own rendezvous
-        memory_profile=memory_profile,
+        memory=MemoryRequest.of(memory),
     )
 
 
@@ -385,7 +385,7 @@ class ProcessReplica(RestartingReplica[WorkerGroup]):
 
     Start: a RequestError whose message starts with the flag for a layout or memory profile the checkpoint cannot
     serve; a CheckpointError naming the file when the checkpoint is broken. Every rank's engine runs under the memory
-    profile (h3engine.placement).
+    profile (h3engine.memory.placement).
 
     A job: the command goes to every rank; rank 0's messages come back through its pipe and are published on the
     handle as they arrive (the pipes are read every `POLL_INTERVAL_S`). A cancel writes the job's number into the
@@ -399,6 +399,9 @@ class ProcessReplica(RestartingReplica[WorkerGroup]):
     when this process dies. The rendezvous is a FileStore in a fresh temporary folder per incarnation
     (`h3-workers-PID-*`), removed when the group ends; a new `ProcessReplica` removes those of dead processes
     (h3engine.leftovers).
+
+    `partition_on_device()` tells the front which DiT partition the ranks hold: the last started job's, or the first
+    partition after a start (h3engine.runtime.supervision).
     """
 
     supervised = "worker group"
@@ -409,11 +412,11 @@ class ProcessReplica(RestartingReplica[WorkerGroup]):
         devices: Sequence[str],
         layout: RuntimeLayout | None = None,
         dtype: str | None = None,
-        memory_profile: str = "resident",
+        memory: MemoryRequest | str = "auto",
     ) -> None:
         layout = layout if layout is not None else RuntimeLayout.choose(len(devices))
         self.layout = layout
-        self.spec = validated_spec(detect_layout(checkpoint), devices, layout, dtype, memory_profile)
+        self.spec = validated_spec(detect_layout(checkpoint), devices, layout, dtype, memory)
         self._start_first()
         logger.info("worker group ready on %s (%s)", ", ".join(devices), layout.describe())
 
@@ -445,6 +448,7 @@ class ProcessReplica(RestartingReplica[WorkerGroup]):
             return group
         job_number = next(self._job_numbers)
         job = RunJob.of(job_number, handle, replica_index, preview_every)
+        self._started(handle)
         try:
             group.send_to_all(job)
         except OSError:

@@ -1,0 +1,111 @@
+"""The memory plan of one engine (one rank), made before anything loads: what the flags ask for, turned into a plan.
+
+`MemoryRequest` is what an engine is asked (profile, budgets as given, weight format, the rank's share of a worker
+group): plain data that worker and stage specs carry to every rank. `plan_memory(layout, device, dtype, request)`
+resolves the budget (h3engine.memory.budget), reads the checkpoint's sizes from headers (h3engine.memory.sizes) and
+asks the planner (h3engine.memory.plan) for the plan that serves every request the engine accepts, or failing that
+the default request; a budget no plan fits raises RequestError naming the flag and the minimum, and
+`check_request_memory` refuses one request the plan cannot hold, naming what to change. On the CPU there is
+no budget: `auto` and `resident` keep everything resident, `streamed` and `low-memory` still stream or move (the
+same outputs; this is how their mechanisms are tested without a GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from h3engine.checkpoint.layout import CheckpointLayout
+from h3engine.errors import RequestError
+from h3engine.memory.budget import format_gib, resolve_budget
+from h3engine.memory.placement import check_memory_profile, check_weights, profile_plan
+from h3engine.memory.plan import MemoryPlan, check_request_fits, engine_shapes, plan_engine
+from h3engine.memory.shapes import ReferenceSpec, request_shape
+from h3engine.memory.sizes import RankShare, checkpoint_sizes
+
+
+@dataclass(frozen=True)
+class MemoryRequest:
+    """An engine's memory flags: `--memory-profile`, `--gpu-memory` / `--host-memory` (GiB as given; None: the
+    environment, else the default), `--weights`, and the share of the models this rank holds."""
+
+    profile: str = "auto"
+    gpu_memory: str | float | None = None
+    host_memory: str | float | None = None
+    weights: str = "bf16"
+    share: RankShare = field(default_factory=RankShare)
+
+    def checked(self) -> MemoryRequest:
+        check_memory_profile(self.profile)
+        check_weights(self.weights)
+        return self
+
+    @classmethod
+    def of(cls, memory: MemoryRequest | str) -> MemoryRequest:
+        """`memory` as a request (a profile name: that profile, the default budgets), checked."""
+        return (cls(profile=memory) if isinstance(memory, str) else memory).checked()
+
+    @classmethod
+    def from_options(cls, options: Any) -> MemoryRequest:
+        """The request of h3engine.engine_options.EngineOptions (their memory fields)."""
+        return cls(options.memory_profile, options.gpu_memory, options.host_memory, options.weights)
+
+
+def plan_memory(
+    layout: CheckpointLayout, device: torch.device, dtype: torch.dtype, request: MemoryRequest
+) -> MemoryPlan:
+    """The plan an engine on `device` carries out (see the module docstring)."""
+    request.checked()
+    budget = resolve_budget(device, request.gpu_memory, request.host_memory)
+    if device.type != "cuda":
+        return replace(profile_plan(request.profile, request.weights), budget=budget)
+    sizes = checkpoint_sizes(layout, request.weights, request.share, dtype)
+    plan = plan_engine(sizes, budget, request.profile, request.weights, device.type, engine_shapes(sizes))
+    if not plan.fits:
+        raise RequestError(
+            f"--gpu-memory: {format_gib(budget.gpu_bytes)} ({budget.gpu_source}) cannot hold the models and one "
+            f"{plan.design_request} request under --memory-profile {request.profile}: the smallest plan needs "
+            f"{format_gib(plan.minimum_gpu_bytes)} (python -m h3engine plan-memory shows the plans)"
+        )
+    return plan
+
+
+def check_request_memory(
+    plan: MemoryPlan,
+    request: Any,
+    canvas: tuple[int, int],
+    prompt_tokens: int,
+    probe: Callable[[Any], Any],
+) -> None:
+    """RequestError (naming the field to change) when one validated `request` (h3engine.request.GenerationRequest,
+    whose canvas is `canvas`: height, width) would not fit the plan's GPU budget; nothing to check without one (the
+    CPU) or without the planner's sizes. `probe` gives a reference's `MediaInfo` (headers only). Duck-typed: this
+    layer sits below the request module."""
+    if plan.sizes is None or plan.budget.gpu_bytes is None:
+        return
+    references = None
+    if request.task == "ref2va":
+        references = []
+        for reference in request.references:
+            info = probe(reference)
+            seconds = None
+            if info.duration_seconds is not None:
+                seconds = max(0.0, info.duration_seconds - (reference.start_seconds or 0.0))
+            aspect = (float(info.width), float(info.height)) if info.width and info.height else (16.0, 9.0)
+            references.append(ReferenceSpec(reference.kind, seconds, aspect, info.has_audio))
+    height, width = canvas
+    shape = request_shape(
+        plan.sizes,
+        request.task,
+        duration_seconds=request.duration_seconds,
+        aspect_ratio=(float(width), float(height)),
+        short_edge=request.short_edge,
+        text_tokens=prompt_tokens,
+        keyframes=tuple(keyframe.position for keyframe in request.keyframes),
+        references=references,
+        steps=request.steps,
+    )
+    check_request_fits(plan, shape)

@@ -1,0 +1,141 @@
+"""Host homes: page-locked copies of weights (packed into slabs), and the FP8 form a home can store weights in.
+
+* `pin_in_place(tensors)` moves tensors' data into pinned slabs (parameters keep their identity): the low-memory
+  placement's homes and the DiT's offloaded AdaLN projections.
+* `host_buffers(sizes, pin)` hands out byte buffers carved from the same kind of slabs (pageable when `pin` is
+  False or pinning fails): a streamed layer's home image (h3engine.memory.streaming).
+* `quantize_weight` / `dequantize_into` are the FP8 storage of `--weights fp8`: e4m3 values with one fp32 scale per
+  output row (h3engine.quantization's scheme), turned back into the compute dtype as `dtype(float32(q) * scale)`,
+  one rounding. A home in FP8 holds half the bytes of bf16 and crosses PCIe in half the time; the values the layer
+  computes with are no longer the released ones (a stated, measured error, never the default).
+
+Danger: torch's pinned allocator rounds every allocation up to a power of two; pinning tensor by tensor would cost
+up to twice the bytes. Everything pinned here goes through slabs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from h3engine.quantization import quantize_rows
+
+logger = logging.getLogger(__name__)
+
+# Pinned home copies are packed into slabs of this size, each copy starting on this alignment (also the alignment of
+# a tensor inside a ring slot: GEMM libraries pick kernels by alignment, and 256 is a multiple of every one they use).
+PINNED_SLAB_BYTES = 1 << 31
+ALIGNMENT = 256
+
+
+def aligned(size: int) -> int:
+    return -(-size // ALIGNMENT) * ALIGNMENT
+
+
+def _pinned_bytes(size: int) -> Tensor:
+    return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+
+def _pageable_bytes(size: int) -> Tensor:
+    return torch.empty(size, dtype=torch.uint8)
+
+
+def _power_of_two_at_least(size: int) -> int:
+    return 1 << max(0, size - 1).bit_length()
+
+
+def carve(
+    sizes: Sequence[int],
+    slab_bytes: int = PINNED_SLAB_BYTES,
+    allocate: Callable[[int], Tensor] = _pinned_bytes,
+) -> Iterator[Tensor | None]:
+    """Byte buffers of `sizes`, packed in order into power-of-two slabs of at most `slab_bytes` (a larger one gets
+    its own allocation), each slab allocated when the first buffer in it is asked for: a caller that fills each
+    buffer before asking for the next holds at most one unfilled slab. From the first allocation that fails on,
+    the rest are None."""
+    rounded = [aligned(size) for size in sizes]
+    left_to_pack = sum(size for size in rounded if size <= slab_bytes)
+    slab, used = None, 0
+    for index, (size, padded) in enumerate(zip(sizes, rounded, strict=True)):
+        try:
+            if padded > slab_bytes:
+                yield allocate(padded)[:size]
+                continue
+            if slab is None or used + padded > slab.numel():
+                slab, used = allocate(min(slab_bytes, _power_of_two_at_least(left_to_pack))), 0
+        except RuntimeError as error:
+            logger.warning("could not pin more host memory (%s); copies to the GPU will be slower", error)
+            yield from [None] * (len(sizes) - index)
+            return
+        yield slab[used : used + size]
+        used += padded
+        left_to_pack -= padded
+
+
+def host_buffers(sizes: Sequence[int], pin: bool, slab_bytes: int = PINNED_SLAB_BYTES) -> list[Tensor]:
+    """uint8 host buffers of `sizes`, each starting on `ALIGNMENT`: pinned when `pin` (pageable for those that
+    could not be pinned), else pageable."""
+    if not pin:
+        return [_pageable_bytes(size) for size in sizes]
+    return [
+        pinned_or_pageable(buffer, size) for buffer, size in zip(carve(sizes, slab_bytes), sizes, strict=True)
+    ]
+
+
+def pinned_or_pageable(buffer: Tensor | None, size: int) -> Tensor:
+    """A buffer `carve` gave, or a pageable one of `size` where pinning failed."""
+    return buffer if buffer is not None else _pageable_bytes(size)
+
+
+def pin_in_place(
+    tensors: Sequence[Tensor],
+    slab_bytes: int = PINNED_SLAB_BYTES,
+    allocate: Callable[[int], Tensor] = _pinned_bytes,
+) -> None:
+    """Move each tensor's data (parameters and buffers keep their identity) into page-locked host memory, for fast
+    asynchronous copies to the GPU, packed in order into slabs (see `host_buffers`). One tensor at a time, so the
+    host holds one extra tensor, not a module's worth. From the first allocation that fails on, the remaining
+    tensors stay as they are (pageable: slower copies, same values)."""
+    sizes = [tensor.numel() * tensor.element_size() for tensor in tensors]
+    for tensor, buffer in zip(tensors, carve(sizes, slab_bytes, allocate), strict=True):
+        if buffer is None:
+            return
+        pinned = buffer.view(tensor.dtype).view(tensor.shape)
+        pinned.copy_(tensor.data)
+        tensor.data = pinned
+
+
+# --- FP8 storage -------------------------------------------------------------------------------------------------
+
+
+def quantizable(tensor: Tensor) -> bool:
+    """Whether `--weights fp8` stores this tensor in FP8: a 2-D 16-bit float matrix (a linear's weight). Vectors
+    (norms, biases) and the fp32 islands keep their dtype."""
+    return tensor.dim() == 2 and tensor.dtype in (torch.bfloat16, torch.float16)
+
+
+def quantized_bytes(shape: Sequence[int]) -> tuple[int, int]:
+    """(e4m3 value bytes, fp32 scale bytes) of a quantized [rows, columns] matrix."""
+    rows, columns = shape
+    return rows * columns, rows * 4
+
+
+def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(e4m3 values [R, C], fp32 scales [R, 1]) of a weight matrix, quantized per output row."""
+    return quantize_rows(weight)
+
+
+def dequantize_into(destination: Tensor, values: Tensor, scales: Tensor) -> Tensor:
+    """destination = dtype(float32(values) * scales), rounded once: the e4m3 values are exact in bf16 and fp16, and
+    the multiply promotes to fp32 before the in-place cast back (the same bits as dequantize-then-cast)."""
+    destination.copy_(values)
+    return destination.mul_(scales)
+
+
+def dequantized(weight: Tensor) -> Tensor:
+    """The weight as `--weights fp8` computes with it (its dtype and device), from its FP8 form."""
+    values, scales = quantize_weight(weight)
+    return dequantize_into(torch.empty_like(weight), values, scales)
