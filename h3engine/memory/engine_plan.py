@@ -22,7 +22,7 @@ from h3engine.checkpoint.layout import CheckpointLayout
 from h3engine.errors import RequestError
 from h3engine.memory.budget import format_gib, resolve_budget
 from h3engine.memory.placement import check_memory_profile, check_weights, profile_plan
-from h3engine.memory.plan import MemoryPlan, check_request_fits, engine_shapes, plan_engine
+from h3engine.memory.plan import MemoryBudget, MemoryPlan, check_request_fits, engine_shapes, plan_engine
 from h3engine.memory.shapes import ReferenceSpec, request_shape
 from h3engine.memory.sizes import RankShare, checkpoint_sizes
 
@@ -62,13 +62,28 @@ def plan_memory(
     budget = resolve_budget(device, request.gpu_memory, request.host_memory)
     if device.type != "cuda":
         return replace(profile_plan(request.profile, request.weights), budget=budget)
+    return gpu_plan(layout, dtype, request, budget)
+
+
+def gpu_plan(
+    layout: CheckpointLayout, dtype: torch.dtype, request: MemoryRequest, budget: MemoryBudget
+) -> MemoryPlan:
+    """The planner's plan for an engine on a GPU under `budget` (RequestError naming the budget that cannot hold
+    it, and the minimum)."""
     sizes = checkpoint_sizes(layout, request.weights, request.share, dtype)
-    plan = plan_engine(sizes, budget, request.profile, request.weights, device.type, engine_shapes(sizes))
-    if not plan.fits:
+    plan = plan_engine(sizes, budget, request.profile, request.weights, "cuda", engine_shapes(sizes))
+    if not plan.gpu_fits:
         raise RequestError(
             f"--gpu-memory: {format_gib(budget.gpu_bytes)} ({budget.gpu_source}) cannot hold the models and one "
             f"{plan.design_request} request under --memory-profile {request.profile}: the smallest plan needs "
             f"{format_gib(plan.minimum_gpu_bytes)} (python -m h3engine plan-memory shows the plans)"
+        )
+    if not plan.host_fits:
+        raise RequestError(
+            f"--host-memory: {format_gib(budget.host_bytes)} ({budget.host_source}) cannot hold what this plan keeps "
+            f"in host memory even with every home in the mapped checkpoint files: it needs "
+            f"{format_gib(plan.minimum_host_bytes)}; free host memory, raise --host-memory, or give the GPU a larger "
+            "--gpu-memory so that less waits on the host"
         )
     return plan
 

@@ -103,6 +103,13 @@ class ReferenceSpec:
     has_audio: bool = True
 
 
+# The prompt an engine plans for (`engine_shapes`): the official requests' prompts (2,400-4,400 characters) are under
+# 1,100 tokens; a longer prompt is judged by `check_request_fits` when it comes (the bound is 8,192).
+TYPICAL_PROMPT_TOKENS = 1_536
+# The Ref2VA request an engine plans for (`engine_shapes`): one picture and one voice, as the official example does.
+TYPICAL_REFERENCES = (ReferenceSpec("image"), ReferenceSpec("audio", seconds=5.0))
+
+
 @dataclass(frozen=True)
 class RequestShape:
     """The sizes of one request that fix its memory: canvas, frames, the packed rows and what the encoders see.
@@ -354,24 +361,25 @@ def partition_for_task(sizes: CheckpointSizes, task: str) -> PartitionSizes:
 
 
 def engine_shapes(sizes: CheckpointSizes) -> list[RequestShape]:
-    """The requests an engine plans for, most demanding first: the largest it accepts (15 s at the largest short
-    edge), the longest at the checkpoint's canvas (15 s), and the default one (5 s), each with the prompt bound.
-    `plan_engine` keeps the first that fits, so a budget that holds every duration at the usual canvas gets a plan
-    that serves them all (possibly slower: it streams more) rather than one tuned to 5 s that refuses 6 s. A
-    checkpoint serving T2VA plans for T2VA; a Ref2VA-only one for one 16:9 image reference (what the reference
-    limits allow at worst needs tens of GiB of activations alone: `check_request_fits` judges such requests)."""
+    """The requests an engine plans for, most packed rows first: for each task the checkpoint serves (T2VA; Ref2VA
+    with `TYPICAL_REFERENCES`), the largest request it accepts (15 s at the largest short edge), the longest at the
+    checkpoint's canvas (15 s) and the default one (5 s), each with `TYPICAL_PROMPT_TOKENS`. `plan_engine` takes the
+    most demanding that fits at little more cost than the least demanding one (the last): a budget holding only a
+    default T2VA request still starts, and larger requests are judged one by one (`check_request_fits`; what the
+    reference limits allow at worst needs tens of GiB of activations alone)."""
+    served = []
     if "fl2va" in sizes.partitions:
-        task, references = "t2va", None
-    else:
-        task, references = "ref2va", (ReferenceSpec("image"),)
-    return [
-        request_shape(
-            sizes,
-            task,
-            duration_seconds=MAX_DURATION_SECONDS,
-            short_edge=MAX_SHORT_EDGE,
-            references=references,
-        ),
-        request_shape(sizes, task, duration_seconds=MAX_DURATION_SECONDS, references=references),
-        request_shape(sizes, task, references=references),
+        served.append(("t2va", None))
+    if "ref2va" in sizes.partitions:
+        served.append(("ref2va", TYPICAL_REFERENCES))
+    levels = (
+        {"duration_seconds": MAX_DURATION_SECONDS, "short_edge": MAX_SHORT_EDGE},
+        {"duration_seconds": MAX_DURATION_SECONDS},
+        {},
+    )
+    shapes = [
+        request_shape(sizes, task, references=references, text_tokens=TYPICAL_PROMPT_TOKENS, **level)
+        for level in levels
+        for task, references in served
     ]
+    return sorted(shapes, key=lambda shape: shape.sequence_rows, reverse=True)
