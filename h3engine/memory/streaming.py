@@ -220,6 +220,7 @@ class LayerStream:
         if readers is not None and [len(r) for r in readers] != [len(t) for t in self.tensors]:
             raise ValueError("readers must give one reader per streamed tensor of every streamed layer")
         self._pin = self.device.type == "cuda" if pin is None else pin
+        self._parked: dict[torch.dtype, Tensor] = {}
         self._readers = [list(layer) for layer in readers] if mapped else None
         # Host images, one per layer (None for a mapped home), each filled and its layer parked before the next.
         self.images: list[Tensor] | None = None
@@ -270,7 +271,10 @@ class LayerStream:
 
     def _park(self, layer_tensors: list[StreamedTensor]) -> None:
         for placed in layer_tensors:
-            placed.tensor.data = parked(placed.shape, placed.dtype, self.device)
+            # One parked element per dtype, made once: parking at every release allocates and launches nothing.
+            if placed.dtype not in self._parked:
+                self._parked[placed.dtype] = parked((), placed.dtype, self.device)
+            placed.tensor.data = self._parked[placed.dtype].expand(placed.shape)
 
     @property
     def host_bytes(self) -> int:
