@@ -431,6 +431,7 @@ def _generate_in_process(
     progress: Progress,
 ) -> int:
     engine = load_engine(checkpoint, device, options, on_load=progress.load_event)
+    progress.memory_plan(engine.placement.plan_lines())
     for warning in engine.validate(request):
         progress.warning(warning)
     progress.prepare(request.task, request.steps)

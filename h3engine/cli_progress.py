@@ -110,6 +110,10 @@ class Progress:
             "loaded", {**fields, "devices": list(devices), "layout": layout, "seconds": round(seconds, 3)}
         )
 
+    def memory_plan(self, lines: list[str]) -> None:
+        """The engine's memory plan in words (h3engine.memory), once it is loaded."""
+        self._emit("memory_plan", {"lines": lines})
+
     def prepare(self, task: str, steps: int) -> None:
         self._emit("prepare", {"task": task, "steps": steps})
 
@@ -195,6 +199,8 @@ class PlainProgress(Progress):
             return _loaded_text(
                 *(fields[name] for name in ("component", "index", "total", "partition", "seconds"))
             )
+        if event == "memory_plan":
+            return "\n".join(fields["lines"])
         if event == "prepare":
             return f"preparing {fields['task']}: reading the inputs, encoding the prompt ({fields['steps']} steps)"
         if event == "step":
@@ -308,10 +314,12 @@ class BarProgress(Progress):
             self._close_bar()
         elif event == "done":
             print(f"done in {fields['seconds']:.1f} s", file=self.stderr, flush=True)
-        elif event == "warning":
+        elif event in ("warning", "memory_plan"):
             from tqdm import tqdm
 
-            tqdm.write(f"warning: {fields['message']}", file=self.stderr)
+            lines = fields["lines"] if event == "memory_plan" else [f"warning: {fields['message']}"]
+            for line in lines:
+                tqdm.write(line, file=self.stderr)
 
 
 def make_progress(mode: str, quiet: bool) -> Progress:

@@ -119,7 +119,8 @@ def test_json_progress_lists_every_phase_in_order(capsys, tiny_native: Path, tmp
         if e["event"] in ("load_start", "loaded")
     ]
     assert loads == expected_load_events("fl2va", COMPONENTS)
-    assert names[len(loads) :] == ["prepare"] + ["step"] * STEPS + ["decode", "mux", "done"]
+    assert names[len(loads) :] == ["memory_plan", "prepare"] + ["step"] * STEPS + ["decode", "mux", "done"]
+    assert events[len(loads)]["lines"][0] == "memory plan (auto, bf16 weights, cpu): no GPU budget"
     steps = [event for event in events if event["event"] == "step"]
     assert [(e["step"], e["total"]) for e in steps] == [(step, STEPS) for step in range(1, STEPS + 1)]
     assert all(e["eta_s"] >= 0 and e["elapsed_s"] > 0 and e["steps_per_s"] > 0 for e in steps)
@@ -158,6 +159,11 @@ def test_plain_progress_without_a_terminal(capsys, tiny_native: Path, tmp_path: 
         "loaded video VAE",
         "loaded audio VAE",
     ]
+    # The memory plan (on the CPU: every model resident), then the request.
+    assert lines[7:12] == ["memory plan (auto, bf16 weights, cpu): no GPU budget"] + [
+        f"  {model}: resident" for model in ("text_encoder", "dit", "video_vae", "audio_vae")
+    ]
+    lines = lines[:7] + lines[12:]
     assert lines[7].startswith("preparing t2va: ")
     assert [line.split(",")[0] for line in lines[8:11]] == [
         f"denoising: step {step}/{STEPS}" for step in range(1, STEPS + 1)

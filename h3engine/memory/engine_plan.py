@@ -61,7 +61,7 @@ def plan_memory(
     request.checked()
     budget = resolve_budget(device, request.gpu_memory, request.host_memory)
     if device.type != "cuda":
-        return replace(profile_plan(request.profile, request.weights), budget=budget)
+        return replace(profile_plan(request.profile, request.weights), budget=budget, device_type=device.type)
     return gpu_plan(layout, dtype, request, budget)
 
 

@@ -343,6 +343,10 @@ def describe_placement(name: str, placement: Any, size: Any = None) -> str:
 def summary_lines(plan: Any) -> list[str]:
     """`MemoryPlan.summary_lines`: the plan in a few lines, for the log at start."""
     budget = plan.budget
+    if plan.sizes is None:
+        # A plan made without the planner (the CPU, where there is no GPU budget): its placements only.
+        lines = [f"memory plan ({plan.profile}, {plan.weights} weights, {plan.device_type}): no GPU budget"]
+        return lines + [f"  {name}: {describe_placement(name, plan.models[name], None)}" for name in MODELS]
     verdict = "fits" if plan.fits else "does NOT fit"
     lines = [
         f"memory plan ({plan.profile}, {plan.weights} weights, {plan.device_type}) for {plan.design_request}: "
