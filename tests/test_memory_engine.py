@@ -8,7 +8,6 @@ placeholder checkpoint (headers only, no weights read) as a GPU engine would mak
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest

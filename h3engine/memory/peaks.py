@@ -124,14 +124,13 @@ def phase_peaks(
 # DiT's resident tensors besides the whole other partition's DiT.
 
 # Host demotions, applied in order until the pinned bytes fit the host budget: the partition not being served
-# first (it only matters at a switch), then the once-per-request streams (text encoder, video decoder), then no warm
-# partitions at all (a switch reads the files again), then the AdaLN projections (once per request, hidden under the
-# first step), and the served DiT's layers last (every step).
+# first (it only matters at a switch, which then reads the files again; the served DiT's warm copy goes with it),
+# then the once-per-request streams (text encoder, video decoder), then the AdaLN projections (once per request,
+# hidden under the first step), and the served DiT's layers last (every step).
 DEMOTIONS = (
     ("other_partition", "mapped"),
     ("text_encoder", "mapped"),
     ("video_vae", "mapped"),
-    ("other_partition", "disk"),
     ("adaln", "mapped"),
     ("dit", "mapped"),
 )
@@ -203,7 +202,9 @@ def _host_state(
             pinned[name] += streamed_home_bytes(name, placement, partition)
     pinned["adaln"] = partition.dit.adaln_bytes if homes["adaln"] == "pinned" else 0
     other = sizes.other_partition(partition.partition)
-    warm = other is not None and homes["other_partition"] in ("pinned", "mapped")
+    # Only a pinned other partition is kept warm (h3engine.memory.placement); a mapped one is read from the files again
+    # at a switch, like "disk" (from the page cache when it still holds them), so nothing of the served DiT waits.
+    warm = other is not None and homes["other_partition"] == "pinned"
     pinned["warm_dit"] = resident_bytes("dit", models["dit"], partition) if warm else 0
     pinned["other_partition"] = (
         dit_image_bytes(models["dit"], other) if homes["other_partition"] == "pinned" and other else 0
