@@ -1,0 +1,1168 @@
+"""Step time and peak GPU / host memory of the engine under memory budgets; the partition switch; whole requests.
+
+What it measures, at the released size from a placeholder checkpoint by default (768p / 5 s T2VA, 16:9):
+
+* Budgets (`--budgets`, GiB; 120 is the resident engine) x weight formats (`--weights bf16,fp8`). Each
+  configuration runs in its own child process (this module with a hidden `--one JSON`), so that the budget, the
+  pinned host memory and the peaks of one never leak into the next. The child enforces the budget with
+  `torch.cuda.set_per_process_memory_fraction(budget / total)` BEFORE the engine loads, then loads
+  `Engine.from_checkpoint` (budget 120: `memory_profile="resident"`, no `gpu_memory`; any other:
+  `memory_profile="auto"`, `gpu_memory=budget`), runs a warm-up (the request with 1 step) and the timed request
+  (`--steps`) through `Engine.generate`. Recorded per configuration: the plan (`summary_lines()`, predicted peaks,
+  each model's placement), the load seconds, each DiT step's time on the device clock (StepTimer of
+  benchmarks.e2e, through `on_step` / `should_cancel`) and the `StepEvent.elapsed_s`, the request's timings, and
+  per window (load, warm-up, timed; peaks reset at the start of each): `torch.cuda.max_memory_reserved` /
+  `max_memory_allocated`, the nvidia-smi peak (this process's and the whole GPU's, sampled every 0.5 s with
+  benchmarks.stage_layouts' MemorySampler), the peak host RSS (VmHWM, reset through /proc/self/clear_refs) and
+  torch's pinned host allocator bytes; the layer streams' counters over the timed request (visits, restarts: must
+  be 0, host -> device bytes per step, host image bytes); whether the final latents equal the resident run's of
+  the same weights bit for bit; for fp8, the relative L2 error of the final latents against bf16 at the same budget
+  (placeholder / random weights: this says nothing about picture quality, only that FP8 storage changes values).
+* Interleaving: per weight format the runs go R B1 B1 R B2 B2 R ... (R = resident, each non-resident budget twice,
+  next to a resident run on either side, A B B A); per budget the ratio of its step time (median of the steps after
+  the first) to its neighbouring resident run's, and the median of its two ratios. Pairs measured on different
+  machines (another lease after `--resume`) are listed but left out of the median. Without 120 in `--budgets`
+  each budget runs once and no ratio is taken. Targets (the issue's): 24 GiB <= 1.10x, 16 GiB <= 1.25x.
+* `--switch`: one child per variant, both partitions, `memory_profile="auto"` at `--switch-budget`, runs T2VA
+  (1 step) -> Ref2VA (1 step, image reference assets/ref2va/picture1.png) -> T2VA and times the partition switch
+  (`engine.store.models_for_task(task)` called before `generate`, device synchronized) and each request. Variant
+  "warm_host": the host budget as given (`--host-memory`, default the machine's), so the plan may keep the other
+  partition pinned (`other_partition_home` is recorded: it says whether it did). Variant "disk": the largest host
+  budget whose plan sends the other partition to "disk" (searched, or `--disk-host-memory`; where none exists, as
+  with a tiny checkpoint, the plan's `other_partition_home` is forced to "disk"): the DiT is dropped and read again
+  from the checkpoint, which is what main did before. The first switch is also the first use of
+  Ref2VA (it loads from the checkpoint in both variants); the second one (back to T2VA) is the one the 5 s target
+  is about. A placeholder checkpoint draws its values at load instead of reading them: its "disk" times are
+  draw-and-copy times, not disk times.
+* `--whole-request 50,8`: at each of `--whole-budgets` (default 24 and resident) one child loads, warms up and runs
+  a whole request (text encode, denoise, decode, MP4 written while the video decodes) per step count; 8 steps use
+  the Turbo table's shifts (h3engine.lora_library.TURBO_TABLE: 6 / 3; no LoRA: the weights are placeholders).
+* On the CPU (`--device cpu`; the test runs it at tiny size) budgets mean nothing: 120 maps to the "resident"
+  profile and every other budget to "streamed" (the mapping is in the JSON), CUDA and nvidia-smi figures are null,
+  and both switch variants keep both partitions (the store drops a DiT only on a GPU).
+
+The parent rewrites the result file after each configuration (`benchmarks/results/memory_budgets_<GPU>_<date>.json`)
+so a run cut short keeps what it measured; `--resume FILE` (the same request settings) skips the configurations
+already in FILE and writes the continued file under `--output-dir` with FILE's name. `--time-limit S` starts no
+child that would end after S seconds (judged by the longest child of its kind so far, or a default estimate), so a
+call under the GPU machine's 10-minute command limit ends cleanly.
+
+Runs and time at the released size (load ~75 s, warm-up ~25 s, timed request of 2 steps ~25 s with its text encode
+and decode at 5.3 s per step, start-up ~10 s: ~135 s per child). A full run, 6 budgets x 2 formats, is
+2 x (1 + 3 x 5) = 32 children, ~72 min of GPU time (more for the streamed ones: ~1.1-1.25x steps, pinning at
+load); `--switch` 2 children (~4-6 min each); `--whole-request 50,8` at 24 GiB and resident 2 children (~7.5 min
+each; one per call). That is three or four 30-minute sessions, each of ~600 s calls with `--resume`. The important
+subset in one 30-minute session: `--weights bf16 --budgets 120,24,16` (R 24 24 R 16 16 R: 7 children, ~16 min) and
+`--switch` (~8-10 min; the warm variant needs host memory for both partitions pinned: on the 1-GPU machine's
+128 GiB probably with `--weights fp8` only, which its record's `other_partition_home` shows; the 2-GPU machine has
+256 GiB).
+
+    python -m benchmarks.memory_budgets --placeholder --device cuda:0 --weights bf16 --budgets 120,24,16 \\
+        --time-limit 570 --output-dir DIR                            # ~4 children per 10-minute call
+    python -m benchmarks.memory_budgets --placeholder --device cuda:0 --weights bf16 --budgets 120,24,16 \\
+        --time-limit 570 --resume DIR/memory_budgets_NVIDIA_H200_20261205.json --output-dir DIR2
+    python -m benchmarks.memory_budgets --placeholder --budgets '' --weights fp8 --switch --switch-budget 24
+    python -m benchmarks.memory_budgets --placeholder --budgets '' --whole-request 50,8 --whole-budgets 24
+    python -m benchmarks.memory_budgets --tiny --device cpu --budgets 120,24 --weights bf16,fp8 --steps 2 \\
+        --switch --output-dir /tmp/mb                                # CPU smoke test (tests/)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import datetime
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks._common import RESULTS_DIR, package_version, synchronize
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GIB = 1 << 30
+MIB = 1 << 20
+RESIDENT_GIB = 120  # the budget that means "the resident engine"
+DEFAULT_BUDGETS = "120,80,48,32,24,16"
+TARGETS = {24: 1.10, 16: 1.25}  # the issue's step-time ratios to the resident engine
+STREAMED_MODELS = ("dit", "text_encoder", "video_vae")  # the models whose layers a plan may stream
+PROMPT = (
+    "A red fox runs across a snowy field at dawn while the camera slowly pans to the left; "
+    "the wind hisses through the grass and a crow calls twice in the distance."
+)
+REF2VA_IMAGE = REPO_ROOT / "assets" / "ref2va" / "picture1.png"
+REF2VA_PROMPT = (
+    "subject_definitions:\n<Subject 1> is the teal robot in <Picture 1>.\n\ndetailed_description:\n"
+    "[Shot 1] <Subject 1> walks into a cafe, stops at the counter and waves to the barista."
+)
+# A first guess at a child's seconds for --time-limit before one of its kind has finished (released size).
+DEFAULT_CHILD_ESTIMATE_S = {"budget": 150.0, "switch": 360.0, "whole": 480.0}
+FP8_NOTE = (
+    "relative L2 of the final latents (video, audio) of --weights fp8 against bf16 at the same budget, same request "
+    "and seed; on random or placeholder weights this says nothing about picture quality"
+)
+NOTES = [
+    "step_s: median of the timed request's DiT steps after the first (device clock); the first step also opens the "
+    "layer rings and finishes streaming the AdaLN projections",
+    "nvidia-smi figures include the CUDA context and anything allocated outside torch's caching allocator, which "
+    "set_per_process_memory_fraction does not limit; process figures are null where nvidia-smi cannot see this "
+    "process id (a container's PID namespace): the whole GPU's figure then stands for it",
+    "copied_bytes_per_step: host -> device bytes of the DiT's ring over the timed request / steps (it includes the "
+    "layers the ring prefetched beyond the last step)",
+    "host peaks are VmHWM (peak resident set) per window, reset at its start through /proc/self/clear_refs; torch's "
+    "pinned host allocator is reported on its own (pinned_host_bytes_at_end)",
+    "a placeholder checkpoint draws a tensor's values whenever it is read: a home the plan maps (read from the "
+    "checkpoint files at every visit) then costs host time a real checkpoint's page cache would not; such runs say "
+    "so in `caveats`",
+    "--switch and --whole-request run with the first of --weights",
+    FP8_NOTE,
+]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Arguments
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", default=None, help="a checkpoint folder (the released one)")
+    source.add_argument(
+        "--placeholder",
+        action="store_true",
+        help="a placeholder checkpoint of the released shapes in a temporary folder (the default)",
+    )
+    source.add_argument(
+        "--tiny", action="store_true", help="a tiny random-weight checkpoint (CPU smoke test)"
+    )
+    parser.add_argument("--device", default="cuda:0", help="cuda:N or cpu")
+    parser.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"GiB, {RESIDENT_GIB} = resident")
+    parser.add_argument("--weights", default="bf16,fp8", help="weight formats, bf16 and/or fp8")
+    parser.add_argument("--steps", type=int, default=2, help="steps of the timed request")
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds of video")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--host-memory", type=float, default=None, help="host budget, GiB (default: the machine's)"
+    )
+    parser.add_argument("--switch", action="store_true", help="time T2VA -> Ref2VA -> T2VA (two variants)")
+    parser.add_argument("--switch-budget", type=float, default=24.0, help="GPU budget of --switch, GiB")
+    parser.add_argument(
+        "--disk-host-memory",
+        type=float,
+        default=None,
+        help="host budget of the switch's disk variant (default: the largest whose plan sends the other partition "
+        "to disk)",
+    )
+    parser.add_argument(
+        "--whole-request", default="", help="step counts of whole requests, e.g. 50,8 (empty: none)"
+    )
+    parser.add_argument(
+        "--whole-budgets", default=f"24,{RESIDENT_GIB}", help="budgets of --whole-request, GiB"
+    )
+    parser.add_argument("--output-dir", default=str(RESULTS_DIR))
+    parser.add_argument("--resume", default=None, help="a result file whose configurations are skipped")
+    parser.add_argument(
+        "--time-limit", type=float, default=None, help="start no child that would end later (s)"
+    )
+    parser.add_argument(
+        "--child-timeout", type=float, default=3600.0, help="seconds before a child is killed"
+    )
+    parser.add_argument(
+        "--latents-dir",
+        default=None,
+        help="keep the final latents of the first run of each (weights, budget) here, the FP8 error's operands "
+        "(default: a temporary folder, removed at the end)",
+    )
+    parser.add_argument(
+        "--cpu-threads", type=int, default=1, help="torch threads of each child on the CPU (default 1)"
+    )
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child's mode: one JSON spec
+    return parser.parse_args(argv)
+
+
+def parse_numbers(text: str) -> list[float]:
+    return [float(part) for part in text.split(",") if part.strip()]
+
+
+def gib_key(value: float) -> str:
+    """A budget as a JSON key and run-id part: 24 -> "24", 23.5 -> "23.5"."""
+    return f"{value:g}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The child: one configuration in its own process
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """A child whose parent is killed (the GPU machine's command limit) must not keep the GPU: ask Linux for a
+    SIGKILL when the parent dies, and leave at once if it already has."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        os._exit(3)
+
+
+def host_status() -> dict[str, int | None]:
+    """VmHWM, VmRSS, VmLck and VmPin of this process in bytes (None where /proc does not say)."""
+    fields = {"VmHWM": None, "VmRSS": None, "VmLck": None, "VmPin": None}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name in fields:
+                fields[name] = int(value.split()[0]) * 1024
+    return fields
+
+
+def reset_host_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux: "5" into clear_refs); False where that is not allowed."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def pinned_host_bytes(cuda: bool) -> dict[str, int] | None:
+    """torch's pinned host allocator: bytes it holds now and at its peak (None without CUDA or the API)."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if not cuda or stats is None:
+        return None
+    try:
+        values = stats()
+    except RuntimeError:
+        return None
+    wanted = ("allocated_bytes.current", "allocated_bytes.peak", "active_bytes.current", "active_bytes.peak")
+    return {name: int(values[name]) for name in wanted if name in values}
+
+
+def nvidia_smi_now() -> tuple[float, float]:
+    """(MiB this process uses, MiB the whole GPU uses) now by nvidia-smi; 0 for what it does not say."""
+    from benchmarks.stage_layouts import nvidia_smi
+
+    def number(text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            return 0.0
+
+    gpu = sum(number(line) for line in nvidia_smi("--query-gpu=memory.used"))
+    process = 0.0
+    for line in nvidia_smi("--query-compute-apps=pid,used_memory"):
+        pid, _, used = line.partition(",")
+        if pid.strip() == str(os.getpid()):
+            process = max(process, number(used))
+    return process, gpu
+
+
+class Windows:
+    """Seconds and peak memory of named spans of one child: CUDA allocator peaks (reset at the start of each),
+    nvidia-smi peaks (a MemorySampler of benchmarks.stage_layouts per span), host VmHWM (reset through clear_refs)
+    and pinned host bytes at the end."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.spans: dict[str, dict[str, Any]] = {}
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        sampler = None
+        synchronize(self.device)
+        if self.cuda:
+            from benchmarks.stage_layouts import MemorySampler
+
+            torch.cuda.reset_peak_memory_stats(self.device)
+            sampler = MemorySampler([os.getpid()], gpu=True)
+        host_reset = reset_host_peak()
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            synchronize(self.device)
+            seconds = time.perf_counter() - started
+            figures: dict[str, Any] = {"seconds": seconds}
+            if sampler is not None:
+                # One more sample at the end: a span shorter than the sampling period has no other.
+                process_now, gpu_now = nvidia_smi_now()
+                process_peak = max(sampler.stop().get(os.getpid(), 0.0), process_now)
+                figures["max_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
+                figures["max_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+                # 0 means never seen: nvidia-smi cannot see this PID (a container's PID namespace).
+                figures["nvidia_smi_process_peak_mib"] = process_peak or None
+                figures["nvidia_smi_gpu_peak_mib"] = max(sampler.peak_gpu_used_mib, gpu_now) or None
+            else:
+                figures.update(
+                    dict.fromkeys(
+                        (
+                            "max_reserved_bytes",
+                            "max_allocated_bytes",
+                            "nvidia_smi_process_peak_mib",
+                            "nvidia_smi_gpu_peak_mib",
+                        )
+                    )
+                )
+            status = host_status()
+            figures["host_peak_bytes"] = status["VmHWM"]
+            figures["host_peak_since"] = "span start" if host_reset else "process start"
+            figures["host_status_at_end"] = status
+            figures["pinned_host_bytes_at_end"] = pinned_host_bytes(self.cuda)
+            self.spans[name] = figures
+
+
+class StepRecorder:
+    """Each DiT step's device time (benchmarks.e2e.StepTimer) and the pipeline's own `StepEvent.elapsed_s`."""
+
+    def __init__(self, device: torch.device) -> None:
+        from benchmarks.e2e import StepTimer
+
+        self.timer = StepTimer(device)
+        self.elapsed_s: list[float] = []
+
+    def should_cancel(self) -> bool:
+        return self.timer.before_step()
+
+    def on_step(self, event: Any) -> None:
+        self.timer.after_step(event)
+        self.elapsed_s.append(event.elapsed_s)
+
+
+def step_summary(seconds: list[float]) -> float | None:
+    """The step time a configuration is judged by: the median of the steps after the first (the only one if one)."""
+    if not seconds:
+        return None
+    return statistics.median(seconds[1:] if len(seconds) > 1 else seconds)
+
+
+def make_request(spec: dict[str, Any], steps: int, task: str = "t2va") -> Any:
+    from h3engine.lora_library import TURBO_TABLE
+    from h3engine.request import GenerationRequest, Reference
+
+    shifts = {}
+    if steps == TURBO_TABLE.steps:
+        shifts = {"flow_shift": TURBO_TABLE.flow_shift, "audio_flow_shift": TURBO_TABLE.audio_flow_shift}
+    references = (Reference("image", str(REF2VA_IMAGE)),) if task == "ref2va" else ()
+    return GenerationRequest(
+        task=task,
+        prompt=REF2VA_PROMPT if task == "ref2va" else spec["prompt"],
+        duration_seconds=spec["duration"],
+        aspect_ratio="16:9",
+        seed=spec["seed"],
+        steps=steps,
+        references=references,
+        **shifts,
+    )
+
+
+def request_shape(engine: Any, request: Any) -> dict[str, Any]:
+    """The exact shape the request runs at: canvas, frames, latent grid and packed rows per modality."""
+    prepared = engine.prepare(request)
+    geometry = prepared.geometry
+    layout = prepared.conditions.layout(prepared.presentation.row_tags, geometry)
+    return {
+        "task": request.task,
+        "height": geometry.height,
+        "width": geometry.width,
+        "frames": geometry.frames,
+        "latent_frames": geometry.latent_frames,
+        "latent_h": geometry.latent_h,
+        "latent_w": geometry.latent_w,
+        "audio_latents": geometry.audio_latents,
+        "text_rows": layout.num_text_rows,
+        "video_rows": layout.num_target_video_rows,
+        "audio_rows": layout.num_target_audio_rows,
+        "condition_video_rows": layout.num_condition_video_rows,
+        "sequence_rows": layout.sequence_length,
+    }
+
+
+def run_request(
+    engine: Any, request: Any, device: torch.device, mp4_path: Path | None = None
+) -> tuple[Any, dict[str, Any]]:
+    """`Engine.generate` with its steps timed; returns the output and the figures."""
+    steps = StepRecorder(device)
+    started = time.perf_counter()
+    output, _ = engine.generate(
+        request, on_step=steps.on_step, should_cancel=steps.should_cancel, mp4_path=mp4_path
+    )
+    synchronize(device)
+    wall_s = time.perf_counter() - started
+    step_s = steps.timer.seconds()
+    return output, {
+        "steps": request.steps,
+        "flow_shifts": [request.flow_shift, request.audio_flow_shift],
+        "wall_s": wall_s,
+        "step_s": step_summary(step_s),
+        "steps_s": step_s,
+        "step_event_elapsed_s": steps.elapsed_s,
+        "timings_s": dict(output.timings),
+    }
+
+
+def stream_counters(engine: Any, models: Any) -> dict[str, dict[str, int] | None]:
+    """Each streamable model's LayerStream counters now (None: not streamed under this plan)."""
+    counters = {}
+    for name in STREAMED_MODELS:
+        module = getattr(models, name, None)
+        stream = engine.placement.stream_of(module) if module is not None else None
+        counters[name] = (
+            None
+            if stream is None
+            else {
+                "visits": stream.visits,
+                "restarts": stream.restarts,
+                "copied_bytes": stream.copied_bytes,
+                "host_bytes": stream.host_bytes,
+                "ring_depth": stream.depth,
+                "slot_bytes": stream.slot_bytes,
+                "layers": len(stream.layers),
+            }
+        )
+    return counters
+
+
+def stream_deltas(
+    before: dict[str, dict[str, int] | None], after: dict[str, dict[str, int] | None], steps: int
+) -> dict[str, dict[str, Any] | None]:
+    deltas: dict[str, dict[str, Any] | None] = {}
+    for name, now in after.items():
+        then = before.get(name)
+        if now is None or then is None:
+            deltas[name] = None
+            continue
+        delta = {key: now[key] - then[key] for key in ("visits", "restarts", "copied_bytes")}
+        deltas[name] = {
+            **delta,
+            "copied_bytes_per_step": delta["copied_bytes"] / steps if name == "dit" else None,
+            "host_bytes": now["host_bytes"],
+            "ring_depth": now["ring_depth"],
+            "slot_bytes": now["slot_bytes"],
+            "layers": now["layers"],
+        }
+    return deltas
+
+
+def plan_record(engine: Any) -> dict[str, Any]:
+    plan = engine.plan
+    return {
+        "summary_lines": plan.summary_lines(),
+        "profile": plan.profile,
+        "weights": plan.weights,
+        "fits": plan.fits,
+        "predicted_peak_gpu_bytes": plan.peak_gpu_bytes,
+        "predicted_peak_host_bytes": plan.peak_host_bytes,
+        "predicted_phase_peaks": dict(plan.phase_peaks),
+        "bytes_per_step": plan.bytes_per_step,
+        "bytes_per_request": plan.bytes_per_request,
+        "seconds_lost_per_request": plan.seconds_lost_per_request,
+        "adaln_home": plan.adaln_home,
+        "other_partition_home": plan.other_partition_home,
+        "budget": dataclasses.asdict(plan.budget),
+        "models": {name: dataclasses.asdict(placement) for name, placement in plan.models.items()},
+        "placements": engine.placement.describe(),
+    }
+
+
+def caveats(spec: dict[str, Any], engine: Any) -> list[str]:
+    """What makes a run's times unlike the released checkpoint's: mapped homes of a placeholder checkpoint."""
+    plan = engine.plan
+    mapped = [name for name, placement in plan.models.items() if placement.home == "mapped"]
+    mapped += ["dit AdaLN projections"] if plan.adaln_home == "mapped" else []
+    if spec.get("placeholder") and mapped:
+        return [
+            f"placeholder checkpoint with mapped homes ({', '.join(mapped)}): their values are drawn again at every "
+            "visit, so the steps that read them are slower than with the released checkpoint"
+        ]
+    return []
+
+
+def latents_digest(output: Any) -> str:
+    digest = hashlib.sha256()
+    for tensor in (output.video_latents, output.audio_latents):
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def save_latents(output: Any, path: str | None) -> None:
+    if path is not None:
+        torch.save({"video": output.video_latents.cpu(), "audio": output.audio_latents.cpu()}, path)
+
+
+def enforce_budget(device: torch.device, budget_gib: float | None) -> dict[str, Any]:
+    """Cap this process's CUDA caching allocator at the budget (before anything is allocated)."""
+    if device.type != "cuda" or budget_gib is None:
+        return {"budget_bytes": None, "total_bytes": None, "fraction": None}
+    torch.cuda.set_device(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, budget_gib * GIB / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return {"budget_bytes": int(budget_gib * GIB), "total_bytes": total, "fraction": fraction}
+
+
+def budget_checks(limit: dict[str, Any], spans: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Whether every span stayed under the budget: by peak reserved bytes, and by nvidia-smi (with the context)."""
+    budget = limit["budget_bytes"]
+    if budget is None:
+        return None
+    reserved = max(span["max_reserved_bytes"] or 0 for span in spans.values())
+    smi = [
+        span["nvidia_smi_process_peak_mib"] or span["nvidia_smi_gpu_peak_mib"]
+        for span in spans.values()
+        if span["nvidia_smi_process_peak_mib"] or span["nvidia_smi_gpu_peak_mib"]
+    ]
+    smi_peak = max(smi) * MIB if smi else None
+    return {
+        "peak_reserved_bytes": reserved,
+        "reserved_within_budget": reserved <= budget,
+        "nvidia_smi_peak_bytes": smi_peak,
+        "nvidia_smi_within_budget": None if smi_peak is None else smi_peak <= budget,
+        "nvidia_smi_minus_reserved_bytes": None if smi_peak is None else smi_peak - reserved,
+    }
+
+
+def machine_id(device: torch.device) -> str:
+    """What tells one lease's machine from another's: the boot id and, on a GPU, its UUID."""
+    boot = ""
+    with contextlib.suppress(OSError):
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    if device.type == "cuda":
+        uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+        return f"{platform.node()}:{boot}:{uuid}"
+    return f"{platform.node()}:{boot}"
+
+
+def load_engine(spec: dict[str, Any], device: torch.device, host_memory: float | None = None) -> Any:
+    from h3engine.engine import Engine
+
+    return Engine.from_checkpoint(
+        spec["checkpoint"],
+        device,
+        memory_profile=spec["profile"],
+        gpu_memory=spec["gpu_memory"],
+        host_memory=host_memory if host_memory is not None else spec["host_memory"],
+        weights=spec["weights"],
+    )
+
+
+def measure_budget(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """One configuration: load under the budget, warm up, time the request."""
+    limit = enforce_budget(device, spec["budget_gib"])
+    windows = Windows(device)
+    with windows.span("load"):
+        engine = load_engine(spec, device)
+    request = make_request(spec, spec["steps"])
+    shape = request_shape(engine, request)
+    with windows.span("warm_up"):
+        _, warm_up = run_request(engine, dataclasses.replace(request, steps=1), device)
+    models = engine.store.models_for_task(request.task)
+    before = stream_counters(engine, models)
+    with windows.span("timed"):
+        output, timed = run_request(engine, request, device)
+    streams = stream_deltas(before, stream_counters(engine, models), request.steps)
+    save_latents(output, spec.get("latents_path"))
+    return {
+        "limit": limit,
+        "plan": plan_record(engine),
+        "load_s": windows.spans["load"]["seconds"],
+        "load_timings_s": dict(engine.store.load_timings),
+        "shape": shape,
+        "warm_up": warm_up,
+        "timed": timed,
+        "step_s": timed["step_s"],
+        "memory": windows.spans,
+        "checks": budget_checks(limit, windows.spans),
+        "streams": streams,
+        "restarts": sum(stream["restarts"] for stream in streams.values() if stream is not None),
+        "caveats": caveats(spec, engine),
+        "latents_sha256": latents_digest(output),
+    }
+
+
+def disk_host_budget(spec: dict[str, Any], device: torch.device) -> tuple[float | None, str]:
+    """The largest host budget (to 1/16 GiB) whose plan fits and sends the other partition's DiT to "disk", found by
+    bisection over plans (configs and headers only, ~1 s each at the released size), and how it was found; None
+    where no such budget exists (the other partition too small to matter, as in a tiny checkpoint)."""
+    from h3engine.checkpoint.layout import detect_layout
+    from h3engine.errors import RequestError
+    from h3engine.memory.budget import resolve_budget
+    from h3engine.memory.engine_plan import MemoryRequest, plan_memory
+
+    layout = detect_layout(spec["checkpoint"])
+
+    def home(host_gib: float) -> str | None:
+        request = MemoryRequest(spec["profile"], spec["gpu_memory"], f"{host_gib:.4f}", spec["weights"])
+        try:
+            return plan_memory(layout, device, torch.bfloat16, request).other_partition_home
+        except RequestError:
+            return None  # no plan fits this host budget
+
+    # Invariant: home(low) is None or "disk" (too small to fit, or disk); home(high) keeps the partition warm.
+    low, high = 0.0, (resolve_budget(device, spec["gpu_memory"], None).host_bytes or 0) / GIB
+    if home(high) in (None, "disk"):
+        low = high
+    while high - low > 1 / 16:
+        middle = (low + high) / 2
+        if home(middle) in (None, "disk"):
+            low = middle
+        else:
+            high = middle
+    if low > 0 and home(low) == "disk":
+        return (
+            low,
+            "searched: the largest host budget (to 1/16 GiB) whose plan sends the other partition to disk",
+        )
+    return None, "no host budget gives a plan that fits with the other partition on disk"
+
+
+def load_with_partition_on_disk(spec: dict[str, Any], device: torch.device) -> Any:
+    """An `Engine` whose plan sends the other DiT partition to "disk" whatever the host budget, everything else as
+    planned: the disk variant where no host budget makes the planner choose it."""
+    from h3engine.engine import Engine
+
+    class PartitionOnDisk(Engine):
+        def _make_placement(self, memory_profile: str, device: torch.device) -> Any:
+            placement = super()._make_placement(memory_profile, device)
+            placement.plan = dataclasses.replace(placement.plan, other_partition_home="disk")
+            return placement
+
+    return PartitionOnDisk.from_checkpoint(
+        spec["checkpoint"],
+        device,
+        memory_profile=spec["profile"],
+        gpu_memory=spec["gpu_memory"],
+        host_memory=spec["host_memory"],
+        weights=spec["weights"],
+    )
+
+
+def measure_switch(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """T2VA (1 step) -> Ref2VA (1 step) -> T2VA with both partitions; each switch timed on its own."""
+    limit = enforce_budget(device, spec["budget_gib"])
+    host_memory, host_source = (
+        spec["host_memory"],
+        "as given" if spec["host_memory"] is not None else "default",
+    )
+    forced = False
+    if spec["variant"] == "disk" and device.type == "cuda" and host_memory is None:
+        host_memory, host_source = disk_host_budget(spec, device)
+        if host_memory is None:
+            forced, host_source = True, f"{host_source}: the plan's other_partition_home forced to disk"
+    windows = Windows(device)
+    with windows.span("load"):
+        if forced:
+            engine = load_with_partition_on_disk(spec, device)
+        else:
+            engine = load_engine(spec, device, host_memory)
+    sequence = []
+    with windows.span("sequence"):
+        for task in ("t2va", "ref2va", "t2va"):
+            request = make_request(spec, 1, task)
+            was = engine.store.partition_on_device
+            synchronize(device)
+            started = time.perf_counter()
+            engine.store.models_for_task(task)
+            synchronize(device)
+            switch_s = time.perf_counter() - started
+            _, figures = run_request(engine, request, device)
+            sequence.append(
+                {
+                    "task": task,
+                    "partition_before": was,
+                    "partition_after": engine.store.partition_on_device,
+                    "switch_s": switch_s,
+                    "request": figures,
+                }
+            )
+    return {
+        "limit": limit,
+        "host_memory_gib": host_memory,
+        "host_memory_source": host_source,
+        "other_partition_home_forced": forced,
+        "plan": plan_record(engine),
+        "load_s": windows.spans["load"]["seconds"],
+        "sequence": sequence,
+        "caveats": caveats(spec, engine),
+        "to_ref2va_s": sequence[1]["switch_s"],
+        "back_to_t2va_s": sequence[2]["switch_s"],
+        "memory": windows.spans,
+        "checks": budget_checks(limit, windows.spans),
+    }
+
+
+def measure_whole(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Whole requests (MP4 included) at one budget, one per step count, after a warm-up."""
+    limit = enforce_budget(device, spec["budget_gib"])
+    windows = Windows(device)
+    with windows.span("load"):
+        engine = load_engine(spec, device)
+    with windows.span("warm_up"):
+        _, warm_up = run_request(engine, make_request(spec, 1), device)
+    requests = []
+    for steps in spec["whole_steps"]:
+        request = make_request(spec, steps)
+        mp4 = Path(spec["scratch_dir"]) / f"whole_{steps}.mp4"
+        with windows.span(f"request_{steps}_steps"):
+            _, figures = run_request(engine, request, device, mp4_path=mp4)
+        figures["mp4_bytes"] = mp4.stat().st_size if mp4.exists() else None
+        mp4.unlink(missing_ok=True)
+        requests.append(figures)
+    return {
+        "limit": limit,
+        "plan": plan_record(engine),
+        "load_s": windows.spans["load"]["seconds"],
+        "warm_up": warm_up,
+        "requests": requests,
+        "caveats": caveats(spec, engine),
+        "memory": windows.spans,
+        "checks": budget_checks(limit, windows.spans),
+    }
+
+
+MEASURES = {"budget": measure_budget, "switch": measure_switch, "whole": measure_whole}
+
+
+def child_main(spec_text: str) -> None:
+    """The `--one` mode: run one configuration and write its record to `spec["record_path"]`."""
+    spec = json.loads(spec_text)
+    die_with_parent(spec["parent_pid"])
+    logging.basicConfig(level=logging.WARNING)
+    device = torch.device(spec["device"])
+    cuda = device.type == "cuda"
+    if not cuda:
+        # Tiny models: threads cost more than they give, and children on a shared CPU would fight over cores.
+        torch.set_num_threads(spec["cpu_threads"])
+    import h3engine.engine  # noqa: F401  (imported before the load window opens: its import is no load time)
+
+    record: dict[str, Any] = {
+        "run_id": spec["run_id"],
+        "pid": os.getpid(),
+        "machine": machine_id(device),
+        # The parent never touches CUDA (its context would sit on the GPU beside every child): children say.
+        "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "device_total_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else None,
+    }
+    try:
+        record.update(MEASURES[spec["kind"]](spec, device))
+    except Exception as error:  # a budget that does not fit, out of memory: recorded, the run goes on
+        record["error"] = f"{type(error).__name__}: {error}"
+        record["traceback"] = traceback.format_exc()
+    Path(spec["record_path"]).write_text(json.dumps(record, default=str))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The parent: run order, children, derived figures
+
+
+def on_cpu(args: argparse.Namespace) -> bool:
+    return torch.device(args.device).type == "cpu"
+
+
+def profile_for(cpu: bool, budget_gib: float) -> tuple[str, float | None]:
+    """(memory profile, gpu_memory) of a budget: resident at 120; on a GPU `auto` under the budget, on the CPU
+    `streamed` (no budget there)."""
+    if budget_gib == RESIDENT_GIB:
+        return "resident", None
+    if cpu:
+        return "streamed", None
+    return "auto", budget_gib
+
+
+def budget_runs(budgets: list[float], weights: list[str]) -> list[dict[str, Any]]:
+    """The run order: per weight format R B1 B1 R B2 B2 R ... (R resident; each B measured twice, the first next to
+    the resident run before it, the second next to the one after it: A B B A)."""
+    others = [budget for budget in budgets if budget != RESIDENT_GIB]
+    interleaved = RESIDENT_GIB in budgets
+    order = [RESIDENT_GIB] if interleaved else []
+    for budget in others:
+        order += [budget, budget, RESIDENT_GIB] if interleaved else [budget]
+    runs: list[dict[str, Any]] = []
+    for weight in weights:
+        counts: dict[float, int] = {}
+        ids = []
+        for budget in order:
+            ids.append(f"budget:{weight}:{gib_key(budget)}:{counts.get(budget, 0)}")
+            counts[budget] = counts.get(budget, 0) + 1
+        for position, (budget, run_id) in enumerate(zip(order, ids, strict=True)):
+            run = {"kind": "budget", "run_id": run_id, "weights": weight, "budget_gib": budget}
+            if interleaved and budget != RESIDENT_GIB:
+                before = order[position - 1] == RESIDENT_GIB
+                run["neighbour"] = ids[position - 1 if before else position + 1]
+            runs.append(run)
+    return runs
+
+
+def planned_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    weights = [name.strip() for name in args.weights.split(",") if name.strip()]
+    runs = budget_runs(parse_numbers(args.budgets), weights)
+    if args.switch:
+        for variant in ("warm_host", "disk"):
+            runs.append(
+                {
+                    "kind": "switch",
+                    "run_id": f"switch:{variant}",
+                    "variant": variant,
+                    "weights": weights[0],
+                    "budget_gib": args.switch_budget,
+                    "host_memory": args.disk_host_memory if variant == "disk" else args.host_memory,
+                }
+            )
+    steps = [int(value) for value in parse_numbers(args.whole_request)]
+    if steps:
+        for budget in parse_numbers(args.whole_budgets):
+            runs.append(
+                {
+                    "kind": "whole",
+                    "run_id": f"whole:{weights[0]}:{gib_key(budget)}",
+                    "weights": weights[0],
+                    "budget_gib": budget,
+                    "whole_steps": steps,
+                }
+            )
+    cpu = on_cpu(args)
+    for run in runs:
+        if run["kind"] == "switch":
+            run["profile"], run["gpu_memory"] = "auto", None if cpu else run["budget_gib"]
+        else:
+            run["profile"], run["gpu_memory"] = profile_for(cpu, run["budget_gib"])
+        run.setdefault("host_memory", args.host_memory)
+        if run["kind"] == "budget" and run["run_id"].endswith(":0"):
+            run["keep_latents"] = True  # the first run of each (weights, budget): the FP8 error's operands
+    return runs
+
+
+def run_child(
+    run: dict[str, Any], args: argparse.Namespace, checkpoint: str, work: Path, latents: Path
+) -> dict[str, Any]:
+    """Run one configuration in a child process and return its record (an error record if it died)."""
+    name = run["run_id"].replace(":", "_")
+    spec = {
+        **run,
+        "checkpoint": checkpoint,
+        "device": args.device,
+        # On the CPU there is no GPU budget to enforce.
+        "budget_gib": None if on_cpu(args) else run["budget_gib"],
+        "steps": args.steps,
+        "duration": args.duration,
+        "prompt": PROMPT,
+        "seed": args.seed,
+        "record_path": str(work / f"{name}.json"),
+        "latents_path": str(latents / f"{name}.pt") if run.get("keep_latents") else None,
+        "scratch_dir": str(work),
+        "parent_pid": os.getpid(),
+        "cpu_threads": args.cpu_threads,
+        "placeholder": args.checkpoint is None and not args.tiny,
+    }
+    command = [sys.executable, "-m", "benchmarks.memory_budgets", "--one", json.dumps(spec)]
+    started = time.perf_counter()
+    try:
+        completed = subprocess.run(command, cwd=REPO_ROOT, timeout=args.child_timeout, check=False)
+        returncode: int | str = completed.returncode
+    except subprocess.TimeoutExpired:
+        returncode = f"killed after {args.child_timeout:.0f} s"
+    wall_s = time.perf_counter() - started
+    record_path = Path(spec["record_path"])
+    if record_path.exists():
+        record = json.loads(record_path.read_text())
+        record_path.unlink()
+    else:
+        record = {"run_id": run["run_id"], "error": f"the child wrote no record (exit {returncode})"}
+    return {**run, **record, "budget_gib": run["budget_gib"], "child_wall_s": wall_s}
+
+
+def relative_l2(candidate: torch.Tensor, reference: torch.Tensor) -> float:
+    reference = reference.double()
+    return float((candidate.double() - reference).norm() / reference.norm().clamp_min(1e-30))
+
+
+def derive(result: dict[str, Any], latents: Path) -> None:
+    """Figures across configurations: equality with the resident run, FP8 error, interleaved ratios."""
+    records = [record for record in result["configurations"] if "error" not in record]
+    by_id = {record["run_id"]: record for record in records}
+    for record in records:
+        resident = by_id.get(f"budget:{record['weights']}:{gib_key(RESIDENT_GIB)}:0")
+        record["equal_to_resident"] = (
+            None if resident is None else record["latents_sha256"] == resident["latents_sha256"]
+        )
+        if record["weights"] == "fp8" and record.get("fp8_error_vs_bf16") is None:
+            record["fp8_error_vs_bf16"] = fp8_error(record, latents)
+    ratios: dict[str, dict[str, Any]] = {}
+    for record in records:
+        neighbour = by_id.get(record.get("neighbour", ""))
+        if neighbour is None or not record["step_s"] or not neighbour["step_s"]:
+            continue
+        entry = ratios.setdefault(record["weights"], {}).setdefault(
+            gib_key(record["budget_gib"]), {"pairs": []}
+        )
+        entry["pairs"].append(
+            {
+                "run": record["run_id"],
+                "resident_run": neighbour["run_id"],
+                "step_s": record["step_s"],
+                "resident_step_s": neighbour["step_s"],
+                "ratio": record["step_s"] / neighbour["step_s"],
+                "same_machine": record["machine"] == neighbour["machine"],
+            }
+        )
+    for per_weight in ratios.values():
+        for budget, entry in per_weight.items():
+            kept = [pair["ratio"] for pair in entry["pairs"] if pair["same_machine"]]
+            entry["median"] = statistics.median(kept) if kept else None
+            # The targets are the GPU's; on the CPU every budget is the same streamed profile.
+            target = None if result["device"] == "cpu" else TARGETS.get(int(float(budget)))
+            entry["target"] = target
+            entry["meets_target"] = (
+                None if target is None or entry["median"] is None else entry["median"] <= target
+            )
+    result["ratios"] = ratios
+    result["fp8_error"] = {
+        "note": FP8_NOTE,
+        "per_configuration": {
+            record["run_id"]: record["fp8_error_vs_bf16"]
+            for record in records
+            if record["weights"] == "fp8" and record.get("fp8_error_vs_bf16") is not None
+        },
+    }
+
+
+def fp8_error(record: dict[str, Any], latents: Path) -> dict[str, float] | None:
+    """The FP8 run's latents against the first bf16 run at the same budget, where both are in `latents`."""
+    name = record["run_id"].replace(":", "_")
+    reference = latents / f"budget_bf16_{gib_key(record['budget_gib'])}_0.pt"
+    candidate = latents / f"{name}.pt"
+    if not reference.exists() or not candidate.exists():
+        return None
+    ours, theirs = torch.load(candidate), torch.load(reference)
+    return {
+        "reference_run": f"budget:bf16:{gib_key(record['budget_gib'])}:0",
+        "video_latents": relative_l2(ours["video"], theirs["video"]),
+        "audio_latents": relative_l2(ours["audio"], theirs["audio"]),
+    }
+
+
+def describe_checkpoint(args: argparse.Namespace) -> str:
+    if args.checkpoint is not None:
+        return args.checkpoint
+    if args.tiny:
+        return "tiny (random weights, h3engine.checkpoint.tiny)"
+    return "placeholder (released shapes, weights drawn at load: h3engine.checkpoint.placeholder)"
+
+
+def make_checkpoint(args: argparse.Namespace, folder: Path) -> str:
+    if args.checkpoint is not None:
+        return str(Path(args.checkpoint).resolve())
+    if args.tiny:
+        from h3engine.checkpoint.tiny import make_tiny_checkpoint
+
+        return str(make_tiny_checkpoint(folder / "tiny", seed=0))
+    from h3engine.checkpoint.placeholder import make_placeholder_checkpoint
+
+    return str(make_placeholder_checkpoint(folder / "placeholder", seed=0))
+
+
+def engine_version() -> str | None:
+    """h3engine's own version where it is not installed as a distribution (run from the repository)."""
+    try:
+        from h3engine import __version__
+    except ImportError:
+        return None
+    return __version__
+
+
+def git_commit() -> str | None:
+    """The checkout's commit, "+dirty" with uncommitted changes; None where there is no git history."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        status = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
+
+
+def new_result(args: argparse.Namespace) -> dict[str, Any]:
+    gpu = not on_cpu(args)
+    return {
+        "benchmark": "memory_budgets",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": None if gpu else "cpu",  # a GPU's name and size come from the first child
+        "device_total_bytes": None,
+        "host_memory_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "h3engine": package_version("h3engine") or engine_version(),
+            "git_commit": git_commit(),
+            "flash_attn_4": package_version("flash-attn-4"),
+            "triton": package_version("triton"),
+            "transformers": package_version("transformers"),
+        },
+        "checkpoint": describe_checkpoint(args),
+        "settings": {
+            "request": {
+                "task": "t2va",
+                "prompt": PROMPT,
+                "aspect_ratio": "16:9",
+                "duration_seconds": args.duration,
+                "steps": args.steps,
+                "warm_up_steps": 1,
+                "seed": args.seed,
+            },
+            "device": args.device,
+            "checkpoint": describe_checkpoint(args),
+            "cpu_threads": args.cpu_threads if on_cpu(args) else None,
+        },
+        "budget_mapping": (
+            {gib_key(RESIDENT_GIB): "resident", "other": "streamed (the CPU has no budget)"}
+            if not gpu
+            else {
+                gib_key(
+                    RESIDENT_GIB
+                ): "resident, no gpu_memory; set_per_process_memory_fraction(120 GiB / total)",
+                "other": "auto with gpu_memory = budget; set_per_process_memory_fraction(budget / total)",
+            }
+        ),
+        "shape": None,
+        "run_order": [],
+        "configurations": [],
+        "ratios": {},
+        "fp8_error": {},
+        "switch": [],
+        "whole_request": [],
+        "notes": NOTES,
+        "invocations": [],
+    }
+
+
+def resumed_result(args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    result = json.loads(path.read_text())
+    expected = new_result(args)["settings"]
+    if result.get("settings") != expected:
+        raise SystemExit(
+            f"--resume {path}: its settings {result.get('settings')} differ from this run's {expected}"
+        )
+    return result
+
+
+def result_path(output_dir: Path, device_name: str) -> Path:
+    label = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
+    return output_dir / f"memory_budgets_{label}_{datetime.date.today().strftime('%Y%m%d')}.json"
+
+
+SECTION = {"budget": "configurations", "switch": "switch", "whole": "whole_request"}
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    if "error" in record:
+        return f"{record['run_id']}: {record['error']}"
+    if record["kind"] == "switch":
+        return (
+            f"{record['run_id']}: to Ref2VA {record['to_ref2va_s']:.2f} s, back to T2VA "
+            f"{record['back_to_t2va_s']:.2f} s (other partition: {record['plan']['other_partition_home']})"
+        )
+    if record["kind"] == "whole":
+        done = ", ".join(f"{r['steps']} steps {r['wall_s']:.1f} s" for r in record["requests"])
+        return f"{record['run_id']}: {done}"
+    timed = record["memory"]["timed"]
+    reserved = timed["max_reserved_bytes"]
+    return (
+        f"{record['run_id']}: step {record['step_s']:.3f} s, load {record['load_s']:.1f} s, "
+        f"reserved {'-' if reserved is None else f'{reserved / GIB:.1f} GiB'}, host peak "
+        f"{(timed['host_peak_bytes'] or 0) / GIB:.1f} GiB, restarts {record['restarts']}"
+    )
+
+
+def main(argv: list[str] | None = None) -> Path | None:
+    args = parse_arguments(argv)
+    if args.one is not None:
+        child_main(args.one)
+        return None
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if args.resume is not None:
+        result = resumed_result(args, Path(args.resume))
+        path: Path | None = output_dir / Path(args.resume).name
+    else:
+        result = new_result(args)
+        path = None  # named after the GPU, which the first child reports
+    done = {
+        record["run_id"]
+        for section in SECTION.values()
+        for record in result[section]
+        if "error" not in record
+    }
+    runs = planned_runs(args)
+    result["run_order"] = list(dict.fromkeys([*result["run_order"], *(run["run_id"] for run in runs)]))
+    invocation = {"started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "ran": []}
+    result["invocations"].append(invocation)
+    began = time.perf_counter()
+    longest: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="memory_budgets_") as temporary:
+        work = Path(temporary)
+        checkpoint = None  # made when the first child needs it (a resumed run may need none)
+        latents = Path(args.latents_dir) if args.latents_dir else work / "latents"
+        latents.mkdir(parents=True, exist_ok=True)
+        for run in runs:
+            if run["run_id"] in done:
+                continue
+            if args.time_limit is not None:
+                estimate = longest.get(run["kind"], DEFAULT_CHILD_ESTIMATE_S[run["kind"]])
+                if time.perf_counter() - began + estimate > args.time_limit:
+                    invocation["stopped_before"] = run["run_id"]
+                    print(f"--time-limit: stopping before {run['run_id']} (~{estimate:.0f} s)", flush=True)
+                    break
+            checkpoint = checkpoint or make_checkpoint(args, work)
+            record = run_child(run, args, checkpoint, work, latents)
+            longest[run["kind"]] = max(longest.get(run["kind"], 0.0), record["child_wall_s"])
+            section = result[SECTION[run["kind"]]]
+            section[:] = [old for old in section if old["run_id"] != run["run_id"]] + [record]
+            if result["shape"] is None and record.get("shape"):
+                result["shape"] = record["shape"]
+            if result["device"] is None and record.get("device_name"):
+                result["device"] = record["device_name"]
+                result["device_total_bytes"] = record["device_total_bytes"]
+            invocation["ran"].append(run["run_id"])
+            derive(result, latents)
+            path = path or result_path(output_dir, result["device"] or args.device)
+            path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+            print(summary_line(record), flush=True)
+        derive(result, latents)
+        invocation["seconds"] = time.perf_counter() - began
+        path = path or result_path(output_dir, result["device"] or args.device)
+        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    for weight, per_budget in result["ratios"].items():
+        for budget, entry in per_budget.items():
+            median = entry["median"]
+            print(f"{weight} {budget} GiB: step-time ratio {'-' if median is None else f'{median:.3f}'}")
+    print(path)
+    return path
+
+
+if __name__ == "__main__":
+    main()
