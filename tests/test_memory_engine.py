@@ -74,7 +74,9 @@ def test_a_request_too_large_for_the_plan_is_refused_naming_what_to_change(relea
     )
     ref2va = GenerationRequest(task="ref2va", prompt="<Picture 1> sings <Audio 1>", references=references)
     # A reference picture is read at a 2048-pixel short edge: thousands of rows more than T2VA, over 16 GiB here.
-    with pytest.raises(RequestError, match=r"^(duration_seconds|short_edge|references): .* over the 16\.0 GiB"):
+    with pytest.raises(
+        RequestError, match=r"^(duration_seconds|short_edge|references): .* over the 16\.0 GiB"
+    ):
         check(ref2va)
     roomier = gpu_plan(layout, torch.bfloat16, MemoryRequest(), budget(32))
     check_request_memory(roomier, ref2va, (768, 1344), 64, probe_media)
