@@ -222,8 +222,10 @@ class ModelStore:
             self._report(kind, seconds)
         return self._modules[key]
 
-    def _deferred(self, model: str, meta_module: Callable[[], torch.nn.Module]) -> DeferredReads | None:
-        keys = self.placement.deferred_keys(model, meta_module)
+    def _deferred(
+        self, model: str, meta_module: Callable[[], torch.nn.Module], layers: bool = True
+    ) -> DeferredReads | None:
+        keys = self.placement.deferred_keys(model, meta_module, layers)
         return DeferredReads(keys) if keys else None
 
     def _load_text_encoder(self, folder: Path) -> H3TextEncoder:
@@ -234,7 +236,8 @@ class ModelStore:
         return self.placement.adopt(encoder, "text_encoder", deferred)
 
     def _load_dit(self, source: ComponentSource) -> torch.nn.Module:
-        deferred = self._deferred("dit", source.build)
+        # FP8 linears are made from the loaded bf16 weights: their layers cannot be left unread (the AdaLN can).
+        deferred = self._deferred("dit", source.build, layers=not self.fp8_linear)
         dit = self.loader.dit(source, self.placement.load_device("dit"), self.dtype, deferred)
         return self.placement.adopt(self._prepare_dit(dit, deferred), "dit", deferred)
 

@@ -387,3 +387,18 @@ def test_the_cli_streams_in_fp8_and_the_sidecar_says_how(capsys, checkpoint, tmp
     sidecar = json.loads(out.with_suffix(".json").read_text())
     assert sidecar["weight_format"] == "fp8" and sidecar["memory_profile"] == "streamed"
     assert sidecar["memory_plan"]["dit"].startswith("streamed (ring of 2")
+
+
+def test_fp8_linears_stream_their_fp8_buffers(checkpoint) -> None:
+    """`--fp8-linear` swaps the blocks' linears for FP8 layers made from the loaded weights (so those layers are read
+    at load, not deferred); a streamed DiT then streams their e4m3 weights and scales as they are."""
+    request = parity_requests(steps=2, seed=1)["t2va"]
+    outputs = {}
+    for profile in ("resident", "streamed"):
+        engine = Engine.from_checkpoint(checkpoint, device="cpu", memory_profile=profile, fp8_linear=True)
+        outputs[profile], _ = engine.generate(request)
+    for name in OUTPUTS:
+        assert torch.equal(getattr(outputs["streamed"], name), getattr(outputs["resident"], name)), name
+    stream = engine.placement.stream_of(engine.store.models_for_task("t2va").dit)
+    assert {placed.dtype for placed in stream.tensors[-1]} >= {torch.float8_e4m3fn, torch.float32}
+    assert stream.visits > 0 and stream.restarts == 0
