@@ -231,8 +231,14 @@ def test_the_streamed_engine_generates_what_the_resident_one_does(
         assert not stream.is_open, name  # each phase closed its ring
 
 
-def test_streamed_worker_ranks_generate_what_resident_ranks_do(checkpoint, tmp_path) -> None:
+def test_streamed_worker_ranks_generate_what_resident_ranks_do(checkpoint, lora_files, tmp_path) -> None:
+    """Two gloo ranks (Ulysses 2 x TP 1 DiT, TP 2 text encoder: each rank streams its shards) for each task, and
+    T2VA and Ref2VA with a LoRA (each rank applies its slice of the factors)."""
     requests = parity_requests(steps=2, seed=9)
+    for task in ("t2va", "ref2va"):
+        requests[f"{task}+lora"] = dataclasses.replace(
+            requests[task], loras=(LoraChoice(str(lora_files[task]), 0.7),)
+        )
     tensors: dict[str, dict[str, Path]] = {}
     for profile in ("resident", "streamed"):
         replica = ProcessReplica(checkpoint, ("cpu", "cpu"), dtype="float32", memory=profile)
@@ -251,6 +257,9 @@ def test_streamed_worker_ranks_generate_what_resident_ranks_do(checkpoint, tmp_p
         resident, streamed = load_file(tensors["resident"][task]), load_file(tensors["streamed"][task])
         for name, tensor in resident.items():
             assert torch.equal(streamed[name], tensor), (task, name)
+    for task in ("t2va", "ref2va"):  # the adapter did change what the streamed ranks computed
+        adapted, base = (load_file(tensors["streamed"][name])["video"] for name in (f"{task}+lora", task))
+        assert not torch.equal(adapted, base), task
 
 
 # --- both DiT partitions warm in host memory -----------------------------------------------------------------------
