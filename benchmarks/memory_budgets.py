@@ -1,70 +1,18 @@
 """Step time and peak GPU / host memory of the engine under memory budgets; the partition switch; whole requests.
 
-What it measures, at the released size from a placeholder checkpoint by default (768p / 5 s T2VA, 16:9):
-
-* Budgets (`--budgets`, GiB; 120 is the resident engine) x weight formats (`--weights bf16,fp8`). Each
-  configuration runs in its own child process (this module with a hidden `--one JSON`), so that the budget, the
-  pinned host memory and the peaks of one never leak into the next. The child enforces the budget with
-  `torch.cuda.set_per_process_memory_fraction(budget / total)` BEFORE the engine loads, then loads
-  `Engine.from_checkpoint` (budget 120: `memory_profile="resident"`, no `gpu_memory`; any other:
-  `memory_profile="auto"`, `gpu_memory=budget`), runs a warm-up (the request with 1 step) and the timed request
-  (`--steps`) through `Engine.generate`. Recorded per configuration: the plan (`summary_lines()`, predicted peaks,
-  each model's placement), the load seconds, each DiT step's time on the device clock (StepTimer of
-  benchmarks.e2e, through `on_step` / `should_cancel`) and the `StepEvent.elapsed_s`, the request's timings, and
-  per window (load, warm-up, timed; peaks reset at the start of each): `torch.cuda.max_memory_reserved` /
-  `max_memory_allocated`, the nvidia-smi peak (this process's and the whole GPU's, sampled every 0.5 s with
-  benchmarks.stage_layouts' MemorySampler), the peak host RSS (VmHWM, reset through /proc/self/clear_refs) and
-  torch's pinned host allocator bytes; the layer streams' counters over the timed request (visits, restarts: must
-  be 0, host -> device bytes per step, host image bytes); whether the final latents equal the resident run's of
-  the same weights bit for bit; for fp8, the relative L2 error of the final latents against bf16 at the same budget
-  (placeholder / random weights: this says nothing about picture quality, only that FP8 storage changes values).
-* Interleaving: per weight format the runs go R B1 B1 R B2 B2 R ... (R = resident, each non-resident budget twice,
-  next to a resident run on either side, A B B A); per budget the ratio of its step time (median of the steps after
-  the first) to its neighbouring resident run's, and the median of its two ratios. Pairs measured on different
-  machines (another lease after `--resume`) are listed but left out of the median. Without 120 in `--budgets`
-  each budget runs once and no ratio is taken. Targets (the issue's): 24 GiB <= 1.10x, 16 GiB <= 1.25x.
-* `--switch`: one child per variant, both partitions, `memory_profile="auto"` at `--switch-budget`, runs T2VA
-  (1 step) -> Ref2VA (1 step, image reference assets/ref2va/picture1.png) -> T2VA and times the partition switch
-  (`engine.store.models_for_task(task)` called before `generate`, device synchronized) and each request. Variant
-  "warm_host": the host budget as given (`--host-memory`, default the machine's), so the plan may keep the other
-  partition pinned (`other_partition_home` is recorded: it says whether it did). Variant "disk": the largest host
-  budget whose plan sends the other partition to "disk" (searched, or `--disk-host-memory`; where none exists, as
-  with a tiny checkpoint, the plan's `other_partition_home` is forced to "disk"): the DiT is dropped and read again
-  from the checkpoint, which is what main did before. The first switch is also the first use of
-  Ref2VA (it loads from the checkpoint in both variants); the second one (back to T2VA) is the one the 5 s target
-  is about. A placeholder checkpoint draws its values at load instead of reading them: its "disk" times are
-  draw-and-copy times, not disk times.
-* `--whole-request 50,8`: at each of `--whole-budgets` (default 24 and resident) one child loads, warms up and runs
-  a whole request (text encode, denoise, decode, MP4 written while the video decodes) per step count; 8 steps use
-  the Turbo table's shifts (h3engine.lora_library.TURBO_TABLE: 6 / 3; no LoRA: the weights are placeholders).
-* On the CPU (`--device cpu`; the test runs it at tiny size) budgets mean nothing: 120 maps to the "resident"
-  profile and every other budget to "streamed" (the mapping is in the JSON), CUDA and nvidia-smi figures are null,
-  and both switch variants keep both partitions (the store drops a DiT only on a GPU).
-
-The parent rewrites the result file after each configuration (`benchmarks/results/memory_budgets_<GPU>_<date>.json`)
-so a run cut short keeps what it measured; `--resume FILE` (the same request settings) skips the configurations
-already in FILE and writes the continued file under `--output-dir` with FILE's name. `--time-limit S` starts no
-child that would end after S seconds (judged by the longest child of its kind so far, or a default estimate), so a
-call under the GPU machine's 10-minute command limit ends cleanly.
-
-Runs and time at the released size (load ~75 s, warm-up ~25 s, timed request of 2 steps ~25 s with its text encode
-and decode at 5.3 s per step, start-up ~10 s: ~135 s per child). A full run, 6 budgets x 2 formats, is
-2 x (1 + 3 x 5) = 32 children, ~72 min of GPU time (more for the streamed ones: ~1.1-1.25x steps, pinning at
-load); `--switch` 2 children (~4-6 min each); `--whole-request 50,8` at 24 GiB and resident 2 children (~7.5 min
-each; one per call). That is three or four 30-minute sessions, each of ~600 s calls with `--resume`. The important
-subset in one 30-minute session: `--weights bf16 --budgets 120,24,16` (R 24 24 R 16 16 R: 7 children, ~16 min) and
-`--switch` (~8-10 min; the warm variant needs host memory for both partitions pinned: on the 1-GPU machine's
-128 GiB probably with `--weights fp8` only, which its record's `other_partition_home` shows; the 2-GPU machine has
-256 GiB).
+Per budget (`--budgets` GiB, 120 = resident) and weight format (`--weights bf16,fp8`), one child process (a hidden
+`--one` mode) enforces the budget with `torch.cuda.set_per_process_memory_fraction` before the engine loads, runs a
+warm-up and the timed 768p / 5 s T2VA request, and records the plan, step times (device clock), peak reserved /
+allocated memory, nvidia-smi and host peaks, the layer streams' counters and whether the latents equal the resident
+run's (FP8: their error against bf16). Runs go R B B R per budget (ratios: medians against the neighbouring
+resident runs). `--switch`: T2VA -> Ref2VA -> T2VA with the other partition warm in host memory and read from disk;
+`--whole-request 50,8`: whole requests. The JSON under benchmarks/results/ is rewritten after each child (`--resume`,
+`--time-limit` for 10-minute calls). Method, cost and the CPU mapping: benchmarks/NOTES.md ("memory budgets").
 
     python -m benchmarks.memory_budgets --placeholder --device cuda:0 --weights bf16 --budgets 120,24,16 \\
-        --time-limit 570 --output-dir DIR                            # ~4 children per 10-minute call
-    python -m benchmarks.memory_budgets --placeholder --device cuda:0 --weights bf16 --budgets 120,24,16 \\
-        --time-limit 570 --resume DIR/memory_budgets_NVIDIA_H200_20261205.json --output-dir DIR2
+        --time-limit 570 --output-dir DIR            # then again with --resume DIR/memory_budgets_...json
     python -m benchmarks.memory_budgets --placeholder --budgets '' --weights fp8 --switch --switch-budget 24
-    python -m benchmarks.memory_budgets --placeholder --budgets '' --whole-request 50,8 --whole-budgets 24
-    python -m benchmarks.memory_budgets --tiny --device cpu --budgets 120,24 --weights bf16,fp8 --steps 2 \\
-        --switch --output-dir /tmp/mb                                # CPU smoke test (tests/)
+    python -m benchmarks.memory_budgets --tiny --device cpu --budgets 120,24 --weights bf16,fp8 --switch
 """
 
 from __future__ import annotations

@@ -183,7 +183,9 @@ class Placement:
 
     # --- adopting a loaded model --------------------------------------------------------------------------------
 
-    def deferred_keys(self, model: str, meta_module: Callable[[], nn.Module], layers: bool = True) -> set[str]:
+    def deferred_keys(
+        self, model: str, meta_module: Callable[[], nn.Module], layers: bool = True
+    ) -> set[str]:
         """The keys of `model` a loader should leave unread (`meta_module` builds the model on `meta` to name them):
         the tensors of its streamed layers (their home is filled layer by layer from the files, or is the mapped
         files themselves; not with `layers` False) and, on a GPU, the DiT's AdaLN weights when they wait in the

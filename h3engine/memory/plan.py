@@ -5,13 +5,12 @@ Types: per model (`ModelPlacement`) its repeated layers are "resident" (on the d
 buffers filled a few layers ahead, the first `resident_layers` staying on the device); the rest is resident or phase.
 What is not resident waits in a host home: "pinned", "mapped" (read again from the checkpoint files) or "none". On a
 GPU the DiT's AdaLN projections wait on the host (`adaln_home`), streamed once per request; the partition not served
-waits in `other_partition_home`: "pinned" (kept warm: a switch copies from RAM), "mapped" or "disk" (read from the
-files again at a switch, from the page cache when it still holds them).
+waits in `other_partition_home`: "pinned" (warm: a switch copies from RAM), else "mapped" / "disk" (read again).
 
 The planner: `plan_for_shape(sizes, budget, shape, profile)` (`auto`: of the placements that fit, the one losing the
-fewest seconds per request under the cost model below), `plan_engine(..., shapes)` (the most demanding shape whose plan costs little more),
-`request_peak_bytes` / `check_request_fits` (one request under a plan). Shapes: h3engine.memory.shapes; working
-memory: .working; peaks and host homes: .peaks; words: .plan_cli.
+fewest seconds per request under the cost model below), `plan_engine(..., shapes)` (the most demanding shape whose
+plan costs little more), `request_peak_bytes` / `check_request_fits` (one request under a plan). Shapes:
+h3engine.memory.shapes; working memory: .working; peaks and host homes: .peaks; words: .plan_cli.
 
 Danger: the peaks rest on estimated activations (h3engine.memory.working). Imports no torch (budget.py relies on it).
 """
