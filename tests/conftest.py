@@ -2,12 +2,15 @@
 
 Tiny checkpoints are made once per session and shared read-only: `tiny_native` and `tiny_diffusers` (seed 0),
 and `tiny_checkpoints(layout, seed)` for the other seeds. A test that changes a checkpoint copies one first or
-makes its own. Tests marked `cuda` skip, with the reason shown, when torch sees no CUDA GPU.
+makes its own. Tests marked `cuda` skip, with the reason shown, when torch sees no CUDA GPU. The empty folders
+gradio_client's downloads leave in the temp folder are removed when the session ends (`gradio_client_leftovers`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(no_gpu)
+
+
+# gradio_client 2.x downloads each file a call returns into `<temp folder>/<token_hex(20)>/`, moves it into the
+# client's `download_files` folder and leaves that folder behind, empty (`Endpoint._download_file`): 11 a job of the
+# app (every MP4, sidecar, preview and take). It happens in the process that holds the Client: here, the tests.
+_GRADIO_CLIENT_DOWNLOAD_FOLDER = re.compile(r"[0-9a-f]{40}")
+
+
+def _gradio_client_download_folders() -> set[Path]:
+    return {
+        path
+        for path in Path(tempfile.gettempdir()).iterdir()
+        if _GRADIO_CLIENT_DOWNLOAD_FOLDER.fullmatch(path.name) and path.is_dir()
+    }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gradio_client_leftovers() -> Iterator[None]:
+    """Remove, at the end of the session, the empty download folders gradio_client made during it (only empty ones
+    that were not there before: nothing of anyone else's)."""
+    before = _gradio_client_download_folders()
+    yield
+    for folder in _gradio_client_download_folders() - before:
+        try:
+            folder.rmdir()  # only if empty
+        except OSError:
+            pass
 
 
 @pytest.fixture(scope="session")
