@@ -163,7 +163,6 @@ class ModelStore:
     def models_for_partition(self, partition: str) -> Models:
         sources = self._sources[partition]
         paths = sources.paths
-        adopt, load_device, loader = self.placement.adopt, self.placement.load_device, self.loader
         folders = [getattr(paths, kind) for kind in COMPONENTS]
         pending = [
             kind
@@ -186,9 +185,7 @@ class ModelStore:
                 "video_vae", paths.video_vae, lambda: self._load_video_vae(sources.video_vae)
             ),
             audio_vae=self._module(
-                "audio_vae",
-                paths.audio_vae,
-                lambda: adopt(loader.audio_vae(sources.audio_vae, load_device("audio_vae")), "audio_vae"),
+                "audio_vae", paths.audio_vae, lambda: self._load_audio_vae(sources.audio_vae)
             ),
             text_encoder=text_encoder,
             tokenizer=tokenizer,
@@ -245,6 +242,10 @@ class ModelStore:
         deferred = self._deferred("video_vae", source.build) if source.read_key is not None else None
         video_vae = self.loader.video_vae(source, self.placement.load_device("video_vae"), deferred)
         return self.placement.adopt(video_vae, "video_vae", deferred)
+
+    def _load_audio_vae(self, source: ComponentSource) -> torch.nn.Module | None:
+        audio_vae = self.loader.audio_vae(source, self.placement.load_device("audio_vae"))
+        return self.placement.adopt(audio_vae, "audio_vae")
 
     def _make_room_for_a_dit(self) -> None:
         """A DiT partition at the released size fills most of a GPU: before another one loads, the one on the device

@@ -27,8 +27,9 @@ import torch
 from torch import Tensor, nn
 
 from h3engine.checkpoint.safetensors_io import is_parked, parked
-from h3engine.memory.homes import dequantize_into, dequantized, pin_in_place, quantize_weight
+from h3engine.memory.homes import dequantize_into, dequantized, pin_in_place
 from h3engine.models.dit import BlockModulation, H3DiT, StepModulation
+from h3engine.quantization import quantize_rows
 
 # Schedules whose AdaLN tables `schedule_modulation` keeps per DiT.
 MODULATION_CACHE_SCHEDULES = 2
@@ -91,7 +92,7 @@ def offload_adaln(
             continue
         parameters += [linear.weight, linear.bias]
         if fp8:
-            _fp8_weights[linear] = quantize_weight(linear.weight.data.to("cpu"))
+            _fp8_weights[linear] = quantize_rows(linear.weight.data.to("cpu"))
             linear.weight.data = parked(linear.weight.shape, linear.weight.dtype)
             parameters += list(_fp8_weights[linear])
     parameters = [parameter for parameter in parameters if not is_parked(parameter)]

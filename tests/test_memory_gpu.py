@@ -20,10 +20,11 @@ from _runtime_helpers import parity_requests
 
 from h3engine.checkpoint.safetensors_io import is_parked
 from h3engine.engine import Engine
-from h3engine.memory.homes import dequantize_into, dequantized, quantize_weight
+from h3engine.memory.homes import dequantize_into, dequantized
 from h3engine.memory.layers import dit_layers
 from h3engine.memory.streaming import LayerStream
 from h3engine.models.dit import DiTConfig, H3DiT
+from h3engine.quantization import quantize_rows
 
 pytestmark = pytest.mark.cuda
 MIB = 1 << 20
@@ -91,7 +92,7 @@ def test_a_streamed_dit_stays_under_a_budget_the_resident_one_exceeds() -> None:
 
 def test_fp8_dequantizes_on_the_gpu_to_the_cpu_reference() -> None:
     weight = torch.randn(256, 512, dtype=torch.bfloat16)
-    values, scales = quantize_weight(weight)
+    values, scales = quantize_rows(weight)
     on_gpu = dequantize_into(
         torch.empty(256, 512, dtype=torch.bfloat16, device="cuda"), values.cuda(), scales.cuda()
     )

@@ -85,11 +85,6 @@ class DeferredReads:
     def add(self, key: str, reader: Callable[[], torch.Tensor]) -> None:
         self.readers[key] = reader
 
-    def check_complete(self, what: str) -> None:
-        missing = sorted(self.keys - self.readers.keys())
-        if missing:
-            raise RuntimeError(f"{what}: deferred keys without a reader: {missing[:5]}")
-
 
 @dataclass(frozen=True)
 class TensorInfo:

@@ -4,7 +4,7 @@
   placement's homes and the DiT's offloaded AdaLN projections.
 * `host_buffers(sizes, pin)` hands out byte buffers carved from the same kind of slabs (pageable when `pin` is
   False or pinning fails): a streamed layer's home image (h3engine.memory.streaming).
-* `quantize_weight` / `dequantize_into` are the FP8 storage of `--weights fp8`: e4m3 values with one fp32 scale per
+* `quantize_rows` (h3engine.quantization's) / `dequantize_into` are the FP8 storage of `--weights fp8`: e4m3 values with one fp32 scale per
   output row (h3engine.quantization's scheme), turned back into the compute dtype as `dtype(float32(q) * scale)`,
   one rounding. A home in FP8 holds half the bytes of bf16 and crosses PCIe in half the time; the values the layer
   computes with are no longer the released ones (a stated, measured error, never the default).
@@ -123,11 +123,6 @@ def quantized_bytes(shape: Sequence[int]) -> tuple[int, int]:
     return rows * columns, rows * 4
 
 
-def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """(e4m3 values [R, C], fp32 scales [R, 1]) of a weight matrix, quantized per output row."""
-    return quantize_rows(weight)
-
-
 def dequantize_into(destination: Tensor, values: Tensor, scales: Tensor) -> Tensor:
     """destination = dtype(float32(values) * scales), rounded once: the e4m3 values are exact in bf16 and fp16, and
     the multiply promotes to fp32 before the in-place cast back (the same bits as dequantize-then-cast)."""
@@ -137,5 +132,5 @@ def dequantize_into(destination: Tensor, values: Tensor, scales: Tensor) -> Tens
 
 def dequantized(weight: Tensor) -> Tensor:
     """The weight as `--weights fp8` computes with it (its dtype and device), from its FP8 form."""
-    values, scales = quantize_weight(weight)
+    values, scales = quantize_rows(weight)
     return dequantize_into(torch.empty_like(weight), values, scales)

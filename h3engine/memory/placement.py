@@ -85,18 +85,6 @@ def _tensor_names(module: nn.Module) -> dict[int, str]:
     }
 
 
-def describe_placement(placement: ModelPlacement) -> str:
-    if placement.all_resident:
-        return "resident"
-    if placement.layers == "streamed":
-        resident = f", {placement.resident_layers} layers resident" if placement.resident_layers else ""
-        rest = "" if placement.other == "resident" else ", the rest moved per phase"
-        return f"streamed (ring of {placement.ring_depth}{resident}, {placement.home} home{rest})"
-    if placement.layers == "phase" and placement.other == "phase":
-        return f"moved per phase ({placement.home} home)"
-    return f"layers {placement.layers}, the rest {placement.other} ({placement.home} home)"
-
-
 @dataclass
 class _Held:
     """What the placement did with one adopted model."""
@@ -143,7 +131,7 @@ class Placement:
     def describe(self) -> dict[str, str]:
         """Each model's placement in words, for sidecars and logs: e.g. {"dit": "streamed (ring of 3, 12 layers
         resident, pinned home)", "text_encoder": "resident", ...}."""
-        return {name: describe_placement(self.model_placement(name)) for name in MODELS}
+        return {name: self.model_placement(name).describe() for name in MODELS}
 
     def plan_lines(self) -> list[str]:
         """The plan in a few lines, for the log at start."""
@@ -173,13 +161,9 @@ class Placement:
 
     def load_device(self, model: str) -> torch.device:
         """Where a loader builds `model`: the compute device when all of it stays there, else host memory."""
-        if self.model_placement(model).all_resident and not (model == "dit" and self._warm_dit):
+        if self.model_placement(model).all_resident and not (model == "dit" and self.keeps_partitions_warm):
             return self.compute_device
         return torch.device("cpu")
-
-    @property
-    def _warm_dit(self) -> bool:
-        return self.keeps_partitions_warm
 
     # --- adopting a loaded model --------------------------------------------------------------------------------
 
@@ -248,7 +232,7 @@ class Placement:
             if self._cuda:
                 pin_in_place(moved)
             held.homes = [(tensor, tensor.data) for tensor in moved]
-        if model == "dit" and self._warm_dit and resident:
+        if model == "dit" and self.keeps_partitions_warm and resident:
             if self._cuda:
                 pin_in_place(resident)
             held.warm = [(tensor, tensor.data) for tensor in resident]
@@ -335,10 +319,6 @@ class Placement:
         held.active = False
         if self._cuda:
             torch.cuda.empty_cache()
-
-    def active(self, module: nn.Module) -> bool:
-        held = self._held.get(module)
-        return held is None or held.active
 
     def forget(self, module: nn.Module) -> None:
         """A model being dropped: remove its ring and hooks (its pinned images go with it)."""

@@ -114,6 +114,20 @@ class ModelPlacement:
     def all_resident(self) -> bool:
         return self.layers == "resident" and self.other == "resident"
 
+    def describe(self, num_layers: int | None = None) -> str:
+        """In words, for logs and sidecars: "resident", "streamed (ring of 3, 12 of 52 layers resident, pinned
+        home)", "moved per phase (pinned home)"... (`num_layers`: the model's, when known)."""
+        if self.all_resident:
+            return "resident"
+        if self.layers == "streamed":
+            total = f" of {num_layers}" if num_layers is not None else ""
+            resident = f", {self.resident_layers}{total} layers resident" if self.resident_layers else ""
+            rest = "" if self.other == "resident" else ", the rest moved per phase"
+            return f"streamed (ring of {self.ring_depth}{resident}, {self.home} home{rest})"
+        if self.layers == "phase" and self.other == "phase":
+            return f"moved per phase ({self.home} home)"
+        return f"layers {self.layers}, the rest {self.other} ({self.home} home)"
+
 
 RESIDENT = ModelPlacement()
 

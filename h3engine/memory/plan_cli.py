@@ -327,26 +327,13 @@ def _one_decimal(size: int) -> str:
     return f"{size / GIB:.1f} GiB"
 
 
-def describe_placement(name: str, placement: Any, size: Any = None) -> str:
-    """ "layers streamed (16 of 52 resident, ring 3), other resident, home pinned" and the like."""
-    if placement.all_resident:
-        return "resident"
-    layers = placement.layers
-    if layers == "streamed":
-        total = f" of {size.num_layers}" if size is not None else ""
-        layers = f"streamed ({placement.resident_layers}{total} resident, ring {placement.ring_depth})"
-    if name == "audio_vae":
-        return f"{placement.other}, home {placement.home}"
-    return f"layers {layers}, other {placement.other}, home {placement.home}"
-
-
 def summary_lines(plan: Any) -> list[str]:
     """`MemoryPlan.summary_lines`: the plan in a few lines, for the log at start."""
     budget = plan.budget
     if plan.sizes is None:
         # A plan made without the planner (the CPU, where there is no GPU budget): its placements only.
         lines = [f"memory plan ({plan.profile}, {plan.weights} weights, {plan.device_type}): no GPU budget"]
-        return lines + [f"  {name}: {describe_placement(name, plan.models[name], None)}" for name in MODELS]
+        return lines + [f"  {name}: {plan.models[name].describe()}" for name in MODELS]
     verdict = "fits" if plan.fits else "does NOT fit"
     lines = [
         f"memory plan ({plan.profile}, {plan.weights} weights, {plan.device_type}) for {plan.design_request}: "
@@ -358,7 +345,8 @@ def summary_lines(plan: Any) -> list[str]:
         size = partition.model(name) if partition is not None else None
         if size is not None and not size.total:
             continue
-        lines.append(f"  {name}: {describe_placement(name, plan.models[name], size)}")
+        num_layers = size.num_layers if size is not None and size.num_layers else None
+        lines.append(f"  {name}: {plan.models[name].describe(num_layers)}")
     if plan.device_type != "cpu":
         lines.append(f"  dit AdaLN projections: host ({plan.adaln_home}), streamed once per request")
     lines.append(f"  other partition's DiT: {plan.other_partition_home}")

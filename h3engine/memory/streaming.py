@@ -31,10 +31,10 @@ from h3engine.memory.homes import (
     host_buffers,
     pinned_or_pageable,
     quantizable,
-    quantize_weight,
     quantized_bytes,
 )
 from h3engine.memory.layers import LayerSpec
+from h3engine.quantization import quantize_rows
 
 # A reader of a mapped home: the tensor's values on the host, in the layer's dtype and shape (a view of the memory-
 # mapped file when it can be, so that reading costs the page cache's copy and nothing else).
@@ -52,10 +52,6 @@ class StreamedTensor:
     slot_offset: int
     image_offset: int  # its bytes, or its e4m3 values when quantized
     scale_offset: int = -1  # quantized: its fp32 row scales in the image; -1 otherwise
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape.numel() * torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def quantized(self) -> bool:
@@ -259,7 +255,7 @@ class LayerStream:
         for index, placed in enumerate(layer_tensors):
             tensor = readers[index]() if readers is not None else placed.tensor.detach()
             if placed.quantized:
-                values, scales = quantize_weight(tensor)
+                values, scales = quantize_rows(tensor)
                 _typed_view(image, placed.image_offset, values.dtype, values.shape).copy_(values)
                 _typed_view(image, placed.scale_offset, scales.dtype, scales.shape).copy_(scales)
             else:
