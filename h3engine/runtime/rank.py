@@ -106,9 +106,8 @@ class WorkerSpec:
     encoder_layout: EncoderLayout
     vae_layout: VAELayout
     init_method: str  # the rendezvous of this incarnation of the group
-    memory: MemoryRequest = field(
-        default_factory=MemoryRequest
-    )  # every rank plans for its own share under it
+    # The memory flags: every rank plans for its own share of the models under them (`rank_share`).
+    memory: MemoryRequest = field(default_factory=MemoryRequest)
 
     @property
     def world_size(self) -> int:
