@@ -509,7 +509,8 @@ def load_engine(spec: dict[str, Any], device: torch.device, host_memory: float |
 
 def measure_budget(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """One configuration: load under the budget, warm up, time the request."""
-    limit = enforce_budget(device, spec["budget_gib"])
+    # The resident engine peaks at ~121 GiB (README's e2e runs): it runs on the whole GPU, uncapped.
+    limit = enforce_budget(device, None if spec["budget_gib"] == RESIDENT_GIB else spec["budget_gib"])
     windows = Windows(device)
     with windows.span("load"):
         engine = load_engine(spec, device)
@@ -654,7 +655,8 @@ def measure_switch(spec: dict[str, Any], device: torch.device) -> dict[str, Any]
 
 def measure_whole(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Whole requests (MP4 included) at one budget, one per step count, after a warm-up."""
-    limit = enforce_budget(device, spec["budget_gib"])
+    # The resident engine peaks at ~121 GiB (README's e2e runs): it runs on the whole GPU, uncapped.
+    limit = enforce_budget(device, None if spec["budget_gib"] == RESIDENT_GIB else spec["budget_gib"])
     windows = Windows(device)
     with windows.span("load"):
         engine = load_engine(spec, device)
@@ -990,9 +992,7 @@ def new_result(args: argparse.Namespace) -> dict[str, Any]:
             {gib_key(RESIDENT_GIB): "resident", "other": "streamed (the CPU has no budget)"}
             if not gpu
             else {
-                gib_key(
-                    RESIDENT_GIB
-                ): "resident, no gpu_memory; set_per_process_memory_fraction(120 GiB / total)",
+                gib_key(RESIDENT_GIB): "resident, no gpu_memory, uncapped (it peaks at ~121 GiB)",
                 "other": "auto with gpu_memory = budget; set_per_process_memory_fraction(budget / total)",
             }
         ),

@@ -86,13 +86,12 @@ class ComponentSource:
         for key in wanted:
             deferred.add(key, partial(self.read_key, key, expected[key].dtype))
         if self.to_file_names is _identity:
-            # Native layout: stream tensor by tensor straight to the device, so the host never holds the whole model.
-            file_state = {
-                key: self._read(key, tensor.dtype, device)
-                for key, tensor in expected.items()
-                if key not in wanted
-            }
-            state = self.from_file_names(file_state)
+            # Native layout: stream tensor by tensor straight to the device, so the host never holds the whole model,
+            # each tensor converted as it is read, so the device never holds a converted tensor beside its original.
+            state = {}
+            for key, tensor in expected.items():
+                if key not in wanted:
+                    state.update(self.from_file_names({key: self._read(key, tensor.dtype, device)}))
         else:
             # Each renamed tensor is dropped once placed, so at most one is held twice. The file tensors of deferred
             # keys (their whole attention and feed-forward, siblings included) are not read.
