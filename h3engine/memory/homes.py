@@ -21,18 +21,10 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from h3engine.memory.slabs import PINNED_SLAB_BYTES, aligned, slab_plan
 from h3engine.quantization import quantize_rows
 
 logger = logging.getLogger(__name__)
-
-# Pinned home copies are packed into slabs of this size, each copy starting on this alignment (also the alignment of
-# a tensor inside a ring slot: GEMM libraries pick kernels by alignment, and 256 is a multiple of every one they use).
-PINNED_SLAB_BYTES = 1 << 31
-ALIGNMENT = 256
-
-
-def aligned(size: int) -> int:
-    return -(-size // ALIGNMENT) * ALIGNMENT
 
 
 def _pinned_bytes(size: int) -> Tensor:
@@ -43,36 +35,27 @@ def _pageable_bytes(size: int) -> Tensor:
     return torch.empty(size, dtype=torch.uint8)
 
 
-def _power_of_two_at_least(size: int) -> int:
-    return 1 << max(0, size - 1).bit_length()
-
-
 def carve(
     sizes: Sequence[int],
     slab_bytes: int = PINNED_SLAB_BYTES,
     allocate: Callable[[int], Tensor] = _pinned_bytes,
 ) -> Iterator[Tensor | None]:
-    """Byte buffers of `sizes`, packed in order into power-of-two slabs of at most `slab_bytes` (a larger one gets
-    its own allocation), each slab allocated when the first buffer in it is asked for: a caller that fills each
-    buffer before asking for the next holds at most one unfilled slab. From the first allocation that fails on,
-    the rest are None."""
-    rounded = [aligned(size) for size in sizes]
-    left_to_pack = sum(size for size in rounded if size <= slab_bytes)
-    slab, used = None, 0
-    for index, (size, padded) in enumerate(zip(sizes, rounded, strict=True)):
+    """Byte buffers of `sizes`, packed in order into the slabs of `slab_plan`, each slab allocated when the first
+    buffer in it is asked for: a caller that fills each buffer before asking for the next holds at most one
+    unfilled slab. From the first allocation that fails on, the rest are None."""
+    index = 0
+    for allocation, count in slab_plan(sizes, slab_bytes):
         try:
-            if padded > slab_bytes:
-                yield allocate(padded)[:size]
-                continue
-            if slab is None or used + padded > slab.numel():
-                slab, used = allocate(min(slab_bytes, _power_of_two_at_least(left_to_pack))), 0
+            slab = allocate(allocation)
         except RuntimeError as error:
             logger.warning("could not pin more host memory (%s); copies to the GPU will be slower", error)
             yield from [None] * (len(sizes) - index)
             return
-        yield slab[used : used + size]
-        used += padded
-        left_to_pack -= padded
+        used = 0
+        for size in sizes[index : index + count]:
+            yield slab[used : used + size]
+            used += aligned(size)
+        index += count
 
 
 def host_buffers(sizes: Sequence[int], pin: bool, slab_bytes: int = PINNED_SLAB_BYTES) -> list[Tensor]:

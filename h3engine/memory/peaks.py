@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from h3engine.memory.slabs import packed_bytes
 from h3engine.memory.working import FP32, adaln_cache_bytes
 
 if TYPE_CHECKING:
@@ -152,13 +153,20 @@ def streamed_home_bytes(model: str, placement: ModelPlacement, partition: Partit
     return partition.model(model).trailing_layers_bytes(placement.resident_layers)
 
 
+def pinned_stream_bytes(model: str, placement: ModelPlacement, partition: PartitionSizes) -> int:
+    """Host bytes of `model`'s streamed layers' images in a pinned home: packed into slabs (homes.packed_bytes)."""
+    if placement.layers != "streamed":
+        return 0
+    return packed_bytes(partition.model(model).layer_bytes[placement.resident_layers :])
+
+
 def dit_image_bytes(placement: ModelPlacement, partition: PartitionSizes) -> int:
     """Everything of a DiT partition kept warm on the host: resident tensors, moved parts, stream images and
     AdaLN projections."""
     return (
         resident_bytes("dit", placement, partition)
         + moved_home_bytes("dit", placement, partition)
-        + streamed_home_bytes("dit", placement, partition)
+        + pinned_stream_bytes("dit", placement, partition)
         + partition.dit.adaln_bytes
     )
 
@@ -199,7 +207,7 @@ def _host_state(
         placement = models[name]
         pinned[name] = moved_home_bytes(name, placement, partition)
         if homes[name] == "pinned":
-            pinned[name] += streamed_home_bytes(name, placement, partition)
+            pinned[name] += pinned_stream_bytes(name, placement, partition)
     pinned["adaln"] = partition.dit.adaln_bytes if homes["adaln"] == "pinned" else 0
     other = sizes.other_partition(partition.partition)
     # Only a pinned other partition is kept warm (h3engine.memory.placement); a mapped one is read from the files again

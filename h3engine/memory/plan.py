@@ -30,6 +30,7 @@ from h3engine.memory.peaks import (
     host_plan,
     moved_home_bytes,
     phase_peaks,
+    pinned_stream_bytes,
     ring_slot_bytes,
     streamed_home_bytes,
 )
@@ -591,7 +592,9 @@ def _components(
                     resident + images,
                     resident + placement.ring_depth * ring_slot_bytes(name, partition),
                 )
-                pinned = (images if kept_home else 0) + (resident if name == "dit" and warm else 0)
+                pinned = (pinned_stream_bytes(name, placement, partition) if kept_home else 0) + (
+                    resident if name == "dit" and warm else 0
+                )
             else:
                 held = on_gpu = size.layers_compute_total
                 pinned = held if placement.layers == "phase" or (name == "dit" and warm) else 0

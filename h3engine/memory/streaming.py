@@ -25,7 +25,6 @@ from torch import Tensor, nn
 
 from h3engine.checkpoint.safetensors_io import parked
 from h3engine.memory.homes import (
-    aligned,
     carve,
     dequantize_into,
     host_buffers,
@@ -34,6 +33,7 @@ from h3engine.memory.homes import (
     quantized_bytes,
 )
 from h3engine.memory.layers import LayerSpec
+from h3engine.memory.slabs import aligned
 from h3engine.quantization import quantize_rows
 
 # A reader of a mapped home: the tensor's values on the host, in the layer's dtype and shape (a view of the memory-
