@@ -38,7 +38,6 @@ from h3engine.parallel.groups import (
 )
 from h3engine.parallel.text_encoder import load_text_encoder_shard
 from h3engine.parallel.vae import AUDIO_DECODE_RANK
-from h3engine.pipeline import denoise_request
 
 # NO_JOB, RankFailed, RankReady and Stop live in h3engine.runtime.job_protocol; workers.py and split.py import
 # them from here.
@@ -113,9 +112,9 @@ class WorkerRank(JobRank):
         1. Rank 0 prepares the request (`JobRank.prepare`). The outcome, a `PreparedRequest` or None when rank 0 has
            already reported the job as ended, is broadcast over the control group: every rank runs the job with
            identical inputs, or none runs it.
-        2. Every rank denoises; text states and velocities move between ranks inside the sharded models'
-           collectives. Before each step, and once more after the last, the ranks vote on cancelling
-           (`JobRank.cancel_vote`), so all of them stop before the same step and none is left in a collective.
+        2. Every rank denoises (`JobRank.denoise`); text states and velocities move between ranks inside the sharded
+           models' collectives. The ranks vote on cancelling before each step, so all of them stop before the same
+           step and none is left in a collective.
         3. The VAE group decodes and its rank 0 writes the files and sends the job's end (`JobRank.finish`).
         """
         prepared, inputs = None, []
@@ -127,16 +126,9 @@ class WorkerRank(JobRank):
             prepared = shared[0]
         if prepared is None:
             return
-        # Every rank applies the request's LoRAs (its slice of them).
-        models = self.engine.models_for(job.request)
-        on_step = self.on_step(job, prepared.geometry)
-        try:
-            with torch.inference_mode():
-                latents = denoise_request(models, prepared, self.device, on_step, self.cancel_vote(job))
-        except Exception as error:
-            self.end_job(job, error, "while denoising", alone=False)
-            return
-        if self.groups.vae is not None:
+        denoised = self.denoise(job, prepared)
+        if denoised is not None and self.groups.vae is not None:
+            models, latents = denoised
             self.finish(job, models, latents, prepared.geometry, inputs)
 
 

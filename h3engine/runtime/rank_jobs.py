@@ -1,8 +1,8 @@
 """The steps of a job that worker ranks (h3engine.runtime.rank) and stage ranks (h3engine.runtime.stages) share.
 
 `JobRank` is one rank's engine, groups, outbox and cancel slot, with the shared steps: `prepare` (rank 0 alone
-validates, announces the start, hashes the inputs and prepares), `cancel_vote` (the group's agreed
-`should_cancel`), `finish` (the VAE group decodes; its rank 0 writes, commits and reports the end) and `end_job`,
+validates, announces the start, hashes the inputs and prepares), `denoise` (every rank, voting on cancelling with
+`cancel_vote`), `finish` (the VAE group decodes; its rank 0 writes, commits and reports the end) and `end_job`,
 where every exception raised by a job's step ends up: the job's end when it is this job's alone, else raised.
 
 Danger: every rank of a group must make the same collective calls in the same order. A step that runs collectives
@@ -32,8 +32,9 @@ from h3engine.pipeline import (
     Models,
     Mp4WriteError,
     PreparedRequest,
-    StepEvent,
     decode_on_group,
+    denoise_encoded,
+    denoise_request,
     write_outputs,
 )
 from h3engine.runtime.checks import CheckpointFacts
@@ -50,9 +51,8 @@ class RankGroups:
     dit: DiTGroups
     encoder: EncoderGroups
     vae: GroupMembership | None
-    control: (
-        GroupMembership  # the whole world: what cancel votes and the prepared request's broadcast go over
-    )
+    # The whole world: what cancel votes and the prepared request's broadcast go over.
+    control: GroupMembership
 
     @property
     def hosts_audio_vae(self) -> bool:
@@ -117,11 +117,30 @@ class JobRank:
             self.end_job(job, error, "while preparing", alone=True)
             return None
 
-    def on_step(self, job: RunJob, geometry: Geometry) -> Callable[[StepEvent], None] | None:
-        """The denoising loop's `on_step`: rank 0 reports the steps and previews; the others report nothing."""
-        if self.rank != 0:
+    def denoise(
+        self, job: RunJob, prepared: PreparedRequest, text_states: torch.Tensor | None = None
+    ) -> tuple[Models, DenoisedLatents] | None:
+        """Every rank of the group denoises `prepared` with the request's adapters (its slice of them), voting on
+        cancelling before each step and once more after the last (`cancel_vote`), so all of them stop before the same
+        step; rank 0 reports the steps and previews. `text_states`: what a split encoder group made (None: encoded
+        here first). The models and the final latents, or None when the job ended here (`end_job`)."""
+        models = self.engine.models_for(job.request)
+        on_step = None
+        if self.rank == 0:
+            on_step = step_reporter(job.job_id, prepared.geometry, job.preview_every, self.outbox.offer)
+        should_cancel = self.cancel_vote(job)
+        try:
+            with torch.inference_mode():
+                if text_states is None:
+                    latents = denoise_request(models, prepared, self.device, on_step, should_cancel)
+                else:
+                    latents = denoise_encoded(
+                        models, prepared, text_states, self.device, on_step, should_cancel
+                    )
+        except Exception as error:
+            self.end_job(job, error, "while denoising", alone=False)
             return None
-        return step_reporter(job.job_id, geometry, job.preview_every, self.outbox.offer)
+        return models, latents
 
     def finish(
         self,

@@ -123,7 +123,7 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="h3-parent-watch", daemon=True).start()
 
 
-def begin_rank_process(messages: Connection, label: str) -> Outbox:
+def _begin_rank_process(messages: Connection, label: str) -> Outbox:
     """What every rank process does first: leave Ctrl-C to the front (a terminal sends it to the whole process
     group; only the front decides when ranks stop), end with its parent, log under `label`; its outbox."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -132,7 +132,7 @@ def begin_rank_process(messages: Connection, label: str) -> Outbox:
     return Outbox(messages)
 
 
-def fail_and_exit(outbox: Outbox, report: RankFailed, exit_code: int) -> NoReturn:
+def _fail_and_exit(outbox: Outbox, report: RankFailed, exit_code: int) -> NoReturn:
     outbox.post(report)
     outbox.close()
     # No orderly teardown: partners may be stuck in a collective with this rank, and the process groups' shutdown
@@ -182,14 +182,14 @@ def run_rank(
     start: Callable[[Outbox], RankServer],
 ) -> None:
     """The body of a rank process: start, report ready, serve commands until `Stop` (see the module docstring)."""
-    outbox = begin_rank_process(messages, label)
+    outbox = _begin_rank_process(messages, label)
     try:
         server = start(outbox)
     except H3Error as error:
-        fail_and_exit(outbox, RankFailed(rank, None, "checkpoint", str(error)), EXIT_START_FAILED)
+        _fail_and_exit(outbox, RankFailed(rank, None, "checkpoint", str(error)), EXIT_START_FAILED)
     except Exception as error:
         logger.exception("%s could not start", label)
-        fail_and_exit(outbox, RankFailed(rank, None, "internal", type(error).__name__), EXIT_START_FAILED)
+        _fail_and_exit(outbox, RankFailed(rank, None, "internal", type(error).__name__), EXIT_START_FAILED)
     settle_heap()
     outbox.post(server.ready())
     while (command := _next_command(commands)) is not None:
@@ -199,7 +199,7 @@ def run_rank(
             job = job_of(command)
             logger.exception("%s failed during job %s", label, job.job_id)
             message = str(error) if isinstance(error, RankOutOfMemory) else type(error).__name__
-            fail_and_exit(outbox, RankFailed(rank, job.job_number, "internal", message), EXIT_JOB_FAILED)
+            _fail_and_exit(outbox, RankFailed(rank, job.job_number, "internal", message), EXIT_JOB_FAILED)
         finally:
             release_memory(server.device)
     server.close()

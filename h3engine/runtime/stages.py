@@ -29,7 +29,7 @@ import torch
 
 from h3engine.parallel import groups as parallel_groups
 from h3engine.parallel.vae import latent_frame_shares
-from h3engine.pipeline import DenoisedLatents, denoise_encoded, encode_text
+from h3engine.pipeline import DenoisedLatents, encode_text
 from h3engine.runtime.channel import ChannelConsumer, ChannelProducer
 from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.job_protocol import (
@@ -231,15 +231,15 @@ class StageRank(JobRank):
         self.command_started, self.command_sent_bytes = time.monotonic(), 0
         if isinstance(command, Prepare):
             if self.rank == 0:
-                self.hand_off(command.job)
+                self.prepare_and_hand_off(command.job)
         elif isinstance(command, Encode):
             self.encode(command.job, command.skeleton)
         elif isinstance(command, Denoise):
-            self.denoise(command.job, command.skeleton, command.frame_shares)
+            self.denoise_and_hand_off(command.job, command.skeleton, command.frame_shares)
         else:
             self.decode(command)
 
-    def hand_off(self, job: RunJob) -> None:
+    def prepare_and_hand_off(self, job: RunJob) -> None:
         """VAE rank 0: prepare the request (`JobRank.prepare`), then hand it to the encoder and DiT groups."""
         outcome = self.prepare(job)
         if outcome is None:
@@ -286,25 +286,19 @@ class StageRank(JobRank):
             timings = {"text_encode_s": text_encode_s, "handoff_encode_s": handoff_s}
             self.report(job, "encode", timings)
 
-    def denoise(self, job: RunJob, skeleton: Any, frame_shares: tuple[tuple[int, int], ...]) -> None:
+    def denoise_and_hand_off(
+        self, job: RunJob, skeleton: Any, frame_shares: tuple[tuple[int, int], ...]
+    ) -> None:
         """Every DiT rank denoises the request; rank 0 reports the steps and hands the latents to the VAE ranks."""
         started = time.perf_counter()
         received = receive_job(self.consumers["prepared"], job.job_number, torch.device("cpu"))
         text_states = receive_job(self.consumers["text"], job.job_number, self.engine.device)["text_states"]
         handoff_s = time.perf_counter() - started
         prepared = attach_tensors(skeleton, received)
-        models = self.engine.models_for(job.request)
-        on_step = self.on_step(job, prepared.geometry)
-        try:
-            with torch.inference_mode():
-                latents = denoise_encoded(
-                    models, prepared, text_states, self.engine.device, on_step, self.cancel_vote(job)
-                )
-        except Exception as error:
-            self.end_job(job, error, "while denoising", alone=False)
+        denoised = self.denoise(job, prepared, text_states)
+        if denoised is None or self.rank != 0:
             return
-        if self.rank != 0:
-            return
+        _, latents = denoised
         video, audio = latents.video_latents, latents.audio_latents
         started = time.perf_counter()
         for vae_rank, producer in enumerate(self.producers["latents"]):
