@@ -31,6 +31,7 @@ from torch import nn
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.cli import main
 from h3engine.engine import Engine
+from h3engine.engine_options import EngineOptions
 from h3engine.errors import GenerationCancelled, RequestError
 from h3engine.memory.homes import pin_in_place
 from h3engine.memory.placement import Placement
@@ -252,14 +253,15 @@ def test_pinning_packs_tensors_into_best_filled_power_of_two_slabs_and_stops_at_
 def test_an_unknown_profile_is_refused_naming_the_flag_and_a_known_one_reaches_the_ranks(checkpoint) -> None:
     for build in (
         lambda: Engine.from_checkpoint(checkpoint, device="cpu", memory_profile="tiny-gpu"),
-        lambda: ProcessReplica(checkpoint, ("cpu",), memory="tiny-gpu"),
+        lambda: ProcessReplica(checkpoint, ("cpu",), options=EngineOptions(memory_profile="tiny-gpu")),
     ):
         with pytest.raises(
             RequestError, match="^--memory-profile: .*auto, resident, streamed, low-memory.*'tiny-gpu'"
         ):
             build()
-    spec = validated_spec(detect_layout(checkpoint), ("cpu",), RuntimeLayout.choose(1), None, "low-memory")
-    assert spec.memory.profile == "low-memory"
+    low_memory = EngineOptions(memory_profile="low-memory")
+    spec = validated_spec(detect_layout(checkpoint), ("cpu",), RuntimeLayout.choose(1), low_memory)
+    assert spec.options.memory_profile == "low-memory"
 
 
 def test_the_cli_refuses_an_unknown_profile_with_exit_code_2(capsys, tmp_path) -> None:
@@ -327,7 +329,10 @@ def test_a_low_memory_worker_rank_generates_what_the_resident_engine_does(
     resident.generate_to_file(fl2va_request, tmp_path / "resident.mp4", save_tensors_path=expected)
     del resident
     torch.cuda.empty_cache()
-    front = EngineFront([ProcessReplica(checkpoint, ("cuda:0",), memory="low-memory")], tmp_path)
+    front = EngineFront(
+        [ProcessReplica(checkpoint, ("cuda:0",), options=EngineOptions(memory_profile="low-memory"))],
+        tmp_path,
+    )
     try:
         got = tmp_path / "rank.safetensors"
         handle = front.submit(fl2va_request, tmp_path / "rank.mp4", got)

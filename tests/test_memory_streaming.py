@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from h3engine.cli import main
 from h3engine.engine import Engine
+from h3engine.engine_options import EngineOptions
 from h3engine.memory.homes import dequantized, quantizable
 from h3engine.memory.layers import dit_layers
 from h3engine.memory.placement import Placement
@@ -241,7 +242,9 @@ def test_streamed_worker_ranks_generate_what_resident_ranks_do(checkpoint, lora_
         )
     tensors: dict[str, dict[str, Path]] = {}
     for profile in ("resident", "streamed"):
-        replica = ProcessReplica(checkpoint, ("cpu", "cpu"), dtype="float32", memory=profile)
+        replica = ProcessReplica(
+            checkpoint, ("cpu", "cpu"), options=EngineOptions(dtype="float32", memory_profile=profile)
+        )
         front = EngineFront([replica], tmp_path / profile)
         try:
             tensors[profile] = {}

@@ -34,6 +34,7 @@ from _runtime_helpers import (
 )
 
 from h3engine.engine import Engine
+from h3engine.engine_options import EngineOptions
 from h3engine.parallel.groups import RuntimeLayout
 from h3engine.request import GenerationRequest
 from h3engine.runtime.front import EngineFront
@@ -98,7 +99,7 @@ def check_group(
     memory_before = memory_in_use(devices[0])
     for dtype_name, tolerance in (("float32", FP32_TOLERANCE), ("bfloat16", BF16_TOLERANCE)):
         started = time.perf_counter()
-        replica = ProcessReplica(checkpoint, devices, layout, dtype=dtype_name)
+        replica = ProcessReplica(checkpoint, devices, layout, EngineOptions(dtype=dtype_name))
         report[f"{dtype_name}_start_s"] = time.perf_counter() - started
         front = EngineFront([replica], folder, preview_every=2)
         try:

@@ -44,6 +44,7 @@ from _runtime_helpers import (
 
 from h3engine.cli import main
 from h3engine.engine import Engine
+from h3engine.engine_options import EngineOptions
 from h3engine.errors import RequestError
 from h3engine.media.mux import probe_mp4
 from h3engine.parallel.groups import PROFILES, RuntimeLayout
@@ -76,6 +77,7 @@ LAYOUTS = {
 }
 COMPARED_LAYOUTS = ["sp2", "tp2"]
 REQUESTS = parity_requests(STEPS, SEED)
+FP32 = EngineOptions(dtype="float32")
 # Steps of about 0.3 s on two busy cores: long against the front's reading delay, short for the test.
 LONG_REQUEST = GenerationRequest(
     task="t2va", prompt="a long one", steps=1000, duration_seconds=15.0, width=112, height=64
@@ -146,7 +148,7 @@ class WorkerGroups:
 
     def get(self, name: str) -> tuple[EngineFront, ProcessReplica]:
         if name not in self.started:
-            replica = ProcessReplica(self.checkpoint, ("cpu", "cpu"), LAYOUTS[name], dtype="float32")
+            replica = ProcessReplica(self.checkpoint, ("cpu", "cpu"), LAYOUTS[name], options=FP32)
             front = EngineFront([replica], self.tmp_path_factory.mktemp(name), preview_every=PREVIEW_EVERY)
             self.started[name] = (front, replica)
         return self.started[name]
@@ -417,9 +419,10 @@ def test_sigterm_ends_a_cli_run_and_every_process_it_started(checkpoint, tmp_pat
 def test_ranks_end_by_themselves_when_their_front_process_is_killed(checkpoint) -> None:
     program = (
         "import sys, time\n"
+        "from h3engine.engine_options import EngineOptions\n"
         "from h3engine.runtime.workers import ProcessReplica\n"
         "if __name__ == '__main__':\n"
-        f"    replica = ProcessReplica({str(checkpoint)!r}, ('cpu', 'cpu'), dtype='float32')\n"
+        f"    replica = ProcessReplica({str(checkpoint)!r}, ('cpu', 'cpu'), options=EngineOptions(dtype='float32'))\n"
         "    print(*replica.worker_pids, flush=True)\n"
         "    time.sleep(600)\n"
     )
@@ -481,7 +484,7 @@ def test_a_worker_group_on_cuda_equals_the_in_process_engine(checkpoint, tmp_pat
     engine.generate_to_file(REQUESTS["t2va"], tmp_path / "in_process.mp4", save_tensors_path=expected)
     del engine
     torch.cuda.empty_cache()
-    front = EngineFront([ProcessReplica(checkpoint, devices, dtype="float32")], tmp_path)
+    front = EngineFront([ProcessReplica(checkpoint, devices, options=FP32)], tmp_path)
     try:
         tensors = tmp_path / "group.safetensors"
         events = events_until_done(

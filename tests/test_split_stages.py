@@ -50,6 +50,7 @@ SEED = 11
 STEPS = 2
 EVENT_TIMEOUT_S = 180
 REQUESTS = parity_requests(STEPS, SEED)
+FP32 = EngineOptions(dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -121,11 +122,12 @@ def test_gpu_stage_processes_share_the_cores_and_cpu_ranks_keep_the_colocated_co
     from h3engine.runtime.split import validated_stage_specs
 
     cores = os.cpu_count() or 1
-    layout = check_engine_options(EngineOptions(stage_layout="split"), 1)
-    on_gpu = validated_stage_specs(checkpoint, layout, ["cuda:0"], ["cuda:0"], ["cuda:0"], None)
+    options = EngineOptions(stage_layout="split")
+    layout = check_engine_options(options, 1)
+    on_gpu = validated_stage_specs(checkpoint, layout, ["cuda:0"], ["cuda:0"], ["cuda:0"], options)
     assert {spec.cpu_threads for spec in on_gpu.values()} == {max(1, cores // 3)}
-    layout = check_engine_options(EngineOptions(stage_layout="split"), 2)
-    on_cpu = validated_stage_specs(checkpoint, layout, ["cpu"] * 2, ["cpu"] * 2, ["cpu"] * 2, None)
+    layout = check_engine_options(options, 2)
+    on_cpu = validated_stage_specs(checkpoint, layout, ["cpu"] * 2, ["cpu"] * 2, ["cpu"] * 2, options)
     assert {spec.cpu_threads for spec in on_cpu.values()} == {max(1, cores // 2)}  # as a colocated rank of 2
 
 
@@ -205,7 +207,7 @@ def test_the_cli_and_the_app_read_the_option_and_refuse_a_bad_one(tmp_path, caps
 
 @pytest.fixture(scope="module")
 def split_world_1(checkpoint, tmp_path_factory):
-    replica = SplitReplica(checkpoint, ("cpu",), RuntimeLayout.choose(1, stages="split"), dtype="float32")
+    replica = SplitReplica(checkpoint, ("cpu",), RuntimeLayout.choose(1, stages="split"), options=FP32)
     front = EngineFront([replica], tmp_path_factory.mktemp("split_1"), preview_every=1)
     yield front, replica
     front.shutdown()
@@ -253,7 +255,7 @@ SPLIT_LAYOUTS = {
 @pytest.fixture(scope="module")
 def colocated_world_2_tensors(checkpoint, tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("colocated_2")
-    replica = ProcessReplica(checkpoint, ("cpu", "cpu"), RuntimeLayout.choose(2, dit_sp=2), dtype="float32")
+    replica = ProcessReplica(checkpoint, ("cpu", "cpu"), RuntimeLayout.choose(2, dit_sp=2), options=FP32)
     front = EngineFront([replica], folder)
     try:
         paths = {task: folder / f"{task}.safetensors" for task in REQUESTS}
@@ -272,7 +274,7 @@ def test_split_equals_the_colocated_group_bit_for_bit(
     checkpoint, colocated_world_2_tensors, world_size, tmp_path
 ) -> None:
     layout = SPLIT_LAYOUTS[world_size]
-    replica = SplitReplica(checkpoint, ("cpu", "cpu"), layout, dtype="float32")
+    replica = SplitReplica(checkpoint, ("cpu", "cpu"), layout, options=FP32)
     front = EngineFront([replica], tmp_path)
     try:
         sizes = {"vae": layout.vae_ranks, "encoder": 2, "dit": 2}
@@ -360,7 +362,7 @@ def wait_until(condition, timeout_s: float) -> None:
 
 @pytest.fixture(scope="module")
 def split_for_failures(checkpoint, tmp_path_factory):
-    replica = SplitReplica(checkpoint, ("cpu",), RuntimeLayout.choose(1, stages="split"), dtype="float32")
+    replica = SplitReplica(checkpoint, ("cpu",), RuntimeLayout.choose(1, stages="split"), options=FP32)
     front = EngineFront([replica], tmp_path_factory.mktemp("split_failures"))
     yield front, replica
     front.shutdown()
@@ -441,7 +443,7 @@ def test_cancel_while_another_job_is_being_decoded(split_for_failures, tmp_path)
 
 
 def test_shutdown_leaves_no_process_and_no_shared_memory(checkpoint, tmp_path) -> None:
-    replica = SplitReplica(checkpoint, ("cpu",), RuntimeLayout.choose(1, stages="split"), dtype="float32")
+    replica = SplitReplica(checkpoint, ("cpu",), RuntimeLayout.choose(1, stages="split"), options=FP32)
     front = EngineFront([replica], tmp_path)
     running = front.submit(LONG_REQUEST)
     wait_for_step(running, 1, EVENT_TIMEOUT_S)

@@ -32,17 +32,21 @@ import torch
 
 from h3engine.checkpoint.layout import PARTITION_OF_TASK
 from h3engine.engine import Engine
-from h3engine.errors import GenerationCancelled, H3Error
 from h3engine.geometry import Geometry
 from h3engine.leftovers import WARM_UP_FOLDER_PREFIX, owned_temp_folder
 from h3engine.media.outputs import checked_output_files
 from h3engine.request import GenerationRequest
 from h3engine.runtime.checks import CheckpointFacts, check_request, expected_geometry
+
+# The failure sentences live with the ladder that uses them (messages.job_failed); others import them from here too.
+from h3engine.runtime.messages import CANCELLED_MESSAGE as CANCELLED_MESSAGE
+from h3engine.runtime.messages import ENGINE_FAILURE_MESSAGE as ENGINE_FAILURE_MESSAGE
 from h3engine.runtime.messages import (
     JobEvent,
     JobFailed,
     JobFinished,
     JobQueued,
+    job_failed,
     job_finished,
     job_started,
     step_reporter,
@@ -53,8 +57,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_PREVIEW_EVERY = 5
 # Messages a handle buffers for its reader; past that, progress and previews are dropped (the newest win later).
 EVENT_BUFFER_SIZE = 64
-ENGINE_FAILURE_MESSAGE = "The engine failed while generating this video; the details are in the server log."
-CANCELLED_MESSAGE = "Cancelled."
 CANCELLED_BEFORE_START_MESSAGE = "Cancelled before it started."
 SHUTTING_DOWN_MESSAGE = "The app is shutting down."
 # What a warm-up runs: the shortest duration at the verified canvas, one step. It uses the same kernels as any request
@@ -192,17 +194,10 @@ class EngineReplica:
                 should_cancel=lambda: handle.cancel_requested,
             )
             return job_finished(job_id, written)
-        except GenerationCancelled:
-            return JobFailed(job_id, "cancelled", CANCELLED_MESSAGE)
-        except H3Error as error:
-            return JobFailed(job_id, "request", str(error))
-        except torch.OutOfMemoryError:
-            # The job's tensors go with its frames (`run` releases the cached memory): the engine keeps serving.
-            logger.exception("job %s ran out of GPU memory in engine replica %d", job_id, replica_index)
-            return JobFailed(job_id, "engine", engine.placement.out_of_memory_message())
-        except Exception:
-            logger.exception("job %s failed in engine replica %d", job_id, replica_index)
-            return JobFailed(job_id, "engine", ENGINE_FAILURE_MESSAGE)
+        except Exception as error:
+            # Out of memory too: the job's tensors go with its frames (`run` releases the cached memory), the
+            # engine keeps serving.
+            return job_failed(job_id, error, engine, f"in engine replica {replica_index}")
 
     def partition_on_device(self) -> str | None:
         """The partition whose DiT the engine's model store holds (None before any, or from a store that does not

@@ -5,7 +5,8 @@ tuples of those) or a numpy array. Nothing here holds a torch tensor, a path obj
 message pickles as it is and can later travel over a `multiprocessing` queue from an engine worker process to
 the app process unchanged. Every job's stream ends with exactly one terminal message (`JobFinished`,
 `JobFailed`), and nothing follows it. Every kind of replica builds them the same way: `job_started`,
-`step_reporter` (the engine's `on_step`) and `job_finished` (read back from the sidecar).
+`step_reporter` (the engine's `on_step`), `job_finished` (read back from the sidecar) and `job_failed` (the one
+place an exception becomes a failure: cancelled, a request error, out of memory, internal).
 
 Danger: a preview frame is the only large message (an RGB uint8 image, ~0.5 MB at the released size); the
 front drops progress and preview messages rather than let a slow reader hold up the denoising loop, so a
@@ -22,17 +23,22 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
+import torch
 
+from h3engine.errors import GenerationCancelled, H3Error
 from h3engine.geometry import FPS, Geometry
 from h3engine.media.outputs import OutputFiles
 from h3engine.media.preview import latent_preview_rgb
 
 if TYPE_CHECKING:
+    from h3engine.engine import Engine
     from h3engine.pipeline import StepEvent
 
 logger = logging.getLogger(__name__)
 
 FailureKind = Literal["request", "cancelled", "engine"]
+ENGINE_FAILURE_MESSAGE = "The engine failed while generating this video; the details are in the server log."
+CANCELLED_MESSAGE = "Cancelled."
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,20 @@ def job_finished(job_id: str, written: OutputFiles) -> JobFinished:
         fps=int(sidecar["geometry"]["fps"]),
         timings_s={name: float(value) for name, value in sidecar["timings_s"].items()},
     )
+
+
+def job_failed(job_id: str, error: BaseException, engine: Engine, during: str) -> JobFailed:
+    """The terminal message of a job that `error` ended: a cancel, a request error (its message names the field or
+    file), running out of GPU memory (the engine's budget and what to change) or an internal failure (logged with
+    its traceback; `during` says where, e.g. "while preparing")."""
+    if isinstance(error, GenerationCancelled):
+        return JobFailed(job_id, "cancelled", CANCELLED_MESSAGE)
+    if isinstance(error, H3Error):
+        return JobFailed(job_id, "request", str(error))
+    logger.error("job %s failed %s", job_id, during, exc_info=error)
+    if isinstance(error, torch.OutOfMemoryError):
+        return JobFailed(job_id, "engine", engine.placement.out_of_memory_message())
+    return JobFailed(job_id, "engine", ENGINE_FAILURE_MESSAGE)
 
 
 def step_reporter(

@@ -97,7 +97,6 @@ def _local_replica(spec: RayReplicaSpec) -> Replica:
     import torch
 
     from h3engine.engine_options import check_engine_options, load_engine
-    from h3engine.memory.engine_plan import MemoryRequest
     from h3engine.runtime.front import EngineReplica
     from h3engine.runtime.workers import ProcessReplica
 
@@ -106,8 +105,7 @@ def _local_replica(spec: RayReplicaSpec) -> Replica:
     devices = [f"cuda:{index}" if spec.gpus else "cpu" for index in range(spec.world_size)]
     if spec.world_size == 1:
         return EngineReplica(load_engine(spec.checkpoint, torch.device(devices[0]), spec.engine))
-    memory = MemoryRequest.from_options(spec.engine)
-    return ProcessReplica(spec.checkpoint, devices, layout, spec.engine.dtype, memory)
+    return ProcessReplica(spec.checkpoint, devices, layout, spec.engine)
 
 
 class EngineDeployment:

@@ -1,6 +1,6 @@
 """The split stage layout behind the engine front: text-encoder, DiT and VAE groups with tensor channels between them.
 
-`SplitReplica(checkpoint, devices, layout, encoder_devices, vae_devices, dtype, memory)` checks the layout
+`SplitReplica(checkpoint, devices, layout, encoder_devices, vae_devices, options)` checks the layout
 against the checkpoint, starts the three groups (h3engine.runtime.stages, each its own world) and one tensor channel
 (h3engine.runtime.channel) per producer and consumer rank, and waits until every rank has loaded. It is a pipelined
 `Replica` of `EngineFront`: `jobs_in_flight` jobs at once, each going prepare (VAE) -> encode (encoder) -> denoise
@@ -81,31 +81,29 @@ def validated_stage_specs(
     devices: Sequence[str],
     encoder_devices: Sequence[str],
     vae_devices: Sequence[str],
-    dtype: str | None,
-    memory: MemoryRequest | str = "auto",
+    options: EngineOptions,
 ) -> dict[Stage, StageSpec]:
     """Each group's spec, its layout checked against every partition's DiT and text encoder (RequestError naming
     the flag)."""
     if not layout.split:
         raise ValueError("validated_stage_specs is for the split layout")
     checkpoint_layout = detect_layout(checkpoint)
-    dit_layout, encoder_layout = checked_layouts(checkpoint_layout, devices, layout, memory)
+    dit_layout, encoder_layout = checked_layouts(
+        checkpoint_layout, devices, layout, MemoryRequest.from_options(options)
+    )
     # CPU ranks: what a colocated rank of the DiT's world size would use, so that the CPU arithmetic is the same. GPU
     # ranks do host work only (loading, muxing): the three groups' processes share the cores, not oversubscribe them.
     processes = layout.world_size
     if str(devices[0]).startswith("cuda"):
         processes = len(devices) + len(encoder_devices) + len(vae_devices)
     threads = max(1, (os.cpu_count() or 1) // processes)
-    common = dict(
-        checkpoint=str(checkpoint_layout.root),
-        dtype=dtype,
-        cpu_threads=threads,
-        memory=MemoryRequest.of(memory),
-    )
+    common = dict(checkpoint=str(checkpoint_layout.root), options=options, cpu_threads=threads)
     return {
-        "vae": StageSpec("vae", devices=tuple(vae_devices), layout=layout.vae_layout(), **common),
-        "encoder": StageSpec("encoder", devices=tuple(encoder_devices), layout=encoder_layout, **common),
-        "dit": StageSpec("dit", devices=tuple(devices), layout=dit_layout, **common),
+        "vae": StageSpec(stage="vae", devices=tuple(vae_devices), layout=layout.vae_layout(), **common),
+        "encoder": StageSpec(
+            stage="encoder", devices=tuple(encoder_devices), layout=encoder_layout, **common
+        ),
+        "dit": StageSpec(stage="dit", devices=tuple(devices), layout=dit_layout, **common),
     }
 
 
@@ -488,17 +486,14 @@ class SplitReplica(RestartingReplica[StageGroups]):
         layout: RuntimeLayout,
         encoder_devices: Sequence[str] | None = None,
         vae_devices: Sequence[str] | None = None,
-        dtype: str | None = None,
-        memory: MemoryRequest | str = "auto",
+        options: EngineOptions = EngineOptions(),
     ) -> None:
         if encoder_devices is None or vae_devices is None:
             defaults = stage_devices(layout, devices, None, None)
             encoder_devices = encoder_devices or defaults[0]
             vae_devices = vae_devices or defaults[1]
         self.layout = layout
-        self.specs = validated_stage_specs(
-            checkpoint, layout, devices, encoder_devices, vae_devices, dtype, memory
-        )
+        self.specs = validated_stage_specs(checkpoint, layout, devices, encoder_devices, vae_devices, options)
         self.spec = self.specs["dit"]  # the replica's own devices are the DiT group's
         # The newest steps of the jobs, in the order reported (for tests and benchmarks: how the jobs overlapped).
         self.stage_log: deque[StageRecord] = deque(maxlen=STAGE_LOG_SIZE)
@@ -549,7 +544,6 @@ def start_replica(
     from h3engine.runtime.workers import ProcessReplica
 
     if not layout.split:
-        return ProcessReplica(checkpoint, devices, layout, options.dtype, MemoryRequest.from_options(options))
+        return ProcessReplica(checkpoint, devices, layout, options)
     encoder, vae = stage_devices(layout, devices, options.encoder_devices, options.vae_devices)
-    memory = MemoryRequest.from_options(options)
-    return SplitReplica(checkpoint, devices, layout, encoder, vae, options.dtype, memory)
+    return SplitReplica(checkpoint, devices, layout, encoder, vae, options)

@@ -1,6 +1,6 @@
 """Resident worker groups behind the engine front: one process per rank, started with torch.multiprocessing (spawn).
 
-`ProcessReplica(checkpoint, devices, layout, dtype, memory)` checks the layout against the checkpoint,
+`ProcessReplica(checkpoint, devices, layout, options)` checks the layout against the checkpoint,
 starts one group (h3engine.runtime.rank in a process per device) and waits until every rank has loaded its shards.
 It is a `Replica` of `EngineFront`: the app and the CLI get the same `JobHandle` and messages as from an
 in-process engine. A rank that dies fails only the running job, within about a second, and the group restarts;
@@ -30,6 +30,7 @@ import torch.multiprocessing
 from h3engine.checkpoint.layout import CheckpointLayout, detect_layout
 from h3engine.checkpoint.loader import dit_source
 from h3engine.checkpoint.text_encoder_files import open_text_encoder_files
+from h3engine.engine_options import EngineOptions
 from h3engine.errors import CheckpointError, RequestError
 from h3engine.leftovers import WORKER_FOLDER_PREFIX, owned_temp_folder
 from h3engine.memory.engine_plan import MemoryRequest
@@ -192,24 +193,20 @@ def checked_layouts(
 
 
 def validated_spec(
-    checkpoint: CheckpointLayout,
-    devices: Sequence[str],
-    layout: RuntimeLayout,
-    dtype: str | None,
-    memory: MemoryRequest | str = "auto",
+    checkpoint: CheckpointLayout, devices: Sequence[str], layout: RuntimeLayout, options: EngineOptions
 ) -> WorkerSpec:
-    """The layout checked against every partition's DiT and text encoder, and the memory flags (a profile name or a
-    `MemoryRequest`: every rank plans for its own share under them; RequestError naming the flag)."""
-    dit_layout, encoder_layout = checked_layouts(checkpoint, devices, layout, memory)
+    """The layout checked against every partition's DiT and text encoder, and the options' memory flags (every rank
+    plans for its own share under them; RequestError naming the flag)."""
+    dit_layout, encoder_layout = checked_layouts(
+        checkpoint, devices, layout, MemoryRequest.from_options(options)
+    )
     return WorkerSpec(
         checkpoint=str(checkpoint.root),
         devices=tuple(devices),
-        dtype=dtype,
+        options=options,
         dit_layout=dit_layout,
         encoder_layout=encoder_layout,
         vae_layout=layout.vae_layout(),
-        init_method="",  # each incarnation gets its own rendezvous
-        memory=MemoryRequest.of(memory),
     )
 
 
@@ -411,12 +408,11 @@ class ProcessReplica(RestartingReplica[WorkerGroup]):
         checkpoint: str | Path,
         devices: Sequence[str],
         layout: RuntimeLayout | None = None,
-        dtype: str | None = None,
-        memory: MemoryRequest | str = "auto",
+        options: EngineOptions = EngineOptions(),
     ) -> None:
         layout = layout if layout is not None else RuntimeLayout.choose(len(devices))
         self.layout = layout
-        self.spec = validated_spec(detect_layout(checkpoint), devices, layout, dtype, memory)
+        self.spec = validated_spec(detect_layout(checkpoint), devices, layout, options)
         self._start_first()
         logger.info("worker group ready on %s (%s)", ", ".join(devices), layout.describe())
 
