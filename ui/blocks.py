@@ -105,9 +105,7 @@ def build_ui(
 
         generate_buttons = [tab.generate for tab in tabs.values()]
         for tab in tabs.values():
-            _wire_generate(tab, handlers, result, generate_buttons, options.max_jobs).then(
-                handlers.refresh_history, outputs=history.table, queue=False, api_visibility="private"
-            )
+            _wire_generate(tab, handlers, result, generate_buttons, history.table, options.max_jobs)
         result.cancel.click(handlers.cancel_jobs, queue=False, api_visibility="private")
         for tab in tabs.values():
             _wire_canvas_text(tab, handlers)
@@ -173,11 +171,18 @@ def _tab_updates(tab: TaskTab, values: dict[str, Any]) -> dict[Any, Any]:
 
 
 def _wire_generate(
-    tab: TaskTab, handlers: Handlers, result: ResultColumn, generate_buttons: list[gr.Button], max_jobs: int
-) -> Any:
+    tab: TaskTab,
+    handlers: Handlers,
+    result: ResultColumn,
+    generate_buttons: list[gr.Button],
+    history_table: gr.Dataset,
+    max_jobs: int,
+) -> None:
     """Generate: at once (no queue) the status says what happens, the old result goes and all Generate buttons rest
     until the job ends; the page brings the status into view; then the queued endpoint runs the job. The endpoint's
-    events may all run at once: the engine front queues the jobs and reports each one's place."""
+    events may all run at once: the engine front queues the jobs and reports each one's place. However the job
+    ends, `finish` gives the buttons back and refreshes History: the page runs a `.then` step only after a normal
+    completion, so it is wired as `.failure` too (the handler raises a gr.Error for a failed or refused job)."""
 
     def start(*inputs: Any) -> tuple[Any, ...]:
         updates, starts = handlers.start(tab.task, inputs)
@@ -205,19 +210,21 @@ def _wire_generate(
         show_progress_on=[result.video],
     )
 
-    def finish(seed_used: Any) -> tuple[Any, ...]:
+    def finish(seed_used: Any, caller: gr.Request) -> tuple[Any, ...]:
         return (
             *(gr.Button(interactive=True) for _ in generate_buttons),
             gr.Number(visible=seed_used is not None),
+            handlers.refresh_history(caller),
         )
 
-    return generated.then(
-        finish,
-        inputs=result.seed_used,
-        outputs=[*generate_buttons, result.seed_used],
-        queue=False,
-        api_visibility="private",
-    )
+    for after in (generated.then, generated.failure):
+        after(
+            finish,
+            inputs=result.seed_used,
+            outputs=[*generate_buttons, result.seed_used, history_table],
+            queue=False,
+            api_visibility="private",
+        )
 
 
 def _wire_canvas_text(tab: TaskTab, handlers: Handlers) -> None:
