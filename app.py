@@ -156,11 +156,13 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument(
         "--auth",
         action="append",
+        metavar="USER:PASSWORD",
         help="USER:PASSWORD of a user who may open the app (opt-in); repeat it for more users, each with a "
         "History of their own; env H3_AUTH (one pair)",
     )
     parser.add_argument(
         "--auth-file",
+        metavar="FILE",
         default=environ.get("H3_AUTH_FILE") or None,
         help="a file of users who may open the app, one USER:PASSWORD a line (# starts a comment line); "
         "with --auth too; env H3_AUTH_FILE",

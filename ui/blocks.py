@@ -21,8 +21,9 @@ import gradio as gr
 from h3engine.lora_library import LoraLibrary
 from h3engine.runtime.front import EngineFront
 from ui.access import AccessPolicy
+from ui.endings import NOT_TAKEN_STATUS
 from ui.examples import Example, load_examples
-from ui.handlers import Handlers, parameter_names, swap_keyframes
+from ui.handlers import STARTING_STATUS, Handlers, parameter_names, swap_keyframes
 from ui.history import HistoryEntry
 from ui.loras import wire_lora_panel
 from ui.prompt_builder import wire_prompt_builder
@@ -181,8 +182,9 @@ def _wire_generate(
     """Generate: at once (no queue) the status says what happens, the old result goes and all Generate buttons rest
     until the job ends; the page brings the status into view; then the queued endpoint runs the job. The endpoint's
     events may all run at once: the engine front queues the jobs and reports each one's place. However the job
-    ends, `finish` gives the buttons back and refreshes History: the page runs a `.then` step only after a normal
-    completion, so it is wired as `.failure` too (the handler raises a gr.Error for a failed or refused job)."""
+    ends, `finish` gives the buttons back, refreshes History and, when the handler never ran (a full queue), says
+    so: the page runs a `.then` step only after a normal completion, so it is wired as `.failure` too (the handler
+    raises a gr.Error for a failed or refused job, Gradio one for a full queue)."""
 
     def start(*inputs: Any) -> tuple[Any, ...]:
         updates, starts = handlers.start(tab.task, inputs)
@@ -210,9 +212,11 @@ def _wire_generate(
         show_progress_on=[result.video],
     )
 
-    def finish(seed_used: Any, caller: gr.Request) -> tuple[Any, ...]:
+    def finish(status: str, seed_used: Any, caller: gr.Request) -> tuple[Any, ...]:
         return (
             *(gr.Button(interactive=True) for _ in generate_buttons),
+            # Still the press's own status: the handler never ran (Gradio said why in a message of its own).
+            NOT_TAKEN_STATUS if status == STARTING_STATUS else gr.skip(),
             gr.Number(visible=seed_used is not None),
             handlers.refresh_history(caller),
         )
@@ -220,8 +224,8 @@ def _wire_generate(
     for after in (generated.then, generated.failure):
         after(
             finish,
-            inputs=result.seed_used,
-            outputs=[*generate_buttons, result.seed_used, history_table],
+            inputs=[result.status, result.seed_used],
+            outputs=[*generate_buttons, result.status, result.seed_used, history_table],
             queue=False,
             api_visibility="private",
         )

@@ -1,6 +1,7 @@
 """How a Generate press ends when no job could start, in words a person can act on.
 
-`NotStarted(reason, title)` is what the generate handler (ui.handlers) raises to itself when a press made no job:
+`NOT_TAKEN_STATUS` is the status of a press whose generate event never ran (a full queue). `NotStarted(reason,
+title)` is what the generate handler (ui.handlers) raises to itself when a press made no job:
 invalid inputs, an outputs folder that refuses writes or is full, a front that is shutting down, an unexpected
 error. The handler shows `⚠ Not started: <reason>` as the status and hands the reason to API clients as a
 `gr.Error` titled `title`. `storage_problem(error, outputs_dir)` words an OSError met while storing the inputs or
@@ -20,6 +21,11 @@ logger = logging.getLogger(__name__)
 FULL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 SIZE_UNITS = ("bytes", "KB", "MB", "GB", "TB")
 UNEXPECTED_ERROR = "the app met an unexpected error; the details are in the server log."
+# The status of a press whose generate event never ran: Gradio refused to queue it (its queue was full) or lost the
+# connection (it says which in a message of its own).
+NOT_TAKEN_STATUS = (
+    "⚠ Not started: the app did not take the job (its queue may be full); press Generate again."
+)
 
 
 class NotStarted(Exception):

@@ -50,6 +50,8 @@ from ui.takes import Take, TakeSet, checked_takes
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.1
+# The status from the press until the generate handler's first update (ui.blocks's `finish` reads it).
+STARTING_STATUS = "Starting…"
 RANDOM_SEED_LIMIT = 2**31
 PLACEHOLDER_PROMPT = "(prompt)"
 _SCALAR_FIELDS = {
@@ -333,7 +335,7 @@ class Handlers:
             failing, message = shown_problem(error, values)
             return result_update(status=f"⚠ Not started: {failing}: {message}"), False
         cleared = result_update(
-            status="Starting…",
+            status=STARTING_STATUS,
             preview=None,
             video=None,
             seed_used=gr.Number(value=None, visible=False),
