@@ -227,6 +227,9 @@ def _wire_generate(
             inputs=[result.status, result.seed_used],
             outputs=[*generate_buttons, result.status, result.seed_used, history_table],
             queue=False,
+            # No timer over the status the job left (show_progress="hidden" still shows one on the page): the
+            # progress goes to a state, which has nothing to show.
+            show_progress_on=result.take_paths,
             api_visibility="private",
         )
 
