@@ -5,7 +5,8 @@ or cancelled, raises a gr.Error carrying the same words (API clients read it; th
 an outputs folder that refuses writes (the results folder cannot be made; the front refuses the output path), a
 full disk (with the free space, from shutil.disk_usage of the outputs folder), a failed job (the front's sentence),
 an unexpected exception; no server path is shown, and a press that made no job leaves none behind. The front's
-checks (which probe media) run in a worker thread, never on the event loop.
+checks (which probe media) run in a worker thread, never on the event loop. Storing a result's last frame on a full
+disk is one sentence too.
 """
 
 from __future__ import annotations
@@ -162,9 +163,7 @@ def test_a_full_disk_says_so_with_the_free_space(outputs, tmp_path, monkeypatch)
     updates, error = _press(
         _handlers(front, outputs, tmp_path), "fl2va", first_image=str(ASSETS / "fl2va" / "first.png")
     )
-    reason = (
-        "the disk of the outputs folder is full (12.5 KB free); free some space, then press Generate again."
-    )
+    reason = "the disk of the outputs folder is full (12.5 KB free); free some space and try again."
     assert updates[-1][STATUS] == f"⚠ Not started: {reason}"
     assert error is not None and error.message == reason and error.title == "Disk full"
     assert front.handles == []
@@ -203,3 +202,16 @@ def test_sizes_read_in_the_units_of_the_upload_limit() -> None:
         "5.0 GB",
         "3072.0 TB",
     ]
+
+
+def test_storing_the_last_frame_on_a_full_disk_is_one_sentence(outputs, tmp_path, monkeypatch) -> None:
+    result = tmp_path / "result.mp4"
+    result.write_bytes(b"mp4")
+
+    def no_space(video_path, store) -> str:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("ui.handlers.last_frame_png", no_space)
+    with pytest.raises(gr.Error) as refused:
+        _handlers(StandInFront(), outputs, tmp_path).use_last_frame(str(result))
+    assert refused.value.message.startswith("the disk of the outputs folder is full (")

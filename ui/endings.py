@@ -62,7 +62,7 @@ def storage_problem(error: OSError, outputs_dir: Path) -> NotStarted:
         free = free_space(outputs_dir)
         left = f" ({size_text(free)} free)" if free is not None else ""
         return NotStarted(
-            f"the disk of the outputs folder is full{left}; free some space, then press Generate again.",
+            f"the disk of the outputs folder is full{left}; free some space and try again.",
             "Disk full",
         )
     why = error.strerror or type(error).__name__

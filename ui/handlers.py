@@ -619,3 +619,6 @@ class Handlers:
             return self.access.publish(last_frame_png(last_result, self.store))
         except RequestError as error:
             raise gr.Error(str(error), print_exception=False) from None
+        except OSError as error:  # storing the frame: a full disk, a folder that refuses writes
+            refusal = storage_problem(error, self.access.outputs_dir)
+            raise gr.Error(refusal.reason, title=refusal.title, print_exception=False) from None
