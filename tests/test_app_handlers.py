@@ -215,3 +215,13 @@ def test_storing_the_last_frame_on_a_full_disk_is_one_sentence(outputs, tmp_path
     with pytest.raises(gr.Error) as refused:
         _handlers(StandInFront(), outputs, tmp_path).use_last_frame(str(result))
     assert refused.value.message.startswith("the disk of the outputs folder is full (")
+
+
+def test_an_upload_that_went_away_is_named_as_an_input_not_as_the_outputs_folder(outputs, tmp_path) -> None:
+    front = StandInFront(ending=_finished)
+    updates, error = _press(
+        _handlers(front, outputs, tmp_path), "fl2va", first_image=str(tmp_path / "gone.png")
+    )
+    reason = "an input file could not be read (No such file or directory); add it again."
+    assert updates[-1][STATUS] == f"⚠ Not started: {reason}" and error is not None and error.message == reason
+    assert front.handles == []

@@ -1,12 +1,11 @@
 """How a Generate press ends when no job could start, in words a person can act on.
 
-`NOT_TAKEN_STATUS` is the status of a press whose generate event never ran (a full queue). `NotStarted(reason,
-title)` is what the generate handler (ui.handlers) raises to itself when a press made no job:
-invalid inputs, an outputs folder that refuses writes or is full, a front that is shutting down, an unexpected
-error. The handler shows `⚠ Not started: <reason>` as the status and hands the reason to API clients as a
-`gr.Error` titled `title`. `storage_problem(error, outputs_dir)` words an OSError met while storing the inputs or
-making the results folder: a full disk with the free space left, else what the system said; never a server path
-(the server log has it).
+`NotStarted(reason, title)` is what the generate handler (ui.handlers) raises to itself when a press made no job
+(invalid inputs, an outputs folder that refuses writes or is full, an unexpected error): it shows
+`⚠ Not started: <reason>` as the status and hands the reason to API clients as a gr.Error titled `title`.
+`storage_problem(error, outputs_dir)` words an OSError met while storing the inputs or making the results folder: a
+full disk with the free space left, else what the system said; never a server path (the server log has it).
+`NOT_TAKEN_STATUS` is the status of a press whose generate event never ran (a full queue; ui.blocks).
 """
 
 from __future__ import annotations
