@@ -1,4 +1,4 @@
-"""The MiniMax H3 browser app: `python app.py [--checkpoint DIR] [--host H] [--port P] [--share] [--auth U:P]`.
+"""The MiniMax H3 browser app: `python app.py [--checkpoint DIR] [--host H] [--port P] [--share] [--auth U:P]...`.
 
 Command line and environment -> `AppConfig`; load the engine replicas; start the engine front; build the UI;
 launch. Each of `--devices` is a replica holding a whole `Engine` in this process, or with `--world-size N`
@@ -10,9 +10,9 @@ cluster instead (h3engine.runtime.ray_serve). Without a checkpoint (`--checkpoin
 on a tiny random-weight checkpoint made once in a cache folder, and says so in a banner. GPU replicas make one
 warm-up run before they take jobs (`--no-warm-up` skips it).
 
-Safety: binds 127.0.0.1 unless told otherwise (a Space sets GRADIO_SERVER_NAME); `--share`, `--auth` are opt-in;
-uploads are limited. Users are kept apart (ui.access): own History and results, served only as unguessable copies
-(`--shared-history`: one user). Our files leave Gradio's cache by age and at exit; at start what a killed
+Safety: binds 127.0.0.1 unless told otherwise (a Space sets GRADIO_SERVER_NAME); `--share` and `--auth` (repeat it
+for more users, or list them in `--auth-file`) are opt-in; uploads are limited. Users are kept apart (ui.access):
+own History and results, served only as unguessable copies (`--shared-history`: one user). Our files leave Gradio's cache by age and at exit; at start what a killed
 predecessor left is removed (`remove_leftovers`); unwritable default folders move to the temp folder.
 
 Exit codes: 2 when the checkpoint or an option is unusable (one line naming it; options, port, outputs folder and
@@ -90,7 +90,7 @@ class AppConfig:
     host: str
     port: int
     share: bool
-    auth: tuple[str, str] | None
+    auth: tuple[tuple[str, str], ...]  # (user, password) of each user who may log in; empty: no login
     max_file_size: int  # bytes
     queue_size: int
     preview_every: int
@@ -155,8 +155,17 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser.add_argument("--share", action="store_true", help="also open a public Gradio share link (opt-in)")
     parser.add_argument(
         "--auth",
-        default=environ.get("H3_AUTH") or None,
-        help="USER:PASSWORD required to open the app (opt-in); env H3_AUTH",
+        action="append",
+        metavar="USER:PASSWORD",
+        help="USER:PASSWORD of a user who may open the app (opt-in); repeat it for more users, each with a "
+        "History of their own; env H3_AUTH (one pair)",
+    )
+    parser.add_argument(
+        "--auth-file",
+        metavar="FILE",
+        default=environ.get("H3_AUTH_FILE") or None,
+        help="a file of users who may open the app, one USER:PASSWORD a line (# starts a comment line); "
+        "with --auth too; env H3_AUTH_FILE",
     )
     parser.add_argument(
         "--max-file-size", default=DEFAULT_MAX_FILE_SIZE, help="upload size limit, e.g. 200mb"
@@ -200,12 +209,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
 
 def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppConfig:
     args = _parser(environ).parse_args(argv)
-    auth = None
-    if args.auth:
-        user, separator, password = args.auth.partition(":")
-        if not separator or not user or not password:
-            raise ConfigError("--auth: expected USER:PASSWORD")
-        auth = (user, password)
+    auth = parse_users(args.auth or ([environ["H3_AUTH"]] if environ.get("H3_AUTH") else []), args.auth_file)
     devices = tuple(name.strip() for name in args.devices.split(",")) if args.devices else (None,)
     if args.queue_size < 1 or args.preview_every < 1:
         raise ConfigError("--queue-size and --preview-every must be at least 1")
@@ -241,6 +245,43 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppC
         outputs_named=bool(args.outputs),
         cache_named=bool(environ.get("H3_CACHE_DIR")),
     )
+
+
+def parse_users(pairs: Sequence[str], auth_file: str | None) -> tuple[tuple[str, str], ...]:
+    """The users of `--auth USER:PASSWORD` (each flag one user) and of `--auth-file` (one USER:PASSWORD a line;
+    blank lines and lines starting with # skipped). A pair without a colon, with an empty user or password, a user
+    named twice, or a comma in an --auth value (a list there would otherwise read as one password) is a ConfigError
+    naming the flag (and the file's line) but never the password."""
+    users: dict[str, str] = {}
+
+    def add(pair: str, where: str) -> None:
+        user, separator, password = pair.partition(":")
+        if not separator or not user.strip() or not password:
+            raise ConfigError(f"{where}: expected USER:PASSWORD with neither empty")
+        if user in users:
+            raise ConfigError(f"{where}: user {user!r} is named twice")
+        users[user] = password
+
+    for pair in pairs:
+        if "," in pair:
+            raise ConfigError(
+                "--auth: one USER:PASSWORD per --auth, and no comma in it: repeat --auth for more users, or put "
+                "them in an --auth-file (one a line; a password may hold a comma there)"
+            )
+        add(pair, "--auth")
+    if auth_file is not None:
+        try:
+            lines = Path(auth_file).expanduser().read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            why = getattr(error, "strerror", None) or error
+            raise ConfigError(f"--auth-file: cannot read {auth_file} ({why})") from None
+        before = len(users)
+        for number, line in enumerate(lines, start=1):
+            if line.strip() and not line.strip().startswith("#"):
+                add(line.strip(), f"--auth-file: line {number} of {auth_file}")
+        if len(users) == before:
+            raise ConfigError(f"--auth-file: {auth_file} names no user (one USER:PASSWORD a line)")
+    return tuple(users.items())
 
 
 def settle_folders(config: AppConfig) -> AppConfig:
@@ -566,7 +607,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server_name=config.host,
             server_port=config.port,
             share=config.share,
-            auth=config.auth,
+            auth=list(config.auth) or None,
             max_file_size=config.max_file_size,
             allowed_paths=[str(config.outputs_dir)] if config.shared_history else [],
             theme=ui.THEME,

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import stat
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import av
+import pytest
 
 from h3engine.checkpoint.tiny import make_tiny_checkpoint
 
@@ -95,6 +99,44 @@ def start_app(
             time.sleep(0.5)
     stop_app(app)
     raise RuntimeError(f"app.py did not answer within {STARTUP_TIMEOUT_S} s:\n{app.log_tail()}")
+
+
+@contextmanager
+def refusing_writes(folder: Path) -> Iterator[None]:
+    """While inside, `folder` (made if missing) refuses new entries, to the app's processes too: through its
+    permissions, or for root (whom permissions do not stop) through the immutable attribute (`chattr +i`; a skip
+    naming why when the file system or the machine does not allow it)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        mode = stat.S_IMODE(folder.stat().st_mode)
+        folder.chmod(0o555)
+        try:
+            yield
+        finally:
+            folder.chmod(mode)
+        return
+    chattr = shutil.which("chattr")
+    made = subprocess.run([chattr, "+i", str(folder)], capture_output=True, text=True) if chattr else None
+    if made is None or made.returncode != 0:
+        pytest.skip(f"running as root, and chattr +i cannot make {folder} immutable: {made and made.stderr}")
+    try:
+        yield
+    finally:
+        subprocess.run([chattr, "-i", str(folder)], check=True)
+
+
+def rank_processes(app: RunningApp) -> list[int]:
+    """The app's worker-group ranks: its children started by multiprocessing's spawn (not its resource tracker)."""
+    ranks = []
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or one that ended meanwhile
+        if parent == app.process.pid and b"spawn_main" in command:
+            ranks.append(int(entry.name))
+    return sorted(ranks)
 
 
 def stop_app(app: RunningApp) -> int:

@@ -37,8 +37,11 @@ needs_chromium = pytest.mark.skipif(
 
 
 @contextmanager
-def browser_page(url: str, viewport: dict[str, int] = DESKTOP) -> Iterator[object]:
-    """A fresh browser (its own session) showing the app at `url`."""
+def browser_page(
+    url: str, viewport: dict[str, int] = DESKTOP, login: tuple[str, str] | None = None
+) -> Iterator[object]:
+    """A fresh browser (its own session) showing the app at `url`; `login`: (user, password) for Gradio's login
+    page, which an app started with --auth shows first."""
     from playwright.sync_api import expect, sync_playwright
 
     # Assertions wait as long as page actions: Playwright's `expect` keeps its own 5 s default otherwise, shorter
@@ -52,6 +55,10 @@ def browser_page(url: str, viewport: dict[str, int] = DESKTOP) -> Iterator[objec
             page = browser.new_page(viewport=viewport)
             page.set_default_timeout(TIMEOUT_MS)
             page.goto(url)
+            if login is not None:
+                page.get_by_label("username").fill(login[0])
+                page.get_by_label("password").fill(login[1])
+                page.get_by_role("button", name="Login").click()
             page.locator("#h3-status").wait_for()
             yield page
         finally:

@@ -1,4 +1,5 @@
-"""app.py's command line: the warm-up switch and which replicas it applies to (no app is started here)."""
+"""app.py's command line: the warm-up switch and which replicas it applies to, upload limits, engine flags, and the
+users of `--auth` (repeated) and `--auth-file`, a malformed one refused naming the flag (no app is started here)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,75 @@ def test_engine_options_are_checked_before_loading(tmp_path, arguments: list[str
     config = app.parse_config([*arguments, "--outputs", str(tmp_path)], {})
     with pytest.raises(app.ConfigError, match=message):
         app.check_before_loading(config)
+
+
+def test_auth_takes_several_users_from_repeated_flags_and_a_file(tmp_path) -> None:
+    assert app.parse_config([], {}).auth == ()
+    users = tmp_path / "users.txt"
+    users.write_text("# the team\ncarol:c,with:colon and comma\n\n  dave:d4  \n", encoding="utf-8")
+    config = app.parse_config(["--auth", "alice:a1", "--auth", "bob:b:2", "--auth-file", str(users)], {})
+    assert config.auth == (
+        ("alice", "a1"),
+        ("bob", "b:2"),
+        ("carol", "c,with:colon and comma"),
+        ("dave", "d4"),
+    )
+    # The environment's pair when no flag gives one; H3_AUTH_FILE as --auth-file.
+    assert app.parse_config([], {"H3_AUTH": "erin:e5"}).auth == (("erin", "e5"),)
+    assert app.parse_config(["--auth", "alice:a1"], {"H3_AUTH": "erin:e5"}).auth == (("alice", "a1"),)
+    assert app.parse_config([], {"H3_AUTH_FILE": str(users)}).auth == (
+        ("carol", "c,with:colon and comma"),
+        ("dave", "d4"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("arguments", "lines", "message"),
+    [
+        (["--auth", "nopassword"], None, "^--auth: expected USER:PASSWORD with neither empty$"),
+        (["--auth", ":secret"], None, "^--auth: expected USER:PASSWORD"),
+        (["--auth", "alice:"], None, "^--auth: expected USER:PASSWORD"),
+        (
+            ["--auth", "a:b,c:d"],
+            None,
+            "^--auth: one USER:PASSWORD per --auth, and no comma in it: repeat --auth",
+        ),
+        (["--auth", "alice:1", "--auth", "alice:2"], None, "^--auth: user 'alice' is named twice$"),
+        (
+            ["--auth", "alice:1"],
+            "alice:2\n",
+            r"^--auth-file: line 1 of .*users.txt: user 'alice' is named twice$",
+        ),
+        ([], "# no one\n\n", r"^--auth-file: .*users.txt names no user"),
+        ([], "bob:2\nno colon here\n", r"^--auth-file: line 2 of .*users.txt: expected USER:PASSWORD"),
+        ([], "bob:\n", r"^--auth-file: line 1 of .*users.txt: expected USER:PASSWORD"),
+    ],
+    ids=[
+        "no-colon",
+        "no-user",
+        "no-password",
+        "comma",
+        "twice",
+        "twice-in-file",
+        "empty-file",
+        "file-line",
+        "file-empty-password",
+    ],
+)
+def test_a_malformed_user_is_refused_naming_the_flag_but_no_password(
+    tmp_path, arguments, lines, message
+) -> None:
+    users = tmp_path / "users.txt"
+    if lines is not None:
+        users.write_text(lines, encoding="utf-8")
+        arguments = [*arguments, "--auth-file", str(users)]
+    with pytest.raises(app.ConfigError, match=message) as refused:
+        app.parse_config(arguments, {})
+    assert "secret" not in str(refused.value)
+
+
+def test_an_unreadable_auth_file_exits_2_with_one_line_naming_the_flag(tmp_path, capsys) -> None:
+    assert app.main(["--auth-file", str(tmp_path / "missing.txt"), "--outputs", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --auth-file: cannot read {tmp_path / 'missing.txt'} (No such file or directory)\n"
+    )

@@ -21,8 +21,9 @@ import gradio as gr
 from h3engine.lora_library import LoraLibrary
 from h3engine.runtime.front import EngineFront
 from ui.access import AccessPolicy
+from ui.endings import NOT_TAKEN_STATUS
 from ui.examples import Example, load_examples
-from ui.handlers import Handlers, parameter_names, swap_keyframes
+from ui.handlers import STARTING_STATUS, Handlers, parameter_names, swap_keyframes
 from ui.history import HistoryEntry
 from ui.loras import wire_lora_panel
 from ui.prompt_builder import wire_prompt_builder
@@ -105,9 +106,7 @@ def build_ui(
 
         generate_buttons = [tab.generate for tab in tabs.values()]
         for tab in tabs.values():
-            _wire_generate(tab, handlers, result, generate_buttons, options.max_jobs).then(
-                handlers.refresh_history, outputs=history.table, queue=False, api_visibility="private"
-            )
+            _wire_generate(tab, handlers, result, generate_buttons, history.table, options.max_jobs)
         result.cancel.click(handlers.cancel_jobs, queue=False, api_visibility="private")
         for tab in tabs.values():
             _wire_canvas_text(tab, handlers)
@@ -173,11 +172,19 @@ def _tab_updates(tab: TaskTab, values: dict[str, Any]) -> dict[Any, Any]:
 
 
 def _wire_generate(
-    tab: TaskTab, handlers: Handlers, result: ResultColumn, generate_buttons: list[gr.Button], max_jobs: int
-) -> Any:
+    tab: TaskTab,
+    handlers: Handlers,
+    result: ResultColumn,
+    generate_buttons: list[gr.Button],
+    history_table: gr.Dataset,
+    max_jobs: int,
+) -> None:
     """Generate: at once (no queue) the status says what happens, the old result goes and all Generate buttons rest
     until the job ends; the page brings the status into view; then the queued endpoint runs the job. The endpoint's
-    events may all run at once: the engine front queues the jobs and reports each one's place."""
+    events may all run at once: the engine front queues the jobs and reports each one's place. However the job
+    ends, `finish` gives the buttons back, refreshes History and, when the handler never ran (a full queue), says
+    so: the page runs a `.then` step only after a normal completion, so it is wired as `.failure` too (the handler
+    raises a gr.Error for a failed or refused job, Gradio one for a full queue)."""
 
     def start(*inputs: Any) -> tuple[Any, ...]:
         updates, starts = handlers.start(tab.task, inputs)
@@ -205,19 +212,26 @@ def _wire_generate(
         show_progress_on=[result.video],
     )
 
-    def finish(seed_used: Any) -> tuple[Any, ...]:
+    def finish(status: str, seed_used: Any, caller: gr.Request) -> tuple[Any, ...]:
         return (
             *(gr.Button(interactive=True) for _ in generate_buttons),
+            # Still the press's own status: the handler never ran (Gradio said why in a message of its own).
+            NOT_TAKEN_STATUS if status == STARTING_STATUS else gr.skip(),
             gr.Number(visible=seed_used is not None),
+            handlers.refresh_history(caller),
         )
 
-    return generated.then(
-        finish,
-        inputs=result.seed_used,
-        outputs=[*generate_buttons, result.seed_used],
-        queue=False,
-        api_visibility="private",
-    )
+    for after in (generated.then, generated.failure):
+        after(
+            finish,
+            inputs=[result.status, result.seed_used],
+            outputs=[*generate_buttons, result.status, result.seed_used, history_table],
+            queue=False,
+            # No timer over the status the job left (show_progress="hidden" still shows one on the page): the
+            # progress goes to a state, which has nothing to show.
+            show_progress_on=result.take_paths,
+            api_visibility="private",
+        )
 
 
 def _wire_canvas_text(tab: TaskTab, handlers: Handlers) -> None:

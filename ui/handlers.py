@@ -4,10 +4,11 @@
   `TaskTab.inputs`; `Handlers.generator(task)` (the endpoint) and `Handlers.validator(task)` take them in that order.
 * The validators run before Gradio queues an event: they check the two checkboxes' types, build the request (no file
   copied) and run every model-free check; a failure marks the input it names (a ValidationError for API clients).
-* The generate handlers copy the inputs into the outputs folder, submit the request (its files go to the caller's
-  results folder, ui.access) and turn the front's messages into result-column updates (`RESULT_FIELDS` order) and
-  `gr.Progress` steps. A RequestError shows as its message, an engine failure as one sentence (tracebacks go to the
-  server log). When Gradio cancels a handler (Cancel, `job.cancel()`, the browser went away) its job is cancelled.
+* The generate handlers check the request and copy its inputs into the outputs folder (in a worker thread), submit
+  it (its files go to the caller's results folder, ui.access) and turn the front's messages into result-column
+  updates (`RESULT_FIELDS` order) and `gr.Progress` steps. Every ending leaves a status in plain words (ui.endings;
+  tracebacks go to the server log); a failure also raises them as a gr.Error. When Gradio cancels a handler
+  (Cancel, `job.cancel()`, the browser went away) its job is cancelled.
 * Every file a handler returns goes out through `AccessPolicy.publish`; History reads only the caller's folder.
 
 Danger: every value here comes from a browser or an API client. Paths reach the engine only as Gradio uploads or
@@ -20,6 +21,7 @@ import asyncio
 import dataclasses
 import functools
 import inspect
+import logging
 import re
 import secrets
 import time
@@ -37,6 +39,7 @@ from h3engine.runtime.front import EngineFront, JobHandle, stamped_output_name
 from h3engine.runtime.messages import PreviewFrame
 from ui.access import AccessPolicy
 from ui.components import NotAnUpload
+from ui.endings import UNEXPECTED_ERROR, NotStarted, storage_problem
 from ui.history import HistoryEntry, entry_markdown, find_entry, history_rows, list_history, result_markdown
 from ui.inputs import InputStore, last_frame_png, reference_kind
 from ui.loras import lora_choices, lora_values
@@ -44,7 +47,11 @@ from ui.result import RESULT_FIELDS
 from ui.tabs import DEFAULT_VALUES, MEDIA_PARAMETERS, SETTINGS_PARAMETERS
 from ui.takes import Take, TakeSet, checked_takes
 
+logger = logging.getLogger(__name__)
+
 POLL_INTERVAL_S = 0.1
+# The status from the press until the generate handler's first update (ui.blocks's `finish` reads it).
+STARTING_STATUS = "Starting…"
 RANDOM_SEED_LIMIT = 2**31
 PLACEHOLDER_PROMPT = "(prompt)"
 _SCALAR_FIELDS = {
@@ -273,6 +280,12 @@ def _session_of(caller: gr.Request | None) -> str:
     return str(getattr(caller, "session_hash", None) or "")
 
 
+def _unexpected(error: Exception, doing: str) -> NotStarted:
+    """An exception no ending foresaw: logged with its traceback, shown as one sentence."""
+    logger.error("the generate handler could not %s", doing, exc_info=error)
+    return NotStarted(UNEXPECTED_ERROR, "Generation failed")
+
+
 def swap_keyframes(first_image: str | None, last_image: str | None) -> tuple[str | None, str | None]:
     return last_image, first_image
 
@@ -322,7 +335,7 @@ class Handlers:
             failing, message = shown_problem(error, values)
             return result_update(status=f"⚠ Not started: {failing}: {message}"), False
         cleared = result_update(
-            status="Starting…",
+            status=STARTING_STATUS,
             preview=None,
             video=None,
             seed_used=gr.Number(value=None, visible=False),
@@ -394,7 +407,40 @@ class Handlers:
     async def _generate(
         self, task: str, inputs: Sequence[Any], caller: gr.Request | None, progress: gr.Progress
     ) -> AsyncIterator[tuple[Any, ...]]:
+        """Every ending leaves a status saying what happened; an ending other than done or cancelled then raises a
+        gr.Error with the same words (API clients read it; the page's `failure` event re-enables Generate)."""
         values = TaskValues.from_inputs(task, inputs)
+        try:
+            # The checks probe the media and the inputs are copied: blocking work, so off the event loop.
+            requests, results_dir = await asyncio.to_thread(self._prepare, values, caller)
+            handles = self._submit(requests, results_dir)
+        except Exception as error:
+            refusal = error if isinstance(error, NotStarted) else _unexpected(error, "start a job")
+            yield result_update(status=f"⚠ Not started: {refusal.reason}")
+            raise gr.Error(refusal.reason, title=refusal.title, print_exception=False) from None
+        session = _session_of(caller)
+        self._running.setdefault(session, set()).update(handles)
+        try:
+            async for update in self._follow(TakeSet.of(handles), progress):
+                yield update
+        except gr.Error:
+            raise
+        except Exception as error:
+            reason = _unexpected(error, "follow a job").reason
+            yield result_update(status=f"Failed: {reason}")
+            raise gr.Error(reason, title="Generation failed", print_exception=False) from None
+        finally:
+            # Cancelled by Gradio, or the reader went away: stop the engine at its next step.
+            for handle in handles:
+                self.front.cancel(handle)
+            running = self._running.get(session, set())
+            running.difference_update(handles)
+            if not running:
+                self._running.pop(session, None)
+
+    def _prepare(self, values: TaskValues, caller: gr.Request | None) -> tuple[list[GenerationRequest], Path]:
+        """A press's requests, one per take (consecutive seeds), checked, their input files copied into the outputs
+        folder; and the caller's results folder, made. Blocking. NotStarted says why no job can start."""
         try:
             check_input_types(values)
             takes = checked_takes(values.values["takes"])
@@ -405,30 +451,34 @@ class Handlers:
             self.front.check(request)
             if takes > 1:
                 self.front.check(requests[-1])
+            results_dir = self.access.results_dir(caller)
+            results_dir.mkdir(parents=True, exist_ok=True)
         except RequestError as error:
             failing, message = shown_problem(error, values)
-            raise gr.Error(f"{failing}: {message}", title="Invalid request", print_exception=False) from None
-        results_dir = self.access.results_dir(caller)
-        results_dir.mkdir(parents=True, exist_ok=True)
-        handles = [
-            self.front.submit(
-                take, out_path=results_dir / stamped_output_name(take.task, secrets.token_hex(4))
-            )
-            for take in requests
-        ]
-        session = _session_of(caller)
-        self._running.setdefault(session, set()).update(handles)
+            raise NotStarted(f"{failing}: {message}", "Invalid request") from None
+        except OSError as error:
+            raise storage_problem(error, self.access.outputs_dir) from None
+        return requests, results_dir
+
+    def _submit(self, requests: list[GenerationRequest], results_dir: Path) -> list[JobHandle]:
+        """One job per request, writing into `results_dir`; all or none (NotStarted when the front refuses the
+        output files: the folder went away or refuses writes)."""
+        handles: list[JobHandle] = []
         try:
-            async for update in self._follow(TakeSet.of(handles), progress):
-                yield update
-        finally:
-            # Cancelled by Gradio, or the reader went away: stop the engine at its next step.
+            for take in requests:
+                out_path = results_dir / stamped_output_name(take.task, secrets.token_hex(4))
+                handles.append(self.front.submit(take, out_path=out_path))
+        except (RequestError, OSError) as error:
             for handle in handles:
                 self.front.cancel(handle)
-            running = self._running.get(session, set())
-            running.difference_update(handles)
-            if not running:
-                self._running.pop(session, None)
+            if isinstance(error, OSError):
+                raise storage_problem(error, self.access.outputs_dir) from None
+            logger.error("the engine front refused a job's output files: %s", error)
+            raise NotStarted(
+                "the outputs folder refuses writes; the details are in the server log.",
+                "Cannot write the outputs",
+            ) from None
+        return handles
 
     async def _follow(self, takes: TakeSet, progress: gr.Progress) -> AsyncIterator[tuple[Any, ...]]:
         """Result-column updates while the takes run; the status after every message is the takes' own, and the
@@ -447,7 +497,8 @@ class Handlers:
                 fields["preview"] = preview.rgb
             if newly_finished:
                 shown = shown or newly_finished[0]
-                fields.update(self._take_fields(takes, shown))
+                # Publishing copies the result's files: off the event loop.
+                fields.update(await asyncio.to_thread(self._take_fields, takes, shown))
             done_steps = takes.progress()
             if done_steps is not None:
                 progress(done_steps, desc=takes.status_line(), unit="steps")
@@ -568,3 +619,6 @@ class Handlers:
             return self.access.publish(last_frame_png(last_result, self.store))
         except RequestError as error:
             raise gr.Error(str(error), print_exception=False) from None
+        except OSError as error:  # storing the frame: a full disk, a folder that refuses writes
+            refusal = storage_problem(error, self.access.outputs_dir)
+            raise gr.Error(refusal.reason, title=refusal.title, print_exception=False) from None
