@@ -1,6 +1,6 @@
-"""Packed DiT requests laid out like the real pipeline (H3_SPEC §3), for the DiT benchmark and the DiT tests.
+"""Packed DiT requests laid out like the real pipeline (docs/MODEL.md §3), for the DiT benchmark and the DiT tests.
 
-The builder is deliberately independent of h3engine's own packing code (it follows the spec text), so the DiT
+The builder is deliberately independent of h3engine's own packing code (it follows docs/MODEL.md §3), so the DiT
 tests do not depend on it. Row order: [text (optionally with vision-block rows tagged video) | keyframe condition
 video rows | target audio rows (left channel, then right) | target video rows].
 """

@@ -1,4 +1,4 @@
-"""One DiT forward, ours vs diffusers 0.42.1, at the released size on the 768p / 5 s T2VA layout (H3_SPEC §10).
+"""One DiT forward, ours vs diffusers 0.42.1, at the released size on the 768p / 5 s T2VA layout (docs/MODEL.md §9).
 
 Both models get the same random bf16 weights (`random_native_tensor`, with the released fp32 islands) and the same
 packed T2VA request (benchmarks/_packed_request.py). They do not fit on one GPU together, so ours is timed first,
@@ -77,7 +77,7 @@ def t2va_request(config: DiTConfig, tiny: bool, seed: int) -> PackedRequest:
 
 
 def forward_flops(config: DiTConfig, request: PackedRequest) -> float:
-    """Useful FLOPs of one forward (2 per MAC), from the shapes; ~3.57e15 at the released size (H3_SPEC §10)."""
+    """Useful FLOPs of one forward (2 per MAC), from the shapes; ~3.57e15 at the released size (docs/MODEL.md §9)."""
     return sum(forward_flop_parts(config, request).values())
 
 
@@ -224,7 +224,7 @@ def move_into_diffusers(
     return reference.eval()
 
 
-# Ceilings measured on the H200 (../shared/docs/GPU_NOTES.md): bf16 GEMM 8192^3 and FlashAttention-4 at this shape.
+# Ceilings measured on the H200 (docs/PERFORMANCE.md §2): bf16 GEMM 8192^3 and FlashAttention-4 at this shape.
 GEMM_CEILING_TFLOPS = 751.0
 ATTENTION_CEILING_TFLOPS = 662.0
 
@@ -599,7 +599,7 @@ def main() -> None:
         "tflops": {name: flops / median / 1e12 for name, median in medians.items()},
         "floor_s": floor_s,
         "floor_definition": f"linear FLOPs at {GEMM_CEILING_TFLOPS} + attention FLOPs at {ATTENTION_CEILING_TFLOPS} "
-        "TFLOP/s (H200 ceilings, GPU_NOTES.md)",
+        "TFLOP/s (H200 ceilings, docs/PERFORMANCE.md §2)",
         "fraction_of_floor": {name: floor_s / median for name, median in medians.items()},
         "peak_gpu_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30
         if device.type == "cuda"

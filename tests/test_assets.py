@@ -4,7 +4,7 @@
   bundled files (Pillow for images, PyAV for clips), so the rules that need file facts (clip lengths,
   soundtracks, image ratios, keyframe geometry) run as they will in the app.
 * The labels a prompt cites must be exactly the ones its references yield, numbered per modality in reference
-  order, with a video's soundtrack labelled `<Audio j>` before the video's `<Video k>` (H3_SPEC.md §4, §7.3).
+  order, with a video's soundtrack labelled `<Audio j>` before the video's `<Video k>` (docs/MODEL.md §4.3, §7.3).
   A miscounted label silently points the model at the wrong reference, so this is checked label by label.
 * assets/make_assets.py is run again into a temporary folder: the PNG/JPEG/WAV bytes must hash to the sha256
   values in assets/PROVENANCE.md and the regenerated PROVENANCE.md must equal the committed one apart from the
@@ -63,7 +63,8 @@ def probe_bundled(reference: Reference) -> MediaInfo:
 
 
 def expected_labels(request: GenerationRequest) -> dict[str, str]:
-    """{label: what it stands for} in presentation order (H3_SPEC.md §4); a soundtrack is "<path> (soundtrack)"."""
+    """{label: what it stands for} in presentation order (docs/MODEL.md §4.3); a soundtrack is
+    "<path> (soundtrack)"."""
     if request.task == "fl2va":
         return {f"<Picture {number}>": keyframe.path for number, keyframe in enumerate(request.keyframes, 1)}
     counts: Counter[str] = Counter()

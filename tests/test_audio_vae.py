@@ -44,7 +44,8 @@ def make_waveform(batch: int, samples: int, seed: int) -> torch.Tensor:
 
 
 def varied_config() -> AudioVAEConfig:
-    """Tiny, but with what §12's tiny config leaves out: odd strides, two AMP kernels, two dilations each."""
+    """Tiny, but with what the tiny config (docs/MODEL.md §10) leaves out: odd strides, two AMP kernels, two
+    dilations each."""
     return dataclasses.replace(
         AudioVAEConfig.tiny(),
         encoder_rates=(3, 2),

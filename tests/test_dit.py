@@ -80,7 +80,7 @@ RELEASED_BLOCK_SHAPES = {
 
 
 def released_native_shapes() -> dict[str, tuple[int, ...]]:
-    """H3_SPEC §1.3, written out independently of the model code."""
+    """docs/MODEL.md §1.2, written out independently of the model code."""
     shapes = dict(RELEASED_GLOBAL_SHAPES)
     for index in range(2):
         shapes.update(
@@ -219,7 +219,7 @@ def test_qkv_rows_are_interleaved_per_head_and_fc1_is_gate_then_value() -> None:
 
 
 def test_rope_inverse_frequencies_follow_the_spec(tiny_state: dict[str, torch.Tensor]) -> None:
-    # inv_freq[j] = 10000^(-2j/32), j = 0..15 (H3_SPEC §2.5), fp32.
+    # inv_freq[j] = 10000^(-2j/32), j = 0..15 (docs/MODEL.md §2.5), fp32.
     expected = torch.tensor([10000.0 ** (-(2 * j) / 32) for j in range(16)], dtype=torch.float64)
     released = MultiAxisRope(DiTConfig.released(), device="cpu").inv_freq
     assert released.dtype == torch.float32

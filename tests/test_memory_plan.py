@@ -1,7 +1,7 @@
 """The memory planner (h3engine.memory: budget, sizes, plan, plan_cli), on the CPU, from headers only.
 
 A released-size placeholder checkpoint (~1 MB of headers) stands for the release: its sizes are checked against the
-numbers H3_SPEC states and against sizes worked out here from the configs' shapes; the plans are checked for the
+numbers docs/MODEL.md states and against sizes worked out here from the configs' shapes; the plans are checked for the
 properties the engine relies on (a peak under the budget, one-line refusals, monotonic peaks, the phase rule, the
 host demotion order). The activation formulas themselves are estimates to be measured on a GPU (a later issue).
 """
@@ -52,7 +52,7 @@ from h3engine.memory.sizes import RankShare, checkpoint_sizes
 from h3engine.memory.slabs import ALIGNMENT, aligned, packed_bytes, slab_plan
 from h3engine.models.dit import DiTConfig
 
-# Parameters H3_SPEC states for the released DiT.
+# Sizes docs/MODEL.md states for the released DiT (§1.4) and text encoder (§4.1).
 RELEASED_ADALN_PARAMETERS = 13_039_369_728
 RELEASED_DIT_BYTES = 66_280_430_144  # native partition, bf16 with its fp32 islands
 RELEASED_TEXT_LAYER_PARAMETERS = 487_598_336  # one of the 50 Qwen3-VL decoder layers H3 runs (~487.6 M)

@@ -279,7 +279,7 @@ def test_tiny_checkpoint_shard_matches_engine_load(parallel_runs, tiny_reference
 
 
 def expected_tensor_parallel_reads(key: str, rank: int, ranks: int) -> list[tuple[str, int, int]] | None:
-    """Rows / columns rank `rank` must read of a split tensor (H3_SPEC §1.3), or None for a replicated one."""
+    """Rows / columns rank `rank` must read of a split tensor (docs/MODEL.md §1.3), or None for a replicated one."""
     qkv_rows, fc1_rows = 3 * TINY.inner_dim // ranks, TINY.ffn_dim // ranks
     if key.endswith("attn.qkv_proj.weight"):  # per-head interleaved: a rank's heads are one row range
         return [("row_slice", rank * qkv_rows, (rank + 1) * qkv_rows)]

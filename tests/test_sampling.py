@@ -82,7 +82,7 @@ class _DeclareTinyVaes(ModularPipelineBlocks):
 
 
 def _tiny_vaes() -> dict[str, torch.nn.Module]:
-    """H3_SPEC.md §12 tiny VAEs: spatial ratio 4 (canvas multiple 8), 4 video and 4 audio channels."""
+    """docs/MODEL.md §10 tiny VAEs: spatial ratio 4 (canvas multiple 8), 4 video and 4 audio channels."""
     video_vae = AutoencoderKLMiniMaxH3(
         latent_channels=4,
         block_out_channels=(8, 16, 16),

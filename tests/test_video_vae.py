@@ -85,7 +85,7 @@ def test_tile_layout_matches_diffusers(models: tuple[VideoVAE, AutoencoderKLMini
             starts, size, overlaps = tile_layout(length, tile, overlap, ratio)
             assert (starts, overlaps) == (expected_starts, expected_overlaps)
             assert expected_lengths == [size] * len(starts)
-    # The released figures quoted in H3_SPEC §5.2.
+    # The released figures of docs/MODEL.md §5.2.
     assert tile_layout(768, 256, 64, 16)[2] == [96, 80, 80]
     assert tile_layout(1344, 256, 64, 16)[2] == [80, 80, 80, 80, 64, 64]
 
@@ -248,8 +248,9 @@ def test_batched_decoder_calls_on_cuda_under_the_fp16_recipe(tiny_config: VideoV
 
 
 def test_decode_matches_diffusers_with_two_rope_frequencies(tiny_config: VideoVAEConfig) -> None:
-    # The §12 tiny decoder rotates 6 channels: one frequency per axis equal to 1, for which 2*pi*pos is blind to a
-    # shift of the positions by 1 and to rope_theta. Head size 16 gives frequencies (1, 100^-0.5) per axis.
+    # The tiny decoder (docs/MODEL.md §10) rotates 6 channels: one frequency per axis equal to 1, for which 2*pi*pos
+    # is blind to a shift of the positions by 1 and to rope_theta. Head size 16 gives frequencies (1, 100^-0.5) per
+    # axis.
     config = dataclasses.replace(tiny_config, decoder_attention_head_dim=16)
     ours, reference = build_pair(config, video_vae_keys.random_native_state(config, seed=9))
     set_tiling(ours, reference, True)

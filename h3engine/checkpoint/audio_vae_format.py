@@ -23,7 +23,7 @@ from h3engine.models.audio_vae import (
     AudioVAEConfig,
 )
 
-# Native wrapper files (H3_CHECKPOINT_LAYOUT.md §2.1).
+# Native wrapper files (docs/CHECKPOINT.md §4.1).
 NATIVE_CLASS_NAME = "MiniMaxH3AudioVAE"
 NATIVE_DIFFUSERS_VERSION = "0.32.2"
 NATIVE_AUTO_MAP = {"AutoModel": "minimax_h3_audio_vae.MiniMaxH3AudioVAE"}

@@ -1,6 +1,6 @@
 """Audio VAE state-dict layouts: native `audio_vae/model.safetensors` <-> diffusers `AutoencoderKLMiniMaxH3Audio`.
 
-The two layouts are the same (H3_CHECKPOINT_LAYOUT.md §2.3: the diffusers converter passes every tensor through
+The two layouts are the same (docs/CHECKPOINT.md §4.3: the diffusers converter passes every tensor through
 unchanged), so both directions are identities that only *validate*: every key must belong to the audio VAE's native
 key grammar and every tensor must be fp32 (the converter rejects anything else). Shapes and the complete key set
 depend on the config and are checked by the strict `load_state_dict` of `AudioVAE`.

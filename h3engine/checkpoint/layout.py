@@ -1,6 +1,6 @@
 """Finding the components of a MiniMax H3 checkpoint on disk.
 
-Two released layouts (H3_CHECKPOINT_LAYOUT.md §4):
+Two released layouts (docs/CHECKPOINT.md §1):
 * native: one self-contained folder per partition (`FL2VA/` serves t2va and fl2va, `Ref2VA/` serves ref2va), each
   with a `model_index.json` carrying the `_minimax_h3` block; the DiT is `transformer/`, the video VAE
   `video_vae/` (weights under `video_vae/source/`), the audio VAE `audio_vae/`.

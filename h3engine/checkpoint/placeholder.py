@@ -42,8 +42,8 @@ from h3engine.models.video_vae import VideoVAE, VideoVAEConfig
 
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
-# Qwen3-VL-32B as H3 ships it (H3_SPEC §4): 64 decoder layers of which H3TextEncoder keeps 50, plus the vision
-# tower (unused by T2VA but held in memory like the engine holds it).
+# Qwen3-VL-32B as H3 ships it (docs/MODEL.md §4.1): 64 decoder layers of which H3TextEncoder keeps 50, plus the
+# vision tower (unused by T2VA but held in memory like the engine holds it).
 RELEASED_TEXT_ENCODER_CONFIG: dict[str, Any] = {
     "model_type": "qwen3_vl",
     "image_token_id": 151655,

@@ -1,7 +1,7 @@
 """Video VAE key maps: native `video_vae/source/model.safetensors` <-> diffusers `vae/` (AutoencoderKLMiniMaxH3).
 
 Both functions are pure, work on meta tensors (views, reshapes, concatenations) and are exact inverses. What
-changes between the layouts (H3_CHECKPOINT_LAYOUT §1.2):
+changes between the layouts (docs/CHECKPOINT.md §3.2):
 * renames: `encoder.down.{L}.block.{j}` -> `encoder.down_blocks.{L}.resnets.{j}`, `nin_shortcut` -> `conv_shortcut`,
   `encoder.down.{L}.downsample` -> `encoder.down_blocks.{L}.downsamplers.0`, `decoder.x_embedder` ->
   `decoder.proj_in`, `attn.to_out` -> `attn.to_out.0`, `ff.w1` -> `ff.net.0.proj`, `ff.w2` -> `ff.net.2`;

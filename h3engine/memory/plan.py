@@ -224,8 +224,8 @@ def resident_plan(profile: str = "resident", weights: str = "bf16") -> MemoryPla
 # disk: 2 GB/s is a pessimistic NVMe rate.
 PINNED_BYTES_PER_SECOND = 25e9
 MAPPED_BYTES_PER_SECOND = 2e9
-# Effective dense bf16 rate of the DiT's forward on one H200 (DESIGN.md §5: 3.57 PFLOP in ~5.3 s); used for every
-# model's compute time, which only decides how much of a streamed model's copying hides under its compute.
+# Effective dense bf16 rate of the DiT's forward on one H200 (docs/PERFORMANCE.md §4: 3.57 PFLOP in ~5.3 s); used
+# for every model's compute time, which only decides how much of a streamed model's copying hides under its compute.
 EFFECTIVE_FLOPS_PER_SECOND = 6.7e14
 # Ring depths tried for a streamed model, deepest (most copy-ahead) first.
 RING_DEPTHS = (3, 2)

@@ -1,4 +1,4 @@
-"""H3-AudioVAE: mono 32 kHz waveform <-> 32-channel latents at 40 latents/s (H3_SPEC.md §6).
+"""H3-AudioVAE: mono 32 kHz waveform <-> 32-channel latents at 40 latents/s (docs/MODEL.md §6).
 
 * `encode(waveform [B, 1, N]) -> [B, C, ceil(N / hop)]`: right-padded with zeros to a hop multiple, DAC encoder ->
   causal-attention projection (`pre_block`) -> `mean_proj`: the posterior mean, all H3 uses (`logs_proj` is carried
@@ -67,7 +67,7 @@ STEREO_CHANNELS = 2
 
 @dataclass(frozen=True)
 class AudioVAEConfig:
-    """Architecture and latent statistics of the audio VAE; the defaults are the released values (H3_SPEC §1.6)."""
+    """Architecture and latent statistics of the audio VAE, the released values by default (docs/MODEL.md §6.1)."""
 
     encoder_dim: int = 64
     encoder_rates: tuple[int, ...] = (2, 4, 4, 5, 5)

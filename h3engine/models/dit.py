@@ -1,11 +1,11 @@
 """The MiniMax H3 diffusion transformer ("H3-Omni-Transformer"), one packed request per forward.
 
-`H3DiT.forward` takes one packed request with no batch axis (H3_SPEC §2.1, §3): fp32 video rows
+`H3DiT.forward` takes one packed request with no batch axis (docs/MODEL.md §2.1, §3): fp32 video rows
 [Nv, C*prod(patch)], fp32 audio rows [Na, Ca], text states [Lt, text_dim], the M distinct timesteps (fp32,
 t = 1 is clean, unscaled), per-row `timestep_index` and modality `tags` (0 video, 1 text, 2 audio), float64
 (t, h, w) `positions`, and the sequence positions of each modality's rows. It returns fp32 velocities for every
 video and audio row, in the order of `video_index` / `audio_index` (condition rows included). `state_dict()` keys
-are the native checkpoint keys (H3_SPEC §1.3), `rope.inv_freq` included; `attn.qkv_proj` rows are held stacked
+are the native checkpoint keys (docs/MODEL.md §1.2), `rope.inv_freq` included; `attn.qkv_proj` rows are held stacked
 [q; k; v] where the file interleaves them per head (h3engine.checkpoint.dit_format converts).
 
 Danger: the checkpoint is mixed precision. `FP32_PARAMETER_NAMES` (patch projections, time MLP, output heads,
@@ -155,12 +155,13 @@ class DiTConfig:
 
     @classmethod
     def released(cls) -> DiTConfig:
-        """The released H3-Base DiT (H3_SPEC §1.2), 33,122,992,896 parameters."""
+        """The released H3-Base DiT (docs/MODEL.md §1.1), 33,122,992,896 parameters."""
         return cls(**{name: released for name, (released, _) in _KNOWN_CONFIGS.items()})
 
     @classmethod
     def tiny(cls) -> DiTConfig:
-        """Test configuration (H3_SPEC §12); hidden 16 != heads x head_dim 24 on purpose, all 12 channels rotated."""
+        """Test configuration (docs/MODEL.md §10); hidden 16 != heads x head_dim 24 on purpose, all 12 channels
+        rotated."""
         return cls(**{name: tiny for name, (_, tiny) in _KNOWN_CONFIGS.items()})
 
 

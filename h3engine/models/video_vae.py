@@ -188,7 +188,8 @@ class VideoVAEConfig:
 
     @classmethod
     def tiny(cls) -> VideoVAEConfig:
-        """H3_SPEC §12 tiny VAE: ratio 4 x 4 (spatial x temporal), 4 latent channels, a 1-layer 16-wide decoder."""
+        """Tiny VAE (docs/MODEL.md §10): ratio 4 x 4 (spatial x temporal), 4 latent channels, a 1-layer 16-wide
+        decoder."""
         return dataclasses.replace(
             cls.released(),
             latent_channels=4,

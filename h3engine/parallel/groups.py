@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # transformers is imported only by the processes that build t
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
 
 _RELEASED = DiTConfig.released()
-# Qwen3-VL-32B's language model (H3_SPEC §4): 64 query heads, 8 key/value heads, MLP width 25600.
+# Qwen3-VL-32B's language model (docs/MODEL.md §4.1): 64 query heads, 8 key/value heads, MLP width 25600.
 _RELEASED_ENCODER_HEADS = 64
 _RELEASED_ENCODER_KV_HEADS = 8
 _RELEASED_ENCODER_MLP_WIDTH = 25600

@@ -1,6 +1,6 @@
 """Initial noise of a request, and the noise of its visual condition rows, from one integer seed.
 
-Two recipes draw different streams from the same seed (H3_SPEC.md §8.5); both draw fp32 on the CPU (so results
+Two recipes draw different streams from the same seed (docs/MODEL.md §8.5); both draw fp32 on the CPU (so results
 do not depend on the accelerator) and return rows (video patchified, audio channel-major). `draw_initial_noise`
 spells out each recipe's draws.
 

@@ -1,6 +1,6 @@
 """The packed DiT sequence: latents <-> rows, row order, modality tags, rotary positions, row timesteps.
 
-One single-stream DiT runs over one packed sequence per request (H3_SPEC.md §3):
+One single-stream DiT runs over one packed sequence per request (docs/MODEL.md §3):
     [ text rows (incl. Qwen vision blocks) | condition blocks | target audio | target video ]
 Condition blocks are FL2VA keyframes (one latent frame each, on the target canvas) or Ref2VA references in request
 order (image -> video rows; audio clip -> audio rows; video clip -> its soundtrack's audio rows, then its video

@@ -2,7 +2,7 @@
 
 ``sigma`` is the noise fraction (1 = pure noise, 0 = clean); the DiT is conditioned on ``t = 1 - sigma`` (t = 1 is
 clean, fed unscaled). Video and audio run separate schedules (shift 12 and 3) with the same number of grid points,
-one DiT forward per step for both. For a request of ``num_inference_steps = N`` (H3_SPEC.md §8.1), ``"sglang"``
+one DiT forward per step for both. For a request of ``num_inference_steps = N`` (docs/MODEL.md §8.1), ``"sglang"``
 takes N + 1 grid points (N forwards, the README's serving path) and ``"diffusers"`` N grid points (N - 1 forwards,
 as diffusers 0.42.1's ``MiniMaxH3Scheduler``, whose ``set_timesteps(N)`` counts the terminal 0). A step-distilled
 checkpoint (``_minimax_h3.dmd_denoising_steps``) runs its rungs instead, as SGLang does: the positions
