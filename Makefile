@@ -28,7 +28,7 @@ app: $(VENV)/.installed-app
 test: $(VENV)/.installed-dev $(VENV)/.installed-ray browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 gpu: $(VENV)/.installed-gpu
 
