@@ -9,13 +9,15 @@ Order: a replica that says which DiT partition is on its device (`Replica.partit
 waiting job of that partition's tasks, so a queue mixing t2va/fl2va and ref2va does not swap DiTs on every job; a
 job passed over `MAX_PASSED_OVER` times is taken before anything younger (`next_job_index`).
 
-Danger: an `Engine` is not thread-safe; each one is only called from its own worker thread, which catches every
-exception (a bad job never kills it). `on_step` runs inside the denoising loop and only puts small messages
-without blocking: a full buffer drops progress and previews, never the terminal message.
+Danger: an `Engine` is not thread-safe; each one is only called from its own worker thread. Whatever a replica
+raises ends only that job (`JobFailed`, logged with its traceback): the thread takes the next. `on_step` runs inside
+the denoising loop and only puts small messages without blocking: a full buffer drops progress and previews, never
+the terminal message. A full disk fails a job with the free space left (`output_failure_message`).
 """
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import queue
@@ -39,6 +41,7 @@ from h3engine.media.outputs import checked_output_files
 from h3engine.request import GenerationRequest
 from h3engine.runtime.checks import CheckpointFacts, check_request, expected_geometry
 from h3engine.runtime.messages import (
+    TERMINAL_EVENTS,
     JobEvent,
     JobFailed,
     JobFinished,
@@ -57,6 +60,12 @@ ENGINE_FAILURE_MESSAGE = "The engine failed while generating this video; the det
 CANCELLED_MESSAGE = "Cancelled."
 CANCELLED_BEFORE_START_MESSAGE = "Cancelled before it started."
 SHUTTING_DOWN_MESSAGE = "The app is shutting down."
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+SIZE_UNITS = ("bytes", "KB", "MB", "GB", "TB")
+# `shutdown`: how long cancelled jobs get to end by themselves before the replicas are closed under them, and how
+# long it waits in all (the replicas' `close` ends their processes within a few seconds whatever the ranks do).
+SHUTDOWN_CANCEL_WAIT_S = 2.0
+SHUTDOWN_TIMEOUT_S = 8.0
 # What a warm-up runs: the shortest duration at the verified canvas, one step. It uses the same kernels as any request
 # (the DiT's head size, the video decoder's full-size tiles).
 WARM_UP_REQUEST = GenerationRequest(task="t2va", prompt="A warm-up run.", duration_seconds=4.0, steps=1)
@@ -65,6 +74,40 @@ WARM_UP_REQUEST = GenerationRequest(task="t2va", prompt="A warm-up run.", durati
 # one other job's run. 2 lets a run of same-partition jobs save up to two switches in three jobs, and keeps the
 # worst extra wait of any job to two runs: the price of a preference, not a second queue.
 MAX_PASSED_OVER = 2
+
+
+def output_failure_message(error: BaseException, outputs_folder: Path) -> str:
+    """The sentence for a job that `error` ended while it ran: a full disk (an OSError ENOSPC or EDQUOT anywhere in
+    the error's chain, e.g. under the MP4 writer's error) says so with the space left on the outputs folder's disk;
+    anything else is `ENGINE_FAILURE_MESSAGE`. No server path: a browser reads it."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in DISK_FULL_ERRNOS:
+            free = free_space(outputs_folder)
+            left = f" ({size_text(free)} free)" if free is not None else ""
+            return f"The disk of the outputs folder is full{left}; free some space, then try again."
+        cause = cause.__cause__ or cause.__context__
+    return ENGINE_FAILURE_MESSAGE
+
+
+def free_space(folder: Path) -> int | None:
+    """The bytes free on the disk holding `folder` (or its nearest existing parent); None when it cannot tell."""
+    for candidate in (folder, *folder.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
+
+
+def size_text(size: int) -> str:
+    """Bytes in powers of 1024, as the app's upload limit counts: '0 bytes', '512.0 KB', '1.5 GB'."""
+    value, unit = float(size), 0
+    while value >= 1024 and unit < len(SIZE_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    return f"{size} bytes" if unit == 0 else f"{value:.1f} {SIZE_UNITS[unit]}"
 
 
 def warm_up_request(facts: CheckpointFacts) -> GenerationRequest:
@@ -155,11 +198,12 @@ class Replica(Protocol):
 
     def run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFinished | JobFailed:
         """Run one job to its end, publishing its start, progress and previews on the handle; the terminal message
-        is returned (the front publishes it). Never raises."""
+        is returned (the front publishes it). Should not raise: what it raises fails only this job."""
         ...
 
     def close(self) -> None:
-        """Release everything (called once, by `shutdown`, after the worker threads were joined or timed out)."""
+        """Release everything (called once, by `shutdown`, after the jobs were cancelled; a job still running then
+        is to be ended within seconds)."""
         ...
 
 
@@ -200,9 +244,9 @@ class EngineReplica:
             # The job's tensors go with its frames (`run` releases the cached memory): the engine keeps serving.
             logger.exception("job %s ran out of GPU memory in engine replica %d", job_id, replica_index)
             return JobFailed(job_id, "engine", engine.placement.out_of_memory_message())
-        except Exception:
+        except Exception as error:
             logger.exception("job %s failed in engine replica %d", job_id, replica_index)
-            return JobFailed(job_id, "engine", ENGINE_FAILURE_MESSAGE)
+            return JobFailed(job_id, "engine", output_failure_message(error, handle.out_path.parent))
 
     def partition_on_device(self) -> str | None:
         """The partition whose DiT the engine's model store holds (None before any, or from a store that does not
@@ -221,7 +265,8 @@ class EngineFront:
     `StepProgress` after every step, `PreviewFrame` every `preview_every` steps, then one `JobFinished` or
     `JobFailed`; by default the MP4 gets a stamped name in the outputs folder. `cancel` removes a waiting job at once
     or stops a running one at its next check (its memory freed for the next job); `shutdown()` cancels everything,
-    joins the workers and closes the replicas. With `warm_up=True` each replica first runs `WARM_UP_REQUEST`, so that
+    gives the running jobs `SHUTDOWN_CANCEL_WAIT_S` to end, closes the replicas and joins the workers (within about
+    `SHUTDOWN_TIMEOUT_S` for process replicas). With `warm_up=True` each replica first runs `WARM_UP_REQUEST`, so that
     one-time costs are paid at start. The engine validates every request again; its RequestError becomes a
     `JobFailed(kind="request")`.
     """
@@ -252,6 +297,8 @@ class EngineFront:
         self._last_taken_task: dict[int, str] = {}
         self._condition = threading.Condition()
         self._stopping = False
+        self._shutdown_lock = threading.Lock()
+        self._shut_down = False
         self._workers = [
             threading.Thread(
                 target=self._worker_loop,
@@ -317,7 +364,17 @@ class EngineFront:
             self._announce_positions()
         handle._finish(JobFailed(handle.job_id, "cancelled", CANCELLED_BEFORE_START_MESSAGE))
 
-    def shutdown(self, timeout: float | None = 30.0) -> None:
+    def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Cancel everything, close the replicas and join the workers, waiting `timeout` seconds at most for them (an
+        in-process engine in a long step is left to its daemon thread). A second call (another thread's too) returns
+        once the first is done."""
+        with self._shutdown_lock:
+            if not self._shut_down:
+                self._shut_down = True
+                self._shut_down_within(timeout)
+
+    def _shut_down_within(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         with self._condition:
             self._stopping = True
             waiting, self._pending = self._pending, []
@@ -327,10 +384,16 @@ class EngineFront:
         for handle in waiting:
             handle._cancel_requested.set()
             handle._finish(JobFailed(handle.job_id, "cancelled", SHUTTING_DOWN_MESSAGE))
+        cancel_deadline = min(deadline, time.monotonic() + SHUTDOWN_CANCEL_WAIT_S)
         for worker in self._workers:
-            worker.join(timeout)
+            worker.join(max(0.0, cancel_deadline - time.monotonic()))
         for replica in self._replicas:
-            replica.close()
+            try:
+                replica.close()
+            except Exception:
+                logger.exception("a replica failed to close")
+        for worker in self._workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
 
     # --- workers ----------------------------------------------------------------------------------------
 
@@ -387,7 +450,7 @@ class EngineFront:
                 self._last_taken_task[index] = handle.request.task
             started = time.perf_counter()
             try:
-                result = replica.run(handle, index, self.preview_every)
+                result = self._run_one(handle, index, replica)
             finally:
                 with self._condition:
                     del self._running[index, 0]
@@ -403,10 +466,25 @@ class EngineFront:
             self._warm_up(index, replica)
         while (handle := self._take((index, slot), replica)) is not None:
             try:
-                handle._finish(replica.run(handle, index, self.preview_every))
+                result = self._run_one(handle, index, replica)
             finally:
                 with self._condition:
                     del self._running[index, slot]
+            handle._finish(result)
+
+    def _run_one(self, handle: JobHandle, index: int, replica: Replica) -> JobFinished | JobFailed:
+        """The job's terminal message from `replica`; whatever it raises (or returns instead) fails this job alone."""
+        try:
+            result = replica.run(handle, index, self.preview_every)
+        except Exception as error:
+            logger.exception("job %s: replica %d raised", handle.job_id, index)
+            return JobFailed(handle.job_id, "engine", output_failure_message(error, handle.out_path.parent))
+        if not isinstance(result, TERMINAL_EVENTS):
+            logger.error(
+                "job %s: replica %d returned %r instead of the job's end", handle.job_id, index, result
+            )
+            return JobFailed(handle.job_id, "engine", ENGINE_FAILURE_MESSAGE)
+        return result
 
 
 def next_job_index(pending: Sequence[JobHandle], partition: str | None) -> int:

@@ -74,6 +74,7 @@ from h3engine.runtime.front import (
     ENGINE_FAILURE_MESSAGE,
     EVENT_BUFFER_SIZE,
     JobHandle,
+    output_failure_message,
     release_memory,
     settle_heap,
 )
@@ -157,12 +158,13 @@ class RankFailed:
     """The rank is about to exit: it could not start (job_number None) or it failed during a job.
 
     kind "checkpoint": an H3Error whose message names the file, key or flag; "internal": `message` is the error's
-    type only (the traceback is in the rank's log on stderr).
+    type only (the traceback is in the rank's log on stderr); "channel": the same, for a tensor channel whose other
+    end died or was closed (the echo of another group's failure, h3engine.runtime.split).
     """
 
     rank: int
     job_number: int | None
-    kind: Literal["checkpoint", "internal"]
+    kind: Literal["checkpoint", "internal", "channel"]
     message: str
 
 
@@ -412,7 +414,7 @@ def _report_output_failure(job: RunJob, error: BaseException, outbox: Outbox) ->
         outbox.post(JobFailed(job.job_id, "request", str(error)))
     else:
         logger.error("job %s: writing the outputs failed", job.job_id, exc_info=error)
-        outbox.post(JobFailed(job.job_id, "engine", ENGINE_FAILURE_MESSAGE))
+        outbox.post(JobFailed(job.job_id, "engine", output_failure_message(error, Path(job.out_path).parent)))
 
 
 # --- the process --------------------------------------------------------------------------------------------------

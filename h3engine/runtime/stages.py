@@ -49,7 +49,13 @@ from h3engine.pipeline import (
     encode_text,
     write_outputs,
 )
-from h3engine.runtime.channel import ChannelConsumer, ChannelProducer, TensorChannel
+from h3engine.runtime.channel import (
+    ChannelClosed,
+    ChannelConsumer,
+    ChannelPeerGone,
+    ChannelProducer,
+    TensorChannel,
+)
 from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.front import CANCELLED_MESSAGE, ENGINE_FAILURE_MESSAGE, release_memory, settle_heap
 from h3engine.runtime.messages import JobFailed, job_finished, job_started, step_reporter
@@ -548,7 +554,8 @@ def stage_main(
             state.serve(command)
         except Exception as error:
             logger.exception("%s rank %d failed during job %s", spec.stage, rank, command.job.job_id)
-            report = RankFailed(rank, command.job.job_number, "internal", type(error).__name__)
+            kind = "channel" if isinstance(error, (ChannelPeerGone, ChannelClosed)) else "internal"
+            report = RankFailed(rank, command.job.job_number, kind, type(error).__name__)
             _fail_and_exit(outbox, report, EXIT_JOB_FAILED)
         finally:
             release_memory(engine.device)
