@@ -10,7 +10,8 @@ What is checked:
   another process's is kept.
 * Cancel with a frozen rank ends the job within the cancel grace, not the (long) stall limit; the next job finishes.
 * Shutdown with a frozen rank mid-job returns within seconds and leaves no rank process.
-* SIGSTOP on the DiT rank of split stage groups: only that job fails, naming the DiT group; the queued job finishes.
+* SIGSTOP on the DiT rank of split stage groups: only that job fails, naming the DiT group; the queued job finishes;
+  a cancel with the DiT rank stopped ends its job within the cancel grace.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from h3engine.runtime.supervision import (
 from h3engine.runtime.workers import ProcessReplica
 
 SEED = 11
-STALL_S = 5.0
+STALL_S = 8.0
 # A stalled job is reported within its limit and one poll of the pipes, plus what judging and killing take on a
 # busy machine.
 REPORT_MARGIN_S = 3.0
@@ -210,23 +211,44 @@ def test_shutdown_with_a_frozen_rank_returns_within_seconds(group) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def test_a_frozen_stage_rank_fails_only_its_job(checkpoint, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def split(checkpoint, tmp_path_factory):
     layout = RuntimeLayout.choose(1, stages="split")
-    replica = SplitReplica(
-        checkpoint, ("cpu",), layout, dtype="float32", stall=StallPolicy(timeout_s=STALL_S)
-    )
-    front = EngineFront([replica], tmp_path)
-    try:
-        held = front.submit(LONG_REQUEST)
-        wait_for_step(held, 2, EVENT_TIMEOUT_S)
-        queued = front.submit(SHORT)
-        old_pids = [pid for pids in replica.worker_pids.values() for pid in pids]
-        with Frozen(replica.worker_pids["dit"][0]) as frozen_at:
-            failed = events_until_done(held, EVENT_TIMEOUT_S)[-1]
-            assert time.monotonic() - frozen_at <= STALL_S + REPORT_MARGIN_S
-        assert_stalled(failed, "DiT group", STALL_S)
-        # It started over on the new groups, which start once the old ones are gone.
-        assert isinstance(events_until_done(queued, EVENT_TIMEOUT_S)[-1], JobFinished)
-        assert not any(process_exists(pid) for pid in old_pids)
-    finally:
-        front.shutdown()
+    stall = StallPolicy(timeout_s=STALL_S, cancel_grace_s=1.0)
+    replica = SplitReplica(checkpoint, ("cpu",), layout, dtype="float32", stall=stall)
+    front = EngineFront([replica], tmp_path_factory.mktemp("split_stall_outputs"))
+    yield front, replica
+    front.shutdown()
+
+
+def test_a_frozen_stage_rank_fails_only_its_job(split) -> None:
+    front, replica = split
+    held = front.submit(LONG_REQUEST)
+    wait_for_step(held, 2, EVENT_TIMEOUT_S)
+    queued = front.submit(SHORT)
+    old_pids = [pid for pids in replica.worker_pids.values() for pid in pids]
+    with Frozen(replica.worker_pids["dit"][0]) as frozen_at:
+        failed = events_until_done(held, EVENT_TIMEOUT_S)[-1]
+        assert time.monotonic() - frozen_at <= STALL_S + REPORT_MARGIN_S
+    assert_stalled(failed, "DiT group", STALL_S)
+    # It started over on the new groups, which start once the old ones are gone.
+    assert isinstance(events_until_done(queued, EVENT_TIMEOUT_S)[-1], JobFinished)
+    assert not any(process_exists(pid) for pid in old_pids)
+
+
+def test_cancel_with_a_frozen_stage_rank_ends_the_job_within_the_grace(split) -> None:
+    front, replica = split
+    handle = front.submit(LONG_REQUEST)
+    wait_for_step(handle, 2, EVENT_TIMEOUT_S)
+    with Frozen(replica.worker_pids["dit"][0]):
+        front.cancel(handle)
+        cancelled_at = time.monotonic()
+        grace = replica.pace.cancel_grace_s(replica.stall)
+        failed = events_until_done(handle, EVENT_TIMEOUT_S)[-1]
+        took = time.monotonic() - cancelled_at
+    assert took <= grace + REPORT_MARGIN_S and grace + REPORT_MARGIN_S < STALL_S, (took, grace)
+    assert isinstance(failed, JobFailed) and failed.kind == "cancelled", failed
+    assert re.fullmatch(
+        r"Cancelled; the DiT group did not answer for \d+ s, so the stage groups are restarting\.",
+        failed.message,
+    ), failed.message
