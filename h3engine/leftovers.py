@@ -77,9 +77,14 @@ def remove_staging_files_of(pids: Iterable[int], folders: Iterable[Path]) -> lis
     for folder in set(folders):
         for path in sorted(folder.glob(f".*{PARTIAL_SUFFIX}")):
             match = _PARTIAL_NAME.match(path.name)
-            if match is not None and int(match["pid"]) in pids and path.is_file():
+            if match is None or int(match["pid"]) not in pids or not path.is_file():
+                continue
+            try:
                 path.unlink(missing_ok=True)
-                removed.append(path)
+            except OSError as error:  # the next start tries again; the group's ending must go on
+                logger.warning("could not remove %s: %s", path, error)
+                continue
+            removed.append(path)
     _report(removed, "of killed ranks")
     return removed
 

@@ -3,10 +3,10 @@ at the next start (tiny CPU engine).
 
 What is checked: output names are refused before any work (a folder, a missing folder, a tensors file over the
 video); a failure writing the tensors leaves no MP4; a full disk fails the job saying so, with the free space; a
-commit renames the sidecar last; cancelling at each poll of a
-request (input files, conditioning encode, text encode, every step, after the last step, each decoder window)
-stops it and leaves no file; `h3engine.leftovers` removes exactly the staging files and folders of dead processes
-and sidecar-less stamped MP4s, including after a real SIGKILL of the CLI (alone and with a worker group).
+commit renames the sidecar last; cancelling at each poll of a request (input files, conditioning encode, text
+encode, every step, after the last step, each decoder window) stops it and leaves no file; `h3engine.leftovers` removes exactly the staging files and folders of dead processes
+and sidecar-less stamped MP4s, including after a real SIGKILL of the CLI (alone and with a worker group), and a
+killed worker group exactly its ranks' staging files.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from h3engine.leftovers import (
     WORKER_FOLDER_PREFIX,
     remove_dead_temp_folders,
     remove_output_leftovers,
+    remove_staging_files_of,
 )
 from h3engine.media import outputs
 from h3engine.media.outputs import OutputFiles, staged
@@ -288,6 +289,28 @@ def test_only_dead_writers_staging_files_and_unpaired_stamped_videos_are_removed
     for path in doomed + kept:
         path.write_bytes(b"x")
     assert sorted(remove_output_leftovers(tmp_path)) == sorted(doomed)
+    assert all(path.exists() for path in kept) and not any(path.exists() for path in doomed)
+
+
+def test_a_killed_groups_staging_files_are_removed_and_nothing_else(tmp_path) -> None:
+    """What a worker group removes when it is killed: its ranks' staging files, in the folders it wrote into."""
+    killed, other = 4_000_001, 4_000_002  # ids of the killed ranks and of another writer (dead too, or alive)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    doomed = [
+        tmp_path / f".out.mp4.{killed}-0123456789ab.partial",
+        tmp_path / f".out.json.{killed}-0123456789ab.partial",
+    ]
+    kept = [
+        tmp_path / f".out.mp4.{other}-0123456789ab.partial",  # another process's
+        elsewhere / f".out.mp4.{killed}-0123456789ab.partial",  # a folder the group did not write into
+        tmp_path / f"out.mp4.{killed}-0123456789ab.partial",  # not our naming
+    ]
+    for path in doomed + kept:
+        path.write_bytes(b"x")
+    assert sorted(remove_staging_files_of([killed, 4_000_003], [tmp_path, tmp_path / "gone"])) == sorted(
+        doomed
+    )
     assert all(path.exists() for path in kept) and not any(path.exists() for path in doomed)
 
 
