@@ -11,7 +11,7 @@ What is checked:
 * Cancel with a frozen rank ends the job within the cancel grace, not the (long) stall limit; the next job finishes.
 * Shutdown with a frozen rank mid-job returns within seconds and leaves no rank process.
 * SIGSTOP on the DiT rank of split stage groups: only that job fails, naming the DiT group; the queued job finishes;
-  a cancel with the DiT rank stopped ends its job within the cancel grace.
+  a cancel with the DiT rank stopped ends its job within the cancel grace (shutdown: tests/test_split_stages.py).
 """
 
 from __future__ import annotations

@@ -503,7 +503,7 @@ class StageGroups:
             return message
         if isinstance(message, StageDone):
             done[message.stage] = message
-        elif self.broken is not None:
+        elif self.broken is not None or self._stopping.is_set():
             return self._broken_outcome(job)
         return None
 
@@ -518,13 +518,14 @@ class StageGroups:
             self._follow_heads()
 
     def _interrupted(self, handle: JobHandle, job: RunJob) -> JobFailed | _Retry | None:
-        if self.broken is not None:
+        if self.broken is not None or self._stopping.is_set():
             return self._broken_outcome(job)
         if handle.cancel_requested:
             return JobFailed(job.job_id, "cancelled", CANCELLED_MESSAGE)
         return None
 
     def _broken_outcome(self, job: RunJob) -> JobFailed | _Retry:
+        """The job that the broken group ran fails; the others start over (the replica's shutdown: they end)."""
         breakdown = self.broken
         if breakdown is None or breakdown.running != job.job_id:
             return RETRY
