@@ -6,13 +6,13 @@ how to start an incarnation (`_start_incarnation`), whether a current one can ta
 run a job on it; the job that a failure cost is the subclass's to fail. Here: `_ready` hands a job the current
 incarnation, waiting for a restart in progress (starting one if none is) unless the job is cancelled or the replica
 closes, and fails the job once when a restart failed; `_replace` retires a broken incarnation and starts a new one
-in a background thread (only one at a time); `close` ends the starting incarnation, then stops the current one.
+in a background thread (only one at a time); `close` ends the starting incarnation, then stops the current one
+(kills it, when a job still holds it).
 
-Partition: `partition_on_device()` (the front's optional `Replica` method) is the DiT partition of the last job a
-subclass started (`_started`), else the first partition (every incarnation's ranks load that one at start).
-
-Stalls: a `ProgressWatch` per job (or per busy group) says when its ranks were silent past `StallPolicy`'s limit
-(README, "Stall watchdog"); the subclass then kills the incarnation, fails that job and a new one starts.
+`partition_on_device()` (the front's optional `Replica` method) is the DiT partition of the last job a subclass
+started (`_started`), else the first partition (every incarnation's ranks load that one at start). Stalls: a
+`ProgressWatch` per job (or per busy group) says when its ranks were silent past `StallPolicy`'s limit (README,
+"Stall watchdog"); the subclass then kills the incarnation, fails that job and a new one starts.
 """
 
 from __future__ import annotations
