@@ -29,6 +29,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from h3engine.engine import Engine
     from h3engine.model_store import LoadEvent
     from h3engine.parallel.groups import RuntimeLayout
+    from h3engine.runtime.front import EngineFront
     from h3engine.runtime.ray_serve import RaySlot
     from h3engine.runtime.workers import ProcessReplica
     from ui.access import AccessPolicy
@@ -99,6 +101,9 @@ class AppConfig:
     lora_dir: Path | None = None  # the LoRA adapters the app offers (h3engine.lora_library)
     ray: str | None = None  # a Ray cluster's address ("auto": this node's): the replicas run there
     ray_replicas: int = 1
+    stall_timeout: float | None = (
+        None  # --stall-timeout: seconds a worker group may be silent (None: derived)
+    )
     # Whether the outputs / cache folder was named (--outputs or H3_OUTPUTS / H3_CACHE_DIR): a named folder that
     # cannot be written is refused; a default one is replaced by a temp folder (`settle_folders`).
     outputs_named: bool = True
@@ -195,6 +200,15 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default=environ.get("H3_RAY_REPLICAS") or "1",
         help="with --ray: how many engine replicas to deploy (jobs that run at once); env H3_RAY_REPLICAS",
     )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=environ.get("H3_STALL_TIMEOUT") or None,
+        metavar="SECONDS",
+        help="worker groups (--world-size > 1, split stages, Ray replicas of several ranks): a job whose ranks "
+        "report nothing for this long fails and its group restarts (default: derived from the step time, at "
+        "least 5 minutes; see README); env H3_STALL_TIMEOUT",
+    )
     parser.add_argument("--queue-size", type=int, default=DEFAULT_QUEUE_SIZE, help="most requests waiting")
     parser.add_argument("--preview-every", type=int, default=5, help="live preview every N denoising steps")
     parser.add_argument(
@@ -242,6 +256,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppC
         lora_dir=Path(args.lora_dir).expanduser().resolve() if args.lora_dir else None,
         ray=args.ray,
         ray_replicas=args.ray_replicas,
+        stall_timeout=args.stall_timeout,
         outputs_named=bool(args.outputs),
         cache_named=bool(environ.get("H3_CACHE_DIR")),
     )
@@ -344,9 +359,11 @@ def check_before_loading(config: AppConfig) -> None:
     listen on, the outputs and cache folders (ConfigError naming the option)."""
     from h3engine.engine_options import check_engine_options, check_fp8_device, resolve_device
     from h3engine.errors import RequestError
+    from h3engine.runtime.supervision import checked_stall_timeout
     from h3engine.runtime.workers import replica_device_groups, stage_devices
 
     try:
+        checked_stall_timeout(config.stall_timeout)
         layout = check_engine_options(config.engine, config.world_size)
         if config.ray is not None:
             if layout.split:
@@ -422,15 +439,17 @@ def _load_logger(device: str) -> Callable[[LoadEvent], None]:
 
 def _start_worker_groups(checkpoint: Path, config: AppConfig, layout: RuntimeLayout) -> list[ProcessReplica]:
     from h3engine.runtime.split import start_replica
+    from h3engine.runtime.supervision import StallPolicy
     from h3engine.runtime.workers import replica_device_groups
 
     options = config.engine
+    stall = StallPolicy(config.stall_timeout)
     replicas: list[ProcessReplica] = []
     try:
         for devices in replica_device_groups(config.devices, config.world_size):
             logger.info("starting a worker group on %s (%s)", ", ".join(devices), layout.describe())
             started = time.perf_counter()
-            replicas.append(start_replica(checkpoint, devices, layout, options))
+            replicas.append(start_replica(checkpoint, devices, layout, options, stall))
             # Its ranks load in their own processes: the group is reported as a whole.
             logger.info(
                 "loaded the worker group on %s in %.2f s", ", ".join(devices), time.perf_counter() - started
@@ -452,6 +471,7 @@ def _start_ray_replicas(checkpoint: Path, config: AppConfig) -> list[RaySlot]:
         engine=config.engine,
         warm_up=config.warm_up,
         python_path=str(REPOSITORY_ROOT),
+        stall_timeout_s=config.stall_timeout,
     )
     started = time.perf_counter()
     engine = start_ray_replicas(config.ray or "auto", spec, config.ray_replicas)
@@ -513,9 +533,16 @@ def placeholder_banner(name: str) -> str:
     )
 
 
-def _stop_on_sigterm(signal_number: int, frame: object) -> None:
-    # Gradio's blocking launch() closes the server on KeyboardInterrupt; SIGTERM (docker stop) takes that path too.
-    raise KeyboardInterrupt
+def _stop_on_sigterm(front: EngineFront) -> Callable[[int, object], None]:
+    """The SIGTERM handler: the front's shutdown (its ranks end within seconds, whatever they do) starts at once,
+    while Gradio's blocking launch() closes the server on KeyboardInterrupt (up to 5 s with a browser connected);
+    `main` waits for both, so the app ends within 10 s."""
+
+    def stop(signal_number: int, frame: object) -> None:
+        threading.Thread(target=front.shutdown, name="h3-shutdown", daemon=True).start()
+        raise KeyboardInterrupt
+
+    return stop
 
 
 def remove_leftovers(outputs_dir: Path) -> None:
@@ -601,7 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = ui.build_ui(front, options, access, delete_cache=(CACHE_SWEEP_S, CACHE_MAX_AGE_S))
     demo.queue(default_concurrency_limit=LIGHT_EVENT_CONCURRENCY, max_size=config.queue_size)
     settle_heap()
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm(front))
     try:
         demo.launch(
             server_name=config.host,

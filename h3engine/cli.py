@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # torch is imported only once a generation really starts
     import torch
 
     from h3engine.parallel.groups import RuntimeLayout
+    from h3engine.runtime.supervision import StallPolicy
 
 EXIT_TERMINATED = 143
 
@@ -157,6 +158,14 @@ def _build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="number of ranks on --device (e.g. --device cpu --world-size 2)",
+    )
+    ranks.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="fail the job and restart the worker group when its ranks report nothing for this long (default: "
+        "derived from the step time, at least 5 minutes; see README)",
     )
     add_engine_flags(generate)
     generate.add_argument(
@@ -310,9 +319,11 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
     check_dtype(options.dtype)
 
     # Imported here: it needs torch (GPU counts), which `--help` and the checks above never pay for.
+    from h3engine.runtime.supervision import StallPolicy, checked_stall_timeout
     from h3engine.runtime.workers import rank_devices
 
     devices = rank_devices(args.device, args.world_size, args.gpus, args.devices)
+    stall = StallPolicy(checked_stall_timeout(args.stall_timeout))
     layout = check_engine_options(options, len(devices))
     device = resolve_device(devices[0]) if len(devices) == 1 and not layout.split else None
     if options.fp8_linear and device is not None:
@@ -326,7 +337,7 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
             args.checkpoint, options, request, device, out_path, save_tensors_path, progress
         )
     return _generate_on_workers(
-        args.checkpoint, options, request, devices, layout, out_path, save_tensors_path, progress
+        args.checkpoint, options, request, devices, layout, out_path, save_tensors_path, progress, stall
     )
 
 
@@ -455,6 +466,7 @@ def _generate_on_workers(
     out_path: Path,
     save_tensors_path: Path | None,
     progress: Progress,
+    stall: StallPolicy,
 ) -> int:
     """The app's path: a worker group behind an engine front, one job, its messages shown as they come (the group
     loads in its own processes: its loading is one component, `worker_group`)."""
@@ -464,7 +476,7 @@ def _generate_on_workers(
 
     progress.group_loading(devices, layout.describe())
     started = time.perf_counter()
-    replica = start_replica(checkpoint, devices, layout, options)
+    replica = start_replica(checkpoint, devices, layout, options, stall)
     progress.group_loaded(devices, layout.describe(), time.perf_counter() - started)
     front = EngineFront([replica], out_path.parent)
     try:

@@ -3,7 +3,8 @@
 A SIGKILL (or a power cut) skips every `finally`: staging files stay in the outputs folder, and the worker runtime's
 rendezvous folder and the warm-up folder stay in the temp folder. Each of those names carries the id of the process
 that made it (`.NAME.PID-TOKEN.partial`, `h3-workers-PID-*`, `h3-warm-up-PID-*`, `h3-gradio-PID-*`), so a start removes exactly the
-ones whose process is gone and never a live writer's (another app on the same folder, a CLI run next to it).
+ones whose process is gone and never a live writer's (another app on the same folder, a CLI run next to it). A worker
+group that was killed removes its ranks' staging files at once (`remove_staging_files_of`).
 A sidecar-less MP4 under the front's stamped naming (`YYYYmmdd-HHMMSS-TASK-JOBID.mp4`) can only come from a commit
 cut between its two renames; it is removed too. Files of any other name are never touched.
 
@@ -18,6 +19,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from h3engine.media.outputs import MP4_SUFFIX, PARTIAL_SUFFIX, SIDECAR_SUFFIX
@@ -64,6 +66,26 @@ def remove_output_leftovers(folder: Path) -> list[Path]:
             path.unlink(missing_ok=True)
             removed.append(path)
     _report(removed, f"in {folder}")
+    return removed
+
+
+def remove_staging_files_of(pids: Iterable[int], folders: Iterable[Path]) -> list[Path]:
+    """Remove the staging files that the processes `pids` (ended: killed ranks) left directly in `folders`; return
+    what went."""
+    pids = set(pids)
+    removed = []
+    for folder in set(folders):
+        for path in sorted(folder.glob(f".*{PARTIAL_SUFFIX}")):
+            match = _PARTIAL_NAME.match(path.name)
+            if match is None or int(match["pid"]) not in pids or not path.is_file():
+                continue
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as error:  # the next start tries again; the group's ending must go on
+                logger.warning("could not remove %s: %s", path, error)
+                continue
+            removed.append(path)
+    _report(removed, "of killed ranks")
     return removed
 
 

@@ -25,9 +25,8 @@ from _app_helpers import ASSETS
 
 from h3engine.errors import RequestError
 from h3engine.runtime.front import JobHandle
-from h3engine.runtime.messages import JobFailed, JobFinished, JobStarted
+from h3engine.runtime.messages import JobFailed, JobFinished, JobStarted, size_text
 from ui.access import AccessPolicy
-from ui.endings import size_text
 from ui.handlers import Handlers, parameter_names
 from ui.result import RESULT_FIELDS
 from ui.tabs import DEFAULT_VALUES

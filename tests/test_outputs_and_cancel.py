@@ -2,15 +2,18 @@
 at the next start (tiny CPU engine).
 
 What is checked: output names are refused before any work (a folder, a missing folder, a tensors file over the
-video); a failure writing the tensors leaves no MP4; a commit renames the sidecar last; cancelling at each poll of a
-request (input files, conditioning encode, text encode, every step, after the last step, each decoder window)
-stops it and leaves no file; `h3engine.leftovers` removes exactly the staging files and folders of dead processes
-and sidecar-less stamped MP4s, including after a real SIGKILL of the CLI (alone and with a worker group).
+video); a failure writing the tensors leaves no MP4; a full disk fails the job saying so, with the free space; a
+commit renames the sidecar last; cancelling at each poll of a request (input files, conditioning encode, text
+encode, every step, after the last step, each decoder window) stops it and leaves no file; `h3engine.leftovers` removes exactly the staging files and folders of dead processes
+and sidecar-less stamped MP4s, including after a real SIGKILL of the CLI (alone and with a worker group), and a
+killed worker group exactly its ranks' staging files.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _runtime_helpers import events_until_done
 from PIL import Image
 
 from h3engine import pipeline as pipeline_module
@@ -30,11 +34,13 @@ from h3engine.leftovers import (
     WORKER_FOLDER_PREFIX,
     remove_dead_temp_folders,
     remove_output_leftovers,
+    remove_staging_files_of,
 )
 from h3engine.media import outputs
 from h3engine.media.outputs import OutputFiles, staged
 from h3engine.request import GenerationRequest, Keyframe, Reference
 from h3engine.runtime.front import EngineFront, stamped_output_name
+from h3engine.runtime.messages import ENGINE_FAILURE_MESSAGE, JobFailed, output_failure_message, size_text
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 ASSETS = REPOSITORY / "assets"
@@ -130,6 +136,54 @@ def test_a_failed_tensors_write_leaves_no_video_and_no_staging_file(engine, tmp_
             REQUESTS["t2va"], tmp_path / "out.mp4", save_tensors_path=tmp_path / "t.safetensors"
         )
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("writer", ["write_mp4", "save_tensors"])
+def test_a_full_disk_fails_the_job_saying_so_with_the_free_space(
+    engine, tmp_path, monkeypatch, writer
+) -> None:
+    """ENOSPC from the MP4 writer (under the decode's Mp4WriteError) or from the tensors' writer, after it wrote a
+    little: the job's sentence says the disk is full and how much is free; no file is left."""
+
+    def full_disk(path, *contents):
+        Path(path).write_bytes(b"the first bytes")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(pipeline_module, writer, full_disk)
+    free = 123 * 1024**2
+    real_disk_usage = shutil.disk_usage
+
+    def disk_usage(folder):  # the outputs folder's disk has 123 MB free
+        usage = real_disk_usage(folder)
+        return usage._replace(free=free) if Path(folder) == outputs_dir else usage
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    outputs_dir = tmp_path / "outputs"
+    front = EngineFront([engine], outputs_dir)
+    try:
+        handle = front.submit(REQUESTS["t2va"], save_tensors_path=outputs_dir / "t.safetensors")
+        failed = events_until_done(handle, 120)[-1]
+    finally:
+        front.shutdown()
+    assert failed == JobFailed(
+        handle.job_id,
+        "engine",
+        "The disk of the outputs folder is full (123.0 MB free); free some space, then try again.",
+    )
+    assert list(outputs_dir.iterdir()) == []
+
+
+def test_only_a_full_disk_anywhere_in_the_chain_reads_as_a_full_disk(tmp_path) -> None:
+    quota = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+    try:
+        try:
+            raise quota
+        except OSError:
+            raise RuntimeError("the muxer gave up")  # noqa: B904 (the context is what is read)
+    except RuntimeError as error:
+        assert output_failure_message(error, tmp_path).startswith("The disk of the outputs folder is full (")
+    assert output_failure_message(OSError(errno.EACCES, "denied"), tmp_path) == ENGINE_FAILURE_MESSAGE
+    assert size_text(0) == "0 bytes" and size_text(1536) == "1.5 KB" and size_text(5 * 1024**4) == "5.0 TB"
 
 
 def test_a_whole_request_commits_its_three_files_sidecar_last(engine, tmp_path, monkeypatch) -> None:
@@ -229,6 +283,28 @@ def test_only_dead_writers_staging_files_and_unpaired_stamped_videos_are_removed
     for path in doomed + kept:
         path.write_bytes(b"x")
     assert sorted(remove_output_leftovers(tmp_path)) == sorted(doomed)
+    assert all(path.exists() for path in kept) and not any(path.exists() for path in doomed)
+
+
+def test_a_killed_groups_staging_files_are_removed_and_nothing_else(tmp_path) -> None:
+    """What a worker group removes when it is killed: its ranks' staging files, in the folders it wrote into."""
+    killed, other = 4_000_001, 4_000_002  # ids of the killed ranks and of another writer (dead too, or alive)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    doomed = [
+        tmp_path / f".out.mp4.{killed}-0123456789ab.partial",
+        tmp_path / f".out.json.{killed}-0123456789ab.partial",
+    ]
+    kept = [
+        tmp_path / f".out.mp4.{other}-0123456789ab.partial",  # another process's
+        elsewhere / f".out.mp4.{killed}-0123456789ab.partial",  # a folder the group did not write into
+        tmp_path / f"out.mp4.{killed}-0123456789ab.partial",  # not our naming
+    ]
+    for path in doomed + kept:
+        path.write_bytes(b"x")
+    assert sorted(remove_staging_files_of([killed, 4_000_003], [tmp_path, tmp_path / "gone"])) == sorted(
+        doomed
+    )
     assert all(path.exists() for path in kept) and not any(path.exists() for path in doomed)
 
 

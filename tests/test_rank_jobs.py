@@ -133,7 +133,7 @@ def raised(error: Exception) -> Exception:
 )
 def test_the_ladder_maps_each_error_to_its_report(error, kind, message, logged, caplog) -> None:
     with caplog.at_level(logging.ERROR, logger="h3engine.runtime.messages"):
-        report = job_failed("job-1", raised(error), FakeEngine(), "while testing")
+        report = job_failed("job-1", raised(error), FakeEngine(), "while testing", Path("outputs"))
     assert report == JobFailed("job-1", kind, message)
     tracebacks = [record for record in caplog.records if record.exc_info is not None]
     assert len(tracebacks) == (1 if logged else 0)
@@ -150,7 +150,9 @@ def test_the_ladder_maps_each_error_to_its_report(error, kind, message, logged, 
 def test_a_step_done_alone_ends_the_job_on_any_error(error) -> None:
     rank = job_rank(size=2)
     rank.end_job(run_job(), raised(error), "while preparing", alone=True)
-    assert rank.outbox.messages == [job_failed("job-7", error, rank.engine, "")]
+    assert rank.outbox.messages == [
+        job_failed("job-7", error, rank.engine, "", Path(run_job().out_path).parent)
+    ]
 
 
 def test_a_collective_step_ends_the_job_on_an_agreed_cancel_reported_by_rank_0_only() -> None:
@@ -183,7 +185,10 @@ def test_any_other_error_in_a_collective_step_is_raised_as_it_is(size) -> None:
 @pytest.mark.parametrize(
     ("cause", "expected"),
     [
-        (OSError(28, "No space left on device"), JobFailed("job-7", "engine", ENGINE_FAILURE_MESSAGE)),
+        (
+            OSError(28, "No space left on device"),
+            JobFailed("job-7", "engine", "The disk of the outputs folder is full ("),
+        ),
         (RequestError("out_path: folder is gone"), JobFailed("job-7", "request", "out_path: folder is gone")),
     ],
 )
@@ -193,7 +198,9 @@ def test_an_mp4_writers_failure_is_the_jobs_alone_and_reported_as_its_cause(caus
         raise Mp4WriteError("writing the MP4 failed") from cause
     except Mp4WriteError as error:
         rank.end_job(run_job(), error, "while decoding", alone=False)
-    assert rank.outbox.messages == [expected]
+    [message] = rank.outbox.messages
+    assert (message.job_id, message.kind) == (expected.job_id, expected.kind)
+    assert message.message.startswith(expected.message)
 
 
 # --- the cancel vote --------------------------------------------------------------------------------------------
@@ -290,7 +297,8 @@ def test_a_failure_writing_is_the_jobs_alone_and_leaves_no_staging_file(monkeypa
     monkeypatch.setattr(rank_jobs, "write_outputs", full_disk)
     rank = job_rank(size=2, vae=member(2))
     rank.finish(run_job(tmp_path), None, LATENTS, GEOMETRY, [])  # type: ignore[arg-type]
-    assert rank.outbox.messages == [JobFailed("job-7", "engine", ENGINE_FAILURE_MESSAGE)]
+    [failed] = rank.outbox.messages
+    assert failed.kind == "engine" and failed.message.startswith("The disk of the outputs folder is full (")
     assert list(tmp_path.iterdir()) == []
 
 

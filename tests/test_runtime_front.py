@@ -3,7 +3,9 @@
 What is compared: the exact message sequence of a job (queue position, start with the engine's geometry, one
 progress message per step with a consistent ETA, previews every N steps, the finished files); cancel of a
 waiting job (immediate) and of a running one (at the next step, replica free afterwards); an engine exception
-becomes one fixed sentence without its text or a traceback, and the replica keeps serving; two replicas run two
+becomes one fixed sentence without its text or a traceback, and the replica keeps serving; a replica that raises (or
+returns something else than a job's end), also at its warm-up, fails only that job and its worker thread runs the
+next one; two replicas run two
 jobs at once; messages pickle (they must cross a process boundary later); a warm-up runs before the first job
 and leaves no files, and a failed one leaves the replica serving. The preview reads only the newest
 latent frame, never writes the loop's rows, and equals an independent numpy computation of the documented map.
@@ -24,8 +26,14 @@ from _runtime_helpers import events_until_done
 from h3engine.engine import Engine
 from h3engine.media.preview import PREVIEW_SHORT_EDGE, channel_to_rgb_weights, latent_preview_rgb
 from h3engine.request import GenerationRequest, Keyframe
-from h3engine.runtime.front import ENGINE_FAILURE_MESSAGE, WARM_UP_REQUEST, EngineFront, JobHandle
+from h3engine.runtime.front import (
+    WARM_UP_REQUEST,
+    EngineFront,
+    EngineReplica,
+    JobHandle,
+)
 from h3engine.runtime.messages import (
+    ENGINE_FAILURE_MESSAGE,
     TERMINAL_EVENTS,
     JobFailed,
     JobFinished,
@@ -142,6 +150,63 @@ def test_an_engine_failure_is_one_sentence_and_the_replica_survives(front, engin
         ],
         JobFinished,
     )
+
+
+class _FlakyReplica:
+    """An engine replica whose runs (the warm-up's too) first do what `faults` say, one per run: raise the exception,
+    or return the value instead of a job's end; then they run the engine."""
+
+    def __init__(self, engine: Engine, faults: list[object]) -> None:
+        self.inner = EngineReplica(engine)
+        self.facts = self.inner.facts
+        self.faults = faults
+
+    def run(self, handle: JobHandle, replica_index: int, preview_every: int):
+        if self.faults:
+            fault = self.faults.pop(0)
+            if isinstance(fault, Exception):
+                raise fault
+            return fault
+        return self.inner.run(handle, replica_index, preview_every)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_replica_that_raises_fails_only_that_job_and_its_thread_serves_the_next(
+    engines, tmp_path, caplog
+) -> None:
+    """What split stage groups once did (a KeyError from a missing timing): the job ends with a sentence, the
+    traceback goes to the log, and the same worker thread runs the next job to its end."""
+    replica = _FlakyReplica(engines[0], [KeyError("conditioning_s"), "not a job's end"])
+    front = EngineFront([replica], tmp_path / "outputs")
+    try:
+        request = GenerationRequest(task="t2va", prompt="x", steps=2)
+        raised, returned, finished = [front.submit(request) for _ in range(3)]
+        assert events_until_done(raised, EVENT_TIMEOUT_S)[-1] == JobFailed(
+            raised.job_id, "engine", ENGINE_FAILURE_MESSAGE
+        )
+        assert events_until_done(returned, EVENT_TIMEOUT_S)[-1] == JobFailed(
+            returned.job_id, "engine", ENGINE_FAILURE_MESSAGE
+        )
+        assert isinstance(events_until_done(finished, EVENT_TIMEOUT_S)[-1], JobFinished)
+    finally:
+        front.shutdown()
+    assert (
+        f"job {raised.job_id}: replica 0 raised" in caplog.text
+        and "KeyError: 'conditioning_s'" in caplog.text
+    )
+
+
+def test_a_warm_up_that_raises_leaves_the_replica_serving(engines, tmp_path) -> None:
+    front = EngineFront(
+        [_FlakyReplica(engines[0], [RuntimeError("at warm-up")])], tmp_path / "outputs", warm_up=True
+    )
+    try:
+        handle = front.submit(GenerationRequest(task="t2va", prompt="after it", steps=2))
+        assert isinstance(events_until_done(handle, EVENT_TIMEOUT_S)[-1], JobFinished)
+    finally:
+        front.shutdown()
 
 
 def test_a_request_error_keeps_the_engine_message(front, tmp_path) -> None:

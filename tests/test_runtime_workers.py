@@ -14,7 +14,7 @@ What is compared:
   the CLI (exit code 143) and every process it started, and writes no output; the ranks of a front process that
   is killed outright end by themselves.
 * The app with `--world-size 2` serves a request from its worker group (a browser-playable MP4 through the HTTP
-  API) and stops cleanly on SIGTERM, leaving no process behind.
+  API) and stops cleanly on SIGTERM within 10 s with one of its ranks stopped (SIGSTOP), leaving no process behind.
 * Layout flags and device flags are checked before any process starts, with errors naming the flag.
 A CUDA variant (skipped without a GPU) runs the same parity check on real GPUs.
 """
@@ -461,8 +461,14 @@ def test_the_app_serves_requests_from_a_worker_group(tmp_path) -> None:
         )
         assert status.startswith("Done"), status
         assert_browser_playable(video, 124)
+        # A rank that does not answer (stopped) holds up neither SIGTERM nor the exit.
+        ranks = [pid for pid in started if "spawn_main" in child_processes(app.process.pid).get(pid, "")]
+        assert len(ranks) == 2, started
+        os.kill(ranks[1], signal.SIGSTOP)
     finally:
+        terminated_at = time.monotonic()
         exit_code = stop_app(app)
+    assert time.monotonic() - terminated_at < 10, app.log_tail()
     assert exit_code == 0, app.log_tail()
     deadline = time.monotonic() + 10
     while any(process_exists(pid) for pid in started) and time.monotonic() < deadline:

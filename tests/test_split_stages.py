@@ -13,8 +13,8 @@ What is checked:
 * SIGKILL to the rank of each group while it holds a job: that job fails within a second naming the group, a job
   queued behind it starts over on the restarted groups (one JobStarted) and finishes, no old process or /dev/shm
   file is left; a group killed between jobs costs no job. A job cancelled in the DiT while the VAE decodes the job
-  before it ends within a few steps and the other finishes; shutdown with a job running leaves no process and no
-  /dev/shm file.
+  before it ends within a few steps and the other finishes; shutdown with a job running and the DiT's rank stopped
+  (SIGSTOP) returns within seconds and leaves no process and no /dev/shm file.
 """
 
 from __future__ import annotations
@@ -443,12 +443,18 @@ def test_cancel_while_another_job_is_being_decoded(split_for_failures, tmp_path)
 
 
 def test_shutdown_leaves_no_process_and_no_shared_memory(checkpoint, tmp_path) -> None:
+    """Also with the DiT's rank stopped (SIGSTOP) mid-job: the job ends and shutdown returns within seconds."""
     replica = SplitReplica(checkpoint, ("cpu",), RuntimeLayout.choose(1, stages="split"), options=FP32)
     front = EngineFront([replica], tmp_path)
     running = front.submit(LONG_REQUEST)
     wait_for_step(running, 1, EVENT_TIMEOUT_S)
     pids = [pid for stage_pids in replica.worker_pids.values() for pid in stage_pids]
+    os.kill(replica.worker_pids["dit"][0], signal.SIGSTOP)
+    started = time.monotonic()
     front.shutdown()
-    assert isinstance(events_until_done(running, EVENT_TIMEOUT_S)[-1], JobFailed)
+    assert time.monotonic() - started < 8.0
+    assert events_until_done(running, EVENT_TIMEOUT_S)[-1] == JobFailed(
+        running.job_id, "cancelled", "The app is shutting down."
+    )
     assert not any(process_exists(pid) for pid in pids)
     assert shared_memory_files_of(pids) == []

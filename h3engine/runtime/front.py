@@ -9,9 +9,10 @@ Order: a replica that says which DiT partition is on its device (`Replica.partit
 waiting job of that partition's tasks, so a queue mixing t2va/fl2va and ref2va does not swap DiTs on every job; a
 job passed over `MAX_PASSED_OVER` times is taken before anything younger (`next_job_index`).
 
-Danger: an `Engine` is not thread-safe; each one is only called from its own worker thread, which catches every
-exception (a bad job never kills it). `on_step` runs inside the denoising loop and only puts small messages
-without blocking: a full buffer drops progress and previews, never the terminal message.
+Danger: an `Engine` is not thread-safe; each one is only called from its own worker thread. Whatever a replica
+raises ends only that job (`JobFailed`, logged with its traceback): the thread takes the next. `on_step` runs inside
+the denoising loop and only puts small messages without blocking: a full buffer drops progress and previews, never
+the terminal message. A full disk fails a job with the free space left (`output_failure_message`).
 """
 
 from __future__ import annotations
@@ -37,11 +38,9 @@ from h3engine.leftovers import WARM_UP_FOLDER_PREFIX, owned_temp_folder
 from h3engine.media.outputs import checked_output_files
 from h3engine.request import GenerationRequest
 from h3engine.runtime.checks import CheckpointFacts, check_request, expected_geometry
-
-# The failure sentences live with the ladder that uses them (messages.job_failed); others import them from here too.
-from h3engine.runtime.messages import CANCELLED_MESSAGE as CANCELLED_MESSAGE
-from h3engine.runtime.messages import ENGINE_FAILURE_MESSAGE as ENGINE_FAILURE_MESSAGE
 from h3engine.runtime.messages import (
+    ENGINE_FAILURE_MESSAGE,
+    TERMINAL_EVENTS,
     JobEvent,
     JobFailed,
     JobFinished,
@@ -49,6 +48,7 @@ from h3engine.runtime.messages import (
     job_failed,
     job_finished,
     job_started,
+    output_failure_message,
     step_reporter,
 )
 
@@ -59,6 +59,10 @@ DEFAULT_PREVIEW_EVERY = 5
 EVENT_BUFFER_SIZE = 64
 CANCELLED_BEFORE_START_MESSAGE = "Cancelled before it started."
 SHUTTING_DOWN_MESSAGE = "The app is shutting down."
+# `shutdown`: how long cancelled jobs get to end by themselves before the replicas are closed under them, and how
+# long it waits in all (the replicas' `close` ends their processes within a few seconds whatever the ranks do).
+SHUTDOWN_CANCEL_WAIT_S = 2.0
+SHUTDOWN_TIMEOUT_S = 8.0
 # What a warm-up runs: the shortest duration at the verified canvas, one step. It uses the same kernels as any request
 # (the DiT's head size, the video decoder's full-size tiles).
 WARM_UP_REQUEST = GenerationRequest(task="t2va", prompt="A warm-up run.", duration_seconds=4.0, steps=1)
@@ -157,11 +161,12 @@ class Replica(Protocol):
 
     def run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFinished | JobFailed:
         """Run one job to its end, publishing its start, progress and previews on the handle; the terminal message
-        is returned (the front publishes it). Never raises."""
+        is returned (the front publishes it). Should not raise: what it raises fails only this job."""
         ...
 
     def close(self) -> None:
-        """Release everything (called once, by `shutdown`, after the worker threads were joined or timed out)."""
+        """Release everything (called once, by `shutdown`, after the jobs were cancelled; a job still running then
+        is to be ended within seconds)."""
         ...
 
 
@@ -197,7 +202,9 @@ class EngineReplica:
         except Exception as error:
             # Out of memory too: the job's tensors go with its frames (`run` releases the cached memory), the
             # engine keeps serving.
-            return job_failed(job_id, error, engine, f"in engine replica {replica_index}")
+            return job_failed(
+                job_id, error, engine, f"in engine replica {replica_index}", handle.out_path.parent
+            )
 
     def partition_on_device(self) -> str | None:
         """The partition whose DiT the engine's model store holds (None before any, or from a store that does not
@@ -216,7 +223,8 @@ class EngineFront:
     `StepProgress` after every step, `PreviewFrame` every `preview_every` steps, then one `JobFinished` or
     `JobFailed`; by default the MP4 gets a stamped name in the outputs folder. `cancel` removes a waiting job at once
     or stops a running one at its next check (its memory freed for the next job); `shutdown()` cancels everything,
-    joins the workers and closes the replicas. With `warm_up=True` each replica first runs `WARM_UP_REQUEST`, so that
+    gives the running jobs `SHUTDOWN_CANCEL_WAIT_S` to end, closes the replicas and joins the workers (within about
+    `SHUTDOWN_TIMEOUT_S` for process replicas). With `warm_up=True` each replica first runs `WARM_UP_REQUEST`, so that
     one-time costs are paid at start. The engine validates every request again; its RequestError becomes a
     `JobFailed(kind="request")`.
     """
@@ -247,6 +255,8 @@ class EngineFront:
         self._last_taken_task: dict[int, str] = {}
         self._condition = threading.Condition()
         self._stopping = False
+        self._shutdown_lock = threading.Lock()
+        self._shut_down = False
         self._workers = [
             threading.Thread(
                 target=self._worker_loop,
@@ -312,7 +322,17 @@ class EngineFront:
             self._announce_positions()
         handle._finish(JobFailed(handle.job_id, "cancelled", CANCELLED_BEFORE_START_MESSAGE))
 
-    def shutdown(self, timeout: float | None = 30.0) -> None:
+    def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Cancel everything, close the replicas and join the workers, waiting `timeout` seconds at most for them (an
+        in-process engine in a long step is left to its daemon thread). A second call (another thread's too) returns
+        once the first is done."""
+        with self._shutdown_lock:
+            if not self._shut_down:
+                self._shut_down = True
+                self._shut_down_within(timeout)
+
+    def _shut_down_within(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         with self._condition:
             self._stopping = True
             waiting, self._pending = self._pending, []
@@ -322,10 +342,16 @@ class EngineFront:
         for handle in waiting:
             handle._cancel_requested.set()
             handle._finish(JobFailed(handle.job_id, "cancelled", SHUTTING_DOWN_MESSAGE))
+        cancel_deadline = min(deadline, time.monotonic() + SHUTDOWN_CANCEL_WAIT_S)
         for worker in self._workers:
-            worker.join(timeout)
+            worker.join(max(0.0, cancel_deadline - time.monotonic()))
         for replica in self._replicas:
-            replica.close()
+            try:
+                replica.close()
+            except Exception:
+                logger.exception("a replica failed to close")
+        for worker in self._workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
 
     # --- workers ----------------------------------------------------------------------------------------
 
@@ -382,7 +408,7 @@ class EngineFront:
                 self._last_taken_task[index] = handle.request.task
             started = time.perf_counter()
             try:
-                result = replica.run(handle, index, self.preview_every)
+                result = self._run_one(handle, index, replica)
             finally:
                 with self._condition:
                     del self._running[index, 0]
@@ -398,10 +424,25 @@ class EngineFront:
             self._warm_up(index, replica)
         while (handle := self._take((index, slot), replica)) is not None:
             try:
-                handle._finish(replica.run(handle, index, self.preview_every))
+                result = self._run_one(handle, index, replica)
             finally:
                 with self._condition:
                     del self._running[index, slot]
+            handle._finish(result)
+
+    def _run_one(self, handle: JobHandle, index: int, replica: Replica) -> JobFinished | JobFailed:
+        """The job's terminal message from `replica`; whatever it raises (or returns instead) fails this job alone."""
+        try:
+            result = replica.run(handle, index, self.preview_every)
+        except Exception as error:
+            logger.exception("job %s: replica %d raised", handle.job_id, index)
+            return JobFailed(handle.job_id, "engine", output_failure_message(error, handle.out_path.parent))
+        if not isinstance(result, TERMINAL_EVENTS):
+            logger.error(
+                "job %s: replica %d returned %r instead of the job's end", handle.job_id, index, result
+            )
+            return JobFailed(handle.job_id, "engine", ENGINE_FAILURE_MESSAGE)
+        return result
 
 
 def next_job_index(pending: Sequence[JobHandle], partition: str | None) -> int:

@@ -165,12 +165,14 @@ class RankFailed:
     """The rank is about to exit: it could not start (job_number None) or it failed during a job.
 
     kind "checkpoint": an H3Error whose message names the file, key or flag; "internal": `message` is the error's
-    type only (the traceback is in the rank's log on stderr), or a `RankOutOfMemory`'s sentence.
+    type only (the traceback is in the rank's log on stderr), or a `RankOutOfMemory`'s sentence; "channel": the
+    error's type, for a tensor channel whose other end died or was closed (the echo of another group's failure,
+    h3engine.runtime.split).
     """
 
     rank: int
     job_number: int | None
-    kind: Literal["checkpoint", "internal"]
+    kind: Literal["checkpoint", "internal", "channel"]
     message: str
 
 

@@ -15,11 +15,14 @@ reader must treat `StepProgress` and `PreviewFrame` as "latest known state", nev
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -39,6 +42,8 @@ logger = logging.getLogger(__name__)
 FailureKind = Literal["request", "cancelled", "engine"]
 ENGINE_FAILURE_MESSAGE = "The engine failed while generating this video; the details are in the server log."
 CANCELLED_MESSAGE = "Cancelled."
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+SIZE_UNITS = ("bytes", "KB", "MB", "GB", "TB")
 
 
 @dataclass(frozen=True)
@@ -148,10 +153,12 @@ def job_finished(job_id: str, written: OutputFiles) -> JobFinished:
     )
 
 
-def job_failed(job_id: str, error: BaseException, engine: Engine, during: str) -> JobFailed:
+def job_failed(
+    job_id: str, error: BaseException, engine: Engine, during: str, outputs_folder: Path
+) -> JobFailed:
     """The terminal message of a job that `error` ended: a cancel, a request error (its message names the field or
-    file), running out of GPU memory (the engine's budget and what to change) or an internal failure (logged with
-    its traceback; `during` says where, e.g. "while preparing")."""
+    file), running out of GPU memory (the engine's budget and what to change), a full disk (`output_failure_message`)
+    or an internal failure (logged with its traceback; `during` says where, e.g. "while preparing")."""
     if isinstance(error, GenerationCancelled):
         return JobFailed(job_id, "cancelled", CANCELLED_MESSAGE)
     if isinstance(error, H3Error):
@@ -159,7 +166,47 @@ def job_failed(job_id: str, error: BaseException, engine: Engine, during: str) -
     logger.error("job %s failed %s", job_id, during, exc_info=error)
     if isinstance(error, torch.OutOfMemoryError):
         return JobFailed(job_id, "engine", engine.placement.out_of_memory_message())
-    return JobFailed(job_id, "engine", ENGINE_FAILURE_MESSAGE)
+    return JobFailed(job_id, "engine", output_failure_message(error, outputs_folder))
+
+
+def output_failure_message(error: BaseException, outputs_folder: Path) -> str:
+    """The sentence for a job that `error` ended while it ran: a full disk (an OSError ENOSPC or EDQUOT anywhere in
+    the error's chain, e.g. under the MP4 writer's error) says so with the space left on the outputs folder's disk;
+    anything else is `ENGINE_FAILURE_MESSAGE`. No server path: a browser reads it."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in DISK_FULL_ERRNOS:
+            words = disk_full_text(outputs_folder)
+            return f"{words[0].upper()}{words[1:]}; free some space, then try again."
+        cause = cause.__cause__ or cause.__context__
+    return ENGINE_FAILURE_MESSAGE
+
+
+def disk_full_text(outputs_folder: Path) -> str:
+    """'the disk of the outputs folder is full (1.5 GB free)' (without the space where it cannot tell)."""
+    free = free_space(outputs_folder)
+    left = f" ({size_text(free)} free)" if free is not None else ""
+    return f"the disk of the outputs folder is full{left}"
+
+
+def free_space(folder: Path) -> int | None:
+    """The bytes free on the disk holding `folder` (or its nearest existing parent); None when it cannot tell."""
+    for candidate in (folder, *folder.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
+
+
+def size_text(size: int) -> str:
+    """Bytes in powers of 1024, as the app's upload limit counts: '0 bytes', '512.0 KB', '1.5 GB'."""
+    value, unit = float(size), 0
+    while value >= 1024 and unit < len(SIZE_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    return f"{size} bytes" if unit == 0 else f"{value:.1f} {SIZE_UNITS[unit]}"
 
 
 def step_reporter(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -211,4 +212,4 @@ class JobRank:
         if not (alone or isinstance(error, (GenerationCancelled, torch.OutOfMemoryError))):
             raise error
         if self.rank == 0:
-            self.outbox.post(job_failed(job.job_id, error, self.engine, during))
+            self.outbox.post(job_failed(job.job_id, error, self.engine, during, Path(job.out_path).parent))

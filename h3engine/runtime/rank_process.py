@@ -36,6 +36,7 @@ from h3engine.memory.engine_plan import MemoryRequest
 from h3engine.memory.sizes import RankShare
 from h3engine.model_store import ModelLoader
 from h3engine.parallel.groups import initialize_process_group
+from h3engine.runtime.channel import ChannelClosed, ChannelPeerGone
 from h3engine.runtime.front import EVENT_BUFFER_SIZE, release_memory, settle_heap
 from h3engine.runtime.job_protocol import (
     JobCommand,
@@ -199,7 +200,8 @@ def run_rank(
             job = job_of(command)
             logger.exception("%s failed during job %s", label, job.job_id)
             message = str(error) if isinstance(error, RankOutOfMemory) else type(error).__name__
-            _fail_and_exit(outbox, RankFailed(rank, job.job_number, "internal", message), EXIT_JOB_FAILED)
+            kind = "channel" if isinstance(error, (ChannelPeerGone, ChannelClosed)) else "internal"
+            _fail_and_exit(outbox, RankFailed(rank, job.job_number, kind, message), EXIT_JOB_FAILED)
         finally:
             release_memory(server.device)
     server.close()

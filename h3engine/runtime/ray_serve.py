@@ -33,14 +33,13 @@ from h3engine.media.outputs import OutputFiles
 from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.front import (
     CANCELLED_BEFORE_START_MESSAGE,
-    CANCELLED_MESSAGE,
-    ENGINE_FAILURE_MESSAGE,
     JobHandle,
     Replica,
+    output_failure_message,
     settle_heap,
     warm_up_request,
 )
-from h3engine.runtime.messages import JobFailed, JobFinished, JobStarted
+from h3engine.runtime.messages import CANCELLED_MESSAGE, JobFailed, JobFinished, JobStarted
 from h3engine.runtime.ray_jobs import (
     FileChunk,
     RayJob,
@@ -78,6 +77,7 @@ class RayReplicaSpec:
     warm_up: bool = True
     cpus: float = 1.0  # Ray CPUs each replica reserves
     python_path: str | None = None  # where the nodes' workers import h3engine from (the app's checkout)
+    stall_timeout_s: float | None = None  # --stall-timeout, for a replica's worker group (None: derived)
 
 
 def require_ray() -> None:
@@ -98,6 +98,7 @@ def _local_replica(spec: RayReplicaSpec) -> Replica:
 
     from h3engine.engine_options import check_engine_options, load_engine
     from h3engine.runtime.front import EngineReplica
+    from h3engine.runtime.supervision import StallPolicy
     from h3engine.runtime.workers import ProcessReplica
 
     layout = check_engine_options(spec.engine, spec.world_size)
@@ -105,7 +106,7 @@ def _local_replica(spec: RayReplicaSpec) -> Replica:
     devices = [f"cuda:{index}" if spec.gpus else "cpu" for index in range(spec.world_size)]
     if spec.world_size == 1:
         return EngineReplica(load_engine(spec.checkpoint, torch.device(devices[0]), spec.engine))
-    return ProcessReplica(spec.checkpoint, devices, layout, spec.engine)
+    return ProcessReplica(spec.checkpoint, devices, layout, spec.engine, StallPolicy(spec.stall_timeout_s))
 
 
 class EngineDeployment:
@@ -207,7 +208,7 @@ class RaySlot:
             received.discard()
 
     def _relay(self, handle: JobHandle, job: RayJob, received: ReceivedFiles) -> JobFinished | JobFailed:
-        from ray.exceptions import ActorUnavailableError, RayActorError
+        from ray.exceptions import RayActorError
         from ray.serve.exceptions import ReplicaUnavailableError, RequestCancelledError
 
         stream = self._engine.handle.options(stream=True).run.remote(job)
@@ -232,15 +233,15 @@ class RaySlot:
             raise RuntimeError("the replica's stream ended without a terminal message")
         except RequestCancelledError:
             return JobFailed(handle.job_id, "cancelled", CANCELLED_MESSAGE)
-        except (RayActorError, ActorUnavailableError, ReplicaUnavailableError) as error:
-            cause = "its process exited" if "exit" in str(error).lower() else type(error).__name__
+        except (RayActorError, ReplicaUnavailableError) as error:
             logger.error("job %s: the Ray replica died: %s", handle.job_id, error)
+            cause = replica_death_cause(error)
             return JobFailed(handle.job_id, "engine", REPLICA_DIED_MESSAGE.format(cause=cause))
-        except Exception:
+        except Exception as error:
             if handle.cancel_requested:
                 return JobFailed(handle.job_id, "cancelled", CANCELLED_MESSAGE)
             logger.exception("job %s failed on the Ray deployment", handle.job_id)
-            return JobFailed(handle.job_id, "engine", ENGINE_FAILURE_MESSAGE)
+            return JobFailed(handle.job_id, "engine", output_failure_message(error, handle.out_path.parent))
         finally:
             finished.set()
             watcher.join()
@@ -254,6 +255,19 @@ class RaySlot:
 
     def close(self) -> None:
         self._engine.close()
+
+
+def replica_death_cause(error: BaseException) -> str:
+    """Why Ray says a replica is gone, in a few words, by the error's type: its actor's process died (ActorDiedError),
+    it could not be reached (ActorUnavailableError, Serve's ReplicaUnavailableError), or its actor failed."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+    from ray.serve.exceptions import ReplicaUnavailableError
+
+    if isinstance(error, ActorDiedError):
+        return "its process exited"
+    if isinstance(error, (ActorUnavailableError, ReplicaUnavailableError)):
+        return "it could not be reached"
+    return "its actor failed"
 
 
 @dataclass

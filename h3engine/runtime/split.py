@@ -7,10 +7,10 @@ against the checkpoint, starts the three groups (h3engine.runtime.stages, each i
 (DiT) -> decode (VAE) and taking each step in arrival order (`Turns`), so the encoder works on job k+1 and the VAE
 decodes job k-1 while the DiT denoises job k. This process sends commands and reads small reports only.
 
-Failure: a rank that dies or fails in any group fails the job that group was running (within about a second,
-naming the group, the rank and its exit code); all three groups and their channels are then ended and started
-again (channels can be handed to processes only when they start), and the other jobs in flight start over on the
-new groups (their start is not announced again). Cancel: the job's number goes into every group's cancel slot.
+Failure: a rank that dies or fails in any group, or a busy group silent past the stall limit, fails the job that
+group was running (naming the group); all three groups and their channels are then ended and started again
+(channels can be handed to processes only when they start), and the other jobs in flight start over on the new
+groups (their start is not announced again). Cancel: the job's number goes into every group's cancel slot.
 `close()` stops every rank, then closes the channels, which removes what dead ranks left in /dev/shm.
 """
 
@@ -34,13 +34,15 @@ from h3engine.engine_options import EngineOptions
 from h3engine.memory.engine_plan import MemoryRequest
 from h3engine.parallel.groups import RuntimeLayout
 from h3engine.runtime.channel import TensorChannel
-from h3engine.runtime.front import (
-    CANCELLED_BEFORE_START_MESSAGE,
+from h3engine.runtime.front import CANCELLED_BEFORE_START_MESSAGE, SHUTTING_DOWN_MESSAGE, JobHandle
+from h3engine.runtime.messages import (
     CANCELLED_MESSAGE,
-    SHUTTING_DOWN_MESSAGE,
-    JobHandle,
+    TERMINAL_EVENTS,
+    FailureKind,
+    JobFailed,
+    JobFinished,
+    JobStarted,
 )
-from h3engine.runtime.messages import TERMINAL_EVENTS, JobFailed, JobFinished, JobStarted
 from h3engine.runtime.rank import RankReady, RunJob, Stop
 from h3engine.runtime.stages import (
     CHANNEL_ROUTES,
@@ -55,8 +57,21 @@ from h3engine.runtime.stages import (
     StageSpec,
     stage_main,
 )
-from h3engine.runtime.supervision import POLL_INTERVAL_S, RestartingReplica
-from h3engine.runtime.workers import FAILURE_SETTLE_S, WorkerGroup, checked_layouts, stage_devices
+from h3engine.runtime.supervision import (
+    POLL_INTERVAL_S,
+    Pace,
+    ProgressWatch,
+    RestartingReplica,
+    Silence,
+    StallPolicy,
+)
+from h3engine.runtime.workers import (
+    FAILURE_SETTLE_S,
+    STOP_GRACE_S,
+    WorkerGroup,
+    checked_layouts,
+    stage_devices,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +86,6 @@ CHANNEL_SLOTS = 2 * JOBS_IN_FLIGHT
 CHANNEL_CLOSE_S = 2.0
 RESTARTING = "the stage groups are restarting"
 STAGE_LOG_SIZE = 256
-# What a rank reports when the group at the other end of a channel died or was ended (h3engine.runtime.channel).
-CHANNEL_ECHOES = ("ChannelPeerGone", "ChannelClosed")
 
 
 def validated_stage_specs(
@@ -176,11 +189,31 @@ class FirstStartOnly:
         self._handle.publish(message)
 
 
+@dataclass(frozen=True)
+class Breakdown:
+    """What ended a start of the groups: the group, the job it ran (None: idle), and that job's end."""
+
+    stage: Stage
+    running: str | None
+    kind: FailureKind
+    message: str
+
+
 class StageGroups:
-    """One start of the three groups and the channels between them; jobs run through it until it breaks."""
+    """One start of the three groups and the channels between them; jobs run through it until it breaks.
+
+    Stalls: each group with a command outstanding has a `ProgressWatch`, started again when it takes a job after
+    being idle or moves on to its next job; the watch of a group whose current job was cancelled allows the cancel
+    grace only. The report reader checks them: the group silent past its limit for longest is the stalled one.
+    """
 
     def __init__(
-        self, specs: dict[Stage, StageSpec], on_break: Callable[[StageGroups], None], log: deque[StageRecord]
+        self,
+        specs: dict[Stage, StageSpec],
+        on_break: Callable[[StageGroups], None],
+        log: deque[StageRecord],
+        stall: StallPolicy,
+        pace: Pace,
     ) -> None:
         self._on_break = on_break
         self._log = log
@@ -196,10 +229,12 @@ class StageGroups:
         self._lock = threading.Lock()
         self._inboxes: dict[str, queue.Queue[Any]] = {}
         self._publishers: dict[str, Callable[[Any], None]] = {}  # a job's start, steps and previews go here
-        self._numbers: dict[str, int] = {}
         # Per group, the jobs whose command was sent and not yet done, in order: the first is the one it runs.
-        self._outstanding: dict[Stage, list[int]] = {stage: [] for stage in STAGES}
-        self.broken: tuple[Stage, int | None, str] | None = None  # the group, the job it ran, what happened
+        self._outstanding: dict[Stage, list[str]] = {stage: [] for stage in STAGES}
+        self._watches = {stage: ProgressWatch(stall, pace) for stage in STAGES}
+        self._heads: dict[Stage, str | None] = dict.fromkeys(STAGES)
+        self._cancelled: set[str] = set()  # jobs whose cancel went into the groups' slots
+        self.broken: Breakdown | None = None
         self._stopping = threading.Event()
         self.ended = threading.Event()  # every rank has ended and the channels are closed
         try:
@@ -250,25 +285,29 @@ class StageGroups:
                 if group.broken() and not self._stopping.is_set():
                     self._break(stage, group)
                     return
+            stalled = self._stalled()
+            if stalled is not None and not self._stopping.is_set():
+                self._stall(*stalled)
+                return
 
     def _route(self, stage: Stage, message: Any) -> None:
+        with self._lock:
+            self._watches[stage].heard(message)
         job_id = getattr(message, "job_id", None)
         if job_id is None or isinstance(message, RankReady):
             return
         with self._lock:
-            number = self._numbers.get(job_id)
             # A step's report ends that group's work on the job; the job's end ends every group's.
             if isinstance(message, TERMINAL_EVENTS):
                 finished = list(self._outstanding.values())
+            elif isinstance(message, StageDone):
+                finished = [self._outstanding[GROUP_OF_STEP[message.stage]]]
             else:
-                finished = (
-                    [self._outstanding[GROUP_OF_STEP[message.stage]]]
-                    if isinstance(message, StageDone)
-                    else []
-                )
+                finished = []
             for jobs in finished:
-                if number in jobs:
-                    jobs.remove(number)
+                if job_id in jobs:
+                    jobs.remove(job_id)
+            self._follow_heads()
             inbox, publish = self._inboxes.get(job_id), self._publishers.get(job_id)
         if isinstance(message, StageDone):
             self._log.append(
@@ -282,15 +321,50 @@ class StageGroups:
         elif publish is not None:
             publish(message)  # start, steps, previews
 
+    def _follow_heads(self) -> None:
+        """Each group's watch follows the job it runs (the caller holds the lock)."""
+        for stage, jobs in self._outstanding.items():
+            head = jobs[0] if jobs else None
+            if head != self._heads[stage]:
+                self._heads[stage] = head
+                self._watches[stage].restart()
+            if head is not None and head in self._cancelled:
+                self._watches[stage].cancelled()
+
+    def _stalled(self) -> tuple[Stage, Silence] | None:
+        """The busy group silent past its limit for longest, and its silence; None while none is."""
+        with self._lock:
+            silences = [
+                (stage, silence)
+                for stage in STAGES
+                if self._outstanding[stage] and (silence := self._watches[stage].overdue()) is not None
+            ]
+        return max(silences, key=lambda found: found[1].seconds, default=None)
+
+    def _stall(self, stage: Stage, silence: Silence) -> None:
+        with self._lock:
+            running = self._outstanding[stage][0]
+        failed = silence.job_failed(running, f"{GROUP_NAMES[stage]} group", RESTARTING)
+        self._end_broken(Breakdown(stage, running, failed.kind, failed.message))
+
     def _break(self, stage: Stage, group: WorkerGroup) -> None:
         group.failure_description()  # lets the group settle
         stage = self._cause(stage)
         description = self.groups[stage].failure_description()
         with self._lock:
             running = self._outstanding[stage][0] if self._outstanding[stage] else None
-            self.broken = (stage, running, description)
+        message = f"{description} in the {GROUP_NAMES[stage]} group; {RESTARTING}."
+        self._end_broken(Breakdown(stage, running, "engine", message))
+
+    def _end_broken(self, breakdown: Breakdown) -> None:
+        """Tell the jobs, end every group, then hand the groups back for a restart."""
+        with self._lock:
+            self.broken = breakdown
             inboxes = list(self._inboxes.values())
-        logger.error("%s in the %s group; %s", description, GROUP_NAMES[stage], RESTARTING)
+        if breakdown.running is None:
+            logger.error("%s (while idle)", breakdown.message)
+        else:
+            logger.error("job %s: %s", breakdown.running, breakdown.message)
         for inbox in inboxes:
             inbox.put(None)  # wake the job threads: the failed job is reported before the groups are ended
         self.kill()
@@ -298,9 +372,9 @@ class StageGroups:
 
     def _cause(self, noticed: Stage) -> Stage:
         """The group whose failure came first. A rank that died without a report (killed, crashed in native code)
-        is the cause before any report, and a report of a channel peer gone or closed is the echo of another
-        group's death, which a rank may notice (through /proc) before this process can reap the dead one: for up to
-        `FAILURE_SETTLE_S` an echo waits for its cause."""
+        is the cause before any report, and a report of a channel peer gone or closed (kind "channel") is the echo
+        of another group's death, which a rank may notice (through /proc) before this process can reap the dead
+        one: for up to `FAILURE_SETTLE_S` an echo waits for its cause."""
         deadline = time.monotonic() + FAILURE_SETTLE_S
         while True:
             for group in self.groups.values():
@@ -313,7 +387,7 @@ class StageGroups:
             first_hand = [
                 stage
                 for stage, group in self.groups.items()
-                if any(failure.message not in CHANNEL_ECHOES for failure in group.failures)
+                if any(failure.kind != "channel" for failure in group.failures)
             ]
             if silent or first_hand:
                 return (silent or first_hand)[0]
@@ -331,13 +405,13 @@ class StageGroups:
         inbox: queue.Queue[Any] = queue.Queue()
         with self._lock:
             self._inboxes[job.job_id], self._publishers[job.job_id] = inbox, publish
-            self._numbers[job.job_id] = job.job_number
+        self.groups["vae"].writes_into(handle.out_path, handle.save_tensors_path)
         try:
             return self._steps(handle, job, ticket, inbox)
         finally:
             self.turns.leave(ticket)
             with self._lock:
-                for table in (self._inboxes, self._publishers, self._numbers):
+                for table in (self._inboxes, self._publishers):
                     table.pop(job.job_id, None)
 
     def _steps(
@@ -357,22 +431,15 @@ class StageGroups:
             outcome = self._await(handle, job, inbox, done, "encode")
         if outcome is not None:
             return outcome
-        timings = {
-            **done["denoise"].timings,
-            **done["encode"].timings,
-            **done["prepare"].timings,
-        }
-        timings = {
-            "conditioning_s": timings.pop("conditioning_s"),
-            "text_encode_s": timings.pop("text_encode_s"),
-            **timings,
-        }
+        timings = {**done["denoise"].timings, **done["encode"].timings, **done["prepare"].timings}
+        # The colocated engine's sidecar order: conditioning and text encoding first.
+        first = {name: timings.pop(name) for name in ("conditioning_s", "text_encode_s") if name in timings}
+        timings = {**first, **timings}
         geometry = prepared.skeleton.geometry
         command = Decode(job, geometry, prepared.latent_shape, prepared.frame_shares, timings)
+        outcome = self._step("decode", command, handle, job, ticket, inbox, done)
         # Its report comes just before the job's end: wait for the end.
-        outcome = self._step("decode", command, handle, job, ticket, inbox, done, wait_for="the job's end")
-        assert outcome is not None
-        return outcome
+        return outcome if outcome is not None else self._await_end(handle, job, inbox, done)
 
     def _step(
         self,
@@ -395,7 +462,8 @@ class StageGroups:
             return outcome
         stage = GROUP_OF_STEP[step]
         with self._lock:
-            self._outstanding[stage].append(job.job_number)
+            self._outstanding[stage].append(job.job_id)
+            self._follow_heads()
         try:
             self.groups[stage].send_to_all(command)
         except OSError:
@@ -406,51 +474,77 @@ class StageGroups:
     def _await(
         self, handle: JobHandle, job: RunJob, inbox: queue.Queue[Any], done: dict[str, StageDone], wanted: str
     ) -> JobFinished | JobFailed | _Retry | None:
-        cancel_forwarded = False
+        """Wait until the `wanted` step's report came (None) or the job ended."""
         while wanted not in done:
-            if handle.cancel_requested and not cancel_forwarded:
-                for group in self.groups.values():
-                    group.cancel_job.value = job.job_number
-                cancel_forwarded = True
-            try:
-                message = inbox.get(timeout=POLL_INTERVAL_S)
-            except queue.Empty:
-                message = None
-            if isinstance(message, TERMINAL_EVENTS):
-                return message
-            if isinstance(message, StageDone):
-                done[message.stage] = message
-            elif self.broken is not None:
-                return self._broken_outcome(job)
+            outcome = self._next_report(handle, job, inbox, done)
+            if outcome is not None:
+                return outcome
         return None
 
+    def _await_end(
+        self, handle: JobHandle, job: RunJob, inbox: queue.Queue[Any], done: dict[str, StageDone]
+    ) -> JobFinished | JobFailed | _Retry:
+        while (outcome := self._next_report(handle, job, inbox, done)) is None:
+            pass
+        return outcome
+
+    def _next_report(
+        self, handle: JobHandle, job: RunJob, inbox: queue.Queue[Any], done: dict[str, StageDone]
+    ) -> JobFinished | JobFailed | _Retry | None:
+        """Forward a cancel, take the job's next report within `POLL_INTERVAL_S` into `done`; the job's end when it
+        came (or the groups broke), else None."""
+        if handle.cancel_requested:
+            self._forward_cancel(job)
+        try:
+            message = inbox.get(timeout=POLL_INTERVAL_S)
+        except queue.Empty:
+            message = None
+        if isinstance(message, TERMINAL_EVENTS):
+            return message
+        if isinstance(message, StageDone):
+            done[message.stage] = message
+        elif self.broken is not None or self._stopping.is_set():
+            return self._broken_outcome(job)
+        return None
+
+    def _forward_cancel(self, job: RunJob) -> None:
+        """The job's number into every group's cancel slot (once); the groups running it get the cancel grace."""
+        with self._lock:
+            if job.job_id in self._cancelled:
+                return
+            self._cancelled.add(job.job_id)
+            for group in self.groups.values():
+                group.cancel_job.value = job.job_number
+            self._follow_heads()
+
     def _interrupted(self, handle: JobHandle, job: RunJob) -> JobFailed | _Retry | None:
-        if self.broken is not None:
+        if self.broken is not None or self._stopping.is_set():
             return self._broken_outcome(job)
         if handle.cancel_requested:
             return JobFailed(job.job_id, "cancelled", CANCELLED_MESSAGE)
         return None
 
     def _broken_outcome(self, job: RunJob) -> JobFailed | _Retry:
-        stage, running, description = self.broken
-        if running != job.job_number:
+        """The job that the broken group ran fails; the others start over (the replica's shutdown: they end)."""
+        breakdown = self.broken
+        if breakdown is None or breakdown.running != job.job_id:
             return RETRY
-        return JobFailed(
-            job.job_id, "engine", f"{description} in the {GROUP_NAMES[stage]} group; {RESTARTING}."
-        )
+        return JobFailed(job.job_id, breakdown.kind, breakdown.message)
 
     # --- the end ----------------------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Every rank is asked to stop first (a producer waits for its consumer, in another group), then joined."""
+        """Every rank is asked to stop first (a producer waits for its consumer, in another group), then joined
+        (all within one `STOP_GRACE_S`)."""
         self._stopping.set()
         for group in self.groups.values():
             try:
                 group.send_to_all(Stop())
             except OSError:
                 pass
+        deadline = time.monotonic() + STOP_GRACE_S
         for group in self.groups.values():
-            group.stop()
+            group.stop(deadline)
         self._close_channels()
         self.ended.set()
 
@@ -487,6 +581,7 @@ class SplitReplica(RestartingReplica[StageGroups]):
         encoder_devices: Sequence[str] | None = None,
         vae_devices: Sequence[str] | None = None,
         options: EngineOptions = EngineOptions(),
+        stall: StallPolicy = StallPolicy(),
     ) -> None:
         if encoder_devices is None or vae_devices is None:
             defaults = stage_devices(layout, devices, None, None)
@@ -497,7 +592,7 @@ class SplitReplica(RestartingReplica[StageGroups]):
         self.spec = self.specs["dit"]  # the replica's own devices are the DiT group's
         # The newest steps of the jobs, in the order reported (for tests and benchmarks: how the jobs overlapped).
         self.stage_log: deque[StageRecord] = deque(maxlen=STAGE_LOG_SIZE)
-        self._start_first()
+        self._start_first(stall)
         logger.info("stage groups ready (%s)", layout.describe())
 
     @property
@@ -507,7 +602,7 @@ class SplitReplica(RestartingReplica[StageGroups]):
             return self._current.pids if self._current is not None else {}
 
     def _start_incarnation(self) -> StageGroups:
-        return StageGroups(self.specs, self._replace, self.stage_log)
+        return StageGroups(self.specs, self._replace, self.stage_log, self.stall, self.pace)
 
     def _serves(self, groups: StageGroups) -> bool:
         """Broken groups are ended by their report reader, which then replaces them; meanwhile jobs wait."""
@@ -520,6 +615,10 @@ class SplitReplica(RestartingReplica[StageGroups]):
         return False
 
     def run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFinished | JobFailed:
+        with self._job_in_flight():
+            return self._run(handle, replica_index, preview_every)
+
+    def _run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFinished | JobFailed:
         publish = FirstStartOnly(handle)
         while True:
             if handle.cancel_requested:
@@ -537,13 +636,17 @@ class SplitReplica(RestartingReplica[StageGroups]):
 
 
 def start_replica(
-    checkpoint: str | Path, devices: Sequence[str], layout: RuntimeLayout, options: EngineOptions
+    checkpoint: str | Path,
+    devices: Sequence[str],
+    layout: RuntimeLayout,
+    options: EngineOptions,
+    stall: StallPolicy = StallPolicy(),
 ) -> Any:
     """A worker-group replica for `layout` and the engine options (dtype, memory profile, the split layout's
-    device flags): `SplitReplica` for the split layout, else a `ProcessReplica`."""
+    device flags) under the stall watchdog's `stall`: `SplitReplica` for the split layout, else a `ProcessReplica`."""
     from h3engine.runtime.workers import ProcessReplica
 
     if not layout.split:
-        return ProcessReplica(checkpoint, devices, layout, options)
+        return ProcessReplica(checkpoint, devices, layout, options, stall)
     encoder, vae = stage_devices(layout, devices, options.encoder_devices, options.vae_devices)
-    return SplitReplica(checkpoint, devices, layout, encoder, vae, options)
+    return SplitReplica(checkpoint, devices, layout, encoder, vae, options, stall)

@@ -3,9 +3,10 @@
 `ProcessReplica(checkpoint, devices, layout, options)` checks the layout against the checkpoint,
 starts one group (h3engine.runtime.rank in a process per device) and waits until every rank has loaded its shards.
 It is a `Replica` of `EngineFront`: the app and the CLI get the same `JobHandle` and messages as from an
-in-process engine. A rank that dies fails only the running job, within about a second, and the group restarts;
-`close()` leaves no process behind. `rank_devices(...)` and `replica_device_groups(...)` turn the CLI's and the
-app's device flags into each rank's device, with errors that name the flag.
+in-process engine. A rank that dies, or a group silent past the stall limit (h3engine.runtime.supervision), fails
+only the running job and the group restarts; `close()` leaves no process behind. `rank_devices(...)` and
+`replica_device_groups(...)` turn the CLI's and the app's device flags into each rank's device, with errors that
+name the flag.
 
 Danger: a group's pipes and shared slot belong to one incarnation: after a failure nothing of the old group is
 reused (a rank killed while writing may have left half a message in its pipe). NCCL wants one rank per GPU, so a
@@ -32,7 +33,7 @@ from h3engine.checkpoint.loader import dit_source
 from h3engine.checkpoint.text_encoder_files import open_text_encoder_files
 from h3engine.engine_options import EngineOptions
 from h3engine.errors import CheckpointError, RequestError
-from h3engine.leftovers import WORKER_FOLDER_PREFIX, owned_temp_folder
+from h3engine.leftovers import WORKER_FOLDER_PREFIX, owned_temp_folder, remove_staging_files_of
 from h3engine.memory.engine_plan import MemoryRequest
 from h3engine.parallel.groups import EncoderLayout, ParallelLayout, RuntimeLayout
 from h3engine.runtime.checks import CheckpointFacts
@@ -43,15 +44,23 @@ from h3engine.runtime.front import (
 )
 from h3engine.runtime.messages import TERMINAL_EVENTS, JobFailed, JobFinished
 from h3engine.runtime.rank import NO_JOB, RankFailed, RankReady, RunJob, Stop, WorkerSpec, rank_main
-from h3engine.runtime.supervision import POLL_INTERVAL_S, RestartingReplica
+from h3engine.runtime.supervision import (
+    POLL_INTERVAL_S,
+    ProgressWatch,
+    RestartingReplica,
+    Silence,
+    StallPolicy,
+)
 
 logger = logging.getLogger(__name__)
 
 # After the first sign of a failure, how long to keep listening before judging it: a rank that was killed makes
 # its gloo partners fail a moment later, and the report should name the first cause, not the echoes.
 FAILURE_SETTLE_S = 0.5
-STOP_GRACE_S = 10.0
-KILL_GRACE_S = 5.0
+# Ranks asked to stop (idle: they leave their process groups) get this long before they are killed; a rank that
+# SIGTERM did not end (a stopped process keeps the signal pending) gets SIGKILL after KILL_GRACE_S.
+STOP_GRACE_S = 2.0
+KILL_GRACE_S = 1.0
 RESTARTING = "the worker group is restarting"
 
 
@@ -235,6 +244,8 @@ class WorkerGroup:
         self._commands: list[Connection] = []
         self._message_pipes: list[Connection] = []  # the ranks' pipes still open
         self.failures: list[RankFailed] = []
+        # Where its ranks were given files to write: a killed rank's staging files there go with it (`_kill`).
+        self.output_folders: set[Path] = set()
         # The job thread (after a failure) and the shutdown may both end the group; one at a time.
         self._ending = threading.Lock()
         try:
@@ -317,14 +328,20 @@ class WorkerGroup:
         for connection in self._commands:
             connection.send(command)
 
-    def stop(self) -> None:
-        """Ask every rank to finish, wait for them, kill what is left."""
+    def writes_into(self, *paths: str | Path | None) -> None:
+        """Its ranks are about to write these files (staging files beside them until they commit)."""
+        self.output_folders.update(Path(path).parent for path in paths if path is not None)
+
+    def stop(self, deadline: float | None = None) -> None:
+        """Ask every rank to finish, wait for them until `deadline` (time.monotonic(); default: `STOP_GRACE_S` from
+        now), kill what is left."""
         with self._ending:
             try:
                 self.send_to_all(Stop())
             except OSError:
                 pass  # a rank is gone already: the kill below ends the rest
-            deadline = time.monotonic() + STOP_GRACE_S
+            if deadline is None:
+                deadline = time.monotonic() + STOP_GRACE_S
             for process in self.processes:
                 process.join(max(0.0, deadline - time.monotonic()))
             self._kill()
@@ -338,12 +355,16 @@ class WorkerGroup:
         for process in self.processes:
             if process.exitcode is None:
                 process.terminate()
+        deadline = time.monotonic() + KILL_GRACE_S
         for process in self.processes:
-            process.join(KILL_GRACE_S)
+            process.join(max(0.0, deadline - time.monotonic()))
             if process.exitcode is None:
                 process.kill()
-                process.join()
+                process.join(KILL_GRACE_S)
+                if process.exitcode is None:  # in an uninterruptible system call: it ends when that returns
+                    logger.error("%s (pid %d) did not end on SIGKILL", process.name, process.pid)
         shutil.rmtree(self._store_dir, ignore_errors=True)
+        remove_staging_files_of(self.pids, self.output_folders)
 
     def wait_ready(self, abort: threading.Event) -> CheckpointFacts:
         """Wait until every rank has loaded its shards; rank 0's checkpoint facts."""
@@ -391,9 +412,12 @@ class ProcessReplica(RestartingReplica[WorkerGroup]):
     A rank that dies (killed, out of memory, an exception) fails the running job with `JobFailed(kind="engine")`
     naming the rank and its exit code (or its error type) and saying that the group is restarting; the rest of the
     group is killed (its processes end, and with them their GPU memory) and a new group starts in the background. The
-    next job waits for it; a waiting job can still be cancelled. `close()` (the front's shutdown) sends `Stop` to
-    every rank, waits `STOP_GRACE_S`, then kills what is left and joins everything. The ranks also end by themselves
-    when this process dies. The rendezvous is a FileStore in a fresh temporary folder per incarnation
+    next job waits for it; a waiting job can still be cancelled. A group that sends nothing for the stall limit, or
+    after a cancel for the cancel grace (`stall`, h3engine.runtime.supervision), is killed and restarted the same
+    way, its job failed with a sentence saying so. `close()` (the front's shutdown) sends `Stop` to every rank,
+    waits `STOP_GRACE_S`, then kills what is left and joins everything (a group still running a job is killed at
+    once). A killed group's staging files in the outputs folder go with it (h3engine.leftovers). The ranks also end
+    by themselves when this process dies. The rendezvous is a FileStore in a fresh temporary folder per incarnation
     (`h3-workers-PID-*`), removed when the group ends; a new `ProcessReplica` removes those of dead processes
     (h3engine.leftovers).
 
@@ -409,11 +433,12 @@ class ProcessReplica(RestartingReplica[WorkerGroup]):
         devices: Sequence[str],
         layout: RuntimeLayout | None = None,
         options: EngineOptions = EngineOptions(),
+        stall: StallPolicy = StallPolicy(),
     ) -> None:
         layout = layout if layout is not None else RuntimeLayout.choose(len(devices))
         self.layout = layout
         self.spec = validated_spec(detect_layout(checkpoint), devices, layout, options)
-        self._start_first()
+        self._start_first(stall)
         logger.info("worker group ready on %s (%s)", ", ".join(devices), layout.describe())
 
     @property
@@ -439,12 +464,21 @@ class ProcessReplica(RestartingReplica[WorkerGroup]):
     def run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFinished | JobFailed:
         if handle.cancel_requested:
             return JobFailed(handle.job_id, "cancelled", CANCELLED_BEFORE_START_MESSAGE)
-        group = self._ready(handle)
-        if isinstance(group, JobFailed):
-            return group
+        with self._job_in_flight():
+            group = self._ready(handle)
+            if isinstance(group, JobFailed):
+                return group
+            return self._run_on(group, handle, replica_index, preview_every)
+
+    def _run_on(
+        self, group: WorkerGroup, handle: JobHandle, replica_index: int, preview_every: int
+    ) -> JobFinished | JobFailed:
+        """Send the job to every rank and relay rank 0's messages until its end, a failure or a stall."""
         job_number = next(self._job_numbers)
         job = RunJob.of(job_number, handle, replica_index, preview_every)
         self._started(handle)
+        group.writes_into(handle.out_path, handle.save_tensors_path)
+        watch = ProgressWatch(self.stall, self.pace)
         try:
             group.send_to_all(job)
         except OSError:
@@ -454,11 +488,13 @@ class ProcessReplica(RestartingReplica[WorkerGroup]):
             if handle.cancel_requested and not cancel_forwarded:
                 group.cancel_job.value = job_number
                 cancel_forwarded = True
+                watch.cancelled()
             try:
                 messages = group.receive(POLL_INTERVAL_S)
             except (OSError, ValueError):
                 messages = []  # the group was torn down under us (close): judged below
             for message in messages:
+                watch.heard(message)
                 if getattr(message, "job_id", None) != handle.job_id:
                     continue
                 if isinstance(message, TERMINAL_EVENTS):
@@ -466,13 +502,21 @@ class ProcessReplica(RestartingReplica[WorkerGroup]):
                 handle.publish(message)
             if group.broken():
                 return self._fail(group, handle)
+            silence = watch.overdue()
+            if silence is not None:
+                return self._fail(group, handle, silence)
 
-    def _fail(self, group: WorkerGroup, handle: JobHandle) -> JobFailed:
-        """Judge the failure, kill the group, start a new one in the background; the job's terminal message."""
-        description = group.failure_description()
+    def _fail(self, group: WorkerGroup, handle: JobHandle, silence: Silence | None = None) -> JobFailed:
+        """Judge the failure (a rank's, or the group's `silence`), kill the group, start a new one in the
+        background; the job's terminal message."""
+        description = group.failure_description() if silence is None else None
         group.kill()
         self._replace(group)
         if self._closed.is_set():
             return JobFailed(handle.job_id, "cancelled", SHUTTING_DOWN_MESSAGE)
+        if silence is not None:
+            failed = silence.job_failed(handle.job_id, self.supervised, RESTARTING)
+            logger.error("job %s: %s", handle.job_id, failed.message)
+            return failed
         logger.error("job %s: %s; %s", handle.job_id, description, RESTARTING)
         return JobFailed(handle.job_id, "engine", f"{description}; {RESTARTING}.")
