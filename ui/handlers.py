@@ -61,8 +61,9 @@ _SCALAR_FIELDS = {
 }
 _BOOLEAN_FIELDS = ("randomize_seed", "duration_from_reference")
 _FILE_FIELDS = ("first_image", "last_image", "references")
-# The endpoint parameters an API client may leave out although their components start empty.
-_OPTIONAL_FILE_PARAMETERS = ("first_image", "last_image")
+# The endpoint parameters an API client may leave out although their components start empty (None: no keyframe, the
+# checkpoint's own short edge).
+_OPTIONAL_PARAMETERS = ("first_image", "last_image", "short_edge")
 _KEYFRAME_WORDS = {"first_image": "first frame", "last_image": "last frame"}
 _QUOTED_PATH = re.compile(r"(['\"])/[^'\"]*/([^'\"/]+)\1")
 
@@ -103,7 +104,7 @@ def parse_rungs(text: Any) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise RequestError(
-            f"rungs: expected comma-separated integers such as 999,750,500,250, got {_short(text)}"
+            "rungs", f"expected comma-separated integers such as 999,750,500,250, got {_short(text)}"
         ) from None
 
 
@@ -148,14 +149,15 @@ def check_input_types(values: TaskValues) -> None:
     hold uploaded files (ui.components.as_uploaded), not a bare path or some other value."""
     for name in _BOOLEAN_FIELDS:
         if name in values.values and not isinstance(values.values[name], bool):
-            raise RequestError(f"{name}: must be true or false, got {_short(values.values[name])}")
+            raise RequestError(name, f"must be true or false, got {_short(values.values[name])}")
     for name in _FILE_FIELDS:
         value = values.values.get(name)
         items = value if name == "references" and isinstance(value, list) else [value]
         for item in items:
             if isinstance(item, NotAnUpload):
                 raise RequestError(
-                    f"{name}: must be an uploaded file (gradio_client: handle_file(path)), got {_short(item.value)}"
+                    name,
+                    f"must be an uploaded file (gradio_client: handle_file(path)), got {_short(item.value)}",
                 )
 
 
@@ -164,10 +166,10 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def failing_parameter(message: str, values: TaskValues) -> str:
-    """The input a RequestError message is about: its field (`keyframes[1].path: ...`) or the file it names."""
-    field = message.split(":", 1)[0].strip()
-    head = re.split(r"[\[.,]", field, maxsplit=1)[0].strip()
+def failing_parameter(error: RequestError, values: TaskValues) -> str:
+    """The input a RequestError is about: the one holding its field (`keyframes[1].path` -> that keyframe's input,
+    `width, height` -> the aspect ratio), else the one holding its file, else the prompt."""
+    head, index = _field_head(error.field)
     names = values.values
     if head in _SCALAR_FIELDS or head in _BOOLEAN_FIELDS or head in _FILE_FIELDS:
         return head
@@ -177,52 +179,69 @@ def failing_parameter(message: str, values: TaskValues) -> str:
         return "duration_from_reference" if names.get("duration_from_reference") else "duration_seconds"
     if head == "keyframes":
         given = [name for name in ("first_image", "last_image") if names.get(name)]
-        index = int(match.group(1)) if (match := re.match(r"keyframes\[(\d+)\]", field)) else 0
+        index = index or 0
         return given[index] if index < len(given) else "first_image"
-    # File errors start with the file's path, quoted (h3engine.media.inputs) or as a bare name.
-    named_file = field.strip("'\"")
-    for name, paths in values.files().items():
-        if any(named_file in (path, Path(path).name) for path in paths):
-            return name
+    if error.path is not None:
+        for name, paths in values.files().items():
+            if error.path in paths:
+                return name
     return "prompt"
 
 
-def error_text(message: str, parameter: str, values: TaskValues) -> str:
-    """A RequestError message as shown at the input `parameter` (Gradio's validation message, which gradio_client
-    prints after the parameter's name and the page shows in place of an image's label): the files by the names they
-    were uploaded under, never a server path, the field not named a second time, and a file input's file named
-    with the input it came in (`'cat.png' (first frame): ...`, `'a.wav' (reference 2): ...`)."""
+def _field_head(field: str) -> tuple[str, int | None]:
+    """A field path's first name and its first index: `keyframes[1].path` -> ("keyframes", 1), `width, height` ->
+    ("width", None)."""
+    match = re.match(r"([A-Za-z_]+)(?:\[(\d+)\])?", field)
+    if match is None:
+        return "", None
+    return match.group(1), None if match.group(2) is None else int(match.group(2))
+
+
+def error_text(error: RequestError, parameter: str, values: TaskValues) -> str:
+    """A RequestError as shown at the input `parameter` (Gradio's validation message, which gradio_client prints
+    after the parameter's name and the page shows in place of an image's label): files by the names they were
+    uploaded under, never a server path, the field not named a second time, and a file input's file named with the
+    input it came in (`'cat.png' (first frame): ...`, `'a.wav' (reference 2): ...`)."""
+    field, problem = error.field, _without_server_paths(error.problem, values)
+    file = None if error.path is None else f"'{Path(error.path).name}'"
+    if field == parameter or (parameter in _KEYFRAME_WORDS and _field_head(field)[0] == "keyframes"):
+        return _with_input(problem, file, _KEYFRAME_WORDS.get(parameter))
+    head, index = _field_head(field)
+    if head == "references" and index is not None:
+        inner = field[len(f"references[{index}]") :]
+        return _with_input(problem, file, f"reference {index + 1}{inner}")
+    if file is not None:
+        problem = f"{file}: {problem}"
+    if not field:
+        return problem
+    if problem.startswith(("is ", "must ")):  # another field's rule: "duration_seconds is required, or ..."
+        return f"{field} {problem}"
+    return f"{field}: {problem}"
+
+
+def _without_server_paths(text: str, values: TaskValues) -> str:
+    """`text` with every uploaded file, and any other quoted server path, by its base name."""
     for paths in values.files().values():
         for path in paths:
             if isinstance(path, str) and path:
-                message = message.replace(path, Path(path).name)
-    # Any other quoted server path (a stored copy's, say) by its base name too.
-    message = _QUOTED_PATH.sub(r"\1\2\1", message)
-    field, separator, problem = message.partition(": ")
-    if not separator:
-        return message
-    if field == parameter or (parameter in _KEYFRAME_WORDS and re.fullmatch(r"keyframes(\[\d+\])?", field)):
-        return _with_input(problem, _KEYFRAME_WORDS.get(parameter))
-    if match := re.fullmatch(r"references\[(\d+)\](.*)", field):
-        return _with_input(problem, f"reference {int(match.group(1)) + 1}{match.group(2)}")
-    if problem.startswith(("is ", "must ")):  # another field's rule: "duration_seconds is required, or ..."
-        return f"{field} {problem}"
-    return message
+                text = text.replace(path, Path(path).name)
+    return _QUOTED_PATH.sub(r"\1\2\1", text)
 
 
 def shown_problem(error: RequestError, values: TaskValues) -> tuple[str, str]:
     """(the input a RequestError is about, its message as shown there: `error_text`)."""
-    failing = failing_parameter(str(error), values)
-    return failing, error_text(str(error), failing, values)
+    failing = failing_parameter(error, values)
+    return failing, error_text(error, failing, values)
 
 
-def _with_input(problem: str, words: str | None) -> str:
-    """`'name': rest` becomes `'name' (words): rest`; a problem that names no file first gets `words: ` before it."""
-    if words is None:
-        return problem
-    if named := re.match(r"('[^']*'|\"[^\"]*\"): ", problem):
-        return f"{named.group(1)} ({words}): {problem[named.end() :]}"
-    return f"{words}: {problem}" if words.startswith("reference") else problem
+def _with_input(problem: str, file: str | None, words: str | None) -> str:
+    """A problem at the input it came in: `'name' (words): problem` for a file's, else `words: problem` for a
+    reference's (a keyframe's input says which frame it is)."""
+    if file is not None:
+        return f"{file} ({words}): {problem}" if words else f"{file}: {problem}"
+    if words is not None and words.startswith("reference"):
+        return f"{words}: {problem}"
+    return problem
 
 
 def result_update(**fields: Any) -> tuple[Any, ...]:
@@ -345,8 +364,8 @@ class Handlers:
                 geometry = self.front.expected_geometry(request)
             except RequestError as error:
                 # A file's problem as its input shows it; a setting's with the field's name (no input shows it).
-                failing = failing_parameter(str(error), values)
-                shown = error_text(str(error), failing if failing in _FILE_FIELDS else "", values)
+                failing = failing_parameter(error, values)
+                shown = error_text(error, failing if failing in _FILE_FIELDS else "", values)
                 return f"Canvas and frames: waiting for valid settings ({shown})"
             return (
                 f"Canvas **{geometry.width} × {geometry.height}** · **{geometry.frames}** frames at 24 fps "
@@ -370,11 +389,11 @@ class Handlers:
             async for update in self._generate(task, inputs, caller, progress):
                 yield update
 
-        # A keyframe may be left out (None: Gradio then lists it as optional); every parameter after the first
+        # A keyframe or the short edge may be left out (None: Gradio then lists it as optional); every parameter after the first
         # optional one needs a default too, its component's initial value (which the API lists anyway).
         parameter = functools.partial(inspect.Parameter, kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
         names = parameter_names(task)
-        optional = [index for index, name in enumerate(names) if name in _OPTIONAL_FILE_PARAMETERS]
+        optional = [index for index, name in enumerate(names) if name in _OPTIONAL_PARAMETERS]
         first_optional = optional[0] if optional else len(names)
         generate.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
             [

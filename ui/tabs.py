@@ -39,7 +39,7 @@ DEFAULT_VALUES = {
     "steps": 50,
     "flow_shift": 12.0,
     "audio_flow_shift": 3.0,
-    "short_edge": VERIFIED_SHORT_EDGE,
+    "short_edge": None,  # the checkpoint's own canvas rule
     "takes": 1,
     "rungs": "",
     "loras": [],
@@ -183,7 +183,9 @@ def _settings_controls(task: str, derived_text: str, library: LoraLibrary, steps
                     value=DEFAULT_VALUES["short_edge"],
                     precision=0,
                     label="Short edge (px)",
-                    info=f"{VERIFIED_SHORT_EDGE} is the verified setting (the checkpoint's own canvas rule)",
+                    placeholder="the checkpoint's own",
+                    info=f"empty: the checkpoint's own canvas rule ({VERIFIED_SHORT_EDGE} for the release, the "
+                    "verified setting)",
                 )
             )
         with gr.Row():
