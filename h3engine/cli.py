@@ -392,7 +392,9 @@ def _checked_outputs(out: str, save_tensors: str | None) -> tuple[Path, Path | N
     return files.video, files.tensors
 
 
-def _checkpoint_steps(facts: CheckpointFacts, request: GenerationRequest, explicit: bool) -> GenerationRequest:
+def _checkpoint_steps(
+    facts: CheckpointFacts, request: GenerationRequest, explicit: bool
+) -> GenerationRequest:
     """The request with a step-distilled checkpoint's own step count where `--steps` was left out (the checker
     refuses an explicit other count)."""
     from h3engine.resolved_request import effective_rungs

@@ -149,7 +149,9 @@ def prepare_request(
     encode). A step-distilled DiT's rungs (`resolved.rungs`) replace the request's grid."""
     request, geometry = resolved.request, resolved.geometry
     if geometry is None:
-        raise ValueError("prepare_request needs a request resolved with its checkpoint's facts (it has no geometry)")
+        raise ValueError(
+            "prepare_request needs a request resolved with its checkpoint's facts (it has no geometry)"
+        )
     shifts = {"video_shift": request.flow_shift, "audio_shift": request.audio_flow_shift}
     if resolved.rungs is None:
         schedule = Schedule.build(request.steps, recipe=request.recipe, **shifts)

@@ -71,7 +71,9 @@ def resolve_request(
         from h3engine.presentation import prompt_token_counter  # the tokenizer (imports torch)
 
         counter = None if facts.tokenizer is None else prompt_token_counter(facts.tokenizer)
-        warnings = validate(request, media, canvas_multiple=facts.canvas_multiple, count_prompt_tokens=counter)
+        warnings = validate(
+            request, media, canvas_multiple=facts.canvas_multiple, count_prompt_tokens=counter
+        )
         rungs = _check_checkpoint_rules(request, facts)
     duration = resolve_duration_seconds(request, media)
     geometry = None if facts is None else request_geometry(request, facts, media)

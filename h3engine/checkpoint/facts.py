@@ -63,7 +63,9 @@ class CheckpointFacts:
             vae_spatial_ratio=video_vae_source(layout, first).config.spatial_compression_ratio,
             patch=dit_configs[first_partition].patch_size[-1],
             tokenizer=first.tokenizer,
-            dmd_steps={task: rungs for task in layout.tasks if (rungs := layout.dmd_steps_for(task)) is not None},
+            dmd_steps={
+                task: rungs for task in layout.tasks if (rungs := layout.dmd_steps_for(task)) is not None
+            },
             lora_targets={
                 task: (
                     DIFFUSERS_DIT_FOLDERS.get(PARTITION_OF_TASK[task], "transformer"),

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 SCHEDULE_RECIPES = ("sglang", "diffusers")
 
 RELEASED_VIDEO_SHIFT = 12.0
