@@ -1,11 +1,11 @@
 """What a checkpoint decides about requests, read from its headers: `CheckpointFacts`.
 
-`CheckpointFacts.from_layout(layout)` reads the config files (and the safetensors headers the component sources
-open), never a weight: the tasks served, the canvas rule, the video VAE's spatial ratio and the DiT's patch, the
-tokenizer folder, each task's DMD rungs and each task's DiT as LoRA files name it. The CLI reads them before any
-model loads; an engine reads the same (`Engine.facts`) and a worker group's rank 0 sends them to the front. The one
-request checker (h3engine.resolved_request) takes them. MiniMax H3's partitions share the video VAE, the patch and
-the tokenizer, so the first partition's hold for all. Picklable: plain data.
+`CheckpointFacts.from_layout(layout)` reads the config files, never a weight file: the tasks served, the canvas
+rule, the video VAE's spatial ratio and the DiT's patch, the tokenizer folder, each task's DMD rungs and each task's
+DiT as LoRA files name it. The CLI reads them before any model loads; an engine reads the same (`Engine.facts`) and
+a worker group's rank 0 sends them to the front. The one request checker (h3engine.resolved_request) takes them.
+MiniMax H3's partitions share the video VAE, the patch and the tokenizer, so the first partition's hold for all.
+Picklable: plain data.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from h3engine.checkpoint.layout import (
     DIFFUSERS_DIT_FOLDERS,
     PARTITION_OF_TASK,
@@ -23,7 +21,7 @@ from h3engine.checkpoint.layout import (
     CheckpointLayout,
     distilled_step_count,
 )
-from h3engine.checkpoint.loader import dit_source, video_vae_source
+from h3engine.checkpoint.loader import read_dit_config, read_video_vae_config_of
 from h3engine.models.dit import DiTConfig
 
 
@@ -54,13 +52,12 @@ class CheckpointFacts:
         first_partition = next(iter(layout.partitions))
         first = layout.partitions[first_partition]
         dit_configs = {
-            partition: dit_source(layout, paths, torch.float32).config
-            for partition, paths in layout.partitions.items()
+            partition: read_dit_config(layout, paths) for partition, paths in layout.partitions.items()
         }
         return cls(
             tasks=layout.tasks,
             canvas=layout.canvas,
-            vae_spatial_ratio=video_vae_source(layout, first).config.spatial_compression_ratio,
+            vae_spatial_ratio=read_video_vae_config_of(layout, first).spatial_compression_ratio,
             patch=dit_configs[first_partition].patch_size[-1],
             tokenizer=first.tokenizer,
             dmd_steps={
