@@ -735,17 +735,18 @@ def resolve_aspect(
     An explicit width/height wins; "auto" is 16:9 for T2VA and Ref2VA (references never bind the geometry) and
     the first listed keyframe's own (width, height) for FL2VA. Expects a request that passed `validate`.
     """
+    follows = ""
     if request.width is not None and request.height is not None:
-        aspect, source = (request.width, request.height), "width, height"
+        aspect, field = (request.width, request.height), "width, height"
     elif request.aspect_ratio != "auto":
-        aspect, source = parse_aspect_ratio(request.aspect_ratio), "aspect_ratio"
+        aspect, field = parse_aspect_ratio(request.aspect_ratio), "aspect_ratio"
     elif request.task == "fl2va":
         if first_keyframe_size is None:
             fail("keyframes[0]", "its image size is needed to resolve aspect_ratio 'auto'")
-        aspect, source = first_keyframe_size, "aspect_ratio ('auto' follows keyframes[0])"
+        aspect, field, follows = first_keyframe_size, "aspect_ratio", " ('auto' follows keyframes[0])"
     else:
-        aspect, source = DEFAULT_ASPECT, "aspect_ratio"
+        aspect, field = DEFAULT_ASPECT, "aspect_ratio"
     width, height = aspect
     if not _ratio_is_supported(width, height):
-        fail(source, f"resolved ratio must be within 1:4 to 4:1, got {describe(width)}:{describe(height)}")
+        fail(field, f"resolved ratio{follows} must be within 1:4 to 4:1, got {describe(width)}:{describe(height)}")
     return width, height

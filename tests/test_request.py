@@ -223,7 +223,7 @@ INVALID = [
     pytest.param(edit(T2VA, aspect_ratio=1.78), False, "aspect_ratio", "must be 'auto' or one of", id="aspect-number"),
     pytest.param(
         with_keyframes((WIDE_PICTURE, "first"), aspect_ratio="auto"),
-        True, "aspect_ratio ('auto' follows keyframes[0])", "resolved ratio must be within 1:4 to 4:1, got 2000:400",
+        True, "aspect_ratio", "resolved ratio ('auto' follows keyframes[0]) must be within 1:4 to 4:1, got 2000:400",
         id="aspect-auto-keyframe-too-wide",
     ),
     pytest.param(edit(T2VA, short_edge=0), False, "short_edge", "must be >= 1, got 0", id="short-edge-zero"),
