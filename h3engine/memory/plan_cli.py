@@ -164,7 +164,7 @@ def run_plan_memory(args: argparse.Namespace) -> int:
     if budget.gpu_bytes is not None and device_type != "cpu" and budget.gpu_bytes < plan.minimum_gpu_bytes:
         raise RequestError(
             "--gpu-memory",
-            f"{_gpu_budget_words(budget)} cannot hold even the smallest plan for this request ({shape.label}): it "
+            f"{_gpu_budget_words(budget).removeprefix('--gpu-memory ')} cannot hold even the smallest plan for this request ({shape.label}): it "
             f"needs {plan.minimum_gpu_bytes / GIB:.1f} GiB; raise --gpu-memory, or plan a shorter or smaller request "
             f"(--duration, --short-edge{', --references' if args.task == 'ref2va' else ''})",
         )
@@ -173,7 +173,7 @@ def run_plan_memory(args: argparse.Namespace) -> int:
     if not plan.gpu_fits:
         raise RequestError(
             "--memory-profile",
-            f"{plan.profile}: its peak is {plan.peak_gpu_bytes / GIB:.1f} GiB, over "
+            f"{plan.profile} peaks at {plan.peak_gpu_bytes / GIB:.1f} GiB, over "
             f"{_gpu_budget_words(budget)}; use --memory-profile auto (needs at least "
             f"{plan.minimum_gpu_bytes / GIB:.1f} GiB)",
         )
