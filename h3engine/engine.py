@@ -180,10 +180,6 @@ class Engine:
         models = self.store.models_for_task(resolved.request.task)
         return prepare_request(resolved, models, self.layout.canvas, should_cancel)
 
-    def rungs_for(self, request: GenerationRequest | ResolvedRequest) -> tuple[int, ...] | None:
-        """The rungs `request` runs (its own or a step-distilled checkpoint's), None for the grid of its steps."""
-        return self._resolved(request).rungs
-
     def generate(
         self,
         request: GenerationRequest | ResolvedRequest,

@@ -748,5 +748,8 @@ def resolve_aspect(
         aspect, field = DEFAULT_ASPECT, "aspect_ratio"
     width, height = aspect
     if not _ratio_is_supported(width, height):
-        fail(field, f"resolved ratio{follows} must be within 1:4 to 4:1, got {describe(width)}:{describe(height)}")
+        fail(
+            field,
+            f"resolved ratio{follows} must be within 1:4 to 4:1, got {describe(width)}:{describe(height)}",
+        )
     return width, height

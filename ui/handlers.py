@@ -182,8 +182,9 @@ def failing_parameter(error: RequestError, values: TaskValues) -> str:
         index = index or 0
         return given[index] if index < len(given) else "first_image"
     if error.path is not None:
+        # The request may name a stored copy of the upload (ui.inputs.InputStore), which keeps its file name.
         for name, paths in values.files().items():
-            if error.path in paths:
+            if error.path in paths or Path(error.path).name in {Path(path).name for path in paths}:
                 return name
     return "prompt"
 
@@ -389,8 +390,8 @@ class Handlers:
             async for update in self._generate(task, inputs, caller, progress):
                 yield update
 
-        # A keyframe or the short edge may be left out (None: Gradio then lists it as optional); every parameter after the first
-        # optional one needs a default too, its component's initial value (which the API lists anyway).
+        # A keyframe or the short edge may be left out (None: Gradio then lists it as optional); every parameter after
+        # the first optional one needs a default too, its component's initial value (which the API lists anyway).
         parameter = functools.partial(inspect.Parameter, kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
         names = parameter_names(task)
         optional = [index for index, name in enumerate(names) if name in _OPTIONAL_PARAMETERS]

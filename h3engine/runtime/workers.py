@@ -100,7 +100,7 @@ def rank_devices(
         raise RequestError("--gpus and --devices", "give one of them")
     if (gpus is not None or devices is not None) and device is not None and not device.startswith("cuda"):
         raise RequestError(
-            "--device", f"{device}: --gpus and --devices choose GPUs; use --world-size for CPU ranks"
+            "--device", f"is {device}, but --gpus and --devices choose GPUs; use --world-size for CPU ranks"
         )
     for flag, value in (("--gpus", gpus), ("--world-size", world_size)):
         if value is not None and value < 1:
@@ -118,10 +118,14 @@ def rank_devices(
         if count == 1:
             return (device,)
         if device != "cuda":
-            raise RequestError("--device", f"{device}: with --world-size {count} give --device cuda (or cpu)")
+            raise RequestError(
+                "--device", f"is {device}; with --world-size {count} give --device cuda (or cpu)"
+            )
         return _cuda_devices("--world-size", count)
     if world_size is not None and world_size != len(chosen):
-        raise RequestError("--world-size", f"{world_size} does not match the {len(chosen)} GPUs chosen")
+        raise RequestError(
+            "--world-size", f"is {world_size}, which does not match the {len(chosen)} GPUs chosen"
+        )
     return chosen
 
 
@@ -164,8 +168,8 @@ def stage_devices(
         elif size > len(dit_devices):
             raise RequestError(
                 size_flag,
-                f"{size}: the group shares the DiT's {len(dit_devices)} GPUs by default, one rank "
-                f"per GPU; give {flag} with {size} GPUs",
+                f"asks for {size} ranks, but the group shares the DiT's {len(dit_devices)} GPUs by default, one "
+                f"rank per GPU; give {flag} with {size} GPUs",
             )
         else:
             names = tuple(dit_devices[:size])
