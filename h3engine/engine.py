@@ -174,9 +174,11 @@ class Engine:
         self, request: GenerationRequest | ResolvedRequest, should_cancel: Callable[[], bool] | None = None
     ) -> PreparedRequest:
         """Resolve the request (unless it is), read its input files and encode its conditioning (RequestError naming
-        the field)."""
+        the field). Its LoRA files are read whole here (their values checked; the checks read headers only), so
+        that a worker group's rank 0 refuses a broken one before the other ranks apply it."""
         resolved = self._resolved(request)
         self._last_resolved = None
+        self.adapters_for(resolved.request)
         models = self.store.models_for_task(resolved.request.task)
         return prepare_request(resolved, models, self.layout.canvas, should_cancel)
 

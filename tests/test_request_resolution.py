@@ -5,7 +5,8 @@ What is checked: `Engine.generate` of an FL2VA and a Ref2VA request (a video wit
 probes each input file exactly once (the probe function counted), also along a worker rank's calls (validate,
 geometry_for, prepare) and the CLI's (its own checks, then the engine's); `short_edge` None is the checkpoint's
 canvas rule and an explicit 768 is 768 on a checkpoint whose rule is 32 (tiny engine); `RequestError` pickles with
-its field, problem and path, and `in_field` files a media reader's error under the request field.
+its field, problem and path, and `in_field` files a media reader's error under the request field; a LoRA file's
+values are read when the job prepares.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _lora_helpers import random_lora, write_lora
 
 from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.checkpoint.layout import detect_layout
@@ -25,7 +27,7 @@ from h3engine.engine import Engine
 from h3engine.errors import RequestError
 from h3engine.geometry import Geometry, canvas_rule
 from h3engine.media import inputs as media_inputs
-from h3engine.request import GenerationRequest, Keyframe, MediaFacts, MediaInfo, Reference
+from h3engine.request import GenerationRequest, Keyframe, LoraChoice, MediaFacts, MediaInfo, Reference
 from h3engine.resolved_request import resolve_request
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -223,3 +225,19 @@ def test_a_files_problem_is_filed_under_the_field_that_named_it(engine: Engine, 
         engine.validate(request)
     assert caught.value.field == "keyframes[1]" and caught.value.path == str(empty)
     assert caught.value.problem.startswith("the image file is empty")
+
+
+def test_a_lora_files_values_are_read_when_the_job_prepares(engine: Engine, tmp_path: Path) -> None:
+    """The checks read LoRA headers only; `prepare` reads the files whole, so a worker group's rank 0 refuses one
+    with broken values (naming it) before the other ranks apply it."""
+    config = engine.store.dit_config("fl2va")
+    lora = random_lora(config)
+    module = next(iter(lora.down))
+    lora.down[module][0, 0] = float("nan")
+    path = tmp_path / "broken.safetensors"
+    write_lora(path, lora, "diffusers", config)
+    request = GenerationRequest(task="t2va", prompt="A kite.", steps=2, loras=(LoraChoice(str(path)),))
+    assert engine.validate(request) == []
+    with pytest.raises(RequestError) as caught:
+        engine.prepare(request)
+    assert caught.value.field == "loras[0]"
