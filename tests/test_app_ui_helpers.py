@@ -11,6 +11,7 @@ assets/examples.json loads with files that exist.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -140,7 +141,7 @@ def _values(task: str, **overrides) -> TaskValues:
         "steps": 7,
         "flow_shift": 11.0,
         "audio_flow_shift": 2.5,
-        "short_edge": None,  # the checkpoint's own canvas rule
+        "short_edge": 32,  # a tab starts at the checkpoint's own (the tiny checkpoints': 32)
         "takes": 1,
         "rungs": "",
         "loras": [],
@@ -161,6 +162,7 @@ def test_tab_inputs_become_the_request_and_back() -> None:
         steps=7,
         flow_shift=11.0,
         audio_flow_shift=2.5,
+        short_edge=32,
         keyframes=(Keyframe(first, "first"), Keyframe(last, "last")),
     )
     restored = request_values(request, keep=str)
@@ -176,6 +178,10 @@ def test_tab_inputs_become_the_request_and_back() -> None:
     assert request.references == (Reference("image", picture), Reference("audio", audio))
     assert request.duration_seconds is None
     assert build_request(_values("ref2va", **request_values(request, keep=str))) == request
+    # A request left to the checkpoint's rule shows that rule's short edge (a browser cannot send an empty number).
+    own = dataclasses.replace(request, short_edge=None)
+    assert request_values(own, keep=str, own_short_edge=32)["short_edge"] == 32
+    assert request_values(own, keep=str)["short_edge"] == 768
 
 
 def test_request_errors_land_on_the_input_they_name() -> None:

@@ -31,7 +31,7 @@ import gradio as gr
 
 from h3engine.errors import RequestError
 from h3engine.lora_library import LoraLibrary
-from h3engine.request import GenerationRequest, Keyframe, Reference
+from h3engine.request import VERIFIED_SHORT_EDGE, GenerationRequest, Keyframe, Reference
 from h3engine.request_shapes import from_dict
 from h3engine.runtime.front import EngineFront, JobHandle, stamped_output_name
 from h3engine.runtime.messages import PreviewFrame
@@ -61,9 +61,8 @@ _SCALAR_FIELDS = {
 }
 _BOOLEAN_FIELDS = ("randomize_seed", "duration_from_reference")
 _FILE_FIELDS = ("first_image", "last_image", "references")
-# The endpoint parameters an API client may leave out although their components start empty (None: no keyframe, the
-# checkpoint's own short edge).
-_OPTIONAL_PARAMETERS = ("first_image", "last_image", "short_edge")
+# The endpoint parameters an API client may leave out although their components start empty.
+_OPTIONAL_FILE_PARAMETERS = ("first_image", "last_image")
 _KEYFRAME_WORDS = {"first_image": "first frame", "last_image": "last frame"}
 _QUOTED_PATH = re.compile(r"(['\"])/[^'\"]*/([^'\"/]+)\1")
 
@@ -254,10 +253,14 @@ def result_update(**fields: Any) -> tuple[Any, ...]:
 
 
 def request_values(
-    request: GenerationRequest, keep: Callable[[str], str], library: LoraLibrary | None = None
+    request: GenerationRequest,
+    keep: Callable[[str], str],
+    library: LoraLibrary | None = None,
+    own_short_edge: int = VERIFIED_SHORT_EDGE,
 ) -> dict[str, Any]:
     """A request's settings as input values by parameter name (files that no longer exist, and adapters no longer
-    in the LoRA folder, are left out)."""
+    in the LoRA folder, are left out); a short edge left to the checkpoint's rule shows as `own_short_edge`, the
+    rule's own (a browser cannot send an empty number)."""
     values: dict[str, Any] = {
         "prompt": request.prompt,
         "duration_seconds": request.duration_seconds or DEFAULT_VALUES["duration_seconds"],
@@ -267,7 +270,7 @@ def request_values(
         "steps": request.steps,
         "flow_shift": request.flow_shift,
         "audio_flow_shift": request.audio_flow_shift,
-        "short_edge": request.short_edge,
+        "short_edge": own_short_edge if request.short_edge is None else request.short_edge,
         "takes": 1,
         "rungs": ",".join(map(str, request.rungs)),
         "loras": lora_values(request, library or LoraLibrary(None)),
@@ -390,11 +393,11 @@ class Handlers:
             async for update in self._generate(task, inputs, caller, progress):
                 yield update
 
-        # A keyframe or the short edge may be left out (None: Gradio then lists it as optional); every parameter after
-        # the first optional one needs a default too, its component's initial value (which the API lists anyway).
+        # A keyframe may be left out (None: Gradio then lists it as optional); every parameter after the first
+        # optional one needs a default too, its component's initial value (which the API lists anyway).
         parameter = functools.partial(inspect.Parameter, kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
         names = parameter_names(task)
-        optional = [index for index, name in enumerate(names) if name in _OPTIONAL_PARAMETERS]
+        optional = [index for index, name in enumerate(names) if name in _OPTIONAL_FILE_PARAMETERS]
         first_optional = optional[0] if optional else len(names)
         generate.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
             [
@@ -535,7 +538,9 @@ class Handlers:
             request = from_dict(entry.sidecar["request"])
         except RequestError as error:
             raise gr.Error(f"Cannot restore {entry.stem}: {error}", print_exception=False) from None
-        return request, request_values(request, self.access.publish, self.library)
+        return request, request_values(
+            request, self.access.publish, self.library, self.front.facts.canvas.short_edge
+        )
 
     def result_of(self, entry: HistoryEntry, keep_takes: bool = False) -> tuple[Any, ...]:
         """The result column showing a past result; `keep_takes`: it is one of the takes shown, which stay."""
@@ -577,7 +582,7 @@ class Handlers:
         return entry
 
     def example_values(self, request: GenerationRequest) -> dict[str, Any]:
-        return request_values(request, self.access.publish, self.library)
+        return request_values(request, self.access.publish, self.library, self.front.facts.canvas.short_edge)
 
     def use_last_frame(self, last_result: str | None) -> str:
         if not last_result or not Path(last_result).is_file():
