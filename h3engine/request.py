@@ -165,11 +165,6 @@ class MediaFacts:
             self._facts[key] = self._probe(Reference(kind=kind, path=entry.path))
         return self._facts[key]
 
-    @property
-    def probed(self) -> dict[tuple[str, str], MediaInfo]:
-        """What was probed so far: (kind, path) -> its facts."""
-        return dict(self._facts)
-
     @classmethod
     def of(cls, probe: MediaProbe) -> MediaFacts:
         """`probe` itself when it already remembers, else a `MediaFacts` asking it."""
@@ -259,14 +254,14 @@ def validate(
 ) -> list[str]:
     """Check `request` against the task rules; return warnings, raise `RequestError` naming the field.
 
-    `media_durations` probes a reference (keyframes are probed as image references; a `MediaFacts` probes each
-    file once, and a plain probe is wrapped in one) for the rules that need file facts, among them the prompt's labels (a `<Picture N>`, `<Video N>` or `<Audio N>` no input defines is
-    refused: whether a video defines an `<Audio j>` depends on its soundtrack); without it those rules are
-    skipped, and FL2VA's aspect "auto" stays unresolved until the keyframe is read. `canvas_multiple` is what an
-    explicit width/height must be a multiple of (32 for the released checkpoint, smaller for tiny test
-    checkpoints). `count_prompt_tokens` (the checkpoint's tokenizer, e.g.
-    `h3engine.presentation.prompt_token_counter`) adds the token bound, checked before any file is probed; without
-    it only the character bound applies.
+    `media_durations` probes a reference (keyframes are probed as image references; a plain probe is wrapped in a
+    `MediaFacts`, which probes each file once) for the rules that need file facts, among them the prompt's labels
+    (a `<Picture N>`, `<Video N>` or `<Audio N>` no input defines is refused: whether a video defines an
+    `<Audio j>` depends on its soundtrack); without it those rules are skipped, and FL2VA's aspect "auto" stays
+    unresolved until the keyframe is read. `canvas_multiple` is what an explicit width/height must be a multiple of
+    (32 for the released checkpoint, smaller for tiny test checkpoints). `count_prompt_tokens` (the checkpoint's
+    tokenizer, e.g. `h3engine.presentation.prompt_token_counter`) adds the token bound, checked before any file is
+    probed; without it only the character bound applies.
     """
     if not isinstance(request, GenerationRequest):
         fail("request", f"must be a GenerationRequest, got {describe(request)}")
