@@ -250,14 +250,15 @@ def request_adapters(
             targets = (choice.target,) if choice.target is not None else default_targets(lora)
             if target not in targets:
                 raise RequestError(
-                    f"{field}.target: {lora.name!r} targets {' and '.join(map(repr, targets))} (its key prefixes, "
+                    f"{field}.target",
+                    f"{lora.name!r} targets {' and '.join(map(repr, targets))} (its key prefixes, "
                     f"else diffusers' default 'transformer'), a {request.task} request runs {target!r}: "
-                    f"set target to {target}"
+                    f"set target to {target}",
                 )
             adapter = Adapter(lora, choice.strength, target)
             check_adapter(adapter, config)
         except LoraError as error:
-            raise RequestError(f"{field}: {error}") from None
+            raise RequestError(field, str(error)) from None
         adapters.append((adapter, sha256))
     return tuple(adapters)
 

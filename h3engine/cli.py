@@ -7,9 +7,9 @@ Devices: `--device` (default cuda when present) runs the engine here; `--gpus N`
 `--world-size N` (`--device cpu`: CPU ranks over gloo) run a resident worker group (h3engine.runtime.workers). The
 engine flags (layout, `--dtype`, the memory budget, `--fp8-linear`) are the app's too (h3engine.engine_options).
 
-Order of the checks: the output flags, the request and its files (headers only) and `--dtype` before torch is
-imported; then the device, memory-profile and layout flags, a step-distilled checkpoint's step count (`--steps`
-defaults to it), the prompt's tokens and the LoRA files (against the DiT's config); then models load.
+Checks: the output flags, the request and its files (headers) and `--dtype` before torch is imported; the device,
+memory and layout flags; the request on the checkpoint's facts as the engine decides (h3engine.resolved_request;
+`--steps` defaults to a step-distilled checkpoint's count); then models load.
 Exit codes: 0 success; 2 a bad request, input file, output, flag, LoRA or checkpoint (one line on stderr naming it);
 1 an internal error (one line; `--debug` adds the traceback); 130 Ctrl-C, 143 SIGTERM: a running generation is
 cancelled and every worker process ends. Nothing is written under the output name unless all of it succeeded.
@@ -48,16 +48,16 @@ from h3engine.request import (
     MAX_LORAS,
     REFERENCE_KINDS,
     GenerationRequest,
-    check_prompt_tokens,
     distilled_step_count,
-    validate,
 )
 from h3engine.request_shapes import from_dict
 
 if TYPE_CHECKING:  # torch is imported only once a generation really starts
     import torch
 
+    from h3engine.checkpoint.facts import CheckpointFacts
     from h3engine.parallel.groups import RuntimeLayout
+    from h3engine.resolved_request import ResolvedRequest
     from h3engine.runtime.supervision import StallPolicy
 
 EXIT_TERMINATED = 143
@@ -69,6 +69,11 @@ class Terminated(BaseException):
 
 class EngineFailed(Exception):
     """A worker group's job failed inside the engine (exit code 1; its message is one line)."""
+
+
+class JobRefused(Exception):
+    """A worker group refused the job's request or an input file when it ran (exit code 2; its message is one
+    line naming the field)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -217,7 +222,7 @@ def parse_dmd_steps(text: str | None, flag: str = "--dmd-steps") -> list[int] | 
         return [int(part) for part in text.split(",")]
     except ValueError:
         raise RequestError(
-            f"{flag}: expected comma-separated integers such as 999,750,500,250, got '{text}'"
+            flag, f"expected comma-separated integers such as 999,750,500,250, got '{text}'"
         ) from None
 
 
@@ -230,7 +235,8 @@ def parse_reference_spec(spec: str) -> dict[str, object]:
     kind, separator, rest = spec.partition(":")
     if not separator or kind not in REFERENCE_KINDS or not rest:
         raise RequestError(
-            f"--ref: expected KIND:PATH[@START_SECONDS] with KIND one of {', '.join(REFERENCE_KINDS)}, got '{spec}'"
+            "--ref",
+            f"expected KIND:PATH[@START_SECONDS] with KIND one of {', '.join(REFERENCE_KINDS)}, got '{spec}'",
         )
     path, at, start_text = rest.rpartition("@")
     if kind == "video" and at and path:
@@ -251,7 +257,7 @@ def parse_lora_spec(spec: str, target: str | None) -> dict[str, object]:
         except ValueError:
             if not Path(spec).exists():
                 raise RequestError(
-                    f"--lora: expected PATH[:STRENGTH] with STRENGTH a number such as 0.8, got '{spec}'"
+                    "--lora", f"expected PATH[:STRENGTH] with STRENGTH a number such as 0.8, got '{spec}'"
                 ) from None
     return {"path": spec, "strength": 1.0, "target": target}
 
@@ -283,7 +289,7 @@ def _request_payload(args: argparse.Namespace) -> dict:
         "loras": [parse_lora_spec(spec, args.lora_target) for spec in args.lora],
     }
     if args.lora_target is not None and not args.lora:
-        raise RequestError("--lora-target: given without --lora (it sets the target of each --lora)")
+        raise RequestError("--lora-target", "given without --lora (it sets the target of each --lora)")
     rungs = parse_dmd_steps(args.rungs, "--rungs")
     steps = args.steps
     if rungs is not None and steps is None:
@@ -303,22 +309,25 @@ def _request_payload(args: argparse.Namespace) -> dict:
 
 
 def _generate(args: argparse.Namespace, progress: Progress) -> int:
-    # Everything below up to the device flags runs without torch (PyAV and Pillow read the file headers), so a
-    # mistake in the request, its files, the output flags or the dtype is refused before that import.
-    from h3engine.media.inputs import probe_media
+    # PyAV and Pillow (which read the input files' headers) are imported by the first command that needs them.
+    from h3engine.resolved_request import new_media_facts, resolve_request
 
     out_path, save_tensors_path = _checked_outputs(args.out, args.save_tensors)
     _check_utf8_flag("--checkpoint", args.checkpoint)
     request = from_dict(_request_payload(args))
-    # The canvas multiple of explicit width/height depends on the checkpoint and is checked once it is known.
-    validate(request, probe_media, canvas_multiple=1)
+    # The rules no checkpoint decides, each input file probed once (PyAV and Pillow read the headers): a mistake in
+    # the request, its files, the output flags or the dtype is refused before torch is imported.
+    media = new_media_facts()
+    resolve_request(request, None, media)
     if args.turbo:
         request = _with_turbo(args, request)
-        validate(request, canvas_multiple=1)  # the steps, shifts and rungs it set
+        resolve_request(request, None, media)  # the steps, shifts and rungs it set
     options = EngineOptions.from_args(args)
     check_dtype(options.dtype)
 
     # Imported here: it needs torch (GPU counts), which `--help` and the checks above never pay for.
+    from h3engine.checkpoint.facts import CheckpointFacts
+    from h3engine.checkpoint.layout import detect_layout
     from h3engine.runtime.supervision import StallPolicy, checked_stall_timeout
     from h3engine.runtime.workers import rank_devices
 
@@ -328,13 +337,16 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
     device = resolve_device(devices[0]) if len(devices) == 1 and not layout.split else None
     if options.fp8_linear and device is not None:
         check_fp8_device(device)
-    # The checkpoint's index and tokenizer alone; the checkpoint itself loads after this.
-    request = _checkpoint_steps(args.checkpoint, request, explicit=args.steps is not None)
-    _check_prompt_tokens(args.checkpoint, request)
-    _check_loras(args.checkpoint, request)
+    # The checkpoint's own rules, from its headers (the engine and its front decide with the same function and
+    # facts); the models load after this.
+    facts = CheckpointFacts.from_layout(detect_layout(args.checkpoint))
+    request = _checkpoint_steps(facts, request, explicit=args.steps is not None)
+    resolved = resolve_request(request, facts, media)
+    for warning in resolved.warnings:
+        progress.warning(warning)
     if device is not None:
         return _generate_in_process(
-            args.checkpoint, options, request, device, out_path, save_tensors_path, progress
+            args.checkpoint, options, resolved, device, out_path, save_tensors_path, progress
         )
     return _generate_on_workers(
         args.checkpoint, options, request, devices, layout, out_path, save_tensors_path, progress, stall
@@ -346,7 +358,7 @@ def _with_turbo(args: argparse.Namespace, request: GenerationRequest) -> Generat
     from h3engine.lora_library import file_turbo, turbo_settings
 
     if not request.loras:
-        raise RequestError("--turbo: needs a --lora (the preset is for step-distilled adapters)")
+        raise RequestError("--turbo", "needs a --lora (the preset is for step-distilled adapters)")
     turbo = turbo_settings([file_turbo(lora.path) for lora in request.loras], request.recipe)
     rungs = request.rungs if args.rungs is not None else turbo.rungs
     preset = {
@@ -367,8 +379,9 @@ def _check_utf8_flag(flag: str, value: str) -> None:
         value.encode("utf-8")
     except UnicodeEncodeError as error:
         raise RequestError(
-            f"{flag}: must be valid UTF-8 text; character {error.start} of the path is {value[error.start]!r}, "
-            "a byte that is not UTF-8"
+            flag,
+            f"must be valid UTF-8 text; character {error.start} of the path is {value[error.start]!r}, "
+            "a byte that is not UTF-8",
         ) from None
 
 
@@ -381,61 +394,32 @@ def _checked_outputs(out: str, save_tensors: str | None) -> tuple[Path, Path | N
     if save_tensors is not None:
         _check_utf8_flag("--save-tensors", save_tensors)
     if Path(out).suffix.lower() != ".mp4":
-        raise RequestError(f"--out: the output must be an .mp4 path, got '{out}'")
+        raise RequestError("--out", f"the output must be an .mp4 path, got '{out}'")
     files = OutputFiles.beside(out, save_tensors)
     problem = files.problem()
     if problem is not None:
         role, message = problem
-        raise RequestError(f"{'--out' if role == 'video' else '--save-tensors'}: {message}")
+        raise RequestError("--out" if role == "video" else "--save-tensors", message)
     return files.video, files.tensors
 
 
-def _checkpoint_steps(checkpoint: str, request: GenerationRequest, explicit: bool) -> GenerationRequest:
-    """The request with a step-distilled checkpoint's own step count where `--steps` was left out; an explicit
-    other count is refused (RequestError naming `steps`) before any model loads."""
-    from h3engine.checkpoint.layout import detect_layout
-    from h3engine.request import distilled_step_count
-    from h3engine.sampling.schedule import check_distilled_steps, effective_rungs
+def _checkpoint_steps(
+    facts: CheckpointFacts, request: GenerationRequest, explicit: bool
+) -> GenerationRequest:
+    """The request with a step-distilled checkpoint's own step count where `--steps` was left out (the checker
+    refuses an explicit other count)."""
+    from h3engine.resolved_request import effective_rungs
 
-    rungs = effective_rungs(request.rungs, detect_layout(checkpoint).dmd_steps_for(request.task))
+    rungs = effective_rungs(request.rungs, facts.dmd_steps.get(request.task))
     if rungs is not None and not explicit:
         request = replace(request, steps=distilled_step_count(rungs, request.recipe))
-    check_distilled_steps(request.steps, request.recipe, rungs)
     return request
-
-
-def _check_prompt_tokens(checkpoint: str, request: GenerationRequest) -> None:
-    """The prompt's token bound with the tokenizer of the partition serving the task; no model is loaded."""
-    from h3engine.checkpoint.layout import detect_layout
-    from h3engine.presentation import prompt_token_counter
-
-    tokenizer_folder = detect_layout(checkpoint).for_task(request.task).tokenizer
-    check_prompt_tokens(request.prompt, prompt_token_counter(tokenizer_folder))
-
-
-def _check_loras(checkpoint: str, request: GenerationRequest) -> None:
-    """Each LoRA file's header checked against the DiT its task runs (that DiT's config only: no model loads; the
-    engine reads the whole file when it runs)."""
-    if not request.loras:
-        return
-    import torch
-
-    from h3engine.adapters import LoraHeaders, request_adapters
-    from h3engine.checkpoint.layout import DIFFUSERS_DIT_FOLDERS, detect_layout
-    from h3engine.checkpoint.loader import dit_source
-
-    layout = detect_layout(checkpoint)
-    paths = layout.for_task(request.task)
-    config = dit_source(layout, paths, torch.float32).config
-    request_adapters(
-        request, DIFFUSERS_DIT_FOLDERS.get(paths.partition, "transformer"), config, LoraHeaders()
-    )
 
 
 def _generate_in_process(
     checkpoint: str,
     options: EngineOptions,
-    request: GenerationRequest,
+    resolved: ResolvedRequest,
     device: torch.device,
     out_path: Path,
     save_tensors_path: Path | None,
@@ -443,11 +427,12 @@ def _generate_in_process(
 ) -> int:
     engine = load_engine(checkpoint, device, options, on_load=progress.load_event)
     progress.memory_plan(engine.placement.plan_lines())
-    for warning in engine.validate(request):
-        progress.warning(warning)
+    # The engine's own check (its facts, its memory plan) on the files' facts already probed.
+    resolved = engine.resolve(resolved.request, resolved.media)
+    request = resolved.request
     progress.prepare(request.task, request.steps)
     written = engine.generate_to_file(
-        request,
+        resolved,
         out_path,
         save_tensors_path=save_tensors_path,
         on_step=lambda event: progress.step(event.step, event.total, event.elapsed_s),
@@ -480,8 +465,6 @@ def _generate_on_workers(
     progress.group_loaded(devices, layout.describe(), time.perf_counter() - started)
     front = EngineFront([replica], out_path.parent)
     try:
-        for warning in front.check(request):
-            progress.warning(warning)
         progress.prepare(request.task, request.steps)
         handle = front.submit(request, out_path, save_tensors_path)
         while True:
@@ -493,7 +476,7 @@ def _generate_on_workers(
                 return 0
             elif isinstance(event, JobFailed):
                 if event.kind == "request":
-                    raise RequestError(event.message)
+                    raise JobRefused(event.message)
                 raise EngineFailed(event.message)
     finally:
         front.shutdown()
@@ -521,31 +504,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(
                     make_tiny_checkpoint(args.folder, seed=args.seed, layout=args.layout, dmd_steps=dmd_steps)
                 )
-            except FileExistsError as error:
-                raise RequestError(str(error)) from None
-            except (
-                ValueError
-            ) as error:  # the rungs themselves or the layout (only "dmd_steps: ..." can reach here)
-                raise RequestError("--dmd-steps" + str(error).removeprefix("dmd_steps")) from None
+            except FileExistsError:
+                raise RequestError("folder", f"{args.folder} is not empty") from None
+            except ValueError as error:  # the rungs themselves (only "dmd_steps: ..." can reach here)
+                raise RequestError("--dmd-steps", str(error).removeprefix("dmd_steps: ")) from None
             return 0
         if args.command == "make-placeholder-checkpoint":
             from h3engine.checkpoint.placeholder import make_placeholder_checkpoint
 
             try:
                 print(make_placeholder_checkpoint(args.folder, seed=args.seed, tiny=args.tiny))
-            except FileExistsError as error:
-                raise RequestError(str(error)) from None
+            except FileExistsError:
+                raise RequestError("folder", f"{args.folder} is not empty") from None
             return 0
         if args.command == "plan-memory":
             return run_plan_memory(args)
         if args.quiet and args.progress != "auto":
-            raise RequestError(f"--quiet: shows no progress, so it cannot go with --progress {args.progress}")
+            raise RequestError(
+                "--quiet", f"shows no progress, so it cannot go with --progress {args.progress}"
+            )
         progress = make_progress(args.progress, args.quiet)
         try:
             return _generate(args, progress)
         finally:
             progress.close()
-    except H3Error as error:
+    except (H3Error, JobRefused) as error:
         code, line = 2, f"error: {error}"
     except EngineFailed as error:
         code, line = 1, f"error: {error}"

@@ -5,10 +5,11 @@ Contract:
   of every partition checked, the first partition loaded, so a broken checkpoint fails here naming the file and
   key. A worker group's rank passes its own loader (h3engine.runtime.rank) and holds only its shards. `on_load`
   (None by default) hears each component load (h3engine.model_store.LoadEvent), now and on a later first use.
-* `validate` reads file headers, never the models; `generate` is `prepare` (validate, read the inputs, encode the
-  conditioning: a `PreparedRequest`) then the pipeline, and returns float tensors; `generate_to_file` checks its
-  output names first, then writes the MP4 (while the video decodes), the optional tensors and the sidecar into
-  staging files that appear together, only when all are complete (h3engine.media.outputs.staged).
+* `resolve` is the one request checker (h3engine.resolved_request) on the checkpoint's `facts`, then the memory
+  check: file headers, never the models (`validate`: its warnings). `generate` is `prepare` (read the resolved
+  request's inputs, encode the conditioning) then the pipeline; each takes a request or its `ResolvedRequest`, and
+  the request `resolve` just resolved is not resolved again (one probe a file). `generate_to_file` checks its output
+  names, then writes the MP4, the optional tensors and the sidecar as staging files that appear together.
 * `should_cancel` is polled between the phases; a request's `loras` apply to its DiT for that request only.
 * Memory (h3engine.memory.engine_plan): the profile, the GPU / host budgets and the weight format become a plan
   before anything loads (`plan`, logged); a budget no plan fits, or a request too large for it, raises RequestError.
@@ -32,17 +33,10 @@ from h3engine.adapters import (
     request_adapters,
     same_adapters,
 )
-from h3engine.checkpoint.layout import (
-    DIFFUSERS_DIT_FOLDERS,
-    PARTITION_OF_TASK,
-    CheckpointLayout,
-    detect_layout,
-)
-from h3engine.errors import RequestError
+from h3engine.checkpoint.facts import CheckpointFacts
+from h3engine.checkpoint.layout import DIFFUSERS_DIT_FOLDERS, CheckpointLayout, detect_layout
 from h3engine.geometry import Geometry
-from h3engine.media import inputs as media_inputs
 from h3engine.media.outputs import OutputFiles, checked_output_files, input_records, staged
-from h3engine.media.request_inputs import request_geometry
 from h3engine.memory.engine_plan import MemoryRequest, check_request_memory, plan_memory
 from h3engine.memory.placement import Placement
 from h3engine.memory.plan import MemoryPlan
@@ -57,8 +51,8 @@ from h3engine.pipeline import (
     write_outputs,
 )
 from h3engine.presentation import prompt_token_counter
-from h3engine.request import MAX_LORAS, GenerationRequest, validate
-from h3engine.sampling.schedule import check_distilled_steps, effective_rungs
+from h3engine.request import MAX_LORAS, GenerationRequest, MediaFacts
+from h3engine.resolved_request import ResolvedRequest, resolve_request
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +79,11 @@ class Engine:
         self.store = ModelStore(
             layout, device, dtype, self.placement, loader or ModelLoader(), fp8_linear, on_load
         )
+        self.facts = CheckpointFacts.from_layout(layout)
         self._lora_files = LoraFiles(MAX_LORAS)
+        # The request `resolve` last resolved, until `prepare` takes it: the same request's `geometry_for` and
+        # `prepare` (a worker rank calls validate, geometry_for, then prepare) do not resolve it again.
+        self._last_resolved: ResolvedRequest | None = None
 
     @classmethod
     def from_checkpoint(
@@ -135,74 +133,73 @@ class Engine:
             apply_adapters(models.dit, wanted, self.device)
         return models
 
-    def validate(self, request: GenerationRequest) -> list[str]:
-        """Check a request against the rules, this checkpoint and its input files; returns warnings, raises
-        RequestError (naming the field or the file)."""
-        if (
-            request.task in PARTITION_OF_TASK
-            and PARTITION_OF_TASK[request.task] not in self.layout.partitions
-        ):
-            raise RequestError(f"task: this checkpoint has no partition serving '{request.task}'")
-        partition = self.store.partition_for(request.task)
-        vae_ratio, patch = self.store.models_for_partition(partition).spatial_factors
-        warnings = validate(
-            request,
-            media_inputs.probe_media,
-            canvas_multiple=vae_ratio * patch,
-            count_prompt_tokens=prompt_token_counter(self.layout.partitions[partition].tokenizer),
-        )
-        check_distilled_steps(request.steps, request.recipe, self.rungs_for(request))
-        self.adapters_for(request)
+    def resolve(self, request: GenerationRequest, media: MediaFacts | None = None) -> ResolvedRequest:
+        """Check a request against the rules, this checkpoint and its input files, and resolve it (raises
+        RequestError naming the field): `resolve_request` on `facts`, then the memory plan's check on what it
+        resolved. `media`: the facts of files already probed for this request."""
+        resolved = resolve_request(request, self.facts, media)
         if self.plan.sizes is not None:
-            geometry = self.geometry_for(request)
-            tokens = prompt_token_counter(self.layout.partitions[partition].tokenizer)(request.prompt)
+            geometry = resolved.geometry
+            tokens = prompt_token_counter(self.facts.tokenizer)(request.prompt)
             check_request_memory(
-                self.plan, request, (geometry.height, geometry.width), tokens, media_inputs.probe_media
+                self.plan,
+                request,
+                (geometry.height, geometry.width),
+                tokens,
+                resolved.media,
+                duration_seconds=resolved.duration_seconds,
             )
-        if request.task == "ref2va" and request.keyframes:
-            # SGLang's schema admits them, but no reference implementation we follow lays them out next to
-            # references; dropping them silently would generate something the user did not ask for.
-            raise RequestError(
-                "keyframes: this engine does not support keyframes together with references (ref2va)"
-            )
-        return warnings
+        self._last_resolved = resolved
+        return resolved
 
-    def geometry_for(
-        self, request: GenerationRequest, first_keyframe_size: tuple[int, int] | None = None
-    ) -> Geometry:
-        """The canvas and frame counts of a validated request on this checkpoint (see `request_geometry`)."""
-        vae_ratio, patch = self.store.models_for_task(request.task).spatial_factors
-        return request_geometry(request, self.layout.canvas, vae_ratio, patch, first_keyframe_size)
+    def validate(self, request: GenerationRequest) -> list[str]:
+        """`resolve`'s warnings: check a request against the rules, this checkpoint and its input files (raises
+        RequestError naming the field)."""
+        return list(self.resolve(request).warnings)
+
+    def _resolved(self, request: GenerationRequest | ResolvedRequest) -> ResolvedRequest:
+        """A resolved request as it is; the request `resolve` just resolved (the same object); else resolved now."""
+        if isinstance(request, ResolvedRequest):
+            return request
+        last = self._last_resolved
+        return last if last is not None and last.request is request else self.resolve(request)
+
+    def geometry_for(self, request: GenerationRequest | ResolvedRequest) -> Geometry:
+        """The canvas and frame counts of a request on this checkpoint (see `resolve_request`)."""
+        geometry = self._resolved(request).geometry
+        assert geometry is not None  # resolved with this checkpoint's facts
+        return geometry
 
     def prepare(
-        self, request: GenerationRequest, should_cancel: Callable[[], bool] | None = None
+        self, request: GenerationRequest | ResolvedRequest, should_cancel: Callable[[], bool] | None = None
     ) -> PreparedRequest:
-        """Validate the request, read its input files and encode its conditioning (RequestError naming the field)."""
-        self.validate(request)
-        models = self.store.models_for_task(request.task)
-        return prepare_request(request, models, self.layout.canvas, should_cancel, self.rungs_for(request))
-
-    def rungs_for(self, request: GenerationRequest) -> tuple[int, ...] | None:
-        """The rungs `request` runs (its own or a step-distilled checkpoint's), None for the grid of its steps."""
-        return effective_rungs(request.rungs, self.layout.dmd_steps_for(request.task))
+        """Resolve the request (unless it is), read its input files and encode its conditioning (RequestError naming
+        the field). Its LoRA files are read whole here (their values checked; the checks read headers only), so
+        that a worker group's rank 0 refuses a broken one before the other ranks apply it."""
+        resolved = self._resolved(request)
+        self._last_resolved = None
+        self.adapters_for(resolved.request)
+        models = self.store.models_for_task(resolved.request.task)
+        return prepare_request(resolved, models, self.layout.canvas, should_cancel)
 
     def generate(
         self,
-        request: GenerationRequest,
+        request: GenerationRequest | ResolvedRequest,
         on_step: Callable[[StepEvent], None] | None = None,
         should_cancel: Callable[[], bool] | None = None,
         mp4_path: Path | None = None,
     ) -> tuple[GenerationOutput, Geometry]:
         """The request's video and audio tensors; with `mp4_path`, also its MP4, written while the video decodes."""
-        prepared = self.prepare(request, should_cancel)
-        models = self.models_for(request)
+        resolved = self._resolved(request)
+        prepared = self.prepare(resolved, should_cancel)
+        models = self.models_for(resolved.request)
         with torch.inference_mode():
             output = run_generation(models, prepared, self.device, on_step, should_cancel, mp4_path)
         return output, prepared.geometry
 
     def generate_to_file(
         self,
-        request: GenerationRequest,
+        request: GenerationRequest | ResolvedRequest,
         out_path: Path,
         save_tensors_path: Path | None = None,
         on_step: Callable[[StepEvent], None] | None = None,
@@ -210,10 +207,12 @@ class Engine:
     ) -> OutputFiles:
         """`generate` into `out_path` (MP4), its sidecar and optionally `save_tensors_path`; all or nothing appears."""
         files = checked_output_files(out_path, save_tensors_path)
+        resolved = self._resolved(request)
+        request = resolved.request
         inputs = input_records(request)
         with staged(files) as staging:
             output, geometry = self.generate(
-                request, on_step=on_step, should_cancel=should_cancel, mp4_path=staging.files.video
+                resolved, on_step=on_step, should_cancel=should_cancel, mp4_path=staging.files.video
             )
             write_outputs(staging, request, inputs, output, geometry, self.record(request), mp4_written=True)
             return staging.commit()

@@ -149,7 +149,7 @@ def check_dtype(name: str | None) -> str:
     if name is None:
         return "bfloat16"
     if name not in DTYPES:
-        raise RequestError(f"--dtype: expected bfloat16 or float32, got '{name}'")
+        raise RequestError("--dtype", f"expected bfloat16 or float32, got '{name}'")
     return DTYPES[name]
 
 
@@ -169,16 +169,16 @@ def resolve_device(name: str | None, flag: str = "--device") -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise RequestError(f"{flag}: unknown device '{name}'") from None
+        raise RequestError(flag, f"unknown device '{name}'") from None
     if device.type not in ("cpu", "cuda"):
-        raise RequestError(f"{flag}: only cpu and cuda are supported, got '{name}'")
+        raise RequestError(flag, f"only cpu and cuda are supported, got '{name}'")
     if device.type == "cuda":
         visible = torch.cuda.device_count()
         if visible == 0:
-            raise RequestError(f"{flag}: CUDA was asked for but no GPU is available")
+            raise RequestError(flag, "CUDA was asked for but no GPU is available")
         if (device.index or 0) >= visible:
             raise RequestError(
-                f"{flag}: {name} asked for, but {visible} {'GPU is' if visible == 1 else 'GPUs are'} visible"
+                flag, f"{name} asked for, but {visible} {'GPU is' if visible == 1 else 'GPUs are'} visible"
             )
     return device
 
@@ -195,7 +195,7 @@ def check_engine_options(options: EngineOptions, world_size: int) -> RuntimeLayo
     check_dtype(options.dtype)
     check_memory_options(options)
     if options.stage_layout not in STAGE_LAYOUTS:
-        raise RequestError(f"--stage-layout: expected colocated or split, got '{options.stage_layout}'")
+        raise RequestError("--stage-layout", f"expected colocated or split, got '{options.stage_layout}'")
     split = options.stage_layout == "split"
     group_sizes = {"--encoder-tp": options.encoder_tp, "--vae-ranks": options.vae_ranks}
     for devices_flag, size_flag, devices in (
@@ -205,12 +205,13 @@ def check_engine_options(options: EngineOptions, world_size: int) -> RuntimeLayo
         if devices is None:
             continue
         if not split:
-            raise RequestError(f"{devices_flag}: only with --stage-layout split (its groups' own GPUs)")
+            raise RequestError(devices_flag, "only with --stage-layout split (its groups' own GPUs)")
         count = len(devices.split(","))
         if group_sizes[size_flag] not in (None, count):
             raise RequestError(
-                f"{devices_flag}: {count} GPUs given, but {size_flag} {group_sizes[size_flag]} asks for "
-                f"{group_sizes[size_flag]} (the group has one rank per GPU)"
+                devices_flag,
+                f"{count} GPUs given, but {size_flag} {group_sizes[size_flag]} asks for "
+                f"{group_sizes[size_flag]} (the group has one rank per GPU)",
             )
         group_sizes[size_flag] = count
     try:
@@ -222,10 +223,10 @@ def check_engine_options(options: EngineOptions, world_size: int) -> RuntimeLayo
             group_sizes["--vae-ranks"],
             options.stage_layout,
         )
-    except ValueError as error:
-        raise RequestError(str(error)) from None
+    except ValueError as error:  # names the flags, which only together make no layout
+        raise RequestError("", str(error)) from None
     if options.fp8_linear and (world_size > 1 or split):
-        raise RequestError("--fp8-linear: FP8 linear layers run on one GPU only (no worker group)")
+        raise RequestError("--fp8-linear", "FP8 linear layers run on one GPU only (no worker group)")
     return layout
 
 
@@ -235,16 +236,18 @@ def check_fp8_device(device: torch.device) -> None:
 
     if device.type != "cuda":
         raise RequestError(
-            f"--fp8-linear: FP8 linear layers need a CUDA GPU of compute capability "
+            "--fp8-linear",
+            f"FP8 linear layers need a CUDA GPU of compute capability "
             f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer; on {device.type} they would only emulate "
-            "FP8 (slower, and not the released precision): drop the flag"
+            "FP8 (slower, and not the released precision): drop the flag",
         )
     capability = torch.cuda.get_device_capability(device)
     if capability < FP8_MIN_CAPABILITY:
         raise RequestError(
-            f"--fp8-linear: FP8 linear layers need compute capability {FP8_MIN_CAPABILITY[0]}."
+            "--fp8-linear",
+            f"FP8 linear layers need compute capability {FP8_MIN_CAPABILITY[0]}."
             f"{FP8_MIN_CAPABILITY[1]} or newer, {device} has {capability[0]}.{capability[1]} (they would only be "
-            "emulated): drop the flag"
+            "emulated): drop the flag",
         )
 
 

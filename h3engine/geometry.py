@@ -81,15 +81,15 @@ def resolve_canvas(
     return to_multiple(height), to_multiple(width)
 
 
-def canvas_rule(short_edge: int, rule_short_edge: int, rule_max_pixels: int) -> tuple[int, int]:
+def canvas_rule(short_edge: int | None, rule_short_edge: int, rule_max_pixels: int) -> tuple[int, int]:
     """(short edge, area cap) of a requested short edge on a checkpoint whose canvas rule is
     (`rule_short_edge`, `rule_max_pixels`); reference videos follow the same rule.
 
-    The released short edge (768) stands for the checkpoint's own rule (768 for the release, the tiny
-    checkpoints' 32); another short edge scales the area cap with it.
+    None stands for the checkpoint's own rule (768 for the release, the tiny checkpoints' 32); a short edge is
+    taken as given, every one alike (768 too), and scales the area cap with it.
     """
-    if short_edge == RELEASED_SHORT_EDGE:
-        short_edge = rule_short_edge
+    if short_edge is None:
+        return rule_short_edge, rule_max_pixels
     return short_edge, rule_max_pixels * short_edge**2 // rule_short_edge**2
 
 

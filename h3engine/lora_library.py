@@ -105,11 +105,11 @@ class LoraLibrary:
         for entry in self.entries:
             if entry.name == name:
                 if entry.problem is not None:
-                    raise RequestError(f"{field}: {name!r} cannot be used: {entry.problem}")
+                    raise RequestError(field, f"{name!r} cannot be used: {entry.problem}")
                 return entry
         names = ", ".join(entry.name for entry in self.entries if entry.problem is None) or "none"
         where = "no LoRA folder was given (--lora-dir)" if self.folder is None else f"available: {names}"
-        raise RequestError(f"{field}: no adapter named {str(name)[:120]!r}; {where}")
+        raise RequestError(field, f"no adapter named {str(name)[:120]!r}; {where}")
 
     def name_of(self, path: str | os.PathLike[str]) -> str | None:
         """The library name of a file (as a request or a sidecar names it), None when it is not in the library."""
@@ -160,29 +160,33 @@ def read_turbo_metadata(metadata: dict[str, str], name: str) -> TurboSettings | 
     try:
         declared = json.loads(metadata[TURBO_METADATA_KEY])
     except json.JSONDecodeError:
-        raise RequestError(f"loras: {where} is not JSON") from None
+        raise RequestError("loras", f"{where} is not JSON") from None
     if not isinstance(declared, dict) or not set(declared) & set(_TURBO_FIELDS):
-        raise RequestError(f"loras: {where} must be a JSON object with any of {', '.join(_TURBO_FIELDS)}")
+        raise RequestError("loras", f"{where} must be a JSON object with any of {', '.join(_TURBO_FIELDS)}")
     settings = replace(TURBO_TABLE, source=f"{name}'s metadata")
     if "dmd_denoising_steps" in declared:
         rungs = declared["dmd_denoising_steps"]
         if not valid_dmd_steps(rungs):
             raise RequestError(
-                f"loras: {where}: dmd_denoising_steps must be strictly decreasing integers in (0, 1000]"
+                "loras", f"{where}: dmd_denoising_steps must be strictly decreasing integers in (0, 1000]"
             )
         settings = replace(settings, rungs=tuple(rungs), steps=len(rungs))
     if "num_inference_steps" in declared:
         steps = declared["num_inference_steps"]
         if type(steps) is not int or not 1 <= steps <= MAX_STEPS:
-            raise RequestError(f"loras: {where}: num_inference_steps must be an integer in [1, {MAX_STEPS}]")
+            raise RequestError(
+                "loras", f"{where}: num_inference_steps must be an integer in [1, {MAX_STEPS}]"
+            )
         if settings.rungs and steps != len(settings.rungs):
-            raise RequestError(f"loras: {where}: num_inference_steps {steps} but {len(settings.rungs)} rungs")
+            raise RequestError(
+                "loras", f"{where}: num_inference_steps {steps} but {len(settings.rungs)} rungs"
+            )
         settings = replace(settings, steps=steps)
     for field in ("flow_shift", "audio_flow_shift"):
         if field in declared:
             value = declared[field]
             if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
-                raise RequestError(f"loras: {where}: {field} must be a positive number")
+                raise RequestError("loras", f"{where}: {field} must be a positive number")
             settings = replace(settings, **{field: float(value)})
     return settings
 
@@ -193,7 +197,7 @@ def file_turbo(path: str | os.PathLike[str]) -> TurboSettings | None:
     try:
         _, metadata = read_lora_header(path, name)
     except LoraError as error:
-        raise RequestError(f"loras: {error}") from None
+        raise RequestError("loras", str(error)) from None
     return read_turbo_metadata(metadata, name)
 
 

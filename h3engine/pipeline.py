@@ -1,9 +1,9 @@
 """One request from its input files to its MP4: inputs -> conditioning -> text -> denoise -> decode -> mux.
 
-Contract: `prepare_request` reads a validated request's files and encodes its conditioning into a `PreparedRequest`
-(plain CPU data, which a worker group's rank 0 hands to the other ranks); `run_generation` is `denoise_request`
-(text encode, pack, denoise) then `decode` (which can write the MP4 while the video decodes) and returns float
-tensors; `write_outputs` writes the MP4, the tensors and the sidecar. A worker group runs the halves itself: every
+Contract: `prepare_request` reads a resolved request's files (h3engine.resolved_request) and encodes its
+conditioning into a `PreparedRequest` (plain CPU data, which a worker group's rank 0 hands to the other ranks);
+`run_generation` is `denoise_request` (text encode, pack, denoise) then `decode` (which can write the MP4 while the
+video decodes) and returns float tensors; `write_outputs` writes the MP4, the tensors and the sidecar. A worker group runs the halves itself: every
 rank denoises, the VAE group decodes with `decode_on_group`. The loop follows the released recipe: one
 guidance-free DiT forward per step on the whole packed sequence; conditioning rows (visual ones noised once to
 t = 0.999 with the request's condition noise, reference audio clean) are re-fed unchanged; the scheduler state
@@ -32,11 +32,10 @@ from h3engine.checkpoint.layout import CanvasRules
 from h3engine.conditioning import EncodedConditions, encode_keyframes, encode_references, fit_keyframes
 from h3engine.errors import GenerationCancelled
 from h3engine.geometry import Geometry
-from h3engine.media import inputs as media_inputs
 from h3engine.media.mux import write_mp4
 from h3engine.media.outputs import StagedOutputs, save_tensors, sidecar_record, write_sidecar
 from h3engine.media.progressive import ProgressiveFrames
-from h3engine.media.request_inputs import read_reference, request_geometry
+from h3engine.media.request_inputs import read_keyframe, read_reference
 from h3engine.memory.placement import PHASE_COMPONENTS, Placement
 from h3engine.modulation import schedule_modulation
 from h3engine.parallel.groups import GroupMembership
@@ -48,6 +47,7 @@ from h3engine.presentation import (
     text_presentation,
 )
 from h3engine.request import GenerationRequest
+from h3engine.resolved_request import ResolvedRequest
 from h3engine.sampling.noise import InitialNoise, draw_initial_noise, noise_condition_rows
 from h3engine.sampling.packing import (
     PackedLayout,
@@ -139,23 +139,27 @@ class PreparedRequest:
 
 
 def prepare_request(
-    request: GenerationRequest,
+    resolved: ResolvedRequest,
     models: Models,
     canvas: CanvasRules,
     should_cancel: Callable[[], bool] | None = None,
-    dmd_steps: tuple[int, ...] | None = None,
 ) -> PreparedRequest:
-    """Read a validated request's input files, put them on the model's rates and `canvas`, build the text
-    encoder's presentation and encode the conditioning latents (`should_cancel` is polled before each file and
-    before the encode). `dmd_steps`: the rungs of a step-distilled DiT, which replace the request's grid."""
+    """Read a resolved request's input files, put them on the model's rates and `canvas`, build the text encoder's
+    presentation and encode the conditioning latents (`should_cancel` is polled before each file and before the
+    encode). A step-distilled DiT's rungs (`resolved.rungs`) replace the request's grid."""
+    request, geometry = resolved.request, resolved.geometry
+    if geometry is None:
+        raise ValueError(
+            "prepare_request needs a request resolved with its checkpoint's facts (it has no geometry)"
+        )
     shifts = {"video_shift": request.flow_shift, "audio_shift": request.audio_flow_shift}
-    if dmd_steps is None:
+    if resolved.rungs is None:
         schedule = Schedule.build(request.steps, recipe=request.recipe, **shifts)
     else:
-        schedule = Schedule.from_rungs(dmd_steps, **shifts)
+        schedule = Schedule.from_rungs(resolved.rungs, **shifts)
     with torch.inference_mode():
         started = time.perf_counter()
-        geometry, presentation, conditions = _read_and_encode(request, models, canvas, should_cancel)
+        presentation, conditions = _read_and_encode(resolved, geometry, models, canvas, should_cancel)
         conditioning_s = time.perf_counter() - started
     return PreparedRequest(
         geometry, presentation, conditions, schedule, request.seed, request.recipe, conditioning_s
@@ -163,37 +167,37 @@ def prepare_request(
 
 
 def _read_and_encode(
-    request: GenerationRequest,
+    resolved: ResolvedRequest,
+    geometry: Geometry,
     models: Models,
     canvas: CanvasRules,
     should_cancel: Callable[[], bool] | None,
-) -> tuple[Geometry, Presentation, EncodedConditions]:
+) -> tuple[Presentation, EncodedConditions]:
+    request = resolved.request
     vae_ratio, patch = models.spatial_factors
     if request.task == "fl2va":
         images = []
-        for keyframe in request.keyframes:
+        for index in range(len(request.keyframes)):
             check_cancelled(should_cancel)
-            images.append(media_inputs.load_image(keyframe.path))
-        geometry = request_geometry(request, canvas, vae_ratio, patch, first_keyframe_size=images[0].size)
+            images.append(read_keyframe(request, index))
         fitted = fit_keyframes(images, geometry.height, geometry.width)
         presentation = keyframe_presentation(models.tokenizer, models.processor, request.prompt, fitted)
         anchors = [keyframe.position for keyframe in request.keyframes]
         check_cancelled(should_cancel)
         with models.resident_for("conditioning"):
             conditions = encode_keyframes(models.video_vae, fitted, anchors)
-        return geometry, presentation, conditions
-    geometry = request_geometry(request, canvas, vae_ratio, patch)
+        return presentation, conditions
     if request.task == "ref2va":
         references = []
         for index in range(len(request.references)):
             check_cancelled(should_cancel)
-            references.append(read_reference(request, index, geometry, canvas, vae_ratio * patch))
+            references.append(read_reference(resolved, index, canvas, vae_ratio * patch))
         presentation = reference_presentation(models.tokenizer, models.processor, request.prompt, references)
         check_cancelled(should_cancel)
         with models.resident_for("conditioning"):
             conditions = encode_references(models.video_vae, models.audio_vae, references)
-        return geometry, presentation, conditions
-    return geometry, text_presentation(models.tokenizer, request.prompt), EncodedConditions(task="t2va")
+        return presentation, conditions
+    return text_presentation(models.tokenizer, request.prompt), EncodedConditions(task="t2va")
 
 
 # --- text ---------------------------------------------------------------------------------------------------

@@ -2,10 +2,10 @@
 
 * `GenerationRequest` is a frozen, plain-Python description of one generation (no torch, no numpy); payloads are
   read into it by h3engine.request_shapes.from_dict, which does not judge values.
-* `validate` judges values: it raises `RequestError` whose message starts with the offending field
-  (`"duration_seconds: must be within [4, 15] s, got 3"`) and returns warnings for requests that leave the verified
-  configuration. Rules on the media files (durations, soundtracks, image sizes) use the caller's probe
-  (`MediaInfo`); without one they are skipped, so such a request can still fail once its files are read.
+* `validate` judges values: it raises `RequestError` naming the offending field (`duration_seconds`: "must be
+  within [4, 15] s, got 3") and returns warnings for requests that leave the verified configuration. Rules on the
+  media files (durations, soundtracks, image sizes) use the caller's probe through `MediaFacts` (one probe a file);
+  without one they are skipped. The checkpoint's rules are h3engine.resolved_request's, which calls this.
 * Every number and text has an upper bound from the model's limits (the constants below say why), the prompt in
   characters here and in tokens with the checkpoint's tokenizer (`check_prompt_tokens`). Texts must be UTF-8.
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal, TypeVar
 
-from h3engine.checkpoint.layout import valid_dmd_steps
-from h3engine.errors import RequestError
+from h3engine.checkpoint.layout import distilled_step_count, valid_dmd_steps
+from h3engine.errors import RequestError, file_name
 from h3engine.geometry import (
     MAX_ASPECT_RATIO,
     MIN_ASPECT_RATIO,
@@ -45,7 +45,6 @@ from h3engine.request_checks import (
     fail,
     is_integer,
     is_number,
-    path_name,
 )
 
 TASKS = ("t2va", "fl2va", "ref2va")
@@ -147,6 +146,31 @@ class MediaInfo:
 
 
 MediaProbe = Callable[[Reference], MediaInfo]
+
+
+class MediaFacts:
+    """The facts of a request's input files, each file probed once and remembered: a `MediaProbe` that asks
+    `probe` (h3engine.media.inputs.probe_media, or a test's) only about a file it has not seen, by kind and path; a
+    keyframe is asked about as an image reference. Probing opens and may decode a file, and several rules (and the
+    engine, after them) ask about the same one."""
+
+    def __init__(self, probe: MediaProbe) -> None:
+        self._probe = probe
+        self._facts: dict[tuple[str, str], MediaInfo] = {}
+
+    def __call__(self, entry: Reference | Keyframe) -> MediaInfo:
+        kind = "image" if isinstance(entry, Keyframe) else entry.kind
+        key = (kind, entry.path)
+        if key not in self._facts:
+            self._facts[key] = self._probe(Reference(kind=kind, path=entry.path))
+        return self._facts[key]
+
+    @classmethod
+    def of(cls, probe: MediaProbe) -> MediaFacts:
+        """`probe` itself when it already remembers, else a `MediaFacts` asking it."""
+        return probe if isinstance(probe, MediaFacts) else cls(probe)
+
+
 LoraTarget = Literal["transformer", "transformer_ref"]
 
 
@@ -172,7 +196,8 @@ class GenerationRequest:
     prompt: str
     duration_seconds: float | None = 5.0
     aspect_ratio: str = "auto"
-    short_edge: int = VERIFIED_SHORT_EDGE
+    # None: the checkpoint's own canvas rule (768 for the release); a number: that short edge, as given.
+    short_edge: int | None = None
     width: int | None = None
     height: int | None = None
     seed: int = 0
@@ -229,14 +254,14 @@ def validate(
 ) -> list[str]:
     """Check `request` against the task rules; return warnings, raise `RequestError` naming the field.
 
-    `media_durations` probes a reference (keyframes are probed as image references) for the rules that need
-    file facts, among them the prompt's labels (a `<Picture N>`, `<Video N>` or `<Audio N>` no input defines is
-    refused: whether a video defines an `<Audio j>` depends on its soundtrack); without it those rules are
-    skipped, and FL2VA's aspect "auto" stays unresolved until the keyframe is read. `canvas_multiple` is what an
-    explicit width/height must be a multiple of (32 for the released checkpoint, smaller for tiny test
-    checkpoints). `count_prompt_tokens` (the checkpoint's tokenizer, e.g.
-    `h3engine.presentation.prompt_token_counter`) adds the token bound, checked before any file is probed; without
-    it only the character bound applies.
+    `media_durations` probes a reference (keyframes are probed as image references; a plain probe is wrapped in a
+    `MediaFacts`, which probes each file once) for the rules that need file facts, among them the prompt's labels
+    (a `<Picture N>`, `<Video N>` or `<Audio N>` no input defines is refused: whether a video defines an
+    `<Audio j>` depends on its soundtrack); without it those rules are skipped, and FL2VA's aspect "auto" stays
+    unresolved until the keyframe is read. `canvas_multiple` is what an explicit width/height must be a multiple of
+    (32 for the released checkpoint, smaller for tiny test checkpoints). `count_prompt_tokens` (the checkpoint's
+    tokenizer, e.g. `h3engine.presentation.prompt_token_counter`) adds the token bound, checked before any file is
+    probed; without it only the character bound applies.
     """
     if not isinstance(request, GenerationRequest):
         fail("request", f"must be a GenerationRequest, got {describe(request)}")
@@ -251,7 +276,7 @@ def validate(
     _check_loras(request.task, request.loras)
     first_keyframe_size = None
     if media_durations is not None:
-        probe = _remembering(media_durations)
+        probe = MediaFacts.of(media_durations)
         _check_reference_media(request, probe)
         first_keyframe_size = _checked_keyframe_sizes(request, probe)
         _check_prompt_labels(request, probe)
@@ -292,12 +317,6 @@ def _check_scalars(request: GenerationRequest) -> None:
             )
 
 
-def distilled_step_count(rungs: Sequence[int], recipe: str) -> int:
-    """The step count (`num_inference_steps`) that runs `rungs` under `recipe`: one forward per rung, and the
-    diffusers recipe counts the terminal grid point too."""
-    return len(rungs) + 1 if recipe == "diffusers" else len(rungs)
-
-
 def _check_rungs(request: GenerationRequest) -> None:
     rungs = request.rungs
     if not isinstance(rungs, tuple) or not rungs:
@@ -334,7 +353,8 @@ def _check_prompt_characters(prompt: str) -> None:
 
 
 def _check_canvas(request: GenerationRequest, canvas_multiple: int) -> list[str]:
-    check_integer_range(request.short_edge, "short_edge", 1, MAX_SHORT_EDGE)
+    if request.short_edge is not None:
+        check_integer_range(request.short_edge, "short_edge", 1, MAX_SHORT_EDGE)
     if not isinstance(request.aspect_ratio, str) or (
         request.aspect_ratio != "auto" and request.aspect_ratio not in PRESET_ASPECT_RATIOS
     ):
@@ -343,7 +363,7 @@ def _check_canvas(request: GenerationRequest, canvas_multiple: int) -> list[str]
             f"must be 'auto' or one of {', '.join(PRESET_ASPECT_RATIOS)}, got {describe(request.aspect_ratio)}",
         )
     if request.width is None and request.height is None:
-        if request.short_edge != VERIFIED_SHORT_EDGE:
+        if request.short_edge not in (None, VERIFIED_SHORT_EDGE):
             return [
                 f"short_edge: {request.short_edge} is outside the verified configuration ({VERIFIED_SHORT_EDGE})"
             ]
@@ -459,9 +479,17 @@ def _check_conditions_for_task(
             fail("references", f"task 'fl2va' takes no references (use 'ref2va'), got {len(references)}")
         if not keyframes:
             fail("keyframes", "task 'fl2va' needs a first and/or a last keyframe, got none")
-    _check_keyframe_positions(keyframes)
-    if task == "ref2va":
-        _check_reference_set(keyframes, references)
+        _check_keyframe_positions(keyframes)
+        return
+    if keyframes:
+        # SGLang's schema admits them, but no reference implementation we follow lays them out beside
+        # references; dropping them silently would generate something the user did not ask for.
+        fail(
+            "keyframes",
+            f"task 'ref2va' takes no keyframes: keyframes beside references are not supported (use 'fl2va' for "
+            f"keyframes), got {len(keyframes)}",
+        )
+    _check_reference_set(references)
 
 
 def _check_keyframe_positions(keyframes: tuple[Keyframe, ...]) -> None:
@@ -474,11 +502,7 @@ def _check_keyframe_positions(keyframes: tuple[Keyframe, ...]) -> None:
         )
 
 
-def _check_reference_set(keyframes: tuple[Keyframe, ...], references: tuple[Reference, ...]) -> None:
-    if keyframes and not references:
-        fail(
-            "references", "ref2va keyframes need at least one reference; use task 'fl2va' for keyframes only"
-        )
+def _check_reference_set(references: tuple[Reference, ...]) -> None:
     if not references:
         fail("references", "task 'ref2va' needs at least one reference (use 't2va' for text only)")
     kinds = [reference.kind for reference in references]
@@ -514,27 +538,12 @@ def _check_duration_range(seconds: float, field: str, origin: str) -> None:
         )
 
 
-def _remembering(media_durations: MediaProbe) -> MediaProbe:
-    """Probe each file once: probing opens and may decode it, and several rules ask about the same reference."""
-    facts: dict[Reference, MediaInfo] = {}
-
-    def probe(reference: Reference) -> MediaInfo:
-        if reference not in facts:
-            facts[reference] = media_durations(reference)
-        return facts[reference]
-
-    return probe
-
-
 def _probed(probe: MediaProbe, reference: Reference, field: str) -> MediaInfo:
-    """The probe's facts; its RequestError (which names the file) gets the field in front."""
+    """The probe's facts; its RequestError (about the file) is filed under `field`."""
     try:
         return probe(reference)
     except RequestError as error:
-        message = str(error)
-        if message.startswith(field):
-            raise
-        raise RequestError(f"{field}: {message}") from None
+        raise error.in_field(field) from None
 
 
 def _check_reference_media(request: GenerationRequest, probe: MediaProbe) -> None:
@@ -552,7 +561,7 @@ def _check_reference_media(request: GenerationRequest, probe: MediaProbe) -> Non
         if reference.kind == "video" and min(info.width, info.height) < MIN_IMAGE_SIDE:
             fail(
                 field,
-                f"video {path_name(reference.path)} frames are {info.width}x{info.height} pixels; each side must "
+                f"video {file_name(reference.path)} frames are {info.width}x{info.height} pixels; each side must "
                 f"be at least {MIN_IMAGE_SIDE}",
             )
         if reference.kind == "audio" and not info.has_audio:
@@ -679,7 +688,7 @@ def _image_size(info: MediaInfo, field: str, what: str, path: str) -> tuple[int,
     if not _has_size(info):
         fail(field, f"{what} has no usable size, got {describe(info.width)}x{describe(info.height)}")
     width, height = info.width, info.height
-    size = f"{what} {path_name(path)} is {describe(width)}x{describe(height)} pixels"
+    size = f"{what} {file_name(path)} is {describe(width)}x{describe(height)} pixels"
     if min(width, height) < MIN_IMAGE_SIDE:
         fail(field, f"{size}; each side must be at least {MIN_IMAGE_SIDE}")
     if max(width, height) > MAX_IMAGE_SIDE or width * height > MAX_IMAGE_PIXELS:
@@ -721,17 +730,21 @@ def resolve_aspect(
     An explicit width/height wins; "auto" is 16:9 for T2VA and Ref2VA (references never bind the geometry) and
     the first listed keyframe's own (width, height) for FL2VA. Expects a request that passed `validate`.
     """
+    follows = ""
     if request.width is not None and request.height is not None:
-        aspect, source = (request.width, request.height), "width, height"
+        aspect, field = (request.width, request.height), "width, height"
     elif request.aspect_ratio != "auto":
-        aspect, source = parse_aspect_ratio(request.aspect_ratio), "aspect_ratio"
+        aspect, field = parse_aspect_ratio(request.aspect_ratio), "aspect_ratio"
     elif request.task == "fl2va":
         if first_keyframe_size is None:
             fail("keyframes[0]", "its image size is needed to resolve aspect_ratio 'auto'")
-        aspect, source = first_keyframe_size, "aspect_ratio ('auto' follows keyframes[0])"
+        aspect, field, follows = first_keyframe_size, "aspect_ratio", " ('auto' follows keyframes[0])"
     else:
-        aspect, source = DEFAULT_ASPECT, "aspect_ratio"
+        aspect, field = DEFAULT_ASPECT, "aspect_ratio"
     width, height = aspect
     if not _ratio_is_supported(width, height):
-        fail(source, f"resolved ratio must be within 1:4 to 4:1, got {describe(width)}:{describe(height)}")
+        fail(
+            field,
+            f"resolved ratio{follows} must be within 1:4 to 4:1, got {describe(width)}:{describe(height)}",
+        )
     return width, height

@@ -1,4 +1,4 @@
-"""Small checks the request rules share: each raises RequestError whose message starts with the field it names.
+"""Small checks the request rules share: each raises a RequestError naming its field.
 
 `fail(field, problem)` raises; `describe(value)` prints any value short (huge integers by their size, long texts
 cut) with its type unless it is a plain JSON scalar; `check_local_path` refuses empty paths, NUL characters,
@@ -15,7 +15,7 @@ from h3engine.errors import RequestError
 
 
 def fail(field: str, problem: str) -> NoReturn:
-    raise RequestError(f"{field}: {problem}")
+    raise RequestError(field, problem)
 
 
 def is_integer(value: Any) -> bool:
@@ -91,12 +91,6 @@ _SHORT_REPR = _ShortRepr()
 _SHORT_REPR.maxlevel = 2
 _SHORT_REPR.maxstring = 48
 _SHORT_REPR.maxother = 48
-
-
-def path_name(path: str) -> str:
-    """A file's path for messages: whole (as `repr`) unless it is absurdly long."""
-    text = repr(path)
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def describe(value: Any) -> str:

@@ -16,7 +16,6 @@ from dataclasses import fields
 from typing import Any
 
 from h3engine.request import (
-    VERIFIED_SHORT_EDGE,
     GenerationRequest,
     Keyframe,
     LoraChoice,
@@ -172,7 +171,7 @@ def _from_sglang_shape(payload: Mapping[str, Any]) -> GenerationRequest:
         prompt=payload["prompt"],
         duration_seconds=target.get("duration_seconds"),
         aspect_ratio=target.get("aspect_ratio", "auto"),
-        short_edge=_integral_float_as_int(target.get("short_edge", VERIFIED_SHORT_EDGE)),
+        short_edge=_integral_float_as_int(target.get("short_edge")),
         seed=_integral_float_as_int(payload.get("seed", SGLANG_DEFAULT_SEED)),
         steps=_integral_float_as_int(payload.get("num_inference_steps", 50)),
         flow_shift=payload.get("flow_shift", 12.0),

@@ -140,7 +140,7 @@ def test_a_results_folder_that_cannot_be_made_is_a_status_and_an_error_naming_no
 def test_an_output_path_the_front_refuses_is_a_status_without_the_fronts_field_or_path(
     outputs, tmp_path
 ) -> None:
-    refusal = RequestError(f"out_path: folder '{outputs}/sessions/x' is not writable")
+    refusal = RequestError("out_path", f"folder '{outputs}/sessions/x' is not writable")
     front = StandInFront(submit_error=refusal)
     updates, error = _press(_handlers(front, outputs, tmp_path))
     assert (

@@ -11,6 +11,7 @@ assets/examples.json loads with files that exist.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -140,7 +141,7 @@ def _values(task: str, **overrides) -> TaskValues:
         "steps": 7,
         "flow_shift": 11.0,
         "audio_flow_shift": 2.5,
-        "short_edge": 768,
+        "short_edge": 32,  # a tab starts at the checkpoint's own (the tiny checkpoints': 32)
         "takes": 1,
         "rungs": "",
         "loras": [],
@@ -161,6 +162,7 @@ def test_tab_inputs_become_the_request_and_back() -> None:
         steps=7,
         flow_shift=11.0,
         audio_flow_shift=2.5,
+        short_edge=32,
         keyframes=(Keyframe(first, "first"), Keyframe(last, "last")),
     )
     restored = request_values(request, keep=str)
@@ -176,47 +178,77 @@ def test_tab_inputs_become_the_request_and_back() -> None:
     assert request.references == (Reference("image", picture), Reference("audio", audio))
     assert request.duration_seconds is None
     assert build_request(_values("ref2va", **request_values(request, keep=str))) == request
+    # A request left to the checkpoint's rule shows that rule's short edge (a browser cannot send an empty number).
+    own = dataclasses.replace(request, short_edge=None)
+    assert request_values(own, keep=str, own_short_edge=32)["short_edge"] == 32
+    assert request_values(own, keep=str)["short_edge"] == 768
 
 
 def test_request_errors_land_on_the_input_they_name() -> None:
     values = _values("fl2va", last_image="/uploads/x/last.png")
-    assert failing_parameter("prompt: must be a non-empty string, got ''", values) == "prompt"
-    assert failing_parameter("width, height: nope", values) == "aspect_ratio"
+    assert failing_parameter(RequestError("prompt", "must be a non-empty string, got ''"), values) == "prompt"
+    assert failing_parameter(RequestError("width, height", "nope"), values) == "aspect_ratio"
+    assert failing_parameter(RequestError("short_edge", "must be <= 2048, got 4000"), values) == "short_edge"
     # Only a last image was given, so keyframes[0] is the last image.
+    ratio = RequestError("keyframes[0]", "keyframe image ratio must be within 1:4 to 4:1")
+    assert failing_parameter(ratio, values) == "last_image"
     assert (
-        failing_parameter("keyframes[0]: keyframe image ratio must be within 1:4 to 4:1", values)
+        failing_parameter(RequestError("keyframes[0].path", "must be a non-empty path"), values)
         == "last_image"
     )
-    assert failing_parameter("'/uploads/x/last.png': not a readable image", values) == "last_image"
+    # A file's problem not yet filed under a field lands on the input holding that file.
+    unfiled = RequestError.about_file("/uploads/x/last.png", "not a readable image")
+    assert failing_parameter(unfiled, values) == "last_image"
     ref_values = _values("ref2va", references=["/u/a.png"], duration_from_reference=True)
-    assert failing_parameter("duration_seconds: is required", ref_values) == "duration_from_reference"
-    assert failing_parameter("references[0]: clip too short", ref_values) == "references"
+    assert (
+        failing_parameter(RequestError("duration_seconds", "is required"), ref_values)
+        == "duration_from_reference"
+    )
+    assert failing_parameter(RequestError("references[0]", "clip too short"), ref_values) == "references"
+    # Nothing in the message decides: a field-less problem that reads like a field's lands on the prompt.
+    assert failing_parameter(RequestError("", "steps: must be <= 1000"), values) == "prompt"
 
 
 def test_errors_name_the_users_file_and_the_field_once() -> None:
     upload = "/tmp/gradio/0f3a9c/my photo.png"
     values = _values("fl2va", last_image=upload)
-    empty = f"keyframes[0]: '{upload}': the image file is empty; accepted: a JPEG, PNG or WEBP image"
+    empty = RequestError(
+        "keyframes[0]", "the image file is empty; accepted: a JPEG, PNG or WEBP image", upload
+    )
+    assert (
+        str(empty)
+        == f"keyframes[0]: '{upload}': the image file is empty; accepted: a JPEG, PNG or WEBP image"
+    )
     assert failing_parameter(empty, values) == "last_image"
     shown = error_text(empty, "last_image", values)
     assert (
         shown == "'my photo.png' (last frame): the image file is empty; accepted: a JPEG, PNG or WEBP image"
     )
-    assert error_text("steps: must be <= 1000, got 5000", "steps", values) == "must be <= 1000, got 5000"
+    steps = RequestError("steps", "must be <= 1000, got 5000")
+    assert error_text(steps, "steps", values) == "must be <= 1000, got 5000"
     clips = _values("ref2va", references=["/u/1/a.png", "/u/2/notes.mp3"], duration_from_reference=True)
-    corrupt = "references[1]: '/u/2/notes.mp3': the audio file is corrupt or truncated (InvalidDataError)"
+    corrupt = RequestError(
+        "references[1]", "the audio file is corrupt or truncated (InvalidDataError)", "/u/2/notes.mp3"
+    )
     assert failing_parameter(corrupt, clips) == "references"
     assert error_text(corrupt, "references", clips) == (
         "'notes.mp3' (reference 2): the audio file is corrupt or truncated (InvalidDataError)"
     )
-    assert error_text("references[0]: clip too short", "references", clips) == "reference 1: clip too short"
-    stored = "references[0]: '/data/outputs/inputs/0a1b2c/a.png': the image file is empty"
+    short = RequestError("references[0]", "clip too short")
+    assert error_text(short, "references", clips) == "reference 1: clip too short"
+    start = RequestError("references[0].start_seconds", "must be >= 0, got -1")
+    assert error_text(start, "references", clips) == "reference 1.start_seconds: must be >= 0, got -1"
+    stored = RequestError("references[0]", "the image file is empty", "/data/outputs/inputs/0a1b2c/a.png")
     assert error_text(stored, "references", clips) == "'a.png' (reference 1): the image file is empty"
-    assert error_text("duration_seconds: is required", "duration_from_reference", clips) == (
-        "duration_seconds is required"
+    required = RequestError("duration_seconds", "is required")
+    assert error_text(required, "duration_from_reference", clips) == "duration_seconds is required"
+    cited = RequestError(
+        "prompt", "cites <Picture 3>, which no input defines: the references define <Picture 1>"
     )
-    cited = "prompt: cites <Picture 3>, which no input defines: the references define <Picture 1>"
-    assert error_text(cited, failing_parameter(cited, clips), clips) == cited.removeprefix("prompt: ")
+    assert error_text(cited, failing_parameter(cited, clips), clips) == cited.problem
+    # A server path inside a problem shows as its base name.
+    inside = RequestError("references[1]", "video file has no video stream: '/data/outputs/inputs/9f/b.mp4'")
+    assert error_text(inside, "references", clips) == "reference 2: video file has no video stream: 'b.mp4'"
 
 
 def test_file_inputs_hand_over_upload_paths_undecoded_and_refuse_anything_else() -> None:

@@ -222,21 +222,16 @@ def test_device_names_are_checked_against_this_machine(monkeypatch: pytest.Monke
 
 @pytest.fixture(scope="module")
 def tokenizer_only_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A native FL2VA partition with the tiny tokenizer and empty model folders: loading it would fail, so a
-    refusal that names the prompt proves the token check ran before the checkpoint loads."""
-    from h3engine.checkpoint.text_encoder_files import write_tiny_tokenizer
+    """A tiny native checkpoint without a single weight file (its config files and tokenizer only): loading it
+    would fail, so a refusal that names the prompt proves the token check ran on the checkpoint's headers, before
+    the checkpoint loads."""
+    from h3engine.checkpoint.tiny import make_tiny_checkpoint
 
-    root = tmp_path_factory.mktemp("tokenizer-only")
-    partition = root / "FL2VA"
-    for folder in ("transformer", "video_vae", "audio_vae", "text_encoder", "tokenizer", "processor"):
-        (partition / folder).mkdir(parents=True)
-    release = {
-        "partition": "fl2va",
-        "tasks": ["t2va", "fl2va"],
-        "sigma_shift_scales": {"video": 12.0, "audio": 3.0},
-    }
-    (partition / "model_index.json").write_text(json.dumps({"_minimax_h3": release}))
-    write_tiny_tokenizer(partition / "tokenizer")
+    root = make_tiny_checkpoint(tmp_path_factory.mktemp("tokenizer-only") / "checkpoint")
+    weights = sorted(root.rglob("*.safetensors"))
+    assert weights
+    for path in weights:
+        path.unlink()
     return root
 
 

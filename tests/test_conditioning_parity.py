@@ -46,7 +46,8 @@ from h3engine.errors import RequestError
 from h3engine.media.mux import write_mp4
 from h3engine.pipeline import prepare_request, run_generation
 from h3engine.presentation import qwen_video_sampling
-from h3engine.request import GenerationRequest, Keyframe, Reference
+from h3engine.request import GenerationRequest, Keyframe, Reference, resolve_duration_seconds
+from h3engine.resolved_request import ResolvedRequest, new_media_facts, request_geometry
 from h3engine.sampling.schedule import Schedule
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -105,6 +106,13 @@ def media(tmp_path_factory) -> dict[str, Path]:
 # ------------------------------------------------------------------------------------------------ runs and checks
 
 
+def unchecked(engine: Engine, request: GenerationRequest) -> ResolvedRequest:
+    """`request` resolved on the engine's checkpoint without the request rules (media the rules refuse)."""
+    media = new_media_facts()
+    geometry = request_geometry(request, engine.facts, media)
+    return ResolvedRequest(request, (), media, resolve_duration_seconds(request, media), geometry, None)
+
+
 def our_run(engine: Engine, request: GenerationRequest, validated: bool = True):
     """The DiT inputs of every forward, the output, the geometry and the encoded conditioning of one request.
 
@@ -130,7 +138,7 @@ def our_run(engine: Engine, request: GenerationRequest, validated: bool = True):
             output, geometry = engine.generate(request)
         else:
             schedule = Schedule.build(request.steps, recipe=request.recipe)
-            prepared.append(prepare_request(request, models, engine.layout.canvas))
+            prepared.append(prepare_request(unchecked(engine, request), models, engine.layout.canvas))
             with torch.inference_mode():
                 geometry = prepared[0].geometry
                 output = run_generation(

@@ -22,9 +22,10 @@ from h3engine.engine import Engine
 from h3engine.errors import CheckpointError, RequestError
 from h3engine.pipeline import prepare_request, run_generation
 from h3engine.request import GenerationRequest
+from h3engine.resolved_request import check_distilled_steps
 from h3engine.runtime.checks import CheckpointFacts, check_request
 from h3engine.runtime.front import WARM_UP_REQUEST, warm_up_request
-from h3engine.sampling.schedule import Schedule, check_distilled_steps, rung_sigmas
+from h3engine.sampling.schedule import Schedule, rung_sigmas
 
 RUNGS = (999, 750, 500, 250)
 REFUSAL = "steps: this checkpoint is step-distilled to 4 steps (rungs 999, 750, 500, 250), got "
@@ -102,9 +103,9 @@ def test_a_generation_takes_one_forward_per_rung_and_equals_the_explicit_grid(
     # The same weights (seed 0) without the key, driven by that grid explicitly, give the same tensors.
     plain = Engine.from_checkpoint(tiny_native, device="cpu", dtype=torch.float32)
     plain_request = request(seed=7)
-    plain.validate(plain_request)
+    resolved = plain.resolve(plain_request)
     models = plain.store.models_for_task("t2va")
-    prepared = replace(prepare_request(plain_request, models, plain.layout.canvas), schedule=schedule)
+    prepared = replace(prepare_request(resolved, models, plain.layout.canvas), schedule=schedule)
     with torch.inference_mode():
         expected = run_generation(models, prepared, plain.device)
     assert torch.equal(output.video, expected.video)

@@ -191,7 +191,9 @@ def generated_request_cases(bad_files: dict[str, dict[str, Path]], count: int) -
                     payload = {**base, "width": 64, "height": 64, field: value}
                     add(f"{task}-{field}={value!r}", payload, field, needs_checkpoint=value in (31, 33))
                 continue
-            for value in values + [chooser.choice(WRONG_TYPES)]:
+            # None is a valid short edge (the checkpoint's own rule).
+            wrong_types = [value for value in WRONG_TYPES if value is not None or field != "short_edge"]
+            for value in values + [chooser.choice(wrong_types)]:
                 add(f"{task}-{field}={value!r}"[:80], {**base, field: value}, field)
         for prompt in BAD_PROMPTS:
             add(f"{task}-prompt", {**base, "prompt": prompt}, "prompt")

@@ -36,6 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "h3engine.request_checks",
         "h3engine.request",
         "h3engine.request_shapes",
+        "h3engine.resolved_request",
         "h3engine.presentation",
         "h3engine.leftovers",
         "h3engine.adapters",

@@ -279,7 +279,7 @@ def test_plan_memory_refuses_2_gib_in_one_line(capsys, released: Path) -> None:
     lines = err.strip().splitlines()
     assert code == 2 and out == ""
     assert len(lines) == 1
-    assert lines[0].startswith("error: --gpu-memory 2 GiB cannot hold")
+    assert lines[0].startswith("error: --gpu-memory: 2 GiB cannot hold")
     needed = float(lines[0].split("it needs ")[1].split(" GiB")[0])
     assert 2 < needed < 24
 
@@ -314,7 +314,7 @@ def test_a_profile_over_the_budget_prints_its_plan_then_one_line(capsys, release
     )
     assert code == 2
     assert json.loads(out)["fits"] is False
-    assert len(err.strip().splitlines()) == 1 and "--memory-profile resident" in err
+    assert len(err.strip().splitlines()) == 1 and "--memory-profile: resident peaks at" in err
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 from _runtime_helpers import events_until_done
-from PIL import Image
 
 from h3engine import pipeline as pipeline_module
 from h3engine.engine import Engine
@@ -222,8 +221,7 @@ def test_every_poll_of_a_request_can_cancel_it_and_leaves_no_file(engine, task, 
     request = REQUESTS[task]
     should_cancel, polls = counting_cancel(None)
     engine.generate_to_file(request, tmp_path / "full.mp4", should_cancel=should_cancel)
-    first_keyframe_size = Image.open(request.keyframes[0].path).size if request.keyframes else None
-    geometry = engine.geometry_for(request, first_keyframe_size)
+    geometry = engine.geometry_for(request)
     video_vae = engine.store.models_for_partition(engine.layout.for_task(task).partition).video_vae
     plan = video_vae.plan_decode((1, 1, geometry.latent_frames, geometry.latent_h, geometry.latent_w))
     # The decoder yields a piece per window, and the carried tail last when windows overlap (token_drop).

@@ -121,7 +121,7 @@ def raised(error: Exception) -> Exception:
     [
         (GenerationCancelled("generation cancelled"), "cancelled", CANCELLED_MESSAGE, False),
         (
-            RequestError("seed: must be at least 0, got -1"),
+            RequestError("seed", "must be at least 0, got -1"),
             "request",
             "seed: must be at least 0, got -1",
             False,
@@ -145,7 +145,7 @@ def test_the_ladder_maps_each_error_to_its_report(error, kind, message, logged, 
 
 
 @pytest.mark.parametrize(
-    "error", [RuntimeError("boom"), torch.OutOfMemoryError("CUDA"), RequestError("x: bad")]
+    "error", [RuntimeError("boom"), torch.OutOfMemoryError("CUDA"), RequestError("x", "bad")]
 )
 def test_a_step_done_alone_ends_the_job_on_any_error(error) -> None:
     rank = job_rank(size=2)
@@ -189,7 +189,10 @@ def test_any_other_error_in_a_collective_step_is_raised_as_it_is(size) -> None:
             OSError(28, "No space left on device"),
             JobFailed("job-7", "engine", "The disk of the outputs folder is full ("),
         ),
-        (RequestError("out_path: folder is gone"), JobFailed("job-7", "request", "out_path: folder is gone")),
+        (
+            RequestError("out_path", "folder is gone"),
+            JobFailed("job-7", "request", "out_path: folder is gone"),
+        ),
     ],
 )
 def test_an_mp4_writers_failure_is_the_jobs_alone_and_reported_as_its_cause(cause, expected) -> None:
@@ -241,7 +244,7 @@ def test_prepare_announces_the_start_and_returns_the_prepared_request() -> None:
 
 
 def test_a_bad_request_ends_the_job_before_it_starts() -> None:
-    rank = job_rank(engine=FakeEngine(problem=RequestError("prompt: must not be empty")))
+    rank = job_rank(engine=FakeEngine(problem=RequestError("prompt", "must not be empty")))
     assert rank.prepare(run_job()) is None
     assert rank.outbox.messages == [JobFailed("job-7", "request", "prompt: must not be empty")]
 

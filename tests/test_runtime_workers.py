@@ -216,11 +216,11 @@ def test_rank_devices_follow_the_cli_flags() -> None:
     assert rank_devices("cuda:1", None, None, None) == ("cuda:1",)
     with pytest.raises(RequestError, match="^--gpus and --devices: give one of them"):
         rank_devices(None, None, 2, "0,1")
-    with pytest.raises(RequestError, match="^--device cpu: --gpus and --devices choose GPUs"):
+    with pytest.raises(RequestError, match="^--device: is cpu, but --gpus and --devices choose GPUs"):
         rank_devices("cpu", None, 2, None)
     with pytest.raises(RequestError, match="^--devices: expected GPU indices"):
         rank_devices(None, None, None, "0,x")
-    with pytest.raises(RequestError, match="^--world-size must be at least 1"):
+    with pytest.raises(RequestError, match="^--world-size: must be at least 1"):
         rank_devices("cpu", 0, None, None)
     if torch.cuda.device_count() < 8:
         with pytest.raises(RequestError, match=r"^--gpus: 8 GPUs asked for, but \d+ (is|are) visible"):

@@ -164,7 +164,10 @@ def test_stage_devices_default_to_the_dit_groups_and_name_the_flag() -> None:
         ("cuda:0", "cuda:1"),
         ("cuda:0", "cuda:1"),
     )
-    with pytest.raises(RequestError, match=r"^--vae-ranks 4: the group shares the DiT's 2 GPUs by default"):
+    with pytest.raises(
+        RequestError,
+        match=r"^--vae-ranks: asks for 4 ranks, but the group shares the DiT's 2 GPUs by default",
+    ):
         stage_devices(one, ("cuda:0", "cuda:1"), None, None)
     visible = torch.cuda.device_count()
     with pytest.raises(

@@ -21,7 +21,7 @@ from h3engine.lora_library import TURBO_TABLE, LoraLibrary, TurboSettings, file_
 from h3engine.models.dit import DiTConfig
 from h3engine.request import GenerationRequest, validate
 from h3engine.request_shapes import from_dict
-from h3engine.sampling.schedule import effective_rungs
+from h3engine.resolved_request import effective_rungs
 
 RUNGS = (999, 750, 500, 250)
 

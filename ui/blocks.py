@@ -99,6 +99,7 @@ def build_ui(
                                 [example.title for example in examples[task]],
                                 library,
                                 initial["steps"],
+                                initial["short_edge"],
                             )
             with gr.Column(scale=2, elem_id="h3-result-column"):
                 result = build_result_column()
@@ -157,9 +158,11 @@ def build_ui(
 
 
 def _initial_values(front: EngineFront, task: str) -> dict[str, Any]:
-    """The values a tab starts with: the defaults, with a step-distilled checkpoint's own step count."""
+    """The values a tab starts with: the defaults, with a step-distilled checkpoint's own step count and the
+    checkpoint's own short edge."""
     distilled = front.facts.distilled_steps(task) if task in front.facts.tasks else None
-    return DEFAULT_VALUES | ({"steps": distilled} if distilled is not None else {})
+    own = {"short_edge": front.facts.canvas.short_edge}
+    return DEFAULT_VALUES | own | ({"steps": distilled} if distilled is not None else {})
 
 
 def _initial_canvas_text(handlers: Handlers, task: str, initial: dict[str, Any]) -> str:

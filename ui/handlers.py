@@ -33,7 +33,7 @@ import gradio as gr
 
 from h3engine.errors import RequestError
 from h3engine.lora_library import LoraLibrary
-from h3engine.request import GenerationRequest, Keyframe, Reference
+from h3engine.request import VERIFIED_SHORT_EDGE, GenerationRequest, Keyframe, Reference
 from h3engine.request_shapes import from_dict
 from h3engine.runtime.front import EngineFront, JobHandle, stamped_output_name
 from h3engine.runtime.messages import PreviewFrame
@@ -110,7 +110,7 @@ def parse_rungs(text: Any) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise RequestError(
-            f"rungs: expected comma-separated integers such as 999,750,500,250, got {_short(text)}"
+            "rungs", f"expected comma-separated integers such as 999,750,500,250, got {_short(text)}"
         ) from None
 
 
@@ -155,14 +155,15 @@ def check_input_types(values: TaskValues) -> None:
     hold uploaded files (ui.components.as_uploaded), not a bare path or some other value."""
     for name in _BOOLEAN_FIELDS:
         if name in values.values and not isinstance(values.values[name], bool):
-            raise RequestError(f"{name}: must be true or false, got {_short(values.values[name])}")
+            raise RequestError(name, f"must be true or false, got {_short(values.values[name])}")
     for name in _FILE_FIELDS:
         value = values.values.get(name)
         items = value if name == "references" and isinstance(value, list) else [value]
         for item in items:
             if isinstance(item, NotAnUpload):
                 raise RequestError(
-                    f"{name}: must be an uploaded file (gradio_client: handle_file(path)), got {_short(item.value)}"
+                    name,
+                    f"must be an uploaded file (gradio_client: handle_file(path)), got {_short(item.value)}",
                 )
 
 
@@ -171,10 +172,10 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def failing_parameter(message: str, values: TaskValues) -> str:
-    """The input a RequestError message is about: its field (`keyframes[1].path: ...`) or the file it names."""
-    field = message.split(":", 1)[0].strip()
-    head = re.split(r"[\[.,]", field, maxsplit=1)[0].strip()
+def failing_parameter(error: RequestError, values: TaskValues) -> str:
+    """The input a RequestError is about: the one holding its field (`keyframes[1].path` -> that keyframe's input,
+    `width, height` -> the aspect ratio), else the one holding its file, else the prompt."""
+    head, index = _field_head(error.field)
     names = values.values
     if head in _SCALAR_FIELDS or head in _BOOLEAN_FIELDS or head in _FILE_FIELDS:
         return head
@@ -184,52 +185,70 @@ def failing_parameter(message: str, values: TaskValues) -> str:
         return "duration_from_reference" if names.get("duration_from_reference") else "duration_seconds"
     if head == "keyframes":
         given = [name for name in ("first_image", "last_image") if names.get(name)]
-        index = int(match.group(1)) if (match := re.match(r"keyframes\[(\d+)\]", field)) else 0
+        index = index or 0
         return given[index] if index < len(given) else "first_image"
-    # File errors start with the file's path, quoted (h3engine.media.inputs) or as a bare name.
-    named_file = field.strip("'\"")
-    for name, paths in values.files().items():
-        if any(named_file in (path, Path(path).name) for path in paths):
-            return name
+    if error.path is not None:
+        # The request may name a stored copy of the upload (ui.inputs.InputStore), which keeps its file name.
+        for name, paths in values.files().items():
+            if error.path in paths or Path(error.path).name in {Path(path).name for path in paths}:
+                return name
     return "prompt"
 
 
-def error_text(message: str, parameter: str, values: TaskValues) -> str:
-    """A RequestError message as shown at the input `parameter` (Gradio's validation message, which gradio_client
-    prints after the parameter's name and the page shows in place of an image's label): the files by the names they
-    were uploaded under, never a server path, the field not named a second time, and a file input's file named
-    with the input it came in (`'cat.png' (first frame): ...`, `'a.wav' (reference 2): ...`)."""
+def _field_head(field: str) -> tuple[str, int | None]:
+    """A field path's first name and its first index: `keyframes[1].path` -> ("keyframes", 1), `width, height` ->
+    ("width", None)."""
+    match = re.match(r"([A-Za-z_]+)(?:\[(\d+)\])?", field)
+    if match is None:
+        return "", None
+    return match.group(1), None if match.group(2) is None else int(match.group(2))
+
+
+def error_text(error: RequestError, parameter: str, values: TaskValues) -> str:
+    """A RequestError as shown at the input `parameter` (Gradio's validation message, which gradio_client prints
+    after the parameter's name and the page shows in place of an image's label): files by the names they were
+    uploaded under, never a server path, the field not named a second time, and a file input's file named with the
+    input it came in (`'cat.png' (first frame): ...`, `'a.wav' (reference 2): ...`)."""
+    field, problem = error.field, _without_server_paths(error.problem, values)
+    file = None if error.path is None else f"'{Path(error.path).name}'"
+    if field == parameter or (parameter in _KEYFRAME_WORDS and _field_head(field)[0] == "keyframes"):
+        return _with_input(problem, file, _KEYFRAME_WORDS.get(parameter))
+    head, index = _field_head(field)
+    if head == "references" and index is not None:
+        inner = field[len(f"references[{index}]") :]
+        return _with_input(problem, file, f"reference {index + 1}{inner}")
+    if file is not None:
+        problem = f"{file}: {problem}"
+    if not field:
+        return problem
+    if problem.startswith(("is ", "must ")):  # another field's rule: "duration_seconds is required, or ..."
+        return f"{field} {problem}"
+    return f"{field}: {problem}"
+
+
+def _without_server_paths(text: str, values: TaskValues) -> str:
+    """`text` with every uploaded file, and any other quoted server path, by its base name."""
     for paths in values.files().values():
         for path in paths:
             if isinstance(path, str) and path:
-                message = message.replace(path, Path(path).name)
-    # Any other quoted server path (a stored copy's, say) by its base name too.
-    message = _QUOTED_PATH.sub(r"\1\2\1", message)
-    field, separator, problem = message.partition(": ")
-    if not separator:
-        return message
-    if field == parameter or (parameter in _KEYFRAME_WORDS and re.fullmatch(r"keyframes(\[\d+\])?", field)):
-        return _with_input(problem, _KEYFRAME_WORDS.get(parameter))
-    if match := re.fullmatch(r"references\[(\d+)\](.*)", field):
-        return _with_input(problem, f"reference {int(match.group(1)) + 1}{match.group(2)}")
-    if problem.startswith(("is ", "must ")):  # another field's rule: "duration_seconds is required, or ..."
-        return f"{field} {problem}"
-    return message
+                text = text.replace(path, Path(path).name)
+    return _QUOTED_PATH.sub(r"\1\2\1", text)
 
 
 def shown_problem(error: RequestError, values: TaskValues) -> tuple[str, str]:
     """(the input a RequestError is about, its message as shown there: `error_text`)."""
-    failing = failing_parameter(str(error), values)
-    return failing, error_text(str(error), failing, values)
+    failing = failing_parameter(error, values)
+    return failing, error_text(error, failing, values)
 
 
-def _with_input(problem: str, words: str | None) -> str:
-    """`'name': rest` becomes `'name' (words): rest`; a problem that names no file first gets `words: ` before it."""
-    if words is None:
-        return problem
-    if named := re.match(r"('[^']*'|\"[^\"]*\"): ", problem):
-        return f"{named.group(1)} ({words}): {problem[named.end() :]}"
-    return f"{words}: {problem}" if words.startswith("reference") else problem
+def _with_input(problem: str, file: str | None, words: str | None) -> str:
+    """A problem at the input it came in: `'name' (words): problem` for a file's, else `words: problem` for a
+    reference's (a keyframe's input says which frame it is)."""
+    if file is not None:
+        return f"{file} ({words}): {problem}" if words else f"{file}: {problem}"
+    if words is not None and words.startswith("reference"):
+        return f"{words}: {problem}"
+    return problem
 
 
 def result_update(**fields: Any) -> tuple[Any, ...]:
@@ -241,10 +260,14 @@ def result_update(**fields: Any) -> tuple[Any, ...]:
 
 
 def request_values(
-    request: GenerationRequest, keep: Callable[[str], str], library: LoraLibrary | None = None
+    request: GenerationRequest,
+    keep: Callable[[str], str],
+    library: LoraLibrary | None = None,
+    own_short_edge: int = VERIFIED_SHORT_EDGE,
 ) -> dict[str, Any]:
     """A request's settings as input values by parameter name (files that no longer exist, and adapters no longer
-    in the LoRA folder, are left out)."""
+    in the LoRA folder, are left out); a short edge left to the checkpoint's rule shows as `own_short_edge`, the
+    rule's own (a browser cannot send an empty number)."""
     values: dict[str, Any] = {
         "prompt": request.prompt,
         "duration_seconds": request.duration_seconds or DEFAULT_VALUES["duration_seconds"],
@@ -254,7 +277,7 @@ def request_values(
         "steps": request.steps,
         "flow_shift": request.flow_shift,
         "audio_flow_shift": request.audio_flow_shift,
-        "short_edge": request.short_edge,
+        "short_edge": own_short_edge if request.short_edge is None else request.short_edge,
         "takes": 1,
         "rungs": ",".join(map(str, request.rungs)),
         "loras": lora_values(request, library or LoraLibrary(None)),
@@ -358,8 +381,8 @@ class Handlers:
                 geometry = self.front.expected_geometry(request)
             except RequestError as error:
                 # A file's problem as its input shows it; a setting's with the field's name (no input shows it).
-                failing = failing_parameter(str(error), values)
-                shown = error_text(str(error), failing if failing in _FILE_FIELDS else "", values)
+                failing = failing_parameter(error, values)
+                shown = error_text(error, failing if failing in _FILE_FIELDS else "", values)
                 return f"Canvas and frames: waiting for valid settings ({shown})"
             return (
                 f"Canvas **{geometry.width} × {geometry.height}** · **{geometry.frames}** frames at 24 fps "
@@ -566,7 +589,9 @@ class Handlers:
             request = from_dict(entry.sidecar["request"])
         except RequestError as error:
             raise gr.Error(f"Cannot restore {entry.stem}: {error}", print_exception=False) from None
-        return request, request_values(request, self.access.publish, self.library)
+        return request, request_values(
+            request, self.access.publish, self.library, self.front.facts.canvas.short_edge
+        )
 
     def result_of(self, entry: HistoryEntry, keep_takes: bool = False) -> tuple[Any, ...]:
         """The result column showing a past result; `keep_takes`: it is one of the takes shown, which stay."""
@@ -608,7 +633,7 @@ class Handlers:
         return entry
 
     def example_values(self, request: GenerationRequest) -> dict[str, Any]:
-        return request_values(request, self.access.publish, self.library)
+        return request_values(request, self.access.publish, self.library, self.front.facts.canvas.short_edge)
 
     def use_last_frame(self, last_result: str | None) -> str:
         if not last_result or not Path(last_result).is_file():

@@ -87,8 +87,9 @@ def reference_kind(path: str | os.PathLike[str]) -> str:
     kind = kind_of_suffix(path)
     if kind is None:
         raise RequestError(
-            f"references: cannot tell whether '{Path(path).name}' is an image, a video or an audio clip "
-            f"by its name; accepted: {accepted_text()}"
+            "references",
+            f"cannot tell whether '{Path(path).name}' is an image, a video or an audio clip "
+            f"by its name; accepted: {accepted_text()}",
         )
     return kind
 
@@ -124,7 +125,7 @@ def last_frame_png(video_path: str | os.PathLike[str], store: InputStore) -> str
         for frame in container.decode(video=0):
             last_frame = frame
     if last_frame is None:
-        raise RequestError(f"{Path(video_path).name}: the previous result has no video frames")
+        raise RequestError("last_result", f"{Path(video_path).name}: the previous result has no video frames")
     buffer = io.BytesIO()
     last_frame.to_image().save(buffer, format="PNG")
     return store.keep_bytes(buffer.getvalue(), f"{Path(video_path).stem}-last-frame.png")

@@ -124,22 +124,22 @@ def lora_choices(value: Any, task: str, library: LoraLibrary) -> tuple[LoraChoic
         return ()
     if not isinstance(value, list):
         raise RequestError(
-            f'loras: must be a list such as [{{"name": "style.safetensors", "strength": 0.8}}], got {value!r:.80}'
+            "loras",
+            f'must be a list such as [{{"name": "style.safetensors", "strength": 0.8}}], got {value!r:.80}',
         )
     if len(value) > MAX_LORAS:
-        raise RequestError(f"loras: at most {MAX_LORAS} adapters per request, got {len(value)}")
+        raise RequestError("loras", f"at most {MAX_LORAS} adapters per request, got {len(value)}")
     target = LORA_TARGET_OF_TASK[task]
     choices = []
     for index, item in enumerate(value):
         field = f"loras[{index}]"
         if not isinstance(item, dict) or "name" not in item or set(item) - set(ENTRY_KEYS):
-            raise RequestError(
-                f'{field}: must be an object {{"name": ..., "strength": ...}}, got {item!r:.80}'
-            )
+            raise RequestError(field, f'must be an object {{"name": ..., "strength": ...}}, got {item!r:.80}')
         entry = library.entry(item["name"], f"{field}.name")
         if not entry.fits(target):
             raise RequestError(
-                f"{field}.name: {entry.name!r} is for the {' and '.join(entry.targets)} DiT; this task runs {target}"
+                f"{field}.name",
+                f"{entry.name!r} is for the {' and '.join(entry.targets)} DiT; this task runs {target}",
             )
         choices.append(LoraChoice(path=str(entry.path), strength=item.get("strength", 1.0), target=target))
     return tuple(choices)

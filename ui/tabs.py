@@ -39,7 +39,9 @@ DEFAULT_VALUES = {
     "steps": 50,
     "flow_shift": 12.0,
     "audio_flow_shift": 3.0,
-    "short_edge": VERIFIED_SHORT_EDGE,
+    # None: the checkpoint's own canvas rule. The field cannot be empty in a browser (Gradio shows and sends 0), so a
+    # tab starts at that rule's own short edge (ui.blocks), which resolves to the same canvas.
+    "short_edge": None,
     "takes": 1,
     "rungs": "",
     "loras": [],
@@ -133,7 +135,9 @@ class TaskTab:
         return [self.prompt, *self.media, *self.settings.inputs]
 
 
-def _settings_controls(task: str, derived_text: str, library: LoraLibrary, steps: int) -> SettingsControls:
+def _settings_controls(
+    task: str, derived_text: str, library: LoraLibrary, steps: int, short_edge: int
+) -> SettingsControls:
     with gr.Row():
         duration = as_sent(
             gr.Slider(
@@ -180,10 +184,11 @@ def _settings_controls(task: str, derived_text: str, library: LoraLibrary, steps
             steps = as_sent(gr.Number(value=steps, precision=0, label="Steps", elem_id=f"{task}-steps"))
             short_edge = as_sent(
                 gr.Number(
-                    value=DEFAULT_VALUES["short_edge"],
+                    value=short_edge,
                     precision=0,
                     label="Short edge (px)",
-                    info=f"{VERIFIED_SHORT_EDGE} is the verified setting (the checkpoint's own canvas rule)",
+                    info=f"starts at the checkpoint's own ({VERIFIED_SHORT_EDGE} for the release, the verified "
+                    "setting)",
                 )
             )
         with gr.Row():
@@ -245,24 +250,36 @@ def _task_tab(
     example_titles: list[str],
     library: LoraLibrary,
     steps: int,
+    short_edge: int,
     **controls: Any,
 ) -> TaskTab:
     """A tab's settings, Generate button and examples, made under its prompt and its own controls (the task's
-    `TaskTab` fields); `steps`: the Steps field's first value (a step-distilled checkpoint's count)."""
-    settings = _settings_controls(task, derived_text, library, steps)
+    `TaskTab` fields); `steps` and `short_edge`: the first values of those fields (a step-distilled checkpoint's
+    count, the checkpoint's own short edge)."""
+    settings = _settings_controls(task, derived_text, library, steps, short_edge)
     generate = gr.Button("Generate", variant="primary", elem_id=f"{task}-generate")
     return TaskTab(task, prompt, settings, generate, _examples(task, example_titles), **controls)
 
 
 def build_t2va_tab(
-    derived_text: str, example_titles: list[str], library: LoraLibrary, steps: int = DEFAULT_VALUES["steps"]
+    derived_text: str,
+    example_titles: list[str],
+    library: LoraLibrary,
+    steps: int = DEFAULT_VALUES["steps"],
+    short_edge: int = VERIFIED_SHORT_EDGE,
 ) -> TaskTab:
     prompt, builder = _prompt("t2va")
-    return _task_tab("t2va", prompt, derived_text, example_titles, library, steps, prompt_builder=builder)
+    return _task_tab(
+        "t2va", prompt, derived_text, example_titles, library, steps, short_edge, prompt_builder=builder
+    )
 
 
 def build_fl2va_tab(
-    derived_text: str, example_titles: list[str], library: LoraLibrary, steps: int = DEFAULT_VALUES["steps"]
+    derived_text: str,
+    example_titles: list[str],
+    library: LoraLibrary,
+    steps: int = DEFAULT_VALUES["steps"],
+    short_edge: int = VERIFIED_SHORT_EDGE,
 ) -> TaskTab:
     prompt, builder = _prompt("fl2va")
     with gr.Row(equal_height=True):
@@ -284,12 +301,24 @@ def build_fl2va_tab(
         )
     controls = dict(first_image=first_image, last_image=last_image, swap=swap, use_last_frame=use_last_frame)
     return _task_tab(
-        "fl2va", prompt, derived_text, example_titles, library, steps, prompt_builder=builder, **controls
+        "fl2va",
+        prompt,
+        derived_text,
+        example_titles,
+        library,
+        steps,
+        short_edge,
+        prompt_builder=builder,
+        **controls,
     )
 
 
 def build_ref2va_tab(
-    derived_text: str, example_titles: list[str], library: LoraLibrary, steps: int = DEFAULT_VALUES["steps"]
+    derived_text: str,
+    example_titles: list[str],
+    library: LoraLibrary,
+    steps: int = DEFAULT_VALUES["steps"],
+    short_edge: int = VERIFIED_SHORT_EDGE,
 ) -> TaskTab:
     prompt, builder = _prompt("ref2va")
     gallery = build_reference_gallery()  # its events and cards are wired by ui.blocks
@@ -306,5 +335,13 @@ def build_ref2va_tab(
         reference_gallery=gallery,
     )
     return _task_tab(
-        "ref2va", prompt, derived_text, example_titles, library, steps, prompt_builder=builder, **controls
+        "ref2va",
+        prompt,
+        derived_text,
+        example_titles,
+        library,
+        steps,
+        short_edge,
+        prompt_builder=builder,
+        **controls,
     )

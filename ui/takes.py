@@ -28,9 +28,9 @@ MAX_TAKES = 8
 def checked_takes(value: object) -> int:
     """The takes input: a whole number in 1..MAX_TAKES (a float that is whole is taken, as sliders send them)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
-        raise RequestError(f"takes: must be a whole number from 1 to {MAX_TAKES}, got {value!r}")
+        raise RequestError("takes", f"must be a whole number from 1 to {MAX_TAKES}, got {value!r}")
     if not 1 <= int(value) <= MAX_TAKES:
-        raise RequestError(f"takes: must be from 1 to {MAX_TAKES}, got {int(value)}")
+        raise RequestError("takes", f"must be from 1 to {MAX_TAKES}, got {int(value)}")
     return int(value)
 
 

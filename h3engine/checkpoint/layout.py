@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -94,6 +95,12 @@ def valid_dmd_steps(rungs: Any) -> bool:
         and all(type(rung) is int and 0 < rung <= 1000 for rung in rungs)
         and all(left > right for left, right in pairwise(rungs))
     )
+
+
+def distilled_step_count(rungs: Sequence[int], recipe: str) -> int:
+    """The step count (`num_inference_steps`) that runs `rungs` under `recipe`: one forward per rung, and the
+    diffusers recipe counts the terminal grid point too."""
+    return len(rungs) + 1 if recipe == "diffusers" else len(rungs)
 
 
 def read_dmd_steps(release: dict[str, Any], index_path: Path) -> tuple[int, ...] | None:

@@ -131,16 +131,25 @@ def _materialize_computed_buffers(module: torch.nn.Module, device: torch.device)
             raise RuntimeError(f"buffer '{name}' was neither loaded nor recomputed")
 
 
-def dit_source(layout: CheckpointLayout, paths: PartitionPaths, dtype: torch.dtype) -> ComponentSource:
+def read_dit_config(layout: CheckpointLayout, paths: PartitionPaths) -> Any:
+    """The DiT config of a partition (h3engine.models.dit.DiTConfig) from its config.json alone."""
     config_path = paths.dit / "config.json"
     raw = read_json(config_path)
     try:
         if layout.kind == "native":
-            config = dit_format.config_from_native(raw)
-        else:
-            config = dit_format.config_from_diffusers(raw)
+            return dit_format.config_from_native(raw)
+        return dit_format.config_from_diffusers(raw)
     except (KeyError, TypeError, ValueError) as error:
         raise CheckpointError(f"{config_path}: invalid DiT config ({error})") from None
+
+
+def read_video_vae_config_of(layout: CheckpointLayout, paths: PartitionPaths) -> Any:
+    """The video VAE config of a partition (h3engine.models.video_vae.VideoVAEConfig) from its config files alone."""
+    return _read_config("video VAE", read_video_vae_config, paths.video_vae, layout)[0]
+
+
+def dit_source(layout: CheckpointLayout, paths: PartitionPaths, dtype: torch.dtype) -> ComponentSource:
+    config = read_dit_config(layout, paths)
     native = layout.kind == "native"
     files = WeightFiles.open(paths.dit)
     return ComponentSource(

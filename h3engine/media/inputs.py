@@ -6,10 +6,11 @@ docstrings hold each rule: EXIF orientation, the 24 fps frame holding, the audio
 `probe_media` reads headers only and is what `request.validate` takes as `media_durations`. `start_seconds` is
 our extension: a window that begins there behaves like a clip that begins there.
 
-Every failure due to the file or the window, whatever the library raised, is a `RequestError` whose message names
-the file; nothing is written. Danger: decoders stop where the data stops, mostly silently (a truncated WAV or MP3
-decodes into a shorter clip), so a stream read to its end must reach the length its container declares
-(`_check_not_short`) and an Ogg file must end exactly on a page boundary (`_check_ogg_ends_on_page`).
+Every failure due to the file or the window, whatever the library raised, is a `RequestError` about the file
+(`RequestError.about_file`: the caller files it under its request field); nothing is written. Danger: decoders
+stop where the data stops, mostly silently (a truncated WAV or MP3 decodes into a shorter clip), so a stream read
+to its end must reach the length its container declares (`_check_not_short`) and an Ogg file must end exactly on a
+page boundary (`_check_ogg_ends_on_page`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 from av.audio.resampler import AudioResampler
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
-from h3engine.errors import RequestError
+from h3engine.errors import RequestError, file_name
 from h3engine.media.formats import FORMATS
 from h3engine.request import (
     MAX_IMAGE_PIXELS,
@@ -140,20 +141,21 @@ def _open_image_header(
     try:
         image = Image.open(file, formats=list(IMAGE_FORMATS))
     except UnidentifiedImageError as error:
-        raise RequestError(f"{_name(path)}: not {FORMATS['image'].describe()}") from error
+        raise RequestError.about_file(path, f"not {FORMATS['image'].describe()}") from error
     except Image.DecompressionBombError as error:
-        raise RequestError(f"{_name(path)}: image is too large ({error})") from error
+        raise RequestError.about_file(path, f"image is too large ({error})") from error
     if image.format not in _IMAGE_FORMATS_AS_OPENED:
-        raise RequestError(f"{_name(path)}: not {FORMATS['image'].describe()} (found {image.format})")
+        raise RequestError.about_file(path, f"not {FORMATS['image'].describe()} (found {image.format})")
     width, height = image.size
     if check_size and min(width, height) < MIN_IMAGE_SIDE:
-        raise RequestError(
-            f"{_name(path)}: image has {width}x{height} pixels; each side must be at least {MIN_IMAGE_SIDE}"
+        raise RequestError.about_file(
+            path, f"image has {width}x{height} pixels; each side must be at least {MIN_IMAGE_SIDE}"
         )
     if check_size and not _image_fits(width, height):
-        raise RequestError(
-            f"{_name(path)}: image has {width}x{height} pixels; at most {MAX_IMAGE_SIDE} pixels a side and "
-            f"{MAX_IMAGE_PIXELS:,} in all are read"
+        raise RequestError.about_file(
+            path,
+            f"image has {width}x{height} pixels; at most {MAX_IMAGE_SIDE} pixels a side and "
+            f"{MAX_IMAGE_PIXELS:,} in all are read",
         )
     return image
 
@@ -200,7 +202,7 @@ def load_video(
         _check_container(container, VIDEO_CONTAINERS, path, "video")
         video_stream = _video_stream(container, path)
         if video_stream is None:
-            raise RequestError(f"{_name(path)}: has no video stream")
+            raise RequestError.about_file(path, "has no video stream")
         holder = _FrameHolder(video_stream, path, start_seconds, max_seconds, resize_to)
         collectors: list[_FrameHolder | _AudioCollector] = [holder]
         audio_stream = _audio_stream(container, path)
@@ -247,7 +249,7 @@ class _FrameHolder:
 
     def add(self, frame: av.VideoFrame) -> None:
         if frame.width * frame.height > MAX_VIDEO_FRAME_PIXELS:
-            raise RequestError(_frame_size_problem(self.path, frame.width, frame.height))
+            raise RequestError.about_file(self.path, _frame_size_problem(frame.width, frame.height))
         index = self.decoded - self.first_index
         self.decoded += 1
         if index < 0:
@@ -260,9 +262,10 @@ class _FrameHolder:
             return
         pixels = self._pixels(frame)
         if (end_slot * pixels.nbytes) > MAX_VIDEO_OUTPUT_BYTES:
-            raise RequestError(
-                f"{_name(self.path)}: {end_slot} frames of {pixels.shape[1]}x{pixels.shape[0]} pixels exceed "
-                f"the {MAX_VIDEO_OUTPUT_BYTES:,}-byte limit; read a shorter window or resize while decoding"
+            raise RequestError.about_file(
+                self.path,
+                f"{end_slot} frames of {pixels.shape[1]}x{pixels.shape[0]} pixels exceed "
+                f"the {MAX_VIDEO_OUTPUT_BYTES:,}-byte limit; read a shorter window or resize while decoding",
             )
         self.held.extend([pixels] * (end_slot - first_slot))
 
@@ -278,9 +281,10 @@ class _FrameHolder:
         if self.source_shape is None:
             self.source_shape = pixels.shape
         elif pixels.shape != self.source_shape:
-            raise RequestError(
-                f"{_name(self.path)}: frame size changes mid-stream "
-                f"({self.source_shape[1]}x{self.source_shape[0]} to {pixels.shape[1]}x{pixels.shape[0]})"
+            raise RequestError.about_file(
+                self.path,
+                f"frame size changes mid-stream "
+                f"({self.source_shape[1]}x{self.source_shape[0]} to {pixels.shape[1]}x{pixels.shape[0]})",
             )
         if self.resize_to is not None and (pixels.shape[1], pixels.shape[0]) != self.resize_to:
             pixels = np.asarray(Image.fromarray(pixels).resize(self.resize_to, Image.Resampling.LANCZOS))
@@ -293,9 +297,10 @@ class _FrameHolder:
 
     def frames(self) -> np.ndarray:
         if not self.held:
-            raise RequestError(
-                f"{_name(self.path)}: no video frames to use"
-                + (" after start_seconds" if self.first_index and self.decoded else "")
+            raise RequestError.about_file(
+                self.path,
+                "no video frames to use"
+                + (" after start_seconds" if self.first_index and self.decoded else ""),
             )
         return np.stack(self.held)
 
@@ -304,8 +309,8 @@ def _frame_rate(stream: Any, path: str | os.PathLike[str]) -> float:
     rate = stream.average_rate or stream.guessed_rate
     fps = float(rate) if rate is not None else math.nan
     if not (0.0 < fps <= MAX_VIDEO_FPS):
-        raise RequestError(
-            f"{_name(path)}: video frame rate must be within (0, {MAX_VIDEO_FPS:g}], got {fps:g}"
+        raise RequestError.about_file(
+            path, f"video frame rate must be within (0, {MAX_VIDEO_FPS:g}], got {fps:g}"
         )
     return fps
 
@@ -317,18 +322,17 @@ def _video_stream(container: Any, path: str | os.PathLike[str]) -> Any | None:
     codec = stream.codec_context.codec.canonical_name
     if codec not in VIDEO_CODECS:
         supported = ", ".join(sorted(VIDEO_CODECS))
-        raise RequestError(f"{_name(path)}: video codec {codec!r} is not supported (supported: {supported})")
+        raise RequestError.about_file(
+            path, f"video codec {codec!r} is not supported (supported: {supported})"
+        )
     width, height = stream.codec_context.width, stream.codec_context.height
     if width * height > MAX_VIDEO_FRAME_PIXELS:
-        raise RequestError(_frame_size_problem(path, width, height))
+        raise RequestError.about_file(path, _frame_size_problem(width, height))
     return stream
 
 
-def _frame_size_problem(path: str | os.PathLike[str], width: int, height: int) -> str:
-    return (
-        f"{_name(path)}: video frames have {width}x{height} pixels, more than the limit of "
-        f"{MAX_VIDEO_FRAME_PIXELS:,}"
-    )
+def _frame_size_problem(width: int, height: int) -> str:
+    return f"video frames have {width}x{height} pixels, more than the limit of {MAX_VIDEO_FRAME_PIXELS:,}"
 
 
 def _check_resize_target(resize_to: Any) -> None:
@@ -362,7 +366,7 @@ def read_audio_source(
         _check_container(container, AUDIO_CONTAINERS, path, "audio")
         stream = _audio_stream(container, path)
         if stream is None:
-            raise RequestError(f"{_name(path)}: has no audio stream")
+            raise RequestError.about_file(path, "has no audio stream")
         collector = _AudioCollector(stream, path, start_seconds, max_seconds)
         _decode_streams(container, [collector], path)
         if container.format.name == "ogg" and not collector.done:
@@ -409,7 +413,7 @@ def _model_audio(source: SourceAudio, path: str | os.PathLike[str], what: str) -
     with _decoding(path, what):
         samples = resample_audio(source.samples, source.sample_rate)
     if not np.isfinite(samples).all():
-        raise RequestError(f"{_name(path)}: {what} overflows when resampled (samples too large)")
+        raise RequestError.about_file(path, f"{what} overflows when resampled (samples too large)")
     if source.samples.shape[0] == 1:
         samples = np.repeat(samples, MODEL_CHANNELS, axis=0)
     return LoadedAudio(samples=samples, source=source)
@@ -447,9 +451,8 @@ class _AudioCollector:
         begin = self.position
         self.position += chunk.shape[1]
         if self.position > self.end_sample and self.window_is_whole_file:
-            raise RequestError(
-                f"{_name(self.path)}: audio lasts longer than {MAX_MEDIA_SECONDS:g} s; "
-                "only a window of it can be read"
+            raise RequestError.about_file(
+                self.path, f"audio lasts longer than {MAX_MEDIA_SECONDS:g} s; only a window of it can be read"
             )
         low = max(self.first_sample - begin, 0)
         high = min(self.end_sample - begin, chunk.shape[1])
@@ -465,13 +468,14 @@ class _AudioCollector:
 
     def source_audio(self, what: str) -> SourceAudio:
         if not self.chunks:
-            raise RequestError(
-                f"{_name(self.path)}: {what} has no samples"
-                + (" after start_seconds" if self.first_sample and self.position else "")
+            raise RequestError.about_file(
+                self.path,
+                f"{what} has no samples"
+                + (" after start_seconds" if self.first_sample and self.position else ""),
             )
         samples = np.concatenate(self.chunks, axis=1)
         if not np.isfinite(samples).all():
-            raise RequestError(f"{_name(self.path)}: {what} contains NaN or infinite samples")
+            raise RequestError.about_file(self.path, f"{what} contains NaN or infinite samples")
         return SourceAudio(samples=samples, sample_rate=self.sample_rate)
 
 
@@ -482,18 +486,19 @@ def _audio_stream(container: Any, path: str | os.PathLike[str]) -> Any | None:
     context = stream.codec_context
     codec = context.codec.canonical_name
     if codec not in AUDIO_CODECS and not codec.startswith(AUDIO_CODEC_PREFIXES):
-        raise RequestError(
-            f"{_name(path)}: audio codec {codec!r} is not supported "
-            f"(supported: {', '.join(sorted(AUDIO_CODECS))}, PCM)"
+        raise RequestError.about_file(
+            path,
+            f"audio codec {codec!r} is not supported (supported: {', '.join(sorted(AUDIO_CODECS))}, PCM)",
         )
     if not MIN_SAMPLE_RATE <= context.sample_rate <= MAX_SAMPLE_RATE:
-        raise RequestError(
-            f"{_name(path)}: audio sample rate must be within {MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz, "
-            f"got {context.sample_rate}"
+        raise RequestError.about_file(
+            path,
+            f"audio sample rate must be within {MIN_SAMPLE_RATE}-{MAX_SAMPLE_RATE} Hz, "
+            f"got {context.sample_rate}",
         )
     if not 1 <= context.channels <= MAX_SOURCE_CHANNELS:
-        raise RequestError(
-            f"{_name(path)}: audio has {context.channels} channels; only mono and stereo are supported"
+        raise RequestError.about_file(
+            path, f"audio has {context.channels} channels; only mono and stereo are supported"
         )
     return stream
 
@@ -514,7 +519,7 @@ def _check_ogg_ends_on_page(file: BinaryIO, path: str | os.PathLike[str]) -> Non
         page_end = page + _OGG_PAGE_HEADER_BYTES + segment_count + sum(lacing)
         if len(lacing) == segment_count and page_end == len(tail):
             return
-    raise RequestError(f"{_name(path)}: the Ogg file is truncated (its last page is incomplete)")
+    raise RequestError.about_file(path, "the Ogg file is truncated (its last page is incomplete)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -541,7 +546,7 @@ def probe_media(reference: Reference | Keyframe) -> MediaInfo:
         return _probe_video(path)
     if kind == "audio":
         return _probe_audio(path)
-    raise RequestError(f"{_name(path)}: cannot probe media of kind {kind!r}")
+    raise RequestError.about_file(path, f"cannot probe media of kind {kind!r}")
 
 
 def _probe_image(path: Any) -> MediaInfo:
@@ -568,7 +573,7 @@ def _probe_video(path: Any) -> MediaInfo:
         _frame_rate(video_stream, path)
         first_frame = next(container.decode(video_stream), None)
         if first_frame is None:
-            raise RequestError(f"{_name(path)}: has no decodable video frame")
+            raise RequestError.about_file(path, "has no decodable video frame")
         quarter_turns = round(first_frame.rotation / 90.0) % 4
         width, height = first_frame.width, first_frame.height
         if quarter_turns % 2:
@@ -606,12 +611,12 @@ def _opened(path: Any, what: str) -> Iterator[BinaryIO]:
     O_NONBLOCK keeps a named pipe from blocking the open; the type check then refuses it.
     """
     if not isinstance(path, str | os.PathLike):
-        raise RequestError(f"{_name(path)}: {what} path must be a string")
+        raise RequestError("", f"{what} path must be a string, got {file_name(path)}")
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except (OSError, ValueError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-        raise RequestError(f"{_name(path)}: cannot open the {what} file ({reason})") from error
+        raise RequestError.about_file(path, f"cannot open the {what} file ({reason})") from error
     try:
         _check_file_status(path, what, os.fstat(descriptor))
         file = os.fdopen(descriptor, "rb")
@@ -624,13 +629,12 @@ def _opened(path: Any, what: str) -> Iterator[BinaryIO]:
 
 def _check_file_status(path: Any, what: str, status: os.stat_result) -> None:
     if not stat.S_ISREG(status.st_mode):
-        raise RequestError(f"{_name(path)}: the {what} path is not a regular file")
+        raise RequestError.about_file(path, f"the {what} path is not a regular file")
     if status.st_size == 0:
-        raise RequestError(f"{_name(path)}: the {what} file is empty{_accepted(what)}")
+        raise RequestError.about_file(path, f"the {what} file is empty{_accepted(what)}")
     if status.st_size > MAX_FILE_BYTES:
-        raise RequestError(
-            f"{_name(path)}: the {what} file has {status.st_size:,} bytes, more than the limit of "
-            f"{MAX_FILE_BYTES:,}"
+        raise RequestError.about_file(
+            path, f"the {what} file has {status.st_size:,} bytes, more than the limit of {MAX_FILE_BYTES:,}"
         )
 
 
@@ -651,15 +655,15 @@ def _decoding(path: Any, what: str) -> Iterator[None]:
         reason = f"{type(error).__name__}: {detail}"
         if len(reason) > 200:
             reason = reason[:197] + "..."
-        raise RequestError(
-            f"{_name(path)}: the {what} file is corrupt or truncated ({reason}){_accepted(what)}"
+        raise RequestError.about_file(
+            path, f"the {what} file is corrupt or truncated ({reason}){_accepted(what)}"
         ) from error
 
 
 def _check_container(container: Any, allowed: frozenset[str], path: Any, what: str) -> None:
     if container.format.name not in allowed:
-        raise RequestError(
-            f"{_name(path)}: not {FORMATS[what].describe()} (detected {container.format.name!r})"
+        raise RequestError.about_file(
+            path, f"not {FORMATS[what].describe()} (detected {container.format.name!r})"
         )
 
 
@@ -674,7 +678,7 @@ def _decode_streams(container: Any, collectors: list[Any], path: Any) -> None:
     for packet in container.demux(*(collector.stream for collector in collectors)):
         # FFmpeg flags a packet whose bytes ran out before its declared size: the file ends mid-packet.
         if packet.is_corrupt:
-            raise RequestError(f"{_name(path)}: the file is truncated or corrupt (incomplete packet)")
+            raise RequestError.about_file(path, "the file is truncated or corrupt (incomplete packet)")
         collector = by_stream[packet.stream.index]
         if collector.done:
             if all(other.done for other in collectors):
@@ -715,9 +719,10 @@ def _check_not_short(path: Any, what: str, decoded_seconds: float, declared_seco
     """
     tolerance = TRUNCATION_TOLERANCE_SECONDS + TRUNCATION_TOLERANCE_FRACTION * declared_seconds
     if decoded_seconds + tolerance < declared_seconds:
-        raise RequestError(
-            f"{_name(path)}: the file is truncated ({what} ends after {decoded_seconds:.3f} s of the "
-            f"{declared_seconds:.3f} s its header declares)"
+        raise RequestError.about_file(
+            path,
+            f"the file is truncated ({what} ends after {decoded_seconds:.3f} s of the "
+            f"{declared_seconds:.3f} s its header declares)",
         )
 
 
@@ -726,25 +731,17 @@ def _check_window(path: Any, start_seconds: Any, max_seconds: Any, *, open_end_a
         if value is None and field == "max_seconds" and open_end_allowed:
             continue
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise RequestError(f"{_name(path)}: {field} must be a finite number, got {value!r}")
+            raise RequestError.about_file(path, f"{field} must be a finite number, got {value!r}")
     if start_seconds < 0:
-        raise RequestError(f"{_name(path)}: start_seconds must be >= 0, got {start_seconds!r}")
+        raise RequestError.about_file(path, f"start_seconds must be >= 0, got {start_seconds!r}")
     if max_seconds is not None and max_seconds <= 0:
-        raise RequestError(f"{_name(path)}: max_seconds must be positive, got {max_seconds!r}")
+        raise RequestError.about_file(path, f"max_seconds must be positive, got {max_seconds!r}")
     end = start_seconds + (0.0 if max_seconds is None else max_seconds)
     if end > MAX_MEDIA_SECONDS:
-        raise RequestError(
-            f"{_name(path)}: only the first {MAX_MEDIA_SECONDS:g} s of a file can be read, "
-            f"asked up to {end:g} s"
+        raise RequestError.about_file(
+            path, f"only the first {MAX_MEDIA_SECONDS:g} s of a file can be read, asked up to {end:g} s"
         )
 
 
 def _first_index_at(seconds: float, rate: float) -> int:
     return max(0, math.ceil(seconds * rate - _INDEX_EPSILON))
-
-
-def _name(path: Any) -> str:
-    if isinstance(path, os.PathLike):
-        path = os.fspath(path)
-    text = repr(path)
-    return text if len(text) <= 300 else text[:297] + "..."

@@ -156,11 +156,11 @@ def checked_output_files(out_path: Path | str, save_tensors_path: Path | str | N
     try:
         files = OutputFiles.beside(out_path, save_tensors_path)
     except ValueError as error:
-        raise RequestError(f"out_path: {error}") from None
+        raise RequestError("out_path", str(error)) from None
     problem = files.problem()
     if problem is not None:
         role, message = problem
-        raise RequestError(f"{'out_path' if role == 'video' else 'save_tensors_path'}: {message}")
+        raise RequestError("out_path" if role == "video" else "save_tensors_path", message)
     return files
 
 
@@ -243,7 +243,7 @@ def input_records(request: GenerationRequest) -> list[dict[str, Any]]:
         try:
             record["sha256"] = _sha256(record["path"])
         except OSError as error:
-            raise RequestError(f"{record['field']}: cannot read {record['path']}: {error.strerror}") from None
+            raise RequestError(record["field"], f"cannot read {record['path']}: {error.strerror}") from None
     return records
 
 

@@ -1,17 +1,16 @@
-"""A request's input files on the model's canvases and rates: its geometry and its normalized references.
+"""A request's input files on the model's canvases and rates: its normalized references and keyframe images.
 
 Contract:
-* `request_geometry(request, canvas, vae_spatial_ratio, patch)` is the canvas and frame count of a validated
-  request on a checkpoint (its canvas rule and spatial factors); it probes the files it needs (an FL2VA "auto"
-  aspect's first keyframe, a Ref2VA request's audio reference for its duration), so it is model-free: the app
-  shows it before a job is queued, and the engine uses the same function.
-* `read_reference(request, index, geometry, canvas, multiple)` reads one Ref2VA reference and normalizes it with
-  h3engine.conditioning (RequestError naming `references[index]`).
+* `read_reference(resolved, index, canvas, multiple)` reads one Ref2VA reference of a resolved request
+  (h3engine.resolved_request) and normalizes it with h3engine.conditioning; a video's canvas follows its probed
+  size (the resolved media facts: no second probe). RequestError naming `references[index]`.
+* `read_keyframe(request, index)` reads one keyframe image (RequestError naming `keyframes[index]`).
 """
 
 from __future__ import annotations
 
 import torch
+from PIL import Image
 
 from h3engine.checkpoint.layout import CanvasRules
 from h3engine.conditioning import (
@@ -21,53 +20,31 @@ from h3engine.conditioning import (
     normalize_reference_video,
 )
 from h3engine.errors import RequestError
-from h3engine.geometry import (
-    AUDIO_SAMPLE_RATE,
-    FPS,
-    Geometry,
-    canvas_rule,
-    frames_for_duration,
-    resolve_canvas,
-)
+from h3engine.geometry import AUDIO_SAMPLE_RATE, FPS, canvas_rule, resolve_canvas
 from h3engine.media import inputs as media_inputs
-from h3engine.request import GenerationRequest, resolve_aspect, resolve_duration_seconds
+from h3engine.request import GenerationRequest
+from h3engine.resolved_request import ResolvedRequest
 
 
-def request_geometry(
-    request: GenerationRequest,
-    canvas: CanvasRules,
-    vae_spatial_ratio: int,
-    patch: int,
-    first_keyframe_size: tuple[int, int] | None = None,
-) -> Geometry:
-    """The canvas and frame counts of a validated request, from the checkpoint's canvas rule and spatial factors.
-
-    FL2VA with aspect "auto" follows its first listed keyframe: pass that image's upright (width, height) if it is
-    already loaded, otherwise the file is probed here. A Ref2VA request without a duration takes its audio
-    reference's.
-    """
-    seconds = resolve_duration_seconds(request, media_inputs.probe_media)
-    factors = {"vae_spatial_ratio": vae_spatial_ratio, "patch": patch}
-    if request.width is not None and request.height is not None:
-        return Geometry.from_canvas(request.height, request.width, frames_for_duration(seconds), **factors)
-    if first_keyframe_size is None and request.task == "fl2va" and request.aspect_ratio == "auto":
-        info = media_inputs.probe_media(request.keyframes[0])
-        first_keyframe_size = (info.width, info.height)
-    short_edge, max_pixels = canvas_rule(request.short_edge, canvas.short_edge, canvas.max_pixels)
-    aspect = resolve_aspect(request, first_keyframe_size)
-    return Geometry.for_request(aspect, seconds, short_edge=short_edge, max_pixels=max_pixels, **factors)
+def read_keyframe(request: GenerationRequest, index: int) -> Image.Image:
+    """Keyframe `index` of a request as an upright RGB image (RequestError naming `keyframes[index]`)."""
+    try:
+        return media_inputs.load_image(request.keyframes[index].path)
+    except RequestError as error:
+        raise error.in_field(f"keyframes[{index}]") from None
 
 
 def read_reference(
-    request: GenerationRequest, index: int, geometry: Geometry, canvas: CanvasRules, multiple: int
+    resolved: ResolvedRequest, index: int, canvas: CanvasRules, multiple: int
 ) -> NormalizedReference:
-    """Reference `index` of a request, read and put on the model's rates and canvases (see conditioning);
+    """Reference `index` of a resolved request, read and put on the model's rates and canvases (see conditioning);
     `multiple` is the canvas multiple (VAE spatial ratio x DiT patch).
 
     Audio (a clip, or a video's soundtrack) is read at its own rate and resampled here, with the reference's
     resampler, not with the loader's; a video is decoded straight onto its own canvas (per-frame LANCZOS after
     the 24 fps frame holding, as the reference resizes).
     """
+    request, geometry = resolved.request, resolved.geometry
     reference, field = request.references[index], f"references[{index}]"
     # Clips and soundtracks are cut to the generated (17n+5-snapped) duration.
     max_seconds = geometry.frames / FPS
@@ -81,7 +58,7 @@ def read_reference(
         if reference.kind == "audio":
             source = media_inputs.read_audio_source(reference.path, start_seconds, max_seconds)
             return NormalizedReference("audio", audio=_reference_audio(source, max_seconds))
-        info = media_inputs.probe_media(reference)
+        info = resolved.media(reference)
         short_edge, max_pixels = canvas_rule(request.short_edge, canvas.short_edge, canvas.max_pixels)
         height, width = resolve_canvas(
             info.width, info.height, multiple=multiple, short_edge=short_edge, max_pixels=max_pixels
@@ -101,9 +78,9 @@ def read_reference(
             soundtrack = _reference_audio(clip.soundtrack.source, max_seconds)
         return NormalizedReference("video", frames=frames, audio=soundtrack)
     except RequestError as error:
-        raise RequestError(f"{field}: {error}") from None
+        raise error.in_field(field) from None
     except ValueError as error:
-        raise RequestError(f"{field}: {reference.path}: {error}") from None
+        raise RequestError(field, str(error), reference.path) from None
 
 
 def _reference_audio(source: media_inputs.SourceAudio, max_seconds: float) -> torch.Tensor:

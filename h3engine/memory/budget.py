@@ -49,7 +49,7 @@ def parse_gib(text: Any, flag: str) -> int:
     except ValueError:
         value = math.nan
     if not math.isfinite(value) or value <= 0:
-        raise RequestError(f"{flag}: expected a number of GiB > 0, got '{text}'")
+        raise RequestError(flag, f"expected a number of GiB > 0, got '{text}'")
     return int(value * GIB)
 
 

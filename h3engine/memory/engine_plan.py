@@ -74,16 +74,18 @@ def gpu_plan(
     plan = plan_engine(sizes, budget, request.profile, request.weights, "cuda", engine_shapes(sizes))
     if not plan.gpu_fits:
         raise RequestError(
-            f"--gpu-memory: {format_gib(budget.gpu_bytes)} ({budget.gpu_source}) cannot hold the models and one "
+            "--gpu-memory",
+            f"{format_gib(budget.gpu_bytes)} ({budget.gpu_source}) cannot hold the models and one "
             f"{plan.design_request} request under --memory-profile {request.profile}: the smallest plan needs "
-            f"{format_gib(plan.minimum_gpu_bytes)} (python -m h3engine plan-memory shows the plans)"
+            f"{format_gib(plan.minimum_gpu_bytes)} (python -m h3engine plan-memory shows the plans)",
         )
     if not plan.host_fits:
         raise RequestError(
-            f"--host-memory: {format_gib(budget.host_bytes)} ({budget.host_source}) cannot hold what this plan keeps "
+            "--host-memory",
+            f"{format_gib(budget.host_bytes)} ({budget.host_source}) cannot hold what this plan keeps "
             f"in host memory even with every home in the mapped checkpoint files: it needs "
             f"{format_gib(plan.minimum_host_bytes)}; free host memory, raise --host-memory, or give the GPU a larger "
-            "--gpu-memory so that less waits on the host"
+            "--gpu-memory so that less waits on the host",
         )
     return plan
 
@@ -94,11 +96,13 @@ def check_request_memory(
     canvas: tuple[int, int],
     prompt_tokens: int,
     probe: Callable[[Any], Any],
+    duration_seconds: float | None = None,
 ) -> None:
     """RequestError (naming the field to change) when one validated `request` (h3engine.request.GenerationRequest,
     whose canvas is `canvas`: height, width) would not fit the plan's GPU budget; nothing to check without one (the
-    CPU) or without the planner's sizes. `probe` gives a reference's `MediaInfo` (headers only). Duck-typed: this
-    layer sits below the request module."""
+    CPU) or without the planner's sizes. `probe` gives a reference's `MediaInfo` (the resolved request's media
+    facts, which probed each file once); `duration_seconds` is the resolved duration (default: the request's).
+    Duck-typed: this layer sits below the request module."""
     if plan.sizes is None or plan.budget.gpu_bytes is None:
         return
     references = None
@@ -115,7 +119,7 @@ def check_request_memory(
     shape = request_shape(
         plan.sizes,
         request.task,
-        duration_seconds=request.duration_seconds,
+        duration_seconds=request.duration_seconds if duration_seconds is None else duration_seconds,
         aspect_ratio=(float(width), float(height)),
         short_edge=request.short_edge,
         text_tokens=prompt_tokens,

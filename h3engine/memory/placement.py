@@ -53,13 +53,13 @@ ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 def check_memory_profile(name: str) -> str:
     if name not in MEMORY_PROFILES:
-        raise RequestError(f"--memory-profile: expected one of {', '.join(MEMORY_PROFILES)}, got '{name}'")
+        raise RequestError("--memory-profile", f"expected one of {', '.join(MEMORY_PROFILES)}, got '{name}'")
     return name
 
 
 def check_weights(name: str) -> str:
     if name not in WEIGHT_FORMATS:
-        raise RequestError(f"--weights: expected one of {', '.join(WEIGHT_FORMATS)}, got '{name}'")
+        raise RequestError("--weights", f"expected one of {', '.join(WEIGHT_FORMATS)}, got '{name}'")
     return name
 
 

@@ -706,8 +706,9 @@ def check_request_fits(plan: MemoryPlan, shape: RequestShape) -> None:
     while candidate >= MIN_DURATION_SECONDS:
         if request_peak_bytes(plan, reshaped(sizes, shape, duration_seconds=float(candidate))) <= limit:
             raise RequestError(
-                f"duration_seconds: a {seconds:g} s request needs about {peak / GIB:.1f} GiB {over}; ask for "
-                f"{candidate} s or less, or raise --gpu-memory"
+                "duration_seconds",
+                f"a {seconds:g} s request needs about {peak / GIB:.1f} GiB {over}; ask for "
+                f"{candidate} s or less, or raise --gpu-memory",
             )
         candidate -= 1
     partition = partition_for_task(sizes, shape.task)
@@ -721,12 +722,14 @@ def check_request_fits(plan: MemoryPlan, shape: RequestShape) -> None:
             break
         if request_peak_bytes(plan, variant) <= limit:
             raise RequestError(
-                f"short_edge: a {edge}-pixel short edge needs about {peak / GIB:.1f} GiB {over}; ask for "
-                f"{smaller} or less, or raise --gpu-memory"
+                "short_edge",
+                f"a {edge}-pixel short edge needs about {peak / GIB:.1f} GiB {over}; ask for "
+                f"{smaller} or less, or raise --gpu-memory",
             )
         smaller -= multiple
     field_name = {"ref2va": "references", "fl2va": "keyframes"}.get(shape.task, "prompt")
     raise RequestError(
-        f"{field_name}: this request needs about {peak / GIB:.1f} GiB {over}, even at its shortest and smallest; "
-        "raise --gpu-memory"
+        field_name,
+        f"this request needs about {peak / GIB:.1f} GiB {over}, even at its shortest and smallest; "
+        "raise --gpu-memory",
     )

@@ -89,22 +89,23 @@ def _check_flags(args: argparse.Namespace) -> tuple[int | None, int | None]:
     host = None if args.host_memory is None else parse_gib(args.host_memory, "--host-memory")
     if not MIN_DURATION_SECONDS <= args.duration <= MAX_DURATION_SECONDS:
         raise RequestError(
-            f"--duration: must be within [{MIN_DURATION_SECONDS:g}, {MAX_DURATION_SECONDS:g}] s, got {args.duration:g}"
+            "--duration",
+            f"must be within [{MIN_DURATION_SECONDS:g}, {MAX_DURATION_SECONDS:g}] s, got {args.duration:g}",
         )
     try:
         width, height = parse_aspect_ratio(args.aspect_ratio)
     except ValueError as error:
-        raise RequestError(f"--aspect-ratio: {error}") from None
+        raise RequestError("--aspect-ratio", str(error)) from None
     if not MIN_ASPECT_RATIO <= width / height <= MAX_ASPECT_RATIO:
-        raise RequestError(f"--aspect-ratio: must be within 1:4 to 4:1, got {args.aspect_ratio}")
+        raise RequestError("--aspect-ratio", f"must be within 1:4 to 4:1, got {args.aspect_ratio}")
     if args.short_edge is not None and not 1 <= args.short_edge <= MAX_SHORT_EDGE:
-        raise RequestError(f"--short-edge: must be within [1, {MAX_SHORT_EDGE}], got {args.short_edge}")
+        raise RequestError("--short-edge", f"must be within [1, {MAX_SHORT_EDGE}], got {args.short_edge}")
     if args.prompt_tokens is not None and not 1 <= args.prompt_tokens <= MAX_PROMPT_TOKENS:
         raise RequestError(
-            f"--prompt-tokens: must be within [1, {MAX_PROMPT_TOKENS:,}], got {args.prompt_tokens}"
+            "--prompt-tokens", f"must be within [1, {MAX_PROMPT_TOKENS:,}], got {args.prompt_tokens}"
         )
     if args.references is not None and args.task != "ref2va":
-        raise RequestError(f"--references: only for --task ref2va, got --task {args.task}")
+        raise RequestError("--references", f"only for --task ref2va, got --task {args.task}")
     return gpu, host
 
 
@@ -125,9 +126,9 @@ def parse_references(text: str) -> tuple[Any, ...]:
             else:
                 raise ValueError("a reference is image[:W:H], video[:SECONDS] or audio[:SECONDS]")
         except ValueError as error:
-            raise RequestError(f"--references: {entry!r}: {error}") from None
+            raise RequestError("--references", f"{entry!r}: {error}") from None
     if not references or len(references) > MAX_REFERENCES:
-        raise RequestError(f"--references: 1 to {MAX_REFERENCES} references, got {len(references)}")
+        raise RequestError("--references", f"1 to {MAX_REFERENCES} references, got {len(references)}")
     return tuple(references)
 
 
@@ -157,28 +158,31 @@ def run_plan_memory(args: argparse.Namespace) -> int:
             references=references,
         )
     except ValueError as error:
-        raise RequestError(f"--short-edge / --aspect-ratio: {error}") from None
+        raise RequestError("--short-edge / --aspect-ratio", str(error)) from None
     device_type = "cpu" if device == "cpu" else "cuda"
     plan = plan_for_shape(sizes, budget, shape, args.memory_profile, device_type)
     if budget.gpu_bytes is not None and device_type != "cpu" and budget.gpu_bytes < plan.minimum_gpu_bytes:
         raise RequestError(
-            f"{_gpu_budget_words(budget)} cannot hold even the smallest plan for this request ({shape.label}): it "
+            "--gpu-memory",
+            f"{_gpu_budget_words(budget).removeprefix('--gpu-memory ')} cannot hold even the smallest plan for this request ({shape.label}): it "
             f"needs {plan.minimum_gpu_bytes / GIB:.1f} GiB; raise --gpu-memory, or plan a shorter or smaller request "
-            f"(--duration, --short-edge{', --references' if args.task == 'ref2va' else ''})"
+            f"(--duration, --short-edge{', --references' if args.task == 'ref2va' else ''})",
         )
     print(json.dumps(plan_json(plan), indent=2) if args.json else "\n".join(plan_table(plan)))
     sys.stdout.flush()
     if not plan.gpu_fits:
         raise RequestError(
-            f"--memory-profile {plan.profile}: its peak is {plan.peak_gpu_bytes / GIB:.1f} GiB, over "
+            "--memory-profile",
+            f"{plan.profile} peaks at {plan.peak_gpu_bytes / GIB:.1f} GiB, over "
             f"{_gpu_budget_words(budget)}; use --memory-profile auto (needs at least "
-            f"{plan.minimum_gpu_bytes / GIB:.1f} GiB)"
+            f"{plan.minimum_gpu_bytes / GIB:.1f} GiB)",
         )
     if not plan.host_fits:
         raise RequestError(
-            f"--host-memory: the plan pins at least {plan.minimum_host_bytes / GIB:.1f} GiB of host memory even with "
+            "--host-memory",
+            f"the plan pins at least {plan.minimum_host_bytes / GIB:.1f} GiB of host memory even with "
             f"every home mapped, over the {budget.host_bytes / GIB:.1f} GiB budget ({budget.host_source}); raise "
-            "--host-memory"
+            "--host-memory",
         )
     return 0
 

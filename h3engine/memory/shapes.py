@@ -25,7 +25,6 @@ from h3engine.geometry import (
     AUDIO_SAMPLE_RATE,
     FPS,
     MAX_ASPECT_RATIO,
-    RELEASED_SHORT_EDGE,
     VAE_FRAMES_PER_CHUNK,
     VAE_LATENTS_PER_CHUNK,
     Geometry,
@@ -237,11 +236,7 @@ def request_shape(
     dims, video_config = partition.text_dims, partition.video_config
     vae_ratio, patch = video_config.spatial_compression_ratio, partition.dit_config.patch_size[-1]
     multiple = vae_ratio * patch
-    rule_short_edge, max_pixels = canvas_rule(
-        RELEASED_SHORT_EDGE if short_edge is None else short_edge,
-        sizes.canvas.short_edge,
-        sizes.canvas.max_pixels,
-    )
+    rule_short_edge, max_pixels = canvas_rule(short_edge, sizes.canvas.short_edge, sizes.canvas.max_pixels)
     geometry = Geometry.for_request(
         aspect_ratio,
         duration_seconds,

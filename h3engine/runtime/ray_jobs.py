@@ -81,9 +81,7 @@ def pack_job(
         try:
             data = Path(path).read_bytes()
         except OSError as error:
-            raise RequestError(
-                f"{field}: cannot read {os.path.basename(path)!r} ({error.strerror})"
-            ) from None
+            raise RequestError(field, f"cannot read {os.path.basename(path)!r} ({error.strerror})") from None
         inputs[path] = InputFile(path, hashlib.sha256(data).hexdigest(), data)
     return RayJob(
         job_id,

@@ -62,7 +62,7 @@ RAY_FOLDER_PREFIX = "h3-ray-"
 HEALTH_CHECK_PERIOD_S = 2.0
 GRACEFUL_SHUTDOWN_S = 20.0
 REPLICA_DIED_MESSAGE = "The Ray replica running this job died ({cause}); Ray Serve is starting a new one."
-RAY_MISSING_MESSAGE = "--ray: Ray is not installed in this environment (install it with `make ray`)"
+RAY_MISSING_PROBLEM = "Ray is not installed in this environment (install it with `make ray`)"
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def require_ray() -> None:
         import ray  # noqa: F401
         from ray import serve  # noqa: F401
     except ImportError:
-        raise RequestError(RAY_MISSING_MESSAGE) from None
+        raise RequestError("--ray", RAY_MISSING_PROBLEM) from None
 
 
 # --- inside a Serve replica -------------------------------------------------------------------------------------
@@ -335,14 +335,14 @@ def start_ray_replicas(address: str, spec: RayReplicaSpec, replicas: int) -> Ray
     from ray import serve
 
     if replicas < 1:
-        raise RequestError(f"--ray-replicas must be at least 1, got {replicas}")
+        raise RequestError("--ray-replicas", f"must be at least 1, got {replicas}")
     connected = not ray.is_initialized()  # a caller that is already connected keeps its connection
     try:
         if connected:
             ray.init(address=address, namespace="h3engine", logging_level=logging.WARNING)
     except (ConnectionError, ValueError, RuntimeError) as error:
         raise RequestError(
-            f"--ray: cannot join the Ray cluster at {address!r} ({_first_line(error)})"
+            "--ray", f"cannot join the Ray cluster at {address!r} ({_first_line(error)})"
         ) from None
     app_name = f"{APP_NAME_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
     gpus = spec.world_size if spec.gpus else 0
@@ -368,7 +368,7 @@ def start_ray_replicas(address: str, spec: RayReplicaSpec, replicas: int) -> Ray
         engine.facts = engine.handle.facts.remote().result()
     except RuntimeError as error:
         engine.close()
-        raise RequestError(f"--ray: the engine replicas did not start ({_first_line(error)})") from None
+        raise RequestError("--ray", f"the engine replicas did not start ({_first_line(error)})") from None
     except BaseException:
         engine.close()
         raise

@@ -49,7 +49,7 @@ CANCEL_GRACE_STEPS = 2
 def checked_stall_timeout(value: float | None, flag: str = "--stall-timeout") -> float | None:
     """The `--stall-timeout` flag's seconds (None: derived); RequestError naming the flag unless positive."""
     if value is not None and not 0 < value < float("inf"):
-        raise RequestError(f"{flag} must be a positive number of seconds, got {value:g}")
+        raise RequestError(flag, f"must be a positive number of seconds, got {value:g}")
     return value
 
 

@@ -75,7 +75,7 @@ def _cuda_devices(flag: str, count: int) -> tuple[str, ...]:
     visible = torch.cuda.device_count()
     if count > visible:
         raise RequestError(
-            f"{flag}: {count} GPUs asked for, but {visible} {'is' if visible == 1 else 'are'} visible"
+            flag, f"{count} GPUs asked for, but {visible} {'is' if visible == 1 else 'are'} visible"
         )
     return tuple(f"cuda:{index}" for index in range(count))
 
@@ -87,14 +87,14 @@ def _cuda_device_list(flag: str, text: str) -> tuple[str, ...]:
         item = item.strip()
         index_text = item.removeprefix("cuda:")
         if not index_text.isdigit():
-            raise RequestError(f"{flag}: expected GPU indices like 0,1 or cuda:0,cuda:1, got '{item}'")
+            raise RequestError(flag, f"expected GPU indices like 0,1 or cuda:0,cuda:1, got '{item}'")
         names.append(f"cuda:{int(index_text)}")
     visible = torch.cuda.device_count()
     for name in names:
         if int(name.removeprefix("cuda:")) >= visible:
-            raise RequestError(f"{flag}: {name} is not one of the {visible} visible GPUs")
+            raise RequestError(flag, f"{name} is not one of the {visible} visible GPUs")
         if names.count(name) > 1:
-            raise RequestError(f"{flag}: {name} is listed twice (a worker group has one rank per GPU)")
+            raise RequestError(flag, f"{name} is listed twice (a worker group has one rank per GPU)")
     return tuple(names)
 
 
@@ -107,14 +107,14 @@ def rank_devices(
     use gloo; cuda means the first N GPUs). With none of them, one rank on `--device` (None: cuda when present).
     """
     if gpus is not None and devices is not None:
-        raise RequestError("--gpus and --devices: give one of them")
+        raise RequestError("--gpus and --devices", "give one of them")
     if (gpus is not None or devices is not None) and device is not None and not device.startswith("cuda"):
         raise RequestError(
-            f"--device {device}: --gpus and --devices choose GPUs; use --world-size for CPU ranks"
+            "--device", f"is {device}, but --gpus and --devices choose GPUs; use --world-size for CPU ranks"
         )
     for flag, value in (("--gpus", gpus), ("--world-size", world_size)):
         if value is not None and value < 1:
-            raise RequestError(f"{flag} must be at least 1, got {value}")
+            raise RequestError(flag, f"must be at least 1, got {value}")
     if gpus is not None:
         chosen = _cuda_devices("--gpus", gpus)
     elif devices is not None:
@@ -128,10 +128,14 @@ def rank_devices(
         if count == 1:
             return (device,)
         if device != "cuda":
-            raise RequestError(f"--device {device}: with --world-size {count} give --device cuda (or cpu)")
+            raise RequestError(
+                "--device", f"is {device}; with --world-size {count} give --device cuda (or cpu)"
+            )
         return _cuda_devices("--world-size", count)
     if world_size is not None and world_size != len(chosen):
-        raise RequestError(f"--world-size {world_size} does not match the {len(chosen)} GPUs chosen")
+        raise RequestError(
+            "--world-size", f"is {world_size}, which does not match the {len(chosen)} GPUs chosen"
+        )
     return chosen
 
 
@@ -142,7 +146,7 @@ def replica_device_groups(devices: Sequence[str | None], world_size: int) -> lis
     means `world_size` CPU ranks; no devices means the first `world_size` GPUs, or CPU ranks without a GPU.
     """
     if world_size < 1:
-        raise RequestError(f"--world-size must be at least 1, got {world_size}")
+        raise RequestError("--world-size", f"must be at least 1, got {world_size}")
     if list(devices) in ([None], ["cpu"]):
         if devices[0] is None and torch.cuda.is_available():
             return [_cuda_devices("--world-size", world_size)]
@@ -150,7 +154,7 @@ def replica_device_groups(devices: Sequence[str | None], world_size: int) -> lis
     names = _cuda_device_list("--devices", ",".join(str(name) for name in devices))
     if len(names) % world_size:
         raise RequestError(
-            f"--devices: {len(names)} GPUs do not split into worker groups of --world-size {world_size}"
+            "--devices", f"{len(names)} GPUs do not split into worker groups of --world-size {world_size}"
         )
     return [names[start : start + world_size] for start in range(0, len(names), world_size)]
 
@@ -168,13 +172,14 @@ def stage_devices(
         if text is not None:
             names = _cuda_device_list(flag, text)
             if len(names) != size:
-                raise RequestError(f"{flag}: {len(names)} GPUs given, but {size_flag} {size} asks for {size}")
+                raise RequestError(flag, f"{len(names)} GPUs given, but {size_flag} {size} asks for {size}")
         elif dit_devices[0] == "cpu":
             names = ("cpu",) * size
         elif size > len(dit_devices):
             raise RequestError(
-                f"{size_flag} {size}: the group shares the DiT's {len(dit_devices)} GPUs by default, one rank "
-                f"per GPU; give {flag} with {size} GPUs"
+                size_flag,
+                f"asks for {size} ranks, but the group shares the DiT's {len(dit_devices)} GPUs by default, one "
+                f"rank per GPU; give {flag} with {size} GPUs",
             )
         else:
             names = tuple(dit_devices[:size])
@@ -190,14 +195,14 @@ def checked_layouts(
     MemoryRequest.of(memory)
     if layout.world_size != len(devices):
         raise RequestError(
-            f"the layout is for {layout.world_size} ranks, but {len(devices)} devices were given"
+            "devices", f"the layout is for {layout.world_size} ranks, but {len(devices)} devices were given"
         )
     try:
         for paths in checkpoint.partitions.values():
             dit_layout = layout.dit_layout(dit_source(checkpoint, paths, torch.bfloat16).config)
             encoder_layout = layout.encoder_layout(open_text_encoder_files(paths.text_encoder)[0])
-    except ValueError as error:
-        raise RequestError(str(error)) from None
+    except ValueError as error:  # names the flags, which only together make no layout
+        raise RequestError("", str(error)) from None
     return dit_layout, encoder_layout
 
 

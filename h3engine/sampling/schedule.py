@@ -19,9 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from h3engine.errors import RequestError
-from h3engine.request import distilled_step_count
-
 SCHEDULE_RECIPES = ("sglang", "diffusers")
 
 RELEASED_VIDEO_SHIFT = 12.0
@@ -56,38 +53,6 @@ def rung_sigmas(rungs: tuple[int, ...], shift: float) -> torch.Tensor:
     """
     base = torch.tensor([rung / 1000.0 for rung in rungs] + [0.0], dtype=torch.float32, device="cpu")
     return _shifted(base, shift)
-
-
-def effective_rungs(
-    request_rungs: tuple[int, ...], checkpoint_rungs: tuple[int, ...] | None
-) -> tuple[int, ...] | None:
-    """The rungs a request runs: its own (a Turbo adapter's), else a step-distilled checkpoint's, else None (the
-    grid of its step count). A step-distilled checkpoint runs only its own rungs (RequestError naming `rungs`)."""
-    if not request_rungs:
-        return checkpoint_rungs
-    if checkpoint_rungs is not None and tuple(request_rungs) != checkpoint_rungs:
-        raise RequestError(
-            f"rungs: this checkpoint is step-distilled to the rungs {', '.join(map(str, checkpoint_rungs))}, got "
-            f"{', '.join(map(str, request_rungs))} (leave rungs empty to run the checkpoint's)"
-        )
-    return tuple(request_rungs)
-
-
-def check_distilled_steps(steps: int, recipe: str, rungs: tuple[int, ...] | None) -> None:
-    """RequestError (field ``steps``) unless ``steps`` runs exactly the distilled ``rungs`` (None: any count)."""
-    if rungs is None:
-        return
-    expected = distilled_step_count(rungs, recipe)
-    if steps != expected:
-        counted = (
-            ""
-            if expected == len(rungs)
-            else f"; the diffusers recipe counts grid points, so ask for {expected}"
-        )
-        raise RequestError(
-            f"steps: this checkpoint is step-distilled to {len(rungs)} steps (rungs "
-            f"{', '.join(map(str, rungs))}), got {steps}{counted}"
-        )
 
 
 def grid_points_for(num_inference_steps: int, recipe: str) -> int:
