@@ -4,7 +4,7 @@ Command line and environment -> `AppConfig`; load the engine replicas; start the
 launch. Each of `--devices` is a replica holding a whole `Engine` in this process, or with `--world-size N`
 every N devices form a resident worker group (h3engine.runtime.workers); the engine flags (layout, `--dtype`,
 `--memory-profile`, `--gpu-memory`, `--host-memory`, `--weights`, `--fp8-linear`) are the CLI's
-(h3engine.engine_options). `--ray ADDRESS` serves from
+(h3engine.engine.options). `--ray ADDRESS` serves from
 `--ray-replicas` engine replicas of `--world-size` GPUs (or CPU ranks with `--devices cpu`) on a Ray Serve
 cluster instead (h3engine.runtime.ray_serve). Without a checkpoint (`--checkpoint` / `H3_CHECKPOINT`) it runs
 on a tiny random-weight checkpoint made once in a cache folder, and says so in a banner. GPU replicas make one
@@ -36,13 +36,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from h3engine.engine_options import EngineOptions, add_engine_flags
+from h3engine.engine.options import EngineOptions, add_engine_flags
 
 if TYPE_CHECKING:
     import gradio as gr
 
     from h3engine.engine import Engine
-    from h3engine.model_store import LoadEvent
+    from h3engine.engine.model_store import LoadEvent
     from h3engine.parallel.groups import RuntimeLayout
     from h3engine.runtime.front import EngineFront
     from h3engine.runtime.ray_serve import RaySlot
@@ -98,7 +98,7 @@ class AppConfig:
     preview_every: int
     warm_up: bool = True  # GPU replicas run `WARM_UP_REQUEST` before taking jobs (h3engine.runtime.front)
     shared_history: bool = False  # one History and outputs folder for everyone (ui.access)
-    lora_dir: Path | None = None  # the LoRA adapters the app offers (h3engine.lora_library)
+    lora_dir: Path | None = None  # the LoRA adapters the app offers (h3engine.lora.library)
     ray: str | None = None  # a Ray cluster's address ("auto": this node's): the replicas run there
     ray_replicas: int = 1
     stall_timeout: float | None = (
@@ -303,7 +303,7 @@ def settle_folders(config: AppConfig) -> AppConfig:
     """A default outputs or cache folder that cannot be written (a read-only install, e.g. a Space, or an unwritable
     HOME) is replaced by one in a folder of this process in the temp folder, with a log line; the next start removes
     it. A named folder stays, for `check_before_loading` to refuse."""
-    from h3engine.leftovers import owned_temp_folder
+    from h3engine.media.leftovers import owned_temp_folder
 
     replaced: dict[str, Path] = {}
     fallback = None
@@ -357,7 +357,7 @@ def memory_label(options: EngineOptions) -> str:
 def check_before_loading(config: AppConfig) -> None:
     """What can fail without a model, checked before any is loaded: the engine options, the devices, the address to
     listen on, the outputs and cache folders (ConfigError naming the option)."""
-    from h3engine.engine_options import check_engine_options, check_fp8_device, resolve_device
+    from h3engine.engine.options import check_engine_options, check_fp8_device, resolve_device
     from h3engine.errors import RequestError
     from h3engine.runtime.supervision import checked_stall_timeout
     from h3engine.runtime.workers import replica_device_groups, stage_devices
@@ -412,7 +412,7 @@ def _check_can_listen(host: str, port: int) -> None:
 def _load_engines(checkpoint: Path, config: AppConfig) -> list[Engine | ProcessReplica | RaySlot]:
     """One replica per device (in-process engines) or per group of `world_size` devices (worker groups), or the
     slots of the replicas on a Ray cluster."""
-    from h3engine.engine_options import check_engine_options, load_engine, resolve_device
+    from h3engine.engine.options import check_engine_options, load_engine, resolve_device
 
     if config.ray is not None:
         return _start_ray_replicas(checkpoint, config)
@@ -428,7 +428,7 @@ def _load_engines(checkpoint: Path, config: AppConfig) -> list[Engine | ProcessR
 
 def _load_logger(device: str) -> Callable[[LoadEvent], None]:
     """The engine's `on_load` at start-up (and at a partition's first use): one log line per component loaded."""
-    from h3engine.cli_progress import load_line
+    from h3engine.cli.progress import load_line
 
     def log(event: LoadEvent) -> None:
         if event.seconds is not None:
@@ -548,7 +548,7 @@ def _stop_on_sigterm(front: EngineFront) -> Callable[[int, object], None]:
 def remove_leftovers(outputs_dir: Path) -> None:
     """What a killed predecessor left: staging files and unpaired stamped MP4s under the outputs folder, the warm-up
     and worker folders in the temp folder (only those of dead processes; each removal is logged)."""
-    from h3engine.leftovers import (
+    from h3engine.media.leftovers import (
         GRADIO_FOLDER_PREFIX,
         WARM_UP_FOLDER_PREFIX,
         WORKER_FOLDER_PREFIX,
@@ -568,7 +568,7 @@ def own_gradio_cache() -> Path | None:
     /data/gradio, perhaps shared) only the files we know of are removed."""
     if os.environ.get("GRADIO_TEMP_DIR"):
         return None
-    from h3engine.leftovers import GRADIO_FOLDER_PREFIX, owned_temp_folder
+    from h3engine.media.leftovers import GRADIO_FOLDER_PREFIX, owned_temp_folder
 
     folder = owned_temp_folder(GRADIO_FOLDER_PREFIX)
     os.environ["GRADIO_TEMP_DIR"] = str(folder)

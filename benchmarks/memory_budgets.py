@@ -298,7 +298,7 @@ def step_summary(seconds: list[float]) -> float | None:
 
 
 def make_request(spec: dict[str, Any], steps: int, task: str = "t2va") -> Any:
-    from h3engine.lora_library import TURBO_TABLE
+    from h3engine.lora.library import TURBO_TABLE
     from h3engine.request import GenerationRequest, Reference
 
     shifts = {}

@@ -53,9 +53,9 @@ def decode_and_mux_runs(
 ) -> dict[str, dict[str, float]]:
     """The engine's decode with the MP4 written while it decodes, per x264 thread type: its timings."""
     from benchmarks.e2e import build_audio_vae
+    from h3engine.engine.pipeline import Models, decode
     from h3engine.media import mux
     from h3engine.models.audio_vae import AudioVAEConfig
-    from h3engine.pipeline import Models, decode
 
     audio_config = AudioVAEConfig.tiny() if args.tiny else AudioVAEConfig.released()
     audio_vae = build_audio_vae(audio_config, latents.device, args.seed)
@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument(
         "--mux-thread-types",
         default="",
-        help="also run the engine's decode with the MP4 written alongside (h3engine.pipeline.decode), once per x264 "
+        help="also run the engine's decode with the MP4 written alongside (h3engine.engine.pipeline.decode), once per x264 "
         "thread type listed (e.g. SLICE,FRAME): decode, writer and after-decode seconds",
     )
     parser.add_argument(

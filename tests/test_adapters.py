@@ -1,4 +1,4 @@
-"""LoRA adapters applied beside the DiT's linears (h3engine.adapters, a request's `loras`), in one process.
+"""LoRA adapters applied beside the DiT's linears (h3engine.lora.adapters, a request's `loras`), in one process.
 
 Whole T2VA generations at fp32 on a tiny checkpoint equal diffusers 0.42.1's pipeline after `load_lora_weights`
 (peft's unfused LoRA layers), one LoRA or two with strengths; strength 0 and removal give the base outputs
@@ -21,8 +21,13 @@ from _lora_helpers import assert_changed, assert_equal, loras_loaded, small_lora
 from _parity_helpers import reference_pipeline, relative_l2
 
 from benchmarks._packed_request import max_relative_error
-from h3engine import adapters as adapters_module
-from h3engine.adapters import (
+from h3engine.checkpoint.dit_format import native_to_module
+from h3engine.checkpoint.dit_keys import random_native_state
+from h3engine.checkpoint.lora_format import read_lora
+from h3engine.engine import Engine
+from h3engine.errors import RequestError
+from h3engine.lora import adapters as adapters_module
+from h3engine.lora.adapters import (
     Adapter,
     LoraFiles,
     adapted_layers,
@@ -30,11 +35,6 @@ from h3engine.adapters import (
     apply_adapters,
     remove_adapters,
 )
-from h3engine.checkpoint.dit_format import native_to_module
-from h3engine.checkpoint.dit_keys import random_native_state
-from h3engine.checkpoint.lora_format import read_lora
-from h3engine.engine import Engine
-from h3engine.errors import RequestError
 from h3engine.models.dit import DiTConfig, H3DiT
 from h3engine.parallel.dit import _apply_tensor_parallel
 from h3engine.parallel.groups import GroupMembership
@@ -149,7 +149,7 @@ def test_strength_zero_removal_and_switching_are_exact(engine, base, tmp_path) -
 
 
 def test_an_adaln_lora_takes_effect_after_a_cached_schedule(engine, base, checkpoint, tmp_path) -> None:
-    """The AdaLN tables of a schedule are cached per DiT (h3engine.modulation): `base` filled the cache for this
+    """The AdaLN tables of a schedule are cached per DiT (h3engine.sampling.modulation): `base` filled the cache for this
     request, so an adapter on the AdaLN projections must make the engine build them again."""
     path = lora_file(tmp_path, engine, "diffusers", 10, only="adaln_proj")
     output = generate(engine, (path, 1.0, "transformer"))

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.loader import dit_source
 from h3engine.errors import RequestError
-from h3engine.lora_library import LoraLibrary
+from h3engine.lora.library import LoraLibrary
 from h3engine.request import GenerationRequest, LoraChoice
 from ui.handlers import parse_rungs
 from ui.loras import LORA_SLOTS, lora_choices, lora_values, loras_to_rows, rows_to_loras

@@ -22,7 +22,7 @@ from _app_helpers import ASSETS, REPOSITORY_ROOT
 
 from h3engine.cli import _build_parser
 from h3engine.errors import RequestError
-from h3engine.lora_library import LoraLibrary
+from h3engine.lora.library import LoraLibrary
 from h3engine.media.formats import FORMATS, accepted_text
 from h3engine.request import GenerationRequest, Keyframe, Reference, reference_labels
 from ui.components import NotAnUpload, as_uploaded

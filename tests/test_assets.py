@@ -31,7 +31,7 @@ from PIL import Image
 
 from h3engine.media.mux import probe_mp4
 from h3engine.request import GenerationRequest, MediaInfo, Reference, validate
-from h3engine.request_shapes import from_dict
+from h3engine.request.shapes import from_dict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ASSETS = REPO_ROOT / "assets"

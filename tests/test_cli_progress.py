@@ -25,9 +25,9 @@ import pytest
 
 import app
 from h3engine.cli import main
-from h3engine.cli_progress import BarProgress, PlainProgress
+from h3engine.cli.progress import BarProgress, PlainProgress
 from h3engine.engine import Engine
-from h3engine.model_store import COMPONENTS, LoadEvent
+from h3engine.engine.model_store import COMPONENTS, LoadEvent
 
 REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3

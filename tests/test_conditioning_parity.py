@@ -41,13 +41,13 @@ from h3engine.conditioning import (
     resample_waveform,
     sinc_resample_kernel,
 )
+from h3engine.conditioning.presentation import qwen_video_sampling
 from h3engine.engine import Engine
+from h3engine.engine.pipeline import prepare_request, run_generation
 from h3engine.errors import RequestError
 from h3engine.media.mux import write_mp4
-from h3engine.pipeline import prepare_request, run_generation
-from h3engine.presentation import qwen_video_sampling
 from h3engine.request import GenerationRequest, Keyframe, Reference, resolve_duration_seconds
-from h3engine.resolved_request import ResolvedRequest, new_media_facts, request_geometry
+from h3engine.request.resolved import ResolvedRequest, new_media_facts, request_geometry
 from h3engine.sampling.schedule import Schedule
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3engine import pipeline
 from h3engine.checkpoint import audio_vae_keys, video_vae_keys
+from h3engine.engine import pipeline
+from h3engine.engine.pipeline import Models, Mp4WriteError, decode
 from h3engine.media.mux import probe_mp4
 from h3engine.models.audio_vae import AudioVAE, AudioVAEConfig
 from h3engine.models.video_vae import VideoVAE, VideoVAEConfig
-from h3engine.pipeline import Models, Mp4WriteError, decode
 
 LATENT_FRAMES = 12  # two decode windows with the tiny VAE
 

@@ -13,7 +13,6 @@ from _dit_helpers import tiny_fl2va_request
 from diffusers import MiniMaxH3Transformer3DModel
 
 from benchmarks._packed_request import PackedRequest, max_relative_error
-from h3engine import modulation as modulation_module
 from h3engine.checkpoint.dit_format import (
     config_from_diffusers,
     config_from_native,
@@ -31,7 +30,8 @@ from h3engine.checkpoint.dit_keys import (
 from h3engine.errors import CheckpointError
 from h3engine.kernels.reference.rope import rotate_first_channels
 from h3engine.models.dit import FP32_PARAMETER_NAMES, DiTConfig, H3DiT, MultiAxisRope
-from h3engine.modulation import clear_modulation_cache, offload_adaln, schedule_modulation
+from h3engine.sampling import modulation as modulation_module
+from h3engine.sampling.modulation import clear_modulation_cache, offload_adaln, schedule_modulation
 
 SEED = 1234
 FP32_TOLERANCE = 1e-5

@@ -19,10 +19,10 @@ from h3engine.checkpoint.layout import CanvasRules, detect_layout
 from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.cli import main
 from h3engine.engine import Engine
+from h3engine.engine.pipeline import prepare_request, run_generation
 from h3engine.errors import CheckpointError, RequestError
-from h3engine.pipeline import prepare_request, run_generation
 from h3engine.request import GenerationRequest
-from h3engine.resolved_request import check_distilled_steps
+from h3engine.request.resolved import check_distilled_steps
 from h3engine.runtime.checks import CheckpointFacts, check_request
 from h3engine.runtime.front import WARM_UP_REQUEST, warm_up_request
 from h3engine.sampling.schedule import Schedule, rung_sigmas

@@ -34,7 +34,7 @@ from h3engine import cli
 from h3engine.errors import RequestError
 from h3engine.media.inputs import probe_media
 from h3engine.request import validate
-from h3engine.request_shapes import from_dict
+from h3engine.request.shapes import from_dict
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 ASSETS = REPOSITORY / "assets"

@@ -11,7 +11,7 @@ from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.loader import ComponentSource
 from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.engine import Engine
-from h3engine.model_store import ModelLoader
+from h3engine.engine.model_store import ModelLoader
 
 
 class RecordingLoader(ModelLoader):

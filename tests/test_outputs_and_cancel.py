@@ -4,7 +4,7 @@ at the next start (tiny CPU engine).
 What is checked: output names are refused before any work (a folder, a missing folder, a tensors file over the
 video); a failure writing the tensors leaves no MP4; a full disk fails the job saying so, with the free space; a
 commit renames the sidecar last; cancelling at each poll of a request (input files, conditioning encode, text
-encode, every step, after the last step, each decoder window) stops it and leaves no file; `h3engine.leftovers` removes exactly the staging files and folders of dead processes
+encode, every step, after the last step, each decoder window) stops it and leaves no file; `h3engine.media.leftovers` removes exactly the staging files and folders of dead processes
 and sidecar-less stamped MP4s, including after a real SIGKILL of the CLI (alone and with a worker group), and a
 killed worker group exactly its ranks' staging files.
 """
@@ -26,16 +26,16 @@ import pytest
 import torch
 from _runtime_helpers import events_until_done
 
-from h3engine import pipeline as pipeline_module
 from h3engine.engine import Engine
+from h3engine.engine import pipeline as pipeline_module
 from h3engine.errors import GenerationCancelled, RequestError
-from h3engine.leftovers import (
+from h3engine.media import outputs
+from h3engine.media.leftovers import (
     WORKER_FOLDER_PREFIX,
     remove_dead_temp_folders,
     remove_output_leftovers,
     remove_staging_files_of,
 )
-from h3engine.media import outputs
 from h3engine.media.outputs import OutputFiles, staged
 from h3engine.request import GenerationRequest, Keyframe, Reference
 from h3engine.runtime.front import EngineFront, stamped_output_name

@@ -101,7 +101,7 @@ def test_a_tiny_placeholder_generates_the_same_finite_output_twice(tiny_placehol
     )
     outputs = []
     for _ in range(2):
-        with caplog.at_level(logging.WARNING, logger="h3engine.model_store"):
+        with caplog.at_level(logging.WARNING, logger="h3engine.engine.model_store"):
             engine = Engine.from_checkpoint(tiny_placeholder, device="cpu", dtype=torch.float32)
         output, _ = engine.generate(request)
         outputs.append(output)

@@ -29,7 +29,7 @@ from h3engine.request import (
     resolve_duration_seconds,
     validate,
 )
-from h3engine.request_shapes import from_dict
+from h3engine.request.shapes import from_dict
 
 # ---------------------------------------------------------------------------------------------------------------
 # Media the fake probe knows about (what the PyAV/Pillow probe would report for such files)
@@ -629,7 +629,7 @@ def test_probe_is_called_once_per_file() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The official SGLang requests (H3_CHECKPOINT_LAYOUT.md §5.2), with their https media replaced by local files
+# The official SGLang requests (docs/CHECKPOINT.md §6.2), with their https media replaced by local files
 
 
 def test_sglang_t2va_request() -> None:
@@ -711,7 +711,7 @@ def test_sglang_shape_details() -> None:
 
 
 def test_request_module_imports_neither_torch_nor_numpy() -> None:
-    code = "import sys, h3engine.request, h3engine.request_shapes; print(sorted({'torch', 'numpy'} & set(sys.modules)))"
+    code = "import sys, h3engine.request, h3engine.request.shapes; print(sorted({'torch', 'numpy'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 

@@ -28,7 +28,7 @@ from h3engine.errors import RequestError
 from h3engine.geometry import Geometry, canvas_rule
 from h3engine.media import inputs as media_inputs
 from h3engine.request import GenerationRequest, Keyframe, LoraChoice, MediaFacts, MediaInfo, Reference
-from h3engine.resolved_request import resolve_request
+from h3engine.request.resolved import resolve_request
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 PICTURE = str(ASSETS / "ref2va" / "picture1.png")

@@ -17,11 +17,11 @@ from h3engine.checkpoint.loader import dit_source
 from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.engine import Engine
 from h3engine.errors import RequestError
-from h3engine.lora_library import TURBO_TABLE, LoraLibrary, TurboSettings, file_turbo, turbo_settings
+from h3engine.lora.library import TURBO_TABLE, LoraLibrary, TurboSettings, file_turbo, turbo_settings
 from h3engine.models.dit import DiTConfig
 from h3engine.request import GenerationRequest, validate
-from h3engine.request_shapes import from_dict
-from h3engine.resolved_request import effective_rungs
+from h3engine.request.resolved import effective_rungs
+from h3engine.request.shapes import from_dict
 
 RUNGS = (999, 750, 500, 250)
 

@@ -1,7 +1,7 @@
 """Examples shown under each tab, read once at start-up from assets/examples.json.
 
 Contract: the file holds `{"examples": [{"name", "title", "request": {...}}]}` with requests in h3engine's own
-shape (`h3engine.request_shapes.from_dict`) and media paths relative to the repository root. `load_examples` returns
+shape (`h3engine.request.shapes.from_dict`) and media paths relative to the repository root. `load_examples` returns
 them grouped by task with absolute paths. A missing file gives no examples; an entry that does not parse is
 skipped with a warning in the log, never a failed start. Clicking an example only fills the inputs: nothing is
 generated at start-up or on click.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from h3engine.errors import RequestError
 from h3engine.request import TASKS, GenerationRequest
-from h3engine.request_shapes import from_dict
+from h3engine.request.shapes import from_dict
 
 logger = logging.getLogger(__name__)
 

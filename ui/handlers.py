@@ -32,9 +32,9 @@ from typing import Any
 import gradio as gr
 
 from h3engine.errors import RequestError
-from h3engine.lora_library import LoraLibrary
+from h3engine.lora.library import LoraLibrary
 from h3engine.request import VERIFIED_SHORT_EDGE, GenerationRequest, Keyframe, Reference
-from h3engine.request_shapes import from_dict
+from h3engine.request.shapes import from_dict
 from h3engine.runtime.front import EngineFront, JobHandle, stamped_output_name
 from h3engine.runtime.messages import PreviewFrame
 from ui.access import AccessPolicy

@@ -20,7 +20,7 @@ from typing import Any
 import gradio as gr
 
 from h3engine.errors import RequestError
-from h3engine.lora_library import LoraLibrary, turbo_settings
+from h3engine.lora.library import LoraLibrary, turbo_settings
 from h3engine.request import LORA_TARGET_OF_TASK, MAX_LORA_STRENGTH, MAX_LORAS, GenerationRequest, LoraChoice
 from ui.components import as_sent
 

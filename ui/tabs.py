@@ -17,8 +17,9 @@ from typing import Any
 import gradio as gr
 
 from h3engine.geometry import PRESET_ASPECT_RATIOS
-from h3engine.lora_library import LoraLibrary
-from h3engine.request import MAX_DURATION_SECONDS, MIN_DURATION_SECONDS, VERIFIED_SHORT_EDGE
+from h3engine.limits import MAX_DURATION_SECONDS, MIN_DURATION_SECONDS
+from h3engine.lora.library import LoraLibrary
+from h3engine.request import VERIFIED_SHORT_EDGE
 from ui.components import as_sent, as_uploaded
 from ui.loras import LoraPanel, build_lora_panel
 from ui.prompt_builder import PromptBuilderPanel, build_prompt_builder

@@ -12,7 +12,7 @@ Contract:
 
 Danger: the temporary file lives in the destination folder on purpose (`os.replace` is atomic within one file
 system only). Its name, `.NAME.PID-TOKEN.partial`, hides it from a history scan and tells a dead writer's
-leftovers (h3engine.leftovers) from a live one's.
+leftovers (h3engine.media.leftovers) from a live one's.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A decoded video that is still being written: lets the MP4 writer encode the first frames while the VAE decodes the
-rest (`h3engine.pipeline.decode_to_mp4`).
+rest (`h3engine.engine.pipeline.decode_to_mp4`).
 
 Contract
 --------

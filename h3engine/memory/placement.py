@@ -11,7 +11,7 @@ change; `resident_for(phase, modules)` is where a phase begins and ends; `activa
 the one on the device (the other waits in pinned memory when `plan.other_partition_home` says so).
 
 Danger: a tensor already pinned, or parked, when adopted stays where it is: its module streams it itself (the DiT's
-offloaded AdaLN projections, h3engine.modulation).
+offloaded AdaLN projections, h3engine.sampling.modulation).
 """
 
 from __future__ import annotations

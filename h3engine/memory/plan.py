@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from h3engine.errors import RequestError
+from h3engine.limits import MIN_DURATION_SECONDS
 from h3engine.memory.peaks import (
     HostPlan,
     dit_image_bytes,
@@ -36,7 +37,6 @@ from h3engine.memory.peaks import (
 )
 from h3engine.memory.shapes import (
     DEFAULT_STEPS,
-    MIN_DURATION_SECONDS,
     ReferenceSpec,
     RequestShape,
     engine_shapes,

@@ -24,18 +24,17 @@ from typing import Any
 
 from h3engine.errors import RequestError
 from h3engine.geometry import MAX_ASPECT_RATIO, MIN_ASPECT_RATIO, parse_aspect_ratio
-from h3engine.memory.budget import GPU_MEMORY_ENV, parse_gib, resolve_budget
-from h3engine.memory.plan import GIB, MEMORY_PROFILES, MODELS, WEIGHT_FORMATS, plan_for_shape
-from h3engine.memory.shapes import (
+from h3engine.limits import (
     MAX_CLIP_SECONDS,
     MAX_DURATION_SECONDS,
     MAX_PROMPT_TOKENS,
     MAX_REFERENCES,
     MAX_SHORT_EDGE,
     MIN_DURATION_SECONDS,
-    ReferenceSpec,
-    request_shape,
 )
+from h3engine.memory.budget import GPU_MEMORY_ENV, parse_gib, resolve_budget
+from h3engine.memory.plan import GIB, MEMORY_PROFILES, MODELS, WEIGHT_FORMATS, plan_for_shape
+from h3engine.memory.shapes import ReferenceSpec, request_shape
 
 TASKS = ("t2va", "fl2va", "ref2va")
 

@@ -6,9 +6,9 @@ leaves open takes its worst case under the request limits (the prompt bound, bot
 `worst_case_references`). `reshaped` builds a variant (a shorter duration, a smaller short edge); `engine_shapes`
 lists the requests an engine plans for.
 
-Danger: h3engine.memory sits below the request layer (tests/test_house.py), so the request limits and three small
-rules of h3engine.request, .conditioning and .presentation are mirrored here; tests/test_memory_plan.py keeps each
-mirror equal to its original. Importing this module imports no torch; `request_shape` does (through the sizes).
+Danger: h3engine.memory sits below the request layer (tests/test_house.py): the request limits come from
+h3engine.limits, and three small rules of h3engine.conditioning (and its presentation) are mirrored here;
+tests/test_memory_plan.py keeps each mirror equal to its original. Importing this module imports no torch; `request_shape` does (through the sizes).
 """
 
 from __future__ import annotations
@@ -32,22 +32,21 @@ from h3engine.geometry import (
     resolve_canvas,
     video_latent_frames,
 )
+from h3engine.limits import (
+    MAX_DURATION_SECONDS,
+    MAX_PROMPT_TOKENS,
+    MAX_REFERENCES,
+    MAX_REFERENCES_OF_KIND,
+    MAX_SHORT_EDGE,
+    MAX_TOTAL_AUDIO_SECONDS,
+    MAX_TOTAL_VIDEO_SECONDS,
+    MIN_CLIP_SECONDS,
+)
 
 if TYPE_CHECKING:
     from h3engine.memory.sizes import CheckpointSizes, DecodeShape, PartitionSizes
 
-# h3engine.request's limits (mirrored: see the module docstring).
-MAX_PROMPT_TOKENS = 8_192
-MIN_DURATION_SECONDS = 4.0
-MAX_DURATION_SECONDS = 15.0
-MAX_SHORT_EDGE = 2048
-MIN_CLIP_SECONDS = 2.0
-MAX_CLIP_SECONDS = 15.0
-MAX_TOTAL_VIDEO_SECONDS = 15.0
-MAX_TOTAL_AUDIO_SECONDS = 15.0
-MAX_REFERENCES_OF_KIND = {"image": 9, "video": 3, "audio": 3}
-MAX_REFERENCES = 12
-# h3engine.presentation.QWEN_VIDEO_SAMPLE_FPS: the rate the text encoder reads a reference video at.
+# h3engine.conditioning.presentation.QWEN_VIDEO_SAMPLE_FPS: the rate the text encoder reads a reference video at.
 QWEN_VIDEO_SAMPLE_FPS = 2.0
 
 # The number of distinct per-row timesteps M of a forward, which sizes the AdaLN tables ([M * 3, hidden] per table):
@@ -81,7 +80,7 @@ def reference_video_encode_frames(num_frames: int) -> int:
 
 def qwen_sampled_frames(num_frames: int, fps: float = FPS, sample_fps: float = QWEN_VIDEO_SAMPLE_FPS) -> int:
     """How many frames of a `fps` clip the text encoder reads: frames round(m * fps / sample_fps), duplicates
-    dropped (the length of h3engine.presentation.qwen_video_sampling's first list)."""
+    dropped (the length of h3engine.conditioning.presentation.qwen_video_sampling's first list)."""
     stride = fps / sample_fps
     sampled, cursor, last = 0, 0.0, -1
     while round(cursor) < num_frames:

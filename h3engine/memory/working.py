@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 # 512-byte steps) and keeps freed blocks of one size from serving a larger request (fragmentation), and the
 # formulas leave out small tensors (index tensors, scalars, kernel workspaces of a few MB).
 WORKING_SAFETY = 1.2
-# h3engine.modulation.MODULATION_CACHE_SCHEDULES (a test keeps them equal): schedules whose AdaLN tables stay on
+# h3engine.sampling.modulation.MODULATION_CACHE_SCHEDULES (a test keeps them equal): schedules whose AdaLN tables stay on
 # the GPU between requests; one more is being built while they are held.
 MODULATION_CACHE_SCHEDULES = 2
 # Bytes of one fp32 element; the compute dtype's comes from the sizes (`PartitionSizes.dtype_bytes`).
@@ -57,7 +57,7 @@ def dit_forward_bytes(partition: PartitionSizes, shape: RequestShape, share: Any
 
 
 def dit_request_state_bytes(partition: PartitionSizes, shape: RequestShape) -> int:
-    """What the denoising loop holds on the GPU for the whole request (h3engine.pipeline.denoise): the text states
+    """What the denoising loop holds on the GPU for the whole request (h3engine.engine.pipeline.denoise): the text states
     [L, text_dim], the fp32 video and audio rows with their velocities and the Euler step's two temporaries, the
     layout's index and fp64 position tensors, and up to two prepared layouts (RoPE cos and sin [S, rotary] in the
     compute dtype, the AdaLN and timestep index [S] int64): the first step's, where both timesteps coincide, and the
@@ -79,7 +79,7 @@ def dit_request_state_bytes(partition: PartitionSizes, shape: RequestShape) -> i
 
 
 def adaln_table_bytes(partition: PartitionSizes, shape: RequestShape) -> int:
-    """The AdaLN tables of one schedule (h3engine.modulation): per step, per block six [M * 3, H] tables, and the
+    """The AdaLN tables of one schedule (h3engine.sampling.modulation): per step, per block six [M * 3, H] tables, and the
     final layer's two [M, H]; built once per request and kept in the modulation cache."""
     config, e = partition.dit_config, partition.dtype_bytes
     levels, hidden = shape.timestep_levels, config.hidden_size
@@ -151,7 +151,7 @@ def conditioning_bytes(partition: PartitionSizes, shape: RequestShape) -> int:
 
 
 def decode_bytes(partition: PartitionSizes, shape: RequestShape) -> int:
-    """The decode phase's largest moment (h3engine.pipeline.decode): the audio, then the video window by window.
+    """The decode phase's largest moment (h3engine.engine.pipeline.decode): the audio, then the video window by window.
 
     * video decoder call (`VideoVAE.decode_batch`, fp16 autocast on a GPU): R token rows of the call; the fp32
       residual stream [R, h] and its fp16 norm, the SwiGLU's w1 output [R, 2f] and its [R, f] product (f = h x mult),

@@ -35,7 +35,7 @@ NUM_BLOCK_MODULATIONS = 6
 # The sinusoidal timestep features use the classic 10000 period.
 TIMESTEP_MAX_PERIOD = 10000.0
 
-# h3engine.adapters puts a LoRA's update (a callable on the layer's input) on a linear under this name; a forward hook
+# h3engine.lora.adapters puts a LoRA's update (a callable on the layer's input) on a linear under this name; a forward hook
 # adds it where the layer is called, and the paths below that read the weight instead add it themselves.
 LOW_RANK_ATTRIBUTE = "low_rank_update"
 
@@ -498,7 +498,7 @@ def run_blocks(
     chain = list(zip(blocks, modulations, strict=True))
     if not chain:
         return hidden
-    # Tables may still be in flight on the stream that builds a schedule's (h3engine.modulation): each block waits
+    # Tables may still be in flight on the stream that builds a schedule's (h3engine.sampling.modulation): each block waits
     # for its own and, for the fused next norm, the following block's.
     modulated = chain[0][0].attention_input(hidden, chain[0][1].wait(), layout)
     for index, (block, modulation) in enumerate(chain):
@@ -555,7 +555,7 @@ class BlockModulation:
     gate_ffn: Tensor
 
     def wait(self) -> BlockModulation:
-        """These tables, ready to be read; tables built on another CUDA stream (h3engine.modulation) first make the
+        """These tables, ready to be read; tables built on another CUDA stream (h3engine.sampling.modulation) first make the
         reading stream wait for them."""
         return self
 
@@ -565,7 +565,7 @@ class StepModulation:
     """Every AdaLN table of one forward: one `BlockModulation` per block and the final layer's (1 + scale, shift).
 
     It depends only on the forward's M distinct timesteps, so a request can build the tables of every step of its
-    schedule once (h3engine.modulation) and pass each forward its step's.
+    schedule once (h3engine.sampling.modulation) and pass each forward its step's.
     """
 
     blocks: tuple[BlockModulation, ...]
@@ -690,7 +690,7 @@ class H3DiT(nn.Module):
         """One packed request -> (video velocity [Nv, C*prod(patch)] fp32, audio velocity [Na, Ca] fp32).
 
         A denoising loop passes the request-static `layout` (from `prepare_layout` on the same index tensors) and
-        this step's `modulation` (h3engine.modulation.schedule_modulation) so that neither is rebuilt every step.
+        this step's `modulation` (h3engine.sampling.modulation.schedule_modulation) so that neither is rebuilt every step.
         """
         if layout is None:
             layout = self.prepare_layout(

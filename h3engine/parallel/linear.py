@@ -8,7 +8,7 @@ None of the split H3 linears has a bias. `ColumnParallelLinear` splits the outpu
 row range per block, no communication. `QKVParallelLinear` splits the fused QKV by heads: the file interleaves
 rows per head, so a rank's heads are ONE row range, kept stacked [q; k; v] in memory like `Attention`.
 `RowParallelLinear` splits the input features: reads a column range and sums the partial products over the group.
-A LoRA's factors are sliced alike (`local_rows` of B, `local_columns` of A; h3engine.adapters), its partial
+A LoRA's factors are sliced alike (`local_rows` of B, `local_columns` of A; h3engine.lora.adapters), its partial
 low-rank product added before that sum. Danger: `RowParallelLinear` sums partial products in the compute dtype
 (bf16 is not bit-identical to one GEMM; fp32 agrees to rounding noise). Its input must be the matching shard of
 the previous column-parallel layer (same group, same rank order), or the sum is silently wrong.

@@ -3,7 +3,7 @@
 Contract:
 * `CheckpointFacts` (h3engine.checkpoint.facts) are the checkpoint facts the checks need, read from its headers;
   a replica gives the front those of its engine (`Engine.facts`, sent by a worker group's rank 0).
-* `check_request(request, facts)` is `h3engine.resolved_request.resolve_request` on those facts (every rule the
+* `check_request(request, facts)` is `h3engine.request.resolved.resolve_request` on those facts (every rule the
   engine applies but its memory check) and returns its warnings; `expected_geometry(request, facts)` the canvas and
   frame counts it resolves to (what the engine will use).
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.geometry import Geometry
 from h3engine.request import GenerationRequest
-from h3engine.resolved_request import resolve_request
+from h3engine.request.resolved import resolve_request
 
 __all__ = ["CheckpointFacts", "check_request", "expected_geometry"]
 

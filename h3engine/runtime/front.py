@@ -34,7 +34,7 @@ import torch
 from h3engine.checkpoint.layout import PARTITION_OF_TASK
 from h3engine.engine import Engine
 from h3engine.geometry import Geometry
-from h3engine.leftovers import WARM_UP_FOLDER_PREFIX, owned_temp_folder
+from h3engine.media.leftovers import WARM_UP_FOLDER_PREFIX, owned_temp_folder
 from h3engine.media.outputs import checked_output_files
 from h3engine.request import GenerationRequest
 from h3engine.runtime.checks import CheckpointFacts, check_request, expected_geometry
@@ -460,7 +460,7 @@ def next_job_index(pending: Sequence[JobHandle], partition: str | None) -> int:
 
 
 def stamped_output_name(task: str, job_id: str) -> str:
-    """A job's default MP4 name in the outputs folder (h3engine.leftovers.STAMPED_OUTPUT_NAME matches it)."""
+    """A job's default MP4 name in the outputs folder (h3engine.media.leftovers.STAMPED_OUTPUT_NAME matches it)."""
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{task}-{job_id}.mp4"
 
 

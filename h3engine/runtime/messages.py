@@ -35,7 +35,7 @@ from h3engine.media.preview import latent_preview_rgb
 
 if TYPE_CHECKING:
     from h3engine.engine import Engine
-    from h3engine.pipeline import StepEvent
+    from h3engine.engine.pipeline import StepEvent
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from h3engine.checkpoint.loader import ComponentSource
 from h3engine.checkpoint.safetensors_io import DeferredReads
 from h3engine.checkpoint.text_encoder_files import open_text_encoder_files
+from h3engine.engine.model_store import ModelLoader
 from h3engine.memory.sizes import RankShare
-from h3engine.model_store import ModelLoader
 from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.parallel.dit import load_dit_shard
 from h3engine.parallel.groups import (

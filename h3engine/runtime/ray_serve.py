@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from h3engine.engine_options import EngineOptions
+from h3engine.engine.options import EngineOptions
 from h3engine.errors import RequestError
-from h3engine.leftovers import owned_temp_folder, remove_dead_temp_folders
+from h3engine.media.leftovers import owned_temp_folder, remove_dead_temp_folders
 from h3engine.media.outputs import OutputFiles
 from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.front import (
@@ -56,7 +56,7 @@ DEPLOYMENT_NAME = "H3EngineReplica"
 APP_NAME_PREFIX = "h3engine-"
 SERVE_NAMESPACE = "serve"
 POLL_INTERVAL_S = 0.05
-# A replica's folder for its jobs' inputs and outputs (h3engine.leftovers: `PREFIX-PID-*`).
+# A replica's folder for its jobs' inputs and outputs (h3engine.media.leftovers: `PREFIX-PID-*`).
 RAY_FOLDER_PREFIX = "h3-ray-"
 # Serve checks each replica this often; a dead replica's actor is noticed sooner, through Ray's own heartbeat.
 HEALTH_CHECK_PERIOD_S = 2.0
@@ -96,7 +96,7 @@ def require_ray() -> None:
 def _local_replica(spec: RayReplicaSpec) -> Replica:
     import torch
 
-    from h3engine.engine_options import check_engine_options, load_engine
+    from h3engine.engine.options import check_engine_options, load_engine
     from h3engine.runtime.front import EngineReplica
     from h3engine.runtime.supervision import StallPolicy
     from h3engine.runtime.workers import ProcessReplica

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from h3engine.engine.pipeline import DenoisedLatents, encode_text
 from h3engine.parallel import groups as parallel_groups
 from h3engine.parallel.vae import latent_frame_shares
-from h3engine.pipeline import DenoisedLatents, encode_text
 from h3engine.runtime.channel import ChannelConsumer, ChannelProducer
 from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.job_protocol import (

@@ -28,7 +28,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from h3engine.checkpoint.layout import PARTITION_OF_TASK
 from h3engine.errors import RequestError
-from h3engine.leftovers import WORKER_FOLDER_PREFIX, remove_dead_temp_folders
+from h3engine.media.leftovers import WORKER_FOLDER_PREFIX, remove_dead_temp_folders
 from h3engine.runtime.front import CANCELLED_BEFORE_START_MESSAGE, SHUTTING_DOWN_MESSAGE, JobHandle
 from h3engine.runtime.messages import JobFailed, StepProgress
 

@@ -31,9 +31,9 @@ import torch.multiprocessing
 from h3engine.checkpoint.layout import CheckpointLayout, detect_layout
 from h3engine.checkpoint.loader import dit_source
 from h3engine.checkpoint.text_encoder_files import open_text_encoder_files
-from h3engine.engine_options import EngineOptions
+from h3engine.engine.options import EngineOptions
 from h3engine.errors import CheckpointError, RequestError
-from h3engine.leftovers import WORKER_FOLDER_PREFIX, owned_temp_folder, remove_staging_files_of
+from h3engine.media.leftovers import WORKER_FOLDER_PREFIX, owned_temp_folder, remove_staging_files_of
 from h3engine.memory.engine_plan import MemoryRequest
 from h3engine.parallel.groups import EncoderLayout, ParallelLayout, RuntimeLayout
 from h3engine.runtime.checks import CheckpointFacts
@@ -421,10 +421,10 @@ class ProcessReplica(RestartingReplica[WorkerGroup]):
     after a cancel for the cancel grace (`stall`, h3engine.runtime.supervision), is killed and restarted the same
     way, its job failed with a sentence saying so. `close()` (the front's shutdown) sends `Stop` to every rank,
     waits `STOP_GRACE_S`, then kills what is left and joins everything (a group still running a job is killed at
-    once). A killed group's staging files in the outputs folder go with it (h3engine.leftovers). The ranks also end
+    once). A killed group's staging files in the outputs folder go with it (h3engine.media.leftovers). The ranks also end
     by themselves when this process dies. The rendezvous is a FileStore in a fresh temporary folder per incarnation
     (`h3-workers-PID-*`), removed when the group ends; a new `ProcessReplica` removes those of dead processes
-    (h3engine.leftovers).
+    (h3engine.media.leftovers).
 
     `partition_on_device()` tells the front which DiT partition the ranks hold: the last started job's, or the first
     partition after a start (h3engine.runtime.supervision).

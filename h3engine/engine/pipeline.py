@@ -1,6 +1,6 @@
 """One request from its input files to its MP4: inputs -> conditioning -> text -> denoise -> decode -> mux.
 
-Contract: `prepare_request` reads a resolved request's files (h3engine.resolved_request) and encodes its
+Contract: `prepare_request` reads a resolved request's files (h3engine.request.resolved) and encodes its
 conditioning into a `PreparedRequest` (plain CPU data, which a worker group's rank 0 hands to the other ranks);
 `run_generation` is `denoise_request` (text encode, pack, denoise) then `decode` (which can write the MP4 while the
 video decodes) and returns float tensors; `write_outputs` writes the MP4, the tensors and the sidecar. A worker group runs the halves itself: every
@@ -30,24 +30,24 @@ import torch
 
 from h3engine.checkpoint.layout import CanvasRules
 from h3engine.conditioning import EncodedConditions, encode_keyframes, encode_references, fit_keyframes
-from h3engine.errors import GenerationCancelled
-from h3engine.geometry import Geometry
-from h3engine.media.mux import write_mp4
-from h3engine.media.outputs import StagedOutputs, save_tensors, sidecar_record, write_sidecar
-from h3engine.media.progressive import ProgressiveFrames
-from h3engine.media.request_inputs import read_keyframe, read_reference
-from h3engine.memory.placement import PHASE_COMPONENTS, Placement
-from h3engine.modulation import schedule_modulation
-from h3engine.parallel.groups import GroupMembership
-from h3engine.parallel.vae import decode_video_and_audio
-from h3engine.presentation import (
+from h3engine.conditioning.presentation import (
     Presentation,
     keyframe_presentation,
     reference_presentation,
     text_presentation,
 )
+from h3engine.errors import GenerationCancelled
+from h3engine.geometry import Geometry
+from h3engine.media.mux import write_mp4
+from h3engine.media.outputs import StagedOutputs, save_tensors, sidecar_record, write_sidecar
+from h3engine.media.progressive import ProgressiveFrames
+from h3engine.memory.placement import PHASE_COMPONENTS, Placement
+from h3engine.parallel.groups import GroupMembership
+from h3engine.parallel.vae import decode_video_and_audio
 from h3engine.request import GenerationRequest
-from h3engine.resolved_request import ResolvedRequest
+from h3engine.request.inputs import read_keyframe, read_reference
+from h3engine.request.resolved import ResolvedRequest
+from h3engine.sampling.modulation import schedule_modulation
 from h3engine.sampling.noise import InitialNoise, draw_initial_noise, noise_condition_rows
 from h3engine.sampling.packing import (
     PackedLayout,

@@ -7,7 +7,7 @@ update rides on the layer as `h3engine.models.dit.LOW_RANK_ATTRIBUTE`: a forward
 called, and the two places that read weights instead (the stacked QKV chunks, the AdaLN projection with streamed
 weights) add it themselves. The factors live on `device` in the linear's dtype (fp32 islands stay fp32; FP8 linears
 get the DiT's compute dtype), as peft holds a bf16 model's: no activation is cast. Every change forgets the DiT's
-cached AdaLN tables (h3engine.modulation). Strength 0 adds nothing. Everything is checked before anything changes.
+cached AdaLN tables (h3engine.sampling.modulation). Strength 0 adds nothing. Everything is checked before anything changes.
 A tensor-parallel rank holds its slice of the factors (h3engine.parallel.linear: B's rows, A's columns; a
 row-parallel layer adds its partial update before its all-reduce). `request_adapters` turns a request's `loras`
 into adapters, reading files through a `LoraFiles` cache.
@@ -39,9 +39,9 @@ from h3engine.checkpoint.lora_format import (
 )
 from h3engine.errors import RequestError
 from h3engine.models.dit import LOW_RANK_ATTRIBUTE, DiTConfig, H3DiT
-from h3engine.modulation import clear_modulation_cache
 from h3engine.parallel.linear import ColumnParallelLinear, ParallelLinear, RowParallelLinear
 from h3engine.request import GenerationRequest
+from h3engine.sampling.modulation import clear_modulation_cache
 
 
 @dataclass(frozen=True)

@@ -37,12 +37,12 @@ from h3engine.checkpoint.loader import (
 )
 from h3engine.checkpoint.safetensors_io import DeferredReads
 from h3engine.checkpoint.text_encoder_files import load_tokenizer, open_text_encoder_files
+from h3engine.conditioning.presentation import load_processor
+from h3engine.engine.pipeline import Models
 from h3engine.memory.placement import Placement
 from h3engine.models.text_encoder import H3TextEncoder
-from h3engine.modulation import offload_adaln, store_adaln_in_fp8
 from h3engine.ops import attention as attention_ops
-from h3engine.pipeline import Models
-from h3engine.presentation import load_processor
+from h3engine.sampling.modulation import offload_adaln, store_adaln_in_fp8
 
 logger = logging.getLogger(__name__)
 

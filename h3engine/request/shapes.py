@@ -1,7 +1,7 @@
 """Reading a request: a JSON object in one of two shapes -> `GenerationRequest` (h3engine.request).
 
 `from_dict` reads ours (the field names of `GenerationRequest`, also written by `to_dict` for the JSON sidecar) and
-the official SGLang `/v1/videos` shape (`target{...}`, `conditions[...]`, H3_CHECKPOINT_LAYOUT.md §5-§6). It maps
+the official SGLang `/v1/videos` shape (`target{...}`, `conditions[...]`, docs/CHECKPOINT.md §6-§7). It maps
 names and nesting and turns `file://` URIs into paths; it does not judge values (`h3engine.request.validate` does).
 It raises `RequestError` naming the field for unknown, refused or missing fields and for remote URIs: guidance and
 timing knobs are refused with their reason rather than ignored.
@@ -21,7 +21,7 @@ from h3engine.request import (
     LoraChoice,
     Reference,
 )
-from h3engine.request_checks import describe, fail, is_integer, uri_scheme
+from h3engine.request.checks import describe, fail, is_integer, uri_scheme
 
 # SGLang fills in this seed when a request in its shape carries none; keeping it reproduces its outputs.
 SGLANG_DEFAULT_SEED = 42

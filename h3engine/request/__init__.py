@@ -1,11 +1,11 @@
 """What a user asks for, and whether MiniMax H3 can do it.
 
 * `GenerationRequest` is a frozen, plain-Python description of one generation (no torch, no numpy); payloads are
-  read into it by h3engine.request_shapes.from_dict, which does not judge values.
+  read into it by h3engine.request.shapes.from_dict, which does not judge values.
 * `validate` judges values: it raises `RequestError` naming the offending field (`duration_seconds`: "must be
   within [4, 15] s, got 3") and returns warnings for requests that leave the verified configuration. Rules on the
   media files (durations, soundtracks, image sizes) use the caller's probe through `MediaFacts` (one probe a file);
-  without one they are skipped. The checkpoint's rules are h3engine.resolved_request's, which calls this.
+  without one they are skipped. The checkpoint's rules are h3engine.request.resolved's, which calls this.
 * Every number and text has an upper bound from the model's limits (the constants below say why), the prompt in
   characters here and in tokens with the checkpoint's tokenizer (`check_prompt_tokens`). Texts must be UTF-8.
 
@@ -36,7 +36,19 @@ from h3engine.geometry import (
     RELEASED_VAE_SPATIAL_RATIO,
     parse_aspect_ratio,
 )
-from h3engine.request_checks import (
+from h3engine.limits import (
+    MAX_CLIP_SECONDS,
+    MAX_DURATION_SECONDS,
+    MAX_PROMPT_TOKENS,
+    MAX_REFERENCES,
+    MAX_REFERENCES_OF_KIND,
+    MAX_SHORT_EDGE,
+    MAX_TOTAL_AUDIO_SECONDS,
+    MAX_TOTAL_VIDEO_SECONDS,
+    MIN_CLIP_SECONDS,
+    MIN_DURATION_SECONDS,
+)
+from h3engine.request.checks import (
     check_finite_number,
     check_integer_range,
     check_local_path,
@@ -66,16 +78,6 @@ RELEASED_CANVAS_MULTIPLE = RELEASED_VAE_SPATIAL_RATIO * RELEASED_PATCH
 # Aspect "auto" without a keyframe to follow: references never bind the target geometry.
 DEFAULT_ASPECT = (16, 9)
 
-# SGLang checks the *requested* duration, before the 17n+5 snap (so 15 s becomes 362 frames, 15.083 s).
-MIN_DURATION_SECONDS = 4.0
-MAX_DURATION_SECONDS = 15.0
-MIN_CLIP_SECONDS = 2.0
-MAX_CLIP_SECONDS = 15.0
-MAX_TOTAL_VIDEO_SECONDS = 15.0
-MAX_TOTAL_AUDIO_SECONDS = 15.0
-MAX_REFERENCES_OF_KIND = {"image": 9, "video": 3, "audio": 3}
-MAX_REFERENCES = 12
-
 # Qwen vision-block tokens: the engine inserts them around keyframe and reference pixels; typed into a prompt
 # they would be tagged as video rows and read as an empty vision block.
 RESERVED_PROMPT_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -86,8 +88,6 @@ _LABEL_PATTERN = re.compile(r"<(?:Picture|Video|Audio) \d+>")
 # or an allocation failure inside a worker.
 MAX_STEPS = 1000
 MAX_CANVAS_SIDE = 4096
-# The largest short edge the released model encodes at all: Ref2VA normalizes image references to 2048.
-MAX_SHORT_EDGE = 2048
 # The released area cap (768 x 1344) scaled to that short edge the way the canvas rule scales it (2048 x 3584,
 # 7,340,032 pixels): no canvas may be larger, explicit width x height included.
 MAX_CANVAS_PIXELS = RELEASED_MAX_PIXELS * MAX_SHORT_EDGE**2 // RELEASED_SHORT_EDGE**2
@@ -100,9 +100,8 @@ MAX_FLOW_SHIFT = 1000.0
 # PFLOP) and the text rows under a quarter of the 768p / 5 s DiT sequence; 32,768 characters bound the
 # tokenizer's own work and, at ~4 characters a token, let English text reach the token bound. The bound counts the
 # prompt's own tokens: the labels the engine adds stay under 200 tokens (12 labels, at most 15 s of 2 fps video
-# timestamps), and the vision blocks follow from the reference limits above.
+# timestamps), and the vision blocks follow from the reference limits (h3engine.limits).
 MAX_PROMPT_CHARACTERS = 32_768
-MAX_PROMPT_TOKENS = 8_192
 # Images (keyframes, image references), judged from the probed header before any pixel is decoded. Each side must
 # span one 16-pixel patch (the video VAE's spatial factor, Qwen's vision patch); the largest picture the model
 # works on is a 4:1 reference normalized to a 2048 short edge, 8192 x 2048, so no side may be longer and no image
@@ -260,7 +259,7 @@ def validate(
     `<Audio j>` depends on its soundtrack); without it those rules are skipped, and FL2VA's aspect "auto" stays
     unresolved until the keyframe is read. `canvas_multiple` is what an explicit width/height must be a multiple of
     (32 for the released checkpoint, smaller for tiny test checkpoints). `count_prompt_tokens` (the checkpoint's
-    tokenizer, e.g. `h3engine.presentation.prompt_token_counter`) adds the token bound, checked before any file is
+    tokenizer, e.g. `h3engine.conditioning.presentation.prompt_token_counter`) adds the token bound, checked before any file is
     probed; without it only the character bound applies.
     """
     if not isinstance(request, GenerationRequest):
@@ -590,7 +589,7 @@ def _check_reference_media(request: GenerationRequest, probe: MediaProbe) -> Non
 
 def reference_labels(kinds: Sequence[str], has_audio: Sequence[bool]) -> list[tuple[str, ...]]:
     """The prompt labels of each Ref2VA reference, in reference order, numbered per modality as the model was
-    trained (h3engine.presentation.reference_presentation): `<Picture i>` for an image, `<Video k>` for a video,
+    trained (h3engine.conditioning.presentation.reference_presentation): `<Picture i>` for an image, `<Video k>` for a video,
     `<Audio j>` for an audio clip, and a video carrying audio (`has_audio`) takes an `<Audio j>` before its
     `<Video k>`."""
     counters = {"Picture": 0, "Video": 0, "Audio": 0}

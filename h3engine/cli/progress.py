@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 if TYPE_CHECKING:  # importing the model store imports torch, which the CLI's early checks never pay for
     from tqdm import tqdm
 
-    from h3engine.model_store import LoadEvent
+    from h3engine.engine.model_store import LoadEvent
 
 PROGRESS_MODES = ("auto", "bar", "plain", "json")
 COMPONENT_LABELS = {
@@ -88,7 +88,7 @@ class Progress:
     # --- what the CLI calls ---------------------------------------------------------------------------------
 
     def load_event(self, event: LoadEvent) -> None:
-        """The engine's `on_load` (h3engine.model_store.LoadEvent)."""
+        """The engine's `on_load` (h3engine.engine.model_store.LoadEvent)."""
         fields = {
             "component": event.component,
             "partition": event.partition,

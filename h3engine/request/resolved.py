@@ -30,7 +30,7 @@ from h3engine.request import (
     resolve_duration_seconds,
     validate,
 )
-from h3engine.request_checks import fail
+from h3engine.request.checks import fail
 
 if TYPE_CHECKING:
     from h3engine.checkpoint.facts import CheckpointFacts
@@ -68,7 +68,7 @@ def resolve_request(
         warnings = validate(request, media, canvas_multiple=1)
         rungs = request.rungs or None
     else:
-        from h3engine.presentation import prompt_token_counter  # the tokenizer (imports torch)
+        from h3engine.conditioning.presentation import prompt_token_counter  # the tokenizer (imports torch)
 
         counter = None if facts.tokenizer is None else prompt_token_counter(facts.tokenizer)
         warnings = validate(
@@ -87,7 +87,7 @@ def _check_checkpoint_rules(request: GenerationRequest, facts: CheckpointFacts) 
     rungs = effective_rungs(request.rungs, facts.dmd_steps.get(request.task))
     check_distilled_steps(request.steps, request.recipe, rungs)
     if request.loras and request.task in facts.lora_targets:
-        from h3engine.adapters import LoraHeaders, request_adapters  # the LoRA readers (import torch)
+        from h3engine.lora.adapters import LoraHeaders, request_adapters  # the LoRA readers (import torch)
 
         target, config = facts.lora_targets[request.task]
         request_adapters(request, target, config, LoraHeaders())  # headers only: each file's fit and targets

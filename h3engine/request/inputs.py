@@ -2,7 +2,7 @@
 
 Contract:
 * `read_reference(resolved, index, canvas, multiple)` reads one Ref2VA reference of a resolved request
-  (h3engine.resolved_request) and normalizes it with h3engine.conditioning; a video's canvas follows its probed
+  (h3engine.request.resolved) and normalizes it with h3engine.conditioning; a video's canvas follows its probed
   size (the resolved media facts: no second probe). RequestError naming `references[index]`.
 * `read_keyframe(request, index)` reads one keyframe image (RequestError naming `keyframes[index]`).
 """
@@ -23,7 +23,7 @@ from h3engine.errors import RequestError
 from h3engine.geometry import AUDIO_SAMPLE_RATE, FPS, canvas_rule, resolve_canvas
 from h3engine.media import inputs as media_inputs
 from h3engine.request import GenerationRequest
-from h3engine.resolved_request import ResolvedRequest
+from h3engine.request.resolved import ResolvedRequest
 
 
 def read_keyframe(request: GenerationRequest, index: int) -> Image.Image:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import torch
 
     from h3engine.engine import Engine
-    from h3engine.model_store import LoadEvent
+    from h3engine.engine.model_store import LoadEvent
     from h3engine.parallel.groups import RuntimeLayout
 
 # --dtype name -> the torch dtype's attribute name (kept as text so that the name is checked without torch).
@@ -258,7 +258,7 @@ def load_engine(
     on_load: Callable[[LoadEvent], None] | None = None,
 ) -> Engine:
     """An engine of one rank in this process, on a device checked by `resolve_device`; `on_load` hears each
-    component load (h3engine.model_store.LoadEvent)."""
+    component load (h3engine.engine.model_store.LoadEvent)."""
     from h3engine.engine import Engine
 
     return Engine.from_checkpoint(

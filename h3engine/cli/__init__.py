@@ -5,10 +5,10 @@ prompt label order); without `--task` the inputs pick it. Adapters: repeatable `
 `--lora-target` names (default: as diffusers); `--turbo` sets the steps, shifts and `--rungs` they run with.
 Devices: `--device` (default cuda when present) runs the engine here; `--gpus N`, `--devices 0,1,...` or
 `--world-size N` (`--device cpu`: CPU ranks over gloo) run a resident worker group (h3engine.runtime.workers). The
-engine flags (layout, `--dtype`, the memory budget, `--fp8-linear`) are the app's too (h3engine.engine_options).
+engine flags (layout, `--dtype`, the memory budget, `--fp8-linear`) are the app's too (h3engine.engine.options).
 
 Checks: the output flags, the request and its files (headers) and `--dtype` before torch is imported; the device,
-memory and layout flags; the request on the checkpoint's facts as the engine decides (h3engine.resolved_request;
+memory and layout flags; the request on the checkpoint's facts as the engine decides (h3engine.request.resolved;
 `--steps` defaults to a step-distilled checkpoint's count); then models load.
 Exit codes: 0 success; 2 a bad request, input file, output, flag, LoRA or checkpoint (one line on stderr naming it);
 1 an internal error (one line; `--debug` adds the traceback); 130 Ctrl-C, 143 SIGTERM: a running generation is
@@ -29,8 +29,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from h3engine.cli_progress import PROGRESS_MODES, Progress, make_progress
-from h3engine.engine_options import (
+from h3engine.cli.progress import PROGRESS_MODES, Progress, make_progress
+from h3engine.engine.options import (
     EngineOptions,
     add_engine_flags,
     check_dtype,
@@ -50,14 +50,14 @@ from h3engine.request import (
     GenerationRequest,
     distilled_step_count,
 )
-from h3engine.request_shapes import from_dict
+from h3engine.request.shapes import from_dict
 
 if TYPE_CHECKING:  # torch is imported only once a generation really starts
     import torch
 
     from h3engine.checkpoint.facts import CheckpointFacts
     from h3engine.parallel.groups import RuntimeLayout
-    from h3engine.resolved_request import ResolvedRequest
+    from h3engine.request.resolved import ResolvedRequest
     from h3engine.runtime.supervision import StallPolicy
 
 EXIT_TERMINATED = 143
@@ -310,7 +310,7 @@ def _request_payload(args: argparse.Namespace) -> dict:
 
 def _generate(args: argparse.Namespace, progress: Progress) -> int:
     # PyAV and Pillow (which read the input files' headers) are imported by the first command that needs them.
-    from h3engine.resolved_request import new_media_facts, resolve_request
+    from h3engine.request.resolved import new_media_facts, resolve_request
 
     out_path, save_tensors_path = _checked_outputs(args.out, args.save_tensors)
     _check_utf8_flag("--checkpoint", args.checkpoint)
@@ -354,8 +354,8 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
 
 
 def _with_turbo(args: argparse.Namespace, request: GenerationRequest) -> GenerationRequest:
-    """`--turbo`: the preset's steps, flow shifts and rungs (h3engine.lora_library), except where a flag set one."""
-    from h3engine.lora_library import file_turbo, turbo_settings
+    """`--turbo`: the preset's steps, flow shifts and rungs (h3engine.lora.library), except where a flag set one."""
+    from h3engine.lora.library import file_turbo, turbo_settings
 
     if not request.loras:
         raise RequestError("--turbo", "needs a --lora (the preset is for step-distilled adapters)")
@@ -408,7 +408,7 @@ def _checkpoint_steps(
 ) -> GenerationRequest:
     """The request with a step-distilled checkpoint's own step count where `--steps` was left out (the checker
     refuses an explicit other count)."""
-    from h3engine.resolved_request import effective_rungs
+    from h3engine.request.resolved import effective_rungs
 
     rungs = effective_rungs(request.rungs, facts.dmd_steps.get(request.task))
     if rungs is not None and not explicit:

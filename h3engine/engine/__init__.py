@@ -1,11 +1,11 @@
 """The Python API: an `Engine` turns requests into MP4 files with a checkpoint's models.
 
 Contract:
-* `Engine.from_checkpoint(folder, device, dtype)` builds the `ModelStore` (h3engine.model_store): every component
+* `Engine.from_checkpoint(folder, device, dtype)` builds the `ModelStore` (h3engine.engine.model_store): every component
   of every partition checked, the first partition loaded, so a broken checkpoint fails here naming the file and
   key. A worker group's rank passes its own loader (h3engine.runtime.rank) and holds only its shards. `on_load`
-  (None by default) hears each component load (h3engine.model_store.LoadEvent), now and on a later first use.
-* `resolve` is the one request checker (h3engine.resolved_request) on the checkpoint's `facts`, then the memory
+  (None by default) hears each component load (h3engine.engine.model_store.LoadEvent), now and on a later first use.
+* `resolve` is the one request checker (h3engine.request.resolved) on the checkpoint's `facts`, then the memory
   check: file headers, never the models (`validate`: its warnings). `generate` is `prepare` (read the resolved
   request's inputs, encode the conditioning) then the pipeline; each takes a request or its `ResolvedRequest`, and
   the request `resolve` just resolved is not resolved again (one probe a file). `generate_to_file` checks its output
@@ -24,24 +24,11 @@ from typing import Any
 
 import torch
 
-from h3engine.adapters import (
-    Adapter,
-    LoraFiles,
-    adapter_record,
-    applied_adapters,
-    apply_adapters,
-    request_adapters,
-    same_adapters,
-)
 from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.checkpoint.layout import DIFFUSERS_DIT_FOLDERS, CheckpointLayout, detect_layout
-from h3engine.geometry import Geometry
-from h3engine.media.outputs import OutputFiles, checked_output_files, input_records, staged
-from h3engine.memory.engine_plan import MemoryRequest, check_request_memory, plan_memory
-from h3engine.memory.placement import Placement
-from h3engine.memory.plan import MemoryPlan
-from h3engine.model_store import LoadEvent, ModelLoader, ModelStore
-from h3engine.pipeline import (
+from h3engine.conditioning.presentation import prompt_token_counter
+from h3engine.engine.model_store import LoadEvent, ModelLoader, ModelStore
+from h3engine.engine.pipeline import (
     GenerationOutput,
     Models,
     PreparedRequest,
@@ -50,9 +37,22 @@ from h3engine.pipeline import (
     run_generation,
     write_outputs,
 )
-from h3engine.presentation import prompt_token_counter
+from h3engine.geometry import Geometry
+from h3engine.lora.adapters import (
+    Adapter,
+    LoraFiles,
+    adapter_record,
+    applied_adapters,
+    apply_adapters,
+    request_adapters,
+    same_adapters,
+)
+from h3engine.media.outputs import OutputFiles, checked_output_files, input_records, staged
+from h3engine.memory.engine_plan import MemoryRequest, check_request_memory, plan_memory
+from h3engine.memory.placement import Placement
+from h3engine.memory.plan import MemoryPlan
 from h3engine.request import MAX_LORAS, GenerationRequest, MediaFacts
-from h3engine.resolved_request import ResolvedRequest, resolve_request
+from h3engine.request.resolved import ResolvedRequest, resolve_request
 
 logger = logging.getLogger(__name__)
 
