@@ -4,6 +4,7 @@ tests/test_runtime_gpu.py on GPUs)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from safetensors.torch import load_file
 
@@ -75,3 +76,16 @@ def parity_requests(steps: int, seed: int) -> dict[str, GenerationRequest]:
             **common,
         ),
     }
+
+
+def at_path(value: Any, path: str) -> Any:
+    """The item at a dotted path (h3engine.runtime.stages.detach_tensors's): dataclass attributes, list and tuple
+    indices, dict keys."""
+    for part in path.split("."):
+        if isinstance(value, dict):
+            value = value[part]
+        elif isinstance(value, (list, tuple)):
+            value = value[int(part)]
+        else:
+            value = getattr(value, part)
+    return value
