@@ -4,7 +4,7 @@ Command line and environment -> `AppConfig`; load the engine replicas; start the
 launch. Each of `--devices` is a replica holding a whole `Engine` in this process, or with `--world-size N`
 every N devices form a resident worker group (h3engine.runtime.workers); the engine flags (layout, `--dtype`,
 `--memory-profile`, `--gpu-memory`, `--host-memory`, `--weights`, `--fp8-linear`) are the CLI's
-(h3engine.engine.options). `--ray ADDRESS` serves from
+(h3engine.engine_options). `--ray ADDRESS` serves from
 `--ray-replicas` engine replicas of `--world-size` GPUs (or CPU ranks with `--devices cpu`) on a Ray Serve
 cluster instead (h3engine.runtime.ray_serve). Without a checkpoint (`--checkpoint` / `H3_CHECKPOINT`) it runs
 on a tiny random-weight checkpoint made once in a cache folder, and says so in a banner. GPU replicas make one
@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from h3engine.engine.options import EngineOptions, add_engine_flags
+from h3engine.engine_options import EngineOptions, add_engine_flags
 
 if TYPE_CHECKING:
     import gradio as gr
@@ -357,7 +357,7 @@ def memory_label(options: EngineOptions) -> str:
 def check_before_loading(config: AppConfig) -> None:
     """What can fail without a model, checked before any is loaded: the engine options, the devices, the address to
     listen on, the outputs and cache folders (ConfigError naming the option)."""
-    from h3engine.engine.options import check_engine_options, check_fp8_device, resolve_device
+    from h3engine.engine_options import check_engine_options, check_fp8_device, resolve_device
     from h3engine.errors import RequestError
     from h3engine.runtime.supervision import checked_stall_timeout
     from h3engine.runtime.workers import replica_device_groups, stage_devices
@@ -412,7 +412,7 @@ def _check_can_listen(host: str, port: int) -> None:
 def _load_engines(checkpoint: Path, config: AppConfig) -> list[Engine | ProcessReplica | RaySlot]:
     """One replica per device (in-process engines) or per group of `world_size` devices (worker groups), or the
     slots of the replicas on a Ray cluster."""
-    from h3engine.engine.options import check_engine_options, load_engine, resolve_device
+    from h3engine.engine_options import check_engine_options, load_engine, resolve_device
 
     if config.ray is not None:
         return _start_ray_replicas(checkpoint, config)

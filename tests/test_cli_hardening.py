@@ -189,7 +189,7 @@ def test_fp8_linear_is_refused_on_the_cpu(capsys, tmp_path: Path) -> None:
 def test_fp8_linear_needs_compute_capability_8_9(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from h3engine.engine.options import check_fp8_device
+    from h3engine.engine_options import check_fp8_device
     from h3engine.errors import RequestError
 
     gpu = torch.device("cuda:0")
@@ -203,7 +203,7 @@ def test_fp8_linear_needs_compute_capability_8_9(monkeypatch: pytest.MonkeyPatch
 def test_device_names_are_checked_against_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from h3engine.engine.options import resolve_device
+    from h3engine.engine_options import resolve_device
     from h3engine.errors import RequestError
 
     assert resolve_device("cpu") == torch.device("cpu")

@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "h3engine.lora.*",
     ),
     ("h3engine.engine.pipeline",),
-    ("h3engine.engine", "h3engine.engine.model_store", "h3engine.engine.options"),
+    ("h3engine.engine", "h3engine.engine.model_store", "h3engine.engine_options"),
     ("h3engine.runtime.*",),
     ("h3engine.cli.*", "h3engine.__main__"),
 )

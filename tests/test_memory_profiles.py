@@ -31,8 +31,8 @@ from torch import nn
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.cli import main
 from h3engine.engine import Engine
-from h3engine.engine.options import EngineOptions
 from h3engine.engine.pipeline import Models
+from h3engine.engine_options import EngineOptions
 from h3engine.errors import GenerationCancelled, RequestError
 from h3engine.memory.homes import pin_in_place
 from h3engine.memory.placement import Placement

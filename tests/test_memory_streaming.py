@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from h3engine.cli import main
 from h3engine.engine import Engine
-from h3engine.engine.options import EngineOptions
+from h3engine.engine_options import EngineOptions
 from h3engine.memory.homes import dequantized, quantizable
 from h3engine.memory.layers import dit_layers
 from h3engine.memory.placement import Placement

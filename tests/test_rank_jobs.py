@@ -29,8 +29,8 @@ import pytest
 import torch
 import torch.distributed
 
-from h3engine.engine.options import EngineOptions
 from h3engine.engine.pipeline import DenoisedLatents, Mp4WriteError
+from h3engine.engine_options import EngineOptions
 from h3engine.errors import GenerationCancelled, RequestError
 from h3engine.memory.engine_plan import MemoryRequest
 from h3engine.memory.sizes import RankShare

@@ -38,7 +38,7 @@ from _lora_helpers import RandomLora, random_lora, write_lora  # noqa: E402
 from _runtime_helpers import events_until_done, max_relative_errors, wait_for_step  # noqa: E402
 
 from h3engine.engine import Engine  # noqa: E402
-from h3engine.engine.options import EngineOptions  # noqa: E402
+from h3engine.engine_options import EngineOptions  # noqa: E402
 from h3engine.request import GenerationRequest, Keyframe, LoraChoice, Reference  # noqa: E402
 from h3engine.runtime.front import EngineFront  # noqa: E402
 from h3engine.runtime.messages import (  # noqa: E402

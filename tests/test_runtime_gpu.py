@@ -34,7 +34,7 @@ from _runtime_helpers import (
 )
 
 from h3engine.engine import Engine
-from h3engine.engine.options import EngineOptions
+from h3engine.engine_options import EngineOptions
 from h3engine.parallel.groups import RuntimeLayout
 from h3engine.request import GenerationRequest
 from h3engine.runtime.front import EngineFront

@@ -44,7 +44,7 @@ from _runtime_helpers import (
 
 from h3engine.cli import main
 from h3engine.engine import Engine
-from h3engine.engine.options import EngineOptions
+from h3engine.engine_options import EngineOptions
 from h3engine.errors import RequestError
 from h3engine.media.mux import probe_mp4
 from h3engine.parallel.groups import PROFILES, RuntimeLayout
@@ -419,7 +419,7 @@ def test_sigterm_ends_a_cli_run_and_every_process_it_started(checkpoint, tmp_pat
 def test_ranks_end_by_themselves_when_their_front_process_is_killed(checkpoint) -> None:
     program = (
         "import sys, time\n"
-        "from h3engine.engine.options import EngineOptions\n"
+        "from h3engine.engine_options import EngineOptions\n"
         "from h3engine.runtime.workers import ProcessReplica\n"
         "if __name__ == '__main__':\n"
         f"    replica = ProcessReplica({str(checkpoint)!r}, ('cpu', 'cpu'), options=EngineOptions(dtype='float32'))\n"

@@ -34,7 +34,7 @@ from safetensors.torch import load_file
 import app
 from h3engine.cli import main
 from h3engine.engine import Engine
-from h3engine.engine.options import EngineOptions, check_engine_options
+from h3engine.engine_options import EngineOptions, check_engine_options
 from h3engine.errors import RequestError
 from h3engine.parallel.groups import RuntimeLayout
 from h3engine.parallel.vae import latent_frame_shares, rank_tiles

@@ -28,7 +28,7 @@ from _runtime_helpers import events_until_done, parity_requests, process_exists,
 
 import app
 from h3engine.cli import main
-from h3engine.engine.options import EngineOptions
+from h3engine.engine_options import EngineOptions
 from h3engine.errors import RequestError
 from h3engine.parallel.groups import RuntimeLayout
 from h3engine.request import GenerationRequest

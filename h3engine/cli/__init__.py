@@ -5,7 +5,7 @@ prompt label order); without `--task` the inputs pick it. Adapters: repeatable `
 `--lora-target` names (default: as diffusers); `--turbo` sets the steps, shifts and `--rungs` they run with.
 Devices: `--device` (default cuda when present) runs the engine here; `--gpus N`, `--devices 0,1,...` or
 `--world-size N` (`--device cpu`: CPU ranks over gloo) run a resident worker group (h3engine.runtime.workers). The
-engine flags (layout, `--dtype`, the memory budget, `--fp8-linear`) are the app's too (h3engine.engine.options).
+engine flags (layout, `--dtype`, the memory budget, `--fp8-linear`) are the app's too (h3engine.engine_options).
 
 Checks: the output flags, the request and its files (headers) and `--dtype` before torch is imported; the device,
 memory and layout flags; the request on the checkpoint's facts as the engine decides (h3engine.request.resolved;
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from h3engine.cli.progress import PROGRESS_MODES, Progress, make_progress
-from h3engine.engine.options import (
+from h3engine.engine_options import (
     EngineOptions,
     add_engine_flags,
     check_dtype,

@@ -50,7 +50,7 @@ class MemoryRequest:
 
     @classmethod
     def from_options(cls, options: Any) -> MemoryRequest:
-        """The request of h3engine.engine.options.EngineOptions (their memory fields)."""
+        """The request of h3engine.engine_options.EngineOptions (their memory fields)."""
         return cls(options.memory_profile, options.gpu_memory, options.host_memory, options.weights)
 
 

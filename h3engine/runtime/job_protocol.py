@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from h3engine.engine.options import EngineOptions
+from h3engine.engine_options import EngineOptions
 from h3engine.geometry import Geometry
 from h3engine.parallel.groups import EncoderLayout, ParallelLayout, VAELayout
 from h3engine.request import GenerationRequest

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.engine import Engine
 from h3engine.engine.model_store import ModelLoader
-from h3engine.engine.options import resolve_dtype
+from h3engine.engine_options import resolve_dtype
 from h3engine.errors import H3Error
 from h3engine.memory.engine_plan import MemoryRequest
 from h3engine.memory.sizes import RankShare

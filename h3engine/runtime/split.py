@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from h3engine.checkpoint.layout import detect_layout
-from h3engine.engine.options import EngineOptions
+from h3engine.engine_options import EngineOptions
 from h3engine.memory.engine_plan import MemoryRequest
 from h3engine.parallel.groups import RuntimeLayout
 from h3engine.runtime.channel import TensorChannel

@@ -31,7 +31,7 @@ import torch.multiprocessing
 from h3engine.checkpoint.layout import CheckpointLayout, detect_layout
 from h3engine.checkpoint.loader import dit_source
 from h3engine.checkpoint.text_encoder_files import open_text_encoder_files
-from h3engine.engine.options import EngineOptions
+from h3engine.engine_options import EngineOptions
 from h3engine.errors import CheckpointError, RequestError
 from h3engine.media.leftovers import WORKER_FOLDER_PREFIX, owned_temp_folder, remove_staging_files_of
 from h3engine.memory.engine_plan import MemoryRequest
