@@ -38,14 +38,7 @@ from h3engine.parallel.groups import (
 )
 from h3engine.parallel.text_encoder import load_text_encoder_shard
 from h3engine.parallel.vae import AUDIO_DECODE_RANK
-
-# NO_JOB, RankFailed, RankReady and Stop live in h3engine.runtime.job_protocol; workers.py and split.py import
-# them from here.
-from h3engine.runtime.job_protocol import NO_JOB as NO_JOB
-from h3engine.runtime.job_protocol import RankFailed as RankFailed
-from h3engine.runtime.job_protocol import RankReady as RankReady
 from h3engine.runtime.job_protocol import RunJob, WorkerSpec
-from h3engine.runtime.job_protocol import Stop as Stop
 from h3engine.runtime.rank_jobs import JobRank, RankGroups
 from h3engine.runtime.rank_process import Outbox, join_world, rank_engine, run_rank
 

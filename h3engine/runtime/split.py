@@ -35,6 +35,7 @@ from h3engine.memory.engine_plan import MemoryRequest
 from h3engine.parallel.groups import RuntimeLayout
 from h3engine.runtime.channel import TensorChannel
 from h3engine.runtime.front import CANCELLED_BEFORE_START_MESSAGE, SHUTTING_DOWN_MESSAGE, JobHandle
+from h3engine.runtime.job_protocol import RankReady, RunJob, Stop
 from h3engine.runtime.messages import (
     CANCELLED_MESSAGE,
     TERMINAL_EVENTS,
@@ -43,7 +44,6 @@ from h3engine.runtime.messages import (
     JobFinished,
     JobStarted,
 )
-from h3engine.runtime.rank import RankReady, RunJob, Stop
 from h3engine.runtime.stages import (
     CHANNEL_ROUTES,
     CPU_ROUTES,

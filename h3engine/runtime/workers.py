@@ -42,8 +42,9 @@ from h3engine.runtime.front import (
     SHUTTING_DOWN_MESSAGE,
     JobHandle,
 )
+from h3engine.runtime.job_protocol import NO_JOB, RankFailed, RankReady, RunJob, Stop, WorkerSpec
 from h3engine.runtime.messages import TERMINAL_EVENTS, JobFailed, JobFinished
-from h3engine.runtime.rank import NO_JOB, RankFailed, RankReady, RunJob, Stop, WorkerSpec, rank_main
+from h3engine.runtime.rank import rank_main
 from h3engine.runtime.supervision import (
     POLL_INTERVAL_S,
     ProgressWatch,
