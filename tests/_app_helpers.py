@@ -125,18 +125,30 @@ def refusing_writes(folder: Path) -> Iterator[None]:
         subprocess.run([chattr, "-i", str(folder)], check=True)
 
 
-def rank_processes(app: RunningApp) -> list[int]:
-    """The app's worker-group ranks: its children started by multiprocessing's spawn (not its resource tracker)."""
-    ranks = []
+def _children(pid: int) -> dict[int, bytes]:
+    """pid -> command line of every child of `pid`, from /proc."""
+    children = {}
     for entry in Path("/proc").iterdir():
         try:
             parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             command = (entry / "cmdline").read_bytes()
         except (OSError, ValueError, IndexError):
             continue  # not a process, or one that ended meanwhile
-        if parent == app.process.pid and b"spawn_main" in command:
-            ranks.append(int(entry.name))
-    return sorted(ranks)
+        if parent == pid:
+            children[int(entry.name)] = command
+    return children
+
+
+def rank_processes_of(pid: int) -> list[int]:
+    """The worker-group ranks started by process `pid`: the children of its multiprocessing fork server, which
+    forks every rank (h3engine.runtime.rank_process.rank_context)."""
+    servers = [child for child, command in _children(pid).items() if b"forkserver" in command]
+    return sorted(rank for server in servers for rank in _children(server))
+
+
+def rank_processes(app: RunningApp) -> list[int]:
+    """The app's worker-group ranks."""
+    return rank_processes_of(app.process.pid)
 
 
 def stop_app(app: RunningApp) -> int:

@@ -17,6 +17,11 @@ import pytest
 import torch
 
 from h3engine.checkpoint.tiny import make_tiny_checkpoint
+from h3engine.runtime.rank_process import RANK_MODULES
+
+# The tests' own worker processes (tests/_parallel_*_helpers.py) start like the engine's ranks, from the one fork
+# server of this process that has imported torch and the engine: a rank starts in a fraction of a second.
+torch.multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_MODULES)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -50,7 +50,13 @@ def runs(tmp_path_factory) -> tuple[list[dict], dict]:
         apply_adapters(model, adapters(loras), "cpu")
         adapted = model(*arguments)
     scratch = tmp_path_factory.mktemp("world2")
-    mp.spawn(worker, args=(2, str(scratch / "store"), str(folder), loras, str(scratch)), nprocs=2, join=True)
+    mp.start_processes(
+        worker,
+        args=(2, str(scratch / "store"), str(folder), loras, str(scratch)),
+        nprocs=2,
+        join=True,
+        start_method="forkserver",
+    )
     ranks = [torch.load(scratch / f"rank{rank}.pt") for rank in range(2)]
     return ranks, {"base": base, "adapted": adapted}
 

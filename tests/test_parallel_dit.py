@@ -1,6 +1,6 @@
 """Parallel DiT on the CPU with gloo: Ulysses, tensor-parallel and both, against the single-process `H3DiT`.
 
-Worker processes (torch.multiprocessing.spawn, a FileStore rendezvous) load their shard from safetensors files and
+Worker processes (started from the fork server, a FileStore rendezvous) load their shard from safetensors files and
 run the full packed request; the parent compares every rank's velocities with the single-process forward (fp32,
 max |parallel - single| / max |single|). The packed sequence has 149 rows, so Ulysses over 2 and 4 ranks pads 1
 and 3 rows. An 8-head variant of the tiny DiT lets sp and tp in {1, 2, 4} divide the heads; the real tiny
@@ -124,7 +124,9 @@ def parallel_runs(tmp_path_factory, eight_head_folder, eight_head_diffusers_fold
                 str(tiny_dit_folder),
                 str(scratch),
             )
-            mp.spawn(worker, args=arguments, nprocs=world_size, join=True)
+            mp.start_processes(
+                worker, args=arguments, nprocs=world_size, join=True, start_method="forkserver"
+            )
             runs[world_size] = [torch.load(scratch / f"rank{rank}.pt") for rank in range(world_size)]
         return runs[world_size]
 

@@ -1,6 +1,6 @@
 """Tensor-parallel text encoder and parallel VAE decode on the CPU with gloo, against one process.
 
-Text encoder: worker processes (torch.multiprocessing.spawn, FileStore rendezvous) load only their shard of a
+Text encoder: worker processes (from the fork server, FileStore rendezvous) load only their shard of a
 tiny Qwen3-VL from its safetensors files and encode text around a picture block; every rank's states are compared
 with the single-process `H3TextEncoder.encode` (fp32, max |parallel - single| / max |single|). The checkpoint's
 tiny encoder (2 heads, 1 key/value head) runs tp 2 with the key/value head replicated; an 8-head, 2-key/value-head
@@ -129,7 +129,9 @@ def parallel_runs(tmp_path_factory, encoder_folders):
                 str(encoder_folders[EIGHT_HEAD_ENCODER]),
                 str(scratch),
             )
-            mp.spawn(worker, args=arguments, nprocs=world_size, join=True)
+            mp.start_processes(
+                worker, args=arguments, nprocs=world_size, join=True, start_method="forkserver"
+            )
             runs[world_size] = [torch.load(scratch / f"rank{rank}.pt") for rank in range(world_size)]
         return runs[world_size]
 

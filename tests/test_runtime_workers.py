@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _app_helpers import assert_browser_playable, start_app, stop_app
+from _app_helpers import assert_browser_playable, rank_processes_of, start_app, stop_app
 from _lora_helpers import RandomLora, random_lora, write_lora
 from _runtime_helpers import (
     events_until_done,
@@ -113,13 +113,10 @@ def descendants(pid: int) -> list[int]:
 
 
 def workers_of_this_process() -> dict[int, str]:
-    # Python's multiprocessing resource tracker (one per parent process, started with the first spawn and ending
-    # with its parent) is not a worker.
-    return {
-        pid: command
-        for pid, command in child_processes(os.getpid()).items()
-        if "resource_tracker" not in command
-    }
+    """The rank processes this process started: the children of its multiprocessing fork server (the server itself,
+    like the resource tracker, is one per parent process and ends with it; it is not a worker)."""
+    servers = [pid for pid, command in child_processes(os.getpid()).items() if "forkserver" in command]
+    return {pid: command for server in servers for pid, command in child_processes(server).items()}
 
 
 @pytest.fixture(scope="module")
@@ -462,7 +459,7 @@ def test_the_app_serves_requests_from_a_worker_group(tmp_path) -> None:
         assert status.startswith("Done"), status
         assert_browser_playable(video, 124)
         # A rank that does not answer (stopped) holds up neither SIGTERM nor the exit.
-        ranks = [pid for pid in started if "spawn_main" in child_processes(app.process.pid).get(pid, "")]
+        ranks = rank_processes_of(app.process.pid)
         assert len(ranks) == 2, started
         os.kill(ranks[1], signal.SIGSTOP)
     finally:

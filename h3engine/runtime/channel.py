@@ -238,8 +238,8 @@ class TensorChannel:
     """One producer -> one consumer, `slots` reusable buffers on `device` ("cpu" or a CUDA device).
 
     `timeout_s` is the default wait of `send`, `receive` and the `close` calls. Create it in the engine process
-    and pass it to the worker processes as a process argument (spawn, `torch.multiprocessing`), before they start;
-    each role is claimed once per channel.
+    and pass it to the worker processes as a process argument (`torch.multiprocessing`, spawn or fork server),
+    before they start; each role is claimed once per channel.
 
     Teardown, in this order: consumers, producers, channel. `consumer.close()` drops its mappings.
     `producer.close()` tells the consumer that nothing more comes (its next `receive` raises `ChannelClosed`), then

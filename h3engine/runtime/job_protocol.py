@@ -6,7 +6,7 @@ carrying its `RunJob`. Both kinds answer `RankReady` once loaded, `RankFailed` b
 a stage group's rank 0 also reports `StageDone` after each step. A job's own messages (start, steps, end) are
 h3engine.runtime.messages'.
 
-Contract: everything here pickles (it crosses a pipe to a spawned process): no tensors, no open files, no callbacks.
+Contract: everything here pickles (it crosses a pipe to a rank process): no tensors, no open files, no callbacks.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One rank of a worker group: a process that holds its share of every model and serves jobs until told to stop.
 
-`rank_main(rank, spec, commands, messages, cancel_job)` is the spawn target of h3engine.runtime.workers: it joins
+`rank_main(rank, spec, commands, messages, cancel_job)` is the process target of h3engine.runtime.workers: it joins
 the group's world, builds its `Engine` with a `ShardedLoader` and serves `RunJob` commands (`WorkerRank.serve`)
 until `Stop` (h3engine.runtime.rank_process). Only rank 0 reports on jobs.
 
@@ -140,7 +140,7 @@ def rank_share(spec: WorkerSpec, rank: int) -> RankShare:
 def rank_main(
     rank: int, spec: WorkerSpec, commands: Connection, messages: Connection, cancel_job: Any
 ) -> None:
-    """The spawn target of one rank: join the group, load this rank's shares, serve jobs until `Stop`.
+    """The process target of one rank: join the group, load this rank's shares, serve jobs until `Stop`.
 
     The front talks to the rank through two one-way pipes (`commands` in, `messages` out) and one shared integer
     (`cancel_job`). The rank joins the world (gloo on the CPU, NCCL on GPUs), creates every process group

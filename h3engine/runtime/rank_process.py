@@ -1,6 +1,6 @@
 """The life of a rank process, for worker ranks (h3engine.runtime.rank) and stage ranks (h3engine.runtime.stages).
 
-`run_rank(rank, label, commands, messages, start)` is the body of both spawn targets: it leaves Ctrl-C to the front,
+`run_rank(rank, label, commands, messages, start)` is the body of both process targets: it leaves Ctrl-C to the front,
 ends with its parent, logs under `label`, starts the rank (`start`, which joins the world with `join_world` and
 builds the engine with `rank_engine`), says `RankReady` and serves commands in arrival order until `Stop` (or the
 front closes its end). Messages go to the front through an `Outbox`, whose thread owns the pipe so that posting
@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import queue
 import signal
+import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -57,6 +58,29 @@ EXIT_JOB_FAILED = 1
 EXIT_START_FAILED = 2
 EXIT_PARENT_GONE = 3
 OUTBOX_FLUSH_TIMEOUT_S = 5.0
+# What a rank process runs, imported once by the fork server that every rank is forked from (`rank_context`).
+RANK_MODULES = ["__main__", "h3engine.runtime.rank", "h3engine.runtime.stages"]
+
+
+def rank_context() -> Any:
+    """The multiprocessing context that starts rank processes: a fork server that has imported the rank code.
+
+    A spawned interpreter imports torch, transformers and the engine again at every start and every restart of a
+    group (seconds of CPU each); a rank forked from the server has them already. Importing does not touch CUDA, so
+    each rank still initializes its own GPU. Start the target through `in_front_environment`: a forked rank would
+    otherwise run under the environment the server was started with, not the one its front has now.
+    """
+    context = torch.multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(RANK_MODULES)
+    return context
+
+
+def in_front_environment(environment: dict[str, str], target: Callable[..., None], *args: Any) -> None:
+    """Run `target(*args)` under `environment` (the front's `os.environ` when it started this rank), as spawn did."""
+    os.environ.clear()
+    os.environ.update(environment)
+    tempfile.tempdir = None  # read again from TMPDIR and its kin
+    target(*args)
 
 
 class Outbox:

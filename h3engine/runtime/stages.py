@@ -1,6 +1,6 @@
 """One rank of a split stage group (`--stage-layout split`): the text encoder, the DiT or the VAE group.
 
-`stage_main(rank, spec, commands, messages, cancel_job, ends)` is the spawn target (h3engine.runtime.split starts
+`stage_main(rank, spec, commands, messages, cancel_job, ends)` is the process target (h3engine.runtime.split starts
 the groups, each its own world): the rank builds an `Engine` that loads only its stage's share (`StageLoader`),
 attaches its ends of the tensor channels (h3engine.runtime.channel) and serves commands in arrival order:
 * VAE group, `Prepare`: rank 0 prepares (h3engine.runtime.rank_jobs, as a worker group's rank 0 does); the
@@ -345,7 +345,7 @@ class StageRank(JobRank):
 def stage_main(
     rank: int, spec: StageSpec, commands: Connection, messages: Connection, cancel_job: Any, ends: StageEnds
 ) -> None:
-    """The spawn target of one rank of a stage group: load, attach the channels, serve commands until `Stop`."""
+    """The process target of one rank of a stage group: load, attach the channels, serve commands until `Stop`."""
 
     def start(outbox: Outbox) -> StageRank:
         device = join_world(rank, spec, spec.cpu_threads)

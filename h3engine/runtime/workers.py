@@ -1,4 +1,5 @@
-"""Resident worker groups behind the engine front: one process per rank, started with torch.multiprocessing (spawn).
+"""Resident worker groups behind the engine front: one process per rank, forked from a server that has imported the
+rank code (h3engine.runtime.rank_process.rank_context).
 
 `ProcessReplica(checkpoint, devices, layout, options)` checks the layout against the checkpoint,
 starts one group (h3engine.runtime.rank in a process per device) and waits until every rank has loaded its shards.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 import threading
 import time
@@ -45,6 +47,7 @@ from h3engine.runtime.front import (
 from h3engine.runtime.job_protocol import NO_JOB, RankFailed, RankReady, RunJob, Stop, WorkerSpec
 from h3engine.runtime.messages import TERMINAL_EVENTS, JobFailed, JobFinished
 from h3engine.runtime.rank import rank_main
+from h3engine.runtime.rank_process import in_front_environment, rank_context
 from h3engine.runtime.supervision import (
     POLL_INTERVAL_S,
     ProgressWatch,
@@ -242,7 +245,7 @@ class WorkerGroup:
         rank_args: Sequence[tuple[Any, ...]] | None = None,
         name: str = "h3-rank",
     ) -> None:
-        context = torch.multiprocessing.get_context("spawn")
+        context = rank_context()
         self._store_dir = owned_temp_folder(WORKER_FOLDER_PREFIX)
         spec = dataclasses.replace(spec, init_method=f"file://{self._store_dir / 'store'}")
         self.cancel_job = context.RawValue("q", NO_JOB)
@@ -260,8 +263,17 @@ class WorkerGroup:
                 message_reader, message_writer = context.Pipe(duplex=False)
                 extra = tuple(rank_args[rank]) if rank_args is not None else ()
                 process = context.Process(
-                    target=target,
-                    args=(rank, spec, command_reader, message_writer, self.cancel_job, *extra),
+                    target=in_front_environment,
+                    args=(
+                        dict(os.environ),
+                        target,
+                        rank,
+                        spec,
+                        command_reader,
+                        message_writer,
+                        self.cancel_job,
+                        *extra,
+                    ),
                     name=f"{name}-{rank}",
                     daemon=True,
                 )
