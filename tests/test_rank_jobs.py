@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import os
 import pickle
 from pathlib import Path
 from types import SimpleNamespace
@@ -367,3 +368,43 @@ def test_stop_or_a_closed_pipe_ends_the_command_loop() -> None:
     writer.close()
     assert rank_process._next_command(reader) is None
     reader.close()
+
+
+def _write_environment(path: str, names: list[str]) -> None:
+    """A rank-process target: write what it sees of `names` in its environment, and its temp folder."""
+    import os
+    import tempfile
+
+    seen = {name: os.environ.get(name) for name in names}
+    Path(path).write_text(json.dumps({"environment": seen, "temp": tempfile.gettempdir()}))
+
+
+def test_a_rank_runs_under_the_environment_its_front_has_when_it_starts_it(tmp_path, monkeypatch) -> None:
+    """Ranks fork from a server started once (rank_process.rank_context); what the front sets or unsets after that
+    must reach the next rank as it would with spawn, TMPDIR included."""
+    context = rank_process.rank_context()
+    report = tmp_path / "seen.json"
+    names = ["H3_TEST_SET_LATER", "H3_TEST_UNSET_LATER"]
+    monkeypatch.setenv("H3_TEST_UNSET_LATER", "gone")
+
+    def start_rank() -> dict:
+        process = context.Process(
+            target=rank_process.in_front_environment,
+            args=(dict(os.environ), _write_environment, str(report), names),
+        )
+        process.start()
+        process.join(60)
+        assert process.exitcode == 0
+        return json.loads(report.read_text())
+
+    start_rank()  # the server is running from here on
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("H3_TEST_SET_LATER", "now")
+    monkeypatch.delenv("H3_TEST_UNSET_LATER")
+    monkeypatch.setenv("TMPDIR", str(temp))
+    seen = start_rank()
+    assert seen == {
+        "environment": {"H3_TEST_SET_LATER": "now", "H3_TEST_UNSET_LATER": None},
+        "temp": str(temp),
+    }
