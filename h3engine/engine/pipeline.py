@@ -58,7 +58,7 @@ from h3engine.sampling.packing import (
     unpatchify_video,
 )
 from h3engine.sampling.schedule import Schedule, euler_step
-from h3engine.sampling.step_cache import ReduceGroups, StepCache, cache_preset
+from h3engine.sampling.step_cache import CachePreset, ReduceGroups, StepCache, cache_preset
 
 
 def check_cancelled(should_cancel: Callable[[], bool] | None) -> None:
@@ -140,8 +140,9 @@ class PreparedRequest:
     seed: int
     recipe: str
     conditioning_s: float = 0.0
-    # The request's step-cache preset (h3engine.sampling.step_cache.PRESETS; "off": none).
-    cache: str = "off"
+    # The request's step-cache preset (h3engine.sampling.step_cache.PRESETS; "off": none; a benchmark may put a
+    # CachePreset of its own here).
+    cache: str | CachePreset = "off"
 
 
 def prepare_request(

@@ -67,8 +67,11 @@ PRESETS: dict[str, CachePreset] = {
 }
 
 
-def cache_preset(name: str) -> CachePreset | None:
-    """The preset a request's `cache` names; None for "off" (no caching: the plain forward)."""
+def cache_preset(name: str | CachePreset) -> CachePreset | None:
+    """The preset a request's `cache` names; None for "off" (no caching: the plain forward). A `CachePreset` is
+    itself (a benchmark's sweep puts one in a prepared request)."""
+    if isinstance(name, CachePreset):
+        return name
     if name == "off":
         return None
     if name not in PRESETS:
