@@ -362,3 +362,22 @@ def test_the_engine_records_the_preset_and_off_passes_nothing_new(tiny_native: P
     )
     assert line in result_markdown(1, 64, 32, 107, 24, {"denoise_s": 1.0}, record)
     assert step_cache_line(None) is None and step_cache_line({"preset": "high"}) is None
+
+
+def test_the_memory_check_counts_the_cached_residuals(tiny_native: Path) -> None:
+    """Four [S, H] rows of the compute dtype on the denoise phase's working memory, only with a cache."""
+    from h3engine.memory.shapes import partition_for_task, request_shape
+    from h3engine.memory.sizes import checkpoint_sizes
+    from h3engine.memory.working import phase_working
+
+    sizes = checkpoint_sizes(tiny_native)
+    partition = partition_for_task(sizes, "t2va")
+    off = request_shape(sizes, "t2va", duration_seconds=5, text_tokens=16)
+    cached = request_shape(sizes, "t2va", duration_seconds=5, text_tokens=16, step_cache=True)
+    working = {
+        shape.step_cache: phase_working(partition, shape, sizes.share, "bf16", "cuda")
+        for shape in (off, cached)
+    }
+    added = 4 * off.sequence_rows * partition.dit_config.hidden_size * partition.dtype_bytes
+    assert working[True]["denoise"] - working[False]["denoise"] == pytest.approx(added * 1.2, abs=2)
+    assert working[True]["decode"] == working[False]["decode"]
