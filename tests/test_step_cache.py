@@ -381,3 +381,17 @@ def test_the_memory_check_counts_the_cached_residuals(tiny_native: Path) -> None
     added = 4 * off.sequence_rows * partition.dit_config.hidden_size * partition.dtype_bytes
     assert working[True]["denoise"] - working[False]["denoise"] == pytest.approx(added * 1.2, abs=2)
     assert working[True]["decode"] == working[False]["decode"]
+
+
+def test_the_app_takes_the_preset_as_an_endpoint_parameter() -> None:
+    from ui.handlers import TaskValues, build_request, failing_parameter, parameter_names, request_values
+    from ui.tabs import CACHE_LABELS, DEFAULT_VALUES
+
+    assert parameter_names("t2va")[-1] == "cache" and DEFAULT_VALUES["cache"] == "off"
+    assert set(CACHE_LABELS) == set(CACHE_PRESETS)
+    values = {**DEFAULT_VALUES, "prompt": "A kite.", "cache": "fast"}
+    inputs = TaskValues.from_inputs("t2va", [values[name] for name in parameter_names("t2va")])
+    request = build_request(inputs)
+    assert request.cache == "fast" and request_values(request, keep=str)["cache"] == "fast"
+    problem = RequestError("cache", "'fast' is for full-step runs")
+    assert failing_parameter(problem, inputs) == "cache"
