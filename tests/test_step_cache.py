@@ -18,11 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from _lora_helpers import small_lora, write_lora
 from _step_cache_helpers import CONFIG, EAGER, FORWARDS, cached_forwards, random_dit, step_request, worker
 
+from h3engine.checkpoint.lora_format import read_lora
 from h3engine.cli import main
 from h3engine.engine import Engine
 from h3engine.errors import RequestError
+from h3engine.lora.adapters import Adapter, apply_adapters
 from h3engine.memory.layers import dit_layers
 from h3engine.memory.streaming import LayerStream
 from h3engine.models.dit import run_blocks
@@ -271,6 +274,24 @@ def test_a_streamed_dit_with_a_skipping_cache_computes_what_the_resident_one_doe
     layers = 1 + CONFIG.num_layers  # the refiner block streams too
     middle = CONFIG.num_layers - EAGER.first_blocks - EAGER.last_blocks
     assert stream.visits == FORWARDS * layers - len(skipped) * middle
+
+
+def test_a_lora_runs_under_the_cache(dit, plain, tmp_path) -> None:
+    """The adapters sit on the linears the cache's blocks call: never skipping is the adapted forward bit for bit,
+    a skipping cache computes the adapted forward on the forwards it runs."""
+    path = tmp_path / "lora.safetensors"
+    write_lora(path, small_lora(CONFIG, seed=1), "original", CONFIG)
+    adapted = random_dit()
+    apply_adapters(adapted, [Adapter(read_lora(path, head_dim=CONFIG.head_dim))], "cpu")
+    reference, _ = cached_forwards(adapted, None)
+    assert not identical(reference[:1], plain[:1])  # the adapter changes the output
+    never, _ = cached_forwards(adapted, dataclasses.replace(EAGER, threshold=0.0))
+    assert identical(never, reference)
+    outputs, cache = cached_forwards(adapted, EAGER)
+    computed = [step for step in range(FORWARDS) if step not in cache.decisions.skipped_steps]
+    assert cache.decisions.skipped and identical(
+        [outputs[s] for s in computed], [reference[s] for s in computed]
+    )
 
 
 def test_two_ulysses_ranks_take_the_same_decisions_as_one_process(tmp_path, dit) -> None:
