@@ -144,7 +144,8 @@ class RequestShape:
     encode_tile: tuple[int, int] = (0, 0)  # pixels (h, w) of one encoder tile
     encode_audio_samples: int = 0  # samples per channel of the longest audio condition
     decode: DecodeShape | None = None
-    step_cache: bool = False  # a step cache other than "off" (h3engine.sampling.step_cache): its residuals held
+    # A step cache other than "off" (h3engine.sampling.step_cache): the residuals it holds count.
+    step_cache: bool = False
     arguments: Mapping[str, Any] = field(default_factory=dict)
 
     @property

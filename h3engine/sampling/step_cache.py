@@ -40,27 +40,21 @@ class CachePreset:
     warmup_steps: int
     max_consecutive: int
 
-    def describe(self) -> str:
-        limit = "no limit" if self.max_consecutive < 0 else f"at most {self.max_consecutive} in a row"
-        return (
-            f"{self.name}: first {self.first_blocks} / last {self.last_blocks} blocks always run, relative L1 "
-            f"threshold {self.threshold:g}, {self.warmup_steps} warm-up steps, skips {limit}"
-        )
-
 
 # The request's `cache` values (h3engine.request.CACHE_PRESETS, which must name the same ones) -> their knobs.
 PRESETS: dict[str, CachePreset] = {
     # The peers' conservative MiniMax-H3 setting, identical in both: SGLang's
     # MINIMAX_H3_HIGH_QUALITY_CACHE_DIT_CONFIG = (4, 0.04, 1) (warm-up steps, threshold, max consecutive cached
-    # steps; Fn 1, Bn 0 at its defaults; python/sglang/multimodal_gen/.../minimax_h3/constants.py, SGLang PR #33453,
-    # "SSIM 0.931 / PSNR 28.16 dB against quality=lossless" on 4x H200 T2VA) and vLLM-Omni's quality="high"
-    # profile (one front compute block, 4 warm-up steps, threshold 0.04, at most one consecutive cached step;
-    # vllm-project/vllm-omni PR #5853).
+    # steps; python/sglang/multimodal_gen/.../minimax_h3/constants.py, SGLang PR #33453; Fn 1, Bn 0 are its
+    # defaults, sglang issue #33828; "SSIM 0.931 / PSNR 28.16 dB against quality=lossless" on 4x H200 T2VA) and
+    # vLLM-Omni's quality="high" profile (one front compute block, 4 warm-up steps, threshold 0.04, at most one
+    # consecutive cached step; vllm-project/vllm-omni PR #5853).
     "high": CachePreset(
         "high", first_blocks=1, last_blocks=0, threshold=0.04, warmup_steps=4, max_consecutive=1
     ),
-    # More aggressive: SGLang's audited 8x B300 schedule (4, 0.08, 3) (sgl-project/sglang PR #34841); on 1x B200
-    # T2VA 768p the same knobs skipped 29 of 49 forwards, 2.23x, SSIM 0.865 / PSNR 26.6 dB (sglang issue #33828).
+    # More aggressive: the 8x B300 schedule (4, 0.08, 3) audited in sgl-project/sglang PR #34841 (closed when we
+    # read it); on 1x B200 T2VA 768p the same knobs skipped 29 of 49 forwards, 2.23x, SSIM 0.865 / PSNR 26.6 dB
+    # (sglang issue #33828).
     "fast": CachePreset(
         "fast", first_blocks=1, last_blocks=0, threshold=0.08, warmup_steps=4, max_consecutive=3
     ),
