@@ -136,8 +136,9 @@ def relative_differences(
 ) -> tuple[float, ...]:
     """sum |reference - current| / sum |reference| over each row group's rows (all columns), the sums taken in fp32
     per row and all-reduced over `groups`; a group without rows anywhere is left out."""
-    row_change = (reference - current).abs().sum(dim=1, dtype=torch.float32)
-    row_size = reference.abs().sum(dim=1, dtype=torch.float32)
+    # Per-row L1 norms accumulated in fp32 by the reduction itself (no |x| copy); one [S, H] temporary, the difference.
+    row_change = torch.linalg.vector_norm(reference - current, ord=1, dim=1, dtype=torch.float32)
+    row_size = torch.linalg.vector_norm(reference, ord=1, dim=1, dtype=torch.float32)
     sums = []
     for rows in row_groups:
         count = torch.tensor(float(rows.numel()), device=row_change.device)
