@@ -145,6 +145,7 @@ def _values(task: str, **overrides) -> TaskValues:
         "takes": 1,
         "rungs": "",
         "loras": [],
+        "cache": "off",
     }
     defaults |= overrides
     return TaskValues.from_inputs(task, [defaults[name] for name in parameter_names(task)])

@@ -40,7 +40,15 @@ from h3engine.runtime.messages import PreviewFrame
 from ui.access import AccessPolicy
 from ui.components import NotAnUpload
 from ui.endings import UNEXPECTED_ERROR, NotStarted, storage_problem
-from ui.history import HistoryEntry, entry_markdown, find_entry, history_rows, list_history, result_markdown
+from ui.history import (
+    HistoryEntry,
+    entry_markdown,
+    find_entry,
+    history_rows,
+    list_history,
+    result_markdown,
+    sidecar_step_cache,
+)
 from ui.inputs import InputStore, last_frame_png, reference_kind
 from ui.loras import lora_choices, lora_values
 from ui.result import RESULT_FIELDS
@@ -65,6 +73,7 @@ _SCALAR_FIELDS = {
     "takes",
     "rungs",
     "loras",
+    "cache",
 }
 _BOOLEAN_FIELDS = ("randomize_seed", "duration_from_reference")
 _FILE_FIELDS = ("first_image", "last_image", "references")
@@ -147,6 +156,7 @@ def build_request(
         references=references,
         loras=lora_choices(named.get("loras"), values.task, library or LoraLibrary(None)),
         rungs=parse_rungs(named.get("rungs")),
+        cache=named.get("cache", DEFAULT_VALUES["cache"]),
     )
 
 
@@ -281,6 +291,7 @@ def request_values(
         "takes": 1,
         "rungs": ",".join(map(str, request.rungs)),
         "loras": lora_values(request, library or LoraLibrary(None)),
+        "cache": request.cache,
     }
     if request.task == "fl2va":
         by_position = {keyframe.position: keyframe.path for keyframe in request.keyframes}
@@ -551,7 +562,13 @@ class Handlers:
             "video": video,
             "seed_used": event.seed,
             "details": result_markdown(
-                event.seed, event.width, event.height, event.frames, event.fps, timings
+                event.seed,
+                event.width,
+                event.height,
+                event.frames,
+                event.fps,
+                timings,
+                sidecar_step_cache(event.sidecar_path),
             ),
             "downloads": [video, self.access.publish(event.sidecar_path)],
             "last_result": event.video_path,

@@ -104,8 +104,34 @@ def history_rows(entries: list[HistoryEntry]) -> list[list[str]]:
     return rows
 
 
+def step_cache_line(step_cache: Any) -> str | None:
+    """A sidecar's `step_cache` entry in words ("**Step cache** high: computed 34 of 50 steps"); None without one
+    (cache "off", an older sidecar) or when it is not the shape the engine writes."""
+    if not isinstance(step_cache, dict):
+        return None
+    preset, computed, forwards = (step_cache.get(key) for key in ("preset", "computed", "forwards"))
+    if not isinstance(preset, str) or not all(type(value) is int for value in (computed, forwards)):
+        return None
+    return f"**Step cache** {preset}: computed {computed} of {forwards} steps ({forwards - computed} skipped)"
+
+
+def sidecar_step_cache(sidecar_path: Path) -> Any:
+    """The `step_cache` entry of a sidecar file (None when it has none or cannot be read)."""
+    try:
+        sidecar = json.loads(Path(sidecar_path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return sidecar.get("step_cache") if isinstance(sidecar, dict) else None
+
+
 def result_markdown(
-    seed: int, width: int, height: int, frames: int, fps: int, timings_s: dict[str, float]
+    seed: int,
+    width: int,
+    height: int,
+    frames: int,
+    fps: int,
+    timings_s: dict[str, float],
+    step_cache: Any = None,
 ) -> str:
     lines = [
         f"**Seed** {seed} · **Canvas** {width} × {height} · **Frames** {frames} at {fps} fps "
@@ -127,6 +153,9 @@ def result_markdown(
             total += seconds
         lines.append(f"| {title} | {seconds:.2f} |")
     lines.append(f"| **Total** | **{total:.2f}** |")
+    cache_line = step_cache_line(step_cache)
+    if cache_line is not None:
+        lines += ["", cache_line]
     return "\n".join(lines)
 
 
@@ -139,4 +168,5 @@ def entry_markdown(entry: HistoryEntry) -> str:
         int(geometry.get("frames", 0)),
         int(geometry.get("fps", 24)),
         {name: float(value) for name, value in entry.sidecar.get("timings_s", {}).items()},
+        entry.sidecar.get("step_cache"),
     )

@@ -19,7 +19,7 @@ import gradio as gr
 from h3engine.geometry import PRESET_ASPECT_RATIOS
 from h3engine.limits import MAX_DURATION_SECONDS, MIN_DURATION_SECONDS
 from h3engine.lora.library import LoraLibrary
-from h3engine.request import VERIFIED_SHORT_EDGE
+from h3engine.request import CACHE_PRESETS, VERIFIED_SHORT_EDGE
 from ui.components import as_sent, as_uploaded
 from ui.loras import LoraPanel, build_lora_panel
 from ui.prompt_builder import PromptBuilderPanel, build_prompt_builder
@@ -46,6 +46,13 @@ DEFAULT_VALUES = {
     "takes": 1,
     "rungs": "",
     "loras": [],
+    "cache": "off",
+}
+# The step-cache presets as the Advanced section names them (h3engine.sampling.step_cache.PRESETS).
+CACHE_LABELS = {
+    "off": "off (every block of every step)",
+    "high": "high (the peers' conservative setting)",
+    "fast": "fast (more aggressive)",
 }
 AUTO_ASPECT_LABELS = {
     "t2va": "auto (16:9)",
@@ -65,6 +72,7 @@ SETTINGS_PARAMETERS = (
     "takes",
     "rungs",
     "loras",
+    "cache",
 )
 MEDIA_PARAMETERS = {
     "t2va": (),
@@ -91,6 +99,7 @@ class SettingsControls:
     short_edge: gr.Number
     takes: gr.Slider
     rungs: gr.Textbox
+    cache: gr.Dropdown
     lora_panel: LoraPanel
 
     @property
@@ -206,6 +215,16 @@ def _settings_controls(
                 elem_id=f"{task}-rungs",
             )
         )
+        cache = as_sent(
+            gr.Dropdown(
+                choices=[(CACHE_LABELS[name], name) for name in CACHE_PRESETS],
+                value=DEFAULT_VALUES["cache"],
+                label="Step cache (full-step runs)",
+                info="skips the middle DiT blocks of steps that barely changed: faster, slightly different; "
+                "not with rungs (Turbo)",
+                elem_id=f"{task}-cache",
+            )
+        )
     return SettingsControls(
         duration,
         aspect_ratio,
@@ -218,6 +237,7 @@ def _settings_controls(
         short_edge,
         takes,
         rungs,
+        cache,
         lora_panel,
     )
 

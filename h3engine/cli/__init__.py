@@ -154,6 +154,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "whose metadata declares them, else 8 steps with shifts 6 / 3; flags given explicitly win",
     )
     generate.add_argument("--recipe", default="sglang", help="sglang (default) or diffusers")
+    generate.add_argument(
+        "--cache",
+        default="off",
+        help="step caching for full-step runs: off (default, every block of every step), high (the peers' "
+        "conservative MiniMax-H3 setting) or fast (more aggressive); lossy, refused with --rungs / --turbo",
+    )
     generate.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     ranks = generate.add_argument_group("worker group (several GPUs, or CPU ranks)")
     ranks.add_argument("--gpus", type=int, default=None, help="run on the first N GPUs, one rank each")
@@ -284,6 +290,7 @@ def _request_payload(args: argparse.Namespace) -> dict:
         "aspect_ratio": args.aspect_ratio,
         "seed": args.seed,
         "recipe": args.recipe,
+        "cache": args.cache,
         "keyframes": keyframes,
         "references": [parse_reference_spec(spec) for spec in args.ref],
         "loras": [parse_lora_spec(spec, args.lora_target) for spec in args.lora],

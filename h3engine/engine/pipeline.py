@@ -42,6 +42,7 @@ from h3engine.media.mux import write_mp4
 from h3engine.media.outputs import StagedOutputs, save_tensors, sidecar_record, write_sidecar
 from h3engine.media.progressive import ProgressiveFrames
 from h3engine.memory.placement import PHASE_COMPONENTS, Placement
+from h3engine.parallel.dit import modality_rows, worker_groups
 from h3engine.parallel.groups import GroupMembership
 from h3engine.parallel.vae import decode_video_and_audio
 from h3engine.request import GenerationRequest
@@ -57,6 +58,7 @@ from h3engine.sampling.packing import (
     unpatchify_video,
 )
 from h3engine.sampling.schedule import Schedule, euler_step
+from h3engine.sampling.step_cache import CachePreset, ReduceGroups, StepCache, cache_preset
 
 
 def check_cancelled(should_cancel: Callable[[], bool] | None) -> None:
@@ -81,6 +83,8 @@ class GenerationOutput:
     video_latents: torch.Tensor  # [C, T, h, w] normalized latents after denoising
     audio_latents: torch.Tensor  # [2, C, A] normalized latents after denoising
     timings: dict[str, float] = field(default_factory=dict)
+    # The step cache's preset and forwards computed / skipped (h3engine.sampling.step_cache); None: cache "off".
+    step_cache: dict[str, Any] | None = None
 
 
 @dataclass
@@ -136,6 +140,9 @@ class PreparedRequest:
     seed: int
     recipe: str
     conditioning_s: float = 0.0
+    # The request's step-cache preset (h3engine.sampling.step_cache.PRESETS; "off": none; a benchmark may put a
+    # CachePreset of its own here).
+    cache: str | CachePreset = "off"
 
 
 def prepare_request(
@@ -162,7 +169,14 @@ def prepare_request(
         presentation, conditions = _read_and_encode(resolved, geometry, models, canvas, should_cancel)
         conditioning_s = time.perf_counter() - started
     return PreparedRequest(
-        geometry, presentation, conditions, schedule, request.seed, request.recipe, conditioning_s
+        geometry,
+        presentation,
+        conditions,
+        schedule,
+        request.seed,
+        request.recipe,
+        conditioning_s,
+        request.cache,
     )
 
 
@@ -251,8 +265,10 @@ def denoise(
     schedule: Schedule,
     on_step: Callable[[StepEvent], None] | None = None,
     should_cancel: Callable[[], bool] | None = None,
+    step_cache: StepCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run every step of the schedule on the packed rows; returns the final (video_rows, audio_rows), fp32."""
+    """Run every step of the schedule on the packed rows; returns the final (video_rows, audio_rows), fp32.
+    `step_cache` runs each forward's blocks (it may skip the middle ones); None runs them all, as always."""
     first_video_target = layout.num_condition_video_rows
     first_audio_target = layout.num_condition_audio_rows
     device = video_rows.device
@@ -277,6 +293,11 @@ def denoise(
             timestep_index = timestep_index.to(device, non_blocking=True)
             packed_layouts[index_key] = (timestep_index, dit.prepare_layout(timestep_index, *row_layout))
         timestep_index, packed_layout = packed_layouts[index_key]
+        # "off" passes nothing more: the call it always was.
+        cached = {}
+        if step_cache is not None:
+            step_cache.use_rows(*modality_rows(packed_layout))
+            cached = {"blocks_runner": step_cache.run}
         video_velocity, audio_velocity = dit(
             video_rows,
             audio_rows,
@@ -286,6 +307,7 @@ def denoise(
             *row_layout,
             layout=packed_layout,
             modulation=step_modulation[step],
+            **cached,
         )
         video_rows[first_video_target:] = euler_step(
             video_rows[first_video_target:],
@@ -320,6 +342,8 @@ class DenoisedLatents:
     video_latents: torch.Tensor  # [1, C, T, h, w]
     audio_latents: torch.Tensor  # [2, C, A]
     timings: dict[str, float]
+    # The step cache's record (`StepCache.record`); None for cache "off".
+    step_cache: dict[str, Any] | None = None
 
     def output(
         self, video: torch.Tensor, audio: torch.Tensor, decode_timings: dict[str, float]
@@ -330,6 +354,7 @@ class DenoisedLatents:
             self.video_latents[0].float().cpu(),
             self.audio_latents.float().cpu(),
             {**self.timings, **decode_timings},
+            self.step_cache,
         )
 
 
@@ -396,6 +421,8 @@ def denoise_encoded(
     video_rows = torch.cat([condition_video_rows, noise.video_rows]).to(device)
     audio_rows = torch.cat([condition_audio_rows, noise.audio_rows]).to(device)
 
+    preset = cache_preset(prepared.cache)
+    step_cache = None if preset is None else StepCache(preset, ReduceGroups(*worker_groups(models.dit)))
     started = time.perf_counter()
     with models.resident_for("denoise"):
         video_rows, audio_rows = denoise(
@@ -407,6 +434,7 @@ def denoise_encoded(
             prepared.schedule,
             on_step,
             should_cancel,
+            step_cache,
         )
         _synchronize(device)
     timings["denoise_s"] = time.perf_counter() - started
@@ -420,7 +448,8 @@ def denoise_encoded(
         geometry.patch,
     )
     audio_latents = rows_to_audio_latents(audio_rows[layout.num_condition_audio_rows :])
-    return DenoisedLatents(video_latents, audio_latents, timings)
+    record = None if step_cache is None else step_cache.record()
+    return DenoisedLatents(video_latents, audio_latents, timings, record)
 
 
 # --- decode -------------------------------------------------------------------------------------------------
@@ -564,7 +593,9 @@ def write_outputs(
                 "audio_latents": output.audio_latents,
             },
         )
-    record = sidecar_record(request, inputs, engine, geometry, output.timings, staging.final.video.name)
+    record = sidecar_record(
+        request, inputs, engine, geometry, output.timings, staging.final.video.name, output.step_cache
+    )
     write_sidecar(staging.files.sidecar, record)
 
 

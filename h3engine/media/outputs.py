@@ -262,9 +262,12 @@ def sidecar_record(
     geometry: Geometry,
     timings: Mapping[str, float],
     video_name: str,
+    step_cache: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The sidecar of one video: the request, its `input_records`, the `engine` that made it (checkpoint, device,
-    precision, kernels: its keys go to the top level), the geometry, the timings and the video's file name."""
+    precision, kernels: its keys go to the top level), the geometry, the timings and the video's file name; with a
+    step cache (request `cache` other than "off"), its preset and forwards computed and skipped."""
+    cache = {} if step_cache is None else {"step_cache": dict(step_cache)}
     return {
         "request": request.to_dict(),
         "inputs": inputs,
@@ -280,6 +283,7 @@ def sidecar_record(
             "audio_latents": geometry.audio_latents,
         },
         "timings_s": dict(timings),
+        **cache,
         "video": video_name,
     }
 

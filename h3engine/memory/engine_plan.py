@@ -126,5 +126,6 @@ def check_request_memory(
         keyframes=tuple(keyframe.position for keyframe in request.keyframes),
         references=references,
         steps=request.steps,
+        step_cache=getattr(request, "cache", "off") != "off",
     )
     check_request_fits(plan, shape)

@@ -144,6 +144,8 @@ class RequestShape:
     encode_tile: tuple[int, int] = (0, 0)  # pixels (h, w) of one encoder tile
     encode_audio_samples: int = 0  # samples per channel of the longest audio condition
     decode: DecodeShape | None = None
+    # A step cache other than "off" (h3engine.sampling.step_cache): the residuals it holds count.
+    step_cache: bool = False
     arguments: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -212,6 +214,7 @@ def request_shape(
     keyframes: Sequence[str] = ("first", "last"),
     references: Sequence[ReferenceSpec] | None = None,
     steps: int = DEFAULT_STEPS,
+    step_cache: bool = False,
 ) -> RequestShape:
     """The shape of a request on this checkpoint (its canvas rule, VAE and patch factors, tokenizer's vision rules).
 
@@ -230,6 +233,7 @@ def request_shape(
         "keyframes": tuple(keyframes),
         "references": None if references is None else tuple(references),
         "steps": steps,
+        "step_cache": step_cache,
     }
     partition = partition_for_task(sizes, task)
     dims, video_config = partition.text_dims, partition.video_config
@@ -331,6 +335,7 @@ def request_shape(
         encode_tile=encode_tile,
         encode_audio_samples=encode_samples,
         decode=decode_shape(video_config, geometry.latent_frames, geometry.latent_h, geometry.latent_w),
+        step_cache=step_cache,
         arguments=arguments,
     )
 

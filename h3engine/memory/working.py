@@ -78,6 +78,16 @@ def dit_request_state_bytes(partition: PartitionSizes, shape: RequestShape) -> i
     return text + latents + layout + prepared
 
 
+def step_cache_bytes(partition: PartitionSizes, shape: RequestShape, share: Any) -> int:
+    """A step cache's share of a forward (h3engine.sampling.step_cache): the first blocks' residual and the middle
+    blocks' one kept between forwards, and at the decision the new residual and the difference's |a - b| temporary
+    (4 x [S, H] on this rank's rows; the per-row fp32 sums are small). None with cache "off"."""
+    if not shape.step_cache:
+        return 0
+    rows = math.ceil(shape.sequence_rows / share.dit_sp)
+    return 4 * rows * partition.dit_config.hidden_size * partition.dtype_bytes
+
+
 def adaln_table_bytes(partition: PartitionSizes, shape: RequestShape) -> int:
     """The AdaLN tables of one schedule (h3engine.sampling.modulation): per step, per block six [M * 3, H] tables, and the
     final layer's two [M, H]; built once per request and kept in the modulation cache."""
@@ -198,6 +208,7 @@ def phase_working(
         dit_forward_bytes(partition, shape, share)
         + dit_request_state_bytes(partition, shape)
         + adaln_in_flight_bytes(partition, weights, device_type)
+        + step_cache_bytes(partition, shape, share)
     )
     working = {
         "conditioning": conditioning,

@@ -509,6 +509,10 @@ def run_blocks(
     return hidden
 
 
+# (blocks, their modulations, hidden, layout) -> hidden: how a forward runs its block chain (`run_blocks`'s signature).
+BlocksRunner = Callable[[Sequence["DiTBlock"], Sequence["BlockModulation"], Tensor, "PackedLayout"], Tensor]
+
+
 class FinalLayer(nn.Module):
     """RMSNorm + shift/scale indexed by timestep only (not modality), then the fp32 video and audio heads."""
 
@@ -686,17 +690,21 @@ class H3DiT(nn.Module):
         text_index: Tensor,
         layout: PackedLayout | None = None,
         modulation: StepModulation | None = None,
+        blocks_runner: BlocksRunner | None = None,
     ) -> tuple[Tensor, Tensor]:
         """One packed request -> (video velocity [Nv, C*prod(patch)] fp32, audio velocity [Na, Ca] fp32).
 
         A denoising loop passes the request-static `layout` (from `prepare_layout` on the same index tensors) and
         this step's `modulation` (h3engine.sampling.modulation.schedule_modulation) so that neither is rebuilt every step.
+        `blocks_runner` runs the block chain instead of `run_blocks` (the step cache, h3engine.sampling.step_cache).
         """
         if layout is None:
             layout = self.prepare_layout(
                 timestep_index, tags, positions, video_index, audio_index, text_index
             )
-        return self.forward_with_layout(video_rows, audio_rows, text_states, timesteps, layout, modulation)
+        return self.forward_with_layout(
+            video_rows, audio_rows, text_states, timesteps, layout, modulation, blocks_runner
+        )
 
     def check_packed_inputs(
         self, video_rows: Tensor, audio_rows: Tensor, text_states: Tensor, layout: PackedLayout
@@ -719,14 +727,18 @@ class H3DiT(nn.Module):
         timesteps: Tensor,
         layout: PackedLayout,
         modulation: StepModulation | None = None,
+        blocks_runner: BlocksRunner | None = None,
     ) -> tuple[Tensor, Tensor]:
         """`forward` with the request-static tensors (and optionally this step's AdaLN tables) already prepared:
-        the rows are embedded into the packed sequence, run through the blocks, and the head reads them out."""
+        the rows are embedded into the packed sequence, run through the blocks (`run_blocks`, or `blocks_runner`
+        when given), and the head reads them out."""
         self.check_packed_inputs(video_rows, audio_rows, text_states, layout)
         hidden = self.embed(video_rows, audio_rows, text_states, layout)
         if modulation is None:
             modulation = self.modulation(timesteps)
-        hidden = run_blocks(self.blocks, modulation.blocks, hidden, layout.local)
+        hidden = (run_blocks if blocks_runner is None else blocks_runner)(
+            self.blocks, modulation.blocks, hidden, layout.local
+        )
         return self.head(hidden, modulation.final_tables(), layout)
 
     def project_inputs(

@@ -2,7 +2,7 @@
 
 Contract
 --------
-* `all_reduce_sum`: the tensor-parallel sum of row-parallel partial products (in place).
+* `all_reduce_sum` / `all_reduce_max`: sum (the row-parallel partial products) or maximum over the group, in place.
 * `all_gather_rows`: concatenate each rank's rows in rank order (final velocities back to the full sequence).
 * `sequence_to_heads` / `heads_to_sequence`: the Ulysses all-to-all pair. A rank holding rows
   [r*S/n, (r+1)*S/n) of every head swaps them for all S rows of heads [r*H/n, (r+1)*H/n), and back. Both keep
@@ -29,6 +29,13 @@ def all_reduce_sum(tensor: Tensor, group: GroupMembership) -> Tensor:
     """Sum `tensor` over the group in place; returns it."""
     if group.size > 1:
         dist.all_reduce(tensor, group=group.process_group)
+    return tensor
+
+
+def all_reduce_max(tensor: Tensor, group: GroupMembership) -> Tensor:
+    """The elementwise maximum of `tensor` over the group, in place; returns it."""
+    if group.size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group.process_group)
     return tensor
 
 

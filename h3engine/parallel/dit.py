@@ -190,6 +190,24 @@ class SequenceParallelDiT(H3DiT):
         )
 
 
+def modality_rows(layout: PackedLayout | SequenceShardedLayout) -> tuple[Tensor, Tensor]:
+    """(video rows, audio rows) of the hidden sequence this rank's blocks run on: the request's own rows on one
+    process, the local slots of those that land on this Ulysses rank (pad and text rows excluded)."""
+    if isinstance(layout, SequenceShardedLayout):
+        return layout.video_slots, layout.audio_slots
+    return layout.video_index, layout.audio_index
+
+
+def worker_groups(dit: H3DiT) -> tuple[GroupMembership, GroupMembership]:
+    """(Ulysses group, tensor-parallel group) of this rank's DiT; a group of one where it has none."""
+    sequence = dit.sequence_group if isinstance(dit, SequenceParallelDiT) else GroupMembership.alone()
+    tensor = next(
+        (module.group for module in dit.modules() if isinstance(module, ParallelLinear)),
+        GroupMembership.alone(),
+    )
+    return sequence, tensor
+
+
 def _apply_tensor_parallel(model: H3DiT, tp: GroupMembership) -> None:
     """Swap the parallel layers into every attention and FFN (module types from the model, no model edits)."""
     config = model.config

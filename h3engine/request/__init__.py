@@ -63,6 +63,9 @@ TASKS = ("t2va", "fl2va", "ref2va")
 KEYFRAME_POSITIONS = ("first", "last")
 REFERENCE_KINDS = ("image", "video", "audio")
 RECIPES = ("sglang", "diffusers")
+# Step-cache presets (h3engine.sampling.step_cache.PRESETS holds the knobs of each but "off"): "off" runs every
+# block of every forward; "high" is the peers' conservative MiniMax-H3 setting, "fast" a more aggressive one.
+CACHE_PRESETS = ("off", "high", "fast")
 # The two DiTs a LoRA can target (diffusers' component names) and the one each task runs.
 LORA_TARGETS = ("transformer", "transformer_ref")
 LORA_TARGET_OF_TASK = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
@@ -115,6 +118,7 @@ TaskName = Literal["t2va", "fl2va", "ref2va"]
 KeyframePosition = Literal["first", "last"]
 ReferenceKind = Literal["image", "video", "audio"]
 RecipeName = Literal["sglang", "diffusers"]
+CacheName = Literal["off", "high", "fast"]
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,8 @@ class GenerationRequest:
     # Step-distilled rungs (timesteps in (0, 1000], strictly decreasing) run instead of the grid of `steps`, one
     # forward each; empty: a step-distilled checkpoint's own rungs, else the usual grid.
     rungs: tuple[int, ...] = ()
+    # Step caching for full-step runs (CACHE_PRESETS): a lossy speed-up, refused with rungs (Turbo, distilled).
+    cache: CacheName = "off"
 
     def to_dict(self) -> dict[str, Any]:
         """Our JSON shape, every field spelled out, so that `from_dict(request.to_dict()) == request`."""
@@ -237,6 +243,7 @@ class GenerationRequest:
                 {"path": lora.path, "strength": lora.strength, "target": lora.target} for lora in self.loras
             ],
             "rungs": list(self.rungs),
+            "cache": self.cache,
         }
 
 
@@ -303,6 +310,7 @@ def _check_scalars(request: GenerationRequest) -> None:
     minimum_steps = 2 if request.recipe == "diffusers" else 1
     check_integer_range(request.steps, "steps", minimum_steps, MAX_STEPS)
     _check_rungs(request)
+    _check_cache(request.cache, bool(request.rungs))
     for field in ("flow_shift", "audio_flow_shift"):
         value = getattr(request, field)
         check_finite_number(value, field)
@@ -330,6 +338,22 @@ def _check_rungs(request: GenerationRequest) -> None:
             "" if expected == len(rungs) else " (the diffusers recipe counts the terminal grid point too)"
         )
         fail("steps", f"{len(rungs)} rungs run {expected} steps{counted}, got {describe(request.steps)}")
+
+
+def _check_cache(cache: Any, distilled: bool) -> None:
+    if not isinstance(cache, str) or cache not in CACHE_PRESETS:
+        fail("cache", f"must be one of {', '.join(CACHE_PRESETS)}, got {describe(cache)}")
+    check_cache_schedule(cache, distilled)
+
+
+def check_cache_schedule(cache: str, distilled: bool) -> None:
+    """Refuse a step cache on a step-distilled schedule (a Turbo adapter's rungs, a distilled checkpoint's)."""
+    if cache != "off" and distilled:
+        fail(
+            "cache",
+            f"'{cache}' is for full-step runs; a step-distilled schedule (rungs) changes too much between its few "
+            "forwards to reuse one, so use cache 'off' with Turbo or a step-distilled checkpoint",
+        )
 
 
 def check_prompt_tokens(prompt: str, count_prompt_tokens: Callable[[str], int]) -> None:

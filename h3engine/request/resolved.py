@@ -26,6 +26,7 @@ from h3engine.media import inputs as media_inputs
 from h3engine.request import (
     GenerationRequest,
     MediaFacts,
+    check_cache_schedule,
     resolve_aspect,
     resolve_duration_seconds,
     validate,
@@ -86,6 +87,7 @@ def _check_checkpoint_rules(request: GenerationRequest, facts: CheckpointFacts) 
         fail("task", f"this checkpoint cannot serve '{request.task}' (it serves {', '.join(facts.tasks)})")
     rungs = effective_rungs(request.rungs, facts.dmd_steps.get(request.task))
     check_distilled_steps(request.steps, request.recipe, rungs)
+    check_cache_schedule(request.cache, rungs is not None)
     if request.loras and request.task in facts.lora_targets:
         from h3engine.lora.adapters import LoraHeaders, request_adapters  # the LoRA readers (import torch)
 

@@ -49,6 +49,7 @@ _SGLANG_FIELDS = (
     "flow_shift",
     "audio_flow_shift",
     "num_inference_steps",
+    "quality",
 )
 _SGLANG_TARGET_FIELDS = ("short_edge", "aspect_ratio", "duration_seconds")
 _SGLANG_CONDITION_FIELDS = ("type", "uri", "role", "frame_index", "start_time_seconds")
@@ -56,6 +57,8 @@ _SGLANG_CONDITION_FIELDS = ("type", "uri", "role", "frame_index", "start_time_se
 # their soundtrack along when the file has one, so both types map to one kind.
 _SGLANG_REFERENCE_KINDS = {"image": "image", "video": "video", "video_audio": "video", "audio": "audio"}
 _SGLANG_KEYFRAME_POSITIONS = {0: "first", -1: "last"}
+# SGLang's request-scoped `quality` ("lossless": no Cache-DiT, "high": its H3 Cache-DiT preset) -> our `cache`.
+_SGLANG_QUALITY = {"lossless": "off", "high": "high"}
 
 _ENGINE_FIELDS = tuple(field.name for field in fields(GenerationRequest))
 
@@ -177,9 +180,16 @@ def _from_sglang_shape(payload: Mapping[str, Any]) -> GenerationRequest:
         flow_shift=payload.get("flow_shift", 12.0),
         audio_flow_shift=payload.get("audio_flow_shift", 3.0),
         recipe="sglang",
+        cache=_sglang_quality(payload.get("quality", "lossless")),
         keyframes=tuple(keyframes),
         references=tuple(references),
     )
+
+
+def _sglang_quality(quality: Any) -> str:
+    if not isinstance(quality, str) or quality not in _SGLANG_QUALITY:
+        fail("quality", f"must be one of {', '.join(_SGLANG_QUALITY)}, got {describe(quality)}")
+    return _SGLANG_QUALITY[quality]
 
 
 def _sglang_keyframe(condition: Mapping[str, Any], condition_type: Any, path: str, field: str) -> Keyframe:

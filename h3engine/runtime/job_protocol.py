@@ -139,6 +139,7 @@ class Decode:
     latent_shape: tuple[int, ...]  # the video latents [1, C, T, h, w]
     frame_shares: tuple[tuple[int, int], ...]
     timings: dict[str, float]  # the earlier stages'
+    step_cache: dict[str, Any] | None = None  # the denoise stage's step-cache record (None: cache "off")
 
 
 JobCommand = RunJob | Prepare | Encode | Denoise | Decode
@@ -196,3 +197,4 @@ class StageDone:
     started_at: float = 0.0
     ended_at: float = 0.0
     sent_bytes: int = 0  # what rank 0 handed to the next groups for this step (every consumer rank counted)
+    step_cache: dict[str, Any] | None = None  # denoise: the step cache's record (None: cache "off")

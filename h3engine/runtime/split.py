@@ -436,7 +436,9 @@ class StageGroups:
         first = {name: timings.pop(name) for name in ("conditioning_s", "text_encode_s") if name in timings}
         timings = {**first, **timings}
         geometry = prepared.skeleton.geometry
-        command = Decode(job, geometry, prepared.latent_shape, prepared.frame_shares, timings)
+        command = Decode(
+            job, geometry, prepared.latent_shape, prepared.frame_shares, timings, done["denoise"].step_cache
+        )
         outcome = self._step("decode", command, handle, job, ticket, inbox, done)
         # Its report comes just before the job's end: wait for the end.
         return outcome if outcome is not None else self._await_end(handle, job, inbox, done)

@@ -310,7 +310,7 @@ class StageRank(JobRank):
             )
         handoff_s += time.perf_counter() - started
         timings = {**latents.timings, "handoff_denoise_s": handoff_s}
-        self.report(job, "denoise", timings)
+        self.report(job, "denoise", timings, step_cache=latents.step_cache)
 
     def decode(self, command: Decode) -> None:
         """Every VAE rank decodes its tiles of the job's latents; rank 0 writes the files and reports the end
@@ -325,7 +325,7 @@ class StageRank(JobRank):
             full[:, :, start:stop] = video
             video = full
         # The audio latents go to rank 0 alone, which alone decodes them.
-        latents = DenoisedLatents(video, received.get("audio"), dict(command.timings))
+        latents = DenoisedLatents(video, received.get("audio"), dict(command.timings), command.step_cache)
         models = self.engine.store.models_for_task(job.request.task)
         inputs = self.inputs.pop(job.job_number, [])
         self.finish(
