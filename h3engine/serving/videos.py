@@ -203,9 +203,7 @@ def _loras(value: Any, task: str, library: LoraLibrary) -> tuple[LoraChoice, ...
     if isinstance(value, str | dict):
         value = [value]
     if not isinstance(value, list):
-        raise RequestError(
-            "loras", 'must be a list such as [{"name": "style.safetensors", "strength": 0.8}]'
-        )
+        raise RequestError("loras", 'must be a list such as [{"name": "style.safetensors", "strength": 0.8}]')
     if len(value) > MAX_LORAS:
         raise RequestError("loras", f"at most {MAX_LORAS} adapters per request, got {len(value)}")
     choices = []
