@@ -20,7 +20,6 @@ import hmac
 import json
 import re
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -331,33 +330,37 @@ class Serving:
 
         @api.post("/videos/extensions")
         async def extend_video(request: Request):
+            """FL2VA from the last frame of a completed video (`video[id]`) or of an uploaded MP4 (`video`)."""
             owner = self.owner(request)
             fields = await self.fields_of(request)
             video = fields.pop("video", None)
-            source_id = video.get("id") if isinstance(video, dict) else None
-            if not isinstance(source_id, str):
+            settings: dict[str, Any] = {}
+            meta: dict[str, Any] = {}
+            if isinstance(video, Upload):
+                frame = await asyncio.to_thread(last_frame_png, video.data)
+            elif isinstance(video, dict) and isinstance(video.get("id"), str):
+                source = self.record_of(owner, video["id"])
+                if source.status != "completed" or source.expired:
+                    raise ApiError(409, "Only a completed video can be extended.", code="video_not_ready")
+                frame = await asyncio.to_thread(last_frame_png, job_files(source)[0].read_bytes())
+                settings = {
+                    key: source.request[key] for key in ("steps", "flow_shift", "audio_flow_shift", "seed")
+                }
+                meta = {"extended_from_video_id": source.id}
+            else:
                 raise ApiError(
                     400,
-                    'video: give the id of a completed video ({"id": ...})',
+                    'video: give {"id": ...} of a completed video, or upload an MP4',
                     param="video",
                     code="invalid_value",
                 )
-            source = self.record_of(owner, source_id)
-            if source.status != "completed" or source.expired:
-                raise ApiError(409, "Only a completed video can be extended.", code="video_not_ready")
-            frame = await asyncio.to_thread(last_frame_png, job_files(source)[0])
-            settings = {
-                key: source.request[key] for key in ("steps", "flow_shift", "audio_flow_shift", "seed")
-            }
             fields = {
                 **settings,
                 **fields,
                 "task": "fl2va",
-                "input_reference": Upload(f"{source_id}-last-frame.png", frame),
+                "input_reference": Upload("last-frame.png", frame),
             }
-            return await self.submit(
-                owner, fields, request.headers.get("idempotency-key"), {"extended_from_video_id": source_id}
-            )
+            return await self.submit(owner, fields, request.headers.get("idempotency-key"), meta)
 
         @api.get("/videos/{video_id}/events")
         async def video_events(request: Request, video_id: str):
@@ -474,17 +477,23 @@ def _json_uploads(value: Any, name: str) -> Any:
     return value
 
 
-def last_frame_png(video_path: Path) -> bytes:
+def last_frame_png(video: bytes) -> bytes:
+    """The last frame of an MP4's bytes as PNG (400 naming `video` when it has none or cannot be read)."""
     import io
 
     import av
 
     last = None
-    with av.open(str(video_path)) as container:
-        for frame in container.decode(video=0):
-            last = frame
+    try:
+        with av.open(io.BytesIO(video)) as container:
+            for frame in container.decode(video=0):
+                last = frame
+    except (av.FFmpegError, ValueError, IndexError):
+        last = None
     if last is None:
-        raise ApiError(409, f"{Path(video_path).name} has no video frames.", code="video_not_ready")
+        raise ApiError(
+            400, "video: the clip has no readable video frames", param="video", code="invalid_value"
+        )
     buffer = io.BytesIO()
     last.to_image().save(buffer, format="PNG")
     return buffer.getvalue()

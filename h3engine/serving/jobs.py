@@ -384,9 +384,7 @@ class VideoJobs:
         record = active.record
         self._drop(active)
         if active.deleting:
-            _remove_files(record)
-            self.store.update(record.id, status="failed", error_code="cancelled", error_message="Deleted.")
-            self._publish(active, {"type": "deleted", "id": record.id})
+            self._deleted(active)
             return
         video = Path(event.video_path)
         thumbnail = write_thumbnail(video)
@@ -410,9 +408,7 @@ class VideoJobs:
         record = active.record
         self._drop(active)
         if active.deleting:
-            _remove_files(record)
-            self.store.update(record.id, status="failed", error_code="cancelled", error_message="Deleted.")
-            self._publish(active, {"type": "deleted", "id": record.id})
+            self._deleted(active)
             return
         if event.kind == "cancelled" and self._stopping:
             # Shutdown cancelled it: it runs again at the next start.
@@ -425,6 +421,17 @@ class VideoJobs:
             error_message=event.message,
         )
         self._publish(active, {"type": "done", "video": video_object(record)})
+
+    def _deleted(self, active: _Active) -> None:
+        _remove_files(active.record)
+        self.store.update(
+            active.record.id,
+            status="failed",
+            completed_at=now(),
+            error_code="cancelled",
+            error_message="Deleted.",
+        )
+        self._publish(active, {"type": "deleted", "id": active.record.id})
 
     def _complete(self, record: JobRecord, result: dict[str, Any]) -> None:
         record.result = result
