@@ -658,7 +658,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         queue_size=config.queue_size,
         library=LoraLibrary(config.lora_dir),
     )
-    demo = ui.build_ui(front, options, access, delete_cache=(CACHE_SWEEP_S, CACHE_MAX_AGE_S))
+    demo = ui.build_ui(
+        front, options, access, delete_cache=(CACHE_SWEEP_S, CACHE_MAX_AGE_S), recorder=serving.jobs
+    )
     demo.queue(default_concurrency_limit=LIGHT_EVENT_CONCURRENCY, max_size=config.queue_size)
     settle_heap()
     signal.signal(signal.SIGTERM, _stop_on_sigterm(front))
@@ -680,8 +682,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             mcp_server=False,
             ssr_mode=False,
             footer_links=["api", "gradio", "settings"],
-            # /v1/videos, /metrics, /healthz, /readyz beside Gradio's own routes (h3engine.serving.api).
-            app_kwargs={"routes": serving.routes()},
+            # /v1/videos, /metrics, /healthz, /readyz beside Gradio's own routes (h3engine.serving.api); the page
+            # load gives a browser its History's cookie (ui.access.BrowserCookie).
+            app_kwargs={"routes": serving.routes(), "middleware": _page_middleware(config)},
         )
     except KeyboardInterrupt:
         # Ctrl-C or SIGTERM before launch() reached its own blocking loop (which handles them itself): the server
@@ -695,6 +698,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if gradio_cache is not None:
             shutil.rmtree(gradio_cache, ignore_errors=True)
     return 0
+
+
+def _page_middleware(config: AppConfig) -> list[object]:
+    from starlette.middleware import Middleware
+
+    from ui.access import BrowserCookie
+
+    return [] if config.shared_history else [Middleware(BrowserCookie)]
 
 
 def _delete_cached_files(demo: gr.Blocks, access: AccessPolicy) -> None:

@@ -18,6 +18,8 @@ import hashlib
 import hmac
 import http.server
 import json
+import shutil
+import sqlite3
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +30,9 @@ import httpx
 import openai
 import pytest
 from _app_helpers import ASSETS, RunningApp, assert_browser_playable, start_app, stop_app
+from _browser_helpers import browser_page, needs_chromium
+
+from ui.access import BROWSER_COOKIE, owner_folder
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::DeprecationWarning"
@@ -378,3 +383,37 @@ def test_bounded_load_every_request_accounted_for(served) -> None:
         f"p50 {latencies[100] * 1000:.0f} ms, p99 {latencies[197] * 1000:.0f} ms"
     )
     assert _rss_bytes(served.app.process.pid) - before < 300 * 1024**2
+
+
+@needs_chromium
+def test_browser_history_survives_reloads_and_reruns(served) -> None:
+    """A browser's History is its cookie's folder: a result there is listed after a reload (and a restart, the
+    cookie lasting a year); Rerun on it runs the same settings again, recorded in the job store as a UI job."""
+    from playwright.sync_api import expect
+
+    with browser_page(served.app.url) as page:
+        browser = next(
+            cookie["value"] for cookie in page.context.cookies() if cookie["name"] == BROWSER_COOKIE
+        )
+        folder = served.app.outputs_dir / owner_folder(None, None, browser)
+        folder.mkdir(parents=True)
+        source = next(
+            path for path in served.app.mp4_files() if path.stem.endswith(served.killed_jobs[1][-8:])
+        )
+        for suffix in (".mp4", ".json"):
+            shutil.copyfile(source.with_suffix(suffix), folder / f"{source.stem}{suffix}")
+        page.reload()
+        rows = page.locator("#h3-history tbody tr")
+        expect(rows).to_have_count(1)
+        rows.first.click()
+        expect(page.locator("#h3-status")).to_contain_text(source.stem)
+        page.locator("#h3-rerun").click()
+        expect(page.locator("#h3-status")).to_contain_text("Done", timeout=60_000)
+        page.reload()
+        expect(page.locator("#h3-history tbody tr")).to_have_count(2)
+    store = sqlite3.connect(served.app.outputs_dir / "h3-jobs.sqlite3")
+    try:
+        rows = store.execute("SELECT status, owner FROM jobs WHERE source = 'ui'").fetchall()
+    finally:
+        store.close()
+    assert rows == [("completed", "ui:" + owner_folder(None, None, browser).as_posix())]

@@ -41,7 +41,7 @@ from h3engine.runtime.messages import (
     StepProgress,
 )
 from h3engine.serving.store import JobRecord, JobStore, now
-from h3engine.serving.videos import video_object
+from h3engine.serving.videos import DEFAULT_MODEL, video_object
 
 logger = logging.getLogger(__name__)
 
@@ -274,6 +274,49 @@ class VideoJobs:
             if active is not None:
                 active.subscribers = [item for item in active.subscribers if item[1] is not queue]
 
+    # --- the browser's jobs (ui.handlers follows them; the store records them) ------------------------------
+
+    def record_ui(self, owner: str, request: GenerationRequest, out_path: Path) -> str:
+        """A row for a job the UI is about to submit (before it is queued: a crash then re-runs it)."""
+        record = JobRecord(
+            id="video_" + secrets.token_hex(12),
+            owner=owner,
+            source="ui",
+            status="queued",
+            created_at=now(),
+            request=request.to_dict(),
+            out_path=str(out_path),
+            meta={"model": DEFAULT_MODEL, "seconds": f"{request.duration_seconds or 0:g}"},
+        )
+        self.store.insert(record)
+        return record.id
+
+    def ui_event(self, job_id: str, event: Any) -> None:
+        """A UI job's start or end, as its handler saw it."""
+        record = self.store.get(job_id)
+        if record is None or record.terminal:
+            return
+        if isinstance(event, JobStarted):
+            self.store.update(job_id, status="in_progress", started_at=now(), attempts=record.attempts + 1)
+        elif isinstance(event, JobFinished):
+            video, sidecar = Path(event.video_path), Path(event.sidecar_path)
+            self._complete(record, _result_from_sidecar(video, sidecar, thumbnail=False))
+        elif isinstance(event, JobFailed):
+            code = FAILURE_CODES.get(event.kind, "generation_failed")
+            self._end(record, "failed", error_code=code, error_message=event.message)
+
+    def ui_settle(self, job_id: str) -> None:
+        """The handler stopped following the job (it ended, was cancelled, or its page went away): a row still
+        open becomes completed (its files exist) or failed (cancelled), so a restart does not run it again."""
+        record = self.store.get(job_id)
+        if record is None or record.terminal:
+            return
+        video, sidecar = output_paths(record.out_path)
+        if video.is_file() and sidecar.is_file():
+            self._complete(record, _result_from_sidecar(video, sidecar, thumbnail=False))
+        else:
+            self._end(record, "failed", error_code="cancelled", error_message="Cancelled.")
+
     # --- recovery ------------------------------------------------------------------------------------------
 
     def recover(self) -> dict[str, int]:
@@ -466,11 +509,11 @@ def _remove_files(record: JobRecord) -> None:
         path.unlink(missing_ok=True)
 
 
-def _result_from_sidecar(video: Path, sidecar_path: Path) -> dict[str, Any]:
+def _result_from_sidecar(video: Path, sidecar_path: Path, thumbnail: bool = True) -> dict[str, Any]:
     sidecar = json.loads(sidecar_path.read_text(encoding="utf-8"))
     geometry = sidecar.get("geometry", {})
-    thumbnail = video.with_suffix(THUMBNAIL_SUFFIX)
-    if not thumbnail.is_file():
+    make_thumbnail, thumbnail = thumbnail, video.with_suffix(THUMBNAIL_SUFFIX)
+    if make_thumbnail and not thumbnail.is_file():
         write_thumbnail(video)
     return {
         "video": str(video),
