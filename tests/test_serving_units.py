@@ -34,11 +34,17 @@ RELEASED = CheckpointFacts(
 
 
 def _record(
-    job_id: str, out: Path, status: str = "queued", owner: str = "o", created: float = 0.0, **more
+    job_id: str,
+    out: Path,
+    status: str = "queued",
+    owner: str = "o",
+    created: float = 0.0,
+    source="api",
+    **more,
 ) -> JobRecord:
     request = GenerationRequest(task="t2va", prompt="x", steps=1).to_dict()
     return JobRecord(
-        job_id, owner, "api", status, created or time.time(), request, str(out / f"{job_id}.mp4"), **more
+        job_id, owner, source, status, created or time.time(), request, str(out / f"{job_id}.mp4"), **more
     )
 
 
@@ -127,17 +133,20 @@ def test_recovery_runs_queued_jobs_reruns_a_running_one_once_and_never_twice_to_
         _record("twice", tmp_path, "in_progress", attempts=MAX_ATTEMPTS),
         done,
         _record("deleted", tmp_path, "in_progress", deleted=True),
+        _record("page", tmp_path, owner="ui:sessions/0123", source="ui"),  # its page is gone
+        _record("browser", tmp_path, owner="ui:browsers/0123", source="ui"),  # its browser comes back
     ]
     for record in records:
         store.insert(record)
     front = _FakeFront()
     jobs = VideoJobs(front, store, tmp_path)
     counts = jobs.recover()
-    assert counts == {"completed": 1, "requeued": 1, "rerun": 1, "failed": 1, "removed": 1}
-    assert sorted(Path(path).stem for path in front.submitted) == ["queued", "running"]
+    assert counts == {"completed": 1, "requeued": 2, "rerun": 1, "failed": 2, "removed": 1}
+    assert sorted(Path(path).stem for path in front.submitted) == ["browser", "queued", "running"]
+    assert store.get("page").error_code == "interrupted"
     assert store.get("twice").status == "failed" and store.get("twice").error_code == "interrupted"
     assert store.get("done").status == "completed" and store.get("done").result["seed"] == 3
-    assert not store.unfinished() or {r.id for r in store.unfinished()} == {"queued", "running"}
+    assert {r.id for r in store.unfinished()} == {"queued", "running", "browser"}
     assert all(r.status == "queued" for r in store.unfinished())  # nothing left in_progress
     store.close()
 

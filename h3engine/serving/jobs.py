@@ -7,7 +7,8 @@ and the checker's or engine's sentence), SSE subscribers get each message, webho
 `delete` cancels a queued or running job for real and removes its files. A job cancelled by shutdown stays queued
 in the store. `recover()` at start: a job whose MP4 and sidecar exist is completed from its sidecar (never run
 twice to completion); a queued one runs again; one that was running runs once more, or (started
-`MAX_ATTEMPTS` times already) fails saying so. Nothing stays in_progress.
+`MAX_ATTEMPTS` times already) fails saying so; a UI job of a page session (gone with the process) fails.
+Nothing stays in_progress.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ logger = logging.getLogger(__name__)
 # Starts a job may have: the first run, and one more after a crash or restart during it.
 MAX_ATTEMPTS = 2
 INTERRUPTED_MESSAGE = "The server stopped twice while this job ran; it is not run a third time."
+SESSION_GONE_MESSAGE = "The server stopped while this job waited or ran, and its page session is gone."
+# UI owners that do not outlive the process (ui.access: a Gradio session's folder); users and browsers do.
+EPHEMERAL_UI_OWNER = "ui:sessions/"
 FOLLOW_INTERVAL_S = 0.05
 PROGRESS_WRITE_INTERVAL_S = 1.0
 SUBSCRIBER_BUFFER = 64
@@ -334,6 +338,10 @@ class VideoJobs:
                 counts["completed"] += 1
             elif record.status == "in_progress" and record.attempts >= MAX_ATTEMPTS:
                 self._end(record, "failed", error_code="interrupted", error_message=INTERRUPTED_MESSAGE)
+                counts["failed"] += 1
+            elif record.source == "ui" and record.owner.startswith(EPHEMERAL_UI_OWNER):
+                # A page session's job: nobody can see its result after a restart, so it is not run again.
+                self._end(record, "failed", error_code="interrupted", error_message=SESSION_GONE_MESSAGE)
                 counts["failed"] += 1
             else:
                 counts["rerun" if record.status == "in_progress" else "requeued"] += 1
