@@ -228,6 +228,8 @@ def test_keys_isolation_and_error_shapes(served) -> None:
         data={"prompt": "x"},
     )
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    wrong = httpx.get(f"{url}v1/videos?limit=lots", headers={"Authorization": f"Bearer {KEY_A}"})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "limit", wrong.text
     missing = httpx.get(f"{url}v1/nothing-here", headers={"Authorization": f"Bearer {KEY_A}"})
     assert missing.status_code == 404 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
 
@@ -372,7 +374,7 @@ def test_bounded_load_every_request_accounted_for(served) -> None:
         results = [item for batch in pool.map(client_run, range(20)) for item in batch]
     elapsed = time.monotonic() - started
     statuses = [status for status, _, _ in results]
-    assert len(results) == 200 and set(statuses) <= {200, 429}, sorted(set(statuses))
+    assert len(results) == 200 and set(statuses) == {200, 429}, sorted(set(statuses))  # some refused
     assert all(int(extra) >= 1 for status, _, extra in results if status == 429)  # Retry-After
     accepted = [extra for status, _, extra in results if status == 200]
     client = _client(served.app, KEY_LOAD)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -243,6 +244,13 @@ class Serving:
         async def api_error(request: Request, error: ApiError) -> JSONResponse:
             self.metrics.requests.labels(_route_of(request), str(error.status)).inc()
             return error_response(error)
+
+        @api.exception_handler(RequestValidationError)
+        async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+            first = (error.errors() or [{}])[0]
+            param = str((first.get("loc") or ["", ""])[-1])
+            message = f"{param}: {first.get('msg', 'invalid value')}"
+            return error_response(ApiError(400, message, param=param, code="invalid_value"))
 
         @api.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:

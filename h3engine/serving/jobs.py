@@ -96,8 +96,14 @@ def write_thumbnail(video_path: Path) -> Path | None:
     try:
         with av.open(str(video_path)) as container:
             stream = container.streams.video[0]
-            frames = [frame for frame in container.decode(stream)]
-        image = frames[len(frames) // 2].to_image()
+            middle, poster = (stream.frames or 0) // 2, None
+            for index, frame in enumerate(container.decode(stream)):  # one decoded frame held at a time
+                poster = frame
+                if index >= middle:
+                    break
+        if poster is None:
+            return None
+        image = poster.to_image()
         partial = target.with_name(f".{target.name}.{secrets.token_hex(4)}.partial")
         image.save(partial, format="JPEG", quality=85)
         partial.replace(target)
@@ -186,6 +192,7 @@ class VideoJobs:
         """A new job (its row, then its place on the front), or with `idempotency` (key, body digest) the job that
         key made before (False: not new). Refused for a key reused with another body, a full queue or an owner
         at its limit. The request must have passed the front's checks."""
+        geometry = self.front.expected_geometry(request)  # may probe input files: outside the lock
         with self._lock:
             if idempotency is not None:
                 existing = self.store.by_idempotency_key(owner, idempotency[0])
@@ -217,7 +224,6 @@ class VideoJobs:
             job_id = "video_" + secrets.token_hex(12)
             if out_path is None:
                 out_path = self.results_dir(owner) / stamped_output_name(request.task, job_id[-8:])
-            geometry = self.front.expected_geometry(request)
             meta = {**meta, "width": geometry.width, "height": geometry.height, "frames": geometry.frames}
             record = JobRecord(
                 id=job_id,
