@@ -547,12 +547,15 @@ def placeholder_banner(name: str) -> str:
     )
 
 
-def _stop_on_sigterm(front: EngineFront) -> Callable[[int, object], None]:
+def _stop_on_sigterm(
+    front: EngineFront, before: Callable[[], None] = lambda: None
+) -> Callable[[int, object], None]:
     """The SIGTERM handler: the front's shutdown (its ranks end within seconds, whatever they do) starts at once,
     while Gradio's blocking launch() closes the server on KeyboardInterrupt (up to 5 s with a browser connected);
     `main` waits for both, so the app ends within 10 s."""
 
     def stop(signal_number: int, frame: object) -> None:
+        before()  # the job store keeps the jobs the shutdown cancels queued
         threading.Thread(target=front.shutdown, name="h3-shutdown", daemon=True).start()
         raise KeyboardInterrupt
 
@@ -663,7 +666,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     demo.queue(default_concurrency_limit=LIGHT_EVENT_CONCURRENCY, max_size=config.queue_size)
     settle_heap()
-    signal.signal(signal.SIGTERM, _stop_on_sigterm(front))
+    signal.signal(signal.SIGTERM, _stop_on_sigterm(front, serving.stop_taking))
     try:
         demo.launch(
             server_name=config.host,

@@ -19,7 +19,7 @@ from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.checkpoint.layout import CanvasRules
 from h3engine.geometry import Geometry
 from h3engine.request import GenerationRequest
-from h3engine.runtime.front import JobHandle
+from h3engine.runtime.front import EngineFront, JobHandle
 from h3engine.serving.api import ApiError, ApiSettings, Serving
 from h3engine.serving.jobs import MAX_ATTEMPTS, VideoJobs
 from h3engine.serving.metrics import Metrics
@@ -262,3 +262,42 @@ def test_without_keys_v1_answers_only_on_loopback(tmp_path) -> None:
     assert keyed.owner(caller({"Authorization": "Bearer k-12345678"})).startswith("key:")
     with pytest.raises(ApiError, match="Missing API key"):
         keyed.owner(caller({}))
+
+
+class _WaitingReplica:
+    """A replica whose job runs until it is cancelled."""
+
+    facts = RELEASED
+
+    def run(self, handle, replica_index, preview_every):
+        from h3engine.runtime.checks import expected_geometry
+        from h3engine.runtime.messages import JobFailed, job_started
+
+        geometry = expected_geometry(handle.request, RELEASED)
+        handle.publish(job_started(handle.job_id, replica_index, handle.submitted_at, geometry))
+        while not handle.cancel_requested:
+            time.sleep(0.01)
+        return JobFailed(handle.job_id, "cancelled", "Cancelled.")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_stop_leaves_running_and_waiting_api_jobs_queued_for_the_next_start(tmp_path) -> None:
+    store = JobStore.open(tmp_path)
+    front = EngineFront([_WaitingReplica()], tmp_path)
+    jobs = VideoJobs(front, store, tmp_path)
+    jobs.start()
+    request = GenerationRequest(task="t2va", prompt="x", steps=1)
+    first, _ = jobs.create("o", request, {})
+    second, _ = jobs.create("o", request, {})
+    deadline = time.monotonic() + 10
+    while store.get(first.id).status != "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    jobs.stop_taking()  # what app.py does first on Ctrl-C or SIGTERM
+    front.shutdown()
+    jobs.close()
+    assert [store.get(job.id).status for job in (first, second)] == ["queued", "queued"]
+    assert store.get(first.id).attempts == 1
+    store.close()
