@@ -15,6 +15,10 @@ for more users, or list them in `--auth-file`) are opt-in; uploads are limited. 
 own History and results, served only as unguessable copies (`--shared-history`: one user). Our files leave Gradio's cache by age and at exit; at start what a killed
 predecessor left is removed (`remove_leftovers`); unwritable default folders move to the temp folder.
 
+Serving (h3engine.serving): an OpenAI-style `/v1/videos` API, `/metrics`, `/healthz` and `/readyz` on the same server
+and engine front; every job, the page's too, in a SQLite job store (outputs folder or `--state-dir`) that a restart
+recovers; `--api-key`, limits, webhooks and retention are its flags.
+
 Exit codes: 2 when the checkpoint or an option is unusable (one line naming it; options, port, outputs folder and
 devices are checked before any model loads), 0 on a clean stop (Ctrl-C or SIGTERM: every job and worker ends).
 """
