@@ -664,6 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_body_bytes=parse_file_size(config.serving.max_body_size or str(config.max_file_size) + "b"),
         queue_size=config.queue_size,
         library=LoraLibrary(config.lora_dir),
+        shared_history=config.shared_history,
     )
     demo = ui.build_ui(
         front, options, access, delete_cache=(CACHE_SWEEP_S, CACHE_MAX_AGE_S), recorder=serving.jobs

@@ -301,3 +301,12 @@ def test_a_stop_leaves_running_and_waiting_api_jobs_queued_for_the_next_start(tm
     assert [store.get(job.id).status for job in (first, second)] == ["queued", "queued"]
     assert store.get(first.id).attempts == 1
     store.close()
+
+
+def test_shared_history_makes_the_page_and_the_keyless_api_one_owner(tmp_path) -> None:
+    store = JobStore.open(tmp_path)
+    shared, apart = (VideoJobs(_FakeFront(), store, tmp_path, shared=flag) for flag in (True, False))
+    assert shared.results_dir("local") == tmp_path and shared.ui_owner(tmp_path) == "local"
+    assert apart.results_dir("local").parent == tmp_path / "api"
+    assert apart.ui_owner(tmp_path / "browsers" / "ab") == "ui:browsers/ab"
+    store.close()

@@ -525,8 +525,7 @@ class Handlers:
         """The job's row in the job store (None without one): written before the job is queued."""
         if self.recorder is None:
             return None
-        owner = "ui:" + results_dir.relative_to(self.access.outputs_dir).as_posix()
-        return self.recorder.record_ui(owner, request, out_path)
+        return self.recorder.record_ui(self.recorder.ui_owner(results_dir), request, out_path)
 
     def _observe(self, handle: JobHandle, event: Any) -> None:
         store_id = self._store_ids.get(handle.job_id)

@@ -32,7 +32,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from h3engine.errors import RequestError
 from h3engine.lora.library import LoraLibrary
 from h3engine.request.shapes import from_dict
-from h3engine.serving.jobs import Refused, VideoJobs, job_files
+from h3engine.serving.jobs import LOCAL_OWNER, Refused, VideoJobs, job_files
 from h3engine.serving.metrics import CONTENT_TYPE, Metrics
 from h3engine.serving.store import JobRecord
 from h3engine.serving.videos import (
@@ -131,7 +131,7 @@ class Serving:
                 "This server has no API keys and is not bound to a loopback address: start it with --api-key.",
                 code="api_keys_required",
             )
-        return "local"
+        return LOCAL_OWNER
 
     async def read_body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes

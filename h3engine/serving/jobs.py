@@ -52,6 +52,8 @@ INTERRUPTED_MESSAGE = "The server stopped twice while this job ran; it is not ru
 SESSION_GONE_MESSAGE = "The server stopped while this job waited or ran, and its page session is gone."
 # UI owners that do not outlive the process (ui.access: a Gradio session's folder); users and browsers do.
 EPHEMERAL_UI_OWNER = "ui:sessions/"
+# The owner of keyless API calls on a loopback bind (h3engine.serving.api).
+LOCAL_OWNER = "local"
 FOLLOW_INTERVAL_S = 0.05
 PROGRESS_WRITE_INTERVAL_S = 1.0
 SUBSCRIBER_BUFFER = 64
@@ -129,8 +131,11 @@ class VideoJobs:
         outputs_dir: Path,
         limits: Limits | None = None,
         on_end: Callable[[JobRecord], None] | None = None,
+        shared: bool = False,
     ) -> None:
         self.front, self.store, self.outputs_dir = front, store, Path(outputs_dir)
+        # --shared-history: the page's History and the keyless API ("local") are one owner and one folder.
+        self.shared = shared
         self.limits = limits or Limits()
         self.on_end = on_end  # webhooks and metrics: called on the follower thread with the final row
         self._active: dict[str, _Active] = {}
@@ -174,7 +179,15 @@ class VideoJobs:
     def results_dir(self, owner: str) -> Path:
         import hashlib
 
+        if self.shared and owner == LOCAL_OWNER:
+            return self.outputs_dir
         return self.outputs_dir / "api" / hashlib.sha256(owner.encode()).hexdigest()[:32]
+
+    def ui_owner(self, results_dir: Path) -> str:
+        """The store owner of a page's results folder ("ui:<folder>"; with --shared-history the keyless API's)."""
+        if self.shared and Path(results_dir) == self.outputs_dir:
+            return LOCAL_OWNER
+        return "ui:" + Path(results_dir).relative_to(self.outputs_dir).as_posix()
 
     def retry_after(self) -> int:
         mean = sum(self._durations) / len(self._durations) if self._durations else 5.0

@@ -55,6 +55,7 @@ def start_serving(
     max_body_bytes: int,
     queue_size: int,
     library: LoraLibrary | None = None,
+    shared_history: bool = False,
 ) -> ServingRuntime:
     webhooks = Webhooks(options.webhook_secret)
     metrics = Metrics(front)
@@ -69,7 +70,7 @@ def start_serving(
             )
 
     limits = Limits(max_queue=options.max_queue or queue_size, per_owner=options.max_jobs_per_owner)
-    jobs = VideoJobs(front, store, outputs_dir, limits, on_end)
+    jobs = VideoJobs(front, store, outputs_dir, limits, on_end, shared=shared_history)
     settings = ApiSettings(
         keys=options.api_keys,
         loopback=_is_loopback(host),
