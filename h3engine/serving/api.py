@@ -298,7 +298,10 @@ class Serving:
         async def delete_video(request: Request, video_id: str):
             owner = self.owner(request)
             self.record_of(owner, video_id)
-            await asyncio.to_thread(self.jobs.delete, owner, video_id)
+            try:
+                await asyncio.to_thread(self.jobs.delete, owner, video_id)
+            except Refused as refusal:
+                raise ApiError(refusal.status, refusal.message, code=refusal.code) from None
             return {"id": video_id, "object": "video.deleted", "deleted": True}
 
         @api.get("/videos/{video_id}/content")

@@ -272,8 +272,11 @@ class VideoJobs:
             record = self.store.get(job_id, owner)
             if record is None:
                 return False
-            self.store.update(job_id, deleted=True)
             active = self._active.get(job_id)
+            if active is None and not record.terminal:
+                # A job the page runs (--shared-history): only its page can stop it.
+                raise Refused(409, "job_not_cancellable", "This job runs for the page; cancel it there.")
+            self.store.update(job_id, deleted=True)
             if active is not None:
                 active.deleting = True
                 self.front.cancel(active.handle)
