@@ -525,7 +525,11 @@ class Handlers:
         """The job's row in the job store (None without one): written before the job is queued."""
         if self.recorder is None:
             return None
-        return self.recorder.record_ui(self.recorder.ui_owner(results_dir), request, out_path)
+        try:
+            return self.recorder.record_ui(self.recorder.ui_owner(results_dir), request, out_path)
+        except Exception:  # a store that fails (a full disk) must not stop the page's job
+            logger.exception("the job store could not record a job of the page")
+            return None
 
     def _observe(self, handle: JobHandle, event: Any) -> None:
         store_id = self._store_ids.get(handle.job_id)

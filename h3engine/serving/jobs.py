@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import secrets
+import sqlite3
 import threading
 import time
 from collections import deque
@@ -250,8 +251,12 @@ class VideoJobs:
                 idempotency_key=idempotency[0] if idempotency else None,
                 body_digest=idempotency[1] if idempotency else None,
             )
-            Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-            self.store.insert(record)
+            try:
+                Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+                self.store.insert(record)
+            except (OSError, sqlite3.Error) as error:
+                logger.error("job store: cannot record a new job: %s", error)
+                raise Refused(503, "store_unavailable", "The job store cannot record the job now.") from None
             self._submit(record, request)
             return record, True
 
