@@ -661,6 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.outputs_dir,
         config.serving,
         host=config.host,
+        share=config.share,
         max_body_bytes=parse_file_size(config.serving.max_body_size or str(config.max_file_size) + "b"),
         queue_size=config.queue_size,
         library=LoraLibrary(config.lora_dir),

@@ -56,7 +56,9 @@ def start_serving(
     queue_size: int,
     library: LoraLibrary | None = None,
     shared_history: bool = False,
+    share: bool = False,
 ) -> ServingRuntime:
+    """`share`: a public share link forwards to the loopback bind, so keyless /v1 is off then too."""
     webhooks = Webhooks(options.webhook_secret)
     metrics = Metrics(front)
 
@@ -73,7 +75,7 @@ def start_serving(
     jobs = VideoJobs(front, store, outputs_dir, limits, on_end, shared=shared_history)
     settings = ApiSettings(
         keys=options.api_keys,
-        loopback=_is_loopback(host),
+        loopback=_is_loopback(host) and not share,
         max_body_bytes=max_body_bytes,
         webhook_url=options.webhook_url,
     )
@@ -84,5 +86,6 @@ def start_serving(
         retention = Retention(store, options.keep_days, options.max_outputs_gb)
         retention.start()
     if not settings.keys and not settings.loopback:
-        logger.warning("/v1 is off: the app binds %s and no --api-key was given", host)
+        where = "a public share link" if share else f"the address {host}"
+        logger.warning("/v1 is off: the app is reachable through %s and no --api-key was given", where)
     return ServingRuntime(jobs, serving, webhooks, retention)
