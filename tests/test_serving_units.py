@@ -310,3 +310,24 @@ def test_shared_history_makes_the_page_and_the_keyless_api_one_owner(tmp_path) -
     assert apart.results_dir("local").parent == tmp_path / "api"
     assert apart.ui_owner(tmp_path / "browsers" / "ab") == "ui:browsers/ab"
     store.close()
+
+
+def test_a_share_link_turns_keyless_v1_off(tmp_path) -> None:
+    from h3engine.serving.options import ServingOptions
+    from h3engine.serving.server import start_serving
+
+    for share, loopback in ((False, True), (True, False)):
+        runtime = start_serving(
+            _FakeFront(),
+            JobStore.open(tmp_path),
+            tmp_path,
+            ServingOptions(),
+            "127.0.0.1",
+            1024,
+            4,
+            share=share,
+        )
+        try:
+            assert runtime.serving.settings.loopback is loopback
+        finally:
+            runtime.close()
