@@ -81,9 +81,11 @@ def served(tmp_path_factory, tiny_native) -> Served:
         running = client.videos.create(prompt="A longer one.", extra_body={**FAST, "steps": 8, "seed": 7})
         queued = [client.videos.create(prompt=f"Queued {n}.", extra_body=FAST).id for n in range(2)]
         deadline = time.monotonic() + 60
-        while client.videos.retrieve(running.id).status != "in_progress" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert client.videos.retrieve(running.id).status == "in_progress"
+        while (
+            status := client.videos.retrieve(running.id).status
+        ) == "queued" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert status == "in_progress"  # killed at once after this
     finally:
         first.process.kill()  # SIGKILL: no shutdown code runs
         first.process.wait()
@@ -246,6 +248,8 @@ def test_idempotency_key(served) -> None:
 
 def test_events_stream_progress_previews_and_the_end(served) -> None:
     client = _client(served.app)
+    # Behind one job per replica, so that the stream is open before the streamed job starts.
+    ahead = [client.videos.create(prompt=f"Ahead {n}.", extra_body=FAST).id for n in range(2)]
     video = client.videos.create(prompt="Streamed.", extra_body={**FAST, "steps": 3})
     events = []
     headers = {"Authorization": f"Bearer {KEY_A}"}
@@ -261,11 +265,13 @@ def test_events_stream_progress_previews_and_the_end(served) -> None:
                 events.append((kind, json.loads(line[len("data: ") :])))
     kinds = [kind for kind, _ in events]
     assert kinds[0] == "video" and kinds[-1] == "done", kinds
+    assert "started" in kinds, kinds  # the stream was open before the job started
     assert events[-1][1]["status"] == "completed"
     steps = [data["step"] for kind, data in events if kind == "progress"]
     assert steps and steps == sorted(steps) and steps[-1] == 3
     previews = [data["image"] for kind, data in events if kind == "preview"]
     assert previews and previews[0].startswith("data:image/jpeg;base64,")
+    assert all(_wait(client, video_id).status == "completed" for video_id in ahead)
 
 
 def test_delete_stops_a_running_job_and_removes_its_files(served) -> None:
