@@ -58,6 +58,6 @@ EXPOSE 7860
 
 # Loading the released checkpoint takes minutes: give it a long start period before failures count.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=15m --retries=3 \
-    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:7860/', timeout=4)" || exit 1
+    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:7860/healthz', timeout=4)" || exit 1
 
 CMD ["python", "app.py"]

@@ -15,6 +15,10 @@ for more users, or list them in `--auth-file`) are opt-in; uploads are limited. 
 own History and results, served only as unguessable copies (`--shared-history`: one user). Our files leave Gradio's cache by age and at exit; at start what a killed
 predecessor left is removed (`remove_leftovers`); unwritable default folders move to the temp folder.
 
+Serving (h3engine.serving): an OpenAI-style `/v1/videos` API, `/metrics`, `/healthz` and `/readyz` on the same server
+and engine front; every job, the page's too, in a SQLite job store (outputs folder or `--state-dir`) that a restart
+recovers; `--api-key`, limits, webhooks and retention are its flags.
+
 Exit codes: 2 when the checkpoint or an option is unusable (one line naming it; options, port, outputs folder and
 devices are checked before any model loads), 0 on a clean stop (Ctrl-C or SIGTERM: every job and worker ends).
 """
@@ -37,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from h3engine.engine_options import EngineOptions, add_engine_flags
+from h3engine.serving.options import ServingOptions, add_serving_flags
 
 if TYPE_CHECKING:
     import gradio as gr
@@ -108,6 +113,8 @@ class AppConfig:
     # cannot be written is refused; a default one is replaced by a temp folder (`settle_folders`).
     outputs_named: bool = True
     cache_named: bool = True
+    # The /v1/videos API, the job store and their limits (h3engine.serving.options).
+    serving: ServingOptions = ServingOptions()
 
 
 def _default_cache_dir(environ: Mapping[str, str]) -> Path:
@@ -218,6 +225,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="skip the short warm-up run each GPU replica makes at start (its kernel compiles then fall on the "
         "first request instead)",
     )
+    add_serving_flags(parser, environ)
     return parser
 
 
@@ -237,6 +245,15 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppC
         )
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port: must be within 1-65535, got {args.port}")
+    try:
+        serving = ServingOptions.from_args(args, environ)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if serving.max_body_size is not None:
+        try:
+            parse_file_size(serving.max_body_size)
+        except ConfigError as error:
+            raise ConfigError(str(error).replace("--max-file-size", "--max-body-size")) from None
     return AppConfig(
         checkpoint=Path(args.checkpoint).expanduser() if args.checkpoint else None,
         outputs_dir=Path(args.outputs or DEFAULT_OUTPUTS).expanduser().resolve(),
@@ -259,6 +276,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppC
         stall_timeout=args.stall_timeout,
         outputs_named=bool(args.outputs),
         cache_named=bool(environ.get("H3_CACHE_DIR")),
+        serving=serving,
     )
 
 
@@ -533,12 +551,15 @@ def placeholder_banner(name: str) -> str:
     )
 
 
-def _stop_on_sigterm(front: EngineFront) -> Callable[[int, object], None]:
+def _stop_on_sigterm(
+    front: EngineFront, before: Callable[[], None] = lambda: None
+) -> Callable[[int, object], None]:
     """The SIGTERM handler: the front's shutdown (its ranks end within seconds, whatever they do) starts at once,
     while Gradio's blocking launch() closes the server on KeyboardInterrupt (up to 5 s with a browser connected);
     `main` waits for both, so the app ends within 10 s."""
 
     def stop(signal_number: int, frame: object) -> None:
+        before()  # the job store keeps the jobs the shutdown cancels queued
         threading.Thread(target=front.shutdown, name="h3-shutdown", daemon=True).start()
         raise KeyboardInterrupt
 
@@ -579,11 +600,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per internal request otherwise
     from h3engine.errors import H3Error
+    from h3engine.serving.store import JobStore, StoreError
 
     try:
         config = settle_folders(parse_config(argv, os.environ))
         check_before_loading(config)
         remove_leftovers(config.outputs_dir)
+        # The job store: a corrupt or unwritable one is a one-line start-up error, before any model loads.
+        state_dir = config.serving.state_dir
+        store = JobStore.open(state_dir or config.outputs_dir, "--state-dir" if state_dir else "--outputs")
         if config.checkpoint is None:
             checkpoint, engines = _tiny_engines(config)
             banner = random_weights_banner(checkpoint if config.shared_history else None)
@@ -592,7 +617,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             checkpoint, engines = config.checkpoint, _load_engines(config.checkpoint, config)
             banner = placeholder_banner(checkpoint.name) if is_placeholder(checkpoint) else None
-    except (ConfigError, H3Error) as error:
+    except (ConfigError, H3Error, StoreError) as error:
+        if "store" in locals():
+            store.close()
         print(f"error: {error}", file=sys.stderr)
         return 2
 
@@ -625,10 +652,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         sweep_every_s=CACHE_SWEEP_S,
         owned_cache=gradio_cache,
     )
-    demo = ui.build_ui(front, options, access, delete_cache=(CACHE_SWEEP_S, CACHE_MAX_AGE_S))
+    from h3engine.lora.library import LoraLibrary
+    from h3engine.serving.server import start_serving
+
+    serving = start_serving(
+        front,
+        store,
+        config.outputs_dir,
+        config.serving,
+        host=config.host,
+        share=config.share,
+        max_body_bytes=parse_file_size(config.serving.max_body_size or str(config.max_file_size) + "b"),
+        queue_size=config.queue_size,
+        library=LoraLibrary(config.lora_dir),
+        shared_history=config.shared_history,
+    )
+    demo = ui.build_ui(
+        front, options, access, delete_cache=(CACHE_SWEEP_S, CACHE_MAX_AGE_S), recorder=serving.jobs
+    )
     demo.queue(default_concurrency_limit=LIGHT_EVENT_CONCURRENCY, max_size=config.queue_size)
     settle_heap()
-    signal.signal(signal.SIGTERM, _stop_on_sigterm(front))
+    signal.signal(signal.SIGTERM, _stop_on_sigterm(front, serving.stop_taking))
     try:
         demo.launch(
             server_name=config.host,
@@ -647,17 +691,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             mcp_server=False,
             ssr_mode=False,
             footer_links=["api", "gradio", "settings"],
+            # /v1/videos, /metrics, /healthz, /readyz beside Gradio's own routes (h3engine.serving.api); the page
+            # load gives a browser its History's cookie (ui.access.BrowserCookie).
+            app_kwargs={"routes": serving.routes(), "middleware": _page_middleware(config)},
         )
     except KeyboardInterrupt:
         # Ctrl-C or SIGTERM before launch() reached its own blocking loop (which handles them itself): the server
         # may already be up in its thread.
         demo.close()
     finally:
+        serving.stop_taking()  # jobs the shutdown cancels stay queued in the store, for the next start
         front.shutdown()
+        serving.close()
         _delete_cached_files(demo, access)
         if gradio_cache is not None:
             shutil.rmtree(gradio_cache, ignore_errors=True)
     return 0
+
+
+def _page_middleware(config: AppConfig) -> list[object]:
+    from starlette.middleware import Middleware
+
+    from ui.access import BrowserCookie
+
+    return [] if config.shared_history else [Middleware(BrowserCookie)]
 
 
 def _delete_cached_files(demo: gr.Blocks, access: AccessPolicy) -> None:

@@ -39,6 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("h3engine.engine.pipeline",),
     ("h3engine.engine", "h3engine.engine.model_store", "h3engine.engine_options"),
     ("h3engine.runtime.*",),
+    ("h3engine.serving.*",),
     ("h3engine.cli.*", "h3engine.__main__"),
 )
 

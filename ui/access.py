@@ -1,8 +1,9 @@
 """Who owns a result, where it is written, and how a file reaches the one browser that asked for it.
 
-Per owner (the default): the owner is the user who logged in (`--auth`), else the Gradio session; results go to
-`<outputs>/users/<id>/` or `<outputs>/sessions/<id>/` (`<id>` a SHA-256 digest, so no name a client chooses can
-form a path) and History shows only the caller's folder. `--shared-history` (`AccessPolicy(shared=True)`) writes
+Per owner (the default): the owner is the user who logged in (`--auth`), else the browser (a random id in the
+`h3-browser` cookie that the page load sets, `BrowserCookie`), else the Gradio session (API clients); results go to
+`<outputs>/users/<id>/`, `<outputs>/browsers/<id>/` or `<outputs>/sessions/<id>/` (`<id>` a SHA-256 digest, so no
+name a client chooses can form a path) and History shows only the caller's folder. `--shared-history` (`AccessPolicy(shared=True)`) writes
 to the outputs folder itself for everyone, as on a personal machine. The outputs folder is never served: a file a
 handler returns is `publish`ed as a copy under a keyed-hash name that only the receiving session learns
 (`AccessPolicy` says how copies are swept). README "Sharing the app" describes the model.
@@ -15,25 +16,35 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import secrets
 import shutil
 import time
 from dataclasses import dataclass, field
+from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
 from typing import Any
 
 from gradio.utils import get_upload_folder
 
 USERS_FOLDER = "users"
+BROWSERS_FOLDER = "browsers"
 SESSIONS_FOLDER = "sessions"
+# The anonymous browser identity: set on the page load, a year long, never readable by the page's scripts.
+BROWSER_COOKIE = "h3-browser"
+BROWSER_COOKIE_MAX_AGE_S = 365 * 24 * 3600
+_BROWSER_ID = re.compile(r"^[A-Za-z0-9_-]{32,64}$")
 OWNER_ID_CHARACTERS = 32
 COPY_PREFIX = "h3-"
 
 
-def owner_folder(username: str | None, session_hash: str | None) -> Path:
-    """The folder, relative to the outputs folder, of one user's (or, without a login, one session's) results."""
+def owner_folder(username: str | None, session_hash: str | None, browser: str | None = None) -> Path:
+    """The folder, relative to the outputs folder, of one user's (or, without a login, one browser's, else one
+    session's) results."""
     if username:
         kind, name = USERS_FOLDER, username
+    elif browser:
+        kind, name = BROWSERS_FOLDER, browser
     else:
         kind, name = SESSIONS_FOLDER, session_hash or "no-session"
     digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:OWNER_ID_CHARACTERS]
@@ -70,7 +81,7 @@ class AccessPolicy:
             return self.outputs_dir
         username = getattr(request, "username", None)
         session_hash = getattr(request, "session_hash", None)
-        return self.outputs_dir / owner_folder(username, session_hash)
+        return self.outputs_dir / owner_folder(username, session_hash, browser_id(request))
 
     def publish(self, path: str | os.PathLike[str]) -> str:
         """A copy of `path` that Gradio serves, under a name only this process can compute; made once per path."""
@@ -108,3 +119,50 @@ class AccessPolicy:
             for path in self.owned_cache.rglob("*"):
                 if path.is_file() and time.time() - path.stat().st_ctime > max_age_s:
                     path.unlink(missing_ok=True)
+
+
+def browser_id(request: Any) -> str | None:
+    """The caller's `h3-browser` cookie when it is one this app could have set (None otherwise)."""
+    try:
+        headers = getattr(request, "headers", None)
+        header = headers.get("cookie") if headers is not None and hasattr(headers, "get") else None
+    except Exception:  # a gr.Request outside an HTTP request has no headers
+        return None
+    if not isinstance(header, str):
+        return None
+    cookies = SimpleCookie()
+    try:
+        cookies.load(header)
+    except CookieError:
+        return None
+    morsel = cookies.get(BROWSER_COOKIE)
+    value = morsel.value if morsel is not None else None
+    return value if value and _BROWSER_ID.match(value) else None
+
+
+class BrowserCookie:
+    """ASGI middleware: the page itself (GET /) sets a random `h3-browser` cookie on a browser that has none, so
+    that its History outlives page reloads and restarts. Other routes (the API, gradio_client) are untouched."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope.get("type") != "http" or scope.get("method") != "GET" or scope.get("path") not in ("/", ""):
+            await self.app(scope, receive, send)
+            return
+        header = b"; ".join(value for name, value in scope.get("headers", []) if name == b"cookie")
+        if f"{BROWSER_COOKIE}=".encode() in header:
+            await self.app(scope, receive, send)
+            return
+        cookie = (
+            f"{BROWSER_COOKIE}={secrets.token_urlsafe(32)}; Max-Age={BROWSER_COOKIE_MAX_AGE_S}; Path=/; "
+            "HttpOnly; SameSite=Lax"
+        ).encode()
+
+        async def send_with_cookie(message: dict[str, Any]) -> None:
+            if message.get("type") == "http.response.start" and message.get("status") == 200:
+                message = {**message, "headers": [*message.get("headers", []), (b"set-cookie", cookie)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_cookie)

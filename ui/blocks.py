@@ -44,6 +44,15 @@ SHOW_STATUS_JS = """() => {
     // Again once the cleared result column has settled (a slow page may still be laying it out).
     setTimeout(show, 400);
 }"""
+# Rerun, after the shown result's settings are back in its tab: press that tab's Generate (the visible one).
+RERUN_JS = """() => {
+    setTimeout(() => {
+        for (const task of ["t2va", "fl2va", "ref2va"]) {
+            const button = document.getElementById(`${task}-generate`);
+            if (button && button.offsetParent !== null) { button.click(); return; }
+        }
+    }, 300);
+}"""
 # Short enough that all three fit a phone-wide tab bar (Gradio folds the others into a menu).
 TAB_TITLES = {"t2va": "Text", "fl2va": "First / last frame", "ref2va": "References"}
 # The generate endpoints' descriptions on the API page.
@@ -71,11 +80,12 @@ def build_ui(
     options: UiOptions,
     access: AccessPolicy | None = None,
     delete_cache: tuple[int, int] | None = None,
+    recorder: Any = None,
 ) -> gr.Blocks:
     """`access`: who sees which results (default: per user or session); `delete_cache`: Gradio's (every N s,
-    its files older than M s), for the uploads."""
+    its files older than M s), for the uploads; `recorder`: the job store's (ui.handlers.Handlers)."""
     library = LoraLibrary(options.lora_dir)
-    handlers = Handlers(front, access or AccessPolicy(options.outputs_dir), library)
+    handlers = Handlers(front, access or AccessPolicy(options.outputs_dir), library, recorder)
     examples = load_examples(options.examples_path, options.repository_root)
     builders = {"t2va": build_t2va_tab, "fl2va": build_fl2va_tab, "ref2va": build_ref2va_tab}
     with gr.Blocks(title="MiniMax H3", delete_cache=delete_cache) as demo:
@@ -149,6 +159,10 @@ def build_ui(
         result.restore.click(
             restore_shown_result, inputs=result.last_result, outputs=restore_outputs, api_visibility="private"
         )
+        # Rerun: the shown result's settings (seed included) back in its tab, then that tab's Generate.
+        result.rerun.click(
+            restore_shown_result, inputs=result.last_result, outputs=restore_outputs, api_visibility="private"
+        ).then(None, js=RERUN_JS, queue=False, api_visibility="private")
         result.takes.select(
             handlers.show_take, inputs=result.take_paths, outputs=result.outputs, api_visibility="private"
         )

@@ -325,9 +325,18 @@ def swap_keyframes(first_image: str | None, last_image: str | None) -> tuple[str
 
 
 class Handlers:
-    def __init__(self, front: EngineFront, access: AccessPolicy, library: LoraLibrary | None = None) -> None:
+    def __init__(
+        self,
+        front: EngineFront,
+        access: AccessPolicy,
+        library: LoraLibrary | None = None,
+        recorder: Any = None,
+    ) -> None:
         self.front = front
         self.access = access
+        # The job store's recorder (h3engine.serving.jobs.VideoJobs: record_ui, ui_event, ui_settle), or None.
+        self.recorder = recorder
+        self._store_ids: dict[str, str] = {}  # a UI job's front id -> its store id
         self.library = library or LoraLibrary(None)
         self.store = InputStore(access.outputs_dir)
         # The jobs each browser session has running, for its Cancel button.
@@ -455,7 +464,7 @@ class Handlers:
         session = _session_of(caller)
         self._running.setdefault(session, set()).update(handles)
         try:
-            async for update in self._follow(TakeSet.of(handles), progress):
+            async for update in self._follow(TakeSet.of(handles, self._observe), progress):
                 yield update
         except gr.Error:
             raise
@@ -467,6 +476,7 @@ class Handlers:
             # Cancelled by Gradio, or the reader went away: stop the engine at its next step.
             for handle in handles:
                 self.front.cancel(handle)
+                self._settle(handle)
             running = self._running.get(session, set())
             running.difference_update(handles)
             if not running:
@@ -498,13 +508,21 @@ class Handlers:
         """One job per request, writing into `results_dir`; all or none (NotStarted when the front refuses the
         output files: the folder went away or refuses writes)."""
         handles: list[JobHandle] = []
+        store_id = None
         try:
             for take in requests:
                 out_path = results_dir / stamped_output_name(take.task, secrets.token_hex(4))
+                store_id = self._record(take, out_path, results_dir)
                 handles.append(self.front.submit(take, out_path=out_path))
+                if store_id is not None:
+                    self._store_ids[handles[-1].job_id] = store_id
+                    store_id = None
         except (RequestError, OSError) as error:
             for handle in handles:
                 self.front.cancel(handle)
+                self._settle(handle)
+            if store_id is not None and self.recorder is not None:
+                self.recorder.ui_settle(store_id)
             if isinstance(error, OSError):
                 raise storage_problem(error, self.access.outputs_dir) from None
             logger.error("the engine front refused a job's output files: %s", error)
@@ -513,6 +531,32 @@ class Handlers:
                 "Cannot write the outputs",
             ) from None
         return handles
+
+    def _record(self, request: GenerationRequest, out_path: Path, results_dir: Path) -> str | None:
+        """The job's row in the job store (None without one): written before the job is queued."""
+        if self.recorder is None:
+            return None
+        try:
+            return self.recorder.record_ui(self.recorder.ui_owner(results_dir), request, out_path)
+        except Exception:  # a store that fails (a full disk) must not stop the page's job
+            logger.exception("the job store could not record a job of the page")
+            return None
+
+    def _observe(self, handle: JobHandle, event: Any) -> None:
+        store_id = self._store_ids.get(handle.job_id)
+        if store_id is not None and self.recorder is not None:
+            try:
+                self.recorder.ui_event(store_id, event)
+            except Exception:  # the store must never break the page's job
+                logger.exception("the job store could not record job %s", handle.job_id)
+
+    def _settle(self, handle: JobHandle) -> None:
+        store_id = self._store_ids.pop(handle.job_id, None)
+        if store_id is not None and self.recorder is not None:
+            try:
+                self.recorder.ui_settle(store_id)
+            except Exception:
+                logger.exception("the job store could not settle job %s", handle.job_id)
 
     async def _follow(self, takes: TakeSet, progress: gr.Progress) -> AsyncIterator[tuple[Any, ...]]:
         """Result-column updates while the takes run; the status after every message is the takes' own, and the

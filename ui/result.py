@@ -39,6 +39,7 @@ class ResultColumn:
     cancel: gr.Button
     restore: gr.Button
     continue_in_fl2va: gr.Button
+    rerun: gr.Button
     last_result: gr.State
     take_paths: gr.State
 
@@ -75,6 +76,7 @@ def build_result_column() -> ResultColumn:
     )
     with gr.Row():
         restore = gr.Button("Restore its settings", size="sm", elem_id="h3-restore-result")
+        rerun = gr.Button("Rerun", size="sm", elem_id="h3-rerun")
         continue_in_fl2va = gr.Button(
             "Continue from its last frame (FL2VA)", size="sm", elem_id="h3-continue-fl2va"
         )
@@ -97,6 +99,7 @@ def build_result_column() -> ResultColumn:
         cancel,
         restore,
         continue_in_fl2va,
+        rerun,
         gr.State(None),
         gr.State([]),
     )

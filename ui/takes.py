@@ -8,6 +8,7 @@ from its own messages only, so no message of an ended job can overwrite it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from h3engine.errors import RequestError
@@ -87,10 +88,16 @@ class Take:
 class TakeSet:
     takes: list[Take]
     previews: list[PreviewFrame] = field(default_factory=list)
+    # Told of each take's start and end (the job store records them: ui.handlers).
+    observer: Callable[[JobHandle, JobEvent], None] | None = None
 
     @classmethod
-    def of(cls, handles: list[JobHandle]) -> TakeSet:
-        return cls([Take(number, handle) for number, handle in enumerate(handles, start=1)])
+    def of(
+        cls, handles: list[JobHandle], observer: Callable[[JobHandle, JobEvent], None] | None = None
+    ) -> TakeSet:
+        return cls(
+            [Take(number, handle) for number, handle in enumerate(handles, start=1)], observer=observer
+        )
 
     @property
     def ended(self) -> bool:
@@ -108,6 +115,8 @@ class TakeSet:
             for event in take.handle.drain():
                 changed = True
                 take.apply(event)
+                if self.observer is not None and isinstance(event, JobStarted | JobFinished | JobFailed):
+                    self.observer(take.handle, event)
                 if isinstance(event, PreviewFrame):
                     preview = event
                 elif isinstance(event, JobFinished):

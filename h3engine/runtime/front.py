@@ -257,6 +257,8 @@ class EngineFront:
         self._stopping = False
         self._shutdown_lock = threading.Lock()
         self._shut_down = False
+        # Replicas whose warm-up has not ended yet (`ready`).
+        self._warm_ups_left = len(self._replicas) if warm_up else 0
         self._workers = [
             threading.Thread(
                 target=self._worker_loop,
@@ -273,6 +275,12 @@ class EngineFront:
     @property
     def replicas(self) -> int:
         return len(self._replicas)
+
+    @property
+    def ready(self) -> bool:
+        """True once every replica's warm-up ended (at once without warm-up): the app's /readyz."""
+        with self._condition:
+            return self._warm_ups_left == 0
 
     @property
     def waiting(self) -> int:
@@ -421,7 +429,11 @@ class EngineFront:
 
     def _worker_loop(self, index: int, slot: int, replica: Replica) -> None:
         if self.warm_up and slot == 0:
-            self._warm_up(index, replica)
+            try:
+                self._warm_up(index, replica)
+            finally:
+                with self._condition:
+                    self._warm_ups_left -= 1
         while (handle := self._take((index, slot), replica)) is not None:
             try:
                 result = self._run_one(handle, index, replica)

@@ -1,0 +1,417 @@
+"""API fields -> `GenerationRequest`, and jobs -> OpenAI Video objects.
+
+`request_from_fields(fields, uploads, facts, ...)` reads a POST /v1/videos body (JSON values, or multipart strings:
+numbers, lists and objects are read from their text) into a request that the one checker then judges; its
+`RequestError`s name API fields (`api_error_of`): `seconds` for the duration, `size` for the canvas,
+`input_reference` / `last_frame` / `references` for files. `size` ("WxH") must be a canvas the checkpoint's
+rule gives (`supported_sizes`), listed in the error otherwise. `video_object(record, live)` is the Video object.
+
+Danger: every value here comes from a client; uploads reach the engine only as copies under `<outputs>/inputs/`,
+named by a digest of their bytes and a sanitised base name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from h3engine.checkpoint.facts import CheckpointFacts
+from h3engine.errors import RequestError
+from h3engine.geometry import PRESET_ASPECT_RATIOS, canvas_rule, resolve_canvas
+from h3engine.lora.library import LoraLibrary
+from h3engine.media.formats import kind_of_suffix
+from h3engine.request import (
+    LORA_TARGET_OF_TASK,
+    MAX_LORAS,
+    GenerationRequest,
+    Keyframe,
+    LoraChoice,
+    Reference,
+)
+from h3engine.serving.store import JobRecord
+
+DEFAULT_MODEL = "minimax-h3"
+DEFAULT_SECONDS = 4.0
+RANDOM_SEED_LIMIT = 2**31
+INPUTS_FOLDER = "inputs"
+# The fields POST /v1/videos reads: OpenAI's, then H3's own (what the SDK sends through `extra_body`).
+OPENAI_FIELDS = ("prompt", "model", "seconds", "size", "input_reference")
+H3_FIELDS = (
+    "task",
+    "last_frame",
+    "references",
+    "seed",
+    "steps",
+    "flow_shift",
+    "audio_flow_shift",
+    "rungs",
+    "loras",
+    "aspect_ratio",
+    "short_edge",
+    "callback_url",
+)
+FILE_FIELDS = ("input_reference", "last_frame", "references")
+_INTEGER_FIELDS = ("seed", "steps", "short_edge")
+_NUMBER_FIELDS = ("flow_shift", "audio_flow_shift")
+_SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX×]\s*(\d{1,5})\s*$")
+_QUOTED_PATH = re.compile(r"(['\"])/[^'\"]*/([^'\"/]+)\1")
+_UNSAFE_NAME_CHARACTERS = re.compile(r"[^\w.,()\[\]+@ -]+")
+_INTEGER_TEXT = re.compile(r"^[+-]?\d{1,30}$")
+_NUMBER_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A file a client sent: its own name and bytes."""
+
+    name: str
+    data: bytes
+
+
+@dataclass
+class Built:
+    """A request read from API fields, with what the Video object reports and where each file came from."""
+
+    request: GenerationRequest
+    meta: dict[str, Any]
+    file_fields: dict[str, str] = field(default_factory=dict)  # stored path -> the API field it came in
+    keyframe_fields: list[str] = field(default_factory=list)  # keyframes[i] -> its API field
+    reference_fields: list[str] = field(default_factory=list)  # references[i] -> its API field
+
+
+class ApiFieldError(Exception):
+    """A request field the API itself refuses (before the checker): 400 naming `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def supported_sizes(facts: CheckpointFacts, short_edge: int | None = None) -> list[str]:
+    """The canvases the checkpoint's rule gives for the preset aspect ratios, as "WxH"."""
+    edge, max_pixels = canvas_rule(short_edge, facts.canvas.short_edge, facts.canvas.max_pixels)
+    sizes = []
+    for preset in PRESET_ASPECT_RATIOS:
+        width, height = (float(part) for part in preset.split(":"))
+        canvas_h, canvas_w = resolve_canvas(
+            width, height, multiple=facts.canvas_multiple, short_edge=edge, max_pixels=max_pixels
+        )
+        sizes.append(f"{canvas_w}x{canvas_h}")
+    return sizes
+
+
+def size_to_canvas(size: Any, facts: CheckpointFacts) -> tuple[str, int | None]:
+    """(aspect_ratio, short_edge) of a "WxH" size: one the canvas rule gives for its ratio at the checkpoint's short
+    edge, or at min(W, H) as the short edge. ApiFieldError listing the supported sizes otherwise."""
+    supported = supported_sizes(facts)
+    match = _SIZE.match(size) if isinstance(size, str) else None
+    if match is not None:
+        width, height = int(match.group(1)), int(match.group(2))
+        text = f"{width}x{height}"
+        if text in supported:
+            return PRESET_ASPECT_RATIOS[supported.index(text)], None
+        if width > 0 and height > 0:
+            edge = min(width, height)
+            _, max_pixels = canvas_rule(edge, facts.canvas.short_edge, facts.canvas.max_pixels)
+            try:
+                canvas = resolve_canvas(
+                    width, height, multiple=facts.canvas_multiple, short_edge=edge, max_pixels=max_pixels
+                )
+            except ValueError:
+                canvas = None
+            if canvas == (height, width):
+                return f"{width}:{height}", edge
+    raise ApiFieldError(
+        "size",
+        f"size: {str(size)[:40]!r} is not a canvas this model makes; supported: {', '.join(supported)} "
+        f"(or WxH where the canvas rule at that short edge gives exactly W x H; multiples of {facts.canvas_multiple})",
+    )
+
+
+def _number_from_text(value: Any, integer: bool) -> Any:
+    """A multipart field's text as a number when it reads as one; anything else is left for the checker's message."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if integer and _INTEGER_TEXT.match(text):
+        return int(text)
+    if _NUMBER_TEXT.match(text):
+        number = float(text)
+        return int(number) if integer and number.is_integer() else number
+    return value
+
+
+def _structured(value: Any, name: str) -> Any:
+    """A list or object field: JSON text (multipart) is parsed; other values pass as they are."""
+    if isinstance(value, str) and value.strip()[:1] in ("[", "{"):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise ApiFieldError(name, f"{name}: not valid JSON: {value[:60]!r}") from None
+    return value
+
+
+def safe_file_name(name: str) -> str:
+    cleaned = _UNSAFE_NAME_CHARACTERS.sub("_", Path(name or "").name).strip(" .")[:100]
+    return cleaned or "file"
+
+
+def keep_upload(outputs_dir: Path, upload: Upload) -> str:
+    """The upload stored as `<outputs>/inputs/<digest>/<name>` (kept across restarts: recovery re-runs from it)."""
+    digest = hashlib.sha256(upload.data).hexdigest()
+    final = outputs_dir / INPUTS_FOLDER / digest[:20] / safe_file_name(upload.name)
+    if not final.is_file():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        partial = final.with_name(f".{final.name}.{secrets.token_hex(4)}.partial")
+        try:
+            partial.write_bytes(upload.data)
+            os.replace(partial, final)
+        finally:
+            partial.unlink(missing_ok=True)
+    return str(final)
+
+
+def _rungs(value: Any) -> Any:
+    value = _structured(value, "rungs")
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        try:
+            return tuple(int(part) for part in value.split(","))
+        except ValueError:
+            raise ApiFieldError(
+                "rungs", f"rungs: expected integers such as 999,750,500,250, got {value[:60]!r}"
+            ) from None
+    if isinstance(value, list):
+        return tuple(_number_from_text(item, integer=True) for item in value)
+    return value
+
+
+def _loras(value: Any, task: str, library: LoraLibrary) -> tuple[LoraChoice, ...]:
+    """`loras`: [{"name": adapter in --lora-dir, "strength": 0.8}, ...] (or bare names)."""
+    value = _structured(value, "loras")
+    if value in (None, "", []):
+        return ()
+    if isinstance(value, str | dict):
+        value = [value]
+    if not isinstance(value, list):
+        raise RequestError("loras", 'must be a list such as [{"name": "style.safetensors", "strength": 0.8}]')
+    if len(value) > MAX_LORAS:
+        raise RequestError("loras", f"at most {MAX_LORAS} adapters per request, got {len(value)}")
+    choices = []
+    for index, item in enumerate(value):
+        item = {"name": item} if isinstance(item, str) else item
+        if not isinstance(item, dict) or "name" not in item or set(item) - {"name", "strength"}:
+            raise RequestError(
+                f"loras[{index}]", f'must be an object {{"name": ..., "strength": ...}}, got {item!r:.80}'
+            )
+        entry = library.entry(item["name"], f"loras[{index}].name")
+        strength = _number_from_text(item.get("strength", 1.0), integer=False)
+        choices.append(
+            LoraChoice(path=str(entry.path), strength=strength, target=LORA_TARGET_OF_TASK.get(task))
+        )
+    return tuple(choices)
+
+
+def _as_uploads(value: Any) -> list[Upload]:
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else [value]
+    return [item for item in items if isinstance(item, Upload)]
+
+
+def request_from_fields(
+    fields: Mapping[str, Any],
+    outputs_dir: Path,
+    facts: CheckpointFacts,
+    library: LoraLibrary | None = None,
+) -> Built:
+    """The request of a POST /v1/videos body (files already read into `Upload`s). Raises ApiFieldError or
+    RequestError (whose field `api_error_of` maps to the API's name)."""
+    unknown = sorted(set(fields) - set(OPENAI_FIELDS) - set(H3_FIELDS))
+    if unknown:
+        raise ApiFieldError(
+            unknown[0], f"{unknown[0]}: unknown field; accepted: {', '.join(OPENAI_FIELDS + H3_FIELDS)}"
+        )
+    if "prompt" not in fields:
+        raise ApiFieldError("prompt", "prompt: is required")
+    for name in FILE_FIELDS:
+        value = fields.get(name)
+        items = value if isinstance(value, list) else [] if value is None else [value]
+        for item in items:
+            if not isinstance(item, Upload):
+                raise ApiFieldError(
+                    name, f"{name}: must be an uploaded image file (multipart), got {str(item)[:60]!r}"
+                )
+    first = _as_uploads(fields.get("input_reference"))
+    last = _as_uploads(fields.get("last_frame"))
+    references = _as_uploads(fields.get("references"))
+    task = fields.get("task") or ("ref2va" if references else "fl2va" if first or last else "t2va")
+    built = Built(GenerationRequest(task="t2va", prompt=""), {})
+
+    def kept(upload: Upload, api_field: str) -> str:
+        path = keep_upload(outputs_dir, upload)
+        built.file_fields[path] = api_field
+        return path
+
+    keyframes: list[Keyframe] = []
+    reference_list: list[Reference] = []
+    if task == "ref2va":
+        for api_field, uploads in (("input_reference", first), ("references", references)):
+            for upload in uploads:
+                path = kept(upload, api_field)
+                kind = kind_of_suffix(path) or "image"
+                reference_list.append(Reference(kind=kind, path=path))  # type: ignore[arg-type]
+                built.reference_fields.append(api_field)
+        if last:
+            raise ApiFieldError("last_frame", "last_frame: only FL2VA takes a last frame; give task fl2va")
+    else:
+        for api_field, position, uploads in (
+            ("input_reference", "first", first),
+            ("last_frame", "last", last),
+        ):
+            for upload in uploads:
+                keyframes.append(Keyframe(path=kept(upload, api_field), position=position))  # type: ignore[arg-type]
+                built.keyframe_fields.append(api_field)
+        if references:
+            raise ApiFieldError("references", "references: only Ref2VA takes references; give task ref2va")
+    aspect_ratio, short_edge = "auto", _number_from_text(fields.get("short_edge"), integer=True)
+    if fields.get("size") not in (None, ""):
+        if "aspect_ratio" in fields or "short_edge" in fields:
+            raise ApiFieldError("size", "size: give either size or aspect_ratio / short_edge, not both")
+        aspect_ratio, short_edge = size_to_canvas(fields["size"], facts)
+    elif fields.get("aspect_ratio") not in (None, ""):
+        aspect_ratio = fields["aspect_ratio"]
+    seconds = fields.get("seconds")
+    duration = DEFAULT_SECONDS if seconds in (None, "") else _number_from_text(seconds, integer=False)
+    seed = fields.get("seed")
+    seed = (
+        secrets.randbelow(RANDOM_SEED_LIMIT) if seed in (None, "") else _number_from_text(seed, integer=True)
+    )
+    values: dict[str, Any] = {
+        name: _number_from_text(fields[name], integer=name in _INTEGER_FIELDS)
+        for name in ("steps", "flow_shift", "audio_flow_shift")
+        if fields.get(name) not in (None, "")
+    }
+    built.request = GenerationRequest(
+        task=task,
+        prompt=fields["prompt"],
+        duration_seconds=duration,
+        aspect_ratio=aspect_ratio,
+        short_edge=short_edge,
+        seed=seed,
+        keyframes=tuple(keyframes),
+        references=tuple(reference_list),
+        loras=_loras(fields.get("loras"), task, library or LoraLibrary(None))
+        if task in LORA_TARGET_OF_TASK
+        else (),
+        rungs=_rungs(fields.get("rungs")),
+        **values,
+    )
+    built.meta = {
+        "model": str(fields.get("model") or DEFAULT_MODEL)[:200],
+        "seconds": f"{duration:g}" if isinstance(duration, int | float) else str(duration),
+    }
+    callback = fields.get("callback_url")
+    if callback not in (None, ""):
+        if (
+            not isinstance(callback, str)
+            or not re.match(r"^https?://[^\s]+$", callback)
+            or len(callback) > 2000
+        ):
+            raise ApiFieldError("callback_url", "callback_url: must be an http:// or https:// URL")
+        built.meta["callback_url"] = callback
+    return built
+
+
+def api_param(error: RequestError, built: Built | None, size_given: bool) -> str:
+    """The API field a RequestError is about."""
+    match = re.match(r"([A-Za-z_]+)(?:\[(\d+)\])?", error.field or "")
+    head, index = (match.group(1), match.group(2)) if match else ("", None)
+    if built is not None and error.path is not None and error.path in built.file_fields:
+        return built.file_fields[error.path]
+    if head == "duration_seconds":
+        return "seconds"
+    if head in ("width", "height", "aspect_ratio", "short_edge") and size_given:
+        return "size"
+    if head == "keyframes" and built is not None and built.keyframe_fields:
+        position = int(index or 0)
+        return built.keyframe_fields[min(position, len(built.keyframe_fields) - 1)]
+    if head == "references" and built is not None and built.reference_fields and index is not None:
+        return built.reference_fields[min(int(index), len(built.reference_fields) - 1)]
+    if head == "keyframes":
+        return "input_reference"
+    return head or "prompt"
+
+
+def api_message(error: RequestError, param: str) -> str:
+    """The checker's sentence under the API's field name, files by their base names (never a server path)."""
+    problem = _QUOTED_PATH.sub(r"\1\2\1", error.problem)
+    parts = [param]
+    if error.field and error.field != param and not error.field.startswith(param):
+        inner = error.field
+        if inner.startswith(("keyframes", "references", "duration_seconds")) and param in (
+            *FILE_FIELDS,
+            "seconds",
+        ):
+            inner = ""
+        if inner:
+            parts.append(inner)
+    if error.path is not None:
+        parts.append(repr(Path(error.path).name))
+    return ": ".join([*parts, problem])
+
+
+def video_object(record: JobRecord, live: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The OpenAI Video object of a job; H3's own fields under "h3"."""
+    live = live or {}
+    request, result, meta = record.request, record.result, record.meta
+    error = None
+    if record.status == "failed":
+        error = {"code": record.error_code or "generation_failed", "message": record.error_message or ""}
+    width = result.get("width") or meta.get("width")
+    height = result.get("height") or meta.get("height")
+    h3 = {
+        "task": request.get("task"),
+        "seed": result.get("seed", request.get("seed")),
+        "steps": request.get("steps"),
+        "flow_shift": request.get("flow_shift"),
+        "audio_flow_shift": request.get("audio_flow_shift"),
+        "aspect_ratio": request.get("aspect_ratio"),
+        "short_edge": request.get("short_edge"),
+        "rungs": request.get("rungs"),
+        "frames": result.get("frames") or meta.get("frames"),
+        "fps": result.get("fps", 24),
+        "timings_s": result.get("timings_s", {}),
+        "attempts": record.attempts,
+        "source": record.source,
+        "expired": record.expired,
+        "queue_position": live.get("queue_position"),
+        "step": live.get("step"),
+        "total_steps": live.get("total_steps"),
+        "eta_s": live.get("eta_s"),
+    }
+    return {
+        "id": record.id,
+        "object": "video",
+        "model": meta.get("model", DEFAULT_MODEL),
+        "status": record.status,
+        "progress": int(live.get("progress", record.progress)),
+        "created_at": int(record.created_at),
+        "completed_at": None if record.completed_at is None else int(record.completed_at),
+        "expires_at": None,
+        "seconds": meta.get("seconds") or f"{request.get('duration_seconds') or DEFAULT_SECONDS:g}",
+        "size": f"{width}x{height}" if width and height else meta.get("size"),
+        "prompt": request.get("prompt"),
+        "remixed_from_video_id": meta.get("remixed_from_video_id"),
+        "error": error,
+        "h3": h3,
+    }
