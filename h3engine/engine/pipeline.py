@@ -48,6 +48,7 @@ from h3engine.parallel.vae import decode_video_and_audio
 from h3engine.request import GenerationRequest
 from h3engine.request.inputs import read_keyframe, read_reference
 from h3engine.request.resolved import ResolvedRequest
+from h3engine.sampling.hold import ActiveHold, HeldRows
 from h3engine.sampling.modulation import schedule_modulation
 from h3engine.sampling.noise import InitialNoise, draw_initial_noise, noise_condition_rows
 from h3engine.sampling.packing import (
@@ -143,6 +144,8 @@ class PreparedRequest:
     # The request's step-cache preset (h3engine.sampling.step_cache.PRESETS; "off": none; a benchmark may put a
     # CachePreset of its own here).
     cache: str | CachePreset = "off"
+    # Target rows held at source latents (h3engine.sampling.hold: remix tasks and masks); None: plain generation.
+    held: HeldRows | None = None
 
 
 def prepare_request(
@@ -266,9 +269,11 @@ def denoise(
     on_step: Callable[[StepEvent], None] | None = None,
     should_cancel: Callable[[], bool] | None = None,
     step_cache: StepCache | None = None,
+    hold: ActiveHold | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run every step of the schedule on the packed rows; returns the final (video_rows, audio_rows), fp32.
-    `step_cache` runs each forward's blocks (it may skip the middle ones); None runs them all, as always."""
+    `step_cache` runs each forward's blocks (it may skip the middle ones); None runs them all, as always.
+    `hold` keeps some target rows at source latents (h3engine.sampling.hold); None is the plain loop."""
     first_video_target = layout.num_condition_video_rows
     first_audio_target = layout.num_condition_audio_rows
     device = video_rows.device
@@ -279,6 +284,16 @@ def denoise(
         row_timesteps(layout, float(schedule.video_timesteps[step]), float(schedule.audio_timesteps[step]))
         for step in range(schedule.num_steps)
     ]
+    if hold is not None:
+        step_rows = [
+            hold.row_timesteps(
+                layout,
+                rows,
+                (float(schedule.video_timesteps[step]), float(schedule.video_sigmas[step])),
+                (float(schedule.audio_timesteps[step]), float(schedule.audio_sigmas[step])),
+            )
+            for step, rows in enumerate(step_rows)
+        ]
     step_modulation = schedule_modulation(dit, [timesteps for timesteps, _ in step_rows], device)
     # Per-row timestep index (CPU bytes) -> (that index on the device, its prepared DiT layout).
     packed_layouts: dict[bytes, tuple[torch.Tensor, object]] = {}
@@ -298,9 +313,14 @@ def denoise(
         if step_cache is not None:
             step_cache.use_rows(*modality_rows(packed_layout))
             cached = {"blocks_runner": step_cache.run}
+        video_input, audio_input = video_rows, audio_rows
+        if hold is not None:
+            video_input, audio_input = hold.inputs(
+                video_rows, audio_rows, first_video_target, first_audio_target
+            )
         video_velocity, audio_velocity = dit(
-            video_rows,
-            audio_rows,
+            video_input,
+            audio_input,
             text_states,
             timesteps.to(device, non_blocking=True),
             timestep_index,
@@ -309,20 +329,28 @@ def denoise(
             modulation=step_modulation[step],
             **cached,
         )
+        video_velocity, audio_velocity = (
+            video_velocity[first_video_target:],
+            audio_velocity[first_audio_target:],
+        )
+        if hold is not None:
+            video_velocity, audio_velocity = hold.velocities(video_velocity.float(), audio_velocity.float())
         video_rows[first_video_target:] = euler_step(
             video_rows[first_video_target:],
-            video_velocity[first_video_target:].float(),
+            video_velocity.float(),
             schedule.video_timesteps[step],
             schedule.video_sigmas[step],
             schedule.video_sigmas[step + 1],
         )
         audio_rows[first_audio_target:] = euler_step(
             audio_rows[first_audio_target:],
-            audio_velocity[first_audio_target:].float(),
+            audio_velocity.float(),
             schedule.audio_timesteps[step],
             schedule.audio_sigmas[step],
             schedule.audio_sigmas[step + 1],
         )
+        if hold is not None:
+            hold.restore(video_rows, audio_rows, first_video_target, first_audio_target)
         if on_step is not None:
             on_step(
                 StepEvent(
@@ -420,6 +448,13 @@ def denoise_encoded(
         )
     video_rows = torch.cat([condition_video_rows, noise.video_rows]).to(device)
     audio_rows = torch.cat([condition_audio_rows, noise.audio_rows]).to(device)
+    hold = None
+    if prepared.held is not None:
+        hold = ActiveHold(prepared.held, noise.video_rows, noise.audio_rows, device)
+        first_video, first_audio = layout.num_condition_video_rows, layout.num_condition_audio_rows
+        video_rows[first_video:], audio_rows[first_audio:] = hold.start(
+            video_rows[first_video:], audio_rows[first_audio:]
+        )
 
     preset = cache_preset(prepared.cache)
     step_cache = None if preset is None else StepCache(preset, ReduceGroups(*worker_groups(models.dit)))
@@ -435,6 +470,7 @@ def denoise_encoded(
             on_step,
             should_cancel,
             step_cache,
+            hold,
         )
         _synchronize(device)
     timings["denoise_s"] = time.perf_counter() - started
