@@ -36,11 +36,13 @@ from h3engine.conditioning.presentation import (
     reference_presentation,
     text_presentation,
 )
+from h3engine.conditioning.remix import RemixPlan, plan_remix, splice_output
 from h3engine.errors import GenerationCancelled
-from h3engine.geometry import Geometry
+from h3engine.geometry import FPS, Geometry
 from h3engine.media.mux import write_mp4
 from h3engine.media.outputs import StagedOutputs, save_tensors, sidecar_record, write_sidecar
 from h3engine.media.progressive import ProgressiveFrames
+from h3engine.media.remux import copy_source_video
 from h3engine.memory.placement import PHASE_COMPONENTS, Placement
 from h3engine.parallel.dit import modality_rows, worker_groups
 from h3engine.parallel.groups import GroupMembership
@@ -146,6 +148,8 @@ class PreparedRequest:
     cache: str | CachePreset = "off"
     # Target rows held at source latents (h3engine.sampling.hold: remix tasks and masks); None: plain generation.
     held: HeldRows | None = None
+    # A remix's sources as its output keeps them (h3engine.conditioning.remix); None: not a remix.
+    remix: RemixPlan | None = None
 
 
 def prepare_request(
@@ -170,6 +174,11 @@ def prepare_request(
     with torch.inference_mode():
         started = time.perf_counter()
         presentation, conditions = _read_and_encode(resolved, geometry, models, canvas, should_cancel)
+        remix = None
+        if request.remix is not None:
+            check_cancelled(should_cancel)
+            with models.resident_for("conditioning"):
+                remix = plan_remix(request.remix, geometry, models.video_vae, models.audio_vae)
         conditioning_s = time.perf_counter() - started
     return PreparedRequest(
         geometry,
@@ -180,6 +189,8 @@ def prepare_request(
         request.recipe,
         conditioning_s,
         request.cache,
+        None if remix is None else remix.held,
+        remix,
     )
 
 
@@ -649,5 +660,27 @@ def run_generation(
     """One prepared request of any task: the presentation and the encoded conditioning decide which one it is.
     With `mp4_path` the MP4 is written there while the video decodes (see `decode`)."""
     latents = denoise_request(models, prepared, device, on_step, should_cancel)
+    if prepared.remix is not None:
+        return finish_remix(models, prepared.remix, latents, mp4_path, should_cancel)
     decoded = decode(models, latents.video_latents, latents.audio_latents, mp4_path, should_cancel)
     return latents.output(*decoded)
+
+
+def finish_remix(
+    models: Models,
+    plan: RemixPlan,
+    latents: DenoisedLatents,
+    mp4_path: Path | None,
+    should_cancel: Callable[[], bool] | None = None,
+) -> GenerationOutput:
+    """Decode a remix, splice the sources the output keeps (h3engine.conditioning.remix) and write its MP4 at
+    `mp4_path`: v2a with the source's video stream copied, unless it asked for the decoded frames."""
+    video, audio, timings = decode(models, latents.video_latents, latents.audio_latents, None, should_cancel)
+    video, audio = splice_output(plan, video, audio)
+    if mp4_path is not None:
+        started = time.perf_counter()
+        write_mp4(mp4_path, video, audio)
+        if plan.copy_video_from is not None:
+            copy_source_video(plan.copy_video_from, mp4_path, plan.copy_video_frames, FPS)
+        timings["mux_s"] = time.perf_counter() - started
+    return latents.output(video, audio, timings)

@@ -58,6 +58,7 @@ from h3engine.request.checks import (
     is_integer,
     is_number,
 )
+from h3engine.request.remix import Remix, check_remix
 
 TASKS = ("t2va", "fl2va", "ref2va")
 KEYFRAME_POSITIONS = ("first", "last")
@@ -216,6 +217,8 @@ class GenerationRequest:
     rungs: tuple[int, ...] = ()
     # Step caching for full-step runs (CACHE_PRESETS): a lossy speed-up, refused with rungs (Turbo, distilled).
     cache: CacheName = "off"
+    # Rows held at a source's latents (v2a, a2v, extend, masks: h3engine.request.remix); None: plain generation.
+    remix: Remix | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Our JSON shape, every field spelled out, so that `from_dict(request.to_dict()) == request`."""
@@ -244,6 +247,7 @@ class GenerationRequest:
             ],
             "rungs": list(self.rungs),
             "cache": self.cache,
+            "remix": None if self.remix is None else self.remix.to_dict(),
         }
 
 
@@ -281,6 +285,9 @@ def validate(
     _check_duration_field(request.task, request.duration_seconds, references)
     _check_loras(request.task, request.loras)
     first_keyframe_size = None
+    if request.remix is not None:
+        probe = None if media_durations is None else MediaFacts.of(media_durations)
+        warnings += check_remix(request.remix, request.task, request.duration_seconds, probe)[1]
     if media_durations is not None:
         probe = MediaFacts.of(media_durations)
         _check_reference_media(request, probe)

@@ -26,12 +26,14 @@ from h3engine.media import inputs as media_inputs
 from h3engine.request import (
     GenerationRequest,
     MediaFacts,
+    Reference,
     check_cache_schedule,
     resolve_aspect,
     resolve_duration_seconds,
     validate,
 )
 from h3engine.request.checks import fail
+from h3engine.request.remix import check_remix
 
 if TYPE_CHECKING:
     from h3engine.checkpoint.facts import CheckpointFacts
@@ -77,6 +79,8 @@ def resolve_request(
         )
         rungs = _check_checkpoint_rules(request, facts)
     duration = resolve_duration_seconds(request, media)
+    if request.remix is not None:
+        duration = check_remix(request.remix, request.task, duration, media)[0]
     geometry = None if facts is None else request_geometry(request, facts, media)
     return ResolvedRequest(request, tuple(warnings), media, duration, geometry, rungs)
 
@@ -135,6 +139,10 @@ def request_geometry(request: GenerationRequest, facts: CheckpointFacts, media: 
     width x height, else its aspect (FL2VA "auto": the first listed keyframe's upright size, from `media`) under
     the checkpoint's canvas rule at the request's short edge (None: the rule's own)."""
     seconds = resolve_duration_seconds(request, media)
+    source_size = None
+    if request.remix is not None:
+        seconds = check_remix(request.remix, request.task, seconds, media)[0]
+        source_size = remix_source_size(request, media)
     factors = {"vae_spatial_ratio": facts.vae_spatial_ratio, "patch": facts.patch}
     if request.width is not None and request.height is not None:
         return Geometry.from_canvas(request.height, request.width, frames_for_duration(seconds), **factors)
@@ -146,5 +154,14 @@ def request_geometry(request: GenerationRequest, facts: CheckpointFacts, media: 
             raise error.in_field("keyframes[0]") from None
         first_keyframe_size = (info.width, info.height)
     short_edge, max_pixels = canvas_rule(request.short_edge, facts.canvas.short_edge, facts.canvas.max_pixels)
-    aspect = resolve_aspect(request, first_keyframe_size)
+    aspect = source_size or resolve_aspect(request, first_keyframe_size)
     return Geometry.for_request(aspect, seconds, short_edge=short_edge, max_pixels=max_pixels, **factors)
+
+
+def remix_source_size(request: GenerationRequest, media: MediaFacts) -> tuple[int, int] | None:
+    """A remix with a source video and aspect "auto" takes the source's upright (width, height)."""
+    remix = request.remix
+    if remix.source_video is None or request.aspect_ratio != "auto":
+        return None
+    info = media(Reference(kind="video", path=remix.source_video))
+    return info.width, info.height

@@ -22,6 +22,7 @@ from h3engine.request import (
     Reference,
 )
 from h3engine.request.checks import describe, fail, is_integer, uri_scheme
+from h3engine.request.remix import Remix
 
 # SGLang fills in this seed when a request in its shape carries none; keeping it reproduces its outputs.
 SGLANG_DEFAULT_SEED = 42
@@ -97,6 +98,8 @@ def _from_engine_shape(payload: Mapping[str, Any]) -> GenerationRequest:
         _lora_from_dict(entry, f"loras[{index}]")
         for index, entry in enumerate(_as_list(payload.get("loras", []), "loras"))
     )
+    if values.get("remix") is not None:
+        values["remix"] = Remix.from_dict(values["remix"])
     if "rungs" in values:
         rungs = values["rungs"]
         values["rungs"] = tuple(rungs) if isinstance(rungs, list) else rungs
