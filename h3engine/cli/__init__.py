@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from h3engine.cli.progress import PROGRESS_MODES, Progress, make_progress
+from h3engine.cli.remix import add_remix_flags, check_remix_devices, remix_payload
 from h3engine.engine_options import (
     EngineOptions,
     add_engine_flags,
@@ -95,7 +96,8 @@ def _build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--task",
         default=None,
-        help="t2va, fl2va or ref2va (default: ref2va with --ref, fl2va with a first/last frame, else t2va)",
+        help="t2va, fl2va or ref2va (default: ref2va with --ref, fl2va with a first/last frame, else t2va); "
+        "remix: v2a, a2v or extend (h3engine.cli.remix)",
     )
     generate.add_argument("--prompt", required=True)
     generate.add_argument("--first-frame", default=None, help="FL2VA: image the video starts on")
@@ -123,6 +125,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="the DiT every --lora applies to: transformer (T2VA / FL2VA) or transformer_ref (Ref2VA); default: "
         "the file's transformer. / transformer_ref. key prefixes, else transformer (as diffusers)",
     )
+    add_remix_flags(generate)
     generate.add_argument("--duration", type=float, default=None, help="seconds, 4 to 15 (default 5)")
     generate.add_argument("--aspect-ratio", default="auto", help="21:9, 16:9, 4:3, 1:1, 3:4, 9:16 or auto")
     generate.add_argument(
@@ -284,8 +287,10 @@ def _request_payload(args: argparse.Namespace) -> dict:
         for position, path in (("first", args.first_frame), ("last", args.last_frame))
         if path is not None
     ]
+    remix = remix_payload(args, _task(args))
     payload = {
-        "task": _task(args),
+        "task": "t2va" if remix is not None else _task(args),
+        "remix": remix,
         "prompt": args.prompt,
         "aspect_ratio": args.aspect_ratio,
         "seed": args.seed,
@@ -342,6 +347,7 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
     stall = StallPolicy(checked_stall_timeout(args.stall_timeout))
     layout = check_engine_options(options, len(devices))
     device = resolve_device(devices[0]) if len(devices) == 1 and not layout.split else None
+    check_remix_devices(request, device is not None)
     if options.fp8_linear and device is not None:
         check_fp8_device(device)
     # The checkpoint's own rules, from its headers (the engine and its front decide with the same function and
