@@ -11,7 +11,11 @@ Sources are encoded as conditions are (video: sampled posterior seed 42, fp16-ro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -107,7 +111,7 @@ def plan_remix(
     soundtrack = None
     if remix.source_video is not None:
         if remix.mode == "extend":
-            source = _load_video(remix.source_video, 15.0, geometry)
+            source = _load_video(remix.source_video, media_inputs.MAX_MEDIA_SECONDS, geometry)
             frames = source.frames[-remix.overlap_frames :]
             plan |= {"prefix_frames": source.frames, "overlap_frames": remix.overlap_frames}
             if source.soundtrack is not None:
@@ -159,17 +163,45 @@ def splice_output(
     plan: RemixPlan, video: torch.Tensor, audio: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The output tensors a remix writes: a2v keeps the source waveform where it covers; extend is the source
-    followed by the continuation after the overlap (video [F, H, W, 3] in [0, 1], audio [2, N])."""
+    followed by the continuation after the overlap (video [F, H, W, 3] in [0, 1], audio [2, N]). A decoded source
+    waveform is clamped to [-1, 1] as decoded audio is (AAC overshoots near full scale)."""
     if plan.audio_over is not None:
         covered = min(plan.audio_over.shape[1], audio.shape[1])
-        audio = torch.cat([plan.audio_over[:, :covered].to(audio.dtype), audio[:, covered:]], dim=1)
+        audio = torch.cat([plan.audio_over[:, :covered].to(audio.dtype).clamp(-1.0, 1.0), audio[:, covered:]], dim=1)
     if plan.prefix_frames is not None:
         prefix = torch.from_numpy(plan.prefix_frames).to(video.dtype) / 255.0
         video = torch.cat([prefix, video[plan.overlap_frames :]])
         skip = round(plan.overlap_frames * AUDIO_SAMPLE_RATE / FPS)
         if plan.prefix_audio is not None:
-            source_audio = plan.prefix_audio.to(audio.dtype)
+            source_audio = plan.prefix_audio.to(audio.dtype).clamp(-1.0, 1.0)
         else:
             source_audio = torch.zeros(2, round(prefix.shape[0] * AUDIO_SAMPLE_RATE / FPS))
         audio = torch.cat([source_audio, audio[:, skip:]], dim=1)
     return video, audio
+
+
+def chain_windows(
+    generate_to_file: Callable[..., Any],
+    request: Any,
+    files: Any,
+    on_step: Callable[..., None] | None,
+    should_cancel: Callable[[], bool] | None,
+) -> Any:
+    """extend with `windows` K > 1: window k extends window k-1's MP4, so each window re-encodes the exported
+    waveform (not chained audio latents, which garble speech after about 8 segments in peers' reports). The
+    intermediate MP4s live in a hidden folder beside the output and are removed; the last window writes `files`."""
+    remix = request.remix
+    folder = files.video.parent / f".{files.video.name}.windows-{os.getpid()}"
+    folder.mkdir()
+    try:
+        source = remix.source_video
+        for window in range(remix.windows):
+            single = replace(request, remix=replace(remix, source_video=source, windows=1))
+            if window == remix.windows - 1:
+                return generate_to_file(single, files.video, files.tensors, on_step, should_cancel)
+            source = str(
+                generate_to_file(single, folder / f"window{window}.mp4", None, on_step, should_cancel).video
+            )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    raise AssertionError("unreachable")

@@ -27,6 +27,7 @@ import torch
 from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.checkpoint.layout import DIFFUSERS_DIT_FOLDERS, CheckpointLayout, detect_layout
 from h3engine.conditioning.presentation import prompt_token_counter
+from h3engine.conditioning.remix import chain_windows
 from h3engine.engine.model_store import LoadEvent, ModelLoader, ModelStore
 from h3engine.engine.pipeline import (
     GenerationOutput,
@@ -37,6 +38,7 @@ from h3engine.engine.pipeline import (
     run_generation,
     write_outputs,
 )
+from h3engine.errors import RequestError
 from h3engine.geometry import Geometry
 from h3engine.lora.adapters import (
     Adapter,
@@ -191,6 +193,8 @@ class Engine:
     ) -> tuple[GenerationOutput, Geometry]:
         """The request's video and audio tensors; with `mp4_path`, also its MP4, written while the video decodes."""
         resolved = self._resolved(request)
+        if resolved.request.remix is not None and resolved.request.remix.windows > 1:
+            raise RequestError("remix.windows", "chained windows write files: use generate_to_file")
         prepared = self.prepare(resolved, should_cancel)
         models = self.models_for(resolved.request)
         with torch.inference_mode():
@@ -209,6 +213,8 @@ class Engine:
         files = checked_output_files(out_path, save_tensors_path)
         resolved = self._resolved(request)
         request = resolved.request
+        if request.remix is not None and request.remix.windows > 1:
+            return chain_windows(self.generate_to_file, request, files, on_step, should_cancel)
         inputs = input_records(request)
         with staged(files) as staging:
             output, geometry = self.generate(

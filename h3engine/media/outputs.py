@@ -239,6 +239,13 @@ def input_records(request: GenerationRequest) -> list[dict[str, Any]]:
         }
         for index, reference in enumerate(request.references)
     ]
+    remix = request.remix
+    if remix is not None:
+        records += [
+            {"field": f"remix.{name}", "mode": remix.mode, "path": getattr(remix, name)}
+            for name in ("source_video", "source_audio", "video_mask_image")
+            if getattr(remix, name) is not None
+        ]
     for record in records:
         try:
             record["sha256"] = _sha256(record["path"])
