@@ -167,7 +167,9 @@ def splice_output(
     waveform is clamped to [-1, 1] as decoded audio is (AAC overshoots near full scale)."""
     if plan.audio_over is not None:
         covered = min(plan.audio_over.shape[1], audio.shape[1])
-        audio = torch.cat([plan.audio_over[:, :covered].to(audio.dtype).clamp(-1.0, 1.0), audio[:, covered:]], dim=1)
+        audio = torch.cat(
+            [plan.audio_over[:, :covered].to(audio.dtype).clamp(-1.0, 1.0), audio[:, covered:]], dim=1
+        )
     if plan.prefix_frames is not None:
         prefix = torch.from_numpy(plan.prefix_frames).to(video.dtype) / 255.0
         video = torch.cat([prefix, video[plan.overlap_frames :]])
