@@ -1,0 +1,218 @@
+"""Remix tasks on the tiny checkpoint: v2a keeps the source's frames, a2v its audio, extend continues the clip;
+the checker refuses bad remixes naming the field, probing each file once; the CLI exits 2 with one line."""
+
+from __future__ import annotations
+
+import wave
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import torch
+
+from h3engine.cli import main
+from h3engine.engine import Engine
+from h3engine.engine.pipeline import run_generation
+from h3engine.errors import RequestError
+from h3engine.media.mux import write_mp4
+from h3engine.request import GenerationRequest, MediaFacts, MediaInfo
+from h3engine.request.remix import Remix
+from h3engine.request.resolved import resolve_request
+from h3engine.sampling.packing import audio_latents_to_rows, patchify_video
+
+SOURCE_FRAMES = 110  # trimmed to 107 = 17 * 6 + 5
+GRID_FRAMES = 107
+RATE = 32000
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_native: Path) -> Engine:
+    return Engine.from_checkpoint(tiny_native, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("remix_sources")
+    generator = torch.Generator().manual_seed(1)
+    frames = torch.rand(SOURCE_FRAMES, 32, 56, 3, generator=generator)
+    samples = SOURCE_FRAMES * RATE // 24
+    tone = 0.3 * torch.sin(torch.arange(samples) * (2 * torch.pi * 440 / RATE))
+    write_mp4(folder / "source.mp4", frames, torch.stack([tone, 0.5 * tone]))
+    # A 2.5 s stereo WAV: shorter than the clip, so a2v generates the rest.
+    short = (0.4 * np.sin(np.arange(int(2.5 * RATE)) * (2 * np.pi * 220 / RATE))).astype(np.float32)
+    with wave.open(str(folder / "voice.wav"), "wb") as file:
+        file.setnchannels(2)
+        file.setsampwidth(2)
+        file.setframerate(RATE)
+        file.writeframes((np.stack([short, short], 1) * 32767).astype(np.int16).tobytes())
+    return {"video": folder / "source.mp4", "audio": folder / "voice.wav"}
+
+
+def remix_request(remix: Remix, duration: float = 4.0) -> GenerationRequest:
+    return GenerationRequest(
+        task="t2va", prompt="rain on a tin roof", duration_seconds=duration, steps=2, remix=remix
+    )
+
+
+def decoded_frames(path: Path) -> list[np.ndarray]:
+    with av.open(str(path)) as container:
+        return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+
+
+def decoded_audio(path: Path) -> np.ndarray:
+    with av.open(str(path)) as container:
+        chunks = [frame.to_ndarray() for frame in container.decode(audio=0)]
+    return np.concatenate(chunks, axis=1)
+
+
+def run(engine: Engine, request: GenerationRequest, mp4: Path):  # noqa: ANN201
+    prepared = engine.prepare(request)
+    with torch.inference_mode():
+        output = run_generation(engine.models_for(request), prepared, engine.device, mp4_path=mp4)
+    return prepared, output
+
+
+def test_v2a_copies_the_source_frames_and_generates_new_audio(
+    engine: Engine, sources, tmp_path: Path
+) -> None:
+    request = remix_request(Remix(mode="v2a", source_video=str(sources["video"])))
+    resolved = engine.resolve(request)
+    assert resolved.geometry.frames == GRID_FRAMES
+    assert any("trimmed to 4.458 s (107 frames" in warning for warning in resolved.warnings)
+    files = engine.generate_to_file(resolved, tmp_path / "v2a.mp4")
+    source, output = decoded_frames(sources["video"]), decoded_frames(files.video)
+    assert len(output) == GRID_FRAMES
+    for index in range(GRID_FRAMES):
+        assert np.array_equal(output[index], source[index]), index
+    # The audio is new: not the source's soundtrack.
+    new_audio, old_audio = decoded_audio(files.video), decoded_audio(sources["video"])
+    length = min(new_audio.shape[1], old_audio.shape[1])
+    assert np.abs(new_audio[:, :length] - old_audio[:, :length]).mean() > 0.05
+    assert '"field": "remix.source_video"' in files.sidecar.read_text()
+
+
+def test_a2v_holds_the_source_audio_over_its_span_and_generates_video(
+    engine: Engine, sources, tmp_path: Path
+) -> None:
+    request = remix_request(Remix(mode="a2v", source_audio=str(sources["audio"])))
+    prepared, output = run(engine, request, tmp_path / "a2v.mp4")
+    held = prepared.held
+    covered = int((held.audio_mask[: prepared.geometry.audio_latents] == 0).sum())
+    assert covered == 100  # 2.5 s at 40 latents/s; the rest generated
+    rows = audio_latents_to_rows(output.audio_latents)
+    assert torch.equal(rows[held.audio_mask == 0], held.audio_clean[held.audio_mask == 0])
+    assert held.video_mask is None
+    # The file keeps the source waveform over the span it covers (within AAC's tolerance).
+    with wave.open(str(sources["audio"])) as file:
+        source = np.frombuffer(file.readframes(file.getnframes()), np.int16).reshape(-1, 2).T / 32767
+    written = decoded_audio(tmp_path / "a2v.mp4")
+    span = slice(4000, 76000)  # inside 2.5 s, clear of the codec's edges
+    assert np.abs(written[:, span] - source[:, span]).max() < 0.05
+    assert np.abs(written[:, 84000:140000]).mean() > 0.01 or written.shape[1] < 84000
+    assert not torch.equal(output.video, torch.zeros_like(output.video))
+
+
+def test_extend_continues_the_source(engine: Engine, sources, tmp_path: Path) -> None:
+    request = remix_request(Remix(mode="extend", source_video=str(sources["video"])), duration=4.0)
+    prepared, output = run(engine, request, tmp_path / "extend.mp4")
+    geometry, plan = prepared.geometry, prepared.remix
+    assert geometry.frames == 124  # 22 overlap frames + 4 s, on the grid
+    # The window's first 7 latent frames are the source's last 22 frames, encoded and held.
+    held_rows = 7 * geometry.rows_per_frame
+    rows = patchify_video(output.video_latents[None], geometry.patch)
+    assert torch.equal(rows[:held_rows], prepared.held.video_clean[:held_rows])
+    assert bool((prepared.held.video_mask[:held_rows] == 0).all()) and bool(
+        (prepared.held.video_mask[held_rows:] == 1).all()
+    )
+    # The output is the source, then the window after its overlap.
+    assert output.video.shape[0] == SOURCE_FRAMES + 124 - 22
+    assert torch.equal(output.video[:SOURCE_FRAMES], torch.from_numpy(plan.prefix_frames).float() / 255.0)
+    assert output.audio.shape[1] >= (SOURCE_FRAMES + 102) * RATE // 24
+    written = decoded_frames(tmp_path / "extend.mp4")
+    source = decoded_frames(sources["video"])
+    assert len(written) == SOURCE_FRAMES + 102
+    assert np.abs(written[SOURCE_FRAMES - 1].astype(float) - source[-1].astype(float)).mean() < 8
+
+
+def counting_probe(calls: list[str]):  # noqa: ANN201
+    from h3engine.media.inputs import probe_media
+
+    def probe(reference) -> MediaInfo:  # noqa: ANN001
+        calls.append(reference.path)
+        return probe_media(reference)
+
+    return MediaFacts(probe)
+
+
+@pytest.mark.parametrize(
+    ("remix", "message"),
+    [
+        (Remix(mode="v2a"), "remix.source_video: is required for 'v2a'"),
+        (Remix(mode="a2v"), "remix.source_audio: is required for 'a2v'"),
+        (Remix(audio_mask=((1.0, 2.0),)), "remix.audio_mask: needs remix.source_audio or remix.source_video"),
+        (
+            Remix(mode="extend", source_video="x.mp4", overlap_frames=30),
+            "remix.overlap_frames: must be 17k + 5",
+        ),
+        (Remix(mode="v2a", source_video="x.mp4", windows=2), "remix.windows: only 'extend' chains windows"),
+        (Remix(), "remix: has no mode and no mask"),
+    ],
+)
+def test_the_checker_refuses_a_bad_remix_naming_the_field(remix: Remix, message: str) -> None:
+    with pytest.raises(RequestError) as refused:
+        resolve_request(remix_request(remix), None)
+    assert str(refused.value).startswith(message)
+
+
+def test_masks_outside_the_clip_are_refused_and_each_file_is_probed_once(sources) -> None:
+    calls: list[str] = []
+    inside = Remix(mode="v2a", source_video=str(sources["video"]), audio_mask=((0.5, 1.0), (2.0, 4.4)))
+    resolve_request(remix_request(inside), None, counting_probe(calls))
+    assert calls == [str(sources["video"])]
+    outside = Remix(mode="v2a", source_video=str(sources["video"]), video_mask=((4.0, 4.6),))
+    with pytest.raises(RequestError) as refused:
+        resolve_request(remix_request(outside), None)
+    assert str(refused.value) == "remix.video_mask[0]: ends at 4.6 s, outside the 4.458 s clip"
+    with pytest.raises(RequestError) as refused:
+        resolve_request(
+            remix_request(Remix(mode="a2v", source_audio=str(sources["video"]), video_mask=((0, 1),))), None
+        )
+    assert str(refused.value).startswith("remix.video_mask: needs remix.source_video")
+
+
+def test_the_cli_refuses_a_mask_outside_the_clip_with_one_line(
+    capsys, tiny_native: Path, sources, tmp_path
+) -> None:
+    arguments = [
+        "generate",
+        "--checkpoint",
+        str(tiny_native),
+        "--device",
+        "cpu",
+        "--prompt",
+        "rain",
+        "--steps",
+        "2",
+    ]
+    code = main(
+        [
+            *arguments,
+            "--task",
+            "v2a",
+            "--source-video",
+            str(sources["video"]),
+            "--audio-mask",
+            "1-9",
+            "--out",
+            str(tmp_path / "clip.mp4"),
+        ]
+    )
+    assert code == 2
+    assert capsys.readouterr().err == "error: remix.audio_mask[0]: ends at 9 s, outside the 4.458 s clip\n"
+    code = main([*arguments, "--task", "fl2va", "--video-mask", "0-1", "--out", str(tmp_path / "clip.mp4")])
+    assert code == 2
+    assert capsys.readouterr().err.startswith(
+        "error: --video-mask: remix flags run on t2va, v2a, a2v or extend"
+    )
+    assert not list(tmp_path.iterdir())
