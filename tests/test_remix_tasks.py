@@ -10,15 +10,18 @@ import av
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from h3engine.cli import main
 from h3engine.engine import Engine
 from h3engine.engine.pipeline import run_generation
 from h3engine.errors import RequestError
+from h3engine.geometry import Geometry
 from h3engine.media.mux import write_mp4
 from h3engine.request import GenerationRequest, MediaFacts, MediaInfo
 from h3engine.request.remix import Remix
 from h3engine.request.resolved import resolve_request
+from h3engine.sampling.hold import video_range_mask
 from h3engine.sampling.packing import audio_latents_to_rows, patchify_video
 
 SOURCE_FRAMES = 110  # trimmed to 107 = 17 * 6 + 5
@@ -216,3 +219,32 @@ def test_the_cli_refuses_a_mask_outside_the_clip_with_one_line(
         "error: --video-mask: remix flags run on t2va, v2a, a2v or extend"
     )
     assert not list(tmp_path.iterdir())
+
+
+def test_a_gloo_worker_group_equals_one_process_and_keeps_the_held_rows(
+    capsys, tiny_native: Path, sources, tmp_path: Path
+) -> None:
+    """Held rows are sharded like any row: a 2-rank CPU group (gloo) gives one process's tensors (fp32, within the
+    worker tests' tolerance) and exactly the source's latents on the kept latent frames."""
+    masks = ["--source-video", str(sources["video"]), "--video-mask", "0.5-1.5", "--audio-mask", "1-2"]
+    arguments = ["generate", "--checkpoint", str(tiny_native), "--device", "cpu", "--dtype", "float32"]
+    arguments += ["--prompt", "rain", "--steps", "2", "--duration", "4", *masks]
+    tensors = {}
+    for name, extra in (("one", []), ("group", ["--world-size", "2"])):
+        saved = tmp_path / f"{name}.safetensors"
+        assert (
+            main([*arguments, *extra, "--out", str(tmp_path / f"{name}.mp4"), "--save-tensors", str(saved)])
+            == 0
+        )
+        tensors[name] = load_file(saved)
+    capsys.readouterr()
+    for key, expected in tensors["one"].items():
+        error = ((tensors["group"][key] - expected).abs().max() / expected.abs().max()).item()
+        assert error <= 1e-5, (key, error)
+    one, group = tensors["one"]["video_latents"], tensors["group"]["video_latents"]
+    geometry = Geometry(32, 56, 107, 32, 8, 14, 178, 2)
+    regenerated = video_range_mask(geometry, [(0.5, 1.5)]).reshape(32, -1)[:, 0]
+    assert 0 < int(regenerated.sum()) < 32
+    for frame in range(32):
+        if regenerated[frame] == 0:
+            assert torch.equal(one[:, frame], group[:, frame]), frame

@@ -347,7 +347,7 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
     stall = StallPolicy(checked_stall_timeout(args.stall_timeout))
     layout = check_engine_options(options, len(devices))
     device = resolve_device(devices[0]) if len(devices) == 1 and not layout.split else None
-    check_remix_devices(request, device is not None)
+    check_remix_devices(request, device is not None, layout.split)
     if options.fp8_linear and device is not None:
         check_fp8_device(device)
     # The checkpoint's own rules, from its headers (the engine and its front decide with the same function and

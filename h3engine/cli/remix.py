@@ -59,10 +59,15 @@ def remix_payload(args: argparse.Namespace, task: str) -> dict[str, Any] | None:
     return {"mode": mode, **given}
 
 
-def check_remix_devices(request: Any, in_process: bool) -> None:
-    """A remix's output splice runs in the in-process engine only for now (a worker group would shard its held
-    rows like any row, but its decode does not splice the sources yet)."""
-    if request.remix is not None and not in_process:
+def check_remix_devices(request: Any, in_process: bool, split: bool) -> None:
+    """A worker group shards a remix's held rows like any row and its VAE rank 0 splices the sources in; chained
+    windows (`--windows`) and the split layout (encoder / DiT / VAE stages) run remixes not yet."""
+    remix = request.remix
+    if remix is None or in_process:
+        return
+    if split:
         raise RequestError(
-            "--device", "remix tasks run on one device in this process for now (no worker group)"
+            "--task", "remix tasks do not run on the split layout yet (use --gpus without a split)"
         )
+    if remix.windows > 1:
+        raise RequestError("--windows", "chained windows run in one process only (use --device)")

@@ -383,6 +383,8 @@ class DenoisedLatents:
     timings: dict[str, float]
     # The step cache's record (`StepCache.record`); None for cache "off".
     step_cache: dict[str, Any] | None = None
+    # A remix's plan: its output splices the sources in (`remix_output`); None: not a remix.
+    remix: RemixPlan | None = None
 
     def output(
         self, video: torch.Tensor, audio: torch.Tensor, decode_timings: dict[str, float]
@@ -496,7 +498,7 @@ def denoise_encoded(
     )
     audio_latents = rows_to_audio_latents(audio_rows[layout.num_condition_audio_rows :])
     record = None if step_cache is None else step_cache.record()
-    return DenoisedLatents(video_latents, audio_latents, timings, record)
+    return DenoisedLatents(video_latents, audio_latents, timings, record, prepared.remix)
 
 
 # --- decode -------------------------------------------------------------------------------------------------
@@ -675,12 +677,18 @@ def finish_remix(
 ) -> GenerationOutput:
     """Decode a remix, splice the sources the output keeps (h3engine.conditioning.remix) and write its MP4 at
     `mp4_path`: v2a with the source's video stream copied, unless it asked for the decoded frames."""
-    video, audio, timings = decode(models, latents.video_latents, latents.audio_latents, None, should_cancel)
-    video, audio = splice_output(plan, video, audio)
+    decoded = decode(models, latents.video_latents, latents.audio_latents, None, should_cancel)
+    return remix_output(plan, latents.output(*decoded), mp4_path)
+
+
+def remix_output(plan: RemixPlan, output: GenerationOutput, mp4_path: Path | None) -> GenerationOutput:
+    """A decoded remix's output with the sources spliced in, its MP4 written at `mp4_path` (a worker group's VAE
+    rank 0 calls this too)."""
+    output.video, output.audio = splice_output(plan, output.video, output.audio)
     if mp4_path is not None:
         started = time.perf_counter()
-        write_mp4(mp4_path, video, audio)
+        write_mp4(mp4_path, output.video, output.audio)
         if plan.copy_video_from is not None:
             copy_source_video(plan.copy_video_from, mp4_path, plan.copy_video_frames, FPS)
-        timings["mux_s"] = time.perf_counter() - started
-    return latents.output(video, audio, timings)
+        output.timings["mux_s"] = time.perf_counter() - started
+    return output

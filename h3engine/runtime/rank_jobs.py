@@ -30,6 +30,7 @@ from h3engine.engine.pipeline import (
     decode_on_group,
     denoise_encoded,
     denoise_request,
+    remix_output,
     write_outputs,
 )
 from h3engine.errors import GenerationCancelled
@@ -163,7 +164,8 @@ class JobRank:
         vae = self.groups.vae
         if vae is None:
             raise ValueError(f"rank {self.rank} holds no video decoder and cannot finish a job")
-        mp4_written = vae.size == 1
+        # A remix writes its MP4 after splicing its sources into the decoded output (pipeline.remix_output).
+        mp4_written = vae.size == 1 and latents.remix is None
         files = OutputFiles.beside(job.out_path, job.save_tensors_path)
         with staged(files) if self.rank == 0 else contextlib.nullcontext() as staging:
             try:
@@ -186,6 +188,8 @@ class JobRank:
             # From here on rank 0 works alone, so a failure is this job's only: it is reported, the group stays up.
             try:
                 output = latents.output(*decoded)
+                if latents.remix is not None:
+                    output, mp4_written = remix_output(latents.remix, output, staging.files.video), True
                 record = self.engine.record(job.request)
                 write_outputs(staging, job.request, inputs, output, geometry, record, mp4_written)
                 if before_commit is not None:
