@@ -1,7 +1,7 @@
 """The whole page: header and banner, the three task tabs, the shared result column, the history; and its events.
 
 Contract: `build_ui(front, options)` returns a `gr.Blocks` (not yet queued or launched; app.py does both). Events:
-* `/t2va`, `/fl2va`, `/ref2va`: the three generate endpoints (public API). Each has a validator that runs before
+* `/t2va`, `/fl2va`, `/ref2va`: the three generate endpoints (public API); `/remix` the Remix tab's (ui.remix). Each has a validator that runs before
   Gradio queues it, and all three share the concurrency group "h3-engine" limited to the front's replica count.
 * Everything else (derived canvas, swap, last frame, reference gallery, examples, history, cancel) is private: not
   part of the API.
@@ -28,6 +28,7 @@ from ui.history import HistoryEntry
 from ui.loras import wire_lora_panel
 from ui.prompt_builder import wire_prompt_builder
 from ui.references import wire_reference_gallery
+from ui.remix import build_remix_tab, wire_remix_tab
 from ui.result import ResultColumn, build_history, build_result_column
 from ui.tabs import DEFAULT_VALUES, TaskTab, build_fl2va_tab, build_ref2va_tab, build_t2va_tab
 
@@ -111,6 +112,8 @@ def build_ui(
                                 initial["steps"],
                                 initial["short_edge"],
                             )
+                    with gr.Tab("Remix", id="remix", elem_id="tab-remix"):
+                        remix_tab = build_remix_tab(_initial_values(front, "t2va")["steps"])
             with gr.Column(scale=2, elem_id="h3-result-column"):
                 result = build_result_column()
         history = build_history()
@@ -118,6 +121,7 @@ def build_ui(
         generate_buttons = [tab.generate for tab in tabs.values()]
         for tab in tabs.values():
             _wire_generate(tab, handlers, result, generate_buttons, history.table, options.max_jobs)
+        wire_remix_tab(remix_tab, handlers, result, options.max_jobs, ENGINE_CONCURRENCY_ID)
         result.cancel.click(handlers.cancel_jobs, queue=False, api_visibility="private")
         for tab in tabs.values():
             _wire_canvas_text(tab, handlers)

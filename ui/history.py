@@ -94,7 +94,7 @@ def history_rows(entries: list[HistoryEntry]) -> list[list[str]]:
             [
                 entry.stem,
                 time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.modified)),
-                TASK_TITLES.get(request.get("task"), str(request.get("task"))),
+                _task_title(request),
                 prompt,
                 str(entry.sidecar.get("seed", "")),
                 str(request.get("steps", "")),
@@ -170,3 +170,12 @@ def entry_markdown(entry: HistoryEntry) -> str:
         {name: float(value) for name, value in entry.sidecar.get("timings_s", {}).items()},
         entry.sidecar.get("step_cache"),
     )
+
+
+def _task_title(request: dict) -> str:
+    """The task column: a remix says its mode and source file (the sidecar's request records both)."""
+    remix = request.get("remix")
+    if isinstance(remix, dict):
+        source = remix.get("source_video") or remix.get("source_audio") or ""
+        return f"Remix {remix.get('mode') or 'masks'} ({Path(str(source)).name})"
+    return TASK_TITLES.get(request.get("task"), str(request.get("task")))
