@@ -96,3 +96,28 @@ def test_a_refused_remix_is_a_status_and_an_error_naming_the_field(tmp_path: Pat
     assert error is not None and "remix.source_audio" in str(error)
     updates, error = press(StandInFront(), outputs, tmp_path, "x", "extend", None, None, 5, "1-x", "", 0, 2)
     assert updates[-1][STATUS].startswith("⚠ Not started: remix.video_mask: must be START-END")
+
+
+def test_the_videos_api_reads_remix_fields_and_names_them_in_errors(
+    tiny_native: Path, tmp_path: Path
+) -> None:
+    from h3engine.checkpoint.facts import CheckpointFacts
+    from h3engine.checkpoint.layout import detect_layout
+    from h3engine.serving.videos import Upload, api_message, api_param, request_from_fields
+
+    facts = CheckpointFacts.from_layout(detect_layout(tiny_native))
+    fields = {"prompt": "surf", "task": "v2a", "source_video": Upload("beach.mp4", b"x"), "audio_mask": "0-1"}
+    built = request_from_fields(fields, tmp_path, facts)
+    request = built.request
+    assert (
+        request.task == "t2va" and request.remix.mode == "v2a" and request.remix.audio_mask == ((0.0, 1.0),)
+    )
+    assert built.file_fields[request.remix.source_video] == "source_video"
+    assert Path(request.remix.source_video).is_relative_to(tmp_path)
+    with pytest.raises(RequestError) as refused:
+        request_from_fields({"prompt": "surf", "task": "a2v", "video_mask": "1-"}, tmp_path, facts)
+    param = api_param(refused.value, None, False)
+    assert param == "video_mask"
+    assert api_message(refused.value, param) == (
+        "video_mask: must be START-END[,START-END...] in seconds, got '1-'"
+    )

@@ -177,7 +177,7 @@ class Serving:
             ) from None
         if not isinstance(payload, dict):
             raise ApiError(400, "The body must be a JSON object.", code="invalid_json")
-        for name in ("input_reference", "last_frame", "references"):
+        for name in ("input_reference", "last_frame", "references", "source_video", "source_audio"):
             if name in payload:
                 payload[name] = _json_uploads(payload[name], name)
         return payload

@@ -35,6 +35,7 @@ from h3engine.request import (
     LoraChoice,
     Reference,
 )
+from h3engine.request.remix import REMIX_MODES, Remix, parse_ranges
 from h3engine.serving.store import JobRecord
 
 DEFAULT_MODEL = "minimax-h3"
@@ -56,8 +57,13 @@ H3_FIELDS = (
     "aspect_ratio",
     "short_edge",
     "callback_url",
+    # Remix (task v2a / a2v / extend, or masks on t2va: h3engine.request.remix).
+    "source_video",
+    "source_audio",
+    "video_mask",
+    "audio_mask",
 )
-FILE_FIELDS = ("input_reference", "last_frame", "references")
+FILE_FIELDS = ("input_reference", "last_frame", "references", "source_video", "source_audio")
 _INTEGER_FIELDS = ("seed", "steps", "short_edge")
 _NUMBER_FIELDS = ("flow_shift", "audio_flow_shift")
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX×]\s*(\d{1,5})\s*$")
@@ -228,6 +234,25 @@ def _as_uploads(value: Any) -> list[Upload]:
     return [item for item in items if isinstance(item, Upload)]
 
 
+def _remix_of(fields: Mapping[str, Any], task: Any, kept: Any) -> Remix | None:
+    """The request's remix from the remix fields (None without any): `task` v2a / a2v / extend is its mode."""
+    mode = task if task in REMIX_MODES else None
+    videos, audios = _as_uploads(fields.get("source_video")), _as_uploads(fields.get("source_audio"))
+    masks = {
+        name: parse_ranges(str(fields[name]), f"remix.{name}")
+        for name in ("video_mask", "audio_mask")
+        if fields.get(name) not in (None, "")
+    }
+    if mode is None and not (videos or audios or masks):
+        return None
+    return Remix(
+        mode=mode,
+        source_video=kept(videos[0], "source_video") if videos else None,
+        source_audio=kept(audios[0], "source_audio") if audios else None,
+        **masks,
+    )
+
+
 def request_from_fields(
     fields: Mapping[str, Any],
     outputs_dir: Path,
@@ -249,7 +274,9 @@ def request_from_fields(
         for item in items:
             if not isinstance(item, Upload):
                 raise ApiFieldError(
-                    name, f"{name}: must be an uploaded image file (multipart), got {str(item)[:60]!r}"
+                    name,
+                    f"{name}: must be an uploaded {'media' if name.startswith('source_') else 'image'} file (multipart), "
+                    f"got {str(item)[:60]!r}",
                 )
     first = _as_uploads(fields.get("input_reference"))
     last = _as_uploads(fields.get("last_frame"))
@@ -262,6 +289,8 @@ def request_from_fields(
         built.file_fields[path] = api_field
         return path
 
+    remix = _remix_of(fields, task, kept)
+    task = "t2va" if task in REMIX_MODES else task
     keyframes: list[Keyframe] = []
     reference_list: list[Reference] = []
     if task == "ref2va":
@@ -314,6 +343,7 @@ def request_from_fields(
         if task in LORA_TARGET_OF_TASK
         else (),
         rungs=_rungs(fields.get("rungs")),
+        remix=remix,
         **values,
     )
     built.meta = {
@@ -340,6 +370,9 @@ def api_param(error: RequestError, built: Built | None, size_given: bool) -> str
         return built.file_fields[error.path]
     if head == "duration_seconds":
         return "seconds"
+    if head == "remix":
+        inner = (error.field or "").removeprefix("remix.").split("[")[0]
+        return inner if inner in H3_FIELDS else "task"
     if head in ("width", "height", "aspect_ratio", "short_edge") and size_given:
         return "size"
     if head == "keyframes" and built is not None and built.keyframe_fields:
@@ -358,6 +391,10 @@ def api_message(error: RequestError, param: str) -> str:
     parts = [param]
     if error.field and error.field != param and not error.field.startswith(param):
         inner = error.field
+        if inner.startswith(f"remix.{param}"):
+            inner = inner.removeprefix(f"remix.{param}")
+            inner = f"{param}{inner}" if inner else ""
+            parts = [] if inner else parts
         if inner.startswith(("keyframes", "references", "duration_seconds")) and param in (
             *FILE_FIELDS,
             "seconds",
