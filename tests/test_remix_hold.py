@@ -12,7 +12,7 @@ from h3engine.engine import Engine
 from h3engine.engine.pipeline import PreparedRequest, StepEvent, denoise_request
 from h3engine.geometry import Geometry
 from h3engine.request import GenerationRequest
-from h3engine.sampling.hold import HeldRows, audio_range_mask, video_range_mask
+from h3engine.sampling.hold import HeldRows, audio_range_mask, pool_spatial_mask, video_range_mask
 from h3engine.sampling.packing import audio_latents_to_rows, patchify_video
 
 STEPS = 2
@@ -122,3 +122,20 @@ def test_a_range_mask_keeps_the_rows_outside_it(engine: Engine, source) -> None:
     assert torch.equal(audio_rows[audio_mask == 0], source[1][audio_mask == 0])
     assert not torch.allclose(video_rows[video_mask == 1], source[0][video_mask == 1], atol=1e-3)
     assert not torch.allclose(audio_rows[audio_mask == 1], source[1][audio_mask == 1], atol=1e-3)
+
+
+def test_a_mask_image_is_pooled_to_the_patch_grid_and_limits_the_regenerated_rows() -> None:
+    geometry = Geometry(
+        height=32, width=56, frames=107, latent_frames=32, latent_h=8, latent_w=14, audio_latents=178
+    )
+    image = torch.zeros(32, 56)
+    image[:9, :13] = 1.0  # white: regenerate (a corner, a little past one 8x8 cell each way)
+    grid = pool_spatial_mask(image, 4, 7)
+    assert grid.shape == (4, 7)
+    assert grid[:2, :2].eq(1).all() and grid.sum() == 4  # max pooling: a touched cell is regenerated
+    mask = video_range_mask(geometry, [(1.0, 2.0)], grid).reshape(32, 28)
+    frames = video_range_mask(geometry, [(1.0, 2.0)]).reshape(32, 28)[:, 0]
+    assert torch.equal(mask[frames == 1], grid.reshape(1, -1).expand(int(frames.sum()), -1))
+    assert mask[frames == 0].eq(0).all()
+    # Latent frames follow the VAE's spans (1, 4, 4, 4, 4): 1.0-2.0 s is pixel frames 24-47.
+    assert frames.nonzero().flatten().tolist() == list(range(7, 15))
