@@ -158,6 +158,9 @@ def _check_sources(remix: Remix) -> None:
 
 
 def _check_files(remix: Remix, duration_seconds: float, probe: Any) -> tuple[float, list[str]]:
+    from h3engine.media.inputs import (
+        MAX_MEDIA_SECONDS,
+    )  # the media readers (PyAV); the probe loaded them already
     from h3engine.request import Reference
 
     warnings = []
@@ -170,6 +173,11 @@ def _check_files(remix: Remix, duration_seconds: float, probe: Any) -> tuple[flo
         frames = math.floor(video_seconds * FPS + 1e-6)
         if frames < MIN_GRID_FRAMES:
             fail("remix.source_video", f"must hold at least {MIN_GRID_FRAMES} frames, has {frames}")
+        if remix.mode == "extend" and video_seconds > MAX_MEDIA_SECONDS:
+            fail(
+                "remix.source_video",
+                f"an extend source must be at most {MAX_MEDIA_SECONDS:g} s, is {video_seconds:.1f}",
+            )
         if remix.mode == "extend" and frames < remix.overlap_frames:
             fail(
                 "remix.overlap_frames",
