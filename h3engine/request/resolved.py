@@ -164,4 +164,9 @@ def remix_source_size(request: GenerationRequest, media: MediaFacts) -> tuple[in
     if remix.source_video is None or request.aspect_ratio != "auto":
         return None
     info = media(Reference(kind="video", path=remix.source_video))
+    if not 1 / 4 <= info.width / info.height <= 4:
+        fail(
+            "remix.source_video",
+            f"its {info.width}x{info.height} frames are outside 1:4 to 4:1 (give aspect_ratio)",
+        )
     return info.width, info.height
