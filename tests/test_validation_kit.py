@@ -2,8 +2,8 @@
 
 Ours and diffusers' pipeline (the reference runner) must agree at every boundary within the fp32 bounds, in both
 step conventions; a deliberately broken component (Q and K swapped in one block, the stereo channels flipped, a
-wrong flow shift) must be named at the right first divergent boundary. Everything runs in-process through the
-CLI's `main`, with 2 forwards per run.
+wrong flow shift) must be named at the right first divergent boundary; a worker group of two CPU ranks captures on
+rank 0. Everything runs through the CLI's `main` in this process (the group's ranks excepted), 2 forwards a run.
 """
 
 from __future__ import annotations
@@ -112,26 +112,22 @@ def test_broken_components_are_named_at_their_first_boundary(
     checkpoint, captures, tmp_path, monkeypatch
 ) -> None:
     reference_capture = captures["reference_sglang"]
-    assert generate(broken_qkv(checkpoint, tmp_path / "qkv"), tmp_path / "swapped_qkv") == 0
+    qkv = broken_qkv(checkpoint, tmp_path / "qkv")
+    assert generate(qkv, tmp_path / "swapped_qkv", "sglang", "--capture-steps", "first") == 0
     assert first_divergence(tmp_path / "swapped_qkv", reference_capture) == "dit_prediction[0]"
-
-    # The first sigma is 1 whatever the shift, so the first forward still agrees; its Euler step does not.
-    assert generate(checkpoint, tmp_path / "wrong_shift", "sglang", "--flow-shift", "5") == 0
-    assert first_divergence(tmp_path / "wrong_shift", reference_capture) == "scheduler_output[0]"
 
     decode_stereo = AudioVAE.decode_stereo
     monkeypatch.setattr(AudioVAE, "decode_stereo", lambda self, latents: decode_stereo(self, latents).flip(0))
-    assert generate(checkpoint, tmp_path / "flipped_audio") == 0
+    assert generate(checkpoint, tmp_path / "flipped_audio", "sglang", "--capture-steps", "none") == 0
     assert first_divergence(tmp_path / "flipped_audio", reference_capture) == "waveform"
+    # The step selections kept what they named: the first forward, none.
+    for name, kept in (("swapped_qkv", {None, 0}), ("flipped_audio", {None})):
+        index = json.loads((tmp_path / name / "index.json").read_text())
+        assert {entry["step"] for entry in index["boundaries"]} == kept, name
+    assert trace.active() is None  # nothing stays active after a run
 
 
 def test_capture_steps_and_bad_flags(checkpoint, captures, tmp_path, capsys) -> None:
-    assert generate(checkpoint, tmp_path / "last", "sglang", "--capture-steps", "last") == 0
-    steps = {
-        entry["step"] for entry in json.loads((tmp_path / "last" / "index.json").read_text())["boundaries"]
-    }
-    assert steps == {None, 1}
-    assert trace.active() is None  # nothing stays active after a run
     capsys.readouterr()
     assert generate(checkpoint, tmp_path / "bad", "sglang", "--capture-steps", "2-x") == 2
     assert capsys.readouterr().err.startswith("error: --capture-steps:")
@@ -209,3 +205,25 @@ def test_check_checkpoint_at_the_released_size_reads_headers_in_seconds(tmp_path
     out = capsys.readouterr().out
     assert "verdict: OK" in out and " GB" in out
     assert elapsed < 30, elapsed
+
+
+def test_a_worker_group_captures_on_rank_0_and_a_wrong_shift_is_named(checkpoint, captures, tmp_path) -> None:
+    """Two CPU ranks: rank 0 writes the (gathered) boundaries. Run with a wrong flow shift, they match the
+    reference's up to the first Euler step: the first sigma is 1 whatever the shift, so the first forward agrees."""
+    group = tmp_path / "group"
+    assert (
+        generate(
+            checkpoint, group, "sglang", "--world-size", "2", "--flow-shift", "5", "--capture-steps", "-2"
+        )
+        == 0
+    )
+    index = json.loads((group / "index.json").read_text())
+    assert index["runner"].startswith("h3engine (worker group")
+    assert [entry["name"] for entry in index["boundaries"]][-3:] == [
+        "final_latents",
+        "decoded_frames",
+        "waveform",
+    ]
+    assert {entry["step"] for entry in index["boundaries"]} == {None, 0}  # forward -2 of 2
+    assert first_divergence(group, captures["reference_sglang"]) == "scheduler_output[0]"
+    assert "H3ENGINE_CAPTURE" not in os.environ

@@ -360,7 +360,7 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
     resolved = resolve_request(request, facts, media)
     for warning in resolved.warnings:
         progress.warning(warning)
-    with capturing_generation(args, request):
+    with capturing_generation(args, request, on_workers=device is None):
         if device is not None:
             return _generate_in_process(
                 args.checkpoint, options, resolved, device, out_path, save_tensors_path, progress

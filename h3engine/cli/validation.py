@@ -9,6 +9,7 @@ or 2 for a bad flag, a non-diffusers checkpoint or diffusers missing. Errors are
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -98,31 +99,32 @@ def new_capture(args: argparse.Namespace) -> Any:
 
 
 @contextmanager
-def capturing_generation(args: argparse.Namespace, request: Any) -> Iterator[None]:
-    """`generate --capture`: the block runs with the capture active and its index is written after it."""
+def capturing_generation(args: argparse.Namespace, request: Any, on_workers: bool) -> Iterator[None]:
+    """`generate --capture`: the block runs with the capture active and its index is written after it. On a
+    worker group the folder and the selection go to the ranks in their environment (set while the block runs, so
+    the group started in it inherits them); its rank 0 records and writes the index."""
     capture = new_capture(args)
     if capture is None:
         yield
         return
     from h3engine.validation import trace
 
+    if on_workers:
+        names = (trace.ENVIRONMENT_FOLDER, trace.ENVIRONMENT_STEPS)
+        saved = {name: os.environ.get(name) for name in names}
+        os.environ.update(zip(names, (str(capture.folder.resolve()), args.capture_steps), strict=True))
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        return
     with trace.capturing(capture):
         yield
-    capture.finish(_index_record(request, "h3engine", args.capture_steps))
-
-
-def _index_record(request: Any, runner: str, steps: str) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    from h3engine.validation.trace import versions
-
-    return {
-        "runner": runner,
-        "request": asdict(request),
-        "seeds": {"seed": request.seed, "recipe": request.recipe},
-        "capture_steps": steps,
-        "versions": versions(),
-    }
+    capture.finish(trace.index_record(request, "h3engine", args.capture_steps))
 
 
 def run_validation(args: argparse.Namespace) -> int:
@@ -191,7 +193,9 @@ def _reference(args: argparse.Namespace) -> int:
         run = run_reference(Path(args.checkpoint), request, capture)
     except ReferenceUnavailable as error:
         raise RequestError("reference", str(error)) from None
-    record = _index_record(request, "diffusers", args.capture_steps)
+    from h3engine.validation.trace import index_record
+
+    record = index_record(request, "diffusers", args.capture_steps)
     index = capture.finish({**record, **run})
     print(index, file=sys.stdout)
     return 0

@@ -11,6 +11,7 @@ names, so two captures compare boundary by boundary (h3engine.validation.compare
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +35,9 @@ BOUNDARIES = (
 )
 PER_STEP = ("dit_prediction", "scheduler_output")
 INDEX_NAME = "index.json"
+# A worker group's capture: the front sets these before its ranks start, rank 0 records (`group_capture`).
+ENVIRONMENT_FOLDER = "H3ENGINE_CAPTURE"
+ENVIRONMENT_STEPS = "H3ENGINE_CAPTURE_STEPS"
 
 _lock = threading.Lock()
 _active: Capture | None = None
@@ -143,6 +147,34 @@ def record(name: str, step: int | None = None, total: int | None = None, **tenso
     if capture is None or (step is not None and not capture.wants(step, total)):
         return
     capture.record(name, tensors, step)
+
+
+def index_record(request: Any, runner: str, steps: str) -> dict[str, Any]:
+    """What an index says about the run besides its boundaries: the runner, the request, seeds and versions."""
+    from dataclasses import asdict
+
+    return {
+        "runner": runner,
+        "request": asdict(request),
+        "seeds": {"seed": request.seed, "recipe": request.recipe},
+        "capture_steps": steps,
+        "versions": versions(),
+    }
+
+
+@contextmanager
+def group_capture(rank: int, request: Any) -> Iterator[Capture | None]:
+    """A worker group's job: rank 0 records into the folder the front named in its environment (the other ranks
+    and a group started without one record nothing) and writes the index after the job."""
+    folder = os.environ.get(ENVIRONMENT_FOLDER)
+    if rank != 0 or not folder:
+        yield None
+        return
+    steps = os.environ.get(ENVIRONMENT_STEPS, "all")
+    capture = Capture(folder, parse_steps(steps))
+    with capturing(capture):
+        yield capture
+    capture.finish(index_record(request, "h3engine (worker group, rank 0)", steps))
 
 
 def versions() -> dict[str, str]:
