@@ -147,23 +147,34 @@ def _check_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from h3engine.validation.compare import CaptureError, compare_captures, format_table, parse_tolerances
+    from h3engine.validation.compare import (
+        CaptureError,
+        compare_captures,
+        format_table,
+        parse_tolerances,
+        request_differences,
+    )
 
     try:
         bounds = parse_tolerances(args.tol)
     except ValueError as error:
         raise RequestError("--tol", str(error)) from None
+    runs: list[str] = []
     try:
-        rows, first = compare_captures(Path(args.a), Path(args.b), bounds)
+        rows, first = compare_captures(Path(args.a), Path(args.b), bounds, runs)
+        differences = request_differences(Path(args.a), Path(args.b))
     except CaptureError as error:
         raise CheckpointError(str(error)) from None
+    print(f"A: {args.a} ({runs[0]})\nB: {args.b} ({runs[1]})")
+    if differences:
+        print(f"note: the two requests differ in {', '.join(differences)}: a divergence is expected")
     print(format_table(rows, first))
     return 0 if first is None else 1
 
 
 def _reference(args: argparse.Namespace) -> int:
     from h3engine.request import GenerationRequest
-    from h3engine.validation.reference import ReferenceUnavailable, run_reference
+    from h3engine.validation.reference import ReferenceUnavailable, check_reference, run_reference
 
     if args.capture is None:
         raise RequestError("--capture", "the reference runner needs a capture folder")
@@ -188,8 +199,9 @@ def _reference(args: argparse.Namespace) -> int:
         }
     )
     assert isinstance(request, GenerationRequest)
-    capture = new_capture(args)
     try:
+        check_reference(Path(args.checkpoint), request)  # before the capture folder is made
+        capture = new_capture(args)
         run = run_reference(Path(args.checkpoint), request, capture)
     except ReferenceUnavailable as error:
         raise RequestError("reference", str(error)) from None

@@ -131,9 +131,29 @@ def measure(name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, 
     return relative, max_abs, cosine, quality
 
 
-def compare_captures(a: Path, b: Path, bounds: dict[str, float]) -> tuple[list[Row], Row | None]:
-    """Every tensor of `a` against `b`; the rows and the first one beyond its bound (None: all within)."""
+REQUEST_FIELDS = ("task", "prompt", "seed", "steps", "recipe", "flow_shift", "audio_flow_shift")
+
+
+def _describe(index: dict[str, Any]) -> str:
+    request = index.get("request") or {}
+    fields = ", ".join(f"{name}={request.get(name)!r}" for name in REQUEST_FIELDS if name != "prompt")
+    return f"{index.get('runner', '?')}: {fields}"
+
+
+def request_differences(a: Path, b: Path) -> list[str]:
+    """The request fields two captures disagree on (a reason to expect a divergence, not a failure)."""
+    first, second = read_index(a).get("request") or {}, read_index(b).get("request") or {}
+    return [name for name in REQUEST_FIELDS if first.get(name) != second.get(name)]
+
+
+def compare_captures(
+    a: Path, b: Path, bounds: dict[str, float], runs: list[str] | None = None
+) -> tuple[list[Row], Row | None]:
+    """Every tensor of `a` against `b`; the rows and the first one beyond its bound (None: all within). `runs`
+    receives one line describing each capture's run."""
+    runs = [] if runs is None else runs
     index_a, index_b = read_index(a), read_index(b)
+    runs.extend([_describe(index_a), _describe(index_b)])
     others = {(entry["name"], entry["step"]): entry for entry in index_b["boundaries"]}
     rows: list[Row] = []
     first: Row | None = None

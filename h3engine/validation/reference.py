@@ -115,19 +115,27 @@ def reference_geometry(checkpoint: Path, request: GenerationRequest) -> Geometry
     return resolve_request(request, facts).geometry
 
 
-def run_reference(checkpoint: Path, request: GenerationRequest, capture: Capture) -> dict[str, Any]:
-    """Run `request` (T2VA) through diffusers on a diffusers-layout `checkpoint` at fp32 on the CPU and capture
-    its boundaries; returns what the index records about the run."""
+def check_reference(checkpoint: Path, request: GenerationRequest) -> None:
+    """What the reference runner needs before it starts: a T2VA request, a diffusers-layout checkpoint, diffusers
+    itself (RequestError naming the field / ReferenceUnavailable)."""
     if request.task != "t2va":
         raise RequestError("task", f"the reference runner runs t2va requests, got '{request.task}'")
     if detect_layout(checkpoint).kind != "diffusers":
         raise RequestError("--checkpoint", f"{checkpoint}: the reference runner needs the diffusers layout")
     try:
-        from diffusers import ModularPipeline
+        import diffusers  # noqa: F401 - the optional extra, only here
     except ImportError:
         raise ReferenceUnavailable(
             "the reference runner needs diffusers (pip install 'diffusers==0.42.1')"
         ) from None
+
+
+def run_reference(checkpoint: Path, request: GenerationRequest, capture: Capture) -> dict[str, Any]:
+    """Run `request` (T2VA) through diffusers on a diffusers-layout `checkpoint` at fp32 on the CPU and capture
+    its boundaries; returns what the index records about the run."""
+    check_reference(checkpoint, request)
+    from diffusers import ModularPipeline
+
     geometry = reference_geometry(checkpoint, request)
     pipeline = ModularPipeline.from_pretrained(str(checkpoint), workflow="t2va")
     pipeline.load_components(dtype=torch.float32)
