@@ -1,7 +1,7 @@
 """The validation kit (issue 33) on tiny checkpoints: check-checkpoint, generate --capture, reference, compare.
 
 Ours and diffusers' pipeline (the reference runner) must agree at every boundary within the fp32 bounds, in both
-step conventions; a deliberately broken component (Q and K swapped in one block, the stereo channels flipped, a
+step conventions (T2VA in the sglang one, FL2VA in the diffusers one); a deliberately broken component (Q and K swapped in one block, the stereo channels flipped, a
 wrong flow shift) must be named at the right first divergent boundary; a worker group of two CPU ranks captures on
 rank 0. Everything runs through the CLI's `main` in this process (the group's ranks excepted), 2 forwards a run.
 """
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _parity_helpers import synthetic_image
 from safetensors.torch import load_file, save_file
 
 from h3engine.checkpoint.placeholder import make_placeholder_checkpoint
@@ -39,10 +40,10 @@ def generate(checkpoint: Path, folder: Path, recipe: str = "sglang", *extra: str
     )  # fmt: skip
 
 
-def reference(checkpoint: Path, folder: Path, recipe: str = "sglang") -> int:
+def reference(checkpoint: Path, folder: Path, recipe: str = "sglang", *extra: str) -> int:
     return main(
         ["reference", "--checkpoint", str(checkpoint), "--prompt", PROMPT, "--seed", str(SEED), "--steps",
-         STEPS[recipe], "--recipe", recipe, "--capture", str(folder)]
+         STEPS[recipe], "--recipe", recipe, "--capture", str(folder), *extra]
     )  # fmt: skip
 
 
@@ -60,28 +61,32 @@ def checkpoint(tiny_checkpoints) -> Path:
 
 @pytest.fixture(scope="module")
 def captures(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Ours and the reference's capture of the same request, in each step convention."""
+    """Ours and the reference's capture of the same request: T2VA in the sglang convention, FL2VA (a first
+    keyframe) in the diffusers one."""
     root = tmp_path_factory.mktemp("captures")
+    keyframe = root / "first.png"
+    synthetic_image(72, 40, 1).save(keyframe)
     made = {}
-    for recipe in STEPS:
-        made[f"ours_{recipe}"], made[f"reference_{recipe}"] = (
-            root / f"ours_{recipe}",
-            root / f"reference_{recipe}",
-        )
-        assert generate(checkpoint, made[f"ours_{recipe}"], recipe) == 0
-        assert reference(checkpoint, made[f"reference_{recipe}"], recipe) == 0
+    for case, recipe, extra in (
+        ("t2va", "sglang", ()),
+        ("fl2va", "diffusers", ("--first-frame", str(keyframe))),
+    ):
+        made[f"ours_{case}"], made[f"reference_{case}"] = root / f"ours_{case}", root / f"reference_{case}"
+        assert generate(checkpoint, made[f"ours_{case}"], recipe, *extra) == 0
+        assert reference(checkpoint, made[f"reference_{case}"], recipe, *extra) == 0
     return made
 
 
-@pytest.mark.parametrize("recipe", list(STEPS))
-def test_ours_matches_the_reference_runner_at_every_boundary(captures, recipe: str, capsys) -> None:
-    ours, theirs = captures[f"ours_{recipe}"], captures[f"reference_{recipe}"]
+@pytest.mark.parametrize("case", ["t2va", "fl2va"])
+def test_ours_matches_the_reference_runner_at_every_boundary(captures, case: str, capsys) -> None:
+    ours, theirs = captures[f"ours_{case}"], captures[f"reference_{case}"]
     names = [
         (entry["name"], entry["step"])
         for entry in json.loads((ours / "index.json").read_text())["boundaries"]
     ]
     per_step = [(name, step) for step in (0, 1) for name in ("dit_prediction", "scheduler_output")]
-    fixed = ["processor_tokens", "text_states", "initial_noise", "packed_layout"]
+    conditions = ["condition_rows"] if case == "fl2va" else []
+    fixed = ["processor_tokens", "text_states", *conditions, "initial_noise", "packed_layout"]
     tail = ["final_latents", "decoded_frames", "waveform"]
     assert names == [(name, None) for name in fixed] + per_step + [(name, None) for name in tail]
     theirs_index = json.loads((theirs / "index.json").read_text())
@@ -90,11 +95,15 @@ def test_ours_matches_the_reference_runner_at_every_boundary(captures, recipe: s
     capsys.readouterr()
     assert main(["compare", str(ours), str(theirs)]) == 0
     table = capsys.readouterr().out
-    assert "verdict: MATCH" in table and "PSNR" in table and "SNR" in table
-    # The two conventions draw different noise: across them the first difference is the noise itself.
-    other = captures["reference_diffusers" if recipe == "sglang" else "reference_sglang"]
+    assert "verdict: MATCH" in table and "PSNR" in table and "SNR" in table and "note:" not in table
+    # Another request (the other task, another convention) differs from its first boundary on, and is noted.
+    other = captures["reference_fl2va" if case == "t2va" else "reference_t2va"]
     assert main(["compare", str(ours), str(other)]) == 1
-    assert "verdict: DIVERGED first at initial_noise" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert (
+        "verdict: DIVERGED first at processor_tokens" in table
+        and "note: the two requests differ in task" in table
+    )
 
 
 def broken_qkv(checkpoint: Path, folder: Path) -> Path:
@@ -111,7 +120,7 @@ def broken_qkv(checkpoint: Path, folder: Path) -> Path:
 def test_broken_components_are_named_at_their_first_boundary(
     checkpoint, captures, tmp_path, monkeypatch
 ) -> None:
-    reference_capture = captures["reference_sglang"]
+    reference_capture = captures["reference_t2va"]
     qkv = broken_qkv(checkpoint, tmp_path / "qkv")
     assert generate(qkv, tmp_path / "swapped_qkv", "sglang", "--capture-steps", "first") == 0
     assert first_divergence(tmp_path / "swapped_qkv", reference_capture) == "dit_prediction[0]"
@@ -131,19 +140,20 @@ def test_capture_steps_and_bad_flags(checkpoint, captures, tmp_path, capsys) -> 
     capsys.readouterr()
     assert generate(checkpoint, tmp_path / "bad", "sglang", "--capture-steps", "2-x") == 2
     assert capsys.readouterr().err.startswith("error: --capture-steps:")
-    assert generate(checkpoint, captures["ours_sglang"]) == 2  # a capture folder that holds files
+    assert generate(checkpoint, captures["ours_t2va"]) == 2  # a capture folder that holds files
     assert "--capture" in capsys.readouterr().err
-    assert main(["compare", str(tmp_path), str(captures["ours_sglang"])]) == 2
+    assert main(["compare", str(tmp_path), str(captures["ours_t2va"])]) == 2
     assert "index.json: file is missing" in capsys.readouterr().err
-    assert (
-        main(["compare", str(captures["ours_sglang"]), str(captures["ours_sglang"]), "--tol", "noise=1"]) == 2
-    )
+    assert main(["compare", str(captures["ours_t2va"]), str(captures["ours_t2va"]), "--tol", "noise=1"]) == 2
     assert capsys.readouterr().err.startswith("error: --tol:")
     # The reference runner reads the diffusers layout only, and needs diffusers.
     assert reference(Path(__file__).parent, tmp_path / "ref") == 2
     assert reference(checkpoint.parent.parent / "nowhere", tmp_path / "ref2") == 2
+    keyframe = captures["ours_t2va"].parent / "first.png"
+    assert reference(checkpoint, tmp_path / "ref3", "sglang", "--first-frame", str(keyframe)) == 2
     error = capsys.readouterr().err
-    assert error.count("\n") == 2 and "Traceback" not in error
+    assert error.count("\n") == 3 and "Traceback" not in error and "error: recipe:" in error
+    assert not (tmp_path / "ref").exists() and not (tmp_path / "ref3").exists()  # refused before any folder
 
 
 def test_reference_runner_without_diffusers_says_so(checkpoint, tmp_path, monkeypatch, capsys) -> None:
@@ -225,5 +235,5 @@ def test_a_worker_group_captures_on_rank_0_and_a_wrong_shift_is_named(checkpoint
         "waveform",
     ]
     assert {entry["step"] for entry in index["boundaries"]} == {None, 0}  # forward -2 of 2
-    assert first_divergence(group, captures["reference_sglang"]) == "scheduler_output[0]"
+    assert first_divergence(group, captures["reference_t2va"]) == "scheduler_output[0]"
     assert "H3ENGINE_CAPTURE" not in os.environ

@@ -52,10 +52,14 @@ def add_validation_parsers(commands: Any) -> None:
     )
 
     reference = commands.add_parser(
-        "reference", help="run a T2VA request through diffusers' pipeline and capture its boundaries"
+        "reference", help="run a T2VA or FL2VA request through diffusers' pipeline and capture its boundaries"
     )
     reference.add_argument("--checkpoint", required=True, help="checkpoint folder in the diffusers layout")
     reference.add_argument("--prompt", required=True)
+    reference.add_argument(
+        "--first-frame", default=None, help="FL2VA (--recipe diffusers): the first keyframe"
+    )
+    reference.add_argument("--last-frame", default=None, help="FL2VA (--recipe diffusers): the last keyframe")
     reference.add_argument("--seed", type=int, default=0)
     reference.add_argument("--steps", type=int, default=50, help="denoising steps in --recipe's convention")
     reference.add_argument("--recipe", default="sglang", help="sglang (default) or diffusers step convention")
@@ -178,6 +182,11 @@ def _reference(args: argparse.Namespace) -> int:
 
     if args.capture is None:
         raise RequestError("--capture", "the reference runner needs a capture folder")
+    keyframes = [
+        {"path": path, "position": position}
+        for position, path in (("first", args.first_frame), ("last", args.last_frame))
+        if path is not None
+    ]
     payload = {
         "width": args.width,
         "height": args.height,
@@ -189,7 +198,8 @@ def _reference(args: argparse.Namespace) -> int:
 
     request = from_dict(
         {
-            "task": "t2va",
+            "task": "fl2va" if keyframes else "t2va",
+            "keyframes": keyframes,
             "prompt": args.prompt,
             "seed": args.seed,
             "steps": args.steps,

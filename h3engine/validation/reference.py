@@ -118,8 +118,14 @@ def reference_geometry(checkpoint: Path, request: GenerationRequest) -> Geometry
 def check_reference(checkpoint: Path, request: GenerationRequest) -> None:
     """What the reference runner needs before it starts: a T2VA request, a diffusers-layout checkpoint, diffusers
     itself (RequestError naming the field / ReferenceUnavailable)."""
-    if request.task != "t2va":
-        raise RequestError("task", f"the reference runner runs t2va requests, got '{request.task}'")
+    if request.task not in ("t2va", "fl2va"):
+        raise RequestError("task", f"the reference runner runs t2va and fl2va requests, got '{request.task}'")
+    if request.task == "fl2va" and request.recipe != "diffusers":
+        raise RequestError(
+            "recipe",
+            "an fl2va reference runs in the diffusers convention only (--recipe diffusers): diffusers draws the "
+            "keyframes' noise itself, so the sglang recipe's cannot be handed to it",
+        )
     if detect_layout(checkpoint).kind != "diffusers":
         raise RequestError("--checkpoint", f"{checkpoint}: the reference runner needs the diffusers layout")
     try:
@@ -131,13 +137,13 @@ def check_reference(checkpoint: Path, request: GenerationRequest) -> None:
 
 
 def run_reference(checkpoint: Path, request: GenerationRequest, capture: Capture) -> dict[str, Any]:
-    """Run `request` (T2VA) through diffusers on a diffusers-layout `checkpoint` at fp32 on the CPU and capture
+    """Run `request` (T2VA, or FL2VA in the diffusers convention) through diffusers on a diffusers-layout `checkpoint` at fp32 on the CPU and capture
     its boundaries; returns what the index records about the run."""
     check_reference(checkpoint, request)
     from diffusers import ModularPipeline
 
     geometry = reference_geometry(checkpoint, request)
-    pipeline = ModularPipeline.from_pretrained(str(checkpoint), workflow="t2va")
+    pipeline = ModularPipeline.from_pretrained(str(checkpoint), workflow=request.task)
     pipeline.load_components(dtype=torch.float32)
     pipeline.set_progress_bar_config(disable=True)
     sglang = request.recipe == "sglang"
@@ -153,6 +159,7 @@ def run_reference(checkpoint: Path, request: GenerationRequest, capture: Capture
     }
     if sglang:
         inputs.update(_sglang_latents(pipeline, request.seed, geometry))
+    inputs.update(_keyframes(request))
     for scheduler, shift in (
         (pipeline.scheduler, request.flow_shift),
         (pipeline.audio_scheduler, request.audio_flow_shift),
@@ -178,6 +185,16 @@ def run_reference(checkpoint: Path, request: GenerationRequest, capture: Capture
     capture.record("decoded_frames", {"frames": state.get("videos")[0].permute(0, 2, 3, 1).float()})
     capture.record("waveform", {"audio": state.get("audio")[0].float()})
     return {"runner": "diffusers", "forwards": hooks.forwards, "grid_points": points}
+
+
+def _keyframes(request: GenerationRequest) -> dict[str, Any]:
+    """An fl2va request's keyframes as diffusers' `image` / `last_image` (RGB pictures read by Pillow)."""
+    from PIL import Image
+
+    names = {"first": "image", "last": "last_image"}
+    return {
+        names[keyframe.position]: Image.open(keyframe.path).convert("RGB") for keyframe in request.keyframes
+    }
 
 
 def _sglang_latents(pipeline: Any, seed: int, geometry: Geometry) -> dict[str, torch.Tensor]:
