@@ -20,9 +20,11 @@ import torch
 from h3engine.validation.trace import BOUNDARIES, INDEX_NAME
 
 # Per boundary: (the bound on relative L2 at fp32, at bf16, the reason). 0.0: bit-exact (integers, seeded draws).
+# The bf16 bounds are set from a bf16 run against the fp32 reference on the tiny checkpoints (text states 2.7%,
+# DiT predictions 0.5%, frames 0.2%, waveform 0.4%) with head room; nothing at the released size measured them.
 TOLERANCES: dict[str, tuple[float, float, str]] = {
     "processor_tokens": (0.0, 0.0, "token ids are integers: exact or wrong"),
-    "text_states": (1e-5, 2e-2, "one encoder pass: fp32 rounding / the bf16 noise floor"),
+    "text_states": (1e-5, 5e-2, "50 encoder layers: fp32 rounding / bf16 (2.7% on the tiny checkpoint)"),
     "condition_rows": (1e-5, 2e-2, "one VAE encode plus one noising step"),
     "initial_noise": (0.0, 0.0, "the seed's CPU draw: identical bits on every machine"),
     "packed_layout": (0.0, 0.0, "tags, indices and the rotary grid are exact"),
