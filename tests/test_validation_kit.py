@@ -191,9 +191,11 @@ def test_check_checkpoint_headers_and_deep(tiny_native, tmp_path, capsys) -> Non
         path for path in (broken / "FL2VA" / "transformer").glob("*.safetensors") if island in load_file(path)
     )
     rewrite(dit, lambda state: state.__setitem__(island, state[island].bfloat16()))
+    (broken / "Ref2VA" / "tokenizer" / "tokenizer.json").unlink()
     assert main(["check-checkpoint", str(broken)]) == 2
     out = capsys.readouterr().out
-    assert "fp32 island stored as torch.bfloat16" in out and "verdict: BROKEN" in out
+    assert "fp32 island stored as torch.bfloat16" in out and "verdict: BROKEN - 2 component(s) failed" in out
+    assert "ref2va    tokenizer" in out and "the tokenizer has no token <|vision_start|>" in out
 
     nan = Path(shutil.copytree(tiny_native, tmp_path / "nan"))
     vae = next(path for path in nan.rglob("*.safetensors") if "audio_vae" in str(path))

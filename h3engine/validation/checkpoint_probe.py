@@ -159,8 +159,8 @@ def probe_checkpoint(folder: str | Path, deep: bool = False) -> tuple[str, list[
             reports.append(report)
             try:
                 files, report.fp32 = check()
-            except CheckpointError as error:
-                report.problem = str(error)
+            except (CheckpointError, OSError, ValueError, KeyError) as error:
+                report.problem = str(error) if isinstance(error, CheckpointError) else f"{path}: {error}"
                 continue
             if files is None:
                 continue
@@ -169,7 +169,10 @@ def probe_checkpoint(folder: str | Path, deep: bool = False) -> tuple[str, list[
                 if files.placeholder:
                     report.note = "placeholder: values drawn at load, nothing to read"
                     continue
-                report.digests, report.problem = _digest(files)
+                try:
+                    report.digests, report.problem = _digest(files)
+                except Exception as error:  # safetensors' own errors for a damaged file: reported, not raised
+                    report.problem = f"{path}: unreadable tensor data ({error})"
     return layout.kind, reports
 
 
