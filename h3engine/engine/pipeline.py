@@ -389,7 +389,7 @@ def encode_text(
         text_states = encode_presentation(models, presentation, device)
         _synchronize(device)
     if trace.active() is not None:
-        trace.record("processor_tokens", input_ids=presentation.input_ids)
+        trace.record("processor_tokens", input_ids=presentation.input_ids, **presentation.vision_inputs)
         trace.record("text_states", states=text_states)
     return text_states, time.perf_counter() - started
 

@@ -23,7 +23,7 @@ from h3engine.validation.trace import BOUNDARIES, INDEX_NAME
 # The bf16 bounds are set from a bf16 run against the fp32 reference on the tiny checkpoints (text states 2.7%,
 # DiT predictions 0.5%, frames 0.2%, waveform 0.4%) with head room; nothing at the released size measured them.
 TOLERANCES: dict[str, tuple[float, float, str]] = {
-    "processor_tokens": (0.0, 0.0, "token ids are integers: exact or wrong"),
+    "processor_tokens": (0.0, 0.0, "token ids and the processor's pixels: exact or wrong"),
     "text_states": (1e-5, 5e-2, "50 encoder layers: fp32 rounding / bf16 (2.7% on the tiny checkpoint)"),
     "condition_rows": (1e-5, 2e-2, "one VAE encode plus one noising step"),
     "initial_noise": (0.0, 0.0, "the seed's CPU draw: identical bits on every machine"),
@@ -193,14 +193,14 @@ def _label(row: Row) -> str:
 def format_table(rows: list[Row], first: Row | None) -> str:
     """One line per tensor, then the verdict line."""
     lines = [
-        f"{'boundary':<24} {'tensor':<11} {'rel L2':>10} {'max abs':>10} {'cosine':>10} {'bound':>8}  {'':<16} verdict"
+        f"{'boundary':<24} {'tensor':<14} {'rel L2':>10} {'max abs':>10} {'cosine':>10} {'bound':>8}  {'':<16} verdict"
     ]
     for row in rows:
         verdict = "ok" if row.ok else "DIVERGED"
         if row.note:
             verdict += f" ({row.note})"
         lines.append(
-            f"{_label(row):<24} {row.tensor:<11} {row.relative_l2:>10.3g} {row.max_abs:>10.3g} {row.cosine:>10.6f} "
+            f"{_label(row):<24} {row.tensor:<14} {row.relative_l2:>10.3g} {row.max_abs:>10.3g} {row.cosine:>10.6f} "
             f"{row.bound:>8.0e}  {row.quality:<16} {verdict}"
         )
     if first is None:

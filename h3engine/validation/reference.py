@@ -54,7 +54,12 @@ class _Hooks:
 
     def text_encoder(self, module: Any, args: tuple, kwargs: dict) -> None:
         if not any(entry["name"] == "processor_tokens" for entry in self.capture.entries):
-            self.capture.record("processor_tokens", {"input_ids": kwargs["input_ids"].reshape(-1)})
+            vision = {
+                name: value
+                for name, value in kwargs.items()
+                if name.startswith("pixel_") or name.endswith("_thw")
+            }
+            self.capture.record("processor_tokens", {"input_ids": kwargs["input_ids"].reshape(-1), **vision})
 
     def before_dit(self, module: Any, args: tuple, kwargs: dict) -> None:
         if self.forwards == 0:
