@@ -126,9 +126,14 @@ def capturing_generation(args: argparse.Namespace, request: Any, on_workers: boo
                 else:
                     os.environ[name] = value
         return
-    with trace.capturing(capture):
-        yield
-    capture.finish(trace.index_record(request, "h3engine", args.capture_steps))
+    record = trace.index_record(request, "h3engine", args.capture_steps)
+    try:
+        with trace.capturing(capture):
+            yield
+    except BaseException as error:  # the boundaries reached so far stay readable, the index says why they end
+        capture.finish({**record, "failed": f"{type(error).__name__}: {error}"})
+        raise
+    capture.finish(record)
 
 
 def run_validation(args: argparse.Namespace) -> int:
