@@ -136,7 +136,17 @@ def test_broken_components_are_named_at_their_first_boundary(
     assert trace.active() is None  # nothing stays active after a run
 
 
-def test_capture_steps_and_bad_flags(checkpoint, captures, tmp_path, capsys) -> None:
+def test_capture_steps_and_bad_flags(checkpoint, captures, tmp_path, capsys, monkeypatch) -> None:
+    def failing(self, latents):
+        raise RuntimeError("decoder broke")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(AudioVAE, "decode_stereo", failing)
+        assert generate(checkpoint, tmp_path / "failed", "sglang", "--capture-steps", "none") == 1
+    index = json.loads((tmp_path / "failed" / "index.json").read_text())
+    assert index["failed"] == "RuntimeError: decoder broke"
+    assert [entry["name"] for entry in index["boundaries"]][-1] == "packed_layout"
+    assert trace.active() is None
     capsys.readouterr()
     assert generate(checkpoint, tmp_path / "bad", "sglang", "--capture-steps", "2-x") == 2
     assert capsys.readouterr().err.startswith("error: --capture-steps:")

@@ -172,9 +172,14 @@ def group_capture(rank: int, request: Any) -> Iterator[Capture | None]:
         return
     steps = os.environ.get(ENVIRONMENT_STEPS, "all")
     capture = Capture(folder, parse_steps(steps))
-    with capturing(capture):
-        yield capture
-    capture.finish(index_record(request, "h3engine (worker group, rank 0)", steps))
+    record = index_record(request, "h3engine (worker group, rank 0)", steps)
+    try:
+        with capturing(capture):
+            yield capture
+    except BaseException as error:  # the boundaries reached so far stay readable
+        capture.finish({**record, "failed": f"{type(error).__name__}: {error}"})
+        raise
+    capture.finish(record)
 
 
 def versions() -> dict[str, str]:
