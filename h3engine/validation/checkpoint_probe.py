@@ -54,24 +54,23 @@ def _nbytes(files: WeightFiles) -> int:
     )
 
 
-def _check_keys(
-    files: WeightFiles, expected: dict[str, torch.Tensor], ignored: set[str] = frozenset()
-) -> None:
-    """Every expected key at its shape, nothing unknown (CheckpointError naming the file and key), via the loader's
-    own check."""
-    files.check({key: tuple(tensor.shape) for key, tensor in expected.items()}, ignored)
+def _check_keys(files: WeightFiles, expected: dict[str, torch.Tensor]) -> None:
+    """Every expected key at its shape, nothing unknown (the loader's own check: CheckpointError naming the file and
+    key), and a float tensor wherever the module holds one."""
+    files.check({key: tuple(tensor.shape) for key, tensor in expected.items()})
+    for key, tensor in expected.items():
+        info = files.infos[key]
+        if tensor.is_floating_point() and not info.dtype.is_floating_point:
+            raise CheckpointError(f"{info.file}: tensor '{key}' is stored as {info.dtype}, not a float dtype")
 
 
 def _dit_dtypes(files: WeightFiles, expected: dict[str, torch.Tensor]) -> str:
-    """The fp32 islands (fp32 in our module at bf16) must be stored fp32, the rest in a float dtype."""
+    """The fp32 islands (fp32 in our module built at bf16) must be stored fp32; returns "found/expected"."""
     islands = [key for key, tensor in expected.items() if tensor.dtype == torch.float32]
     for key in islands:
         info = files.infos[key]
         if info.dtype != torch.float32:
             raise CheckpointError(f"{info.file}: tensor '{key}' is an fp32 island stored as {info.dtype}")
-    for key in expected:
-        if not files.infos[key].dtype.is_floating_point:
-            raise CheckpointError(f"{files.infos[key].file}: tensor '{key}' is not a float tensor")
     return f"{len(islands)}/{len(islands)}"
 
 
