@@ -99,16 +99,16 @@ class _Hooks:
         return wrapped
 
     def decoder(self, decode: Any, modality: str) -> Any:
+        """`decode` recording its first input: `final_latents` once both decoders have been called."""
+
         def wrapped(latents: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self.pending_latents = {
-                **(self.pending_latents or {}),
-                modality: latents[0] if modality == "video" else latents,
-            }
-            if len(self.pending_latents) == 2:
-                video = self.pending_latents["video"]
-                self.capture.record(
-                    "final_latents", {"video": video[None], "audio": self.pending_latents["audio"]}
-                )
+            pending = self.pending_latents = self.pending_latents or {}
+            if modality not in pending:
+                pending[modality] = latents
+                if len(pending) == 2:
+                    self.capture.record(
+                        "final_latents", {"video": pending["video"], "audio": pending["audio"]}
+                    )
             return decode(latents, *args, **kwargs)
 
         return wrapped
@@ -121,7 +121,7 @@ def reference_geometry(checkpoint: Path, request: GenerationRequest) -> Geometry
 
 
 def check_reference(checkpoint: Path, request: GenerationRequest) -> None:
-    """What the reference runner needs before it starts: a T2VA request, a diffusers-layout checkpoint, diffusers
+    """What the reference runner needs before it starts: a T2VA or FL2VA request, a diffusers-layout checkpoint, diffusers
     itself (RequestError naming the field / ReferenceUnavailable)."""
     if request.task not in ("t2va", "fl2va"):
         raise RequestError("task", f"the reference runner runs t2va and fl2va requests, got '{request.task}'")
