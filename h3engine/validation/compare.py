@@ -203,8 +203,12 @@ def format_table(rows: list[Row], first: Row | None) -> str:
             f"{_label(row):<24} {row.tensor:<14} {row.relative_l2:>10.3g} {row.max_abs:>10.3g} {row.cosine:>10.6f} "
             f"{row.bound:>8.0e}  {row.quality:<16} {verdict}"
         )
+    skipped = sum(1 for row in rows if row.note.startswith("not in B"))
     if first is None:
-        lines.append("verdict: MATCH - every boundary within its tolerance")
+        lines.append(
+            "verdict: MATCH - every boundary within its tolerance"
+            + (f" ({skipped} of A's boundaries not in B, not compared)" if skipped else "")
+        )
     else:
         reason = TOLERANCES.get(first.boundary, (0, 0, ""))[2]
         lines.append(
