@@ -125,6 +125,12 @@ def capturing_generation(args: argparse.Namespace, request: Any, on_workers: boo
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+        if not (capture.folder / trace.INDEX_NAME).exists():
+            print(
+                f"warning: --capture: the worker group wrote nothing to {capture.folder} (the split layout's stage "
+                "ranks, --encoder-tp / --vae-ranks, do not capture yet)",
+                file=sys.stderr,
+            )
         return
     record = trace.index_record(request, "h3engine", args.capture_steps)
     try:
