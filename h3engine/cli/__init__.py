@@ -31,6 +31,13 @@ from typing import TYPE_CHECKING, NoReturn
 
 from h3engine.cli.progress import PROGRESS_MODES, Progress, make_progress
 from h3engine.cli.remix import add_remix_flags, check_remix_devices, remix_payload
+from h3engine.cli.validation import (
+    VALIDATION_COMMANDS,
+    add_capture_flags,
+    add_validation_parsers,
+    capturing_generation,
+    run_validation,
+)
 from h3engine.engine_options import (
     EngineOptions,
     add_engine_flags,
@@ -182,6 +189,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "derived from the step time, at least 5 minutes; see README)",
     )
     add_engine_flags(generate)
+    add_capture_flags(generate)
     generate.add_argument(
         "--out", required=True, help="output .mp4 path (a .json sidecar is written beside it)"
     )
@@ -220,6 +228,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--tiny", action="store_true", help="the tiny shapes instead of the released ones"
     )
     add_plan_memory_parser(commands)
+    add_validation_parsers(commands)
     return parser
 
 
@@ -357,13 +366,14 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
     resolved = resolve_request(request, facts, media)
     for warning in resolved.warnings:
         progress.warning(warning)
-    if device is not None:
-        return _generate_in_process(
-            args.checkpoint, options, resolved, device, out_path, save_tensors_path, progress
+    with capturing_generation(args, request, on_workers=device is None):
+        if device is not None:
+            return _generate_in_process(
+                args.checkpoint, options, resolved, device, out_path, save_tensors_path, progress
+            )
+        return _generate_on_workers(
+            args.checkpoint, options, request, devices, layout, out_path, save_tensors_path, progress, stall
         )
-    return _generate_on_workers(
-        args.checkpoint, options, request, devices, layout, out_path, save_tensors_path, progress, stall
-    )
 
 
 def _with_turbo(args: argparse.Namespace, request: GenerationRequest) -> GenerationRequest:
@@ -532,6 +542,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "plan-memory":
             return run_plan_memory(args)
+        if args.command in VALIDATION_COMMANDS:
+            return run_validation(args)
         if args.quiet and args.progress != "auto":
             raise RequestError(
                 "--quiet", f"shows no progress, so it cannot go with --progress {args.progress}"

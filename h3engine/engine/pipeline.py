@@ -62,6 +62,7 @@ from h3engine.sampling.packing import (
 )
 from h3engine.sampling.schedule import Schedule, euler_step
 from h3engine.sampling.step_cache import CachePreset, ReduceGroups, StepCache, cache_preset
+from h3engine.validation import trace
 
 
 def check_cancelled(should_cancel: Callable[[], bool] | None) -> None:
@@ -362,6 +363,11 @@ def denoise(
         )
         if hold is not None:
             hold.restore(video_rows, audio_rows, first_video_target, first_audio_target)
+        if trace.active() is not None:
+            generated = (first_video_target, first_audio_target)
+            trace.record_step(
+                step, schedule.num_steps, generated, video_velocity, audio_velocity, video_rows, audio_rows
+            )
         if on_step is not None:
             on_step(
                 StepEvent(
@@ -423,6 +429,9 @@ def encode_text(
     with models.resident_for("text_encode"):
         text_states = encode_presentation(models, presentation, device)
         _synchronize(device)
+    if trace.active() is not None:
+        trace.record("processor_tokens", input_ids=presentation.input_ids, **presentation.vision_inputs)
+        trace.record("text_states", states=text_states)
     return text_states, time.perf_counter() - started
 
 
@@ -459,6 +468,8 @@ def denoise_encoded(
             f"condition rows, the conditioning packs into {condition_video_rows.shape[0]} / "
             f"{condition_audio_rows.shape[0]}"
         )
+    if trace.active() is not None:
+        trace.record_request_start(condition_video_rows, condition_audio_rows, noise, layout)
     video_rows = torch.cat([condition_video_rows, noise.video_rows]).to(device)
     audio_rows = torch.cat([condition_audio_rows, noise.audio_rows]).to(device)
     hold = None
@@ -535,6 +546,10 @@ def decode(
         timings["audio_decode_s"] = time.perf_counter() - started
         started = time.perf_counter()
         latents = video_vae.denormalize_latents(video_latents)
+        if trace.active() is not None:
+            trace.record(
+                "final_latents", video=latents, audio=models.audio_vae.denormalize_latents(audio_latents)
+            )
         video = ProgressiveFrames(*video_vae.decoded_video_shape(latents.shape))
         writer = None if mp4_path is None else _start_mp4_writer(mp4_path, video, audio)
         try:
@@ -554,6 +569,9 @@ def decode(
         except Exception as error:
             raise Mp4WriteError(f"writing {mp4_path.name} failed: {error}") from error
         timings["mux_after_decode_s"] = time.perf_counter() - decoded
+    if trace.active() is not None:
+        trace.record("decoded_frames", frames=video.frames)
+        trace.record("waveform", audio=audio)
     return video.frames, audio, timings
 
 
@@ -610,6 +628,12 @@ def decode_on_group(
         pixels, waveform = decoded
         video = _frames_from_pixels(models.video_vae, pixels)
         _synchronize(video.device)
+    if trace.active() is not None:
+        trace.record(
+            "final_latents", video=models.video_vae.denormalize_latents(video_latents), audio=audio_latents
+        )
+        trace.record("decoded_frames", frames=video)
+        trace.record("waveform", audio=waveform.float())
     return video.cpu(), waveform.float().cpu(), {"decode_s": time.perf_counter() - started}
 
 

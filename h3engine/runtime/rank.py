@@ -41,6 +41,7 @@ from h3engine.parallel.vae import AUDIO_DECODE_RANK
 from h3engine.runtime.job_protocol import RunJob, WorkerSpec
 from h3engine.runtime.rank_jobs import JobRank, RankGroups
 from h3engine.runtime.rank_process import Outbox, join_world, rank_engine, run_rank
+from h3engine.validation import trace
 
 
 def worker_groups(rank: int, spec: WorkerSpec) -> RankGroups:
@@ -119,10 +120,11 @@ class WorkerRank(JobRank):
             prepared = shared[0]
         if prepared is None:
             return
-        denoised = self.denoise(job, prepared)
-        if denoised is not None and self.groups.vae is not None:
-            models, latents = denoised
-            self.finish(job, models, latents, prepared.geometry, inputs)
+        with trace.group_capture(self.rank, job.request):  # `generate --capture` on a group: rank 0 records
+            denoised = self.denoise(job, prepared)
+            if denoised is not None and self.groups.vae is not None:
+                models, latents = denoised
+                self.finish(job, models, latents, prepared.geometry, inputs)
 
 
 def rank_share(spec: WorkerSpec, rank: int) -> RankShare:
