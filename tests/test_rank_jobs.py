@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import pickle
 from pathlib import Path
@@ -408,3 +409,11 @@ def test_a_rank_runs_under_the_environment_its_front_has_when_it_starts_it(tmp_p
         "environment": {"H3_TEST_SET_LATER": "now", "H3_TEST_UNSET_LATER": None},
         "temp": str(temp),
     }
+
+
+def test_under_a_temp_folder_too_deep_for_a_unix_socket_ranks_are_spawned(monkeypatch) -> None:
+    """The fork server's socket lives under TMPDIR; a path it cannot bind falls back to spawn, not to an error."""
+    monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: "/" + "deep/" * 20 + "pymp-12345678")
+    assert rank_process.rank_context().get_start_method() == "spawn"
+    monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: "/tmp/pymp-12345678")
+    assert rank_process.rank_context().get_start_method() == "forkserver"

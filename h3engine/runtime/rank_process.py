@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import queue
 import signal
@@ -60,6 +61,7 @@ EXIT_PARENT_GONE = 3
 OUTBOX_FLUSH_TIMEOUT_S = 5.0
 # What a rank process runs, imported once by the fork server that every rank is forked from (`rank_context`).
 RANK_MODULES = ["__main__", "h3engine.runtime.rank", "h3engine.runtime.stages"]
+MAX_UNIX_SOCKET_PATH = 107  # bytes of sun_path before its NUL (Linux)
 
 
 def rank_context() -> Any:
@@ -70,6 +72,11 @@ def rank_context() -> Any:
     each rank still initializes its own GPU. Start the target through `in_front_environment`: a forked rank would
     otherwise run under the environment the server was started with, not the one its front has now.
     """
+    # The server listens on a Unix socket in multiprocessing's folder under TMPDIR; a socket path past 107 bytes
+    # cannot be bound, so under so deep a TMPDIR ranks are spawned instead (slower starts, the same ranks).
+    socket_path = os.path.join(multiprocessing.util.get_temp_dir(), "listener-" + "x" * 8)
+    if len(os.fsencode(socket_path)) > MAX_UNIX_SOCKET_PATH:
+        return torch.multiprocessing.get_context("spawn")
     context = torch.multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(RANK_MODULES)
     return context
