@@ -1,4 +1,4 @@
-"""The app's Remix tab endpoint (`/remix`, ui.remix) against a stand-in engine front, and History's remix title."""
+"""The app's Remix section's endpoint (`/remix`, ui.remix) against a stand-in engine front, and History's remix title."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The whole page: header and banner, the three task tabs, the shared result column, the history; and its events.
 
 Contract: `build_ui(front, options)` returns a `gr.Blocks` (not yet queued or launched; app.py does both). Events:
-* `/t2va`, `/fl2va`, `/ref2va`: the three generate endpoints (public API); `/remix` the Remix tab's (ui.remix). Each has a validator that runs before
+* `/t2va`, `/fl2va`, `/ref2va`: the three generate endpoints (public API); `/remix` the Remix section's (ui.remix). Each has a validator that runs before
   Gradio queues it, and all three share the concurrency group "h3-engine" limited to the front's replica count.
 * Everything else (derived canvas, swap, last frame, reference gallery, examples, history, cancel) is private: not
   part of the API.
@@ -112,8 +112,10 @@ def build_ui(
                                 initial["steps"],
                                 initial["short_edge"],
                             )
-                    with gr.Tab("Remix", id="remix", elem_id="tab-remix"):
-                        remix_tab = build_remix_tab(_initial_values(front, "t2va")["steps"])
+                # Beside the task tabs, not among them: a fourth tab would push References into the tab bar's
+                # overflow menu on a phone.
+                with gr.Accordion("Remix a clip", open=False, elem_id="h3-remix"):
+                    remix_tab = build_remix_tab(_initial_values(front, "t2va")["steps"])
             with gr.Column(scale=2, elem_id="h3-result-column"):
                 result = build_result_column()
         history = build_history()

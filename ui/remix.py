@@ -1,5 +1,5 @@
-"""The Remix tab: "New sound for this video" (v2a), "New video for this sound" (a2v), "Extend by N s" (extend),
-with optional masks in seconds; its public endpoint `/remix`.
+"""The "Remix a clip" section (below the task tabs): "New sound for this video" (v2a), "New video for this sound"
+(a2v), "Extend by N s" (extend), with optional masks in seconds; its public endpoint `/remix`.
 
 The source is an upload or the shown result ("Use the shown result"); the job runs through the engine front like
 a tab's Generate and fills the shared result column; History records the request with its remix (mode, sources).
@@ -95,7 +95,7 @@ def build_remix_tab(steps: int) -> RemixTab:
 
 
 def remix_request(values: dict[str, Any], keep: Any = str) -> GenerationRequest:
-    """The request of the Remix tab's inputs (RequestError naming the field); `keep` maps each file to the path
+    """The request of the Remix section's inputs (RequestError naming the field); `keep` maps each file to the path
     the request names."""
     mode = values["mode"]
     video, audio = values.get("source_video"), values.get("source_audio")
