@@ -24,7 +24,29 @@ from h3engine.runtime.rank_process import RANK_MODULES
 torch.multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_MODULES)
 
 
+# The longest test files, run first (in this order, each file's own tests in theirs): `make test` runs two test
+# processes, each taking a whole file at a time, and the long ones last would leave one process working alone.
+LONGEST_FIRST = (
+    "test_ray_serve.py",
+    "test_memory_budgets_benchmark.py",
+    "test_app_browser_jobs.py",
+    "test_app_isolation.py",
+    "test_app_endings.py",
+    "test_outputs_and_cancel.py",
+    "test_memory_streaming.py",
+    "test_runtime_workers.py",
+    "test_split_stages.py",
+    "test_stall_watchdog.py",
+    "test_serving_api.py",
+    "test_conditioning_parity.py",
+    "test_app_loras.py",
+    "test_app_browser_references.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
