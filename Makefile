@@ -15,6 +15,8 @@ PYTHON ?= python3
 VENV ?= .venv
 ARGS ?=
 UV_FLAGS ?=
+# Test processes of `make test` (pytest-xdist), each taking a whole test file at a time.
+TEST_PROCESSES ?= 2
 BIN := $(VENV)/bin
 PIP_INSTALL := $(BIN)/python -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps
 LOCK_FLAGS := --universal --python-version 3.11 --fork-strategy fewest --generate-hashes --quiet $(UV_FLAGS)
@@ -28,7 +30,7 @@ app: $(VENV)/.installed-app
 test: $(VENV)/.installed-dev $(VENV)/.installed-ray browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q --durations=30
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --durations=30
 
 gpu: $(VENV)/.installed-gpu
 

@@ -3,14 +3,14 @@
 Tiny checkpoints are made once per session and shared read-only: `tiny_native` and `tiny_diffusers` (seed 0),
 and `tiny_checkpoints(layout, seed)` for the other seeds. A test that changes a checkpoint copies one first or
 makes its own. Tests marked `cuda` skip, with the reason shown, when torch sees no CUDA GPU. The empty folders
-gradio_client's downloads leave in the temp folder are removed when the session ends (`gradio_client_leftovers`).
+gradio_client's downloads leave in the temp folder are removed when the run ends (`pytest_sessionfinish`).
 """
 
 from __future__ import annotations
 
 import re
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -59,6 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # client's `download_files` folder and leaves that folder behind, empty (`Endpoint._download_file`): 11 a job of the
 # app (every MP4, sidecar, preview and take). It happens in the process that holds the Client: here, the tests.
 _GRADIO_CLIENT_DOWNLOAD_FOLDER = re.compile(r"[0-9a-f]{40}")
+_DOWNLOAD_FOLDERS_BEFORE = pytest.StashKey[set[Path]]()
 
 
 def _gradio_client_download_folders() -> set[Path]:
@@ -69,12 +70,18 @@ def _gradio_client_download_folders() -> set[Path]:
     }
 
 
-@pytest.fixture(scope="session", autouse=True)
-def gradio_client_leftovers() -> Iterator[None]:
-    """Remove, at the end of the session, the empty download folders gradio_client made during it (only empty ones
-    that were not there before: nothing of anyone else's)."""
-    before = _gradio_client_download_folders()
-    yield
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the run's own process, not one of its test processes
+        session.config.stash[_DOWNLOAD_FOLDERS_BEFORE] = _gradio_client_download_folders()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Remove the empty download folders gradio_client made during the run (only empty ones that were not there
+    before: nothing of anyone else's). Done once every test process has ended: while one runs, an empty folder may
+    be a download of its own about to be filled."""
+    before = session.config.stash.get(_DOWNLOAD_FOLDERS_BEFORE, None)
+    if before is None:
+        return
     for folder in _gradio_client_download_folders() - before:
         try:
             folder.rmdir()  # only if empty
