@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import re
 import statistics
@@ -12,6 +13,20 @@ from pathlib import Path
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def add_checkpoint_source(parser: argparse.ArgumentParser) -> None:
+    """--checkpoint DIR | --placeholder (the default) | --tiny: what a benchmark loads."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", default=None, help="a checkpoint folder (the released one)")
+    source.add_argument(
+        "--placeholder",
+        action="store_true",
+        help="a placeholder checkpoint of the released shapes in a temporary folder (the default)",
+    )
+    source.add_argument(
+        "--tiny", action="store_true", help="a tiny random-weight checkpoint (CPU smoke test)"
+    )
 
 
 def device_label(device: torch.device) -> str:

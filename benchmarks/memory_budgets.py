@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import RESULTS_DIR, package_version, synchronize
+from benchmarks._common import RESULTS_DIR, add_checkpoint_source, package_version, synchronize
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
@@ -89,16 +89,7 @@ NOTES = [
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--checkpoint", default=None, help="a checkpoint folder (the released one)")
-    source.add_argument(
-        "--placeholder",
-        action="store_true",
-        help="a placeholder checkpoint of the released shapes in a temporary folder (the default)",
-    )
-    source.add_argument(
-        "--tiny", action="store_true", help="a tiny random-weight checkpoint (CPU smoke test)"
-    )
+    add_checkpoint_source(parser)
     parser.add_argument("--device", default="cuda:0", help="cuda:N or cpu")
     parser.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"GiB, {RESIDENT_GIB} = resident")
     parser.add_argument("--weights", default="bf16,fp8", help="weight formats, bf16 and/or fp8")

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import RESULTS_DIR, device_label, package_version, synchronize
+from benchmarks._common import RESULTS_DIR, add_checkpoint_source, device_label, package_version, synchronize
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPT = (
@@ -59,16 +59,7 @@ PEERS = {
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--checkpoint", default=None, help="a checkpoint folder (the released one)")
-    source.add_argument(
-        "--placeholder",
-        action="store_true",
-        help="a placeholder checkpoint of the released shapes in a temporary folder (the default)",
-    )
-    source.add_argument(
-        "--tiny", action="store_true", help="a tiny random-weight checkpoint (CPU smoke test)"
-    )
+    add_checkpoint_source(parser)
     parser.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--presets", default="high,fast", help="the presets besides off, comma-separated")
     parser.add_argument(
