@@ -9,6 +9,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -133,4 +134,22 @@ def kernel_profile(run: Callable[[], object], device: torch.device, top: int = 2
             }
             for name, durations in busiest
         ],
+    }
+
+
+def prepared_shape(prepared: Any) -> dict[str, Any]:
+    """A prepared request's canvas, frames, latent grid and packed rows per modality."""
+    geometry = prepared.geometry
+    layout = prepared.conditions.layout(prepared.presentation.row_tags, geometry)
+    return {
+        "height": geometry.height,
+        "width": geometry.width,
+        "frames": geometry.frames,
+        "latent_frames": geometry.latent_frames,
+        "latent_h": geometry.latent_h,
+        "latent_w": geometry.latent_w,
+        "text_rows": layout.num_text_rows,
+        "video_rows": layout.num_target_video_rows,
+        "audio_rows": layout.num_target_audio_rows,
+        "sequence_rows": layout.sequence_length,
     }

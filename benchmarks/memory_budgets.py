@@ -41,7 +41,13 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import RESULTS_DIR, add_checkpoint_source, package_version, synchronize
+from benchmarks._common import (
+    RESULTS_DIR,
+    add_checkpoint_source,
+    package_version,
+    prepared_shape,
+    synchronize,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
@@ -311,22 +317,12 @@ def make_request(spec: dict[str, Any], steps: int, task: str = "t2va") -> Any:
 def request_shape(engine: Any, request: Any) -> dict[str, Any]:
     """The exact shape the request runs at: canvas, frames, latent grid and packed rows per modality."""
     prepared = engine.prepare(request)
-    geometry = prepared.geometry
-    layout = prepared.conditions.layout(prepared.presentation.row_tags, geometry)
+    layout = prepared.conditions.layout(prepared.presentation.row_tags, prepared.geometry)
     return {
         "task": request.task,
-        "height": geometry.height,
-        "width": geometry.width,
-        "frames": geometry.frames,
-        "latent_frames": geometry.latent_frames,
-        "latent_h": geometry.latent_h,
-        "latent_w": geometry.latent_w,
-        "audio_latents": geometry.audio_latents,
-        "text_rows": layout.num_text_rows,
-        "video_rows": layout.num_target_video_rows,
-        "audio_rows": layout.num_target_audio_rows,
+        **prepared_shape(prepared),
+        "audio_latents": prepared.geometry.audio_latents,
         "condition_video_rows": layout.num_condition_video_rows,
-        "sequence_rows": layout.sequence_length,
     }
 
 

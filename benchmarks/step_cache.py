@@ -29,7 +29,14 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import RESULTS_DIR, add_checkpoint_source, device_label, package_version, synchronize
+from benchmarks._common import (
+    RESULTS_DIR,
+    add_checkpoint_source,
+    device_label,
+    package_version,
+    prepared_shape,
+    synchronize,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPT = (
@@ -141,23 +148,6 @@ def errors(output: Any, reference: Any) -> dict[str, float]:
     }
 
 
-def request_shape(prepared: Any) -> dict[str, Any]:
-    geometry = prepared.geometry
-    layout = prepared.conditions.layout(prepared.presentation.row_tags, geometry)
-    return {
-        "height": geometry.height,
-        "width": geometry.width,
-        "frames": geometry.frames,
-        "latent_frames": geometry.latent_frames,
-        "latent_h": geometry.latent_h,
-        "latent_w": geometry.latent_w,
-        "text_rows": layout.num_text_rows,
-        "video_rows": layout.num_target_video_rows,
-        "audio_rows": layout.num_target_audio_rows,
-        "sequence_rows": layout.sequence_length,
-    }
-
-
 def run_preset(
     engine: Any, request: Any, preset: Any, device: torch.device
 ) -> tuple[Any, Any, dict[str, Any]]:
@@ -255,7 +245,7 @@ def main(argv: list[str] | None = None) -> Path:
         for preset in order:
             output, prepared, record = run_preset(engine, request, preset, device)
             reference = reference or output
-            shape = shape or request_shape(prepared)
+            shape = shape or prepared_shape(prepared)
             record["errors"] = errors(output, reference)
             runs.append(record)
             print(
