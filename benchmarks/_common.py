@@ -30,6 +30,17 @@ def add_checkpoint_source(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def enforce_budget(device: torch.device, budget_gib: float | None) -> dict[str, Any]:
+    """Cap this process's CUDA caching allocator at the budget (before anything is allocated)."""
+    if device.type != "cuda" or budget_gib is None:
+        return {"budget_bytes": None, "total_bytes": None, "fraction": None}
+    torch.cuda.set_device(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, budget_gib * (1 << 30) / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return {"budget_bytes": int(budget_gib * (1 << 30)), "total_bytes": total, "fraction": fraction}
+
+
 def device_label(device: torch.device) -> str:
     """The device's name as a file-name fragment, e.g. NVIDIA_H200 (cpu on the CPU)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -44,6 +44,7 @@ import torch
 from benchmarks._common import (
     RESULTS_DIR,
     add_checkpoint_source,
+    enforce_budget,
     package_version,
     prepared_shape,
     synchronize,
@@ -436,17 +437,6 @@ def latents_digest(output: Any) -> str:
 def save_latents(output: Any, path: str | None) -> None:
     if path is not None:
         torch.save({"video": output.video_latents.cpu(), "audio": output.audio_latents.cpu()}, path)
-
-
-def enforce_budget(device: torch.device, budget_gib: float | None) -> dict[str, Any]:
-    """Cap this process's CUDA caching allocator at the budget (before anything is allocated)."""
-    if device.type != "cuda" or budget_gib is None:
-        return {"budget_bytes": None, "total_bytes": None, "fraction": None}
-    torch.cuda.set_device(device)
-    total = torch.cuda.get_device_properties(device).total_memory
-    fraction = min(1.0, budget_gib * GIB / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
-    return {"budget_bytes": int(budget_gib * GIB), "total_bytes": total, "fraction": fraction}
 
 
 def budget_checks(limit: dict[str, Any], spans: dict[str, dict[str, Any]]) -> dict[str, Any] | None:

@@ -33,6 +33,7 @@ from benchmarks._common import (
     RESULTS_DIR,
     add_checkpoint_source,
     device_label,
+    enforce_budget,
     package_version,
     prepared_shape,
     synchronize,
@@ -82,6 +83,18 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         "--warmup-steps", type=int, default=2, help="steps of the untimed warm-up request (0: none)"
     )
     parser.add_argument("--memory-profile", default="auto", help="the engine's --memory-profile")
+    parser.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=None,
+        help="GiB: the engine's --gpu-memory, and this process's CUDA allocator capped there (a smaller card)",
+    )
+    parser.add_argument(
+        "--repeat-off",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="end with 'off' again (its latents must equal the first's, and it brackets the timings)",
+    )
     parser.add_argument("--output-dir", default=str(RESULTS_DIR))
     return parser.parse_args(argv)
 
@@ -99,13 +112,14 @@ def parse_custom(text: str) -> Any:
 
 
 def presets(args: argparse.Namespace) -> list[Any]:
-    """The runs' presets in order: "off", the named ones, the custom ones, "off" again."""
+    """The runs' presets in order: "off", the named ones, the custom ones, "off" again (unless --no-repeat-off)."""
     from h3engine.sampling.step_cache import cache_preset
 
     named = [name.strip() for name in args.presets.split(",") if name.strip()]
     for name in named:
         cache_preset(name)  # ValueError for an unknown name, before anything loads
-    return ["off", *named, *(parse_custom(text) for text in args.custom), "off"]
+    repeat = ["off"] if args.repeat_off else []
+    return ["off", *named, *(parse_custom(text) for text in args.custom), *repeat]
 
 
 def make_checkpoint(args: argparse.Namespace, folder: Path) -> tuple[str, str]:
@@ -158,7 +172,10 @@ def run_preset(
         torch.cuda.reset_peak_memory_stats(device)
     synchronize(device)
     started = time.perf_counter()
-    prepared = dataclasses.replace(engine.prepare(request), cache=preset)
+    if isinstance(preset, str):  # a named preset is the request's own (the memory plan counts its residuals)
+        prepared = engine.prepare(dataclasses.replace(request, cache=preset))
+    else:
+        prepared = dataclasses.replace(engine.prepare(request), cache=preset)
     prepared_s = time.perf_counter() - started
     models = engine.models_for(request)
     with torch.inference_mode():
@@ -217,6 +234,49 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+def result_path(args: argparse.Namespace, device: torch.device) -> Path:
+    """benchmarks/results/step_cache_<gpu>_<date>[_<profile>][_<budget>gib].json"""
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
+    profile = "" if args.memory_profile == "auto" else f"_{args.memory_profile}"
+    budget = "" if args.gpu_memory is None else f"_{args.gpu_memory:g}gib"
+    return Path(args.output_dir) / f"step_cache_{device_label(device)}_{stamp}{profile}{budget}.json"
+
+
+def header(
+    args: argparse.Namespace, device: torch.device, request: Any, limit: dict[str, Any]
+) -> dict[str, Any]:
+    """What the JSON says before any run: the machine, versions, the request and its memory settings."""
+    return {
+        "benchmark": "step_cache",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "git_commit": git_commit(),
+            "triton": package_version("triton"),
+            "flash_attn_4": package_version("flash-attn-4"),
+            "cache_dit": package_version("cache-dit"),
+        },
+        "request": {
+            **request.to_dict(),
+            "memory_profile": args.memory_profile,
+            "gpu_memory_gib": args.gpu_memory,
+        },
+        "allocator_limit": limit,
+        "notes": NOTES,
+        "peers_published": PEERS,
+    }
+
+
+def write(path: Path, result: dict[str, Any]) -> None:
+    """The JSON as it stands (written after every run, so that a run cut short keeps what it measured)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
 def main(argv: list[str] | None = None) -> Path:
     args = parse_arguments(argv)
     from h3engine.engine import Engine
@@ -232,58 +292,38 @@ def main(argv: list[str] | None = None) -> Path:
         seed=args.seed,
         steps=args.steps,
     )
+    limit = enforce_budget(device, args.gpu_memory)
+    path = result_path(args, device)
+    result = header(args, device, request, limit)
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="step_cache_") as temporary:
-        checkpoint, described = make_checkpoint(args, Path(temporary))
+        checkpoint, result["checkpoint"] = make_checkpoint(args, Path(temporary))
         started = time.perf_counter()
-        engine = Engine.from_checkpoint(checkpoint, device, memory_profile=args.memory_profile)
-        load_s = time.perf_counter() - started
+        engine = Engine.from_checkpoint(
+            checkpoint, device, memory_profile=args.memory_profile, gpu_memory=args.gpu_memory
+        )
+        result["load_s"] = time.perf_counter() - started
+        result["memory_plan"] = engine.plan.summary_lines()
         if args.warmup_steps > 0:
             run_preset(engine, dataclasses.replace(request, steps=args.warmup_steps), "off", device)
         reference = None
-        shape = None
         for preset in order:
             output, prepared, record = run_preset(engine, request, preset, device)
             reference = reference or output
-            shape = shape or prepared_shape(prepared)
+            result.setdefault("shape", prepared_shape(prepared))
             record["errors"] = errors(output, reference)
             runs.append(record)
+            result.update(runs=runs, summary=summarize(runs), complete=len(runs) == len(order))
+            write(path, result)
             print(
                 f"{record['preset']}: {record['request_s']:.2f} s, computed {record['computed']} of "
                 f"{record['forwards']}, video latents rel L2 {record['errors']['video_latents_rel_l2']:.3g}",
                 flush=True,
             )
         del engine
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    result = {
-        "benchmark": "step_cache",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": str(device),
-        "gpu": gpu,
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "git_commit": git_commit(),
-            "triton": package_version("triton"),
-            "flash_attn_4": package_version("flash-attn-4"),
-            "cache_dit": package_version("cache-dit"),
-        },
-        "checkpoint": described,
-        "load_s": load_s,
-        "request": {**request.to_dict(), "memory_profile": args.memory_profile},
-        "shape": shape,
-        "runs": runs,
-        "summary": summarize(runs),
-        "off_repeat_equal": bool(runs[-1]["errors"]["video_latents_rel_l2"] == 0.0),
-        "notes": NOTES,
-        "peers_published": PEERS,
-    }
-    output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
-    path = output_dir / f"step_cache_{device_label(device)}_{stamp}.json"
-    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if args.repeat_off:
+        result["off_repeat_equal"] = bool(runs[-1]["errors"]["video_latents_rel_l2"] == 0.0)
+    write(path, result)
     print(f"wrote {path}", flush=True)
     return path
 

@@ -51,3 +51,35 @@ def test_a_custom_preset_is_read_or_refused() -> None:
     assert (preset.warmup_steps, preset.max_consecutive) == (3, -1)
     with pytest.raises(ValueError, match="--custom: expected NAME=Fn,Bn,THRESHOLD,WARMUP,MAX_CONSECUTIVE"):
         parse_custom("sweep=1,0,0.06")
+
+
+def test_a_named_preset_rides_on_the_request_and_each_run_is_saved_as_it_ends(
+    tmp_path: Path, monkeypatch
+) -> None:
+    import benchmarks.step_cache as bench
+
+    saved: list[list[str]] = []
+    write = bench.write
+    monkeypatch.setattr(
+        bench,
+        "write",
+        lambda path, result: (
+            saved.append([r["preset"] for r in result.get("runs", [])]),
+            write(path, result),
+        ),
+    )
+    prepared_caches: list[str] = []
+    prepare = bench.run_preset
+
+    def recording(engine, request, preset, device):
+        output, prepared, record = prepare(engine, request, preset, device)
+        prepared_caches.append(str(prepared.cache))
+        return output, prepared, record
+
+    monkeypatch.setattr(bench, "run_preset", recording)
+    path = main([*ARGUMENTS, "--presets", "high", "--no-repeat-off", "--output-dir", str(tmp_path)])
+    result = json.loads(path.read_text())
+    assert [run["preset"] for run in result["runs"]] == ["off", "high"]
+    assert saved == [["off"], ["off", "high"], ["off", "high"]]
+    assert prepared_caches == ["off", "high"] and result["complete"] and "off_repeat_equal" not in result
+    assert result["request"]["gpu_memory_gib"] is None and result["memory_plan"]
