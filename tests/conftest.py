@@ -2,13 +2,14 @@
 
 Tiny checkpoints are made once per session and shared read-only: `tiny_native` and `tiny_diffusers` (seed 0),
 and `tiny_checkpoints(layout, seed)` for the other seeds. A test that changes a checkpoint copies one first or
-makes its own. Tests marked `cuda` skip, with the reason shown, when torch sees no CUDA GPU. The empty folders
-gradio_client's downloads leave in the temp folder are removed when the run ends (`pytest_sessionfinish`).
+makes its own. Tests marked `cuda` skip, with the reason shown, when torch sees no CUDA GPU. A run's temp folder is
+its own, removed when it ends (`pytest_configure`).
 """
 
 from __future__ import annotations
 
-import re
+import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -55,38 +56,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(no_gpu)
 
 
-# gradio_client 2.x downloads each file a call returns into `<temp folder>/<token_hex(20)>/`, moves it into the
-# client's `download_files` folder and leaves that folder behind, empty (`Endpoint._download_file`): 11 a job of the
-# app (every MP4, sidecar, preview and take). It happens in the process that holds the Client: here, the tests.
-_GRADIO_CLIENT_DOWNLOAD_FOLDER = re.compile(r"[0-9a-f]{40}")
-_DOWNLOAD_FOLDERS_BEFORE = pytest.StashKey[set[Path]]()
+# Everything a run writes to "the temp folder" goes to one folder of its own, removed when the run ends: pytest's
+# own folders, gradio_client's downloads (an empty <token_hex(20)> folder each), Gradio's cache of in-process UIs,
+# multiprocessing's socket folders (pymp-*, which a process ended by os._exit never removes), and whatever the apps,
+# ranks and CLIs the tests start leave there. Set by the run's own process before its test processes start (they
+# inherit it); a short path, so that the fork server's Unix socket under it stays bindable (107 bytes).
+RUN_TEMP_VARIABLE = "H3_TEST_RUN_TEMP"
 
 
-def _gradio_client_download_folders() -> set[Path]:
-    return {
-        path
-        for path in Path(tempfile.gettempdir()).iterdir()
-        if _GRADIO_CLIENT_DOWNLOAD_FOLDER.fullmatch(path.name) and path.is_dir()
-    }
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    if not hasattr(session.config, "workerinput"):  # the run's own process, not one of its test processes
-        session.config.stash[_DOWNLOAD_FOLDERS_BEFORE] = _gradio_client_download_folders()
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Remove the empty download folders gradio_client made during the run (only empty ones that were not there
-    before: nothing of anyone else's). Done once every test process has ended: while one runs, an empty folder may
-    be a download of its own about to be filled."""
-    before = session.config.stash.get(_DOWNLOAD_FOLDERS_BEFORE, None)
-    if before is None:
-        return
-    for folder in _gradio_client_download_folders() - before:
-        try:
-            folder.rmdir()  # only if empty
-        except OSError:
-            pass
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or os.environ.get(RUN_TEMP_VARIABLE):
+        return  # a test process of a run (the folder is its run's) or a run inside a test's
+    folder = tempfile.mkdtemp(prefix="h3-tests-")
+    os.environ[RUN_TEMP_VARIABLE] = folder
+    for variable in ("TMPDIR", "TEMP", "TMP"):
+        os.environ[variable] = folder
+    tempfile.tempdir = None  # read TMPDIR again
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
 @pytest.fixture(scope="session")
