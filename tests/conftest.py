@@ -8,6 +8,7 @@ its own, removed when it ends (`pytest_configure`).
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -72,7 +73,9 @@ def pytest_configure(config: pytest.Config) -> None:
     for variable in ("TMPDIR", "TEMP", "TMP"):
         os.environ[variable] = folder
     tempfile.tempdir = None  # read TMPDIR again
-    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    # Removed at this process's exit after multiprocessing's own exit cleanup (which removes its socket folder and
+    # would fail on one already gone): its finalizers run by priority, its temp folder's at -100.
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-200)
 
 
 @pytest.fixture(scope="session")
