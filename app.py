@@ -374,7 +374,8 @@ def memory_label(options: EngineOptions) -> str:
 
 def check_before_loading(config: AppConfig) -> None:
     """What can fail without a model, checked before any is loaded (ConfigError naming the option): first what needs
-    no torch (the address to listen on, the folders: told at once), then the engine options and the devices, and last the cache folder (made by its check)."""
+    no torch (the address to listen on, the folders: told at once), then the engine options and the devices, last
+    the cache folder (its check makes it)."""
     _check_can_listen(config.host, config.port)
     if config.lora_dir is not None and not config.lora_dir.is_dir():
         raise ConfigError(f"--lora-dir: no such folder: {config.lora_dir}")
