@@ -16,10 +16,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
-from h3engine.checkpoint.tiny import make_tiny_checkpoint
-from h3engine.runtime.rank_process import RANK_MODULES
+# One compute thread per process (unless OMP_NUM_THREADS says otherwise), set before torch is imported, for this
+# process, its test processes and everything they start (apps, ranks, CLIs): on a 2-core machine running two test
+# processes and their children, OpenMP threads that spin waiting for work fight over the cores. Measured on one such
+# machine, four multi-process files with two test processes: 146 s -> 100 s, 154 s -> 61 s of user CPU.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+from h3engine.checkpoint.tiny import make_tiny_checkpoint  # noqa: E402
+from h3engine.runtime.rank_process import RANK_MODULES  # noqa: E402
 
 # The tests' own worker processes (tests/_parallel_*_helpers.py) start like the engine's ranks, from the one fork
 # server of this process that has imported torch and the engine: a rank starts in a fraction of a second.
