@@ -61,11 +61,10 @@ def checkpoint(tiny_checkpoints) -> Path:
 
 @pytest.fixture(scope="module")
 def colocated_tensors(checkpoint, tmp_path_factory) -> dict[str, Path]:
-    """task -> the tensors of the in-process fp32 engine (world size 1, as many threads as a rank of one uses: a new
-    process's default, OMP_NUM_THREADS or else one per core)."""
+    """task -> the tensors of the in-process fp32 engine (world size 1, as many threads as a rank of one uses)."""
     folder = tmp_path_factory.mktemp("colocated")
     threads = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
+    torch.set_num_threads(os.cpu_count() or 1)
     try:
         engine = Engine.from_checkpoint(checkpoint, device="cpu", dtype=torch.float32)
         paths = {}
