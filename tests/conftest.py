@@ -36,20 +36,20 @@ torch.multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_MODU
 # The longest test files, run first (in this order, each file's own tests in theirs): `make test` runs two test
 # processes, each taking a whole file at a time, and the long ones last would leave one process working alone.
 LONGEST_FIRST = (
-    "test_ray_serve.py",
-    "test_memory_budgets_benchmark.py",
-    "test_app_browser_jobs.py",
-    "test_app_isolation.py",
     "test_app_endings.py",
-    "test_outputs_and_cancel.py",
-    "test_memory_streaming.py",
+    "test_ray_serve.py",
+    "test_app_isolation.py",
+    "test_app_browser_jobs.py",
     "test_runtime_workers.py",
     "test_split_stages.py",
-    "test_stall_watchdog.py",
     "test_serving_api.py",
-    "test_conditioning_parity.py",
     "test_app_loras.py",
+    "test_stall_watchdog.py",
+    "test_outputs_and_cancel.py",
     "test_app_browser_references.py",
+    "test_app_api_fuzz.py",
+    "test_memory_streaming.py",
+    "test_app_api.py",
 )
 
 
