@@ -373,8 +373,16 @@ def memory_label(options: EngineOptions) -> str:
 
 
 def check_before_loading(config: AppConfig) -> None:
-    """What can fail without a model, checked before any is loaded: the engine options, the devices, the address to
-    listen on, the outputs and cache folders (ConfigError naming the option)."""
+    """What can fail without a model, checked before any is loaded (ConfigError naming the option): first what needs
+    no torch (the address to listen on, the folders: told at once), then the engine options and the devices, last
+    the cache folder (its check makes it)."""
+    _check_can_listen(config.host, config.port)
+    if config.lora_dir is not None and not config.lora_dir.is_dir():
+        raise ConfigError(f"--lora-dir: no such folder: {config.lora_dir}")
+    problem = _cannot_write(config.outputs_dir)
+    if problem is not None:
+        raise ConfigError(f"--outputs: cannot write to {config.outputs_dir} ({problem})")
+
     from h3engine.engine_options import check_engine_options, check_fp8_device, resolve_device
     from h3engine.errors import RequestError
     from h3engine.runtime.supervision import checked_stall_timeout
@@ -401,12 +409,6 @@ def check_before_loading(config: AppConfig) -> None:
                     stage_devices(layout, devices, config.engine.encoder_devices, config.engine.vae_devices)
     except RequestError as error:
         raise ConfigError(str(error)) from None
-    _check_can_listen(config.host, config.port)
-    if config.lora_dir is not None and not config.lora_dir.is_dir():
-        raise ConfigError(f"--lora-dir: no such folder: {config.lora_dir}")
-    problem = _cannot_write(config.outputs_dir)
-    if problem is not None:
-        raise ConfigError(f"--outputs: cannot write to {config.outputs_dir} ({problem})")
     # The cache holds the tiny demo checkpoint, made when no checkpoint is given.
     problem = None if config.checkpoint is not None else _cannot_write(config.cache_dir)
     if problem is not None:

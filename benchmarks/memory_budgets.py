@@ -1,8 +1,8 @@
 """Step time and peak GPU / host memory of the engine under memory budgets; the partition switch; whole requests.
 
-Per budget (`--budgets` GiB, 120 = resident) and weight format (`--weights bf16,fp8`), one child process (a hidden
-`--one` mode) enforces the budget with `torch.cuda.set_per_process_memory_fraction` before the engine loads, runs a
-warm-up and the timed 768p / 5 s T2VA request, and records the plan, step times (device clock), peak reserved /
+Per budget (`--budgets` GiB, 120 = resident) and weight format (`--weights bf16,fp8`), one child process (forked
+from a server that has imported the engine) enforces the budget with `torch.cuda.set_per_process_memory_fraction`
+before the engine loads, runs a warm-up and the timed 768p / 5 s T2VA request, and records the plan, step times (device clock), peak reserved /
 allocated memory, nvidia-smi and host peaks, the layer streams' counters and whether the latents equal the resident
 run's (FP8: their error against bf16). Runs go R B B R per budget (ratios: medians against the neighbouring
 resident runs). `--switch`: T2VA -> Ref2VA -> T2VA with the other partition warm in host memory and read from disk;
@@ -23,6 +23,7 @@ import ctypes
 import dataclasses
 import datetime
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -31,7 +32,6 @@ import re
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import traceback
@@ -49,6 +49,7 @@ from benchmarks._common import (
     prepared_shape,
     synchronize,
 )
+from h3engine.runtime.rank_process import in_front_environment, rank_context
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
@@ -156,11 +157,14 @@ def gib_key(value: float) -> str:
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """A child whose parent is killed (the GPU machine's command limit) must not keep the GPU: ask Linux for a
-    SIGKILL when the parent dies, and leave at once if it already has."""
+    """A child whose benchmark is killed (the GPU machine's command limit) must not keep the GPU: ask Linux for a
+    SIGKILL when its parent dies (the fork server, which leaves when the benchmark does), and leave at once if the
+    benchmark is already gone."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:
+    try:
+        os.kill(parent_pid, 0)
+    except ProcessLookupError:
         os._exit(3)
 
 
@@ -772,6 +776,11 @@ def planned_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
     return runs
 
 
+def child_entry(spec_text: str) -> None:
+    """A child's body, named by module (not `__main__`) so that the fork server finds it."""
+    importlib.import_module("benchmarks.memory_budgets").child_main(spec_text)
+
+
 def run_child(
     run: dict[str, Any], args: argparse.Namespace, checkpoint: str, work: Path, latents: Path
 ) -> dict[str, Any]:
@@ -794,12 +803,21 @@ def run_child(
         "cpu_threads": args.cpu_threads,
         "placeholder": args.checkpoint is None and not args.tiny,
     }
-    command = [sys.executable, "-m", "benchmarks.memory_budgets", "--one", json.dumps(spec)]
+    # Forked from the server the engine's ranks start from (torch and the engine imported: a child starts in a
+    # fraction of a second, not after seconds of imports), under this process's environment; still a process of
+    # its own (allocator, CUDA context, host peak). The server never touches CUDA.
+    child = rank_context().Process(
+        target=in_front_environment,
+        args=(dict(os.environ), child_entry, json.dumps(spec)),
+        name=run["run_id"],
+    )
     started = time.perf_counter()
-    try:
-        completed = subprocess.run(command, cwd=REPO_ROOT, timeout=args.child_timeout, check=False)
-        returncode: int | str = completed.returncode
-    except subprocess.TimeoutExpired:
+    child.start()
+    child.join(args.child_timeout)
+    returncode: int | str | None = child.exitcode
+    if child.is_alive():
+        child.kill()
+        child.join()
         returncode = f"killed after {args.child_timeout:.0f} s"
     wall_s = time.perf_counter() - started
     record_path = Path(spec["record_path"])

@@ -2,22 +2,31 @@
 
 Tiny checkpoints are made once per session and shared read-only: `tiny_native` and `tiny_diffusers` (seed 0),
 and `tiny_checkpoints(layout, seed)` for the other seeds. A test that changes a checkpoint copies one first or
-makes its own. Tests marked `cuda` skip, with the reason shown, when torch sees no CUDA GPU. The empty folders
-gradio_client's downloads leave in the temp folder are removed when the run ends (`pytest_sessionfinish`).
+makes its own. Tests marked `cuda` skip, with the reason shown, when torch sees no CUDA GPU. A run's temp folder is
+its own, removed when it ends (`pytest_configure`).
 """
 
 from __future__ import annotations
 
-import re
+import multiprocessing.util
+import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
-from h3engine.checkpoint.tiny import make_tiny_checkpoint
-from h3engine.runtime.rank_process import RANK_MODULES
+# One compute thread per process (unless OMP_NUM_THREADS says otherwise), set before torch is imported, for this
+# process, its test processes and everything they start (apps, ranks, CLIs): on a 2-core machine running two test
+# processes and their children, OpenMP threads that spin waiting for work fight over the cores. Measured on one such
+# machine, four multi-process files with two test processes: 146 s -> 100 s, 154 s -> 61 s of user CPU.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+from h3engine.checkpoint.tiny import make_tiny_checkpoint  # noqa: E402
+from h3engine.runtime.rank_process import RANK_MODULES  # noqa: E402
 
 # The tests' own worker processes (tests/_parallel_*_helpers.py) start like the engine's ranks, from the one fork
 # server of this process that has imported torch and the engine: a rank starts in a fraction of a second.
@@ -27,20 +36,20 @@ torch.multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_MODU
 # The longest test files, run first (in this order, each file's own tests in theirs): `make test` runs two test
 # processes, each taking a whole file at a time, and the long ones last would leave one process working alone.
 LONGEST_FIRST = (
-    "test_ray_serve.py",
-    "test_memory_budgets_benchmark.py",
-    "test_app_browser_jobs.py",
-    "test_app_isolation.py",
     "test_app_endings.py",
-    "test_outputs_and_cancel.py",
-    "test_memory_streaming.py",
+    "test_ray_serve.py",
+    "test_app_isolation.py",
+    "test_app_browser_jobs.py",
     "test_runtime_workers.py",
     "test_split_stages.py",
-    "test_stall_watchdog.py",
     "test_serving_api.py",
-    "test_conditioning_parity.py",
     "test_app_loras.py",
+    "test_stall_watchdog.py",
+    "test_outputs_and_cancel.py",
     "test_app_browser_references.py",
+    "test_app_api_fuzz.py",
+    "test_memory_streaming.py",
+    "test_app_api.py",
 )
 
 
@@ -55,38 +64,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(no_gpu)
 
 
-# gradio_client 2.x downloads each file a call returns into `<temp folder>/<token_hex(20)>/`, moves it into the
-# client's `download_files` folder and leaves that folder behind, empty (`Endpoint._download_file`): 11 a job of the
-# app (every MP4, sidecar, preview and take). It happens in the process that holds the Client: here, the tests.
-_GRADIO_CLIENT_DOWNLOAD_FOLDER = re.compile(r"[0-9a-f]{40}")
-_DOWNLOAD_FOLDERS_BEFORE = pytest.StashKey[set[Path]]()
+# Everything a run writes to "the temp folder" goes to one folder of its own, removed when the run ends: pytest's
+# own folders, gradio_client's downloads (an empty <token_hex(20)> folder each), Gradio's cache of in-process UIs,
+# multiprocessing's socket folders (pymp-*, which a process ended by os._exit never removes), and whatever the apps,
+# ranks and CLIs the tests start leave there. Set by the run's own process before its test processes start (they
+# inherit it); a short path, so that the fork server's Unix socket under it stays bindable (107 bytes).
+RUN_TEMP_VARIABLE = "H3_TEST_RUN_TEMP"
 
 
-def _gradio_client_download_folders() -> set[Path]:
-    return {
-        path
-        for path in Path(tempfile.gettempdir()).iterdir()
-        if _GRADIO_CLIENT_DOWNLOAD_FOLDER.fullmatch(path.name) and path.is_dir()
-    }
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    if not hasattr(session.config, "workerinput"):  # the run's own process, not one of its test processes
-        session.config.stash[_DOWNLOAD_FOLDERS_BEFORE] = _gradio_client_download_folders()
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Remove the empty download folders gradio_client made during the run (only empty ones that were not there
-    before: nothing of anyone else's). Done once every test process has ended: while one runs, an empty folder may
-    be a download of its own about to be filled."""
-    before = session.config.stash.get(_DOWNLOAD_FOLDERS_BEFORE, None)
-    if before is None:
-        return
-    for folder in _gradio_client_download_folders() - before:
-        try:
-            folder.rmdir()  # only if empty
-        except OSError:
-            pass
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or os.environ.get(RUN_TEMP_VARIABLE):
+        return  # a test process of a run (the folder is its run's) or a run inside a test's
+    folder = tempfile.mkdtemp(prefix="h3-tests-")
+    os.environ[RUN_TEMP_VARIABLE] = folder
+    for variable in ("TMPDIR", "TEMP", "TMP"):
+        os.environ[variable] = folder
+    tempfile.tempdir = None  # read TMPDIR again
+    # Removed at this process's exit after multiprocessing's own exit cleanup (which removes its socket folder and
+    # would fail on one already gone): its finalizers run by priority, its temp folder's at -100.
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-200)
 
 
 @pytest.fixture(scope="session")

@@ -79,8 +79,10 @@ def test_a_new_job_clears_the_result_and_each_ending_states_itself(app) -> None:
         wait_for_video_frame(page)
         screenshot(page, "done-fl2va-desktop", readme=True)
 
-        # A long job: the result shown goes at once, and a cancel leaves its own status, which stays.
+        # A long job: the result shown goes at once, and a cancel leaves its own status, which stays. 15 s of video
+        # (the longest clip) keeps each step long enough that 1000 of them outlast a slow browser's clicks.
         set_field(page, "#fl2va-steps input", "1000")
+        set_field(page, "#fl2va-duration input[type=number]", "15")
         for attempt in range(3):
             _press_generate(page, "fl2va")
             expect(page.locator("#h3-video video")).to_have_count(0)

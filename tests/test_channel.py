@@ -67,6 +67,22 @@ def shared_memory_entries() -> set[str]:
     return set(os.listdir(SHARED_MEMORY)) if SHARED_MEMORY.is_dir() else set()
 
 
+def mapped_shared_memory(entries: set[str]) -> set[str]:
+    """Those of `entries` (in /dev/shm) that this process has mapped, its segments and named semaphores, matched
+    by inode (a semaphore is mapped under the temporary name it was made with): with other test processes running
+    beside this one, a new entry in /dev/shm may be theirs."""
+    with open("/proc/self/maps") as maps:
+        inodes = {int(fields[4]) for fields in (line.split() for line in maps) if len(fields) > 5}
+    mapped = set()
+    for name in entries:
+        try:
+            if (SHARED_MEMORY / name).stat().st_ino in inodes:
+                mapped.add(name)
+        except OSError:
+            continue
+    return mapped
+
+
 def child_pids() -> set[int]:
     """Live children of this process, except multiprocessing's resource tracker (one per test process, not ours)."""
     children = set()
@@ -113,7 +129,7 @@ def run_spawned(
     reports_queue = context.Queue()
     extras = extra_arguments(context)
     # Whatever the channel and the queues created here must be gone once they are closed and dropped.
-    created_here = shared_memory_entries() - shared_memory_before
+    created_here = mapped_shared_memory(shared_memory_entries() - shared_memory_before)
     processes = {
         role: context.Process(target=target, args=(*channels, reports_queue, *extras), name=f"channel-{role}")
         for role, target in workers.items()

@@ -1,17 +1,18 @@
 """benchmarks/memory_budgets.py at tiny size on the CPU: its run order, its JSON, and what it leaves behind.
 
 One run of the module's `main` (`--tiny --device cpu --budgets 120,24 --weights bf16,fp8 --steps 2 --switch`, plus
-one whole request of 2 steps) makes 11 child processes. What is checked: the interleaved order R B B R per weight
-format, each configuration's record (plan, step times, host peaks, no CUDA figures on the CPU, stream counters
-with no restarts and bytes copied by the streamed DiT only), the streamed bf16 outputs equal to the resident ones
-bit for bit, the FP8 error between 0 and 1, both step-time ratios of budget 24, both switch variants timed, the
-whole request, and a `--resume` that runs nothing again. Nothing is left in the temporary folder the run was given
-(its TMPDIR), and no child process outlives it.
+one whole request of 2 steps) makes 11 child processes (forked from the engine's rank server, under the test's
+TMPDIR). What is checked: the interleaved order R B B R per weight format, each configuration's record (plan, step
+times, host peaks, no CUDA figures on the CPU, stream counters with no restarts and bytes copied by the streamed DiT
+only), the streamed bf16 outputs equal to the resident ones bit for bit, the FP8 error between 0 and 1, both step-
+time ratios of budget 24, both switch variants timed, the whole request, and a `--resume` that runs nothing again.
+Nothing is left in the temporary folder the run was given (its TMPDIR), and no child process outlives it.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing.forkserver
 import os
 import tempfile
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.memory_budgets import budget_runs, main
+from h3engine.runtime.rank_process import rank_context
 
 ARGUMENTS = [
     "--tiny",
@@ -74,7 +76,15 @@ def test_the_run_order_interleaves_each_budget_with_resident_runs() -> None:
 
 
 @pytest.fixture
-def private_temp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def fork_server() -> None:
+    """The fork server the children start from, running before the test's own TMPDIR is set: its socket folder is
+    this test process's (removed when it exits), as in a whole suite where ranks started it earlier."""
+    rank_context()
+    multiprocessing.forkserver.ensure_running()
+
+
+@pytest.fixture
+def private_temp(fork_server: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A TMPDIR of the test's own, for this process and the children it starts."""
     folder = tmp_path / "tmp"
     folder.mkdir()

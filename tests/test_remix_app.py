@@ -1,22 +1,28 @@
-"""The app's Remix section's endpoint (`/remix`, ui.remix) against a stand-in engine front, and History's remix title."""
+"""The app's Remix section's endpoint (`/remix`, ui.remix) against a stand-in engine front, History's remix title,
+and the mask timeline strip (ui.mask_timeline)."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import gradio as gr
 import pytest
 
 from h3engine.errors import RequestError
+from h3engine.geometry import FPS, frames_for_duration
+from h3engine.request.remix import Remix, remix_seconds
 from h3engine.runtime.front import JobHandle
 from h3engine.runtime.messages import JobFinished, JobStarted
 from ui.access import AccessPolicy
 from ui.handlers import Handlers
 from ui.history import _task_title
-from ui.remix import remix_generator
+from ui.mask_timeline import timeline_html, video_seconds_of
+from ui.remix import redraw_timeline, remix_generator
 from ui.result import RESULT_FIELDS
 
+REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
 STATUS = RESULT_FIELDS.index("status")
 
 
@@ -121,3 +127,44 @@ def test_the_videos_api_reads_remix_fields_and_names_them_in_errors(
     assert api_message(refused.value, param) == (
         "video_mask: must be START-END[,START-END...] in seconds, got '1-'"
     )
+
+
+def _spans(strip: str) -> list[tuple[str, float, float]]:
+    """(lane, left %, width %) of each shaded span of a timeline strip."""
+    found = re.findall(r"data-lane='(\w+)'.*?left:([\d.]+)%;width:([\d.]+)%", strip)
+    return [(lane, float(left), float(width)) for lane, left, width in found]
+
+
+def test_the_mask_timeline_shades_the_regenerated_spans_over_the_clip_the_remix_makes() -> None:
+    length = frames_for_duration(4) / FPS  # a2v: the seconds asked for, on the frame grid
+    strip = timeline_html("a2v", 4, None, "0-0.5", "1-2,3-3.5")
+    assert f"data-seconds='{length:.3f}'" in strip
+    assert _spans(strip) == [
+        ("video", 0.0, pytest.approx(100 * 0.5 / length, abs=1e-3)),
+        ("audio", pytest.approx(100 / length, abs=1e-3), pytest.approx(100 / length, abs=1e-3)),
+        ("audio", pytest.approx(300 / length, abs=1e-3), pytest.approx(50 / length, abs=1e-3)),
+    ]
+    assert _spans(timeline_html("a2v", 4, None, "", "")) == []  # nothing regenerated: all kept
+
+
+def test_the_mask_timeline_says_what_is_wrong_naming_the_field() -> None:
+    assert "remix.audio_mask[0]" in timeline_html("a2v", 4, None, "", "4-9") and "outside" in timeline_html(
+        "a2v", 4, None, "", "4-9"
+    )
+    assert "remix.video_mask: must be START-END" in timeline_html("a2v", 4, None, "soon", "")
+    assert "Choose the source video" in timeline_html("v2a", 5, None, "", "")
+
+
+def test_the_mask_timeline_of_a_source_video_is_its_trimmed_clip_and_extend_adds_the_seconds() -> None:
+    source = str(REPOSITORY_ROOT / "assets" / "ref2va" / "video1.mp4")  # 3 s
+    seconds = video_seconds_of(source)
+    assert seconds == pytest.approx(3.0, abs=0.05)
+    trimmed = remix_seconds(Remix(mode="v2a"), 5, seconds)
+    assert f"data-seconds='{frames_for_duration(trimmed) / FPS:.3f}'" in redraw_timeline(
+        "v2a", 5, source, "", ""
+    )
+    extended = remix_seconds(Remix(mode="extend"), 2, seconds)
+    assert f"data-seconds='{frames_for_duration(extended) / FPS:.3f}'" in redraw_timeline(
+        "extend", 2, source, "", ""
+    )
+    assert "Choose the source video" in redraw_timeline("v2a", 5, str(REPOSITORY_ROOT / "README.md"), "", "")

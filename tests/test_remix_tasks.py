@@ -248,3 +248,42 @@ def test_a_gloo_worker_group_equals_one_process_and_keeps_the_held_rows(
     for frame in range(32):
         if regenerated[frame] == 0:
             assert torch.equal(one[:, frame], group[:, frame]), frame
+
+
+def test_v2a_with_decoded_video_writes_the_vaes_frames_and_the_same_new_audio(
+    engine: Engine, sources, tmp_path: Path
+) -> None:
+    """--decoded-video: the frames come from the VAE (not a copy of the source's), the audio is the copying run's."""
+    copied = engine.generate_to_file(
+        remix_request(Remix(mode="v2a", source_video=str(sources["video"]))), tmp_path / "copied.mp4"
+    )
+    decoded = engine.generate_to_file(
+        remix_request(Remix(mode="v2a", source_video=str(sources["video"]), decoded_video=True)),
+        tmp_path / "decoded.mp4",
+    )
+    source, frames = decoded_frames(sources["video"]), decoded_frames(decoded.video)
+    assert len(frames) == GRID_FRAMES
+    # The tiny VAE's round trip is far from its input: not the source's frames, and not a stream copy.
+    assert np.abs(frames[0].astype(float) - source[0].astype(float)).mean() > 8
+    assert np.array_equal(decoded_audio(decoded.video), decoded_audio(copied.video))
+    assert '"decoded_video": true' in decoded.sidecar.read_text()
+
+
+@pytest.mark.parametrize("profile", ["streamed", "low-memory"])
+def test_every_remix_mode_under_a_memory_profile_equals_the_resident_engine(
+    engine: Engine, sources, tmp_path: Path, tiny_native: Path, profile: str
+) -> None:
+    """The held rows ride through a streamed DiT (and the low-memory profile) like any row: bit for bit."""
+    other = Engine.from_checkpoint(tiny_native, device="cpu", dtype=torch.float32, memory_profile=profile)
+    assert other.plan.profile == profile
+    remixes = {
+        "v2a": Remix(mode="v2a", source_video=str(sources["video"]), audio_mask=((0.5, 1.5),)),
+        "a2v": Remix(mode="a2v", source_audio=str(sources["audio"])),
+        "extend": Remix(mode="extend", source_video=str(sources["video"])),
+    }
+    for mode, remix in remixes.items():
+        request = remix_request(remix)
+        _, resident = run(engine, request, tmp_path / f"{mode}-resident.mp4")
+        _, streamed = run(other, request, tmp_path / f"{mode}-{profile}.mp4")
+        assert torch.equal(streamed.video_latents, resident.video_latents), mode
+        assert torch.equal(streamed.audio_latents, resident.audio_latents), mode

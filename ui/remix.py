@@ -1,5 +1,6 @@
 """The "Remix a clip" section (below the task tabs): "New sound for this video" (v2a), "New video for this sound"
-(a2v), "Extend by N s" (extend), with optional masks in seconds; its public endpoint `/remix`.
+(a2v), "Extend by N s" (extend), with optional masks in seconds drawn on a timeline strip (ui.mask_timeline); its
+public endpoint `/remix`.
 
 The source is an upload or the shown result ("Use the shown result"); the job runs through the engine front like
 a tab's Generate and fills the shared result column; History records the request with its remix (mode, sources).
@@ -20,6 +21,7 @@ from h3engine.errors import RequestError
 from h3engine.request import GenerationRequest
 from h3engine.request.remix import Remix, parse_ranges
 from ui.handlers import RANDOM_SEED_LIMIT, Handlers, result_update
+from ui.mask_timeline import timeline_html, video_seconds_of
 from ui.result import ResultColumn
 from ui.takes import TakeSet
 
@@ -54,6 +56,7 @@ class RemixTab:
     steps: gr.Number
     use_result: gr.Button
     generate: gr.Button
+    timeline: gr.HTML
 
     @property
     def inputs(self) -> list[gr.components.Component]:
@@ -75,6 +78,7 @@ def build_remix_tab(steps: int) -> RemixTab:
     with gr.Row():
         video_mask = gr.Textbox(label="Regenerate video at (s)", placeholder="e.g. 1-2.5,4-5")
         audio_mask = gr.Textbox(label="Regenerate audio at (s)", placeholder="e.g. 0-1")
+    timeline = gr.HTML(timeline_html("v2a", 5, None, "", ""), label="Mask timeline")
     with gr.Row():
         seed = gr.Number(value=0, label="Seed (-1: random)", precision=0)
         steps_input = gr.Number(value=steps, label="Steps", precision=0)
@@ -91,6 +95,7 @@ def build_remix_tab(steps: int) -> RemixTab:
         steps_input,
         use_result,
         generate,
+        timeline,
     )
 
 
@@ -171,12 +176,29 @@ def _checked(
     return request, results_dir
 
 
+def redraw_timeline(
+    mode: str, seconds: float | None, source_video: str | None, video_mask: str, audio_mask: str
+) -> str:
+    """The mask timeline for the section's current values (the source video probed for its length)."""
+    video_seconds = video_seconds_of(source_video) if mode in ("v2a", "extend") else None
+    return timeline_html(mode, seconds, video_seconds, video_mask or "", audio_mask or "")
+
+
 def wire_remix_tab(
     tab: RemixTab, handlers: Handlers, result: ResultColumn, max_jobs: int, concurrency_id: str
 ) -> None:
     tab.use_result.click(
         lambda shown: shown, inputs=result.last_result, outputs=tab.source_video, api_visibility="private"
     )
+    timeline_inputs = [tab.mode, tab.seconds, tab.source_video, tab.video_mask, tab.audio_mask]
+    for component in timeline_inputs:
+        component.change(
+            redraw_timeline,
+            inputs=timeline_inputs,
+            outputs=tab.timeline,
+            api_visibility="private",
+            queue=False,
+        )
     tab.generate.click(
         remix_generator(handlers),
         inputs=tab.inputs,
