@@ -16,7 +16,7 @@ from h3engine.cli import main
 from h3engine.engine import Engine
 from h3engine.engine.pipeline import run_generation
 from h3engine.errors import RequestError
-from h3engine.geometry import Geometry
+from h3engine.geometry import FPS, Geometry, frames_for_duration
 from h3engine.media.mux import write_mp4
 from h3engine.request import GenerationRequest, MediaFacts, MediaInfo
 from h3engine.request.remix import Remix
@@ -287,3 +287,36 @@ def test_every_remix_mode_under_a_memory_profile_equals_the_resident_engine(
         _, streamed = run(other, request, tmp_path / f"{mode}-{profile}.mp4")
         assert torch.equal(streamed.video_latents, resident.video_latents), mode
         assert torch.equal(streamed.audio_latents, resident.audio_latents), mode
+
+
+def test_chained_windows_extend_twice_in_one_process_and_on_a_gloo_group(
+    capsys, tiny_native: Path, sources, tmp_path: Path
+) -> None:
+    """--windows 2: window 2 extends window 1's MP4; the output is the source and two continuations, and the windows'
+    folder is gone; on a 2-rank CPU group each window is one job of the group. (Their tensors are not compared: the
+    second window starts from the first one's encoded MP4, where a 1e-6 difference can flip a pixel's rounding.)"""
+    arguments = ["generate", "--checkpoint", str(tiny_native), "--device", "cpu", "--dtype", "float32"]
+    arguments += [
+        "--prompt",
+        "rain",
+        "--steps",
+        "2",
+        "--task",
+        "extend",
+        "--source-video",
+        str(sources["video"]),
+    ]
+    arguments += ["--duration", "4", "--windows", "2"]
+    window = frames_for_duration(22 / FPS + 4)  # the default overlap of 22 frames, then 4 s
+    source = decoded_frames(sources["video"])
+    for name, extra in (("one", []), ("group", ["--world-size", "2"])):
+        out = tmp_path / name / "clip.mp4"
+        out.parent.mkdir()
+        assert main([*arguments, *extra, "--out", str(out)]) == 0
+        frames = decoded_frames(out)
+        assert len(frames) == SOURCE_FRAMES + 2 * (window - 22), name
+        # The source comes first, through two H.264 generations (each window writes it again): noise frames lose
+        # ~10 levels a pixel that way, where an unrelated noise frame differs by ~85.
+        assert np.abs(frames[0].astype(float) - source[0].astype(float)).mean() < 20, name
+        assert sorted(path.name for path in out.parent.iterdir()) == ["clip.json", "clip.mp4"], name
+        assert capsys.readouterr().err.count("decoding the video and the audio") == 2, name

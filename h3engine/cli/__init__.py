@@ -27,7 +27,8 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from h3engine.cli.progress import PROGRESS_MODES, Progress, make_progress
 from h3engine.cli.remix import add_remix_flags, check_remix_devices, remix_payload
@@ -479,7 +480,6 @@ def _generate_on_workers(
     """The app's path: a worker group behind an engine front, one job, its messages shown as they come (the group
     loads in its own processes: its loading is one component, `worker_group`)."""
     from h3engine.runtime.front import EngineFront
-    from h3engine.runtime.messages import JobFailed, JobFinished, StepProgress
     from h3engine.runtime.split import start_replica
 
     progress.group_loading(devices, layout.describe())
@@ -488,21 +488,43 @@ def _generate_on_workers(
     progress.group_loaded(devices, layout.describe(), time.perf_counter() - started)
     front = EngineFront([replica], out_path.parent)
     try:
-        progress.prepare(request.task, request.steps)
-        handle = front.submit(request, out_path, save_tensors_path)
-        while True:
-            event = handle.next_event(timeout=1.0)
-            if isinstance(event, StepProgress):
-                progress.step(event.step, event.total, event.elapsed_s, event.eta_s)
-            elif isinstance(event, JobFinished):
-                progress.finished(Path(event.video_path), Path(event.sidecar_path), event.timings_s)
-                return 0
-            elif isinstance(event, JobFailed):
-                if event.kind == "request":
-                    raise JobRefused(event.message)
-                raise EngineFailed(event.message)
+        if request.remix is not None and request.remix.windows > 1:
+            # Chained windows: each one a job of the group, window k extending window k-1's MP4.
+            from h3engine.conditioning.remix import chain_windows
+
+            def window_job(single: GenerationRequest, video: Path, tensors: Path | None, *_: object) -> Any:
+                finished = _run_job(front, single, video, tensors, progress)
+                return SimpleNamespace(video=Path(finished.video_path), finished=finished)
+
+            outputs = SimpleNamespace(video=out_path, tensors=save_tensors_path)
+            last = chain_windows(window_job, request, outputs, None, None)
+            finished = last.finished
+        else:
+            finished = _run_job(front, request, out_path, save_tensors_path, progress)
+        progress.finished(Path(finished.video_path), Path(finished.sidecar_path), finished.timings_s)
+        return 0
     finally:
         front.shutdown()
+
+
+def _run_job(
+    front: Any, request: GenerationRequest, out_path: Path, save_tensors_path: Path | None, progress: Progress
+) -> Any:
+    """One job through the front, its steps shown as they come: its JobFinished (JobRefused / EngineFailed else)."""
+    from h3engine.runtime.messages import JobFailed, JobFinished, StepProgress
+
+    progress.prepare(request.task, request.steps)
+    handle = front.submit(request, out_path, save_tensors_path)
+    while True:
+        event = handle.next_event(timeout=1.0)
+        if isinstance(event, StepProgress):
+            progress.step(event.step, event.total, event.elapsed_s, event.eta_s)
+        elif isinstance(event, JobFinished):
+            return event
+        elif isinstance(event, JobFailed):
+            if event.kind == "request":
+                raise JobRefused(event.message)
+            raise EngineFailed(event.message)
 
 
 def _raise_terminated(signal_number: int, frame: object) -> None:

@@ -61,7 +61,8 @@ def remix_payload(args: argparse.Namespace, task: str) -> dict[str, Any] | None:
 
 def check_remix_devices(request: Any, in_process: bool, split: bool) -> None:
     """A worker group shards a remix's held rows like any row and its VAE rank 0 splices the sources in; chained
-    windows (`--windows`) and the split layout (encoder / DiT / VAE stages) run remixes not yet."""
+    windows (`--windows`) run as one job of the group each; the split layout (encoder / DiT / VAE stages) runs
+    remixes not yet."""
     remix = request.remix
     if remix is None or in_process:
         return
@@ -69,5 +70,3 @@ def check_remix_devices(request: Any, in_process: bool, split: bool) -> None:
         raise RequestError(
             "--task", "remix tasks do not run on the split layout yet (use --gpus without a split)"
         )
-    if remix.windows > 1:
-        raise RequestError("--windows", "chained windows run in one process only (use --device)")
