@@ -17,6 +17,7 @@ What is checked:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -249,6 +250,21 @@ def test_a_bad_request_ends_the_job_before_it_starts() -> None:
     rank = job_rank(engine=FakeEngine(problem=RequestError("prompt", "must not be empty")))
     assert rank.prepare(run_job()) is None
     assert rank.outbox.messages == [JobFailed("job-7", "request", "prompt: must not be empty")]
+
+
+def test_a_remix_of_chained_windows_is_refused_as_one_job() -> None:
+    """A job is one window (the CLI submits one per window): `windows` > 1 ends it naming the field, not silently
+    as one window."""
+    from h3engine.request.remix import Remix
+
+    remix = Remix(mode="extend", source_video="clip.mp4", windows=2)
+    job = dataclasses.replace(run_job(), request=GenerationRequest(task="t2va", prompt="a fox", remix=remix))
+    rank = job_rank()
+    assert rank.prepare(job) is None
+    [failed] = rank.outbox.messages
+    assert failed.kind == "request" and failed.message.startswith(
+        "remix.windows: a worker group runs one window"
+    )
 
 
 def test_a_cancel_while_preparing_ends_the_job_as_cancelled() -> None:

@@ -33,7 +33,7 @@ from h3engine.engine.pipeline import (
     remix_output,
     write_outputs,
 )
-from h3engine.errors import GenerationCancelled
+from h3engine.errors import GenerationCancelled, RequestError
 from h3engine.geometry import Geometry
 from h3engine.media.outputs import OutputFiles, input_records, staged
 from h3engine.parallel.collectives import all_reduce_sum
@@ -111,6 +111,11 @@ class JobRank:
         engine, request = self.engine, job.request
         try:
             engine.validate(request)
+            if request.remix is not None and request.remix.windows > 1:
+                # A job is one window: the CLI chains windows as jobs of the group, the in-process engine itself.
+                raise RequestError(
+                    "remix.windows", "a worker group runs one window a job: submit one per window"
+                )
             geometry = engine.geometry_for(request)
             self.outbox.post(job_started(job.job_id, job.replica_index, job.submitted_at, geometry))
             inputs = input_records(request)
