@@ -230,8 +230,9 @@ def test_check_checkpoint_at_the_released_size_reads_headers_in_seconds(tmp_path
 
 
 def test_a_worker_group_captures_on_rank_0_and_a_wrong_shift_is_named(checkpoint, captures, tmp_path) -> None:
-    """Two CPU ranks: rank 0 writes the (gathered) boundaries. Run with a wrong flow shift, they match the
-    reference's up to the first Euler step: the first sigma is 1 whatever the shift, so the first forward agrees."""
+    """Two CPU ranks: rank 0 writes the (gathered) boundaries into the folder its job command names. Run with a
+    wrong flow shift, they match the reference's up to the first Euler step: the first sigma is 1 whatever the
+    shift, so the first forward agrees."""
     group = tmp_path / "group"
     assert (
         generate(
@@ -248,4 +249,3 @@ def test_a_worker_group_captures_on_rank_0_and_a_wrong_shift_is_named(checkpoint
     ]
     assert {entry["step"] for entry in index["boundaries"]} == {None, 0}  # forward -2 of 2
     assert first_divergence(group, captures["reference_t2va"]) == "scheduler_output[0]"
-    assert "H3ENGINE_CAPTURE" not in os.environ

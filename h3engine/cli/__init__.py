@@ -367,13 +367,22 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
     resolved = resolve_request(request, facts, media)
     for warning in resolved.warnings:
         progress.warning(warning)
-    with capturing_generation(args, request, on_workers=device is None):
+    with capturing_generation(args, request, on_workers=device is None) as capture:
         if device is not None:
             return _generate_in_process(
                 args.checkpoint, options, resolved, device, out_path, save_tensors_path, progress
             )
         return _generate_on_workers(
-            args.checkpoint, options, request, devices, layout, out_path, save_tensors_path, progress, stall
+            args.checkpoint,
+            options,
+            request,
+            devices,
+            layout,
+            out_path,
+            save_tensors_path,
+            progress,
+            stall,
+            capture,
         )
 
 
@@ -476,6 +485,7 @@ def _generate_on_workers(
     save_tensors_path: Path | None,
     progress: Progress,
     stall: StallPolicy,
+    capture: Any = None,
 ) -> int:
     """The app's path: a worker group behind an engine front, one job, its messages shown as they come (the group
     loads in its own processes: its loading is one component, `worker_group`)."""
@@ -493,14 +503,14 @@ def _generate_on_workers(
             from h3engine.conditioning.remix import chain_windows
 
             def window_job(single: GenerationRequest, video: Path, tensors: Path | None, *_: object) -> Any:
-                finished = _run_job(front, single, video, tensors, progress)
+                finished = _run_job(front, single, video, tensors, progress, capture)
                 return SimpleNamespace(video=Path(finished.video_path), finished=finished)
 
             outputs = SimpleNamespace(video=out_path, tensors=save_tensors_path)
             last = chain_windows(window_job, request, outputs, None, None)
             finished = last.finished
         else:
-            finished = _run_job(front, request, out_path, save_tensors_path, progress)
+            finished = _run_job(front, request, out_path, save_tensors_path, progress, capture)
         progress.finished(Path(finished.video_path), Path(finished.sidecar_path), finished.timings_s)
         return 0
     finally:
@@ -508,13 +518,19 @@ def _generate_on_workers(
 
 
 def _run_job(
-    front: Any, request: GenerationRequest, out_path: Path, save_tensors_path: Path | None, progress: Progress
+    front: Any,
+    request: GenerationRequest,
+    out_path: Path,
+    save_tensors_path: Path | None,
+    progress: Progress,
+    capture: Any = None,
 ) -> Any:
-    """One job through the front, its steps shown as they come: its JobFinished (JobRefused / EngineFailed else)."""
+    """One job through the front, its steps shown as they come (`capture`: a CaptureSpec its rank 0 records into):
+    its JobFinished (JobRefused / EngineFailed else)."""
     from h3engine.runtime.messages import JobFailed, JobFinished, StepProgress
 
     progress.prepare(request.task, request.steps)
-    handle = front.submit(request, out_path, save_tensors_path)
+    handle = front.submit(request, out_path, save_tensors_path, capture)
     while True:
         event = handle.next_event(timeout=1.0)
         if isinstance(event, StepProgress):

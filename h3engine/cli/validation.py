@@ -9,7 +9,6 @@ or 2 for a bad flag, a non-diffusers checkpoint or diffusers missing. Errors are
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -103,28 +102,18 @@ def new_capture(args: argparse.Namespace) -> Any:
 
 
 @contextmanager
-def capturing_generation(args: argparse.Namespace, request: Any, on_workers: bool) -> Iterator[None]:
+def capturing_generation(args: argparse.Namespace, request: Any, on_workers: bool) -> Iterator[Any]:
     """`generate --capture`: the block runs with the capture active and its index is written after it. On a
-    worker group the folder and the selection go to the ranks in their environment (set while the block runs, so
-    the group started in it inherits them); its rank 0 records and writes the index."""
+    worker group the block gets the capture's `CaptureSpec` (None without --capture) to put in its jobs (front.submit's
+    `capture`): the group's rank 0 records and writes the index."""
     capture = new_capture(args)
     if capture is None:
-        yield
+        yield None
         return
     from h3engine.validation import trace
 
     if on_workers:
-        names = (trace.ENVIRONMENT_FOLDER, trace.ENVIRONMENT_STEPS)
-        saved = {name: os.environ.get(name) for name in names}
-        os.environ.update(zip(names, (str(capture.folder.resolve()), args.capture_steps), strict=True))
-        try:
-            yield
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+        yield trace.CaptureSpec(str(capture.folder.resolve()), args.capture_steps)
         if not (capture.folder / trace.INDEX_NAME).exists():
             print(
                 f"warning: --capture: the worker group wrote nothing to {capture.folder} (the split layout's stage "

@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -88,11 +88,13 @@ class JobHandle:
         request: GenerationRequest,
         out_path: Path,
         save_tensors_path: Path | None = None,
+        capture: Any = None,
     ) -> None:
         self.job_id = job_id
         self.request = request
         self.out_path = out_path
         self.save_tensors_path = save_tensors_path
+        self.capture = capture  # a CaptureSpec for a worker group's rank 0 (`generate --capture`), or None
         self.submitted_at = time.monotonic()
         # Times a younger job was taken before this one while it waited (the front's, under its lock).
         self.passed_over = 0
@@ -307,12 +309,13 @@ class EngineFront:
         request: GenerationRequest,
         out_path: str | Path | None = None,
         save_tensors_path: str | Path | None = None,
+        capture: Any = None,
     ) -> JobHandle:
         job_id = secrets.token_hex(4)
         if out_path is None:
             out_path = self.outputs_dir / stamped_output_name(request.task, job_id)
         files = checked_output_files(out_path, save_tensors_path)  # RequestError before the job takes a place
-        handle = JobHandle(job_id, request, files.video, files.tensors)
+        handle = JobHandle(job_id, request, files.video, files.tensors, capture)
         with self._condition:
             if self._stopping:
                 raise RuntimeError("the engine front is shut down")

@@ -92,6 +92,9 @@ class RunJob:
     submitted_at: float  # time.monotonic() of the submit, for JobStarted.queue_wait_s
     replica_index: int
     preview_every: int
+    capture: Any = (
+        None  # a CaptureSpec (h3engine.validation.trace): rank 0 records the job's boundaries there
+    )
 
     @classmethod
     def of(cls, job_number: int, handle: JobHandle, replica_index: int, preview_every: int) -> RunJob:
@@ -106,6 +109,7 @@ class RunJob:
             handle.submitted_at,
             replica_index,
             preview_every,
+            handle.capture,
         )
 
 

@@ -120,7 +120,7 @@ class WorkerRank(JobRank):
             prepared = shared[0]
         if prepared is None:
             return
-        with trace.group_capture(self.rank, job.request):  # `generate --capture` on a group: rank 0 records
+        with trace.group_capture(self.rank, job.request, job.capture):  # `generate --capture`: rank 0 records
             denoised = self.denoise(job, prepared)
             if denoised is not None and self.groups.vae is not None:
                 models, latents = denoised

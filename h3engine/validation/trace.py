@@ -11,10 +11,10 @@ names, so two captures compare boundary by boundary (h3engine.validation.compare
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +35,6 @@ BOUNDARIES = (
 )
 PER_STEP = ("dit_prediction", "scheduler_output")
 INDEX_NAME = "index.json"
-# A worker group's capture: the front sets these before its ranks start, rank 0 records (`group_capture`).
-ENVIRONMENT_FOLDER = "H3ENGINE_CAPTURE"
-ENVIRONMENT_STEPS = "H3ENGINE_CAPTURE_STEPS"
 
 _lock = threading.Lock()
 _active: Capture | None = None
@@ -162,16 +159,23 @@ def index_record(request: Any, runner: str, steps: str) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class CaptureSpec:
+    """A worker group job's capture, carried in its command (`RunJob.capture`): the folder and the step selection."""
+
+    folder: str
+    steps: str = "all"
+
+
 @contextmanager
-def group_capture(rank: int, request: Any) -> Iterator[Capture | None]:
-    """A worker group's job: rank 0 records into the folder the front named in its environment (the other ranks
-    and a group started without one record nothing) and writes the index after the job."""
-    folder = os.environ.get(ENVIRONMENT_FOLDER)
-    if rank != 0 or not folder:
+def group_capture(rank: int, request: Any, spec: CaptureSpec | None) -> Iterator[Capture | None]:
+    """A worker group's job: rank 0 records into the folder its job names (the other ranks, and a job without a
+    capture, record nothing) and writes the index after the job."""
+    if rank != 0 or spec is None:
         yield None
         return
-    steps = os.environ.get(ENVIRONMENT_STEPS, "all")
-    capture = Capture(folder, parse_steps(steps))
+    steps = spec.steps
+    capture = Capture(spec.folder, parse_steps(steps))
     record = index_record(request, "h3engine (worker group, rank 0)", steps)
     try:
         with capturing(capture):
