@@ -62,14 +62,17 @@ def checkpoint(tiny_checkpoints) -> Path:
 @pytest.fixture(scope="module")
 def captures(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Ours and the reference's capture of the same request: T2VA in the sglang convention, FL2VA (a first
-    keyframe) in the diffusers one."""
+    keyframe) and Ref2VA (two image references) in the diffusers one."""
     root = tmp_path_factory.mktemp("captures")
-    keyframe = root / "first.png"
+    keyframe, wide, tall = root / "first.png", root / "wide.png", root / "tall.png"
     synthetic_image(72, 40, 1).save(keyframe)
+    synthetic_image(80, 48, 2).save(wide)
+    synthetic_image(40, 64, 3).save(tall)
     made = {}
     for case, recipe, extra in (
         ("t2va", "sglang", ()),
         ("fl2va", "diffusers", ("--first-frame", str(keyframe))),
+        ("ref2va", "diffusers", ("--ref", f"image:{wide}", "--ref", f"image:{tall}")),
     ):
         made[f"ours_{case}"], made[f"reference_{case}"] = root / f"ours_{case}", root / f"reference_{case}"
         assert generate(checkpoint, made[f"ours_{case}"], recipe, *extra) == 0
@@ -77,7 +80,7 @@ def captures(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     return made
 
 
-@pytest.mark.parametrize("case", ["t2va", "fl2va"])
+@pytest.mark.parametrize("case", ["t2va", "fl2va", "ref2va"])
 def test_ours_matches_the_reference_runner_at_every_boundary(captures, case: str, capsys) -> None:
     ours, theirs = captures[f"ours_{case}"], captures[f"reference_{case}"]
     names = [
@@ -85,7 +88,7 @@ def test_ours_matches_the_reference_runner_at_every_boundary(captures, case: str
         for entry in json.loads((ours / "index.json").read_text())["boundaries"]
     ]
     per_step = [(name, step) for step in (0, 1) for name in ("dit_prediction", "scheduler_output")]
-    conditions = ["condition_rows"] if case == "fl2va" else []
+    conditions = ["condition_rows"] if case != "t2va" else []
     fixed = ["processor_tokens", "text_states", *conditions, "initial_noise", "packed_layout"]
     tail = ["final_latents", "decoded_frames", "waveform"]
     assert names == [(name, None) for name in fixed] + per_step + [(name, None) for name in tail]

@@ -51,7 +51,8 @@ def add_validation_parsers(commands: Any) -> None:
     )
 
     reference = commands.add_parser(
-        "reference", help="run a T2VA or FL2VA request through diffusers' pipeline and capture its boundaries"
+        "reference",
+        help="run a T2VA, FL2VA or Ref2VA request through diffusers' pipeline and capture its boundaries",
     )
     reference.add_argument("--checkpoint", required=True, help="checkpoint folder in the diffusers layout")
     reference.add_argument("--prompt", required=True)
@@ -59,6 +60,13 @@ def add_validation_parsers(commands: Any) -> None:
         "--first-frame", default=None, help="FL2VA (--recipe diffusers): the first keyframe"
     )
     reference.add_argument("--last-frame", default=None, help="FL2VA (--recipe diffusers): the last keyframe")
+    reference.add_argument(
+        "--ref",
+        action="append",
+        default=[],
+        metavar="KIND:PATH[@START_SECONDS]",
+        help="Ref2VA (--recipe diffusers): a reference, in order (repeatable), as generate's --ref",
+    )
     reference.add_argument("--seed", type=int, default=0)
     reference.add_argument("--steps", type=int, default=50, help="denoising steps in --recipe's convention")
     reference.add_argument("--recipe", default="sglang", help="sglang (default) or diffusers step convention")
@@ -177,6 +185,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _reference(args: argparse.Namespace) -> int:
+    from h3engine.cli import parse_reference_spec
     from h3engine.request import GenerationRequest
     from h3engine.validation.reference import ReferenceUnavailable, check_reference, run_reference
 
@@ -196,10 +205,12 @@ def _reference(args: argparse.Namespace) -> int:
     }
     from h3engine.request.shapes import from_dict
 
+    references = [parse_reference_spec(spec) for spec in args.ref]
     request = from_dict(
         {
-            "task": "fl2va" if keyframes else "t2va",
+            "task": "ref2va" if references else "fl2va" if keyframes else "t2va",
             "keyframes": keyframes,
+            "references": references,
             "prompt": args.prompt,
             "seed": args.seed,
             "steps": args.steps,

@@ -121,16 +121,18 @@ def reference_geometry(checkpoint: Path, request: GenerationRequest) -> Geometry
 
 
 def check_reference(checkpoint: Path, request: GenerationRequest) -> None:
-    """What the reference runner needs before it starts: a T2VA or FL2VA request, a diffusers-layout checkpoint, diffusers
-    itself (RequestError naming the field / ReferenceUnavailable)."""
-    if request.task not in ("t2va", "fl2va"):
-        raise RequestError("task", f"the reference runner runs t2va and fl2va requests, got '{request.task}'")
-    if request.task == "fl2va" and request.recipe != "diffusers":
+    """What the reference runner needs before it starts: a T2VA, FL2VA or Ref2VA request, a diffusers-layout
+    checkpoint, diffusers itself (RequestError naming the field / ReferenceUnavailable)."""
+    if request.task not in ("t2va", "fl2va", "ref2va"):
+        raise RequestError("task", f"the reference runner runs t2va, fl2va and ref2va, got '{request.task}'")
+    if request.task != "t2va" and request.recipe != "diffusers":
         raise RequestError(
             "recipe",
-            "an fl2va reference runs in the diffusers convention only (--recipe diffusers): diffusers draws the "
-            "keyframes' noise itself, so the sglang recipe's cannot be handed to it",
+            f"an {request.task} reference runs in the diffusers convention only (--recipe diffusers): diffusers "
+            "draws its conditions' noise itself, so the sglang recipe's cannot be handed to it",
         )
+    if any(reference.start_seconds for reference in request.references):
+        raise RequestError("references", "the reference runner takes a video reference from its start only")
     if detect_layout(checkpoint).kind != "diffusers":
         raise RequestError("--checkpoint", f"{checkpoint}: the reference runner needs the diffusers layout")
     try:
@@ -142,8 +144,8 @@ def check_reference(checkpoint: Path, request: GenerationRequest) -> None:
 
 
 def run_reference(checkpoint: Path, request: GenerationRequest, capture: Capture) -> dict[str, Any]:
-    """Run `request` (T2VA, or FL2VA in the diffusers convention) through diffusers on a diffusers-layout `checkpoint` at fp32 on the CPU and capture
-    its boundaries; returns what the index records about the run."""
+    """Run `request` (T2VA; FL2VA or Ref2VA in the diffusers convention) through diffusers on a diffusers-layout
+    `checkpoint` at fp32 on the CPU and capture its boundaries; returns what the index records about the run."""
     check_reference(checkpoint, request)
     from diffusers import ModularPipeline
 
@@ -156,12 +158,14 @@ def run_reference(checkpoint: Path, request: GenerationRequest, capture: Capture
     inputs: dict[str, Any] = {
         "prompt": request.prompt,
         "num_inference_steps": points,
-        "height": geometry.height,
-        "width": geometry.width,
         "num_frames": geometry.frames,
         "generator": torch.Generator().manual_seed(request.seed),
         "output_type": "pt",
     }
+    if request.task == "ref2va":  # the canvas follows from the references, as ours does
+        inputs["references"] = _references(request)
+    else:
+        inputs.update(height=geometry.height, width=geometry.width)
     if sglang:
         inputs.update(_sglang_latents(pipeline, request.seed, geometry))
     inputs.update(_keyframes(request))
@@ -172,10 +176,11 @@ def run_reference(checkpoint: Path, request: GenerationRequest, capture: Capture
         if shift is not None:
             scheduler.set_shift(shift)
     hooks = _Hooks(capture, geometry, total=points - 1)
+    transformer = pipeline.transformer_ref if request.task == "ref2va" else pipeline.transformer
     handles = [
         pipeline.text_encoder.model.register_forward_pre_hook(hooks.text_encoder, with_kwargs=True),
-        pipeline.transformer.register_forward_pre_hook(hooks.before_dit, with_kwargs=True),
-        pipeline.transformer.register_forward_hook(hooks.after_dit, with_kwargs=True),
+        transformer.register_forward_pre_hook(hooks.before_dit, with_kwargs=True),
+        transformer.register_forward_hook(hooks.after_dit, with_kwargs=True),
     ]
     pipeline.scheduler.step = hooks.scheduler_step(pipeline.scheduler.step, "video")
     pipeline.audio_scheduler.step = hooks.scheduler_step(pipeline.audio_scheduler.step, "audio")
@@ -200,6 +205,22 @@ def _keyframes(request: GenerationRequest) -> dict[str, Any]:
     return {
         names[keyframe.position]: Image.open(keyframe.path).convert("RGB") for keyframe in request.keyframes
     }
+
+
+def _references(request: GenerationRequest) -> list[Any]:
+    """A ref2va request's references as diffusers' reference objects, in order (each read from its file)."""
+    from diffusers.modular_pipelines.minimax_h3 import (
+        MiniMaxH3AudioReference,
+        MiniMaxH3ImageReference,
+        MiniMaxH3VideoReference,
+    )
+
+    classes = {
+        "image": MiniMaxH3ImageReference,
+        "audio": MiniMaxH3AudioReference,
+        "video": MiniMaxH3VideoReference,
+    }
+    return [classes[reference.kind].from_file(reference.path) for reference in request.references]
 
 
 def _sglang_latents(pipeline: Any, seed: int, geometry: Geometry) -> dict[str, torch.Tensor]:
