@@ -503,7 +503,8 @@ def _generate_on_workers(
             from h3engine.conditioning.remix import chain_windows
 
             def window_job(single: GenerationRequest, video: Path, tensors: Path | None, *_: object) -> Any:
-                finished = _run_job(front, single, video, tensors, progress, capture)
+                last_window = video == out_path  # the one a capture records (one request's boundaries)
+                finished = _run_job(front, single, video, tensors, progress, capture if last_window else None)
                 return SimpleNamespace(video=Path(finished.video_path), finished=finished)
 
             outputs = SimpleNamespace(video=out_path, tensors=save_tensors_path)
