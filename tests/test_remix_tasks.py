@@ -3,6 +3,7 @@ the checker refuses bad remixes naming the field, probing each file once; the CL
 
 from __future__ import annotations
 
+import json
 import wave
 from pathlib import Path
 
@@ -309,7 +310,8 @@ def test_chained_windows_extend_twice_in_one_process_and_on_a_gloo_group(
     arguments += ["--duration", "4", "--windows", "2"]
     window = frames_for_duration(22 / FPS + 4)  # the default overlap of 22 frames, then 4 s
     source = decoded_frames(sources["video"])
-    for name, extra in (("one", []), ("group", ["--world-size", "2"])):
+    capture = tmp_path / "capture"  # the group's: its rank 0 records the last window
+    for name, extra in (("one", []), ("group", ["--world-size", "2", "--capture", str(capture)])):
         out = tmp_path / name / "clip.mp4"
         out.parent.mkdir()
         assert main([*arguments, *extra, "--out", str(out)]) == 0
@@ -320,3 +322,8 @@ def test_chained_windows_extend_twice_in_one_process_and_on_a_gloo_group(
         assert np.abs(frames[0].astype(float) - source[0].astype(float)).mean() < 20, name
         assert sorted(path.name for path in out.parent.iterdir()) == ["clip.json", "clip.mp4"], name
         assert capsys.readouterr().err.count("decoding the video and the audio") == 2, name
+    index = json.loads((capture / "index.json").read_text())
+    assert (
+        index["request"]["remix"]["windows"] == 1 and ".windows-" in index["request"]["remix"]["source_video"]
+    )
+    assert [entry["name"] for entry in index["boundaries"]][-1] == "waveform"
