@@ -172,8 +172,11 @@ def build_ui(
         result.takes.select(
             handlers.show_take, inputs=result.take_paths, outputs=result.outputs, api_visibility="private"
         )
-        history.refresh.click(handlers.refresh_history, outputs=history.table, api_visibility="private")
-        demo.load(handlers.refresh_history, outputs=history.table, api_visibility="private")
+        # Not queued: the queue's size (--queue-size) is for jobs, and a full one refused a page's History.
+        history.refresh.click(
+            handlers.refresh_history, outputs=history.table, queue=False, api_visibility="private"
+        )
+        demo.load(handlers.refresh_history, outputs=history.table, queue=False, api_visibility="private")
     return demo
 
 
