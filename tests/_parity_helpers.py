@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from h3engine.request import Reference
+from h3engine.validation.reference import diffusers_references
 
 # The keyword inputs of diffusers' DiT forward, in our DiT's positional order.
 DIT_INPUT_NAMES = (
@@ -74,15 +75,4 @@ def reference_run(pipeline, **inputs) -> tuple[list[dict], torch.Tensor, torch.T
 
 
 def reference_objects(references: tuple[Reference, ...]) -> list:
-    from diffusers.modular_pipelines.minimax_h3 import (
-        MiniMaxH3AudioReference,
-        MiniMaxH3ImageReference,
-        MiniMaxH3VideoReference,
-    )
-
-    classes = {
-        "image": MiniMaxH3ImageReference,
-        "audio": MiniMaxH3AudioReference,
-        "video": MiniMaxH3VideoReference,
-    }
-    return [classes[reference.kind].from_file(reference.path) for reference in references]
+    return diffusers_references(references)

@@ -163,7 +163,7 @@ def run_reference(checkpoint: Path, request: GenerationRequest, capture: Capture
         "output_type": "pt",
     }
     if request.task == "ref2va":  # the canvas follows from the references, as ours does
-        inputs["references"] = _references(request)
+        inputs["references"] = diffusers_references(request.references)
     else:
         inputs.update(height=geometry.height, width=geometry.width)
     if sglang:
@@ -207,8 +207,8 @@ def _keyframes(request: GenerationRequest) -> dict[str, Any]:
     }
 
 
-def _references(request: GenerationRequest) -> list[Any]:
-    """A ref2va request's references as diffusers' reference objects, in order (each read from its file)."""
+def diffusers_references(references: Any) -> list[Any]:
+    """Our `Reference`s as diffusers' reference objects, in order (each read from its file)."""
     from diffusers.modular_pipelines.minimax_h3 import (
         MiniMaxH3AudioReference,
         MiniMaxH3ImageReference,
@@ -220,7 +220,7 @@ def _references(request: GenerationRequest) -> list[Any]:
         "audio": MiniMaxH3AudioReference,
         "video": MiniMaxH3VideoReference,
     }
-    return [classes[reference.kind].from_file(reference.path) for reference in request.references]
+    return [classes[reference.kind].from_file(reference.path) for reference in references]
 
 
 def _sglang_latents(pipeline: Any, seed: int, geometry: Geometry) -> dict[str, torch.Tensor]:
