@@ -148,9 +148,8 @@ def test_the_mask_timeline_shades_the_regenerated_spans_over_the_clip_the_remix_
 
 
 def test_the_mask_timeline_says_what_is_wrong_naming_the_field() -> None:
-    assert "remix.audio_mask[0]" in timeline_html("a2v", 4, None, "", "4-9") and "outside" in timeline_html(
-        "a2v", 4, None, "", "4-9"
-    )
+    outside = timeline_html("a2v", 4, None, "", "4-9")
+    assert "remix.audio_mask[0]" in outside and "outside" in outside
     assert "remix.video_mask: must be START-END" in timeline_html("a2v", 4, None, "soon", "")
     assert "Choose the source video" in timeline_html("v2a", 5, None, "", "")
 

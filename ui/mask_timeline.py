@@ -15,7 +15,7 @@ from h3engine.errors import RequestError
 from h3engine.geometry import FPS, frames_for_duration
 from h3engine.request.remix import DEFAULT_OVERLAP_FRAMES, Remix, check_ranges, parse_ranges, remix_seconds
 
-LANES = (("video", "video_mask", "#6d5dfc"), ("audio", "audio_mask", "#e0884a"))
+LANE_COLOURS = {"video": "#6d5dfc", "audio": "#e0884a"}
 KEPT_COLOUR = "#d9dde3"
 EMPTY = "<div id='remix-mask-timeline' class='h3-timeline'><em>{}</em></div>"
 
@@ -50,14 +50,14 @@ def timeline_html(
     if length is None:
         return EMPTY.format("Choose the source video to see its timeline.")
     lanes = []
-    for lane, field, colour in LANES:
-        text = {"video_mask": video_mask, "audio_mask": audio_mask}[field]
+    for lane, text in (("video", video_mask), ("audio", audio_mask)):
+        field = f"{lane}_mask"
         try:
             spans = parse_ranges(text, f"remix.{field}") if text and text.strip() else ()
             check_ranges(spans, f"remix.{field}", length)
         except RequestError as error:
             return EMPTY.format(html.escape(f"{error.field}: {error.problem}"))
-        lanes.append(_lane(lane, spans, length, colour))
+        lanes.append(_lane(lane, spans, length, LANE_COLOURS[lane]))
     ticks = "".join(
         f"<span style='position:absolute;left:{100 * second / length:.3f}%'>{second}</span>"
         for second in range(0, math.floor(length) + 1)
