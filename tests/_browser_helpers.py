@@ -36,33 +36,62 @@ needs_chromium = pytest.mark.skipif(
 )
 
 
+# One Playwright driver and one chromium per test process, started at the first page and closed when the run ends
+# (conftest.py): a page gets a browser context of its own (its own cookies and storage: a fresh profile, as a new
+# browser would have), which costs a fraction of a second where launching a browser and its driver costs about one.
+_SHARED: dict[str, object] = {}
+
+
+def _shared_browser():  # noqa: ANN202
+    from playwright.sync_api import sync_playwright
+
+    browser = _SHARED.get("browser")
+    if browser is not None and browser.is_connected():
+        return browser
+    close_shared_browser()  # a browser that crashed: start again
+    playwright = sync_playwright().start()
+    _SHARED["playwright"] = playwright
+    _SHARED["browser"] = playwright.chromium.launch(
+        executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
+    )
+    return _SHARED["browser"]
+
+
+def close_shared_browser() -> None:
+    """Close this process's browser and its Playwright driver, if started."""
+    browser, playwright = _SHARED.pop("browser", None), _SHARED.pop("playwright", None)
+    try:
+        if browser is not None:
+            browser.close()
+    finally:
+        if playwright is not None:
+            playwright.stop()
+
+
 @contextmanager
 def browser_page(
     url: str, viewport: dict[str, int] = DESKTOP, login: tuple[str, str] | None = None
 ) -> Iterator[object]:
-    """A fresh browser (its own session) showing the app at `url`; `login`: (user, password) for Gradio's login
-    page, which an app started with --auth shows first."""
-    from playwright.sync_api import expect, sync_playwright
+    """A page of a fresh browser context (its own session) showing the app at `url`; `login`: (user, password) for
+    Gradio's login page, which an app started with --auth shows first."""
+    from playwright.sync_api import expect
 
     # Assertions wait as long as page actions: Playwright's `expect` keeps its own 5 s default otherwise, shorter
     # than a 4-step generation with decode and mux can take on a loaded 2-core machine (seen twice).
     expect.set_options(timeout=TIMEOUT_MS)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
-        )
-        try:
-            page = browser.new_page(viewport=viewport)
-            page.set_default_timeout(TIMEOUT_MS)
-            page.goto(url)
-            if login is not None:
-                page.get_by_label("username").fill(login[0])
-                page.get_by_label("password").fill(login[1])
-                page.get_by_role("button", name="Login").click()
-            page.locator("#h3-status").wait_for()
-            yield page
-        finally:
-            browser.close()
+    context = _shared_browser().new_context(viewport=viewport)
+    try:
+        page = context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(url)
+        if login is not None:
+            page.get_by_label("username").fill(login[0])
+            page.get_by_label("password").fill(login[1])
+            page.get_by_role("button", name="Login").click()
+        page.locator("#h3-status").wait_for()
+        yield page
+    finally:
+        context.close()
 
 
 def set_field(page, selector: str, value: str) -> None:

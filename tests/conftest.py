@@ -107,3 +107,12 @@ def tiny_native(tiny_checkpoints: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_diffusers(tiny_checkpoints: Callable[..., Path]) -> Path:
     return tiny_checkpoints("diffusers", seed=0)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Close the browser the browser tests share in this process (tests/_browser_helpers.py), if one started."""
+    import sys
+
+    helpers = sys.modules.get("_browser_helpers")
+    if helpers is not None:
+        helpers.close_shared_browser()
