@@ -8,11 +8,12 @@ import hashlib
 import json
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from _app_helpers import start_app, stop_app
+from _app_helpers import RunningApp, start_app, stop_app
 from _browser_helpers import browser_page, needs_chromium, open_advanced, screenshot
 from _lora_helpers import random_lora, write_lora
 from gradio_client import Client
@@ -47,6 +48,18 @@ def lora_folder(checkpoint: Path, folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def loras(tiny_native: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return lora_folder(tiny_native, tmp_path_factory.mktemp("loras") / "adapters")
+
+
+@pytest.fixture(scope="module")
+def app(loras: Path, tiny_native: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningApp]:
+    """One app over the adapters folder for the API and the browser test (each counts only its own results)."""
+    running = start_app(
+        tmp_path_factory.mktemp("app_loras"),
+        extra_arguments=["--lora-dir", str(loras)],
+        checkpoint=tiny_native,
+    )
+    yield running
+    stop_app(running)
 
 
 def test_the_parameter_becomes_the_requests_adapters_and_back(loras: Path) -> None:
@@ -103,52 +116,47 @@ def test_the_rungs_field() -> None:
         parse_rungs("999;500")
 
 
-def test_the_api_runs_named_adapters_and_rungs(loras: Path, tiny_native: Path, tmp_path: Path) -> None:
-    app = start_app(tmp_path, extra_arguments=["--lora-dir", str(loras)], checkpoint=tiny_native)
-    try:
-        client = Client(app.url, verbose=False, download_files=str(tmp_path / "downloads"))
-        base = client.predict(prompt="A kite.", **SETTINGS, api_name="/t2va")
-        adapted = client.predict(
-            prompt="A kite.",
-            loras=[{"name": "style.safetensors", "strength": 0.75}],
-            **SETTINGS,
-            api_name="/t2va",
+def test_the_api_runs_named_adapters_and_rungs(app: RunningApp, loras: Path, tmp_path: Path) -> None:
+    before = app.mp4_files()
+    client = Client(app.url, verbose=False, download_files=str(tmp_path / "downloads"))
+    base = client.predict(prompt="A kite.", **SETTINGS, api_name="/t2va")
+    adapted = client.predict(
+        prompt="A kite.",
+        loras=[{"name": "style.safetensors", "strength": 0.75}],
+        **SETTINGS,
+        api_name="/t2va",
+    )
+    assert adapted[0].startswith("Done"), adapted[0]
+    sidecar_path = next(path for path in adapted[5] if path.endswith(".json"))
+    sidecar = json.loads(Path(sidecar_path).read_text())
+    style = loras / "style.safetensors"
+    assert sidecar["request"]["loras"] == [{"path": str(style), "strength": 0.75, "target": "transformer"}]
+    assert sidecar["adapters"] == [
+        {"file": "style.safetensors", "sha256": hashlib.sha256(style.read_bytes()).hexdigest()}
+        | {"strength": 0.75, "target": "transformer"}
+    ]
+    assert Path(adapted[2]).read_bytes() != Path(base[2]).read_bytes()  # the video files
+    # Turbo rungs through the API: two forwards.
+    turbo = client.predict(prompt="A kite.", rungs="999,500", **SETTINGS, api_name="/t2va")
+    assert turbo[0].startswith("Done"), turbo[0]
+    with pytest.raises(ValidationError, match=r"loras\[0\].name: no adapter named 'missing.safetensors'"):
+        client.predict(
+            prompt="A kite.", loras=[{"name": "missing.safetensors"}], **SETTINGS, api_name="/t2va"
         )
-        assert adapted[0].startswith("Done"), adapted[0]
-        sidecar_path = next(path for path in adapted[5] if path.endswith(".json"))
-        sidecar = json.loads(Path(sidecar_path).read_text())
-        style = loras / "style.safetensors"
-        assert sidecar["request"]["loras"] == [
-            {"path": str(style), "strength": 0.75, "target": "transformer"}
-        ]
-        assert sidecar["adapters"] == [
-            {"file": "style.safetensors", "sha256": hashlib.sha256(style.read_bytes()).hexdigest()}
-            | {"strength": 0.75, "target": "transformer"}
-        ]
-        assert Path(adapted[2]).read_bytes() != Path(base[2]).read_bytes()  # the video files
-        # Turbo rungs through the API: two forwards.
-        turbo = client.predict(prompt="A kite.", rungs="999,500", **SETTINGS, api_name="/t2va")
-        assert turbo[0].startswith("Done"), turbo[0]
-        with pytest.raises(ValidationError, match=r"loras\[0\].name: no adapter named 'missing.safetensors'"):
+    with pytest.raises(ValidationError, match=r"steps: 2 rungs run 2 steps, got 3"):
+        client.predict(prompt="A kite.", rungs="999,500", **(SETTINGS | {"steps": 3}), api_name="/t2va")
+    # A file gone from the folder: the request names it and nothing is written.
+    moved = tmp_path / "moved.safetensors"
+    shutil.copyfile(style, moved)
+    style.unlink()
+    try:
+        with pytest.raises(ValidationError, match=r"loras\[0\].path: no such file: 'style.safetensors'"):
             client.predict(
-                prompt="A kite.", loras=[{"name": "missing.safetensors"}], **SETTINGS, api_name="/t2va"
+                prompt="A kite.", loras=[{"name": "style.safetensors"}], **SETTINGS, api_name="/t2va"
             )
-        with pytest.raises(ValidationError, match=r"steps: 2 rungs run 2 steps, got 3"):
-            client.predict(prompt="A kite.", rungs="999,500", **(SETTINGS | {"steps": 3}), api_name="/t2va")
-        # A file gone from the folder: the request names it and nothing is written.
-        moved = tmp_path / "moved.safetensors"
-        shutil.copyfile(style, moved)
-        style.unlink()
-        try:
-            with pytest.raises(ValidationError, match=r"loras\[0\].path: no such file: 'style.safetensors'"):
-                client.predict(
-                    prompt="A kite.", loras=[{"name": "style.safetensors"}], **SETTINGS, api_name="/t2va"
-                )
-        finally:
-            shutil.move(moved, style)
-        assert len(app.mp4_files()) == 3
     finally:
-        stop_app(app)
+        shutil.move(moved, style)
+    assert len(app.mp4_files() - before) == 3
 
 
 def test_a_missing_lora_folder_is_refused_at_start(tmp_path: Path) -> None:
@@ -174,54 +182,52 @@ def test_a_missing_lora_folder_is_refused_at_start(tmp_path: Path) -> None:
 
 
 @needs_chromium
-def test_the_panel_the_turbo_preset_and_a_restore_in_a_browser(
-    loras: Path, tiny_native: Path, tmp_path: Path
-) -> None:
+def test_the_panel_the_turbo_preset_and_a_restore_in_a_browser(app: RunningApp, loras: Path) -> None:
     from playwright.sync_api import expect
 
-    app = start_app(tmp_path, extra_arguments=["--lora-dir", str(loras)], checkpoint=tiny_native)
-    try:
-        with browser_page(app.url) as page:
-            page.locator("#t2va-prompt textarea").fill("A kite over the sea.")
-            page.locator("#t2va-loras").get_by_text("LoRA adapters").click()
-            expect(page.locator("#t2va-lora-note")).to_contain_text(
-                "2 of 3 adapter(s) in adapters fit this tab's DiT"
-            )
-            # The Text tab offers the adapters that fit its DiT: not the transformer_ref one.
-            page.locator("#t2va-lora-0 input").click()
-            options = page.get_by_role("option")
-            expect(options).to_have_count(3)  # none, style, turbo
-            page.get_by_role("option", name="turbo.safetensors", exact=False).click()
-            expect(page.locator("#t2va-lora-row-1")).to_be_visible()  # a row to add another
-            page.locator("#t2va-lora-strength-0 input[type=number]").fill("0.6")
-            page.locator("#t2va-lora-strength-0 input[type=number]").press("Tab")
-            page.locator("#t2va-turbo").click()
-            expect(page.locator("#t2va-lora-note")).to_contain_text(
-                "Turbo preset: 2 steps, flow shifts 5 / 3, rungs 999, 500 (from turbo.safetensors's metadata)"
-            )
-            open_advanced(page, "t2va")
-            expect(page.locator("#t2va-steps input")).to_have_value("2")
-            expect(page.locator("#t2va-rungs textarea")).to_have_value("999,500")
-            screenshot(page, "loras-turbo", readme=True)
-            page.locator("#t2va-randomize input").uncheck()
-            page.locator("#t2va-generate").click()
-            expect(page.locator("#h3-status")).to_contain_text("Done", timeout=120_000)
-            sidecar = json.loads(next(app.outputs_dir.rglob("*.json")).read_text())
-            assert sidecar["request"]["loras"] == [
-                {"path": str(loras / "turbo.safetensors"), "strength": 0.6, "target": "transformer"}
-            ]
-            assert sidecar["request"]["rungs"] == [999, 500] and sidecar["request"]["flow_shift"] == 5.0
+    with browser_page(app.url) as page:
+        page.locator("#t2va-prompt textarea").fill("A kite over the sea.")
+        page.locator("#t2va-loras").get_by_text("LoRA adapters").click()
+        expect(page.locator("#t2va-lora-note")).to_contain_text(
+            "2 of 3 adapter(s) in adapters fit this tab's DiT"
+        )
+        # The Text tab offers the adapters that fit its DiT: not the transformer_ref one.
+        page.locator("#t2va-lora-0 input").click()
+        options = page.get_by_role("option")
+        expect(options).to_have_count(3)  # none, style, turbo
+        page.get_by_role("option", name="turbo.safetensors", exact=False).click()
+        expect(page.locator("#t2va-lora-row-1")).to_be_visible()  # a row to add another
+        page.locator("#t2va-lora-strength-0 input[type=number]").fill("0.6")
+        page.locator("#t2va-lora-strength-0 input[type=number]").press("Tab")
+        page.locator("#t2va-turbo").click()
+        expect(page.locator("#t2va-lora-note")).to_contain_text(
+            "Turbo preset: 2 steps, flow shifts 5 / 3, rungs 999, 500 (from turbo.safetensors's metadata)"
+        )
+        open_advanced(page, "t2va")
+        expect(page.locator("#t2va-steps input")).to_have_value("2")
+        expect(page.locator("#t2va-rungs textarea")).to_have_value("999,500")
+        screenshot(page, "loras-turbo", readme=True)
+        page.locator("#t2va-randomize input").uncheck()
+        page.locator("#t2va-generate").click()
+        expect(page.locator("#h3-status")).to_contain_text("Done", timeout=120_000)
+        sidecar = next(
+            json.loads(path.read_text())
+            for path in app.outputs_dir.rglob("*.json")
+            if '"A kite over the sea."' in path.read_text()
+        )
+        assert sidecar["request"]["loras"] == [
+            {"path": str(loras / "turbo.safetensors"), "strength": 0.6, "target": "transformer"}
+        ]
+        assert sidecar["request"]["rungs"] == [999, 500] and sidecar["request"]["flow_shift"] == 5.0
 
-            # Emptied panel and fields; History's row brings the adapter, its strength and the rungs back.
-            page.locator("#t2va-lora-0 input").click()
-            page.get_by_role("option", name="none", exact=True).click()
-            expect(page.locator("#t2va-lora-row-1")).to_be_hidden()
-            page.locator("#t2va-rungs textarea").fill("")
-            page.locator("#h3-history tbody tr", has_text="A kite over the sea.").first.click()
-            expect(page.locator("#t2va-lora-0 input")).to_have_value(
-                re.compile(r"^turbo\.safetensors \(\d+ KiB · Turbo\)$")
-            )
-            expect(page.locator("#t2va-lora-strength-0 input[type=number]")).to_have_value("0.6")
-            expect(page.locator("#t2va-rungs textarea")).to_have_value("999,500")
-    finally:
-        stop_app(app)
+        # Emptied panel and fields; History's row brings the adapter, its strength and the rungs back.
+        page.locator("#t2va-lora-0 input").click()
+        page.get_by_role("option", name="none", exact=True).click()
+        expect(page.locator("#t2va-lora-row-1")).to_be_hidden()
+        page.locator("#t2va-rungs textarea").fill("")
+        page.locator("#h3-history tbody tr", has_text="A kite over the sea.").first.click()
+        expect(page.locator("#t2va-lora-0 input")).to_have_value(
+            re.compile(r"^turbo\.safetensors \(\d+ KiB · Turbo\)$")
+        )
+        expect(page.locator("#t2va-lora-strength-0 input[type=number]")).to_have_value("0.6")
+        expect(page.locator("#t2va-rungs textarea")).to_have_value("999,500")
