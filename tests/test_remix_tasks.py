@@ -268,8 +268,9 @@ def test_chained_windows_extend_twice_in_one_process_and_on_a_gloo_group(
     capsys, tiny_native: Path, sources, tmp_path: Path
 ) -> None:
     """--windows 2: window 2 extends window 1's MP4; the output is the source and two continuations, and the windows'
-    folder is gone; on a 2-rank CPU group each window is one job of the group. (Their tensors are not compared: the
-    second window starts from the first one's encoded MP4, where a 1e-6 difference can flip a pixel's rounding.)"""
+    folder is gone; on a 2-rank CPU group and on split stage groups each window is one job of the group. (Their
+    tensors are not compared: the second window starts from the first one's encoded MP4, where a 1e-6 difference
+    can flip a pixel's rounding.)"""
     arguments = ["generate", "--checkpoint", str(tiny_native), "--device", "cpu", "--dtype", "float32"]
     arguments += [
         "--prompt",
@@ -285,7 +286,11 @@ def test_chained_windows_extend_twice_in_one_process_and_on_a_gloo_group(
     window = frames_for_duration(22 / FPS + 4)  # the default overlap of 22 frames, then 4 s
     source = decoded_frames(sources["video"])
     capture = tmp_path / "capture"  # the group's: its rank 0 records the last window
-    for name, extra in (("one", []), ("group", ["--world-size", "2", "--capture", str(capture)])):
+    for name, extra in (
+        ("one", []),
+        ("group", ["--world-size", "2", "--capture", str(capture)]),
+        ("split", ["--stage-layout", "split"]),
+    ):
         out = tmp_path / name / "clip.mp4"
         out.parent.mkdir()
         assert main([*arguments, *extra, "--out", str(out)]) == 0
