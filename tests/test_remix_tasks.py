@@ -7,10 +7,17 @@ import json
 import wave
 from pathlib import Path
 
-import av
 import numpy as np
 import pytest
 import torch
+from _remix_helpers import (
+    RATE,
+    SOURCE_FRAMES,
+    decoded_audio,
+    decoded_frames,
+    remix_request,
+    write_sources,
+)
 from safetensors.torch import load_file
 
 from h3engine.cli import main
@@ -18,16 +25,13 @@ from h3engine.engine import Engine
 from h3engine.engine.pipeline import run_generation
 from h3engine.errors import RequestError
 from h3engine.geometry import FPS, Geometry, frames_for_duration
-from h3engine.media.mux import write_mp4
 from h3engine.request import GenerationRequest, MediaFacts, MediaInfo
 from h3engine.request.remix import Remix
 from h3engine.request.resolved import resolve_request
 from h3engine.sampling.hold import video_range_mask
 from h3engine.sampling.packing import audio_latents_to_rows, patchify_video
 
-SOURCE_FRAMES = 110  # trimmed to 107 = 17 * 6 + 5
 GRID_FRAMES = 107
-RATE = 32000
 
 
 @pytest.fixture(scope="module")
@@ -37,37 +41,7 @@ def engine(tiny_native: Path) -> Engine:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("remix_sources")
-    generator = torch.Generator().manual_seed(1)
-    frames = torch.rand(SOURCE_FRAMES, 32, 56, 3, generator=generator)
-    samples = SOURCE_FRAMES * RATE // 24
-    tone = 0.3 * torch.sin(torch.arange(samples) * (2 * torch.pi * 440 / RATE))
-    write_mp4(folder / "source.mp4", frames, torch.stack([tone, 0.5 * tone]))
-    # A 2.5 s stereo WAV: shorter than the clip, so a2v generates the rest.
-    short = (0.4 * np.sin(np.arange(int(2.5 * RATE)) * (2 * np.pi * 220 / RATE))).astype(np.float32)
-    with wave.open(str(folder / "voice.wav"), "wb") as file:
-        file.setnchannels(2)
-        file.setsampwidth(2)
-        file.setframerate(RATE)
-        file.writeframes((np.stack([short, short], 1) * 32767).astype(np.int16).tobytes())
-    return {"video": folder / "source.mp4", "audio": folder / "voice.wav"}
-
-
-def remix_request(remix: Remix, duration: float = 4.0) -> GenerationRequest:
-    return GenerationRequest(
-        task="t2va", prompt="rain on a tin roof", duration_seconds=duration, steps=2, remix=remix
-    )
-
-
-def decoded_frames(path: Path) -> list[np.ndarray]:
-    with av.open(str(path)) as container:
-        return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
-
-
-def decoded_audio(path: Path) -> np.ndarray:
-    with av.open(str(path)) as container:
-        chunks = [frame.to_ndarray() for frame in container.decode(audio=0)]
-    return np.concatenate(chunks, axis=1)
+    return write_sources(tmp_path_factory.mktemp("remix_sources"))
 
 
 def run(engine: Engine, request: GenerationRequest, mp4: Path):  # noqa: ANN201
@@ -294,8 +268,9 @@ def test_chained_windows_extend_twice_in_one_process_and_on_a_gloo_group(
     capsys, tiny_native: Path, sources, tmp_path: Path
 ) -> None:
     """--windows 2: window 2 extends window 1's MP4; the output is the source and two continuations, and the windows'
-    folder is gone; on a 2-rank CPU group each window is one job of the group. (Their tensors are not compared: the
-    second window starts from the first one's encoded MP4, where a 1e-6 difference can flip a pixel's rounding.)"""
+    folder is gone; on a 2-rank CPU group and on split stage groups each window is one job of the group. (Their
+    tensors are not compared: the second window starts from the first one's encoded MP4, where a 1e-6 difference
+    can flip a pixel's rounding.)"""
     arguments = ["generate", "--checkpoint", str(tiny_native), "--device", "cpu", "--dtype", "float32"]
     arguments += [
         "--prompt",
@@ -311,7 +286,11 @@ def test_chained_windows_extend_twice_in_one_process_and_on_a_gloo_group(
     window = frames_for_duration(22 / FPS + 4)  # the default overlap of 22 frames, then 4 s
     source = decoded_frames(sources["video"])
     capture = tmp_path / "capture"  # the group's: its rank 0 records the last window
-    for name, extra in (("one", []), ("group", ["--world-size", "2", "--capture", str(capture)])):
+    for name, extra in (
+        ("one", []),
+        ("group", ["--world-size", "2", "--capture", str(capture)]),
+        ("split", ["--stage-layout", "split"]),
+    ):
         out = tmp_path / name / "clip.mp4"
         out.parent.mkdir()
         assert main([*arguments, *extra, "--out", str(out)]) == 0

@@ -31,7 +31,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from h3engine.cli.progress import PROGRESS_MODES, Progress, make_progress
-from h3engine.cli.remix import add_remix_flags, check_remix_devices, remix_payload
+from h3engine.cli.remix import add_remix_flags, remix_payload
 from h3engine.cli.validation import (
     VALIDATION_COMMANDS,
     add_capture_flags,
@@ -357,7 +357,6 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
     stall = StallPolicy(checked_stall_timeout(args.stall_timeout))
     layout = check_engine_options(options, len(devices))
     device = resolve_device(devices[0]) if len(devices) == 1 and not layout.split else None
-    check_remix_devices(request, device is not None, layout.split)
     if options.fp8_linear and device is not None:
         check_fp8_device(device)
     # The checkpoint's own rules, from its headers (the engine and its front decide with the same function and
@@ -499,7 +498,8 @@ def _generate_on_workers(
     front = EngineFront([replica], out_path.parent)
     try:
         if request.remix is not None and request.remix.windows > 1:
-            # Chained windows: each one a job of the group, window k extending window k-1's MP4.
+            # Chained windows: each one a job of the group (worker or split stage groups), window k extending window
+            # k-1's MP4.
             from h3engine.conditioning.remix import chain_windows
 
             def window_job(single: GenerationRequest, video: Path, tensors: Path | None, *_: object) -> Any:

@@ -57,16 +57,3 @@ def remix_payload(args: argparse.Namespace, task: str) -> dict[str, Any] | None:
         flag = "--" + next(iter(given)).replace("_", "-")
         raise RequestError(flag, f"remix flags run on t2va, v2a, a2v or extend, not on task {task!r}")
     return {"mode": mode, **given}
-
-
-def check_remix_devices(request: Any, in_process: bool, split: bool) -> None:
-    """A worker group shards a remix's held rows like any row and its VAE rank 0 splices the sources in; chained
-    windows (`--windows`) run as one job of the group each; the split layout (encoder / DiT / VAE stages) runs
-    remixes not yet."""
-    remix = request.remix
-    if remix is None or in_process:
-        return
-    if split:
-        raise RequestError(
-            "--task", "remix tasks do not run on the split layout yet (use --gpus without a split)"
-        )

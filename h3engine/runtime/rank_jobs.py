@@ -112,7 +112,8 @@ class JobRank:
         try:
             engine.validate(request)
             if request.remix is not None and request.remix.windows > 1:
-                # A job is one window: the CLI chains windows as jobs of the group, the in-process engine itself.
+                # A job is one window: the CLI chains windows as jobs of the group (worker or split stage groups),
+                # the in-process engine itself.
                 raise RequestError(
                     "remix.windows", "a worker group runs one window a job: submit one per window"
                 )

@@ -4,8 +4,9 @@
 the groups, each its own world): the rank builds an `Engine` that loads only its stage's share (`StageLoader`),
 attaches its ends of the tensor channels (h3engine.runtime.channel) and serves commands in arrival order:
 * VAE group, `Prepare`: rank 0 prepares (h3engine.runtime.rank_jobs, as a worker group's rank 0 does); the
-  presentation goes to every encoder rank, the rest to every DiT rank (shared memory: CPU data). `Decode`: every
-  rank receives its frame share of the final latents (rank 0 all of them) and decodes its tiles; rank 0 writes.
+  presentation goes to every encoder rank, the rest (a remix's held rows too) to every DiT rank (shared memory: CPU
+  data); a remix's plan stays on rank 0. `Decode`: every rank receives its frame share of the final latents (rank 0
+  all of them) and decodes its tiles; rank 0 splices a remix's sources in and writes.
 * encoder group, `Encode`: every rank encodes the presentation; rank 0 sends the text states to every DiT rank.
 * DiT group, `Denoise`: every rank receives its inputs and denoises; rank 0 reports the steps and sends the final
   latents to the VAE ranks. The front sees skeletons (`detach_tensors`), timings and outcomes only.
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from h3engine.conditioning.remix import RemixPlan
 from h3engine.engine.pipeline import DenoisedLatents, encode_text
 from h3engine.parallel import groups as parallel_groups
 from h3engine.parallel.vae import latent_frame_shares
@@ -192,6 +194,8 @@ class StageRank(JobRank):
     producers: dict[str, list[ChannelProducer]]
     # VAE rank 0: the input records of each prepared job (hashed before generating), until its decode.
     inputs: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    # VAE rank 0: the plan of each prepared remix (the sources its output keeps), until its decode.
+    remixes: dict[int, RemixPlan] = field(default_factory=dict)
     command_started: float = 0.0
     command_sent_bytes: int = 0
 
@@ -245,6 +249,9 @@ class StageRank(JobRank):
         if outcome is None:
             return
         prepared, inputs = outcome
+        # A remix's plan stays here for the decode (the other groups need only its held rows, in `prepared.held`):
+        # the sources it keeps (an extend's frames) travel nowhere.
+        remix, prepared = prepared.remix, dataclasses.replace(prepared, remix=None)
         skeleton, tensors = detach_tensors(prepared)
         presentation = {name: t for name, t in tensors.items() if name.startswith(PRESENTATION_PREFIX)}
         # The DiT reads the row tags of the presentation, not its tokens or pixels.
@@ -267,6 +274,9 @@ class StageRank(JobRank):
         oldest_kept = job.job_number - KEPT_INPUT_RECORDS
         self.inputs = {number: records for number, records in self.inputs.items() if number > oldest_kept}
         self.inputs[job.job_number] = inputs
+        self.remixes = {number: plan for number, plan in self.remixes.items() if number > oldest_kept}
+        if remix is not None:
+            self.remixes[job.job_number] = remix
         timings = {"handoff_prepare_s": handoff_s}
         self.report(
             job, "prepare", timings, skeleton=skeleton, latent_shape=latent_shape, frame_shares=tuple(shares)
@@ -324,8 +334,13 @@ class StageRank(JobRank):
             full = torch.zeros(command.latent_shape, dtype=video.dtype, device=video.device)
             full[:, :, start:stop] = video
             video = full
-        # The audio latents go to rank 0 alone, which alone decodes them.
-        latents = DenoisedLatents(video, received.get("audio"), dict(command.timings), command.step_cache)
+        # The audio latents go to rank 0 alone, which alone decodes them (and splices a remix's sources in).
+        remix = self.remixes.pop(job.job_number, None)
+        # Decodes come in job order: the plan of an older job (one that ended before its decode) is dropped.
+        self.remixes = {number: plan for number, plan in self.remixes.items() if number > job.job_number}
+        latents = DenoisedLatents(
+            video, received.get("audio"), dict(command.timings), command.step_cache, remix
+        )
         models = self.engine.store.models_for_task(job.request.task)
         inputs = self.inputs.pop(job.job_number, [])
         self.finish(
