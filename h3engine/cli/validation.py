@@ -56,16 +56,14 @@ def add_validation_parsers(commands: Any) -> None:
     )
     reference.add_argument("--checkpoint", required=True, help="checkpoint folder in the diffusers layout")
     reference.add_argument("--prompt", required=True)
-    reference.add_argument(
-        "--first-frame", default=None, help="FL2VA (--recipe diffusers): the first keyframe"
-    )
-    reference.add_argument("--last-frame", default=None, help="FL2VA (--recipe diffusers): the last keyframe")
+    reference.add_argument("--first-frame", default=None, help="FL2VA: the first keyframe")
+    reference.add_argument("--last-frame", default=None, help="FL2VA: the last keyframe")
     reference.add_argument(
         "--ref",
         action="append",
         default=[],
         metavar="KIND:PATH[@START_SECONDS]",
-        help="Ref2VA (--recipe diffusers): a reference, in order (repeatable), as generate's --ref",
+        help="Ref2VA: a reference, in order (repeatable), as generate's --ref",
     )
     reference.add_argument("--seed", type=int, default=0)
     reference.add_argument("--steps", type=int, default=50, help="denoising steps in --recipe's convention")
