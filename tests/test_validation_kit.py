@@ -3,8 +3,9 @@
 Ours and diffusers' pipeline (the reference runner) must agree at every boundary within the fp32 bounds, in both
 step conventions (T2VA, FL2VA and Ref2VA in the sglang one, FL2VA and Ref2VA in the diffusers one too); a
 deliberately broken component (Q and K swapped in one block, the stereo channels flipped, a wrong flow shift) must
-be named at the right first divergent boundary; a worker group of two CPU ranks captures on rank 0. Everything runs
-through the CLI's `main` in this process (the group's ranks excepted), 2 forwards a run.
+be named at the right first divergent boundary; a worker group of two CPU ranks captures on rank 0; split stage
+groups capture what one process does, bit for bit. Everything runs through the CLI's `main` in this process (the
+groups' ranks excepted), 2 forwards a run.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from _parity_helpers import synthetic_image
 from safetensors.torch import load_file, save_file
 
@@ -274,3 +276,36 @@ def test_a_worker_group_captures_on_rank_0_and_a_wrong_shift_is_named(checkpoint
     ]
     assert {entry["step"] for entry in index["boundaries"]} == {None, 0}  # forward -2 of 2
     assert first_divergence(group, captures["reference_t2va"]) == "scheduler_output[0]"
+
+
+def test_split_stage_groups_capture_what_one_process_does(checkpoint, tmp_path) -> None:
+    """Split stage groups of one rank each: each group's rank 0 writes the boundaries its step crosses, the front
+    the one index, and the capture equals one process's bit for bit (as many threads as a split rank of one uses:
+    the same computation). Groups of two ranks (gloo) capture the selected step within the fp32 bounds."""
+    one, split, pair = tmp_path / "one", tmp_path / "split", tmp_path / "pair"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        assert generate(checkpoint, one, "sglang") == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert generate(checkpoint, split, "sglang", "--stage-layout", "split") == 0
+    index = json.loads((split / "index.json").read_text())
+    assert index["runner"].startswith("h3engine (split stage groups") and "failed" not in index
+    names = [
+        (entry["name"], entry["step"]) for entry in json.loads((one / "index.json").read_text())["boundaries"]
+    ]
+    assert [(entry["name"], entry["step"]) for entry in index["boundaries"]] == names
+    steps = [entry["file"].split("_")[0] for entry in index["boundaries"]]
+    assert steps == ["encode"] * 2 + ["denoise"] * 6 + ["decode"] * 3
+    assert sorted(path.name for path in split.iterdir()) == sorted(
+        [trace.INDEX_NAME, *(entry["file"] for entry in index["boundaries"])]
+    )
+    exact = parse_tolerances([f"{name}=0" for name in trace.BOUNDARIES])
+    assert compare_captures(split, one, exact)[1] is None
+    last = ("--capture-steps", "last")
+    assert generate(checkpoint, pair, "sglang", "--stage-layout", "split", "--world-size", "2", *last) == 0
+    index = json.loads((pair / "index.json").read_text())
+    kept = [(name, step) for name, step in names if step in (None, 1)]
+    assert [(entry["name"], entry["step"]) for entry in index["boundaries"]] == kept
+    assert first_divergence(pair, one) is None

@@ -111,7 +111,8 @@ def new_capture(args: argparse.Namespace) -> Any:
 def capturing_generation(args: argparse.Namespace, request: Any, on_workers: bool) -> Iterator[Any]:
     """`generate --capture`: the block runs with the capture active and its index is written after it. On a
     worker group the block gets the capture's `CaptureSpec` (None without --capture) to put in its jobs (front.submit's
-    `capture`): the group's rank 0 records and writes the index."""
+    `capture`): the group's rank 0 records and writes the index (split stage groups: each group's rank 0 records,
+    the front writes the index)."""
     capture = new_capture(args)
     if capture is None:
         yield None
@@ -122,8 +123,8 @@ def capturing_generation(args: argparse.Namespace, request: Any, on_workers: boo
         yield trace.CaptureSpec(str(capture.folder.resolve()), args.capture_steps)
         if not (capture.folder / trace.INDEX_NAME).exists():
             print(
-                f"warning: --capture: the worker group wrote nothing to {capture.folder} (the split layout's stage "
-                "ranks, --encoder-tp / --vae-ranks, do not capture yet)",
+                f"warning: --capture: the worker group wrote no index to {capture.folder} (the job ended before "
+                "it reached its first boundary)",
                 file=sys.stderr,
             )
         return
