@@ -1,9 +1,11 @@
 """The validation kit (issue 33) on tiny checkpoints: check-checkpoint, generate --capture, reference, compare.
 
 Ours and diffusers' pipeline (the reference runner) must agree at every boundary within the fp32 bounds, in both
-step conventions (T2VA in the sglang one, FL2VA in the diffusers one); a deliberately broken component (Q and K swapped in one block, the stereo channels flipped, a
-wrong flow shift) must be named at the right first divergent boundary; a worker group of two CPU ranks captures on
-rank 0. Everything runs through the CLI's `main` in this process (the group's ranks excepted), 2 forwards a run.
+step conventions (T2VA, FL2VA and Ref2VA in the sglang one, FL2VA and Ref2VA in the diffusers one too); a
+deliberately broken component (Q and K swapped in one block, the stereo channels flipped, a wrong flow shift) must
+be named at the right first divergent boundary; a worker group of two CPU ranks captures on rank 0; split stage
+groups capture what one process does, bit for bit. Everything runs through the CLI's `main` in this process (the
+groups' ranks excepted), 2 forwards a run.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from _parity_helpers import synthetic_image
 from safetensors.torch import load_file, save_file
 
@@ -30,6 +33,14 @@ PROMPT = "A red fox runs. <d>[English] Look!</d>"
 SEED = 5
 # sglang: N steps are N forwards; diffusers: N grid points, N - 1 forwards. Two forwards either way.
 STEPS = {"sglang": "2", "diffusers": "3"}
+# Each case's step convention: FL2VA and Ref2VA in both (the sglang one serves diffusers our conditions' noise).
+CASES = {
+    "t2va": "sglang",
+    "fl2va": "diffusers",
+    "ref2va": "diffusers",
+    "fl2va_sglang": "sglang",
+    "ref2va_sglang": "sglang",
+}
 
 
 def generate(checkpoint: Path, folder: Path, recipe: str = "sglang", *extra: str) -> int:
@@ -59,28 +70,41 @@ def checkpoint(tiny_checkpoints) -> Path:
     return tiny_checkpoints("diffusers", seed=3)
 
 
+class Captures(dict):
+    """`ours_CASE` / `reference_CASE` -> that side's capture of the case's request, made on first use (a test run
+    of a few cases makes only theirs)."""
+
+    def __init__(self, checkpoint: Path, root: Path, inputs: dict[str, tuple[str, ...]]) -> None:
+        super().__init__()
+        self.checkpoint, self.root, self.inputs = checkpoint, root, inputs
+
+    def __missing__(self, key: str) -> Path:
+        side, case = key.split("_", 1)
+        run = {"ours": generate, "reference": reference}[side]
+        extra = self.inputs[case.removesuffix("_sglang")]
+        assert run(self.checkpoint, self.root / key, CASES[case], *extra) == 0
+        self[key] = self.root / key
+        return self[key]
+
+
 @pytest.fixture(scope="module")
-def captures(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def captures(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Captures:
     """Ours and the reference's capture of the same request: T2VA in the sglang convention, FL2VA (a first
-    keyframe) and Ref2VA (two image references) in the diffusers one."""
+    keyframe) and Ref2VA (two image references) in both (`CASES`)."""
     root = tmp_path_factory.mktemp("captures")
     keyframe, wide, tall = root / "first.png", root / "wide.png", root / "tall.png"
     synthetic_image(72, 40, 1).save(keyframe)
     synthetic_image(80, 48, 2).save(wide)
     synthetic_image(40, 64, 3).save(tall)
-    made = {}
-    for case, recipe, extra in (
-        ("t2va", "sglang", ()),
-        ("fl2va", "diffusers", ("--first-frame", str(keyframe))),
-        ("ref2va", "diffusers", ("--ref", f"image:{wide}", "--ref", f"image:{tall}")),
-    ):
-        made[f"ours_{case}"], made[f"reference_{case}"] = root / f"ours_{case}", root / f"reference_{case}"
-        assert generate(checkpoint, made[f"ours_{case}"], recipe, *extra) == 0
-        assert reference(checkpoint, made[f"reference_{case}"], recipe, *extra) == 0
-    return made
+    inputs = {
+        "t2va": (),
+        "fl2va": ("--first-frame", str(keyframe)),
+        "ref2va": ("--ref", f"image:{wide}", "--ref", f"image:{tall}"),
+    }
+    return Captures(checkpoint, root, inputs)
 
 
-@pytest.mark.parametrize("case", ["t2va", "fl2va", "ref2va"])
+@pytest.mark.parametrize("case", list(CASES))
 def test_ours_matches_the_reference_runner_at_every_boundary(captures, case: str, capsys) -> None:
     ours, theirs = captures[f"ours_{case}"], captures[f"reference_{case}"]
     names = [
@@ -162,10 +186,10 @@ def test_capture_steps_and_bad_flags(checkpoint, captures, tmp_path, capsys, mon
     # The reference runner reads the diffusers layout only, and needs diffusers.
     assert reference(Path(__file__).parent, tmp_path / "ref") == 2
     assert reference(checkpoint.parent.parent / "nowhere", tmp_path / "ref2") == 2
-    keyframe = captures["ours_t2va"].parent / "first.png"
-    assert reference(checkpoint, tmp_path / "ref3", "sglang", "--first-frame", str(keyframe)) == 2
+    clip = captures["ours_t2va"].parent / "clip.mp4"
+    assert reference(checkpoint, tmp_path / "ref3", "sglang", "--ref", f"video:{clip}@1.5") == 2
     error = capsys.readouterr().err
-    assert error.count("\n") == 3 and "Traceback" not in error and "error: recipe:" in error
+    assert error.count("\n") == 3 and "Traceback" not in error and "error: references:" in error
     assert not (tmp_path / "ref").exists() and not (tmp_path / "ref3").exists()  # refused before any folder
 
 
@@ -252,3 +276,36 @@ def test_a_worker_group_captures_on_rank_0_and_a_wrong_shift_is_named(checkpoint
     ]
     assert {entry["step"] for entry in index["boundaries"]} == {None, 0}  # forward -2 of 2
     assert first_divergence(group, captures["reference_t2va"]) == "scheduler_output[0]"
+
+
+def test_split_stage_groups_capture_what_one_process_does(checkpoint, tmp_path) -> None:
+    """Split stage groups of one rank each: each group's rank 0 writes the boundaries its step crosses, the front
+    the one index, and the capture equals one process's bit for bit (as many threads as a split rank of one uses:
+    the same computation). Groups of two ranks (gloo) capture the selected step within the fp32 bounds."""
+    one, split, pair = tmp_path / "one", tmp_path / "split", tmp_path / "pair"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        assert generate(checkpoint, one, "sglang") == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert generate(checkpoint, split, "sglang", "--stage-layout", "split") == 0
+    index = json.loads((split / "index.json").read_text())
+    assert index["runner"].startswith("h3engine (split stage groups") and "failed" not in index
+    names = [
+        (entry["name"], entry["step"]) for entry in json.loads((one / "index.json").read_text())["boundaries"]
+    ]
+    assert [(entry["name"], entry["step"]) for entry in index["boundaries"]] == names
+    steps = [entry["file"].split("_")[0] for entry in index["boundaries"]]
+    assert steps == ["encode"] * 2 + ["denoise"] * 6 + ["decode"] * 3
+    assert sorted(path.name for path in split.iterdir()) == sorted(
+        [trace.INDEX_NAME, *(entry["file"] for entry in index["boundaries"])]
+    )
+    exact = parse_tolerances([f"{name}=0" for name in trace.BOUNDARIES])
+    assert compare_captures(split, one, exact)[1] is None
+    last = ("--capture-steps", "last")
+    assert generate(checkpoint, pair, "sglang", "--stage-layout", "split", "--world-size", "2", *last) == 0
+    index = json.loads((pair / "index.json").read_text())
+    kept = [(name, step) for name, step in names if step in (None, 1)]
+    assert [(entry["name"], entry["step"]) for entry in index["boundaries"]] == kept
+    assert first_divergence(pair, one) is None

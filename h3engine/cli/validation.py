@@ -56,16 +56,14 @@ def add_validation_parsers(commands: Any) -> None:
     )
     reference.add_argument("--checkpoint", required=True, help="checkpoint folder in the diffusers layout")
     reference.add_argument("--prompt", required=True)
-    reference.add_argument(
-        "--first-frame", default=None, help="FL2VA (--recipe diffusers): the first keyframe"
-    )
-    reference.add_argument("--last-frame", default=None, help="FL2VA (--recipe diffusers): the last keyframe")
+    reference.add_argument("--first-frame", default=None, help="FL2VA: the first keyframe")
+    reference.add_argument("--last-frame", default=None, help="FL2VA: the last keyframe")
     reference.add_argument(
         "--ref",
         action="append",
         default=[],
         metavar="KIND:PATH[@START_SECONDS]",
-        help="Ref2VA (--recipe diffusers): a reference, in order (repeatable), as generate's --ref",
+        help="Ref2VA: a reference, in order (repeatable), as generate's --ref",
     )
     reference.add_argument("--seed", type=int, default=0)
     reference.add_argument("--steps", type=int, default=50, help="denoising steps in --recipe's convention")
@@ -113,7 +111,8 @@ def new_capture(args: argparse.Namespace) -> Any:
 def capturing_generation(args: argparse.Namespace, request: Any, on_workers: bool) -> Iterator[Any]:
     """`generate --capture`: the block runs with the capture active and its index is written after it. On a
     worker group the block gets the capture's `CaptureSpec` (None without --capture) to put in its jobs (front.submit's
-    `capture`): the group's rank 0 records and writes the index."""
+    `capture`): the group's rank 0 records and writes the index (split stage groups: each group's rank 0 records,
+    the front writes the index)."""
     capture = new_capture(args)
     if capture is None:
         yield None
@@ -124,8 +123,8 @@ def capturing_generation(args: argparse.Namespace, request: Any, on_workers: boo
         yield trace.CaptureSpec(str(capture.folder.resolve()), args.capture_steps)
         if not (capture.folder / trace.INDEX_NAME).exists():
             print(
-                f"warning: --capture: the worker group wrote nothing to {capture.folder} (the split layout's stage "
-                "ranks, --encoder-tp / --vae-ranks, do not capture yet)",
+                f"warning: --capture: the worker group wrote no index to {capture.folder} (the job ended before "
+                "it reached its first boundary)",
                 file=sys.stderr,
             )
         return

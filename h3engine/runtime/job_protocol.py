@@ -202,3 +202,5 @@ class StageDone:
     ended_at: float = 0.0
     sent_bytes: int = 0  # what rank 0 handed to the next groups for this step (every consumer rank counted)
     step_cache: dict[str, Any] | None = None  # denoise: the step cache's record (None: cache "off")
+    # `generate --capture`: the entries this step recorded (trace.stage_capture), for the index the front writes.
+    captured: list[dict[str, Any]] = field(default_factory=list)

@@ -72,6 +72,7 @@ from h3engine.runtime.workers import (
     checked_layouts,
     stage_devices,
 )
+from h3engine.validation import trace
 
 logger = logging.getLogger(__name__)
 
@@ -406,18 +407,23 @@ class StageGroups:
         with self._lock:
             self._inboxes[job.job_id], self._publishers[job.job_id] = inbox, publish
         self.groups["vae"].writes_into(handle.out_path, handle.save_tensors_path)
+        done: dict[str, StageDone] = {}
         try:
-            return self._steps(handle, job, ticket, inbox)
+            outcome = self._steps(handle, job, ticket, inbox, done)
         finally:
             self.turns.leave(ticket)
             with self._lock:
                 for table in (self._inboxes, self._publishers):
                     table.pop(job.job_id, None)
+        if job.capture is not None and not isinstance(outcome, _Retry):  # `generate --capture`: the one index
+            failed = None if isinstance(outcome, JobFinished) else f"{outcome.kind}: {outcome.message}"
+            parts = [done[step].captured for step in STEPS if step in done]
+            trace.finish_stage_captures(job.capture, job.request, parts, failed)
+        return outcome
 
     def _steps(
-        self, handle: JobHandle, job: RunJob, ticket: int, inbox: queue.Queue[Any]
+        self, handle: JobHandle, job: RunJob, ticket: int, inbox: queue.Queue[Any], done: dict[str, StageDone]
     ) -> JobFinished | JobFailed | _Retry:
-        done: dict[str, StageDone] = {}
         outcome = self._step("prepare", Prepare(job), handle, job, ticket, inbox, done, wait_for="prepare")
         if outcome is not None:
             return outcome

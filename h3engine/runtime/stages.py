@@ -45,10 +45,12 @@ from h3engine.runtime.job_protocol import (
     StageDone,
     StageEnds,
     StageSpec,
+    job_of,
 )
 from h3engine.runtime.rank import ShardedLoader
 from h3engine.runtime.rank_jobs import JobRank, RankGroups
 from h3engine.runtime.rank_process import Outbox, join_world, rank_engine, run_rank
+from h3engine.validation import trace
 
 # The channels between the groups, by what they carry: producer stage -> consumer stage.
 CHANNEL_ROUTES: dict[str, tuple[Stage, Stage]] = {
@@ -198,6 +200,8 @@ class StageRank(JobRank):
     remixes: dict[int, RemixPlan] = field(default_factory=dict)
     command_started: float = 0.0
     command_sent_bytes: int = 0
+    # `generate --capture`: what rank 0 recorded during the command being served (trace.stage_capture).
+    captured: list[dict[str, Any]] = field(default_factory=list)
 
     def ready(self) -> RankReady:
         """The VAE group's rank 0 prepares requests: it tells the front the checkpoint's facts."""
@@ -215,6 +219,7 @@ class StageRank(JobRank):
     def report(self, job: RunJob, stage: str, timings: dict[str, float], **details: Any) -> None:
         """Rank 0's `StageDone` for the command being served."""
         started, ended, sent = self.command_started, time.monotonic(), self.command_sent_bytes
+        details.setdefault("captured", list(self.captured))
         self.outbox.post(
             StageDone(
                 job.job_id, stage, timings, started_at=started, ended_at=ended, sent_bytes=sent, **details
@@ -233,15 +238,18 @@ class StageRank(JobRank):
 
     def serve(self, command: Prepare | Encode | Denoise | Decode) -> None:
         self.command_started, self.command_sent_bytes = time.monotonic(), 0
-        if isinstance(command, Prepare):
-            if self.rank == 0:
-                self.prepare_and_hand_off(command.job)
-        elif isinstance(command, Encode):
-            self.encode(command.job, command.skeleton)
-        elif isinstance(command, Denoise):
-            self.denoise_and_hand_off(command.job, command.skeleton, command.frame_shares)
-        else:
-            self.decode(command)
+        # `generate --capture`: rank 0 records what the step crosses (files "encode_000_...") for its report.
+        step, capture = type(command).__name__.lower(), job_of(command).capture
+        with trace.stage_capture(step, self.rank, capture) as self.captured:
+            if isinstance(command, Prepare):
+                if self.rank == 0:
+                    self.prepare_and_hand_off(command.job)
+            elif isinstance(command, Encode):
+                self.encode(command.job, command.skeleton)
+            elif isinstance(command, Denoise):
+                self.denoise_and_hand_off(command.job, command.skeleton, command.frame_shares)
+            else:
+                self.decode(command)
 
     def prepare_and_hand_off(self, job: RunJob) -> None:
         """VAE rank 0: prepare the request (`JobRank.prepare`), then hand it to the encoder and DiT groups."""

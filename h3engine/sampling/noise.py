@@ -79,12 +79,15 @@ def draw_initial_noise(
     if recipe == "sglang":
         video_noise = _randn(target_shape, _seeded_generator(seed))
         audio_rows = _randn(audio_shape, _seeded_generator(seed))
-        # Every condition restarts the stream and draws a clip longer than itself (target length plus
-        # one frame per condition), keeping only its own leading frames.
-        draw_frames = geometry.latent_frames + len(condition_shapes)
         condition_noise = [
-            _randn((1, video_channels, draw_frames, height, width), _seeded_generator(seed))[:, :, :frames]
-            for frames, height, width in condition_shapes
+            sglang_condition_noise(
+                seed,
+                shape,
+                count=len(condition_shapes),
+                target_frames=geometry.latent_frames,
+                channels=video_channels,
+            )
+            for shape in condition_shapes
         ]
     elif recipe == "diffusers":
         generator = _seeded_generator(seed)
@@ -102,6 +105,21 @@ def draw_initial_noise(
         audio_rows=audio_rows,
         condition_video_rows=tuple(patchify_video(noise, geometry.patch) for noise in condition_noise),
     )
+
+
+def sglang_condition_noise(
+    seed: int, shape: Sequence[int], *, count: int, target_frames: int, channels: int
+) -> torch.Tensor:
+    """One visual condition's noise latent ``[1, channels, T_c, h_c, w_c]`` under the sglang recipe.
+
+    ``shape`` is the condition's ``(T_c, h_c, w_c)``, ``count`` the request's number of visual conditions: the
+    condition restarts the stream (a fresh generator seeded ``seed``) and draws a clip longer than itself, the
+    target's ``target_frames`` plus one frame per condition, keeping only its own leading ``T_c`` frames. Shared by
+    `draw_initial_noise` and the reference runner, which hands this noise to diffusers.
+    """
+    frames, height, width = shape
+    draw = (1, channels, target_frames + count, height, width)
+    return _randn(draw, _seeded_generator(seed))[:, :, :frames]
 
 
 def noise_condition_rows(

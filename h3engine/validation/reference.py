@@ -1,15 +1,19 @@
 """The reference runner: one request through diffusers' MiniMax H3 pipeline, its boundaries captured by hooks.
 
-diffusers is an optional extra: it is imported inside `run_reference` only (`ReferenceUnavailable` when absent).
+diffusers is an optional extra, imported inside the runner's functions only (`ReferenceUnavailable` when absent).
 The boundaries carry our capture's names (h3engine.validation.trace): the text encoder's input ids, the DiT's inputs
 and outputs of each forward, each scheduler step's output, the VAE decoders' inputs, the decoded video and audio.
 Step conventions: the forward index is the step of both sides. `recipe="diffusers"` runs diffusers as it is (N grid
 points, N - 1 forwards, its own generator); `recipe="sglang"` asks it for N + 1 grid points (the sglang grid, N
-forwards) and hands it the sglang recipe's noise as its starting latents (diffusers draws no other stream for T2VA).
+forwards), hands it the sglang recipe's noise as its starting latents (which skips its own video and audio draws)
+and serves its conditions' draws (FL2VA, Ref2VA) the sglang recipe's condition noise (`_sglang_condition_draws`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +26,7 @@ from h3engine.errors import RequestError
 from h3engine.geometry import Geometry
 from h3engine.request import GenerationRequest
 from h3engine.request.resolved import resolve_request
-from h3engine.sampling.noise import draw_initial_noise
+from h3engine.sampling.noise import draw_initial_noise, sglang_condition_noise
 from h3engine.sampling.packing import unpatchify_video
 from h3engine.validation.trace import Capture
 
@@ -125,12 +129,6 @@ def check_reference(checkpoint: Path, request: GenerationRequest) -> None:
     checkpoint, diffusers itself (RequestError naming the field / ReferenceUnavailable)."""
     if request.task not in ("t2va", "fl2va", "ref2va"):
         raise RequestError("task", f"the reference runner runs t2va, fl2va and ref2va, got '{request.task}'")
-    if request.task != "t2va" and request.recipe != "diffusers":
-        raise RequestError(
-            "recipe",
-            f"an {request.task} reference runs in the diffusers convention only (--recipe diffusers): diffusers "
-            "draws its conditions' noise itself, so the sglang recipe's cannot be handed to it",
-        )
     if any(reference.start_seconds for reference in request.references):
         raise RequestError("references", "the reference runner takes a video reference from its start only")
     if detect_layout(checkpoint).kind != "diffusers":
@@ -144,7 +142,7 @@ def check_reference(checkpoint: Path, request: GenerationRequest) -> None:
 
 
 def run_reference(checkpoint: Path, request: GenerationRequest, capture: Capture) -> dict[str, Any]:
-    """Run `request` (T2VA; FL2VA or Ref2VA in the diffusers convention) through diffusers on a diffusers-layout
+    """Run `request` (T2VA, FL2VA or Ref2VA, in either step convention) through diffusers on a diffusers-layout
     `checkpoint` at fp32 on the CPU and capture its boundaries; returns what the index records about the run."""
     check_reference(checkpoint, request)
     from diffusers import ModularPipeline
@@ -166,8 +164,11 @@ def run_reference(checkpoint: Path, request: GenerationRequest, capture: Capture
         inputs["references"] = diffusers_references(request.references)
     else:
         inputs.update(height=geometry.height, width=geometry.width)
+    transformer = pipeline.transformer_ref if request.task == "ref2va" else pipeline.transformer
+    draws: Any = contextlib.nullcontext()
     if sglang:
-        inputs.update(_sglang_latents(pipeline, request.seed, geometry))
+        inputs.update(_sglang_latents(transformer.config, request.seed, geometry))
+        draws = _sglang_condition_draws(request, geometry, transformer.config.in_channels)
     inputs.update(_keyframes(request))
     for scheduler, shift in (
         (pipeline.scheduler, request.flow_shift),
@@ -176,7 +177,6 @@ def run_reference(checkpoint: Path, request: GenerationRequest, capture: Capture
         if shift is not None:
             scheduler.set_shift(shift)
     hooks = _Hooks(capture, geometry, total=points - 1)
-    transformer = pipeline.transformer_ref if request.task == "ref2va" else pipeline.transformer
     handles = [
         pipeline.text_encoder.model.register_forward_pre_hook(hooks.text_encoder, with_kwargs=True),
         transformer.register_forward_pre_hook(hooks.before_dit, with_kwargs=True),
@@ -187,7 +187,7 @@ def run_reference(checkpoint: Path, request: GenerationRequest, capture: Capture
     pipeline.vae.decode = hooks.decoder(pipeline.vae.decode, "video")
     pipeline.audio_vae.decode = hooks.decoder(pipeline.audio_vae.decode, "audio")
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), draws:
             state = pipeline(**inputs)
     finally:
         for handle in handles:
@@ -223,17 +223,57 @@ def diffusers_references(references: Any) -> list[Any]:
     return [classes[reference.kind].from_file(reference.path) for reference in references]
 
 
-def _sglang_latents(pipeline: Any, seed: int, geometry: Geometry) -> dict[str, torch.Tensor]:
-    """The sglang recipe's noise as diffusers' starting `latents` [1, C, T, h, w] and `audio_latents` [2, C, A]."""
+def _sglang_latents(config: Any, seed: int, geometry: Geometry) -> dict[str, torch.Tensor]:
+    """The sglang recipe's noise as diffusers' starting `latents` [1, C, T, h, w] and `audio_latents` [2, C, A]
+    (`config`: the task's DiT's, which names the channels)."""
     noise = draw_initial_noise(
         seed,
         geometry,
         recipe="sglang",
-        video_channels=pipeline.transformer.config.in_channels,
-        audio_channels=pipeline.transformer.config.audio_in_channels,
+        video_channels=config.in_channels,
+        audio_channels=config.audio_in_channels,
     )
     latents = unpatchify_video(
         noise.video_rows, geometry.latent_frames, geometry.latent_h, geometry.latent_w, geometry.patch
     )
     audio = noise.audio_rows.reshape(2, geometry.audio_latents, -1).permute(0, 2, 1)
     return {"latents": latents, "audio_latents": audio}
+
+
+def _visual_condition_count(request: GenerationRequest) -> int:
+    """How many visual conditions (keyframes, image and video references) a request packs: its noise draws."""
+    if request.task == "fl2va":
+        return len(request.keyframes)
+    return sum(reference.kind in ("image", "video") for reference in request.references)
+
+
+@contextlib.contextmanager
+def _sglang_condition_draws(request: GenerationRequest, geometry: Geometry, channels: int) -> Iterator[None]:
+    """For the block, diffusers' noise draws before its denoising (`randn_tensor` of its before-denoise module) are
+    served the sglang recipe's condition noise, one condition at a time in packed order; a draw that is not a
+    condition's (its shape, or one too many: the video and audio noise, which the given latents skip) or a
+    condition left undrawn raises. The module's own function is back after the block, whatever happened."""
+    module = importlib.import_module("diffusers.modular_pipelines.minimax_h3.before_denoise")
+    count, served = _visual_condition_count(request), []
+
+    def serve(shape: Any, generator: Any = None, device: Any = None, dtype: Any = None, **_: Any) -> Any:
+        shape = tuple(shape)
+        limit = geometry.latent_frames + count
+        if len(served) == count or len(shape) != 5 or shape[:2] != (1, channels) or shape[2] > limit:
+            raise RuntimeError(
+                f"the reference runner serves {count} condition noise draw(s) [1, {channels}, T <= {limit}, h, w]; "
+                f"diffusers asked for draw {len(served) + 1} of shape {list(shape)}"
+            )
+        served.append(shape)
+        noise = sglang_condition_noise(
+            request.seed, shape[2:], count=count, target_frames=geometry.latent_frames, channels=channels
+        )
+        return noise.to(device=device, dtype=dtype)
+
+    original, module.randn_tensor = module.randn_tensor, serve
+    try:
+        yield
+    finally:
+        module.randn_tensor = original
+    if len(served) != count:
+        raise RuntimeError(f"diffusers drew {len(served)} of the request's {count} condition noise draws")

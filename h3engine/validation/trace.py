@@ -5,7 +5,9 @@ boundary (`BOUNDARIES`, in order) and does nothing else while none is active (on
 carry the step (the forward's index, 0-based) and are kept only for the steps the selection names
 (`parse_steps`: "all", "none", "first", "last", "0,2,-1", "1-3"). `Capture.finish(record)` writes `index.json`:
 the request, the versions, the seeds and each boundary's file and tensors. The reference runner writes the same
-names, so two captures compare boundary by boundary (h3engine.validation.compare).
+names, so two captures compare boundary by boundary (h3engine.validation.compare). A worker group's rank 0 records
+its job's (`group_capture`); on the split layout each stage group's rank 0 records its own steps' (`stage_capture`)
+and the front writes the one index (`finish_stage_captures`).
 """
 
 from __future__ import annotations
@@ -77,11 +79,13 @@ def selected(parts: tuple[str, ...], step: int, total: int) -> bool:
 
 
 class Capture:
-    """One request's boundaries under `folder` (created, must be empty or absent)."""
+    """One request's boundaries under `folder` (created, must be empty or absent); `prefix` starts its file names
+    (a split stage's own files, beside the other stages')."""
 
-    def __init__(self, folder: str | Path, steps: tuple[str, ...] = ("all",)) -> None:
+    def __init__(self, folder: str | Path, steps: tuple[str, ...] = ("all",), prefix: str = "") -> None:
         self.folder = Path(folder)
         self.steps = steps
+        self.prefix = prefix
         self.entries: list[dict[str, Any]] = []
 
     def prepare(self) -> None:
@@ -100,7 +104,9 @@ class Capture:
             raise ValueError(f"unknown boundary '{name}'")
         host = {key: value.detach().to("cpu").contiguous().clone() for key, value in tensors.items()}
         file = (
-            f"{len(self.entries):03d}_{name}" + ("" if step is None else f"_step{step:03d}") + ".safetensors"
+            f"{self.prefix}{len(self.entries):03d}_{name}"
+            + ("" if step is None else f"_step{step:03d}")
+            + ".safetensors"
         )
         save_file(host, str(self.folder / file))
         described = {
@@ -184,6 +190,30 @@ def group_capture(rank: int, request: Any, spec: CaptureSpec | None) -> Iterator
         capture.finish({**record, "failed": f"{type(error).__name__}: {error}"})
         raise
     capture.finish(record)
+
+
+@contextmanager
+def stage_capture(step: str, rank: int, spec: CaptureSpec | None) -> Iterator[list[dict[str, Any]]]:
+    """A split stage group's `step` of a job: its rank 0 records into the folder the job names, its files named
+    after the step. Yields the step's index entries (filled as it records; empty elsewhere), which its report
+    carries to the front (`StageDone.captured`) for `finish_stage_captures`."""
+    if rank != 0 or spec is None:
+        yield []
+        return
+    capture = Capture(spec.folder, parse_steps(spec.steps), prefix=f"{step}_")
+    with capturing(capture):
+        yield capture.entries
+
+
+def finish_stage_captures(
+    spec: CaptureSpec, request: Any, parts: list[list[dict[str, Any]]], failed: str | None = None
+) -> Path:
+    """The split layout's index, written by the front once the job ended: the entries each stage reported, in the
+    job's order (`parts`), and `failed` (how the job ended, when it did not finish)."""
+    capture = Capture(spec.folder, parse_steps(spec.steps))
+    capture.entries = [entry for part in parts for entry in part]
+    record = index_record(request, "h3engine (split stage groups, each group's rank 0)", spec.steps)
+    return capture.finish(record if failed is None else {**record, "failed": failed})
 
 
 def versions() -> dict[str, str]:
