@@ -1,5 +1,6 @@
 """Helpers of the remix tests (tests/test_remix_tasks.py in one process and on a worker group,
-tests/test_remix_split.py on split stage groups): the source files, a remix request, an MP4 read back."""
+tests/test_remix_split.py on split stage groups,
+tests/test_remix_gpu.py on a GPU): the source files, a remix request, an MP4 read back."""
 
 from __future__ import annotations
 
@@ -35,10 +36,19 @@ def write_sources(folder: Path) -> dict[str, Path]:
     return {"video": folder / "source.mp4", "audio": folder / "voice.wav"}
 
 
-def remix_request(remix: Remix, duration: float = 4.0) -> GenerationRequest:
+def remix_request(remix: Remix, duration: float = 4.0, steps: int = 2) -> GenerationRequest:
     return GenerationRequest(
-        task="t2va", prompt="rain on a tin roof", duration_seconds=duration, steps=2, remix=remix
+        task="t2va", prompt="rain on a tin roof", duration_seconds=duration, steps=steps, remix=remix
     )
+
+
+def every_mode(sources: dict[str, Path]) -> dict[str, Remix]:
+    """One remix of each mode on `sources`: a v2a with an audio mask, an a2v, an extend."""
+    return {
+        "v2a": Remix(mode="v2a", source_video=str(sources["video"]), audio_mask=((0.5, 1.5),)),
+        "a2v": Remix(mode="a2v", source_audio=str(sources["audio"])),
+        "extend": Remix(mode="extend", source_video=str(sources["video"])),
+    }
 
 
 def decoded_frames(path: Path) -> list[np.ndarray]:

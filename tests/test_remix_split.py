@@ -21,14 +21,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _remix_helpers import SOURCE_FRAMES, decoded_audio, decoded_frames, remix_request, write_sources
+from _remix_helpers import (
+    SOURCE_FRAMES,
+    decoded_audio,
+    decoded_frames,
+    every_mode,
+    remix_request,
+    write_sources,
+)
 from _runtime_helpers import events_until_done, max_relative_errors
 from safetensors.torch import load_file
 
 from h3engine.engine import Engine
 from h3engine.engine_options import EngineOptions
 from h3engine.parallel.groups import RuntimeLayout
-from h3engine.request.remix import Remix
 from h3engine.runtime.front import EngineFront
 from h3engine.runtime.messages import JobFinished
 from h3engine.runtime.split import SplitReplica
@@ -50,14 +56,6 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return write_sources(tmp_path_factory.mktemp("remix_sources"))
 
 
-def remixes(sources: dict[str, Path]) -> dict[str, Remix]:
-    return {
-        "v2a": Remix(mode="v2a", source_video=str(sources["video"]), audio_mask=((0.5, 1.5),)),
-        "a2v": Remix(mode="a2v", source_audio=str(sources["audio"])),
-        "extend": Remix(mode="extend", source_video=str(sources["video"])),
-    }
-
-
 @pytest.fixture(scope="module")
 def one_process(
     tiny_native: Path, sources: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
@@ -75,7 +73,7 @@ def one_process(
         try:
             engine = Engine.from_checkpoint(tiny_native, device="cpu", dtype=torch.float32)
             runs[threads] = {}
-            for mode, remix in remixes(sources).items():
+            for mode, remix in every_mode(sources).items():
                 request = remix_request(remix)
                 mp4, tensors = folder / f"{mode}.mp4", folder / f"{mode}.safetensors"
                 engine.generate_to_file(request, mp4, save_tensors_path=tensors)
@@ -98,7 +96,7 @@ def run_on_split_groups(
         sizes = {"vae": layout.vae_ranks, "encoder": layout.encoder_tp, "dit": layout.world_size}
         assert {stage: len(pids) for stage, pids in replica.worker_pids.items()} == sizes
         outputs, handles = {}, {}
-        for mode, remix in remixes(sources).items():
+        for mode, remix in every_mode(sources).items():
             outputs[mode] = (folder / f"{mode}.mp4", folder / f"{mode}.safetensors")
             handles[mode] = front.submit(remix_request(remix), *outputs[mode])
         for mode, handle in handles.items():

@@ -15,6 +15,7 @@ from _remix_helpers import (
     SOURCE_FRAMES,
     decoded_audio,
     decoded_frames,
+    every_mode,
     remix_request,
     write_sources,
 )
@@ -251,12 +252,7 @@ def test_every_remix_mode_under_a_memory_profile_equals_the_resident_engine(
     """The held rows ride through a streamed DiT (and the low-memory profile) like any row: bit for bit."""
     other = Engine.from_checkpoint(tiny_native, device="cpu", dtype=torch.float32, memory_profile=profile)
     assert other.plan.profile == profile
-    remixes = {
-        "v2a": Remix(mode="v2a", source_video=str(sources["video"]), audio_mask=((0.5, 1.5),)),
-        "a2v": Remix(mode="a2v", source_audio=str(sources["audio"])),
-        "extend": Remix(mode="extend", source_video=str(sources["video"])),
-    }
-    for mode, remix in remixes.items():
+    for mode, remix in every_mode(sources).items():
         request = remix_request(remix)
         _, resident = run(engine, request, tmp_path / f"{mode}-resident.mp4")
         _, streamed = run(other, request, tmp_path / f"{mode}-{profile}.mp4")
