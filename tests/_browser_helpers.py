@@ -36,9 +36,9 @@ needs_chromium = pytest.mark.skipif(
 )
 
 
-# One Playwright driver and one chromium per test process, started at the first page and closed when the run ends
-# (conftest.py): a page gets a browser context of its own (its own cookies and storage: a fresh profile, as a new
-# browser would have), which costs a fraction of a second where launching a browser and its driver costs about one.
+# One Playwright driver and one chromium per test process, started at the first page and closed after that test
+# file's last test (conftest.py): a page gets a browser context of its own (its own cookies and storage: a fresh
+# profile, as a new browser would have), which costs a fraction of a second where launching both costs about one.
 _SHARED: dict[str, object] = {}
 
 

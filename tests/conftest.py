@@ -109,10 +109,12 @@ def tiny_diffusers(tiny_checkpoints: Callable[..., Path]) -> Path:
     return tiny_checkpoints("diffusers", seed=0)
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Close the browser the browser tests share in this process (tests/_browser_helpers.py), if one started."""
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After a test file's last test, close the browser its browser tests shared (tests/_browser_helpers.py), if
+    one started: Playwright's sync API keeps an event loop marked running on this thread while it is started, which
+    the next file's asyncio.run() and Ray's sync calls refuse."""
     import sys
 
     helpers = sys.modules.get("_browser_helpers")
-    if helpers is not None:
+    if helpers is not None and (nextitem is None or nextitem.path != item.path):
         helpers.close_shared_browser()
