@@ -23,14 +23,21 @@ import pytest
 # machine, four multi-process files with two test processes: 146 s -> 100 s, 154 s -> 61 s of user CPU.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
 
-from h3engine.checkpoint.tiny import make_tiny_checkpoint  # noqa: E402
-from h3engine.runtime.rank_process import RANK_MODULES  # noqa: E402
+def runs_tests(config: pytest.Config) -> bool:
+    """False in pytest-xdist's controller (`-n N`), which hands the tests to its test processes and runs none: it
+    needs neither torch nor the engine, and importing them there would delay every test process's start."""
+    return hasattr(config, "workerinput") or not config.getoption("numprocesses", None)
 
-# The tests' own worker processes (tests/_parallel_*_helpers.py) start like the engine's ranks, from the one fork
-# server of this process that has imported torch and the engine: a rank starts in a fraction of a second.
-torch.multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_MODULES)
+
+def prepare_test_process() -> None:
+    """The tests' own worker processes (tests/_parallel_*_helpers.py) start like the engine's ranks, from the one fork
+    server of this process that has imported torch and the engine: a rank starts in a fraction of a second."""
+    import torch
+
+    from h3engine.runtime.rank_process import RANK_MODULES
+
+    torch.multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_MODULES)
 
 
 # The longest test files, run first (in this order, each file's own tests in theirs): `make test` runs two test
@@ -50,10 +57,18 @@ LONGEST_FIRST = (
     "test_app_api_fuzz.py",
     "test_memory_streaming.py",
     "test_app_api.py",
+    "test_remix_tasks.py",
+    "test_checkpoint.py",
+    "test_remix_split.py",
+    "test_validation_kit.py",
+    "test_placeholder.py",
+    "test_memory_budgets_benchmark.py",
 )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     if torch.cuda.is_available():
@@ -73,6 +88,8 @@ RUN_TEMP_VARIABLE = "H3_TEST_RUN_TEMP"
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if runs_tests(config):
+        prepare_test_process()
     if hasattr(config, "workerinput") or os.environ.get(RUN_TEMP_VARIABLE):
         return  # a test process of a run (the folder is its run's) or a run inside a test's
     folder = tempfile.mkdtemp(prefix="h3-tests-")
@@ -89,6 +106,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """`tiny_checkpoints(layout="native", seed=0)`: the session's tiny checkpoint of that layout and seed."""
     made: dict[tuple[str, int], Path] = {}
+
+    from h3engine.checkpoint.tiny import make_tiny_checkpoint
 
     def tiny_checkpoint(layout: str = "native", seed: int = 0) -> Path:
         if (layout, seed) not in made:
@@ -109,6 +128,7 @@ def tiny_diffusers(tiny_checkpoints: Callable[..., Path]) -> Path:
     return tiny_checkpoints("diffusers", seed=0)
 
 
+@pytest.hookimpl(trylast=True)  # after the test's fixtures are torn down (a page fixture closes its context)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """After a test file's last test, close the browser its browser tests shared (tests/_browser_helpers.py), if
     one started: Playwright's sync API keeps an event loop marked running on this thread while it is started, which
