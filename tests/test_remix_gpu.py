@@ -92,15 +92,9 @@ def test_held_rows_stay_the_source_through_the_triton_ops_without_synchronizing(
         for name in ("video_latents", "audio_latents"):
             error = relative_error(getattr(latents, name), getattr(reference, name))
             assert error < BF16_TOLERANCE, (mode, name, error)
-    # The fused Triton ops ran (the tiny heads of 12 channels take SDPA: tests/test_step_loop_gpu.py says why).
+    # The fused Triton ops ran (the tiny heads of 12 channels take SDPA: tests/test_step_loop_gpu.py says why, and
+    # shows that the sync debug mode really raises on a synchronizing call).
     assert gpu.store.kernel_report() == {"attention": "sdpa", "fused_ops": "triton"}
-    # The mode really raises on a synchronizing call (so the test can fail).
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with pytest.raises(RuntimeError):
-            torch.ones(1, device="cuda").item()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
 
 def test_the_streamed_engine_on_a_gpu_remixes_as_the_resident_one(checkpoint: Path, sources) -> None:
