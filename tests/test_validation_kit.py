@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from h3engine.checkpoint.placeholder import make_placeholder_checkpoint
 from h3engine.cli import main
 from h3engine.models.audio_vae import AudioVAE
+from h3engine.request import GenerationRequest
 from h3engine.validation import trace
 from h3engine.validation.compare import compare_captures, parse_tolerances
 
@@ -309,3 +310,33 @@ def test_split_stage_groups_capture_what_one_process_does(checkpoint, tmp_path) 
     kept = [(name, step) for name, step in names if step in (None, 1)]
     assert [(entry["name"], entry["step"]) for entry in index["boundaries"]] == kept
     assert first_divergence(pair, one) is None
+
+
+def test_a_split_step_that_ends_its_job_leaves_what_it_recorded_for_the_index(tmp_path) -> None:
+    """On the split layout a step that fails or is cancelled sends no report: its rank 0 leaves its entries beside
+    its files (`keep_unreported`) and the front's index lists them after the reported steps' (`failed` said); a
+    job that finished (a retry) drops such leftovers."""
+    spec = trace.CaptureSpec(str(tmp_path / "capture"), "all")
+    Path(spec.folder).mkdir()
+    request = GenerationRequest(task="t2va", prompt="x", steps=2)
+    with trace.stage_capture("encode", 0, spec) as encoded:
+        trace.record("processor_tokens", input_ids=torch.arange(4))
+    with trace.stage_capture("denoise", 0, spec) as denoised:
+        trace.record("initial_noise", video=torch.ones(2, 3), audio=torch.zeros(2, 1))
+    trace.keep_unreported(spec, "denoise", denoised)
+    with trace.stage_capture("decode", 1, spec) as not_rank_0:
+        trace.record("waveform", audio=torch.ones(2, 8))
+    assert not_rank_0 == []
+    unreported = ("denoise", "decode")
+    trace.finish_stage_captures(spec, request, [encoded], "cancelled: Cancelled.", unreported)
+    index = json.loads((Path(spec.folder) / trace.INDEX_NAME).read_text())
+    assert [entry["name"] for entry in index["boundaries"]] == ["processor_tokens", "initial_noise"]
+    assert index["failed"] == "cancelled: Cancelled."
+    assert sorted(path.name for path in Path(spec.folder).iterdir()) == sorted(
+        [trace.INDEX_NAME, *(entry["file"] for entry in index["boundaries"])]
+    )
+    trace.keep_unreported(spec, "denoise", denoised)
+    trace.finish_stage_captures(spec, request, [encoded], None, unreported)
+    index = json.loads((Path(spec.folder) / trace.INDEX_NAME).read_text())
+    assert [entry["name"] for entry in index["boundaries"]] == ["processor_tokens"] and "failed" not in index
+    assert not list(Path(spec.folder).glob(f"*{trace.UNREPORTED_SUFFIX}"))

@@ -418,7 +418,8 @@ class StageGroups:
         if job.capture is not None and not isinstance(outcome, _Retry):  # `generate --capture`: the one index
             failed = None if isinstance(outcome, JobFinished) else f"{outcome.kind}: {outcome.message}"
             parts = [done[step].captured for step in STEPS if step in done]
-            trace.finish_stage_captures(job.capture, job.request, parts, failed)
+            unreported = tuple(step for step in STEPS if step not in done)
+            trace.finish_stage_captures(job.capture, job.request, parts, failed, unreported)
         return outcome
 
     def _steps(

@@ -200,8 +200,10 @@ class StageRank(JobRank):
     remixes: dict[int, RemixPlan] = field(default_factory=dict)
     command_started: float = 0.0
     command_sent_bytes: int = 0
-    # `generate --capture`: what rank 0 recorded during the command being served (trace.stage_capture).
+    # `generate --capture`: what rank 0 recorded during the command being served (trace.stage_capture), and that
+    # command's step.
     captured: list[dict[str, Any]] = field(default_factory=list)
+    step: str = ""
 
     def ready(self) -> RankReady:
         """The VAE group's rank 0 prepares requests: it tells the front the checkpoint's facts."""
@@ -226,6 +228,13 @@ class StageRank(JobRank):
             )
         )
 
+    def end_job(self, job: RunJob, error: Exception, during: str, alone: bool) -> None:
+        """`JobRank.end_job`; with `generate --capture`, rank 0 first leaves what the step recorded for the index
+        (the step sends no report, and the front writes the index once it hears of the end)."""
+        if self.rank == 0 and job.capture is not None:
+            trace.keep_unreported(job.capture, self.step, self.captured)
+        super().end_job(job, error, during, alone)
+
     def send(self, route: str, tensors: Mapping[str, torch.Tensor], job: RunJob) -> float:
         """Every consumer rank of `route` gets `tensors`; the seconds it took."""
         started = time.perf_counter()
@@ -239,8 +248,8 @@ class StageRank(JobRank):
     def serve(self, command: Prepare | Encode | Denoise | Decode) -> None:
         self.command_started, self.command_sent_bytes = time.monotonic(), 0
         # `generate --capture`: rank 0 records what the step crosses (files "encode_000_...") for its report.
-        step, capture = type(command).__name__.lower(), job_of(command).capture
-        with trace.stage_capture(step, self.rank, capture) as self.captured:
+        self.step, capture = type(command).__name__.lower(), job_of(command).capture
+        with trace.stage_capture(self.step, self.rank, capture) as self.captured:
             if isinstance(command, Prepare):
                 if self.rank == 0:
                     self.prepare_and_hand_off(command.job)

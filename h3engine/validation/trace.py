@@ -37,6 +37,8 @@ BOUNDARIES = (
 )
 PER_STEP = ("dit_prediction", "scheduler_output")
 INDEX_NAME = "index.json"
+# A split stage's entries of a step that ended its job without a report: "<step>_unreported.json" until the index.
+UNREPORTED_SUFFIX = "_unreported.json"
 
 _lock = threading.Lock()
 _active: Capture | None = None
@@ -205,13 +207,31 @@ def stage_capture(step: str, rank: int, spec: CaptureSpec | None) -> Iterator[li
         yield capture.entries
 
 
+def keep_unreported(spec: CaptureSpec, step: str, entries: list[dict[str, Any]]) -> None:
+    """A split stage's `step` that ends its job without a report (it failed, or was cancelled): its rank 0 leaves
+    the entries it recorded beside its files, for the index the front writes (`finish_stage_captures`)."""
+    if entries:
+        (Path(spec.folder) / f"{step}{UNREPORTED_SUFFIX}").write_text(json.dumps(entries))
+
+
 def finish_stage_captures(
-    spec: CaptureSpec, request: Any, parts: list[list[dict[str, Any]]], failed: str | None = None
+    spec: CaptureSpec,
+    request: Any,
+    parts: list[list[dict[str, Any]]],
+    failed: str | None = None,
+    unreported_steps: tuple[str, ...] = (),
 ) -> Path:
     """The split layout's index, written by the front once the job ended: the entries each stage reported, in the
-    job's order (`parts`), and `failed` (how the job ended, when it did not finish)."""
+    job's order (`parts`), then (a job that did not finish: `failed` says how) those the steps that reported nothing
+    left behind (`keep_unreported`), in `unreported_steps`' order."""
     capture = Capture(spec.folder, parse_steps(spec.steps))
     capture.entries = [entry for part in parts for entry in part]
+    for step in unreported_steps:
+        left = Path(spec.folder) / f"{step}{UNREPORTED_SUFFIX}"
+        if left.exists():
+            if failed is not None:
+                capture.entries += json.loads(left.read_text())
+            left.unlink()
     record = index_record(request, "h3engine (split stage groups, each group's rank 0)", spec.steps)
     return capture.finish(record if failed is None else {**record, "failed": failed})
 
