@@ -119,6 +119,18 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., 
 
 
 @pytest.fixture(scope="session")
+def shared_app(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """One `python app.py` on its embedded tiny default per test process, for the test files whose app takes no
+    option of its own (each counts only its own results, and History is a browser context's): an app's start costs
+    about 8 s of CPU on two cores. It must exit with 0 at the end of the run."""
+    from _app_helpers import start_app, stop_app
+
+    running = start_app(tmp_path_factory.mktemp("shared_app"), embedded_default=True)
+    yield running
+    assert stop_app(running) == 0, running.log_tail()
+
+
+@pytest.fixture(scope="session")
 def tiny_native(tiny_checkpoints: Callable[..., Path]) -> Path:
     return tiny_checkpoints("native", seed=0)
 

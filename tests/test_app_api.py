@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from _app_helpers import ASSETS, REPOSITORY_ROOT, assert_browser_playable, start_app, stop_app
+from _app_helpers import ASSETS, REPOSITORY_ROOT, assert_browser_playable
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import ValidationError
 
@@ -30,10 +30,8 @@ SETTINGS = dict(duration_seconds=5, aspect_ratio="auto", randomize_seed=False, s
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    running = start_app(tmp_path_factory.mktemp("app_api"))
-    yield running
-    assert stop_app(running) == 0, running.log_tail()
+def app(shared_app):  # noqa: ANN001, ANN201 - the run's app of this test process (conftest.py)
+    return shared_app
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _app_helpers import ASSETS, start_app, stop_app
+from _app_helpers import ASSETS
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import ValidationError
 from PIL import Image
@@ -45,10 +45,8 @@ NAMES = {
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    running = start_app(tmp_path_factory.mktemp("app_api_fuzz"))
-    yield running
-    assert stop_app(running) == 0, running.log_tail()
+def app(shared_app):  # noqa: ANN001, ANN201 - the run's app of this test process (conftest.py)
+    return shared_app
 
 
 @pytest.fixture(scope="module")

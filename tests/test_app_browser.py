@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from _app_helpers import ASSETS, start_app, stop_app
+from _app_helpers import ASSETS
 from _browser_helpers import ARTIFACTS, browser_page, needs_chromium, open_advanced, set_field
 
 pytestmark = needs_chromium
@@ -24,11 +24,9 @@ LAST_IMAGE = re.compile(r"/last\.png")
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    # No checkpoint given: the app makes and labels its embedded random-weight default.
-    running = start_app(tmp_path_factory.mktemp("app_browser"), embedded_default=True)
-    yield running
-    stop_app(running)
+def app(shared_app):  # noqa: ANN001, ANN201 - the run's app of this test process (conftest.py)
+    # No checkpoint given: the app makes and labels its embedded random-weight default (shared: conftest.py).
+    return shared_app
 
 
 @pytest.fixture()

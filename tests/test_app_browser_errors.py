@@ -12,7 +12,7 @@ Skips, with the reason, only when /usr/bin/chromium is missing (.ci/run installs
 from __future__ import annotations
 
 import pytest
-from _app_helpers import ASSETS, start_app, stop_app
+from _app_helpers import ASSETS
 from _browser_helpers import browser_page, needs_chromium, screenshot
 
 pytestmark = needs_chromium
@@ -24,10 +24,8 @@ EMPTY_FRAME = (
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    running = start_app(tmp_path_factory.mktemp("app_browser_errors"))
-    yield running
-    stop_app(running)
+def app(shared_app):  # noqa: ANN001, ANN201 - the run's app of this test process (conftest.py)
+    return shared_app
 
 
 @pytest.fixture()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from _app_helpers import ASSETS, start_app, stop_app
+from _app_helpers import ASSETS
 from _browser_helpers import (
     DESKTOP,
     PHONE,
@@ -31,10 +31,8 @@ SEED_COLUMN, STEPS_COLUMN = 4, 5  # in History's table (ui.history.HISTORY_HEADE
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    running = start_app(tmp_path_factory.mktemp("app_browser_jobs"), embedded_default=True)
-    yield running
-    stop_app(running)
+def app(shared_app):  # noqa: ANN001, ANN201 - the run's app of this test process (conftest.py)
+    return shared_app
 
 
 def _press_generate(page, task: str) -> None:

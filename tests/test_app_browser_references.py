@@ -13,7 +13,7 @@ Skips, with the reason, only when /usr/bin/chromium is missing (.ci/run installs
 from __future__ import annotations
 
 import pytest
-from _app_helpers import ASSETS, start_app, stop_app
+from _app_helpers import ASSETS
 from _browser_helpers import DESKTOP, PHONE, browser_page, needs_chromium, screenshot
 
 pytestmark = needs_chromium
@@ -23,10 +23,8 @@ NAMES = "[id^=ref2va-card-][id$=-name]"
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    running = start_app(tmp_path_factory.mktemp("app_browser_references"), embedded_default=True)
-    yield running
-    stop_app(running)
+def app(shared_app):  # noqa: ANN001, ANN201 - the run's app of this test process (conftest.py)
+    return shared_app
 
 
 @pytest.fixture(params=sorted(VIEWPORTS))
