@@ -8,8 +8,10 @@ that does not parse is said in the strip, naming the field, as the request check
 
 from __future__ import annotations
 
+import functools
 import html
 import math
+import os
 
 from h3engine.errors import RequestError
 from h3engine.geometry import FPS, frames_for_duration
@@ -21,14 +23,24 @@ EMPTY = "<div id='remix-mask-timeline' class='h3-timeline'><em>{}</em></div>"
 
 
 def video_seconds_of(path: str | None) -> float | None:
-    """The source video's length in seconds (None: no file or not a video)."""
+    """The source video's length in seconds (None: no file or not a video). The strip is redrawn at every change
+    of a mask field, so a file is probed once for as long as it stays the same (its size and modification time)."""
     if not path:
         return None
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return _probed_seconds(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=32)
+def _probed_seconds(path: str, size: int, modified_ns: int) -> float | None:
     from h3engine.media.inputs import probe_media
     from h3engine.request import Reference
 
     try:
-        return probe_media(Reference(kind="video", path=str(path))).duration_seconds
+        return probe_media(Reference(kind="video", path=path)).duration_seconds
     except (RequestError, OSError):
         return None
 

@@ -92,9 +92,8 @@ class RunJob:
     submitted_at: float  # time.monotonic() of the submit, for JobStarted.queue_wait_s
     replica_index: int
     preview_every: int
-    capture: Any = (
-        None  # a CaptureSpec (h3engine.validation.trace): rank 0 records the job's boundaries there
-    )
+    # A CaptureSpec (h3engine.validation.trace): rank 0 records the job's boundaries there (`generate --capture`).
+    capture: Any = None
 
     @classmethod
     def of(cls, job_number: int, handle: JobHandle, replica_index: int, preview_every: int) -> RunJob:
