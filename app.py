@@ -557,15 +557,29 @@ def _stop_on_sigterm(
     front: EngineFront, before: Callable[[], None] = lambda: None
 ) -> Callable[[int, object], None]:
     """The SIGTERM handler: the front's shutdown (its ranks end within seconds, whatever they do) starts at once,
-    while Gradio's blocking launch() closes the server on KeyboardInterrupt (up to 5 s with a browser connected);
-    `main` waits for both, so the app ends within 10 s."""
+    while Gradio's blocking launch() closes the server on KeyboardInterrupt (up to 5 s while a job's stream is still
+    open); `main` waits for both, so the app ends within 10 s."""
 
     def stop(signal_number: int, frame: object) -> None:
-        before()  # the job store keeps the jobs the shutdown cancels queued
+        before()
         threading.Thread(target=front.shutdown, name="h3-shutdown", daemon=True).start()
         raise KeyboardInterrupt
 
     return stop
+
+
+def _end_heartbeats(demo: gr.Blocks) -> None:
+    """End the heartbeat streams that every open page and API client holds, now.
+
+    Gradio ends them when its app's stop event is set, but it sets that asyncio event from the main thread, and the
+    server's event loop, which owns it, does not notice until something else wakes it: an open browser tab or a
+    gradio_client held every stop for the whole 5 s that Gradio waits for its server. The event is set from its
+    loop instead (the loop is known once a stream has waited on the event; before that there is nothing to end).
+    """
+    event = getattr(getattr(demo, "app", None), "stop_event", None)  # made by launch()
+    loop = getattr(event, "_loop", None)  # asyncio's loop-bound primitives keep it there
+    if event is not None and loop is not None and not loop.is_closed():
+        loop.call_soon_threadsafe(event.set)
 
 
 def remove_leftovers(outputs_dir: Path) -> None:
@@ -674,7 +688,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     demo.queue(default_concurrency_limit=LIGHT_EVENT_CONCURRENCY, max_size=config.queue_size)
     settle_heap()
-    signal.signal(signal.SIGTERM, _stop_on_sigterm(front, serving.stop_taking))
+
+    def before_stopping() -> None:
+        serving.stop_taking()  # the job store keeps the jobs the shutdown cancels queued
+        _end_heartbeats(demo)
+
+    signal.signal(signal.SIGTERM, _stop_on_sigterm(front, before_stopping))
     try:
         demo.launch(
             server_name=config.host,

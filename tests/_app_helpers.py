@@ -139,11 +139,14 @@ def _children(pid: int) -> dict[int, bytes]:
     return children
 
 
+def fork_servers_of(pid: int) -> list[int]:
+    """The multiprocessing fork servers started by process `pid` (h3engine.runtime.rank_process.rank_context)."""
+    return [child for child, command in _children(pid).items() if b"forkserver" in command]
+
+
 def rank_processes_of(pid: int) -> list[int]:
-    """The worker-group ranks started by process `pid`: the children of its multiprocessing fork server, which
-    forks every rank (h3engine.runtime.rank_process.rank_context)."""
-    servers = [child for child, command in _children(pid).items() if b"forkserver" in command]
-    return sorted(rank for server in servers for rank in _children(server))
+    """The worker-group ranks started by process `pid`: the children of its fork server, which forks every rank."""
+    return sorted(rank for server in fork_servers_of(pid) for rank in _children(server))
 
 
 def rank_processes(app: RunningApp) -> list[int]:

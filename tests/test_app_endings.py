@@ -3,6 +3,7 @@ checkpoint served by a worker group of two CPU ranks, with one user from `--auth
 room for one job running and one waiting.
 
 What is compared, through gradio_client and in a real browser (Playwright, Debian's headless chromium):
+* the ranks fork from a server that has imported torch and the engine, though the app runs from another folder;
 * a rank killed (SIGKILL) mid-job fails that job with the engine's sentence (the API's error; the page's status,
   with Generate enabled again at once); the next job, pressed on the same page without a reload, is done;
 * an outputs folder that refuses writes refuses the job before it is queued with a sentence naming the outputs
@@ -20,9 +21,10 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
-from _app_helpers import rank_processes, refusing_writes, start_app, stop_app
+from _app_helpers import fork_servers_of, rank_processes, refusing_writes, start_app, stop_app
 from _browser_helpers import DESKTOP, browser_page, needs_chromium, open_advanced, screenshot, set_field
 from gradio_client import Client
 from gradio_client.client import Job
@@ -95,6 +97,15 @@ def _kill_a_rank(app) -> None:
     ranks = rank_processes(app)
     assert len(ranks) == 2, ranks
     os.kill(ranks[-1], signal.SIGKILL)
+
+
+def test_ranks_fork_from_a_server_that_has_the_engine_imported(app) -> None:
+    """The app runs from a folder of its own (not the repository's), and its fork server, which does not use the
+    sys.path it is handed, must still have imported the rank code: otherwise every rank start and group restart
+    imports torch and the engine anew. app.py itself imports no torch at its top, so torch's library in the server's
+    memory map tells that the preload worked."""
+    (server,) = fork_servers_of(app.process.pid)
+    assert "libtorch_cpu" in Path(f"/proc/{server}/maps").read_text()
 
 
 def test_api_a_killed_rank_fails_its_job_with_a_sentence_and_the_next_job_is_done(app, tmp_path) -> None:

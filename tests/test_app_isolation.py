@@ -34,6 +34,7 @@ from ui.access import AccessPolicy, owner_folder
 
 SECRET_PROMPT = "The lighthouse keeper's secret plan."
 SETTINGS = dict(duration_seconds=5, aspect_ratio="auto", seed=4, randomize_seed=False, steps=2)
+GRADIO_SERVER_WAIT_S = 5.0  # how long Gradio's close() waits for its server thread (gradio.http_server)
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +216,10 @@ def test_without_gradio_temp_dir_the_app_cache_is_its_own_and_goes_at_exit_previ
         assert any(path.suffix in (".webp", ".png") for path in files), files  # a live preview image
         assert any(path.suffix == ".mp4" for path in files), files  # the served copy
     finally:
+        terminated_at = time.monotonic()
         assert stop_app(running) == 0, running.log_tail()
+    # The client's heartbeat stream is still open: it ends with the server, which Gradio would otherwise wait 5 s for.
+    assert time.monotonic() - terminated_at < GRADIO_SERVER_WAIT_S - 0.5
     assert not cache.exists()
 
 

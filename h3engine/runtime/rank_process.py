@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import queue
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 import torch
@@ -62,6 +64,9 @@ OUTBOX_FLUSH_TIMEOUT_S = 5.0
 # What a rank process runs, imported once by the fork server that every rank is forked from (`rank_context`).
 RANK_MODULES = ["__main__", "h3engine.runtime.rank", "h3engine.runtime.stages"]
 MAX_UNIX_SOCKET_PATH = 107  # bytes of sun_path before its NUL (Linux)
+# The folder that holds the h3engine package, put on the fork server's import path (`_start_fork_server`).
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+_FORK_SERVER_START = threading.Lock()
 
 
 def rank_context() -> Any:
@@ -79,7 +84,29 @@ def rank_context() -> Any:
         return torch.multiprocessing.get_context("spawn")
     context = torch.multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(RANK_MODULES)
+    _start_fork_server()
     return context
+
+
+def _start_fork_server() -> None:
+    """Start the fork server if it is not running, with the h3engine package's folder on its import path.
+
+    The server is handed its parent's sys.path but does not use it (CPython 3.11 to 3.13 read it nowhere), and its
+    preload skips a module it cannot import without a word. So under a front started from another folder (an app run
+    as `python /path/to/app.py`, as the tests do) the preload imported nothing, and every rank imported torch,
+    transformers and the engine anew: about 4 s of CPU per rank at every start and restart of a group. The variable
+    is set only while the server starts; ranks run under their front's environment (`in_front_environment`).
+    """
+    with _FORK_SERVER_START:
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(path for path in (PACKAGE_ROOT, saved) if path)
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
 
 
 def in_front_environment(environment: dict[str, str], target: Callable[..., None], *args: Any) -> None:
