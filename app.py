@@ -374,8 +374,8 @@ def memory_label(options: EngineOptions) -> str:
 
 def check_before_loading(config: AppConfig) -> None:
     """What can fail without a model, checked before any is loaded (ConfigError naming the option): first what needs
-    no torch (the address to listen on, the folders: told at once), then the engine options and the devices, last
-    the cache folder (its check makes it)."""
+    no torch (the address to listen on, the folders, the dtype and memory flags: told at once), then the layout and
+    the devices, the stall timeout and the groups' devices, last the cache folder (its check makes it)."""
     _check_can_listen(config.host, config.port)
     if config.lora_dir is not None and not config.lora_dir.is_dir():
         raise ConfigError(f"--lora-dir: no such folder: {config.lora_dir}")
@@ -385,11 +385,9 @@ def check_before_loading(config: AppConfig) -> None:
 
     from h3engine.engine_options import check_engine_options, check_fp8_device, resolve_device
     from h3engine.errors import RequestError
-    from h3engine.runtime.supervision import checked_stall_timeout
-    from h3engine.runtime.workers import replica_device_groups, stage_devices
 
     try:
-        checked_stall_timeout(config.stall_timeout)
+        # The dtype and memory flags first: they need no torch.
         layout = check_engine_options(config.engine, config.world_size)
         if config.ray is not None:
             if layout.split:
@@ -403,6 +401,11 @@ def check_before_loading(config: AppConfig) -> None:
             device = resolve_device(name, "--devices")
             if config.engine.fp8_linear:
                 check_fp8_device(device)
+        # Last, what needs the engine's runtime imported (seconds).
+        from h3engine.runtime.supervision import checked_stall_timeout
+        from h3engine.runtime.workers import replica_device_groups, stage_devices
+
+        checked_stall_timeout(config.stall_timeout)
         if (config.world_size > 1 or layout.split) and config.ray is None:
             for devices in replica_device_groups(config.devices, config.world_size):
                 if layout.split:

@@ -190,10 +190,12 @@ def check_engine_options(options: EngineOptions, world_size: int) -> RuntimeLayo
     Split: `--encoder-devices` / `--vae-devices` give those groups' sizes when `--encoder-tp` / `--vae-ranks` are
     left out (and must agree with them when not); the devices themselves are checked by the front-end
     (h3engine.runtime.workers.stage_devices)."""
-    from h3engine.parallel.groups import STAGE_LAYOUTS, RuntimeLayout
-
     check_dtype(options.dtype)
     check_memory_options(options)
+    # After the checks that need no torch: an app or CLI refuses a wrong dtype or memory profile in a fraction of a
+    # second.
+    from h3engine.parallel.groups import STAGE_LAYOUTS, RuntimeLayout
+
     if options.stage_layout not in STAGE_LAYOUTS:
         raise RequestError("--stage-layout", f"expected colocated or split, got '{options.stage_layout}'")
     split = options.stage_layout == "split"
