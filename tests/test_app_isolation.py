@@ -221,15 +221,3 @@ def test_without_gradio_temp_dir_the_app_cache_is_its_own_and_goes_at_exit_previ
     # The client's heartbeat stream is still open: it ends with the server, which Gradio would otherwise wait 5 s for.
     assert time.monotonic() - terminated_at < GRADIO_SERVER_WAIT_S - 0.5
     assert not cache.exists()
-
-
-def test_a_sigkilled_apps_own_gradio_cache_goes_at_the_next_start(tmp_path) -> None:
-    first = start_app(tmp_path, embedded_default=True, gradio_temp_dir=False)
-    first.process.send_signal(signal.SIGKILL)
-    first.process.wait()
-    (left,) = (tmp_path / "tmp").glob(f"h3-gradio-{first.process.pid}-*")
-    second = start_app(tmp_path, embedded_default=True, gradio_temp_dir=False)
-    try:
-        assert not left.exists()
-    finally:
-        assert stop_app(second) == 0, second.log_tail()

@@ -6,7 +6,8 @@ video); a failure writing the tensors leaves no MP4; a full disk fails the job s
 commit renames the sidecar last; cancelling at each poll of a request (input files, conditioning encode, text
 encode, every step, after the last step, each decoder window) stops it and leaves no file; `h3engine.media.leftovers` removes exactly the staging files and folders of dead processes
 and sidecar-less stamped MP4s, including after a real SIGKILL of the CLI (alone and with a worker group), and a
-killed worker group exactly its ranks' staging files.
+killed worker group exactly its ranks' staging files; an app started after a SIGKILLed one removes that one's staging
+files and its own Gradio cache.
 """
 
 from __future__ import annotations
@@ -377,10 +378,12 @@ def test_a_sigkilled_worker_group_leaves_a_rendezvous_folder_that_the_next_start
 
 @pytest.mark.slow
 def test_the_app_removes_what_a_sigkilled_app_left_when_it_starts_again(tmp_path) -> None:
+    """Its staging files in the outputs folder, and its own Gradio cache in the temp folder (without
+    GRADIO_TEMP_DIR)."""
     from _app_helpers import start_app, stop_app
     from gradio_client import Client
 
-    app = start_app(tmp_path, embedded_default=True)
+    app = start_app(tmp_path, embedded_default=True, gradio_temp_dir=False)
     try:
         client = Client(app.url, verbose=False)
         client.submit(
@@ -401,9 +404,11 @@ def test_the_app_removes_what_a_sigkilled_app_left_when_it_starts_again(tmp_path
         app.process.wait()
     left = list(app.outputs_dir.rglob("*.partial"))
     assert left
-    again = start_app(tmp_path, embedded_default=True)
+    (cache,) = (tmp_path / "tmp").glob(f"h3-gradio-{app.process.pid}-*")
+    again = start_app(tmp_path, embedded_default=True, gradio_temp_dir=False)
     try:
         assert not list(again.outputs_dir.rglob("*.partial"))
         assert f"removed {len(left)} leftover(s) of a stopped run" in again.log_tail()
+        assert not cache.exists()
     finally:
         stop_app(again)
