@@ -15,7 +15,6 @@ checked in plain Python.
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import subprocess
 import sys
