@@ -5,14 +5,15 @@ What is checked: output names are refused before any work (a folder, a missing f
 video); a failure writing the tensors leaves no MP4; a full disk fails the job saying so, with the free space; a
 commit renames the sidecar last; cancelling at each poll of a request (input files, conditioning encode, text
 encode, every step, after the last step, each decoder window) stops it and leaves no file; `h3engine.media.leftovers` removes exactly the staging files and folders of dead processes
-and sidecar-less stamped MP4s, including after a real SIGKILL of the CLI (alone and with a worker group), and a
-killed worker group exactly its ranks' staging files; an app started after a SIGKILLed one removes that one's staging
+and sidecar-less stamped MP4s, including after a real SIGKILL of the CLI (alone and with a worker group, whose ranks
+then end by themselves), and a killed worker group exactly its ranks' staging files; an app started after a SIGKILLed one removes that one's staging
 files and its own Gradio cache.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import signal
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _runtime_helpers import events_until_done
+from _runtime_helpers import events_until_done, process_exists
 
 from h3engine.engine import Engine
 from h3engine.engine import pipeline as pipeline_module
@@ -318,13 +319,15 @@ def test_only_dead_processes_temp_folders_are_removed(tmp_path, monkeypatch) -> 
     assert live.is_dir() and other.is_dir() and not dead.exists()
 
 
-def start_cli(checkpoint: Path, out: Path, temp: Path, *extra: str) -> subprocess.Popen:
+def start_cli(
+    checkpoint: Path, out: Path, temp: Path, *extra: str, stdout: int = subprocess.DEVNULL
+) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "h3engine", "generate", "--checkpoint", str(checkpoint), "--prompt", "long"]
         + ["--steps", "1000", "--duration", "15", "--device", "cpu", "--out", str(out), *extra],
         cwd=REPOSITORY,
         env={**os.environ, "TMPDIR": str(temp)},
-        stdout=subprocess.DEVNULL,
+        stdout=stdout,
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -355,16 +358,41 @@ def test_a_sigkilled_cli_leaves_staging_files_that_the_next_start_removes(checkp
 
 
 @pytest.mark.slow
-def test_a_sigkilled_worker_group_leaves_a_rendezvous_folder_that_the_next_start_removes(
+def test_a_sigkilled_cli_s_ranks_end_by_themselves_and_the_next_start_removes_its_rendezvous_folder(
     checkpoint, tmp_path, monkeypatch
 ) -> None:
-    folder, temp = tmp_path / "out", tmp_path / "tmp"
+    from _app_helpers import rank_processes_of
+
+    folder = tmp_path / "out"
     folder.mkdir()
-    temp.mkdir()
-    process = start_cli(checkpoint, folder / "clip.mp4", temp, "--world-size", "2")
-    wait_for(lambda: any(temp.glob(f"{WORKER_FOLDER_PREFIX}{process.pid}-*")), process)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+    # A short TMPDIR (in the run's own temp folder, removed with it): under tmp_path the fork server's socket path
+    # would pass 107 bytes, and the CLI would spawn its ranks instead of forking them from its server.
+    temp = Path(tempfile.mkdtemp(prefix="rdv-"))
+    process = start_cli(
+        checkpoint,
+        folder / "clip.mp4",
+        temp,
+        "--world-size",
+        "2",
+        "--progress",
+        "json",
+        stdout=subprocess.PIPE,
+    )
+    try:
+        for line in process.stdout:  # until the group denoises
+            if json.loads(line)["event"] == "step":
+                break
+        ranks = rank_processes_of(process.pid)
+        assert len(ranks) == 2, ranks
+        assert len(list(temp.glob(f"{WORKER_FOLDER_PREFIX}{process.pid}-*"))) == 1
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    # No one tells the ranks: each sees its parent gone and exits.
+    deadline = time.monotonic() + 10
+    while any(process_exists(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in ranks if process_exists(pid)]
     assert len(list(temp.glob(f"{WORKER_FOLDER_PREFIX}{process.pid}-*"))) == 1
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     from h3engine.runtime.workers import ProcessReplica

@@ -11,8 +11,8 @@ What is compared:
   within 5 s with the message naming the rank and its exit code, the old processes are gone, and the next request
   on the restarted group equals the single-process generation again.
 * Shutdown with a job running cancels it and leaves no worker process; SIGTERM to a CLI run on two CPU ranks ends
-  the CLI (exit code 143) and every process it started, and writes no output; the ranks of a front process that
-  is killed outright end by themselves.
+  the CLI (exit code 143) and every process it started, and writes no output. (The ranks of a front process that
+  is killed outright end by themselves: tests/test_outputs_and_cancel.py.)
 * The app with `--world-size 2` serves a request from its worker group (a browser-playable MP4 through the HTTP
   API) and stops cleanly on SIGTERM within 10 s with one of its ranks stopped (SIGSTOP), leaving no process behind.
 * Layout flags and device flags are checked before any process starts, with errors naming the flag.
@@ -411,31 +411,6 @@ def test_sigterm_ends_a_cli_run_and_every_process_it_started(checkpoint, tmp_pat
         time.sleep(0.1)
     assert not [pid for pid in started if process_exists(pid)]
     assert not list(tmp_path.iterdir())
-
-
-def test_ranks_end_by_themselves_when_their_front_process_is_killed(checkpoint) -> None:
-    program = (
-        "import sys, time\n"
-        "from h3engine.engine_options import EngineOptions\n"
-        "from h3engine.runtime.workers import ProcessReplica\n"
-        "if __name__ == '__main__':\n"
-        f"    replica = ProcessReplica({str(checkpoint)!r}, ('cpu', 'cpu'), options=EngineOptions(dtype='float32'))\n"
-        "    print(*replica.worker_pids, flush=True)\n"
-        "    time.sleep(600)\n"
-    )
-    front_process = subprocess.Popen(
-        [sys.executable, "-c", program], cwd=REPOSITORY_ROOT, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        workers = [int(pid) for pid in front_process.stdout.readline().split()]
-        assert len(workers) == 2
-    finally:
-        front_process.kill()
-        front_process.wait()
-    deadline = time.monotonic() + 10
-    while any(process_exists(pid) for pid in workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in workers if process_exists(pid)]
 
 
 @pytest.mark.slow
