@@ -139,6 +139,12 @@ def _children(pid: int) -> dict[int, bytes]:
     return children
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`: its children, theirs, and so on."""
+    children = list(_children(pid))
+    return children + [grandchild for child in children for grandchild in descendants(child)]
+
+
 def fork_servers_of(pid: int) -> list[int]:
     """The multiprocessing fork servers started by process `pid` (h3engine.runtime.rank_process.rank_context)."""
     return [child for child, command in _children(pid).items() if b"forkserver" in command]

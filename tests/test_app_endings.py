@@ -1,9 +1,10 @@
 """Every ending restores the page, and each --auth user has a History of their own: `python app.py` on a tiny
 checkpoint served by a worker group of two CPU ranks, with one user from `--auth` and one from `--auth-file`, and
-room for one job running and one waiting.
+room for one job running and one waiting; its DiT is split by tensor parallelism (--dit-tp 2).
 
 What is compared, through gradio_client and in a real browser (Playwright, Debian's headless chromium):
 * the ranks fork from a server that has imported torch and the engine, though the app runs from another folder;
+* the group serves requests through the HTTP API (a browser-playable MP4);
 * a rank killed (SIGKILL) mid-job fails that job with the engine's sentence (the API's error; the page's status,
   with Generate enabled again at once); the next job, pressed on the same page without a reload, is done;
 * an outputs folder that refuses writes refuses the job before it is queued with a sentence naming the outputs
@@ -11,7 +12,8 @@ What is compared, through gradio_client and in a real browser (Playwright, Debia
   the folder takes writes again the next job is done;
 * a press that Gradio's full queue refuses says so, and Generate is enabled again;
 * two users, each in their own browser, see only their own results in History; the same user in another browser
-  sees theirs.
+  sees theirs;
+* last, SIGTERM with one rank stopped (SIGSTOP) ends the app within 10 s, with exit code 0 and no process left.
 The API tests run without chromium; the browser tests skip, with the reason, when /usr/bin/chromium is missing.
 """
 
@@ -24,8 +26,17 @@ import time
 from pathlib import Path
 
 import pytest
-from _app_helpers import fork_servers_of, rank_processes, refusing_writes, start_app, stop_app
+from _app_helpers import (
+    assert_browser_playable,
+    descendants,
+    fork_servers_of,
+    rank_processes,
+    refusing_writes,
+    start_app,
+    stop_app,
+)
 from _browser_helpers import DESKTOP, browser_page, needs_chromium, open_advanced, screenshot, set_field
+from _runtime_helpers import process_exists
 from gradio_client import Client
 from gradio_client.client import Job
 from gradio_client.exceptions import AppError
@@ -39,6 +50,7 @@ SETTINGS = dict(duration_seconds=4, aspect_ratio="auto", seed=3, randomize_seed=
 KILLED = re.compile(r"A worker process died \(rank \d, exit code -9\)")
 REFUSED = re.compile(r"the outputs folder refuses writes")
 EVENT_TIMEOUT_S = 120
+FOUR_SECOND_FRAMES = 107  # 17n + 5 frames covering 4 s at 24 fps
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +63,8 @@ def app(tmp_path_factory):
         # One generation at a time and one waiting: a third is refused (Gradio's full queue).
         extra_arguments=[
             "--world-size",
+            "2",
+            "--dit-tp",
             "2",
             "--queue-size",
             "1",
@@ -118,6 +132,7 @@ def test_api_a_killed_rank_fails_its_job_with_a_sentence_and_the_next_job_is_don
     assert job.outputs()[-1][0].startswith("Failed: A worker process died")
     result = client.predict(prompt="Right after.", steps=2, **SETTINGS, api_name="/t2va")
     assert result[0].startswith("Done"), result[0]
+    assert_browser_playable(result[2], FOUR_SECOND_FRAMES)
 
 
 def test_api_an_outputs_folder_that_refuses_writes_is_refused_in_words_then_recovers(app, tmp_path) -> None:
@@ -222,3 +237,20 @@ def test_browser_a_press_the_full_queue_refuses_says_so_and_generate_works_again
         assert waiting.result(timeout=EVENT_TIMEOUT_S)[0].startswith("Done")
         _generate(page, "Room again.", 2)
         expect(page.locator("#h3-status")).to_contain_text("Done")
+
+
+def test_sigterm_with_a_stopped_rank_ends_the_app_and_every_process_within_10_s(app) -> None:
+    """Last in this file: it stops the module's app. A rank that does not answer (SIGSTOP) holds up neither SIGTERM
+    nor the exit."""
+    started = descendants(app.process.pid)
+    ranks = rank_processes(app)
+    assert len(ranks) == 2 and set(ranks) <= set(started), (ranks, started)
+    os.kill(ranks[1], signal.SIGSTOP)
+    terminated_at = time.monotonic()
+    exit_code = stop_app(app)
+    assert time.monotonic() - terminated_at < 10, app.log_tail()
+    assert exit_code == 0, app.log_tail()
+    deadline = time.monotonic() + 10
+    while any(process_exists(pid) for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in started if process_exists(pid)], app.log_tail()
