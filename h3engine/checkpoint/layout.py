@@ -140,6 +140,13 @@ def _require_dir(path: Path) -> Path:
     return path
 
 
+def require_empty_folder(folder: Path) -> None:
+    """A checkpoint writer's target: a missing or empty folder (FileExistsError otherwise); needs no torch, so the CLI
+    refuses a full folder at once."""
+    if folder.exists() and any(folder.iterdir()):
+        raise FileExistsError(f"{folder}: folder is not empty")
+
+
 def detect_layout(path: str | Path) -> CheckpointLayout:
     """Detect the layout of a checkpoint folder (a native repo root, one native partition, or a diffusers root)."""
     root = Path(path).expanduser()

@@ -21,7 +21,7 @@ import torch
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from h3engine.checkpoint import dit_keys
-from h3engine.checkpoint.layout import NATIVE_PARTITION_FOLDERS
+from h3engine.checkpoint.layout import NATIVE_PARTITION_FOLDERS, require_empty_folder
 from h3engine.checkpoint.safetensors_io import WeightFiles, write_placeholder_file
 from h3engine.checkpoint.text_encoder_files import (
     TINY_TOKEN_IDS,
@@ -109,8 +109,7 @@ def _module_shapes(module: torch.nn.Module) -> Shapes:
 def make_placeholder_checkpoint(folder: str | Path, seed: int = 0, tiny: bool = False) -> Path:
     """Write a native placeholder checkpoint (both partitions) into an empty or missing `folder`."""
     folder = Path(folder)
-    if folder.exists() and any(folder.iterdir()):
-        raise FileExistsError(f"{folder}: folder is not empty")
+    require_empty_folder(folder)
     if tiny:
         configs = (DiTConfig.tiny(), VideoVAEConfig.tiny(), AudioVAEConfig.tiny())
     else:

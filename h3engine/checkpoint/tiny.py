@@ -32,7 +32,12 @@ from h3engine.checkpoint import (
     video_vae_format,
     video_vae_keys,
 )
-from h3engine.checkpoint.layout import DIFFUSERS_PIPELINE_CLASS, NATIVE_PARTITION_FOLDERS, valid_dmd_steps
+from h3engine.checkpoint.layout import (
+    DIFFUSERS_PIPELINE_CLASS,
+    NATIVE_PARTITION_FOLDERS,
+    require_empty_folder,
+    valid_dmd_steps,
+)
 from h3engine.checkpoint.text_encoder_files import (
     write_tiny_processor,
     write_tiny_text_encoder,
@@ -87,8 +92,7 @@ def make_tiny_checkpoint(
     """Write a complete tiny checkpoint (both partitions) into an empty or missing `folder`; with `dmd_steps`
     (strictly decreasing integers in (0, 1000]) a step-distilled one, native layout only."""
     folder = Path(folder)
-    if folder.exists() and any(folder.iterdir()):
-        raise FileExistsError(f"{folder}: folder is not empty")
+    require_empty_folder(folder)
     if layout not in ("native", "diffusers"):
         raise ValueError(f"layout must be 'native' or 'diffusers', got {layout!r}")
     if dmd_steps is not None:

@@ -30,6 +30,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from h3engine.checkpoint.layout import detect_layout, require_empty_folder
 from h3engine.cli.progress import PROGRESS_MODES, Progress, make_progress
 from h3engine.cli.remix import add_remix_flags, remix_payload
 from h3engine.cli.validation import (
@@ -349,7 +350,6 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
 
     # Imported here: it needs torch (GPU counts), which `--help` and the checks above never pay for.
     from h3engine.checkpoint.facts import CheckpointFacts
-    from h3engine.checkpoint.layout import detect_layout
     from h3engine.runtime.supervision import StallPolicy, checked_stall_timeout
     from h3engine.runtime.workers import rank_devices
 
@@ -383,6 +383,30 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
             stall,
             capture,
         )
+
+
+def _make_checkpoint(args: argparse.Namespace) -> int:
+    """`make-tiny-checkpoint` / `make-placeholder-checkpoint`: a folder that is not empty is refused before the
+    writer (and torch) is imported."""
+    try:
+        require_empty_folder(Path(args.folder))
+        if args.command == "make-tiny-checkpoint":
+            from h3engine.checkpoint.tiny import make_tiny_checkpoint
+
+            dmd_steps = parse_dmd_steps(args.dmd_steps)
+            try:
+                print(
+                    make_tiny_checkpoint(args.folder, seed=args.seed, layout=args.layout, dmd_steps=dmd_steps)
+                )
+            except ValueError as error:  # the rungs themselves (only "dmd_steps: ..." can reach here)
+                raise RequestError("--dmd-steps", str(error).removeprefix("dmd_steps: ")) from None
+        else:
+            from h3engine.checkpoint.placeholder import make_placeholder_checkpoint
+
+            print(make_placeholder_checkpoint(args.folder, seed=args.seed, tiny=args.tiny))
+    except FileExistsError:
+        raise RequestError("folder", f"{args.folder} is not empty") from None
+    return 0
 
 
 def _with_turbo(args: argparse.Namespace, request: GenerationRequest) -> GenerationRequest:
@@ -558,27 +582,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous_handler = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     progress: Progress | None = None
     try:
-        if args.command == "make-tiny-checkpoint":
-            from h3engine.checkpoint.tiny import make_tiny_checkpoint
-
-            dmd_steps = parse_dmd_steps(args.dmd_steps)
-            try:
-                print(
-                    make_tiny_checkpoint(args.folder, seed=args.seed, layout=args.layout, dmd_steps=dmd_steps)
-                )
-            except FileExistsError:
-                raise RequestError("folder", f"{args.folder} is not empty") from None
-            except ValueError as error:  # the rungs themselves (only "dmd_steps: ..." can reach here)
-                raise RequestError("--dmd-steps", str(error).removeprefix("dmd_steps: ")) from None
-            return 0
-        if args.command == "make-placeholder-checkpoint":
-            from h3engine.checkpoint.placeholder import make_placeholder_checkpoint
-
-            try:
-                print(make_placeholder_checkpoint(args.folder, seed=args.seed, tiny=args.tiny))
-            except FileExistsError:
-                raise RequestError("folder", f"{args.folder} is not empty") from None
-            return 0
+        if args.command in ("make-tiny-checkpoint", "make-placeholder-checkpoint"):
+            return _make_checkpoint(args)
         if args.command == "plan-memory":
             return run_plan_memory(args)
         if args.command in VALIDATION_COMMANDS:
