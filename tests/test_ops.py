@@ -594,6 +594,9 @@ def test_triton_kernels_under_the_interpreter() -> None:
             "-q",
             "-p",
             "no:cacheprovider",
+            # These tests take no fixture of conftest.py, whose start-up imports the engine (seconds); the run's
+            # temp folder and thread count come with the environment.
+            "--noconftest",
             __file__,
             "-k",
             "test_triton_kernel_",
