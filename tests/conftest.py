@@ -122,12 +122,17 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., 
 def shared_app(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     """One `python app.py` on its embedded tiny default per test process, for the test files whose app takes no
     option of its own (each counts only its own results, and History is a browser context's): an app's start costs
-    about 8 s of CPU on two cores. It must exit with 0 at the end of the run."""
+    about 8 s of CPU on two cores. It must exit with 0 at the end of the run, leaving none of its files in Gradio's
+    temp folder."""
     from _app_helpers import start_app, stop_app
 
     running = start_app(tmp_path_factory.mktemp("shared_app"), embedded_default=True)
     yield running
     assert stop_app(running) == 0, running.log_tail()
+    # Gradio's temp folder (GRADIO_TEMP_DIR) keeps none of the app's files: the first frames uploaded
+    # (test_app_isolation) and our served copies. (Gradio keeps the live preview images it made from arrays.)
+    left = [path for path in (running.outputs_dir.parent / "gradio").rglob("*") if path.is_file()]
+    assert [path for path in left if path.name == "first.png" or path.parent.name.startswith("h3-")] == []
 
 
 @pytest.fixture(scope="session")
