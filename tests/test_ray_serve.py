@@ -37,6 +37,8 @@ from _app_helpers import assert_browser_playable, start_app, stop_app  # noqa: E
 from _lora_helpers import RandomLora, random_lora, write_lora  # noqa: E402
 from _runtime_helpers import events_until_done, max_relative_errors, wait_for_step  # noqa: E402
 
+from h3engine.checkpoint.facts import CheckpointFacts  # noqa: E402
+from h3engine.checkpoint.layout import detect_layout  # noqa: E402
 from h3engine.engine import Engine  # noqa: E402
 from h3engine.engine_options import EngineOptions  # noqa: E402
 from h3engine.request import GenerationRequest, Keyframe, LoraChoice, Reference  # noqa: E402
@@ -115,7 +117,9 @@ def requests(checkpoint, tmp_path_factory) -> list[GenerationRequest]:
     folder = tmp_path_factory.mktemp("ray_inputs")
     for name in ("fl2va/first.png", "ref2va/picture1.png", "ref2va/audio1.wav"):
         shutil.copy(ASSETS / name, folder / Path(name).name)
-    config = Engine.from_checkpoint(checkpoint, device="cpu", dtype=torch.float32).store.dit_config("fl2va")
+    config = CheckpointFacts.from_layout(detect_layout(checkpoint)).lora_targets["fl2va"][
+        1
+    ]  # no model loaded
     lora = random_lora(config, 41)
     lora_path = folder / "style.safetensors"
     write_lora(
