@@ -3,6 +3,7 @@ tests/test_runtime_gpu.py on GPUs)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,14 @@ def process_exists(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended (not yet reaped)
     except OSError:
         return False
+
+
+def still_running(pids: list[int], within_s: float = 10.0) -> list[int]:
+    """The processes of `pids` that have not ended after waiting up to `within_s` for all of them."""
+    deadline = time.monotonic() + within_s
+    while any(process_exists(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [pid for pid in pids if process_exists(pid)]
 
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"

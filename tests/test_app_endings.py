@@ -36,7 +36,7 @@ from _app_helpers import (
     stop_app,
 )
 from _browser_helpers import DESKTOP, browser_page, needs_chromium, open_advanced, screenshot, set_field
-from _runtime_helpers import process_exists
+from _runtime_helpers import still_running
 from gradio_client import Client
 from gradio_client.client import Job
 from gradio_client.exceptions import AppError
@@ -250,7 +250,4 @@ def test_sigterm_with_a_stopped_rank_ends_the_app_and_every_process_within_10_s(
     exit_code = stop_app(app)
     assert time.monotonic() - terminated_at < 10, app.log_tail()
     assert exit_code == 0, app.log_tail()
-    deadline = time.monotonic() + 10
-    while any(process_exists(pid) for pid in started) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in started if process_exists(pid)], app.log_tail()
+    assert still_running(started) == [], app.log_tail()

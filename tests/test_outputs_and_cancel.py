@@ -4,10 +4,11 @@ at the next start (tiny CPU engine).
 What is checked: output names are refused before any work (a folder, a missing folder, a tensors file over the
 video); a failure writing the tensors leaves no MP4; a full disk fails the job saying so, with the free space; a
 commit renames the sidecar last; cancelling at each poll of a request (input files, conditioning encode, text
-encode, every step, after the last step, each decoder window) stops it and leaves no file; `h3engine.media.leftovers` removes exactly the staging files and folders of dead processes
-and sidecar-less stamped MP4s, including after a real SIGKILL of the CLI (alone and with a worker group, whose ranks
-then end by themselves), and a killed worker group exactly its ranks' staging files; an app started after a SIGKILLed one removes that one's staging
-files and its own Gradio cache.
+encode, every step, after the last step, each decoder window) stops it and leaves no file;
+`h3engine.media.leftovers` removes exactly the staging files and folders of dead processes and sidecar-less stamped
+MP4s, including after a real SIGKILL of the CLI (alone and with a worker group, whose ranks then end by themselves),
+and a killed worker group exactly its ranks' staging files; an app started after a SIGKILLed one removes that one's
+staging files and its own Gradio cache.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _runtime_helpers import events_until_done, process_exists
+from _runtime_helpers import events_until_done, still_running
 
 from h3engine.engine import Engine
 from h3engine.engine import pipeline as pipeline_module
@@ -389,10 +390,7 @@ def test_a_sigkilled_cli_s_ranks_end_by_themselves_and_the_next_start_removes_it
         process.send_signal(signal.SIGKILL)
         process.wait()
     # No one tells the ranks: each sees its parent gone and exits.
-    deadline = time.monotonic() + 10
-    while any(process_exists(pid) for pid in ranks) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in ranks if process_exists(pid)]
+    assert still_running(ranks) == []
     assert len(list(temp.glob(f"{WORKER_FOLDER_PREFIX}{process.pid}-*"))) == 1
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     from h3engine.runtime.workers import ProcessReplica

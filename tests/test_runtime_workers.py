@@ -39,6 +39,7 @@ from _runtime_helpers import (
     max_relative_errors,
     parity_requests,
     process_exists,
+    still_running,
     wait_for_step,
 )
 
@@ -401,10 +402,7 @@ def test_sigterm_ends_a_cli_run_and_every_process_it_started(checkpoint, tmp_pat
             cli.kill()
     assert rest.strip().endswith("terminated")
     assert json.loads(rest_out.splitlines()[-1])["exit_code"] == 143
-    deadline = time.monotonic() + 10
-    while any(process_exists(pid) for pid in started) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in started if process_exists(pid)]
+    assert still_running(started) == []
     assert not list(tmp_path.iterdir())
 
 
