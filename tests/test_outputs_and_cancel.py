@@ -8,7 +8,8 @@ encode, every step, after the last step, each decoder window) stops it and leave
 `h3engine.media.leftovers` removes exactly the staging files and folders of dead processes and sidecar-less stamped
 MP4s, including after a real SIGKILL of the CLI (alone and with a worker group, whose ranks then end by themselves),
 and a killed worker group exactly its ranks' staging files; an app started after a SIGKILLed one removes that one's
-staging files and its own Gradio cache.
+staging files and its Gradio cache of its own (no GRADIO_TEMP_DIR), and its own such cache, which held its live
+previews and served copies, goes at its exit.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ REQUESTS = {
 }
 # Polls before the text encode: one per input file, one before the conditioning encode.
 POLLS_BEFORE_TEXT_ENCODE = {"t2va": 0, "fl2va": 3, "ref2va": 3}
+# The apps' /t2va job (the last test): 2 steps of 5 s at the checkpoint's canvas.
+APP_JOB = dict(duration_seconds=5, aspect_ratio="auto", seed=4, randomize_seed=False, steps=2)
+GRADIO_SERVER_WAIT_S = 5.0  # how long Gradio's close() waits for its server thread (gradio.http_server)
 
 
 @pytest.fixture(scope="module")
@@ -403,24 +407,19 @@ def test_a_sigkilled_cli_s_ranks_end_by_themselves_and_the_next_start_removes_it
 
 
 @pytest.mark.slow
-def test_the_app_removes_what_a_sigkilled_app_left_when_it_starts_again(tmp_path) -> None:
-    """Its staging files in the outputs folder, and its own Gradio cache in the temp folder (without
-    GRADIO_TEMP_DIR)."""
+def test_an_app_removes_what_a_sigkilled_one_left_and_its_own_gradio_cache_goes_at_exit(tmp_path) -> None:
+    """Without GRADIO_TEMP_DIR each app keeps a Gradio cache of its own in the temp folder. A SIGKILLed app leaves its
+    staging files in the outputs folder and that cache; the next app removes both as it starts. That app's own cache
+    holds its live previews and served copies, and goes when it exits: SIGTERM with a client still connected, whose
+    heartbeat stream ends with the server (Gradio would otherwise wait 5 s for it)."""
     from _app_helpers import start_app, stop_app
     from gradio_client import Client
 
     app = start_app(tmp_path, embedded_default=True, gradio_temp_dir=False)
     try:
         client = Client(app.url, verbose=False)
-        client.submit(
-            prompt="A long one.",
-            duration_seconds=15,
-            aspect_ratio="16:9",
-            seed=1,
-            randomize_seed=False,
-            steps=1000,
-            api_name="/t2va",
-        )
+        long_job = {**APP_JOB, "duration_seconds": 15, "steps": 1000}
+        client.submit(prompt="A long one.", **long_job, api_name="/t2va")
         deadline = time.monotonic() + 120
         while not list(app.outputs_dir.rglob("*.partial")):
             assert time.monotonic() < deadline and app.process.poll() is None, app.log_tail()
@@ -431,10 +430,22 @@ def test_the_app_removes_what_a_sigkilled_app_left_when_it_starts_again(tmp_path
     left = list(app.outputs_dir.rglob("*.partial"))
     assert left
     (cache,) = (tmp_path / "tmp").glob(f"h3-gradio-{app.process.pid}-*")
-    again = start_app(tmp_path, embedded_default=True, gradio_temp_dir=False)
+    again = start_app(
+        tmp_path, embedded_default=True, gradio_temp_dir=False, extra_arguments=["--preview-every", "1"]
+    )
     try:
         assert not list(again.outputs_dir.rglob("*.partial"))
         assert f"removed {len(left)} leftover(s) of a stopped run" in again.log_tail()
         assert not cache.exists()
+        (own_cache,) = (tmp_path / "tmp").glob(f"h3-gradio-{again.process.pid}-*")
+        client = Client(again.url, verbose=False, download_files=str(tmp_path / "downloads"))
+        result = client.predict(prompt="Previewed.", **APP_JOB, api_name="/t2va")
+        assert result[0].startswith("Done"), result[0]
+        files = [path for path in own_cache.rglob("*") if path.is_file()]
+        assert any(path.suffix in (".webp", ".png") for path in files), files  # a live preview image
+        assert any(path.suffix == ".mp4" for path in files), files  # the served copy
     finally:
-        stop_app(again)
+        terminated_at = time.monotonic()
+        assert stop_app(again) == 0, again.log_tail()
+    assert time.monotonic() - terminated_at < GRADIO_SERVER_WAIT_S - 0.5
+    assert not own_cache.exists()
