@@ -4,6 +4,7 @@ PNGs README shows, under docs/screenshots/)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,10 +37,24 @@ needs_chromium = pytest.mark.skipif(
 )
 
 
-# One Playwright driver and one chromium per test process, started at the first page and closed after that test
-# file's last test (conftest.py): a page gets a browser context of its own (its own cookies and storage: a fresh
-# profile, as a new browser would have), which costs a fraction of a second where launching both costs about one.
+# One Playwright driver and one chromium per test process, started at the first page and kept until the process's
+# last test (conftest.py): a page gets a browser context of its own (its own cookies and storage: a fresh profile, as
+# a new browser would have), which costs a fraction of a second where launching both costs about 4 s of CPU.
+# Between test files the browser is parked: after each call Playwright's sync API marks its event loop as running on
+# this thread (wait_for_future in playwright/_impl/_greenlets.py), which the next file's asyncio.run() and Ray's sync
+# calls refuse. Parking clears that mark; the next page sets it again before Playwright runs its loop.
 _SHARED: dict[str, object] = {}
+
+
+def _unpark() -> None:
+    if "loop" in _SHARED:
+        asyncio._set_running_loop(_SHARED["loop"])
+
+
+def park_shared_browser() -> None:
+    """Leave this process's browser running, its event loop no longer marked as running (see above)."""
+    if "loop" in _SHARED and asyncio._get_running_loop() is _SHARED["loop"]:
+        asyncio._set_running_loop(None)
 
 
 def _shared_browser():  # noqa: ANN202
@@ -47,10 +62,12 @@ def _shared_browser():  # noqa: ANN202
 
     browser = _SHARED.get("browser")
     if browser is not None and browser.is_connected():
+        _unpark()
         return browser
     close_shared_browser()  # a browser that crashed: start again
     playwright = sync_playwright().start()
     _SHARED["playwright"] = playwright
+    _SHARED["loop"] = asyncio._get_running_loop()  # Playwright's, marked running by its start
     _SHARED["browser"] = playwright.chromium.launch(
         executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS
     )
@@ -59,7 +76,9 @@ def _shared_browser():  # noqa: ANN202
 
 def close_shared_browser() -> None:
     """Close this process's browser and its Playwright driver, if started."""
+    _unpark()
     browser, playwright = _SHARED.pop("browser", None), _SHARED.pop("playwright", None)
+    _SHARED.pop("loop", None)
     try:
         if browser is not None:
             browser.close()

@@ -147,11 +147,20 @@ def tiny_diffusers(tiny_checkpoints: Callable[..., Path]) -> Path:
 
 @pytest.hookimpl(trylast=True)  # after the test's fixtures are torn down (a page fixture closes its context)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """After a test file's last test, close the browser its browser tests shared (tests/_browser_helpers.py), if
-    one started: Playwright's sync API keeps an event loop marked running on this thread while it is started, which
-    the next file's asyncio.run() and Ray's sync calls refuse."""
+    """After a test file's last test, park the browser its browser tests shared (tests/_browser_helpers.py), if one
+    started, for the next browser test file of this process: Playwright's sync API keeps an event loop marked running
+    on this thread, which the next file's asyncio.run() and Ray's sync calls refuse."""
     import sys
 
     helpers = sys.modules.get("_browser_helpers")
-    if helpers is not None and (nextitem is None or nextitem.path != item.path):
+    if helpers is not None and nextitem is not None and nextitem.path != item.path:
+        helpers.park_shared_browser()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Close this process's browser and its Playwright driver, if one started."""
+    import sys
+
+    helpers = sys.modules.get("_browser_helpers")
+    if helpers is not None:
         helpers.close_shared_browser()
