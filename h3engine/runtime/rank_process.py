@@ -13,6 +13,7 @@ The front then restarts the group. A hung rank is the front's to detect, not the
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import multiprocessing.forkserver
@@ -241,6 +242,9 @@ def run_rank(
     start: Callable[[Outbox], RankServer],
 ) -> None:
     """The body of a rank process: start, report ready, serve commands until `Stop` (see the module docstring)."""
+    # What the fork server imported is frozen first: the collections of the rank's start would otherwise walk all of
+    # it, writing into each object's header (copying the shared pages). A rank's start took 0.57 s of CPU, now 0.27.
+    gc.freeze()
     outbox = _begin_rank_process(messages, label)
     try:
         server = start(outbox)
