@@ -8,6 +8,7 @@ its own, removed when it ends (`pytest_configure`).
 
 from __future__ import annotations
 
+import gc
 import multiprocessing.util
 import os
 import shutil
@@ -22,6 +23,11 @@ import pytest
 # processes and their children, OpenMP threads that spin waiting for work fight over the cores. Measured on one such
 # machine, four multi-process files with two test processes: 146 s -> 100 s, 154 s -> 61 s of user CPU.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# No cyclic collection while the test files are imported (torch, transformers, diffusers, gradio: millions of
+# long-lived objects, next to no garbage); after it, what they made is frozen, so that the collections during the tests
+# walk only what the tests make (`pytest_collection_finish`). Measured on four in-process files: 46.3 -> 40.2 s of CPU.
+gc.disable()
 
 
 def runs_tests(config: pytest.Config) -> bool:
@@ -77,6 +83,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(no_gpu)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    gc.freeze()
+    gc.enable()
 
 
 # Everything a run writes to "the temp folder" goes to one folder of its own, removed when the run ends: pytest's
