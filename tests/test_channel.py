@@ -1,6 +1,8 @@
-"""Tensor channel (h3engine.runtime.channel) between spawned processes, on shared memory and on CUDA IPC.
+"""Tensor channel (h3engine.runtime.channel) between processes, on shared memory and on CUDA IPC.
 
-Two spawned scenarios per device, each run once for the module (spawning costs seconds per process here):
+Two scenarios of two processes per device, each run once for the module. The CPU's processes are forked from this
+test process's fork server, as the engine's ranks are (conftest.py; a spawned one imports torch again: ~1.5 s of
+CPU); the CUDA ones are spawned, as the CUDA tests of tests/test_channel_gpu.py are:
 * exchange: a producer and a consumer process. Every dtype/shape case (fp32 with NaN/inf/-0.0, bf16, fp16, fp64,
   int64, int32, uint8, bool, 0-d, empty, transposed, strided, expanded) arrives byte for byte, packed together and
   one per send; 24 sends of 4 KB - 1.2 MB over 3 slots, the producer scribbling over its source after each send
@@ -43,6 +45,7 @@ from _channel_helpers import (
     exchange_producer,
     survivor,
 )
+from _runtime_helpers import still_running
 
 from h3engine.runtime.channel import (
     ChannelClosed,
@@ -84,7 +87,8 @@ def mapped_shared_memory(entries: set[str]) -> set[str]:
 
 
 def child_pids() -> set[int]:
-    """Live children of this process, except multiprocessing's resource tracker (one per test process, not ours)."""
+    """Live children of this process, except multiprocessing's resource tracker and fork server (one each per test
+    process, not ours)."""
     children = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -95,7 +99,12 @@ def child_pids() -> set[int]:
         except OSError:
             continue
         state, parent = stat[stat.rindex(b")") + 2 :].split()[:2]
-        if int(parent) == os.getpid() and state != b"Z" and b"resource_tracker" not in command:
+        if (
+            int(parent) == os.getpid()
+            and state != b"Z"
+            and b"resource_tracker" not in command
+            and b"forkserver" not in command
+        ):
             children.add(int(entry.name))
     return children
 
@@ -118,13 +127,14 @@ class SpawnedRun:
 def run_spawned(
     make_channels: Callable[[], list[TensorChannel]],
     workers: dict[str, Callable],
-    extra_arguments: Callable[[mp.context.SpawnContext], tuple],
+    extra_arguments: Callable[[mp.context.BaseContext], tuple],
+    device: str,
 ) -> SpawnedRun:
     """Start one process per worker with (channels..., reports, extras...), collect one report from each, join
     them, close the channels in this (the engine's) process, and look for shared memory and children left over."""
     shared_memory_before = shared_memory_entries()
     children_before = child_pids()
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver" if device == "cpu" else "spawn")
     channels = make_channels()
     reports_queue = context.Queue()
     extras = extra_arguments(context)
@@ -174,7 +184,8 @@ def run_spawned(
         exit_codes,
         closed_cleanly,
         (created_here & after) | torch_segments,
-        child_pids() - children_before,
+        # The CPU's workers are the fork server's children, not this process's: looked for by their pids.
+        (child_pids() - children_before) | set(still_running(worker_pids, within_s=0)),
     )
 
 
@@ -190,6 +201,7 @@ def exchange(request) -> SpawnedRun:
         lambda: [TensorChannel(device, EXCHANGE_SLOTS, "exchange test", timeout_s=WORKER_TIMEOUT_S)],
         {"producer": exchange_producer, "consumer": exchange_consumer},
         lambda context: (context.Event(), device),
+        device,
     )
 
 
@@ -257,6 +269,7 @@ def peer_death(request) -> SpawnedRun:
         ],
         {"survivor": survivor, "doomed": doomed},
         lambda context: (context.Event(), device),
+        device,
     )
 
 
