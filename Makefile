@@ -33,7 +33,7 @@ test: $(VENV)/.installed-dev $(VENV)/.installed-ray browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m compileall -q h3engine ui kernels benchmarks
-	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder --durations=30
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --durations=30
 
 gpu: $(VENV)/.installed-gpu
 

@@ -48,31 +48,27 @@ def prepare_test_process() -> None:
 
 # The longest test files, run first (in this order, each file's own tests in theirs): `make test` runs two test
 # processes, each taking a whole file at a time, and the long ones last would leave one process working alone.
-# (pytest-xdist would otherwise hand out the files by their number of tests: `make test` passes
-# --no-loadscope-reorder.) By their time in a whole run on two cores, longest first.
 LONGEST_FIRST = (
-    "test_ray_serve.py",
-    "test_app_browser_jobs.py",
     "test_app_endings.py",
-    "test_split_stages.py",
+    "test_ray_serve.py",
+    "test_app_isolation.py",
+    "test_app_browser_jobs.py",
     "test_runtime_workers.py",
+    "test_split_stages.py",
+    "test_serving_api.py",
+    "test_app_loras.py",
     "test_stall_watchdog.py",
     "test_outputs_and_cancel.py",
-    "test_remix_tasks.py",
-    "test_serving_api.py",
-    "test_memory_streaming.py",
-    "test_remix_split.py",
-    "test_app_api.py",
-    "test_validation_kit.py",
-    "test_memory_budgets_benchmark.py",
-    "test_app_loras.py",
     "test_app_browser_references.py",
-    "test_runtime_front.py",
-    "test_placeholder.py",
-    "test_app_isolation.py",
-    "test_checkpoint.py",
-    "test_cli_progress.py",
     "test_app_api_fuzz.py",
+    "test_memory_streaming.py",
+    "test_app_api.py",
+    "test_remix_tasks.py",
+    "test_checkpoint.py",
+    "test_remix_split.py",
+    "test_validation_kit.py",
+    "test_placeholder.py",
+    "test_memory_budgets_benchmark.py",
 )
 
 
