@@ -46,37 +46,15 @@ def prepare_test_process() -> None:
     torch.multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_MODULES)
 
 
-# The longest test files, run first (in this order, each file's own tests in theirs): `make test` runs two test
-# processes, each taking a whole file at a time, and the long ones last would leave one process working alone.
-LONGEST_FIRST = (
-    "test_app_endings.py",
-    "test_ray_serve.py",
-    "test_app_isolation.py",
-    "test_app_browser_jobs.py",
-    "test_runtime_workers.py",
-    "test_split_stages.py",
-    "test_serving_api.py",
-    "test_app_loras.py",
-    "test_stall_watchdog.py",
-    "test_outputs_and_cancel.py",
-    "test_app_browser_references.py",
-    "test_app_api_fuzz.py",
-    "test_memory_streaming.py",
-    "test_app_api.py",
-    "test_remix_tasks.py",
-    "test_checkpoint.py",
-    "test_remix_split.py",
-    "test_validation_kit.py",
-    "test_placeholder.py",
-    "test_memory_budgets_benchmark.py",
-)
+# The files' order is pytest-xdist's (`make test` runs two test processes, each taking a whole file at a time): by
+# their number of tests, which puts the multi-process files (apps, ranks, chromium) beside in-process ones. Handing
+# out the longest files first (--no-loadscope-reorder and a sort here) ran them side by side instead: a fresh clone's
+# tests then took 558 s.
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
-    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
