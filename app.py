@@ -618,7 +618,7 @@ def own_gradio_cache() -> Path | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     # Start-up (imports, models, the page) makes millions of long-lived objects and next to no garbage, which the
-    # cyclic collector would walk again and again: ~0.7 s of CPU of a ~6 s start. It runs again once they are
+    # cyclic collector would walk again and again: ~0.6 s of CPU of a ~6.5 s start. It runs again once they are
     # frozen (settle_heap), or when start-up ends early.
     gc.disable()
     try:

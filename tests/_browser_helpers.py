@@ -39,7 +39,7 @@ needs_chromium = pytest.mark.skipif(
 
 # One Playwright driver and one chromium per test process, started at the first page and kept until the process's
 # last test (conftest.py): a page gets a browser context of its own (its own cookies and storage: a fresh profile, as
-# a new browser would have), which costs a fraction of a second where launching both costs about 4 s of CPU.
+# a new browser would have), which costs a fraction of a second where launching both costs about 1.5 s of CPU.
 # Between test files the browser is parked: after each call Playwright's sync API marks its event loop as running on
 # this thread (wait_for_future in playwright/_impl/_greenlets.py), which the next file's asyncio.run() and Ray's sync
 # calls refuse. Parking clears that mark; the next page sets it again before Playwright runs its loop.
