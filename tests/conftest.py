@@ -79,6 +79,8 @@ RUN_TEMP_VARIABLE = "H3_TEST_RUN_TEMP"
 def pytest_configure(config: pytest.Config) -> None:
     if runs_tests(config):
         prepare_test_process()
+    else:
+        gc.enable()  # pytest-xdist's controller collects nothing (`pytest_collection_finish` never runs there)
     if hasattr(config, "workerinput") or os.environ.get(RUN_TEMP_VARIABLE):
         return  # a test process of a run (the folder is its run's) or a run inside a test's
     folder = tempfile.mkdtemp(prefix="h3-tests-")
