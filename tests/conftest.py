@@ -113,7 +113,7 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., 
 def shared_app(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     """One `python app.py` on its embedded tiny default per test process, for the test files whose app takes no
     option of its own (each counts only its own results, and History is a browser context's): an app's start costs
-    about 8 s of CPU on two cores. It must exit with 0 at the end of the run, leaving none of its files in Gradio's
+    about 6 s of CPU on two cores. It must exit with 0 at the end of the run, leaving none of its files in Gradio's
     temp folder."""
     from _app_helpers import start_app, stop_app
 
