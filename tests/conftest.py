@@ -12,6 +12,7 @@ import gc
 import multiprocessing.util
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -141,8 +142,6 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """After a test file's last test, park the browser its browser tests shared (tests/_browser_helpers.py), if one
     started, for the next browser test file of this process: Playwright's sync API keeps an event loop marked running
     on this thread, which the next file's asyncio.run() and Ray's sync calls refuse."""
-    import sys
-
     helpers = sys.modules.get("_browser_helpers")
     if helpers is not None and nextitem is not None and nextitem.path != item.path:
         helpers.park_shared_browser()
@@ -150,8 +149,6 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Close this process's browser and its Playwright driver, if one started."""
-    import sys
-
     helpers = sys.modules.get("_browser_helpers")
     if helpers is not None:
         helpers.close_shared_browser()

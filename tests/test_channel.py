@@ -110,7 +110,7 @@ def child_pids() -> set[int]:
 
 
 @dataclass
-class SpawnedRun:
+class WorkerRun:
     reports: dict[str, dict]
     exit_codes: dict[str, int | None]
     channels_closed_cleanly: list[bool]
@@ -124,12 +124,12 @@ class SpawnedRun:
         return report
 
 
-def run_spawned(
+def run_workers(
     make_channels: Callable[[], list[TensorChannel]],
     workers: dict[str, Callable],
     extra_arguments: Callable[[mp.context.BaseContext], tuple],
     device: str,
-) -> SpawnedRun:
+) -> WorkerRun:
     """Start one process per worker with (channels..., reports, extras...), collect one report from each, join
     them, close the channels in this (the engine's) process, and look for shared memory and children left over."""
     shared_memory_before = shared_memory_entries()
@@ -179,7 +179,7 @@ def run_spawned(
         for name in after - shared_memory_before
         if any(f"torch_{pid}_" in name or f"pym-{pid}-" in name for pid in worker_pids)
     }
-    return SpawnedRun(
+    return WorkerRun(
         reports,
         exit_codes,
         closed_cleanly,
@@ -195,9 +195,9 @@ def run_spawned(
 
 
 @pytest.fixture(scope="module", params=DEVICES)
-def exchange(request) -> SpawnedRun:
+def exchange(request) -> WorkerRun:
     device = request.param
-    return run_spawned(
+    return run_workers(
         lambda: [TensorChannel(device, EXCHANGE_SLOTS, "exchange test", timeout_s=WORKER_TIMEOUT_S)],
         {"producer": exchange_producer, "consumer": exchange_consumer},
         lambda context: (context.Event(), device),
@@ -260,9 +260,9 @@ def test_teardown_runs_consumer_then_producer_then_channel_and_leaves_nothing(ex
 
 
 @pytest.fixture(scope="module", params=DEVICES)
-def peer_death(request) -> SpawnedRun:
+def peer_death(request) -> WorkerRun:
     device = request.param
-    return run_spawned(
+    return run_workers(
         lambda: [
             TensorChannel(device, DEATH_SLOTS, "to doomed", timeout_s=WORKER_TIMEOUT_S),
             TensorChannel(device, DEATH_SLOTS, "from doomed", timeout_s=WORKER_TIMEOUT_S),
