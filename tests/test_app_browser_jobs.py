@@ -182,7 +182,8 @@ def test_the_demo_is_muted_and_the_small_things_are_right(app) -> None:
         expect(page.locator("#h3-status")).to_contain_text("Done")
         video = page.locator("#h3-video video")
         expect(video).to_have_attribute("src", re.compile(r"\.mp4"))
-        assert video.evaluate("(element) => element.muted") is True
+        # Muted as the file loads (its loadstart event), which comes after the src is set: waited for.
+        expect(video).to_have_js_property("muted", True)
         expect(page.locator("#h3-seed-used")).to_be_visible()
         expect(page.locator("#h3-history")).to_contain_text("Steps")
         first_row = page.locator("#h3-history tbody tr").first
