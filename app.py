@@ -41,7 +41,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from h3engine.engine_options import EngineOptions, add_engine_flags
+from h3engine.engine_options import (
+    ADALN_FOLDER_NAME,
+    EngineOptions,
+    add_engine_flags,
+    default_cache_folder,
+)
 from h3engine.serving.options import ServingOptions, add_serving_flags
 
 if TYPE_CHECKING:
@@ -116,12 +121,6 @@ class AppConfig:
     cache_named: bool = True
     # The /v1/videos API, the job store and their limits (h3engine.serving.options).
     serving: ServingOptions = ServingOptions()
-
-
-def _default_cache_dir(environ: Mapping[str, str]) -> Path:
-    home = environ.get("HOME") or str(Path.home())
-    base = environ.get("XDG_CACHE_HOME") or str(Path(home) / ".cache")
-    return Path(environ.get("H3_CACHE_DIR") or Path(base) / "h3engine")
 
 
 def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -258,7 +257,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppC
     return AppConfig(
         checkpoint=Path(args.checkpoint).expanduser() if args.checkpoint else None,
         outputs_dir=Path(args.outputs or DEFAULT_OUTPUTS).expanduser().resolve(),
-        cache_dir=_default_cache_dir(environ),
+        cache_dir=default_cache_folder(environ),
         devices=devices,
         world_size=args.world_size,
         engine=EngineOptions.from_args(args),
@@ -337,7 +336,13 @@ def settle_folders(config: AppConfig) -> AppConfig:
                 problem,
                 replaced[field],
             )
-    return replace(config, **replaced)
+    config = replace(config, **replaced)
+    if config.engine.adaln_cache is None and _cannot_write(config.cache_dir) is None:
+        # The engines keep their AdaLN tables in the app's cache folder (wherever it settled); without one that can
+        # be written they keep none (a named cache folder that cannot be written is refused later, naming it).
+        folder = str(config.cache_dir / ADALN_FOLDER_NAME)
+        config = replace(config, engine=replace(config.engine, adaln_cache=folder))
+    return config
 
 
 def _cannot_write(folder: Path) -> str | None:

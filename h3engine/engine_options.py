@@ -16,6 +16,7 @@ the flag. Importing this module does not import torch.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -54,6 +55,8 @@ class EngineOptions:
         None  # GiB of host memory per engine rank (None: H3_HOST_MEMORY, else MemAvailable less a margin)
     )
     weights: str = "bf16"  # how the large linears' weights are stored: bf16 (released) or fp8
+    # Where AdaLN tables are kept between runs: a folder, "off", or None (H3_ADALN_CACHE, else the cache folder's).
+    adaln_cache: str | None = None
     fp8_linear: bool = False
     stage_layout: str = "colocated"
     encoder_devices: str | None = None  # split layout: the text-encoder group's GPUs (e.g. "4,5")
@@ -126,11 +129,32 @@ def add_engine_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]
         "(half the host memory and PCIe bytes, not the released precision)",
     )
     parser.add_argument(
+        "--adaln-cache",
+        default=(environ or {}).get("H3_ADALN_CACHE"),
+        metavar="DIR|off",
+        help="where the DiT's AdaLN tables are kept between runs (exact; a repeated step schedule then reads none of "
+        "the 13 B AdaLN parameters): a folder, or off (default: env H3_ADALN_CACHE, else adaln-tables in the cache "
+        "folder, ~/.cache/h3engine or H3_CACHE_DIR)",
+    )
+    parser.add_argument(
         "--fp8-linear",
         action="store_true",
         help="quantize the DiT blocks' linear layers to FP8 (faster on Hopper, not the released precision; one "
         "GPU per engine, no worker group)",
     )
+
+
+# The AdaLN tables' folder inside an engine's cache folder (h3engine.sampling.adaln_tables).
+ADALN_FOLDER_NAME = "adaln-tables"
+
+
+def default_cache_folder(environ: Mapping[str, str] | None = None) -> Path:
+    """The engine's cache folder (AdaLN tables, the app's tiny checkpoint): $H3_CACHE_DIR, else h3engine in
+    $XDG_CACHE_HOME or ~/.cache."""
+    environ = os.environ if environ is None else environ
+    home = environ.get("HOME") or str(Path.home())
+    base = environ.get("XDG_CACHE_HOME") or str(Path(home) / ".cache")
+    return Path(environ.get("H3_CACHE_DIR") or Path(base) / "h3engine")
 
 
 def check_memory_options(options: EngineOptions) -> None:
@@ -141,6 +165,24 @@ def check_memory_options(options: EngineOptions) -> None:
     check_memory_profile(options.memory_profile)
     check_weights(options.weights)
     resolve_budget("cpu", options.gpu_memory, options.host_memory)
+    check_adaln_cache(options.adaln_cache)
+
+
+def check_adaln_cache(setting: str | None) -> None:
+    """`--adaln-cache`: "off" or a folder that can be made and written (None, the default folder, is checked when
+    the engine opens it: one that cannot be written only turns the cache off)."""
+    if setting is None or setting.strip().lower() == "off":
+        return
+    if not setting.strip():
+        raise RequestError("--adaln-cache", "expected a folder or off, got an empty value")
+    folder = Path(setting).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".h3-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise RequestError("--adaln-cache", f"cannot write to {folder} ({error.strerror or error})") from None
 
 
 def check_dtype(name: str | None) -> str:
@@ -273,4 +315,5 @@ def load_engine(
         gpu_memory=options.gpu_memory,
         host_memory=options.host_memory,
         weights=options.weights,
+        adaln_cache=options.adaln_cache,
     )

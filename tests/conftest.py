@@ -88,6 +88,8 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ[RUN_TEMP_VARIABLE] = folder
     for variable in ("TMPDIR", "TEMP", "TMP"):
         os.environ[variable] = folder
+    # The engine's cache folder (AdaLN tables) too, unless a test names one: never the user's ~/.cache.
+    os.environ["XDG_CACHE_HOME"] = os.path.join(folder, "cache")
     tempfile.tempdir = None  # read TMPDIR again
     # Removed at this process's exit after multiprocessing's own exit cleanup (which removes its socket folder and
     # would fail on one already gone): its finalizers run by priority, its temp folder's at -100.

@@ -30,6 +30,8 @@ PHASE_TITLES = {
     "conditioning_s": "Conditioning inputs",
     "text_encode_s": "Text encode",
     "denoise_s": "Denoise",
+    "adaln_tables_computed_s": "AdaLN tables computed",
+    "adaln_tables_cached_s": "AdaLN tables read from the cache",
     "video_decode_s": "Video decode",
     "audio_decode_s": "Audio decode",
     "decode_s": "Decode (video tiles over the VAE ranks, audio alongside)",
@@ -38,6 +40,8 @@ PHASE_TITLES = {
 }
 # A phase that ran alongside the others -> the key of its part after them: shown, but only that part is in the total.
 RAN_ALONGSIDE = {"mux_s": "mux_after_decode_s"}
+# Parts of another phase (shown, never added to the total again) -> that phase.
+PART_OF = {"adaln_tables_computed_s": "denoise_s", "adaln_tables_cached_s": "denoise_s"}
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,8 @@ def result_markdown(
         title = PHASE_TITLES.get(name, name)
         if RAN_ALONGSIDE.get(name) in timings_s:
             title += " (alongside the video decode)"
+        elif name in PART_OF:
+            title += f" (within {PHASE_TITLES[PART_OF[name]].lower()})"
         else:
             total += seconds
         lines.append(f"| {title} | {seconds:.2f} |")

@@ -38,6 +38,7 @@ from h3engine.engine.pipeline import (
     run_generation,
     write_outputs,
 )
+from h3engine.engine_options import ADALN_FOLDER_NAME, default_cache_folder
 from h3engine.errors import RequestError
 from h3engine.geometry import Geometry
 from h3engine.lora.adapters import (
@@ -55,6 +56,7 @@ from h3engine.memory.placement import Placement
 from h3engine.memory.plan import MemoryPlan
 from h3engine.request import MAX_LORAS, GenerationRequest, MediaFacts
 from h3engine.request.resolved import ResolvedRequest, resolve_request
+from h3engine.sampling.adaln_tables import AdalnTableCache, open_table_cache
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +81,14 @@ class Engine:
         for line in self.placement.plan_lines():
             logger.info("memory plan on %s: %s", device, line)
         self.store = ModelStore(
-            layout, device, dtype, self.placement, loader or ModelLoader(), fp8_linear, on_load
+            layout,
+            device,
+            dtype,
+            self.placement,
+            loader or ModelLoader(),
+            fp8_linear,
+            on_load,
+            adaln_cache=self._open_adaln_cache(),
         )
         self.facts = CheckpointFacts.from_layout(layout)
         self._lora_files = LoraFiles(MAX_LORAS)
@@ -99,9 +108,18 @@ class Engine:
         gpu_memory: str | float | None = None,
         host_memory: str | float | None = None,
         weights: str = "bf16",
+        adaln_cache: str | None = None,
     ) -> Engine:
-        memory = MemoryRequest(memory_profile, gpu_memory, host_memory, weights)
+        memory = MemoryRequest(memory_profile, gpu_memory, host_memory, weights, adaln_cache=adaln_cache)
         return cls(detect_layout(folder), torch.device(device), dtype, memory, fp8_linear, on_load=on_load)
+
+    def _open_adaln_cache(self) -> AdalnTableCache | None:
+        """The disk cache of AdaLN tables the memory request names (RequestError for a named folder that cannot be
+        used; the default folder is only left out, with a warning)."""
+        try:
+            return open_table_cache(self.memory.adaln_cache, default_cache_folder() / ADALN_FOLDER_NAME)
+        except (OSError, ValueError) as error:
+            raise RequestError("--adaln-cache", f"cannot be used ({error})") from None
 
     @property
     def plan(self) -> MemoryPlan:

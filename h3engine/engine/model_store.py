@@ -42,7 +42,8 @@ from h3engine.engine.pipeline import Models
 from h3engine.memory.placement import Placement
 from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.ops import attention as attention_ops
-from h3engine.sampling.modulation import offload_adaln, store_adaln_in_fp8
+from h3engine.sampling.adaln_tables import AdalnTableCache
+from h3engine.sampling.modulation import attach_table_cache, offload_adaln, store_adaln_in_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +111,10 @@ class ModelStore:
         loader: ModelLoader,
         fp8_linear: bool = False,
         on_load: Callable[[LoadEvent], None] | None = None,
+        adaln_cache: AdalnTableCache | None = None,
     ) -> None:
         self.layout = layout
+        self.adaln_cache = adaln_cache
         self.device = device
         self.dtype = dtype
         self.placement = placement
@@ -176,7 +179,7 @@ class ModelStore:
         )
         text_encoder.verify_tokenizer(tokenizer)
         processor = self._module("processor", paths.processor, lambda: load_processor(paths.processor))
-        dit = self._module("dit", paths.dit, lambda: self._load_dit(sources.dit))
+        dit = self._module("dit", paths.dit, lambda: self._load_dit(sources.dit, paths.dit))
         self.placement.activate(dit)
         self.partition_on_device = partition
         return Models(
@@ -232,10 +235,14 @@ class ModelStore:
         )
         return self.placement.adopt(encoder, "text_encoder", deferred)
 
-    def _load_dit(self, source: ComponentSource) -> torch.nn.Module:
+    def _load_dit(self, source: ComponentSource, folder: Path) -> torch.nn.Module:
         # FP8 linears are made from the loaded bf16 weights: their layers cannot be left unread (the AdaLN can).
         deferred = self._deferred("dit", source.build, layers=not self.fp8_linear)
         dit = self.loader.dit(source, self.placement.load_device("dit"), self.dtype, deferred)
+        if self.adaln_cache is not None:
+            # What its tables depend on as loaded: the files, the weight format, the dtype, and this code.
+            model = f"{folder_fingerprint(folder)}:{self.placement.plan.weights}:{self.dtype}:{__version__}"
+            attach_table_cache(dit, self.adaln_cache, model)
         return self.placement.adopt(self._prepare_dit(dit, deferred), "dit", deferred)
 
     def _load_video_vae(self, source: ComponentSource) -> torch.nn.Module | None:

@@ -64,6 +64,14 @@ from h3engine.sampling.schedule import Schedule, euler_step
 from h3engine.sampling.step_cache import CachePreset, ReduceGroups, StepCache, cache_preset
 from h3engine.validation import trace
 
+# Where a request's AdaLN tables came from (h3engine.sampling.modulation.ScheduleModulation.source) -> the timing
+# that records their seconds; the sidecar's "adaln_tables" says "computed" or "cache" from it.
+ADALN_TIMING = {
+    "computed": "adaln_tables_computed_s",
+    "cache": "adaln_tables_cached_s",
+    "memory": "adaln_tables_cached_s",
+}
+
 
 def check_cancelled(should_cancel: Callable[[], bool] | None) -> None:
     """Raise GenerationCancelled when `should_cancel` says so (a None never cancels)."""
@@ -282,10 +290,13 @@ def denoise(
     should_cancel: Callable[[], bool] | None = None,
     step_cache: StepCache | None = None,
     hold: ActiveHold | None = None,
+    timings: dict[str, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run every step of the schedule on the packed rows; returns the final (video_rows, audio_rows), fp32.
     `step_cache` runs each forward's blocks (it may skip the middle ones); None runs them all, as always.
-    `hold` keeps some target rows at source latents (h3engine.sampling.hold); None is the plain loop."""
+    `hold` keeps some target rows at source latents (h3engine.sampling.hold); None is the plain loop. `timings`
+    gets the seconds the AdaLN tables took, under a name that says whether any were computed (`ADALN_TIMING`);
+    tables computed here go to the DiT's disk cache once the last step has used them."""
     first_video_target = layout.num_condition_video_rows
     first_audio_target = layout.num_condition_audio_rows
     device = video_rows.device
@@ -307,6 +318,8 @@ def denoise(
             for step, rows in enumerate(step_rows)
         ]
     step_modulation = schedule_modulation(dit, [timesteps for timesteps, _ in step_rows], device)
+    if timings is not None:
+        timings[ADALN_TIMING[step_modulation.source]] = step_modulation.seconds
     # Per-row timestep index (CPU bytes) -> (that index on the device, its prepared DiT layout).
     packed_layouts: dict[bytes, tuple[torch.Tensor, object]] = {}
     # What the DiT reads of the request's rows besides the timestep index, in its argument order.
@@ -377,6 +390,7 @@ def denoise(
                     video_rows=video_rows[first_video_target:],
                 )
             )
+    step_modulation.persist()
     return video_rows, audio_rows
 
 
@@ -495,6 +509,7 @@ def denoise_encoded(
             should_cancel,
             step_cache,
             hold,
+            timings,
         )
         _synchronize(device)
     timings["denoise_s"] = time.perf_counter() - started

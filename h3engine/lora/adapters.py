@@ -41,7 +41,7 @@ from h3engine.errors import RequestError
 from h3engine.models.dit import LOW_RANK_ATTRIBUTE, DiTConfig, H3DiT
 from h3engine.parallel.linear import ColumnParallelLinear, ParallelLinear, RowParallelLinear
 from h3engine.request import GenerationRequest
-from h3engine.sampling.modulation import clear_modulation_cache
+from h3engine.sampling.modulation import set_adapter_key
 
 
 @dataclass(frozen=True)
@@ -135,8 +135,38 @@ def apply_adapters(dit: H3DiT, adapters: Sequence[Adapter], device: torch.device
         hook = None if isinstance(linear, RowParallelLinear) else linear.register_forward_hook(_add_update)
         handles.append((linear, hook))
     _applied[dit] = _Applied(adapters, handles)
-    clear_modulation_cache(dit)
+    set_adapter_key(dit, adaln_adapter_key(adapters))
     return len(handles)
+
+
+# The DiT's AdaLN projections (their tables depend on the adapters on these alone).
+_ADALN_SUFFIX = "adaln_proj.linear"
+
+
+def adaln_adapter_key(adapters: Sequence[Adapter]) -> str:
+    """What the AdaLN tables of a DiT carrying `adapters` depend on ("" when none touches an AdaLN projection): each
+    such adapter's file, by the identity `LoraFiles` rereads it by (real path, size, modification time; a file that
+    cannot be stat'ed by a digest of its AdaLN factors), its strength and its target."""
+    parts = []
+    for adapter in adapters:
+        layers = {
+            name: layer for name, layer in adapter_layers(adapter).items() if name.endswith(_ADALN_SUFFIX)
+        }
+        if not layers or adapter.strength == 0:
+            continue
+        try:
+            stat = os.stat(adapter.lora.path)
+            identity = f"{os.path.realpath(adapter.lora.path)}:{stat.st_size}:{stat.st_mtime_ns}"
+        except (OSError, TypeError):
+            digest = hashlib.sha256()
+            for name in sorted(layers):
+                digest.update(name.encode())
+                for tensor in (layers[name].down, layers[name].up):
+                    digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+                digest.update(repr(layers[name].scale).encode())
+            identity = digest.hexdigest()
+        parts.append(f"{identity}@{float(adapter.strength)!r}:{adapter.target}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest() if parts else ""
 
 
 def remove_adapters(dit: H3DiT) -> None:
@@ -146,7 +176,7 @@ def remove_adapters(dit: H3DiT) -> None:
         if handle is not None:
             handle.remove()
         delattr(linear, LOW_RANK_ATTRIBUTE)
-    clear_modulation_cache(dit)
+    set_adapter_key(dit, "")
 
 
 def applied_adapters(dit: H3DiT) -> tuple[Adapter, ...] | None:

@@ -275,6 +275,11 @@ def sidecar_record(
     precision, kernels: its keys go to the top level), the geometry, the timings and the video's file name; with a
     step cache (request `cache` other than "off"), its preset and forwards computed and skipped."""
     cache = {} if step_cache is None else {"step_cache": dict(step_cache)}
+    # The denoise loop names the seconds its AdaLN tables took by where they came from (pipeline.ADALN_TIMING).
+    if "adaln_tables_computed_s" in timings:
+        cache["adaln_tables"] = "computed"
+    elif "adaln_tables_cached_s" in timings:
+        cache["adaln_tables"] = "cache"
     return {
         "request": request.to_dict(),
         "inputs": inputs,

@@ -12,6 +12,7 @@ same outputs; this is how their mechanisms are tested without a GPU).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,17 +27,28 @@ from h3engine.memory.plan import MemoryBudget, MemoryPlan, check_request_fits, e
 from h3engine.memory.shapes import ReferenceSpec, request_shape
 from h3engine.memory.sizes import RankShare, checkpoint_sizes
 
+# The variable `--adaln-cache` falls back to (h3engine.sampling.adaln_tables reads it too).
+ADALN_CACHE_ENV = "H3_ADALN_CACHE"
+
 
 @dataclass(frozen=True)
 class MemoryRequest:
     """An engine's memory flags: `--memory-profile`, `--gpu-memory` / `--host-memory` (GiB as given; None: the
-    environment, else the default), `--weights`, and the share of the models this rank holds."""
+    environment, else the default), `--weights`, `--adaln-cache` (a folder, "off", or None: the environment, else the
+    engine's cache folder; h3engine.sampling.adaln_tables), and the share of the models this rank holds."""
 
     profile: str = "auto"
     gpu_memory: str | float | None = None
     host_memory: str | float | None = None
     weights: str = "bf16"
     share: RankShare = field(default_factory=RankShare)
+    adaln_cache: str | None = None
+
+    @property
+    def caches_adaln_tables(self) -> bool:
+        """Whether AdaLN tables are kept on disk (then the projections wait in the mapped files: see the planner)."""
+        setting = self.adaln_cache if self.adaln_cache is not None else os.environ.get(ADALN_CACHE_ENV, "")
+        return setting.strip().lower() != "off"
 
     def checked(self) -> MemoryRequest:
         check_memory_profile(self.profile)
@@ -51,7 +63,13 @@ class MemoryRequest:
     @classmethod
     def from_options(cls, options: Any) -> MemoryRequest:
         """The request of h3engine.engine_options.EngineOptions (their memory fields)."""
-        return cls(options.memory_profile, options.gpu_memory, options.host_memory, options.weights)
+        return cls(
+            options.memory_profile,
+            options.gpu_memory,
+            options.host_memory,
+            options.weights,
+            adaln_cache=options.adaln_cache,
+        )
 
 
 def plan_memory(

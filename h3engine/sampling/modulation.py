@@ -1,14 +1,12 @@
 """The DiT's AdaLN tables of a whole request, built ahead of its forwards from the blocks' modulation weights.
 
-Contract
---------
-`schedule_modulation(dit, step_timesteps, device)` returns one `StepModulation` per denoising step, from exactly
-the computation `H3DiT.modulation` does (same shapes, so the same values); each AdaLN projection's weights are
-read once for all steps, streamed to `device` when `offload_adaln(dit)` moved them to (pinned) CPU memory (in FP8
-with `fp8=True`: half the bytes, dequantized on the device, h3engine.memory.homes). The
-tables of each DiT's last `MODULATION_CACHE_SCHEDULES` schedules are kept, keyed by device and timestep values,
-so repeated requests with the same schedule skip the work; loading weights into the DiT or
-`clear_modulation_cache(dit)` forgets them. `build_modulation` is the same work without the cache.
+`schedule_modulation(dit, step_timesteps, device)` gives one `StepModulation` per step, exactly what
+`H3DiT.modulation` computes: each AdaLN projection is read once for all steps (streamed to `device` when
+`offload_adaln` moved it to pinned host memory, FP8 with `fp8=True`, or read from the mapped files). The DiT's last
+`MODULATION_CACHE_SCHEDULES` schedules stay on their device; loading weights or `clear_modulation_cache` forgets them.
+With a disk cache (`attach_table_cache`, h3engine.sampling.adaln_tables) each step's tables are read from it and only
+the missing steps computed (`ScheduleModulation.persist` stores them after the forwards used them): a request whose
+steps are all cached reads no AdaLN projection. `build_modulation` is the computation without any cache.
 
 On a GPU the tables are built on a CUDA stream of their own, so the first forward starts at once: each block's
 tables carry an event, and `wait()` / `final_tables()` (called by the DiT's forward) make the reading stream wait
@@ -18,6 +16,8 @@ for exactly the tables it is about to read.
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +30,9 @@ from h3engine.checkpoint.safetensors_io import is_parked, parked
 from h3engine.memory.homes import dequantize_into, dequantized, pin_in_place
 from h3engine.models.dit import BlockModulation, H3DiT, StepModulation
 from h3engine.quantization import quantize_rows
+from h3engine.sampling.adaln_tables import AdalnTableCache, StepTables, TableKey, device_identity
+
+logger = logging.getLogger(__name__)
 
 # Schedules whose AdaLN tables `schedule_modulation` keeps per DiT.
 MODULATION_CACHE_SCHEDULES = 2
@@ -43,6 +46,21 @@ _caches: weakref.WeakKeyDictionary[H3DiT, OrderedDict[tuple, list[StepModulation
 _fp8_weights: weakref.WeakKeyDictionary[nn.Linear, tuple[Tensor, Tensor]] = weakref.WeakKeyDictionary()
 # An offloaded AdaLN linear whose weight stays in the mapped checkpoint file -> its reader.
 _mapped_weights: weakref.WeakKeyDictionary[nn.Linear, Callable[[], Tensor]] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _DiskTables:
+    """A DiT's disk cache of tables and what its tables depend on (h3engine.sampling.adaln_tables.TableKey)."""
+
+    cache: AdalnTableCache
+    model: str
+    adapters: str = ""
+
+
+# DiT -> its disk cache (absent: none).
+_disk_tables: weakref.WeakKeyDictionary[H3DiT, _DiskTables] = weakref.WeakKeyDictionary()
+# DiT -> the key of its adapters on AdaLN ("" or absent: none), kept apart so that it holds before a cache is attached.
+_adapter_keys: weakref.WeakKeyDictionary[H3DiT, str] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -125,20 +143,106 @@ def clear_modulation_cache(dit: H3DiT) -> None:
     _cache(dit).clear()
 
 
-def schedule_modulation(
-    dit: H3DiT, step_timesteps: list[Tensor], device: torch.device
-) -> list[StepModulation]:
-    """The AdaLN tables of every forward of a request on `device`, one per entry of `step_timesteps` (CPU)."""
+def attach_table_cache(dit: H3DiT, cache: AdalnTableCache | None, model: str) -> None:
+    """Give `dit` a disk cache of AdaLN tables (None: none); `model` names its weights as loaded (the checkpoint's DiT
+    fingerprint, weight format and dtype: h3engine.sampling.adaln_tables.TableKey.model)."""
+    if cache is None:
+        _disk_tables.pop(dit, None)
+    else:
+        _disk_tables[dit] = _DiskTables(cache, model)
+
+
+def set_adapter_key(dit: H3DiT, key: str) -> None:
+    """The adapters `dit` now carries on its AdaLN projections, as a key ("" for none): their tables are cached
+    apart (h3engine.lora.adapters calls this whenever it changes them)."""
+    _adapter_keys[dit] = key
+    clear_modulation_cache(dit)
+
+
+class ScheduleModulation(list):
+    """The `StepModulation` of every step of a request (a list), with where they came from: `source` "memory" (the
+    DiT's last schedules), "cache" (the disk) or "computed" (some steps at least), `seconds` the host time it took."""
+
+    def __init__(self, steps: Sequence[StepModulation], source: str, seconds: float = 0.0) -> None:
+        super().__init__(steps)
+        self.source = source
+        self.seconds = seconds
+        self._to_store: list[tuple[AdalnTableCache, str, str, int]] = []
+
+    def persist(self) -> None:
+        """Store the steps computed for this request in the disk cache (once: a second call stores nothing)."""
+        for cache, name, description, step in self._to_store:
+            cache.store(name, description, stored_tables(self[step]))
+        self._to_store = []
+
+
+def schedule_modulation(dit: H3DiT, step_timesteps: list[Tensor], device: torch.device) -> ScheduleModulation:
+    """The AdaLN tables of every forward of a request on `device`, one per entry of `step_timesteps` (CPU): from the
+    DiT's in-memory cache, else from its disk cache where it has them, else computed."""
+    started = time.perf_counter()
     cache = _cache(dit)
     cache_key = (str(device), tuple(tuple(t.tolist()) for t in step_timesteps))
     if cache_key in cache:
         cache.move_to_end(cache_key)
-        return cache[cache_key]
-    result = build_modulation(dit, [timesteps.to(device) for timesteps in step_timesteps])
-    cache[cache_key] = result
+        return ScheduleModulation(cache[cache_key], "memory", time.perf_counter() - started)
+    disk = _disk_tables.get(dit)
+    steps: list[StepModulation | None] = [None] * len(step_timesteps)
+    names = []
+    if disk is not None:
+        key = TableKey(disk.model, _adapter_keys.get(dit, ""), device_identity(device))
+        for index, timesteps in enumerate(step_timesteps):
+            name, description = key.step_name(timesteps), key.description(timesteps)
+            names.append((name, description))
+            stored = disk.cache.load(name, description)
+            if stored is not None:
+                steps[index] = step_from_stored(stored, device)
+    missing = [index for index, step in enumerate(steps) if step is None]
+    if missing:
+        built = build_modulation(dit, [step_timesteps[index].to(device) for index in missing])
+        for index, step in zip(missing, built, strict=True):
+            steps[index] = step
+        if disk is not None:
+            logger.info(
+                "AdaLN tables: %d of %d steps computed, %d read from %s",
+                len(missing),
+                len(steps),
+                len(steps) - len(missing),
+                disk.cache.folder,
+            )
+    source = "computed" if missing else "cache"
+    result = ScheduleModulation(steps, source, time.perf_counter() - started)
+    if disk is not None:
+        result._to_store = [(disk.cache, *names[index], index) for index in missing]
+    cache[cache_key] = list(result)
     while len(cache) > MODULATION_CACHE_SCHEDULES:
         cache.popitem(last=False)
     return result
+
+
+# The order of a block's tables in a stored step (h3engine.sampling.adaln_tables.StepTables).
+_BLOCK_TABLES = tuple(field.name for field in fields(BlockModulation))
+
+
+def stored_tables(step: StepModulation) -> StepTables:
+    """One step's tables as the disk cache stores them (waiting for tables still in flight on their stream)."""
+    blocks = [block.wait() for block in step.blocks]
+    scale_plus_one, shift = step.final_tables()
+    return StepTables(
+        torch.stack([torch.stack([getattr(block, name) for name in _BLOCK_TABLES]) for block in blocks]),
+        torch.stack((scale_plus_one, shift)),
+    )
+
+
+def step_from_stored(stored: StepTables, device: torch.device) -> StepModulation:
+    """A stored step's tables on `device`: views of one copy, the same bits as when they were computed."""
+    blocks, final = stored.blocks.to(device), stored.final.to(device)
+    return StepModulation(
+        blocks=tuple(
+            BlockModulation(**{name: tables[index] for index, name in enumerate(_BLOCK_TABLES)})
+            for tables in blocks
+        ),
+        final=(final[0], final[1]),
+    )
 
 
 def build_modulation(dit: H3DiT, step_timesteps: list[Tensor]) -> list[StepModulation]:
