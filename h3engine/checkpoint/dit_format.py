@@ -30,7 +30,7 @@ from h3engine.checkpoint.dit_keys import (
     native_state_shapes,
     native_to_diffusers,
 )
-from h3engine.checkpoint.safetensors_io import TensorInfo, WeightFiles
+from h3engine.checkpoint.safetensors_io import FileExtent, TensorInfo, WeightFiles, row_extents
 from h3engine.errors import CheckpointError
 from h3engine.models.dit import DiTConfig, rope_inverse_frequencies
 
@@ -276,3 +276,40 @@ class DiffusersAsNativeFiles(WeightFiles):
         if key.endswith((QKV_WEIGHT, FC1_WEIGHT)):
             return self.tensor(key)[:, start:stop]
         return self.files.column_slice(diffusers_keys(key)[0], start, stop)
+
+
+def module_extents(
+    files: WeightFiles, config: DiTConfig, key: str, dtype: torch.dtype
+) -> tuple[FileExtent, ...] | None:
+    """Where a module key's bytes (QKV rows stacked) lie in a DiT's files of either layout, for a reader that copies
+    them straight from the files (h3engine.memory.streaming); None where they are not stored as such (a cast, a
+    placeholder, `rope.inv_freq` of the diffusers layout)."""
+    if isinstance(files, DiffusersAsNativeFiles):
+        sources = diffusers_keys(key)
+        infos = [files.files.infos[source] for source in sources]
+        if not infos:
+            return None
+        if key.endswith(FC1_WEIGHT):
+            half = infos[0].shape[0] // 2
+            return row_extents(infos[0], dtype, [(half, half, 0), (0, half, half)])
+        if key.endswith(QKV_WEIGHT):
+            parts = [row_extents(info, dtype) for info in infos]
+            if any(part is None for part in parts):
+                return None
+            offset, extents = 0, []
+            for (extent,) in parts:
+                extents.append(FileExtent(extent.path, extent.offset, extent.length, offset))
+                offset += extent.length
+            return tuple(extents)
+        return row_extents(infos[0], dtype)
+    info = files.infos[key]
+    if not key.endswith(QKV_WEIGHT):
+        return row_extents(info, dtype)
+    # The file interleaves [head, (q, k, v), head_dim] rows; the module stacks [(q, k, v), head, head_dim].
+    head_dim, heads = config.head_dim, config.num_heads
+    blocks = [
+        ((head * 3 + which) * head_dim, head_dim, (which * heads + head) * head_dim)
+        for which in range(3)
+        for head in range(heads)
+    ]
+    return row_extents(info, dtype, blocks)

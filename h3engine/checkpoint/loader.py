@@ -25,7 +25,14 @@ import torch
 from h3engine.checkpoint import audio_vae_keys, dit_format, video_vae_keys
 from h3engine.checkpoint.audio_vae_format import read_audio_vae_config
 from h3engine.checkpoint.layout import CheckpointLayout, PartitionPaths, read_json
-from h3engine.checkpoint.safetensors_io import DeferredReads, WeightFiles, parked, placed
+from h3engine.checkpoint.safetensors_io import (
+    DeferredReads,
+    FileExtent,
+    WeightFiles,
+    parked,
+    placed,
+    row_extents,
+)
 from h3engine.checkpoint.text_encoder_files import (
     check_text_encoder_files,
     open_text_encoder_files,
@@ -62,6 +69,8 @@ class ComponentSource:
     # One module key's tensor as loading makes it, on the host, in the given dtype (a deferred read, see `load`);
     # None: this layout cannot read a key alone (the diffusers VAEs, whose renames need their neighbours).
     read_key: Callable[[str, torch.dtype], torch.Tensor] | None = None
+    # Where a module key's bytes lie in the files, when they are stored as the module holds them (None: unknown).
+    key_extents: Callable[[str, torch.dtype], tuple[FileExtent, ...] | None] | None = None
 
     def expected_state(self) -> StateDict:
         """Our module's state dict on the meta device (keys, shapes and target dtypes, no memory)."""
@@ -84,7 +93,9 @@ class ComponentSource:
         if wanted and self.read_key is None:
             raise ValueError(f"{self.name}: this checkpoint layout cannot read its tensors one key at a time")
         for key in wanted:
-            deferred.add(key, partial(self.read_key, key, expected[key].dtype))
+            dtype = expected[key].dtype
+            extents = self.key_extents(key, dtype) if self.key_extents is not None else None
+            deferred.add(key, partial(self.read_key, key, dtype), extents)
         if self.to_file_names is _identity:
             # Native layout: stream tensor by tensor straight to the device, so the host never holds the whole model,
             # each tensor converted as it is read, so the device never holds a converted tensor beside its original.
@@ -163,6 +174,9 @@ def dit_source(layout: CheckpointLayout, paths: PartitionPaths, dtype: torch.dty
             dit_format.native_to_module if native else dit_format.diffusers_to_module, config=config
         ),
         read_key=partial(_read_dit_key, files, config),
+        key_extents=lambda key, dtype: dit_format.module_extents(
+            dit_format.as_native_files(files, config), config, key, dtype
+        ),
     )
 
 
@@ -219,6 +233,7 @@ def _component_source(
         to_file_names=_identity if native else to_diffusers,
         from_file_names=_identity if native else to_native,
         read_key=(lambda key, dtype: placed(files.tensor(key), "cpu", dtype)) if native else None,
+        key_extents=(lambda key, dtype: row_extents(files.infos[key], dtype)) if native else None,
     )
 
 

@@ -78,12 +78,18 @@ class DeferredReads:
     def __init__(self, keys: Iterable[str]) -> None:
         self.keys = frozenset(keys)
         self.readers: dict[str, Callable[[], torch.Tensor]] = {}
+        # Key -> the file extents that hold its bytes as the module has them (absent: read through the reader).
+        self.extents: dict[str, tuple[FileExtent, ...]] = {}
 
     def wants(self, key: str) -> bool:
         return key in self.keys
 
-    def add(self, key: str, reader: Callable[[], torch.Tensor]) -> None:
+    def add(
+        self, key: str, reader: Callable[[], torch.Tensor], extents: tuple[FileExtent, ...] | None = None
+    ) -> None:
         self.readers[key] = reader
+        if extents is not None:
+            self.extents[key] = extents
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,41 @@ class TensorInfo:
     shape: tuple[int, ...]
     # A placeholder file's seed: its values are drawn, not read (`placeholder_values`).
     placeholder_seed: int | None = None
+    # Where the tensor's bytes start in the file (-1: unknown, e.g. a view that renames another file's tensors).
+    offset: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class FileExtent:
+    """A run of a tensor's bytes in a file: `length` bytes at `offset` of `path`, which go to byte `target` of the
+    tensor as the module holds it (a reader thread copies them straight into a buffer, h3engine.memory.streaming)."""
+
+    path: Path
+    offset: int
+    length: int
+    target: int
+
+
+def row_extents(
+    info: TensorInfo, dtype: torch.dtype, blocks: Sequence[tuple[int, int, int]] | None = None
+) -> tuple[FileExtent, ...] | None:
+    """The extents of a 2-D (or 1-D) tensor read as `dtype` whose rows come from `info`'s rows as `blocks` says
+    ((file row, rows, module row) each; None: all rows in order). None where the file's bytes are not the module's:
+    another dtype (a cast), an unknown offset, or a placeholder (its values are drawn, not stored)."""
+    if info.dtype != dtype or info.offset < 0 or info.placeholder_seed is not None:
+        return None
+    rows = info.shape[0] if info.shape else 1
+    row_bytes = info.nbytes // max(1, rows)
+    if blocks is None:
+        return (FileExtent(info.file, info.offset, info.nbytes, 0),)
+    return tuple(
+        FileExtent(info.file, info.offset + source * row_bytes, count * row_bytes, target * row_bytes)
+        for source, count, target in blocks
+    )
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
@@ -126,7 +167,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             begin, end = (int(o) for o in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt header entry for tensor '{key}'") from None
-        infos[key] = TensorInfo(path, dtype, shape, placeholder_seed)
+        infos[key] = TensorInfo(path, dtype, shape, placeholder_seed, 8 + header_len + begin)
         data_end = max(data_end, end)
         if end < begin:
             raise CheckpointError(f"{path}: corrupt offsets for tensor '{key}'")

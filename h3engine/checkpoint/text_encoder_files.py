@@ -31,7 +31,7 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration
 
-from h3engine.checkpoint.safetensors_io import DeferredReads, WeightFiles, parked, placed
+from h3engine.checkpoint.safetensors_io import DeferredReads, WeightFiles, parked, placed, row_extents
 from h3engine.errors import CheckpointError
 from h3engine.models.text_encoder import (
     H3_DIALOGUE_TOKENS,
@@ -194,7 +194,11 @@ def read_text_encoder_tensors(
         if deferred is not None and deferred.wants(key):
             shape = getattr(owner, leaf_name).shape
             tensor = parked(shape, dtype)
-            deferred.add(key, partial(_read_whole, weight_files, key, dtype))
+            deferred.add(
+                key,
+                partial(_read_whole, weight_files, key, dtype),
+                row_extents(weight_files.infos[key], dtype),
+            )
         else:
             tensor = placed(weight_files.tensor(key), device, dtype)
         if leaf_name in owner._parameters:

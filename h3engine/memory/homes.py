@@ -16,6 +16,7 @@ up to twice the bytes. Everything pinned here goes through slabs.
 from __future__ import annotations
 
 import logging
+import mmap
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -89,6 +90,36 @@ def pin_in_place(
         pinned = buffer.view(tensor.dtype).view(tensor.shape)
         pinned.copy_(tensor.data)
         tensor.data = pinned
+
+
+class PageLockedBuffer:
+    """`size` bytes of host memory, exactly: an anonymous mapping of that size, page-locked in place
+    (cudaHostRegister) when `register`, so that copies to the GPU from it are asynchronous. Unlike torch's pinned
+    allocator, which rounds each allocation up to a power of two (a 1.2 GB buffer would lock 2 GB), it locks what it
+    holds. `tensor` is its uint8 view; `close()` unlocks and unmaps it (nothing may use the view afterwards)."""
+
+    def __init__(self, size: int, register: bool) -> None:
+        self.size = size
+        self._map = mmap.mmap(-1, max(size, 1))
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=size)
+        self.registered = False
+        if register:
+            status = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, 0))
+            if status != 0:
+                logger.warning(
+                    "could not page-lock %d bytes (cudaError %d); copies from them are slower", size, status
+                )
+            self.registered = status == 0
+
+    def close(self) -> None:
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.registered = False
+        self.tensor = None
+        try:
+            self._map.close()
+        except BufferError:  # a view is still alive somewhere: the mapping goes with it
+            pass
 
 
 # --- FP8 storage -------------------------------------------------------------------------------------------------

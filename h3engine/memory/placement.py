@@ -42,7 +42,7 @@ from h3engine.memory.plan import (
     ModelPlacement,
     resident_plan,
 )
-from h3engine.memory.streaming import LayerStream, streamed_tensors
+from h3engine.memory.streaming import LayerStream, TensorRead, streamed_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,13 @@ def profile_plan(profile: str, weights: str = "bf16") -> MemoryPlan:
         return replace(plan, models={name: moved for name in MODELS})
     streamed = ModelPlacement(layers="streamed", other="resident", home="pinned", ring_depth=2)
     return replace(plan, models={name: streamed if name in LAYER_SPECS else RESIDENT for name in MODELS})
+
+
+def file_home_layers(count: int, in_files: int) -> list[bool]:
+    """Which of `count` streamed layers (in visit order) read from the files when `in_files` of them do: spread
+    evenly, so that the disk reads for the next file-home layer while the layers between compute."""
+    in_files = max(0, min(count, in_files))
+    return [(index + 1) * in_files // count > index * in_files // count for index in range(count)]
 
 
 def _tensor_names(module: nn.Module) -> dict[int, str]:
@@ -262,22 +269,28 @@ class Placement:
         if deferred is not None and deferred.readers:
             names = _tensor_names(module)
             readers = [
-                [deferred.readers[names[id(tensor)]] for _, _, tensor in streamed_tensors(spec, layer)]
+                [
+                    TensorRead(deferred.readers[names[id(tensor)]], deferred.extents.get(names[id(tensor)]))
+                    for _, _, tensor in streamed_tensors(spec, layer)
+                ]
                 for layer in spec.layers[first:]
             ]
-        mapped = placement.home == "mapped"
-        if mapped and (readers is None or quantize):
+        count = len(spec.layers) - first
+        in_files = file_home_layers(count, count if placement.home == "mapped" else placement.mapped_layers)
+        if any(in_files) and (readers is None or quantize):
             logger.warning(
-                "%s: its layers cannot be read from the mapped files here (%s); they wait in host memory instead",
+                "%s: its layers cannot be read from the checkpoint files here (%s); they wait in host memory instead",
                 model,
                 "FP8 weights are made at load" if quantize else "this checkpoint layout renames them",
             )
-            mapped = False
-        elif mapped:
+            in_files = [False] * count
+        elif any(in_files):
             logger.warning(
-                "%s: its layers stream from the memory-mapped checkpoint files at every visit (the host budget holds "
-                "no copy): each visit reads them from the page cache or the disk, slower than from pinned memory",
+                "%s: %d of its %d streamed layers are read from the checkpoint files at every visit (the host budget "
+                "holds no copy of them), by reader threads a few layers ahead: as fast as the disk allows",
                 model,
+                sum(in_files),
+                count,
             )
         return LayerStream(
             spec,
@@ -286,7 +299,7 @@ class Placement:
             placement.ring_depth,
             quantize=quantize,
             readers=readers,
-            mapped=mapped,
+            mapped=in_files,
         )
 
     # --- DiT partitions -----------------------------------------------------------------------------------------

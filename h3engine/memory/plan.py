@@ -98,6 +98,8 @@ class ModelPlacement:
     home: str = "none"  # HOMES
     resident_layers: int = 0  # streamed: how many leading layers stay on the device
     ring_depth: int = 0  # streamed: device buffers in the ring (at least 2)
+    # streamed with a pinned home: how many of the streamed layers are read from the files instead (spread evenly)
+    mapped_layers: int = 0
 
     def __post_init__(self) -> None:
         if (

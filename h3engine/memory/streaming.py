@@ -1,21 +1,24 @@
 """Layers streamed through a ring of device buffers: a model too large for its GPU visits it a layer at a time,
 each layer copied a few layers ahead of the one computing (see `LayerStream` for the mechanics).
 
-Contract: `LayerStream(spec, first, device, ring_depth, ...)` takes over the streamed tensors of `spec.layers[first:]`
-(their home: one host image per layer, pinned on a GPU, FP8 with `quantize`; or the mapped checkpoint files, read at
-every visit). Hooks on each layer's `entry` / `exit` submodules acquire and release it; between visits its tensors
-are "parked" (right shape and dtype, one broadcast NaN behind them). `open()` allocates the ring (a phase starts),
-`close()` frees it (the phase ends): nothing is allocated per step. The same math runs on the same values as with
-resident weights, so outputs are bit-identical (FP8 storage aside).
+Contract: `LayerStream(spec, first, device, ring_depth, ...)` takes over the streamed tensors of `spec.layers[first:]`.
+Each layer's home is an image in host memory (pinned on a GPU; FP8 with `quantize`) or, for the layers `mapped` names,
+the checkpoint files themselves: reader threads read those `read_ahead` layers ahead of their turn into a host ring of
+exactly that many page-locked buffers (h3engine.memory.homes.PageLockedBuffer), straight from the files where the
+loader gave their extents. Hooks on each layer's `entry` / `exit` submodules acquire and release it; between visits
+its tensors are "parked". `open()` allocates the rings (a phase starts), `close()` frees them. The same math runs on
+the same values as with resident weights: outputs are bit-identical (FP8 storage aside).
 
 Danger: the entry and exit calls must bracket every read of a layer's streamed tensors (true of the specs in
-h3engine.memory.layers). A copy's source must outlive it: images live as long as the stream, and a mapped read goes
-through a pinned bounce buffer whose reuse waits for the copy that last read it.
+h3engine.memory.layers). A copy's source must outlive it: an image lives as long as the stream, a host-ring buffer is
+refilled only after the copy that read it is done (its event), and `close()` waits for the reader threads.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,11 +26,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from h3engine.checkpoint.safetensors_io import parked
+from h3engine.checkpoint.safetensors_io import FileExtent, parked
 from h3engine.memory.homes import (
+    PageLockedBuffer,
     carve,
     dequantize_into,
-    host_buffers,
     pinned_or_pageable,
     quantizable,
     quantized_bytes,
@@ -36,9 +39,23 @@ from h3engine.memory.layers import LayerSpec
 from h3engine.memory.slabs import aligned
 from h3engine.quantization import quantize_rows
 
-# A reader of a mapped home: the tensor's values on the host, in the layer's dtype and shape (a view of the memory-
-# mapped file when it can be, so that reading costs the page cache's copy and nothing else).
-TensorReader = Callable[[], Tensor]
+# A reader of a file home: the tensor's values on the host, in the layer's dtype and shape; or, for a tensor stored in
+# FP8 in the files, its (e4m3 values, fp32 row scales).
+TensorReader = Callable[[], "Tensor | tuple[Tensor, Tensor]"]
+# Layers read ahead of their turn into the host ring, and the threads reading them, by default.
+READ_AHEAD = 2
+READER_THREADS = 2
+
+
+@dataclass(frozen=True)
+class TensorRead:
+    """How to read one streamed tensor from the files: `read()`, or `extents` (its bytes, as the layer holds them, at
+    these places of the files) that a reader thread copies straight into a host buffer; `scale_extents` likewise for
+    the row scales of a tensor the files store in FP8."""
+
+    read: TensorReader
+    extents: tuple[FileExtent, ...] | None = None
+    scale_extents: tuple[FileExtent, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +120,31 @@ def _layout(
     return placed, slot_bytes, image_bytes
 
 
+def read_extents(extents: Sequence[FileExtent], destination: Tensor) -> int:
+    """Copy each extent's bytes from its file into `destination` (a contiguous uint8 host tensor) at its target;
+    returns the bytes read. The reads release the GIL (os.preadv)."""
+    view = memoryview(destination.numpy())
+    total = 0
+    for extent in extents:
+        descriptor = os.open(extent.path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < extent.length:
+                part = view[extent.target + done : extent.target + extent.length]
+                count = os.preadv(descriptor, [part], extent.offset + done)
+                if count <= 0:
+                    raise OSError(f"{extent.path}: ended {extent.length - done} bytes early")
+                done += count
+        finally:
+            os.close(descriptor)
+        total += extent.length
+    return total
+
+
+def _to_tensor_read(reader: TensorRead | TensorReader) -> TensorRead:
+    return reader if isinstance(reader, TensorRead) else TensorRead(reader)
+
+
 class _CudaCopies:
     """The side stream and the per-slot events of a ring on a GPU."""
 
@@ -112,7 +154,6 @@ class _CudaCopies:
         self.ready = [torch.cuda.Event() for _ in range(slots)]
         self.free = [torch.cuda.Event() for _ in range(slots)]
         self.used = [False] * slots
-        self.bounce_done = [torch.cuda.Event(), torch.cuda.Event()]
 
     @contextmanager
     def filling(self, slot: int) -> Iterator[None]:
@@ -130,14 +171,15 @@ class _CudaCopies:
     def mark_free(self, slot: int) -> None:
         self.free[slot].record(torch.cuda.current_stream(self.device))
 
-    def bounce_ready(self, bounce: int) -> None:
-        self.bounce_done[bounce].synchronize()
-
-    def bounce_read(self, bounce: int) -> None:
-        self.bounce_done[bounce].record(self.stream)
+    def copied(self) -> torch.cuda.Event:
+        """An event marking every copy issued so far on the copy stream (a host buffer they read may be reused)."""
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
 
     def drain(self) -> None:
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.stream.synchronize()
 
     def after_compute(self) -> None:
         """Copies issued from now on start after everything the compute stream has queued (a restart: the visit that
@@ -158,11 +200,8 @@ class _HostCopies:
     def mark_free(self, slot: int) -> None:
         pass
 
-    def bounce_ready(self, bounce: int) -> None:
-        pass
-
-    def bounce_read(self, bounce: int) -> None:
-        pass
+    def copied(self) -> None:
+        return None
 
     def drain(self) -> None:
         pass
@@ -171,15 +210,27 @@ class _HostCopies:
         pass
 
 
-class LayerStream:
-    """The streamed layers of one model and their ring.
+@dataclass
+class _Read:
+    """A file-home layer being read (or read) into host-ring buffer `buffer`."""
 
-    The ring holds `ring_depth` slots of device memory, each as large as the largest layer; a layer's tensors are
-    views into its slot at fixed offsets. Layers are visited in order, cyclically (one DiT forward runs every block,
-    the next starts again at the first): when layer i is released, the copy of the layer `ring_depth` visits ahead
-    starts into the slot it freed. On a GPU copies run on a side stream: a copy waits (GPU-side) for the compute that
-    last read its slot, the compute waits for the copy of the layer it is about to read; the host waits for neither.
-    A visit out of that order (a forward that stopped half way: an error, a cancel) restarts the ring there.
+    layer: int
+    buffer: int
+    future: concurrent.futures.Future
+
+
+class LayerStream:
+    """The streamed layers of one model and their rings.
+
+    The device ring holds `ring_depth` slots of device memory, each as large as the largest layer; a layer's tensors
+    are views into its slot at fixed offsets. Layers are visited in order, cyclically (one DiT forward runs every
+    block, the next starts again at the first): when layer i is released, the copy of the layer `ring_depth` visits
+    ahead starts into the slot it freed. On a GPU copies run on a side stream: a copy waits (GPU-side) for the compute
+    that last read its slot, the compute waits for the copy of the layer it is about to read; the host waits for
+    neither, except for a file-home layer whose read has not finished: then the disk is slower than the compute.
+    File-home layers are read by reader threads in visit order, as far ahead as the host ring has free buffers, and
+    never one layer into two buffers. A visit out of that order (a forward that stopped half way: an error, a
+    cancel) restarts both rings there.
     """
 
     def __init__(
@@ -189,23 +240,35 @@ class LayerStream:
         device: torch.device | str,
         ring_depth: int,
         quantize: bool = False,
-        readers: Sequence[Sequence[TensorReader]] | None = None,
-        mapped: bool = False,
+        readers: Sequence[Sequence[TensorRead | TensorReader]] | None = None,
+        mapped: bool | Sequence[bool] = False,
         pin: bool | None = None,
+        read_ahead: int = READ_AHEAD,
+        reader_threads: int = READER_THREADS,
     ) -> None:
         """Take over `spec.layers[first:]`. `readers` gives, per layer and per streamed tensor (in `streamed_tensors`
         order), how to read it from the checkpoint (the loader left them unread); without readers the tensors hold
-        their values on the host. `mapped`: read through the readers at every visit (no image is kept); else each
-        layer's image is filled once, layer by layer (the host holds one extra layer at a time). `pin`: page-locked
-        images (default: when the device is a GPU)."""
+        their values on the host. `mapped` (all layers, or one flag per streamed layer): the layers whose home is the
+        files, read at every visit; the others' images are filled once, layer by layer (the host holds one extra
+        layer at a time). `pin`: page-locked host memory (default: when the device is a GPU). `quantize`: FP8 images
+        (a file-home layer then needs readers that give FP8 values and scales: files stored in FP8)."""
         self.device = torch.device(device)
         self.layers = spec.layers[first:]
         if not self.layers:
             raise ValueError("a layer stream needs at least one layer")
         if ring_depth < 1:
             raise ValueError(f"ring_depth must be >= 1, got {ring_depth}")
-        if mapped and (readers is None or quantize):
-            raise ValueError("a mapped home needs readers, and is read as the files store it (no FP8)")
+        if read_ahead < 1 or reader_threads < 1:
+            raise ValueError(
+                f"read_ahead and reader_threads must be >= 1, got {read_ahead}, {reader_threads}"
+            )
+        self.home_is_file = [mapped] * len(self.layers) if isinstance(mapped, bool) else list(mapped)
+        if len(self.home_is_file) != len(self.layers):
+            raise ValueError(
+                f"mapped names {len(self.home_is_file)} layers, the stream has {len(self.layers)}"
+            )
+        if any(self.home_is_file) and readers is None:
+            raise ValueError("a file home needs readers")
         self.depth = min(ring_depth, len(self.layers))
         self.quantize = quantize
         found = [streamed_tensors(spec, layer) for layer in self.layers]
@@ -217,30 +280,50 @@ class LayerStream:
             raise ValueError("readers must give one reader per streamed tensor of every streamed layer")
         self._pin = self.device.type == "cuda" if pin is None else pin
         self._parked: dict[torch.dtype, Tensor] = {}
-        self._readers = [list(layer) for layer in readers] if mapped else None
-        # Host images, one per layer (None for a mapped home), each filled and its layer parked before the next.
-        self.images: list[Tensor] | None = None
-        if mapped:
-            self._park_all()
-        else:
-            sizes = [image for _, _, image in layouts]
-            buffers = carve(sizes) if self._pin else (None for _ in sizes)
-            self.images = []
-            for index, (buffer, size) in enumerate(zip(buffers, sizes, strict=True)):
-                image = pinned_or_pageable(buffer, size)
-                self._fill_image(self.tensors[index], image, readers[index] if readers is not None else None)
+        self._reads_of = (
+            [[_to_tensor_read(reader) for reader in layer] for layer in readers]
+            if readers is not None
+            else None
+        )
+        # Host images, one per layer (None for a file home), each filled and its layer parked before the next.
+        sizes = [image for _, _, image in layouts]
+        self.image_sizes = sizes
+        image_sizes = [size for size, in_file in zip(sizes, self.home_is_file, strict=True) if not in_file]
+        buffers = iter(carve(image_sizes) if self._pin else [None] * len(image_sizes))
+        self.images: list[Tensor | None] = []
+        for index, size in enumerate(sizes):
+            if self.home_is_file[index]:
                 self._park(self.tensors[index])
-                self.images.append(image)
-        self._bounces: list[Tensor] | None = None
+                self.images.append(None)
+                continue
+            image = pinned_or_pageable(next(buffers), size)
+            self._fill_image(index, image)
+            self._park(self.tensors[index])
+            self.images.append(image)
+        file_sizes = [size for size, in_file in zip(sizes, self.home_is_file, strict=True) if in_file]
+        self.read_ahead = min(read_ahead, len(file_sizes)) if file_sizes else 0
+        self.host_ring_bytes = max(file_sizes, default=0)
+        self._reader_threads = reader_threads
+        self._host_ring: list[PageLockedBuffer] = []
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._reads: collections.deque[_Read] = collections.deque()  # in visit order
+        self._free_buffers: list[int] = []
+        self._buffer_copied: list[object] = []  # per host buffer: the event of the last copy that read it
+        self._read_cursor = (
+            0  # the layer from which the next read looks for a file-home layer, in visit order
+        )
         self._copies: _CudaCopies | _HostCopies | None = None
         self._slots: list[Tensor] = []
         self._staging: list[Tensor] = []
         self._queue: collections.deque[tuple[int, int]] = collections.deque()  # (layer, slot) in visit order
         self._current: tuple[int, int] | None = None
-        self._next_bounce = 0
         self.visits = 0  # layers computed since the stream was made (for tests and benchmarks)
         self.restarts = 0  # visits out of the cyclic order, each of which reloaded the ring
         self.copied_bytes = 0  # host -> device bytes copied since the stream was made
+        self.read_bytes = 0  # bytes read from the files into the host ring since the stream was made
+        self.layer_reads = 0  # file-home layers read since the stream was made
+        self.waited_reads = 0  # reads the host had to wait for (the disk was behind the compute)
+        self.most_reads_ahead = 0  # the most file-home layers read or being read ahead of their turn at once
         self._hooks = []
         for index, layer in enumerate(self.layers):
             entry, exit_ = layer.get_submodule(spec.entry), layer.get_submodule(spec.exit)
@@ -249,21 +332,25 @@ class LayerStream:
 
     # --- set-up ---------------------------------------------------------------------------------------------------
 
-    def _fill_image(
-        self, layer_tensors: list[StreamedTensor], image: Tensor, readers: Sequence[TensorReader] | None
-    ) -> None:
-        for index, placed in enumerate(layer_tensors):
-            tensor = readers[index]() if readers is not None else placed.tensor.detach()
-            if placed.quantized:
-                values, scales = quantize_rows(tensor)
-                _typed_view(image, placed.image_offset, values.dtype, values.shape).copy_(values)
-                _typed_view(image, placed.scale_offset, scales.dtype, scales.shape).copy_(scales)
-            else:
-                _typed_view(image, placed.image_offset, placed.dtype, placed.shape).copy_(tensor)
+    def _fill_image(self, layer: int, image: Tensor) -> None:
+        """A layer's host image from its readers (or its loaded values): values, or FP8 values and scales."""
+        reads = self._reads_of[layer] if self._reads_of is not None else None
+        for index, placed in enumerate(self.tensors[layer]):
+            tensor = reads[index].read() if reads is not None else placed.tensor.detach()
+            self._put(placed, image, tensor)
 
-    def _park_all(self) -> None:
-        for layer_tensors in self.tensors:
-            self._park(layer_tensors)
+    def _put(self, placed: StreamedTensor, image: Tensor, tensor: Tensor | tuple[Tensor, Tensor]) -> None:
+        """One tensor's values into a layer's image (quantized there when the image is FP8)."""
+        if placed.quantized:
+            values, scales = tensor if isinstance(tensor, tuple) else quantize_rows(tensor)
+            _typed_view(image, placed.image_offset, values.dtype, values.shape).copy_(values)
+            _typed_view(image, placed.scale_offset, torch.float32, (placed.shape[0], 1)).copy_(
+                scales.view(placed.shape[0], 1)
+            )
+        elif isinstance(tensor, tuple):
+            raise ValueError("a tensor stored in FP8 streams only into an FP8 stream (--weights fp8)")
+        else:
+            _typed_view(image, placed.image_offset, placed.dtype, placed.shape).copy_(tensor)
 
     def _park(self, layer_tensors: list[StreamedTensor]) -> None:
         for placed in layer_tensors:
@@ -274,17 +361,18 @@ class LayerStream:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes the images hold on the host (0 for a mapped home)."""
-        return sum(image.numel() for image in self.images or ())
+        """Bytes the images hold on the host (file-home layers hold none; the host ring is `host_ring_bytes` x
+        `read_ahead` while the stream is open)."""
+        return sum(image.numel() for image in self.images if image is not None)
 
     @property
     def is_open(self) -> bool:
         return self._copies is not None
 
-    # --- the ring -------------------------------------------------------------------------------------------------
+    # --- the rings ------------------------------------------------------------------------------------------------
 
     def open(self, start: int = 0) -> None:
-        """Allocate the ring and start copying the first `depth` layers from `start` on."""
+        """Allocate the rings and start copying the first `depth` layers from `start` on."""
         if self.is_open:
             return
         cuda = self.device.type == "cuda"
@@ -301,29 +389,45 @@ class LayerStream:
             # Allocated on the compute stream, written on the copy stream: keep them until that stream is done too.
             for buffer in [*self._slots, *self._staging]:
                 buffer.record_stream(self._copies.stream)
-            if self._readers is not None and self._bounces is None:
-                self._bounces = host_buffers([self.slot_bytes] * 2, pin=self._pin)
+        if self.read_ahead:
+            self._host_ring = [
+                PageLockedBuffer(self.host_ring_bytes, register=cuda and self._pin)
+                for _ in range(self.read_ahead)
+            ]
+            self._buffer_copied = [None] * self.read_ahead
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=min(self._reader_threads, self.read_ahead), thread_name_prefix="layer-reader"
+            )
         self._restart(start)
 
     def close(self) -> None:
-        """Free the ring (the layers stay parked until the next visit opens it again)."""
+        """Free the rings (the layers stay parked until the next visit opens them again); waits for the readers."""
         if not self.is_open:
             return
         if self._current is not None:
             self._park(self.tensors[self._current[0]])
             self._current = None
+        self._drop_reads()
         self._copies.drain()
         self._queue.clear()
         self._slots, self._staging = [], []
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        for buffer in self._host_ring:
+            buffer.close()
+        self._host_ring, self._buffer_copied = [], []
         self._copies = None
 
     def _restart(self, start: int) -> None:
-        """Load the `depth` layers from `start` on into the slots, in visit order."""
+        """Load the `depth` layers from `start` on into the slots, in visit order (reads ahead from there too)."""
         if self._current is not None:
             self._park(self.tensors[self._current[0]])
             self._current = None
         self._copies.after_compute()
         self._queue.clear()
+        self._drop_reads()
+        self._read_cursor = start
         for slot in range(self.depth):
             layer = (start + slot) % len(self.layers)
             self._fill_slot(layer, slot)
@@ -333,15 +437,92 @@ class LayerStream:
         """The layer visited after `layer`."""
         return (layer + 1) % len(self.layers)
 
+    # --- the host ring (file-home layers) ---------------------------------------------------------------------------
+
+    def _drop_reads(self) -> None:
+        """Wait for the reads in flight and forget them (their buffers are free again)."""
+        for read in self._reads:
+            concurrent.futures.wait([read.future])
+        self._reads.clear()
+        self._free_buffers = list(range(len(self._host_ring)))
+
+    def _next_file_layer(self, start: int) -> int | None:
+        """The first file-home layer visited from `start` on (cyclically), or None."""
+        for step in range(len(self.layers)):
+            layer = (start + step) % len(self.layers)
+            if self.home_is_file[layer]:
+                return layer
+        return None
+
+    def _schedule_reads(self) -> None:
+        """Start reading the next file-home layers, in visit order, into the free host buffers: never a layer that a
+        buffer already holds or is reading."""
+        while self._free_buffers:
+            layer = self._next_file_layer(self._read_cursor)
+            if layer is None or any(read.layer == layer for read in self._reads):
+                return
+            buffer = self._free_buffers.pop(0)
+            copied = self._buffer_copied[buffer]
+            future = self._pool.submit(self._read_layer, layer, buffer, copied)
+            self._reads.append(_Read(layer, buffer, future))
+            self.most_reads_ahead = max(self.most_reads_ahead, len(self._reads))
+            self._read_cursor = self._following(layer)
+
+    def _read_layer(self, layer: int, buffer: int, copied: object) -> int:
+        """(A reader thread.) Read `layer`'s image into host buffer `buffer` once the copy that last read the buffer
+        is done; returns the bytes read from the files."""
+        if copied is not None:
+            copied.synchronize()
+        image = self._host_ring[buffer].tensor
+        read = 0
+        for placed, source in zip(self.tensors[layer], self._reads_of[layer], strict=True):
+            extents = source.extents if source.scale_extents is not None or not placed.quantized else None
+            if extents is not None:
+                read += read_extents(_shifted(extents, placed.image_offset), image)
+                if source.scale_extents is not None:
+                    read += read_extents(_shifted(source.scale_extents, placed.scale_offset), image)
+            else:
+                tensor = source.read()
+                self._put(placed, image, tensor)
+                read += sum(part.numel() * part.element_size() for part in _parts(tensor))
+        return read
+
+    def _host_image(self, layer: int) -> tuple[Tensor, int]:
+        """(the image of file-home `layer` in the host ring, its buffer) once its read is done (waiting if not)."""
+        self._schedule_reads()
+        if not self._reads or self._reads[0].layer != layer:
+            raise RuntimeError(
+                f"host ring out of order: layer {layer} asked for, {self._reads[0:1]} read next"
+            )
+        read = self._reads.popleft()
+        if not read.future.done():
+            self.waited_reads += 1
+        self.read_bytes += read.future.result()
+        self.layer_reads += 1
+        return self._host_ring[read.buffer].tensor, read.buffer
+
+    def _free_buffer(self, buffer: int) -> None:
+        """A host buffer whose image has been copied (issued) to the device: the next read may refill it after that
+        copy is done."""
+        self._buffer_copied[buffer] = self._copies.copied()
+        self._free_buffers.append(buffer)
+        self._schedule_reads()
+
+    # --- the device ring --------------------------------------------------------------------------------------------
+
     def _fill_slot(self, layer: int, slot: int) -> None:
-        """Start copying `layer`'s home into `slot` (on a GPU: on the copy stream, after the slot's last reader)."""
+        """Start copying `layer`'s image into `slot` (on a GPU: on the copy stream, after the slot's last reader)."""
         destination = self._slots[slot]
+        buffer = None
+        if self.home_is_file[layer]:
+            image, buffer = self._host_image(layer)
+        else:
+            image = self.images[layer]
         with self._copies.filling(slot):
-            if self._readers is not None:
-                self._copy_mapped(layer, destination)
-            elif self.quantize:
+            size = self.image_sizes[layer]
+            if self.quantize:
                 staging = self._staging[slot]
-                staging[: self.images[layer].numel()].copy_(self.images[layer], non_blocking=True)
+                staging[:size].copy_(image[:size], non_blocking=True)
                 for placed in self.tensors[layer]:
                     target = placed.in_slot(destination)
                     if placed.quantized:
@@ -353,26 +534,10 @@ class LayerStream:
                     else:
                         target.copy_(_typed_view(staging, placed.image_offset, placed.dtype, placed.shape))
             else:
-                image = self.images[layer]
-                destination[: image.numel()].copy_(image, non_blocking=True)
-        self.copied_bytes += self.images[layer].numel() if self.images is not None else self.slot_bytes
-
-    def _copy_mapped(self, layer: int, destination: Tensor) -> None:
-        """A mapped home: read each tensor from the files (the page cache or the disk) into a pinned bounce buffer,
-        then one asynchronous copy of the buffer. On the CPU the reads go straight into the slot."""
-        readers, tensors = self._readers[layer], self.tensors[layer]
-        if self._bounces is None:
-            for placed, read in zip(tensors, readers, strict=True):
-                placed.in_slot(destination).copy_(read())
-            return
-        bounce_index = self._next_bounce
-        self._next_bounce = 1 - bounce_index
-        self._copies.bounce_ready(bounce_index)  # the copy that last read this buffer is done
-        bounce = self._bounces[bounce_index]
-        for placed, read in zip(tensors, readers, strict=True):
-            placed.in_slot(bounce).copy_(read())
-        destination.copy_(bounce, non_blocking=True)
-        self._copies.bounce_read(bounce_index)
+                destination[:size].copy_(image[:size], non_blocking=True)
+        self.copied_bytes += size
+        if buffer is not None:
+            self._free_buffer(buffer)
 
     # --- visits ---------------------------------------------------------------------------------------------------
 
@@ -422,3 +587,12 @@ class LayerStream:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+def _shifted(extents: Sequence[FileExtent], offset: int) -> list[FileExtent]:
+    """Extents whose targets are relative to a tensor, moved to where the tensor starts in an image."""
+    return [FileExtent(e.path, e.offset, e.length, e.target + offset) for e in extents]
+
+
+def _parts(tensor: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, ...]:
+    return tensor if isinstance(tensor, tuple) else (tensor,)
