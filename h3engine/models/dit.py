@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from h3engine import ops
+from h3engine.models import dit_chunks
 from h3engine.ops import attention as attention_ops
 
 # Rows carry one AdaLN entry per (timestep, modality); modality tags are 0 video, 1 text, 2 audio.
@@ -290,11 +291,12 @@ class Attention(nn.Module):
     The checkpoint interleaves the QKV rows per head; the weight holds them stacked [q; k; v] (the checkpoint
     loaders convert). Stacked rows let q, k and v come from three GEMMs with contiguous weight slices and
     contiguous outputs: slicing one fused output per head hands strided tensors to the QK-norm and the attention
-    kernel, which then copy them.
+    kernel, which then copy them. By head groups with `activation_chunks` > 1 (h3engine.models.dit_chunks).
     """
 
     def __init__(self, config: DiTConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
         super().__init__()
+        self.activation_chunks = 1  # head groups (h3engine.models.dit_chunks): set_activation_chunks sets it
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
         self.qkv_proj = nn.Linear(
@@ -328,6 +330,9 @@ class Attention(nn.Module):
         rope_cos_sin: tuple[Tensor, Tensor] | None,
         attend: AttentionKernel = attention,
     ) -> Tensor:
+        if self.activation_chunks > 1 and attend is attention and dit_chunks.plain_linears(self.qkv_proj):
+            update = getattr(self.qkv_proj, LOW_RANK_ATTRIBUTE, None)
+            return dit_chunks.attention_by_head_groups(self, hidden, rope_cos_sin, attend, update)
         sequence_length = hidden.shape[0]
         heads = (sequence_length, self.num_heads, self.head_dim)
         query, key, value = (projection.view(heads) for projection in self._project_qkv(hidden))
@@ -345,11 +350,13 @@ class SwiGLU(nn.Module):
 
     def __init__(self, config: DiTConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
         super().__init__()
+        self.activation_chunks = 1  # row chunks (h3engine.models.dit_chunks): set_activation_chunks sets it
         self.fc1 = nn.Linear(config.hidden_size, 2 * config.ffn_dim, bias=False, dtype=dtype, device=device)
         self.fc2 = nn.Linear(config.ffn_dim, config.hidden_size, bias=False, dtype=dtype, device=device)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return self.fc2(ops.swiglu(self.fc1(hidden)))
+        chunks = self.activation_chunks if dit_chunks.plain_linears(self.fc1, self.fc2) else 1
+        return dit_chunks.map_rows(lambda rows: self.fc2(ops.swiglu(self.fc1(rows))), hidden, chunks)
 
 
 class AdaLNProjection(nn.Module):
@@ -474,7 +481,9 @@ class DiTBlock(nn.Module):
             tables.scale_plus_one_ffn,
             tables.shift_ffn,
         )
+        del attended  # what is dropped here and below is not held through the FFN and the last fused op
         update = self.mlp(modulated)
+        del modulated
         if following is None:
             return ops.gated_residual(hidden, tables.gate_ffn, rows, update), None
         block, next_tables = following
@@ -518,6 +527,7 @@ class FinalLayer(nn.Module):
 
     def __init__(self, config: DiTConfig, dtype: torch.dtype, device: torch.device | str | None) -> None:
         super().__init__()
+        self.activation_chunks = 1  # row chunks of the heads (h3engine.models.dit_chunks): as above
         self.norm = RMSNorm(config.hidden_size, config.eps, dtype, device)
         self.adaln_proj = AdaLNProjection(config, config.final_adaln_out_features, dtype, device)
         self.video_out = nn.Linear(
@@ -542,9 +552,7 @@ class FinalLayer(nn.Module):
             hidden, self.norm.weight, self.norm.eps, scale_plus_one, shift, layout.timestep_index
         )
         # The modulation runs in the compute dtype; the heads are fp32 islands and produce fp32 velocities.
-        video_velocity = self.video_out(modulated[layout.video_index].to(torch.float32))
-        audio_velocity = self.audio_out(modulated[layout.audio_index].to(torch.float32))
-        return video_velocity, audio_velocity
+        return dit_chunks.fp32_velocities(self, modulated, layout)
 
 
 @dataclass(frozen=True)
@@ -640,6 +648,11 @@ class H3DiT(nn.Module):
         self.final_layer = FinalLayer(config, dtype, device)
 
     @property
+    def activation_chunks(self) -> int:
+        """Row chunks and head groups of the forward (1: off); change it with `set_activation_chunks`."""
+        return self.final_layer.activation_chunks
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype of the packed sequence: that of the (bf16 in the release) non-island weights."""
         return self.condition_proj.weight.dtype
@@ -733,12 +746,12 @@ class H3DiT(nn.Module):
         the rows are embedded into the packed sequence, run through the blocks (`run_blocks`, or `blocks_runner`
         when given), and the head reads them out."""
         self.check_packed_inputs(video_rows, audio_rows, text_states, layout)
-        hidden = self.embed(video_rows, audio_rows, text_states, layout)
         if modulation is None:
             modulation = self.modulation(timesteps)
-        hidden = (run_blocks if blocks_runner is None else blocks_runner)(
-            self.blocks, modulation.blocks, hidden, layout.local
-        )
+        # The embedded rows go straight in: no name here keeps them alive while the blocks run.
+        embedded = [self.embed(video_rows, audio_rows, text_states, layout)]
+        runner = run_blocks if blocks_runner is None else blocks_runner
+        hidden = runner(self.blocks, modulation.blocks, embedded.pop(), layout.local)
         return self.head(hidden, modulation.final_tables(), layout)
 
     def project_inputs(
@@ -755,6 +768,8 @@ class H3DiT(nn.Module):
         self, video_rows: Tensor, audio_rows: Tensor, text_states: Tensor, layout: PackedLayout
     ) -> Tensor:
         """The packed sequence [S, hidden] the blocks run on: each modality's projected rows at its positions."""
+        if self.activation_chunks > 1:
+            return dit_chunks.embed_by_rows(self, video_rows, audio_rows, text_states, layout)
         video, audio, text = self.project_inputs(video_rows, audio_rows, text_states)
         return packed_rows(
             layout.sequence_length,
@@ -777,3 +792,8 @@ class H3DiT(nn.Module):
             blocks=tuple(block.modulation(temb) for block in self.blocks),
             final=self.final_layer.modulation(temb),
         )
+
+
+def set_activation_chunks(dit: H3DiT, chunks: int) -> None:
+    """Chunk `dit`'s activations from its next forward on (h3engine.models.dit_chunks; 1: off, ValueError below)."""
+    dit_chunks.set_chunks(dit, chunks)
