@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from h3engine.errors import RequestError
+from h3engine.memory.disk import default_cache_folder
+
+__all__ = ["ADALN_FOLDER_NAME", "EngineOptions", "add_engine_flags", "default_cache_folder", "load_engine"]
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +60,10 @@ class EngineOptions:
     weights: str = "bf16"  # how the large linears' weights are stored: bf16 (released) or fp8
     # Where AdaLN tables are kept between runs: a folder, "off", or None (H3_ADALN_CACHE, else the cache folder's).
     adaln_cache: str | None = None
+    disk_read_gbps: str | None = (
+        None  # the checkpoint disk's read rate in GB/s (None: measured once and kept)
+    )
+    activation_chunks: str | None = None  # the DiT's activation chunks: auto (None), off or a count
     fp8_linear: bool = False
     stage_layout: str = "colocated"
     encoder_devices: str | None = None  # split layout: the text-encoder group's GPUs (e.g. "4,5")
@@ -137,6 +144,21 @@ def add_engine_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]
         "folder, ~/.cache/h3engine or H3_CACHE_DIR)",
     )
     parser.add_argument(
+        "--disk-read-gbps",
+        default=(environ or {}).get("H3_DISK_READ_GBPS"),
+        metavar="GBPS",
+        help="the read rate of the checkpoint's disk in GB/s, which the memory plan weighs layers read from the files "
+        "by (default: measured once per disk, past the page cache, and kept in the cache folder)",
+    )
+    parser.add_argument(
+        "--activation-chunks",
+        default=(environ or {}).get("H3_ACTIVATION_CHUNKS"),
+        metavar="auto|off|N",
+        help="compute the DiT's attention over head groups and its row-wise layers over row chunks, so that a "
+        "768p / 5 s request's activations need ~2.7 GiB instead of ~5 (auto, the default: the memory plan decides; "
+        "chunked results are equal to the unchunked ones within the rounding of GEMMs over fewer rows)",
+    )
+    parser.add_argument(
         "--fp8-linear",
         action="store_true",
         help="quantize the DiT blocks' linear layers to FP8 (faster on Hopper, not the released precision; one "
@@ -148,15 +170,6 @@ def add_engine_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]
 ADALN_FOLDER_NAME = "adaln-tables"
 
 
-def default_cache_folder(environ: Mapping[str, str] | None = None) -> Path:
-    """The engine's cache folder (AdaLN tables, the app's tiny checkpoint): $H3_CACHE_DIR, else h3engine in
-    $XDG_CACHE_HOME or ~/.cache."""
-    environ = os.environ if environ is None else environ
-    home = environ.get("HOME") or str(Path.home())
-    base = environ.get("XDG_CACHE_HOME") or str(Path(home) / ".cache")
-    return Path(environ.get("H3_CACHE_DIR") or Path(base) / "h3engine")
-
-
 def check_memory_options(options: EngineOptions) -> None:
     """The profile, the weight format and the budgets' numbers (their environment variables included)."""
     from h3engine.memory.budget import resolve_budget
@@ -166,6 +179,12 @@ def check_memory_options(options: EngineOptions) -> None:
     check_weights(options.weights)
     resolve_budget("cpu", options.gpu_memory, options.host_memory)
     check_adaln_cache(options.adaln_cache)
+    from h3engine.memory.disk import parse_gbps
+    from h3engine.memory.engine_plan import parse_activation_chunks
+
+    parse_activation_chunks(options.activation_chunks)
+    if options.disk_read_gbps is not None:
+        parse_gbps(options.disk_read_gbps)
 
 
 def check_adaln_cache(setting: str | None) -> None:
@@ -316,4 +335,6 @@ def load_engine(
         host_memory=options.host_memory,
         weights=options.weights,
         adaln_cache=options.adaln_cache,
+        disk_read_gbps=options.disk_read_gbps,
+        activation_chunks=options.activation_chunks,
     )

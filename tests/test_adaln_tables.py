@@ -106,9 +106,7 @@ def test_a_new_schedule_computes_only_the_steps_it_lacks(checkpoint, tmp_path, c
         assert torch.equal(stored_tables(got).final, stored_tables(expected).final)
 
 
-def test_adapters_on_adaln_and_their_strengths_key_their_own_tables(
-    checkpoint, uncached, tmp_path
-) -> None:
+def test_adapters_on_adaln_and_their_strengths_key_their_own_tables(checkpoint, uncached, tmp_path) -> None:
     config = uncached.store.dit_config(uncached.store.partition_for("t2va"))
     lora_folder = tmp_path / "loras"
     lora_folder.mkdir()

@@ -170,7 +170,7 @@ def test_a_scheduler_that_reads_a_held_layer_again_is_caught(tmp_path, monkeypat
         readers=file_readers(dit, tmp_path),
         mapped=file_home_layers(LAYERS, 1),
     )
-    stream.read_ahead = 2
+    monkeypatch.setattr(LayerStream, "host_ring_buffers", property(lambda self: 2))
     for _ in range(2):
         got = forward(streamed, request)
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
@@ -229,3 +229,77 @@ def test_a_page_locked_buffer_is_exactly_its_size_and_copies_asynchronously() ->
     assert int(on_device.sum()) == 7 * buffer.size
     buffer.close()
     assert not buffer.registered
+
+
+def test_resident_layers_change_between_forwards_and_compute_the_same(tmp_path) -> None:
+    """Layers join the resident ones from their home (an image or the files) and leave them for it; a layer resident
+    from the start with readers streams from the files once it leaves; without readers it cannot leave."""
+    dit = random_dit(num_layers=LAYERS - 1)
+    request = tiny_fl2va_request(dit.config, torch.float32, seed=2)
+    expected = forward(dit, request)
+    streamed = copy_of(dit)
+    stream = LayerStream(
+        dit_layers(streamed), 3, "cpu", 2, readers=file_readers(dit, tmp_path), mapped=[False, True, False]
+    )
+    assert stream.lowest_resident == 0 and len(stream.layers) == 3
+    visits = 0
+    for count in (3, 0, 5, 1, 4, 3):
+        stream.set_resident_layers(count)
+        got = forward(streamed, request)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), count
+        visits += LAYERS - count
+        assert len(stream.layers) == LAYERS - count and stream.visits == visits
+        stream.close()
+    # Without readers the layers resident from the start have no home: they stay.
+    fixed = LayerStream(dit_layers(copy_of(dit)), 2, "cpu", 2)
+    assert fixed.lowest_resident == 2
+    with pytest.raises(ValueError, match=r"within \[2, 5\]"):
+        fixed.set_resident_layers(1)
+    fixed.set_resident_layers(4)
+    fixed.set_resident_layers(2)
+    with pytest.raises(RuntimeError, match="ring is open"):
+        stream.open()
+        stream.set_resident_layers(2)
+    stream.close()
+
+
+def test_a_tiny_engine_runs_from_the_files_with_a_host_budget_below_its_models(tiny_checkpoints) -> None:
+    """The `streamed` profile on the CPU under a host budget smaller than the streamed models: their layers stay in
+    the files (no image in host memory), read at each visit, and the generation is the resident one's."""
+    from _runtime_helpers import parity_requests
+
+    from h3engine.engine import Engine
+    from h3engine.memory.sizes import checkpoint_sizes
+
+    checkpoint = tiny_checkpoints("native", seed=7)
+    partition = next(iter(checkpoint_sizes(checkpoint, dtype=torch.float32).partitions.values()))
+    # Below the smallest streamed model's layers: every one of them goes to the files.
+    budget_gib = (
+        min(partition.model(name).layers_total for name in ("dit", "text_encoder", "video_vae"))
+        / 2
+        / (1 << 30)
+    )
+    resident = Engine.from_checkpoint(checkpoint, device="cpu", dtype=torch.float32, adaln_cache="off")
+    small = Engine.from_checkpoint(
+        checkpoint,
+        device="cpu",
+        dtype=torch.float32,
+        memory_profile="streamed",
+        host_memory=budget_gib,
+        adaln_cache="off",
+    )
+    assert {small.plan.models[name].home for name in ("dit", "text_encoder", "video_vae")} == {"mapped"}
+    request = parity_requests(steps=2, seed=4)["t2va"]
+    expected, _ = resident.generate(request)
+    got, _ = small.generate(request)
+    for name in ("video", "audio", "video_latents", "audio_latents"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    models = small.store.models_for_task("t2va")
+    for name in ("dit", "text_encoder", "video_vae"):
+        stream = small.placement.stream_of(getattr(models, name))
+        assert stream.host_bytes == 0 and stream.layer_reads > 0, name
+        # What the host holds of it while it runs: the ring's two layers (of 3 and 50 here), less than the model.
+        if len(stream.layers) > 2:
+            assert stream.host_ring_buffers * stream.host_ring_bytes < partition.model(name).layers_total, (
+                name
+            )

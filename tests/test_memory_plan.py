@@ -423,44 +423,52 @@ def test_phase_peaks_follow_the_rule(bf16) -> None:
     assert set(plan.phase_peaks) == {"conditioning", "text_encode", "denoise", "decode"}
 
 
-def test_host_homes_are_demoted_in_order(bf16) -> None:
+def _demotion_state(result: planner.MemoryPlan, partition) -> tuple[float, ...]:
+    """How far each host demotion has gone, in DEMOTIONS order: 0 nothing, 1 all (a streamed model: its layers in the
+    files as a fraction of its streamed layers)."""
+
+    def files(name: str) -> float:
+        placement = result.models[name]
+        if placement.home == "mapped":
+            return 1.0
+        return placement.mapped_layers / (partition.model(name).num_layers - placement.resident_layers)
+
+    return (
+        float(result.other_partition_home != "pinned"),
+        files("text_encoder"),
+        files("video_vae"),
+        float(result.adaln_home != "pinned"),
+        files("dit"),
+    )
+
+
+def test_host_homes_are_demoted_in_order_layer_by_layer(bf16) -> None:
+    """As the host budget shrinks: the other partition goes first, then the text encoder's layers one by one to the
+    files, the video decoder's, the AdaLN projections, the DiT's layers last; each demotion only once the ones before
+    are complete, each plan fits, and the floor is `minimum_host_bytes`."""
     shape = request_shape(bf16, "t2va")
+    partition = bf16.partitions["fl2va"]
 
     def plan(host_gib: float | None) -> planner.MemoryPlan:
         return plan_for_shape(bf16, _budget(48, host_gib), shape, profile="streamed")
 
-    def homes(result: planner.MemoryPlan) -> tuple[str, ...]:
-        models = result.models
-        return (
-            result.other_partition_home,
-            models["text_encoder"].home,
-            models["video_vae"].home,
-            result.adaln_home,
-            models["dit"].home,
-        )
-
     unlimited = plan(None)
-    assert homes(unlimited) == ("pinned", "pinned", "pinned", "pinned", "pinned")
-    pinned = {component.name: component.host_bytes for component in unlimited.components}
-    total = unlimited.peak_host_bytes
-    steps = [
-        # No warm partitions: the other one goes, and the served DiT's resident part loses its host copy.
-        (
-            pinned["dit (Ref2VA, not served)"] + pinned["dit.other"],
-            ("mapped", "pinned", "pinned", "pinned", "pinned"),
-        ),
-        (pinned["text_encoder.layers"], ("mapped", "mapped", "pinned", "pinned", "pinned")),
-        (pinned["video_vae.layers"], ("mapped", "mapped", "mapped", "pinned", "pinned")),
-        (pinned["dit.adaln"], ("mapped", "mapped", "mapped", "mapped", "pinned")),
-        (pinned["dit.layers"], ("mapped", "mapped", "mapped", "mapped", "mapped")),
-    ]
-    for freed, expected in steps:
-        result = plan((total - 1) / GIB)
-        assert homes(result) == expected
-        assert result.fits and result.peak_host_bytes <= total - 1
-        total -= freed
-    floor = plan(None).peak_host_bytes - sum(freed for freed, _ in steps)
-    assert plan(None).minimum_host_bytes == floor
+    assert _demotion_state(unlimited, partition) == (0, 0, 0, 0, 0)
+    top, floor = unlimited.peak_host_bytes, unlimited.minimum_host_bytes
+    previous = _demotion_state(unlimited, partition)
+    seen = set()
+    for step in range(1, 41):
+        budget = top - (top - floor) * step / 40
+        result = plan(budget / GIB)
+        state = _demotion_state(result, partition)
+        assert result.fits and result.peak_host_bytes <= budget, step
+        assert all(a >= b for a, b in zip(state, previous, strict=True)), (step, state, previous)
+        for later in range(1, len(state)):
+            assert state[later] == 0 or all(value == 1 for value in state[:later]), (step, state)
+        seen.update(index for index, value in enumerate(state) if 0 < value < 1)
+        previous = state
+    assert previous == (1, 1, 1, 1, 1)
+    assert {1, 4} <= seen  # the text encoder and the DiT went layer by layer
     starved = plan(floor / GIB / 2)
     assert not starved.fits and not starved.host_fits
 
@@ -496,8 +504,8 @@ def test_the_engine_plans_for_the_most_demanding_shape_that_fits_at_little_more_
     )
     rows = [shape.sequence_rows for shape in shapes]
     assert rows == sorted(rows, reverse=True) and shapes[-1].task == "t2va"
-    # 16 GiB holds only the default T2VA request (Ref2VA requests are then judged one by one).
-    plan = plan_engine(bf16, _budget(16, 1000), "auto", "bf16", "cuda", shapes)
+    # 12 GiB holds only the default T2VA request (Ref2VA requests are then judged one by one).
+    plan = plan_engine(bf16, _budget(12, 1000), "auto", "bf16", "cuda", shapes)
     assert plan.fits and plan.shape is shapes[-1]
     # 48 GiB holds a 15 s request on the usual canvas at little more cost: every such request is served.
     roomy = plan_engine(bf16, _budget(48, 1000), "auto", "bf16", "cuda", shapes)

@@ -337,7 +337,10 @@ def test_layers_streamed_from_the_mapped_files_compute_what_resident_ones_do(
     )  # 1 refiner + 2 - 1
     # The diffusers layout's video VAE renames need their neighbours: its layers wait in host memory instead.
     video_stream = mapped.placement.stream_of(models.video_vae)
-    assert all(image is None for image in video_stream.images) == (layout == "native") and video_stream.visits > 0
+    assert (
+        all(image is None for image in video_stream.images) == (layout == "native")
+        and video_stream.visits > 0
+    )
 
 
 # --- FP8 weight storage ----------------------------------------------------------------------------------------

@@ -92,7 +92,8 @@ class ComponentSource:
         wanted = [key for key in expected if deferred is not None and deferred.wants(key)]
         if wanted and self.read_key is None:
             raise ValueError(f"{self.name}: this checkpoint layout cannot read its tensors one key at a time")
-        for key in wanted:
+        remembered = [key for key in expected if deferred is not None and deferred.remembers(key)]
+        for key in [*wanted, *remembered] if self.read_key is not None else []:
             dtype = expected[key].dtype
             extents = self.key_extents(key, dtype) if self.key_extents is not None else None
             deferred.add(key, partial(self.read_key, key, dtype), extents)

@@ -75,14 +75,19 @@ class DeferredReads:
     through it at every visit (h3engine.memory.streaming).
     """
 
-    def __init__(self, keys: Iterable[str]) -> None:
+    def __init__(self, keys: Iterable[str], remember: Iterable[str] = ()) -> None:
         self.keys = frozenset(keys)
+        # Keys a loader reads as usual but also gives a reader for (a resident layer that may stream later).
+        self.remembered = frozenset(remember) - self.keys
         self.readers: dict[str, Callable[[], torch.Tensor]] = {}
         # Key -> the file extents that hold its bytes as the module has them (absent: read through the reader).
         self.extents: dict[str, tuple[FileExtent, ...]] = {}
 
     def wants(self, key: str) -> bool:
         return key in self.keys
+
+    def remembers(self, key: str) -> bool:
+        return key in self.remembered
 
     def add(
         self, key: str, reader: Callable[[], torch.Tensor], extents: tuple[FileExtent, ...] | None = None

@@ -17,6 +17,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -109,8 +110,18 @@ class Engine:
         host_memory: str | float | None = None,
         weights: str = "bf16",
         adaln_cache: str | None = None,
+        disk_read_gbps: str | float | None = None,
+        activation_chunks: str | int | None = None,
     ) -> Engine:
-        memory = MemoryRequest(memory_profile, gpu_memory, host_memory, weights, adaln_cache=adaln_cache)
+        memory = MemoryRequest(
+            memory_profile,
+            gpu_memory,
+            host_memory,
+            weights,
+            adaln_cache=adaln_cache,
+            disk_read_gbps=disk_read_gbps,
+            activation_chunks=activation_chunks,
+        )
         return cls(detect_layout(folder), torch.device(device), dtype, memory, fp8_linear, on_load=on_load)
 
     def _open_adaln_cache(self) -> AdalnTableCache | None:
@@ -128,7 +139,9 @@ class Engine:
     def _make_placement(self, memory_profile: str, device: torch.device) -> Placement:
         """The memory plan's `Placement` (RequestError naming the flag for an unknown profile or weight format, or a
         budget no plan fits), made before anything loads."""
-        return Placement(plan_memory(self.layout, device, self.dtype, self.memory), device)
+        return Placement(
+            plan_memory(self.layout, device, self.dtype, self.memory, default_cache_folder()), device
+        )
 
     def adapters_for(self, request: GenerationRequest) -> tuple[tuple[Adapter, str], ...]:
         """The request's `loras` as adapters of the DiT its task runs, with their files' sha256; each file is read
@@ -161,7 +174,7 @@ class Engine:
         if self.plan.sizes is not None:
             geometry = resolved.geometry
             tokens = prompt_token_counter(self.facts.tokenizer)(request.prompt)
-            check_request_memory(
+            shape = check_request_memory(
                 self.plan,
                 request,
                 (geometry.height, geometry.width),
@@ -169,6 +182,7 @@ class Engine:
                 resolved.media,
                 duration_seconds=resolved.duration_seconds,
             )
+            resolved = dataclasses.replace(resolved, memory_shape=shape)
         self._last_resolved = resolved
         return resolved
 
@@ -215,6 +229,8 @@ class Engine:
             raise RequestError("remix.windows", "chained windows write files: use generate_to_file")
         prepared = self.prepare(resolved, should_cancel)
         models = self.models_for(resolved.request)
+        # This request's own plan: the DiT keeps as many layers resident as the request leaves room for.
+        self.placement.prepare_request(models.dit, resolved.memory_shape)
         with torch.inference_mode():
             output = run_generation(models, prepared, self.device, on_step, should_cancel, mp4_path)
         return output, prepared.geometry

@@ -40,10 +40,16 @@ from h3engine.checkpoint.text_encoder_files import load_tokenizer, open_text_enc
 from h3engine.conditioning.presentation import load_processor
 from h3engine.engine.pipeline import Models
 from h3engine.memory.placement import Placement
+from h3engine.models.dit import set_activation_chunks
 from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.ops import attention as attention_ops
 from h3engine.sampling.adaln_tables import AdalnTableCache
-from h3engine.sampling.modulation import attach_table_cache, offload_adaln, store_adaln_in_fp8
+from h3engine.sampling.modulation import (
+    attach_table_cache,
+    offload_adaln,
+    set_kept_schedules,
+    store_adaln_in_fp8,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -225,8 +231,7 @@ class ModelStore:
     def _deferred(
         self, model: str, meta_module: Callable[[], torch.nn.Module], layers: bool = True
     ) -> DeferredReads | None:
-        keys = self.placement.deferred_keys(model, meta_module, layers)
-        return DeferredReads(keys) if keys else None
+        return self.placement.deferred_reads(model, meta_module, layers)
 
     def _load_text_encoder(self, folder: Path) -> H3TextEncoder:
         deferred = self._deferred("text_encoder", lambda: H3TextEncoder(open_text_encoder_files(folder)[0]))
@@ -243,6 +248,10 @@ class ModelStore:
             # What its tables depend on as loaded: the files, the weight format, the dtype, and this code.
             model = f"{folder_fingerprint(folder)}:{self.placement.plan.weights}:{self.dtype}:{__version__}"
             attach_table_cache(dit, self.adaln_cache, model)
+        plan = self.placement.plan
+        if next(dit.parameters(), None) is not None:
+            set_activation_chunks(dit, plan.activation_chunks)
+            set_kept_schedules(dit, plan.context.kept_schedules)
         return self.placement.adopt(self._prepare_dit(dit, deferred), "dit", deferred)
 
     def _load_video_vae(self, source: ComponentSource) -> torch.nn.Module | None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from h3engine.memory.slabs import packed_bytes
-from h3engine.memory.working import FP32, adaln_cache_bytes
+from h3engine.memory.working import FP32, MODULATION_CACHE_SCHEDULES, adaln_cache_bytes
 
 if TYPE_CHECKING:
     from h3engine.memory.plan import MemoryBudget, ModelPlacement
@@ -97,6 +97,7 @@ def phase_peaks(
     shape: RequestShape,
     working: Mapping[str, int],
     device_type: str = "cuda",
+    kept_schedules: int = MODULATION_CACHE_SCHEDULES,
 ) -> dict[str, int]:
     """Peak device bytes of each phase: the engine reserve + the AdaLN table cache + every model's resident bytes +
     the phase's models' phase-moved parts and rings + the phase's working memory."""
@@ -104,7 +105,7 @@ def phase_peaks(
     if device_type == "cpu":
         resident += partition.dit.adaln_bytes
     base = (0 if device_type == "cpu" else ENGINE_RESERVE_BYTES) + adaln_cache_bytes(
-        partition, shape, device_type
+        partition, shape, device_type, kept_schedules
     )
     return {
         phase: base
@@ -126,8 +127,9 @@ def phase_peaks(
 
 # Host demotions, applied in order until the pinned bytes fit the host budget: the partition not being served
 # first (it only matters at a switch, which then reads the files again; the served DiT's warm copy goes with it),
-# then the once-per-request streams (text encoder, video decoder), then the AdaLN projections (once per request,
-# hidden under the first step), and the served DiT's layers last (every step).
+# then the once-per-request streams (text encoder, video decoder) layer by layer, then the AdaLN projections (once per
+# request, hidden under the first step), and the served DiT's streamed layers last (every step), layer by layer: a
+# file-home layer is read from the disk at each visit.
 DEMOTIONS = (
     ("other_partition", "mapped"),
     ("text_encoder", "mapped"),
@@ -135,6 +137,16 @@ DEMOTIONS = (
     ("adaln", "mapped"),
     ("dit", "mapped"),
 )
+# h3engine.memory.streaming.READ_AHEAD (a test keeps them equal): the host ring's buffers of a stream with file
+# homes, each as large as its largest file-home layer, page-locked while its phase runs.
+HOST_RING_BUFFERS = 2
+
+
+def file_home_layers(count: int, in_files: int) -> list[bool]:
+    """Which of `count` streamed layers (in visit order) read from the files when `in_files` of them do: spread
+    evenly, so that the disk reads the next file-home layer while the layers between compute."""
+    in_files = max(0, min(count, in_files))
+    return [(index + 1) * in_files // count > index * in_files // count for index in range(count)]
 
 
 def moved_home_bytes(model: str, placement: ModelPlacement, partition: PartitionSizes) -> int:
@@ -153,11 +165,28 @@ def streamed_home_bytes(model: str, placement: ModelPlacement, partition: Partit
     return partition.model(model).trailing_layers_bytes(placement.resident_layers)
 
 
-def pinned_stream_bytes(model: str, placement: ModelPlacement, partition: PartitionSizes) -> int:
-    """Host bytes of `model`'s streamed layers' images in a pinned home: packed into slabs (homes.packed_bytes)."""
+def pinned_stream_bytes(
+    model: str, placement: ModelPlacement, partition: PartitionSizes, file_layers: int = 0
+) -> int:
+    """Host bytes of `model`'s streamed layers' images in a pinned home (less `file_layers` of them, which read from
+    the files): packed into slabs (homes.packed_bytes)."""
     if placement.layers != "streamed":
         return 0
-    return packed_bytes(partition.model(model).layer_bytes[placement.resident_layers :])
+    images = partition.model(model).layer_bytes[placement.resident_layers :]
+    flags = file_home_layers(len(images), file_layers)
+    return packed_bytes([image for image, in_file in zip(images, flags, strict=True) if not in_file])
+
+
+def host_ring_bytes(
+    model: str, placement: ModelPlacement, partition: PartitionSizes, file_layers: int
+) -> int:
+    """The page-locked host ring of a stream with file homes (HOST_RING_BUFFERS of its largest file-home image)."""
+    if placement.layers != "streamed" or not file_layers:
+        return 0
+    images = partition.model(model).layer_bytes[placement.resident_layers :]
+    flags = file_home_layers(len(images), file_layers)
+    largest = max(image for image, in_file in zip(images, flags, strict=True) if in_file)
+    return min(HOST_RING_BUFFERS, file_layers) * largest
 
 
 def dit_image_bytes(placement: ModelPlacement, partition: PartitionSizes) -> int:
@@ -179,35 +208,54 @@ def request_host_bytes(shape: RequestShape) -> int:
 @dataclass(frozen=True)
 class HostPlan:
     homes: dict[str, str]  # model, "adaln", "other_partition" -> "none" | "pinned" | "mapped" | "disk"
+    # A streamed model -> how many of its streamed layers read from the files (all of them: home "mapped").
+    file_layers: dict[str, int]
     pinned: dict[str, int]  # what holds pinned (or, on the CPU, host) bytes, after the demotions
     pinned_bytes: int
     minimum_bytes: int
     fits: bool
 
 
-def _mappable(model: str, placement: ModelPlacement, weights: str) -> bool:
-    return placement.layers == "streamed" and not (weights == "fp8" and model in FP8_MODELS)
+def mappable(model: str, placement: ModelPlacement, weights: str, files_weights: str = "bf16") -> bool:
+    """Whether `model`'s streamed layers can read from the files: they hold what the stream computes with (an FP8
+    image made at load from bf16 files cannot)."""
+    return placement.layers == "streamed" and not (
+        weights == "fp8" and model in FP8_MODELS and files_weights != "fp8"
+    )
+
+
+def _streamed_count(model: str, placement: ModelPlacement, partition: PartitionSizes) -> int:
+    return (
+        partition.model(model).num_layers - placement.resident_layers if placement.layers == "streamed" else 0
+    )
 
 
 def _host_state(
     models: Mapping[str, ModelPlacement],
     homes: Mapping[str, str],
+    file_layers: Mapping[str, int],
     sizes: CheckpointSizes,
     partition: PartitionSizes,
     shape: RequestShape,
     device_type: str,
 ) -> dict[str, int]:
-    """Pinned bytes per holder for the homes `homes`."""
+    """Pinned bytes per holder for the homes `homes` (and the file-home layer counts `file_layers`)."""
     pinned = {"process": HOST_PROCESS_BYTES + request_host_bytes(shape)}
     if device_type == "cpu":
         # The CPU's device is host memory: every weight lives there.
         pinned["models"] = sum(partition.model(name).total for name in models)
         return pinned
+    rings = [0]
     for name in models:
         placement = models[name]
         pinned[name] = moved_home_bytes(name, placement, partition)
-        if homes[name] == "pinned":
-            pinned[name] += pinned_stream_bytes(name, placement, partition)
+        in_files = (
+            _streamed_count(name, placement, partition) if homes[name] == "mapped" else file_layers[name]
+        )
+        if homes[name] in ("pinned", "mapped"):
+            pinned[name] += pinned_stream_bytes(name, placement, partition, in_files)
+            rings.append(host_ring_bytes(name, placement, partition, in_files))
+    pinned["host_ring"] = max(rings)  # one phase streams at a time
     pinned["adaln"] = partition.dit.adaln_bytes if homes["adaln"] == "pinned" else 0
     other = sizes.other_partition(partition.partition)
     # Only a pinned other partition is kept warm (h3engine.memory.placement); a mapped one is read from the files again
@@ -227,36 +275,76 @@ def host_plan(
     shape: RequestShape,
     budget: MemoryBudget,
     device_type: str,
+    adaln_cache: bool = False,
 ) -> HostPlan:
-    """Pinned homes for everything that waits on the host, demoted in DEMOTIONS order until they fit."""
+    """Pinned homes for everything that waits on the host, demoted in DEMOTIONS order until they fit: a streamed
+    model's layers go to the files one at a time. With `adaln_cache` the AdaLN projections wait in the files from the
+    start (their tables are on disk: they are read only for a schedule the cache lacks)."""
     other = sizes.other_partition(partition.partition)
     homes: dict[str, str] = {}
     for name in models:
         placement = models[name]
         homes[name] = "none" if placement.all_resident or device_type == "cpu" else "pinned"
-    homes["adaln"] = "device" if device_type == "cpu" else "pinned"
+    if device_type == "cpu":
+        homes["adaln"] = "device"
+    else:
+        homes["adaln"] = "mapped" if adaln_cache else "pinned"
     homes["other_partition"] = "pinned" if other is not None and device_type != "cpu" else "disk"
+    file_layers = dict.fromkeys(models, 0)
+    files_weights = sizes.files_weights
 
-    def applicable(item: str, target: str, state: Mapping[str, str]) -> bool:
-        if item == "other_partition":
-            return state[item] == "pinned" if target == "mapped" else state[item] in ("pinned", "mapped")
-        if item == "adaln":
-            return state[item] == "pinned"
-        return state[item] == "pinned" and _mappable(item, models[item], sizes.weights)
+    def room(item: str, state: Mapping[str, str], counts: Mapping[str, int]) -> int:
+        """How many demotion steps `item` has left (a streamed model: one per layer still pinned)."""
+        if item in ("other_partition", "adaln"):
+            return int(state[item] == "pinned")
+        placement = models[item]
+        if state[item] != "pinned" or not mappable(item, placement, sizes.weights, files_weights):
+            return 0
+        return _streamed_count(item, placement, partition) - counts[item]
 
-    def total(state: Mapping[str, str]) -> int:
-        return sum(_host_state(models, state, sizes, partition, shape, device_type).values())
+    def demoted(item: str, steps: int, state: dict[str, str], counts: dict[str, int]) -> None:
+        """Apply `steps` demotion steps of `item` to `state` and `counts`."""
+        if item in ("other_partition", "adaln"):
+            state[item] = "mapped"
+            return
+        counts[item] += steps
+        if counts[item] == _streamed_count(item, models[item], partition):
+            state[item], counts[item] = "mapped", 0
+
+    def total(state: Mapping[str, str], counts: Mapping[str, int]) -> int:
+        return sum(_host_state(models, state, counts, sizes, partition, shape, device_type).values())
+
+    def after(item: str, steps: int, state: Mapping[str, str], counts: Mapping[str, int]) -> int:
+        trial_state, trial_counts = dict(state), dict(counts)
+        demoted(item, steps, trial_state, trial_counts)
+        return total(trial_state, trial_counts)
 
     limit = budget.host_bytes
-    for item, target in DEMOTIONS:
-        if limit is None or total(homes) <= limit:
-            break
-        if applicable(item, target, homes):
-            homes[item] = target
-    lowest = dict(homes)
-    for item, target in DEMOTIONS:
-        if applicable(item, target, lowest):
-            lowest[item] = target
-    pinned = _host_state(models, homes, sizes, partition, shape, device_type)
+    for item, _ in DEMOTIONS:
+        left = room(item, homes, file_layers)
+        if limit is None or not left or total(homes, file_layers) <= limit:
+            continue
+        # The fewest steps that fit (each step frees host bytes), by bisection; all of them when none fits.
+        low, high = 1, left
+        while low < high:
+            middle = (low + high) // 2
+            if after(item, middle, homes, file_layers) <= limit:
+                high = middle
+            else:
+                low = middle + 1
+        demoted(item, low, homes, file_layers)
+    lowest, lowest_counts = dict(homes), dict(file_layers)
+    for item, _ in DEMOTIONS:
+        left = room(item, lowest, lowest_counts)
+        if left:
+            demoted(item, left, lowest, lowest_counts)
+    pinned = _host_state(models, homes, file_layers, sizes, partition, shape, device_type)
     pinned_bytes = sum(pinned.values())
-    return HostPlan(homes, pinned, pinned_bytes, total(lowest), limit is None or pinned_bytes <= limit)
+    return HostPlan(
+        homes,
+        file_layers,
+        pinned,
+        pinned_bytes,
+        total(lowest, lowest_counts),
+        limit is None or pinned_bytes <= limit,
+    )

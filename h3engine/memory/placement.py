@@ -40,8 +40,10 @@ from h3engine.memory.plan import (
     WEIGHT_FORMATS,
     MemoryPlan,
     ModelPlacement,
+    request_resident_layers,
     resident_plan,
 )
+from h3engine.memory.shapes import RequestShape
 from h3engine.memory.streaming import LayerStream, TensorRead, streamed_tensors
 
 logger = logging.getLogger(__name__)
@@ -174,32 +176,34 @@ class Placement:
 
     # --- adopting a loaded model --------------------------------------------------------------------------------
 
-    def deferred_keys(
+    def deferred_reads(
         self, model: str, meta_module: Callable[[], nn.Module], layers: bool = True
-    ) -> set[str]:
-        """The keys of `model` a loader should leave unread (`meta_module` builds the model on `meta` to name them):
-        the tensors of its streamed layers (their home is filled layer by layer from the files, or is the mapped
-        files themselves; not with `layers` False) and, on a GPU, the DiT's AdaLN weights when they wait in the
-        mapped files."""
+    ) -> DeferredReads | None:
+        """What a loader of `model` should leave unread (`meta_module` builds the model on `meta` to name them): the
+        tensors of its streamed layers (their home is filled layer by layer from the files, or is the files themselves;
+        not with `layers` False) and, on a GPU, the DiT's AdaLN weights when they wait in the mapped files. A streamed
+        DiT's resident layers are read as usual and remembered (a reader each): a larger request may stream them.
+        None: nothing to defer."""
         placement = self.model_placement(model)
         streamed = layers and placement.layers == "streamed"
         mapped_adaln = model == "dit" and self._cuda and self.plan.adaln_home == "mapped"
         if not streamed and not mapped_adaln:
-            return set()
+            return None
         with torch.device("meta"):
             module = meta_module()
         names = _tensor_names(module)
-        keys = set()
+        keys, remember = set(), set()
         spec = layer_spec(model, module)
         if streamed and spec is not None:
-            keys |= {
-                names[id(tensor)]
-                for layer in spec.layers[placement.resident_layers :]
-                for _, _, tensor in streamed_tensors(spec, layer)
-            }
+            for index, layer in enumerate(spec.layers):
+                found = {names[id(tensor)] for _, _, tensor in streamed_tensors(spec, layer)}
+                if index >= placement.resident_layers:
+                    keys |= found
+                elif model == "dit":
+                    remember |= found
         if mapped_adaln:
             keys |= {name for name in names.values() if name.endswith("adaln_proj.linear.weight")}
-        return keys
+        return DeferredReads(keys, remember)
 
     def adopt(
         self, module: ModuleT | None, model: str, deferred: DeferredReads | None = None
@@ -268,12 +272,17 @@ class Placement:
         readers = None
         if deferred is not None and deferred.readers:
             names = _tensor_names(module)
+            per_layer = [
+                [names[id(tensor)] for _, _, tensor in streamed_tensors(spec, layer)] for layer in spec.layers
+            ]
+            # Readers of every layer when the loader remembered the resident ones (they may stream later), else of
+            # the streamed ones.
+            covered = (
+                per_layer if all(name in deferred.readers for name in per_layer[0]) else per_layer[first:]
+            )
             readers = [
-                [
-                    TensorRead(deferred.readers[names[id(tensor)]], deferred.extents.get(names[id(tensor)]))
-                    for _, _, tensor in streamed_tensors(spec, layer)
-                ]
-                for layer in spec.layers[first:]
+                [TensorRead(deferred.readers[name], deferred.extents.get(name)) for name in layer]
+                for layer in covered
             ]
         count = len(spec.layers) - first
         in_files = file_home_layers(count, count if placement.home == "mapped" else placement.mapped_layers)
@@ -342,6 +351,26 @@ class Placement:
     def stream_of(self, module: nn.Module) -> LayerStream | None:
         held = self._held.get(module)
         return None if held is None else held.stream
+
+    def prepare_request(self, dit: nn.Module, shape: RequestShape | None) -> None:
+        """Re-plan for one request of `shape` (None: nothing to plan, e.g. the CPU), between requests: the DiT keeps
+        the most leading layers resident that this request leaves room for on the GPU (fewer for a long request,
+        more again for a short one), the rest streaming from their homes. The log says what changed."""
+        stream = self.stream_of(dit)
+        if shape is None or stream is None or self.plan.sizes is None:
+            return
+        resident = request_resident_layers(self.plan, shape, stream.lowest_resident)
+        if resident != stream.first:
+            logger.info(
+                "memory: %s keeps %d DiT layers resident on %s (the previous request kept %d)",
+                shape.label,
+                resident,
+                self.compute_device,
+                stream.first,
+            )
+            stream.set_resident_layers(resident)
+            if self._cuda:
+                torch.cuda.empty_cache()
 
     # --- phases -------------------------------------------------------------------------------------------------
 

@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 from h3engine.errors import RequestError
 from h3engine.limits import MIN_DURATION_SECONDS
+from h3engine.memory.cost import DEFAULT_DISK_BYTES_PER_SECOND, Cost, request_cost
 from h3engine.memory.peaks import (
     HostPlan,
     dit_image_bytes,
     host_plan,
-    moved_home_bytes,
+    mappable,
     phase_peaks,
     pinned_stream_bytes,
     ring_slot_bytes,
-    streamed_home_bytes,
 )
 from h3engine.memory.shapes import (
     DEFAULT_STEPS,
@@ -44,13 +44,7 @@ from h3engine.memory.shapes import (
     request_shape,
     reshaped,
 )
-from h3engine.memory.working import (
-    adaln_in_flight_bytes,
-    decoder_call_flops,
-    dit_forward_flops,
-    phase_working,
-    text_encode_flops,
-)
+from h3engine.memory.working import MODULATION_CACHE_SCHEDULES, adaln_in_flight_bytes, phase_working
 
 if TYPE_CHECKING:
     from h3engine.memory.sizes import CheckpointSizes, PartitionSizes
@@ -126,7 +120,12 @@ class ModelPlacement:
             total = f" of {num_layers}" if num_layers is not None else ""
             resident = f", {self.resident_layers}{total} layers resident" if self.resident_layers else ""
             rest = "" if self.other == "resident" else ", the rest moved per phase"
-            return f"streamed (ring of {self.ring_depth}{resident}, {self.home} home{rest})"
+            home = f"{self.home} home"
+            if self.home == "pinned" and self.mapped_layers:
+                home = f"pinned home, {self.mapped_layers} layers read from the files"
+            elif self.home == "mapped":
+                home = "read from the files"
+            return f"streamed (ring of {self.ring_depth}{resident}, {home}{rest})"
         if self.layers == "phase" and self.other == "phase":
             return f"moved per phase ({self.home} home)"
         return f"layers {self.layers}, the rest {self.other} ({self.home} home)"
@@ -192,6 +191,23 @@ class MemoryPlan:
     # The h3engine.memory.sizes.CheckpointSizes the plan was made from (for `request_peak_bytes`).
     sizes: Any = None
     shape: Any = None  # the RequestShape of `design_request`
+    cost: Cost = field(default_factory=lambda: Cost())  # the design request's (h3engine.memory.cost)
+    # The AdaLN cache, the disk's rate and the activation chunks the plan was made with (chunks as chosen).
+    context: PlanContext = field(default_factory=lambda: PlanContext())
+    host_pinned: Mapping[str, int] = field(default_factory=dict)  # pinned host bytes per holder
+
+    @property
+    def activation_chunks(self) -> int:
+        return self.context.activation_chunks or 1
+
+    @property
+    def lowest_resident_layers(self) -> int:
+        """The fewest DiT layers a request can keep resident: none when they can stream from their files (the
+        loader keeps a reader of each resident layer), else the plan's (an FP8 image made at load from bf16 files)."""
+        dit = self.models.get("dit", RESIDENT)
+        if dit.layers != "streamed" or self.sizes is None:
+            return dit.resident_layers
+        return 0 if mappable("dit", dit, self.weights, self.sizes.files_weights) else dit.resident_layers
 
     @property
     def streams(self) -> bool:
@@ -220,105 +236,39 @@ def resident_plan(profile: str = "resident", weights: str = "bf16") -> MemoryPla
     )
 
 
-# The cost model (seconds lost per request against keeping everything resident).
-# Host -> GPU copy rates: pinned memory over PCIe Gen5 x16 reaches ~50 GB/s alone; half of it allows for the NUMA
-# distance and the other copies sharing the link. Mapped homes read through the page cache or, when evicted, the
-# disk: 2 GB/s is a pessimistic NVMe rate.
-PINNED_BYTES_PER_SECOND = 25e9
-MAPPED_BYTES_PER_SECOND = 2e9
-# Effective dense bf16 rate of the DiT's forward on one H200 (docs/PERFORMANCE.md §4: 3.57 PFLOP in ~5.3 s); used
-# for every model's compute time, which only decides how much of a streamed model's copying hides under its compute.
-EFFECTIVE_FLOPS_PER_SECOND = 6.7e14
 # Ring depths tried for a streamed model, deepest (most copy-ahead) first.
 RING_DEPTHS = (3, 2)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The cost model
-
-
-def _bandwidth(home: str) -> float:
-    return PINNED_BYTES_PER_SECOND if home == "pinned" else MAPPED_BYTES_PER_SECOND
-
-
-def _streamed_bus_bytes(model: str, placement: ModelPlacement, partition: PartitionSizes, home: str) -> int:
-    """Bytes one pass over a streamed model's layers moves: the images as stored, or the files' (unquantized) bytes
-    from a mapped home."""
-    size = partition.model(model)
-    if home == "mapped":
-        return size.layers_compute_total - size.leading_compute_bytes(placement.resident_layers)
-    return streamed_home_bytes(model, placement, partition)
+# Activation chunks of a plan under a GPU budget when `--activation-chunks` is auto (h3engine.models.dit_chunks): the
+# DiT's working set near its floor; what that frees holds more resident layers, which move fewer bytes per step.
+AUTO_ACTIVATION_CHUNKS = 8
 
 
 @dataclass(frozen=True)
-class _Cost:
-    seconds: float
-    bytes_per_step: int
-    bytes_per_request: int
+class PlanContext:
+    """What shapes a plan besides the budget, the sizes and the request: where AdaLN tables come from, the disk's
+    read rate and the DiT's activation chunks."""
 
-
-def _cost(
-    models: Mapping[str, ModelPlacement],
-    homes: Mapping[str, str],
-    partition: PartitionSizes,
-    shape: RequestShape,
-    share: Any,
-    device_type: str,
-) -> _Cost:
-    """Seconds a request loses against the all-resident plan, and the bytes it moves host -> GPU.
-
-    A streamed model's copies hide under its compute: a DiT step loses max(0, copy - compute), and the first step also
-    carries the AdaLN projections (built on a side stream under it); the text encoder streams its layers once per
-    request, the video decoder once per decoder call, each losing max(0, copy - compute). A phase-moved part copies
-    all of itself each time its phase begins. Compute times are this rank's FLOPs / EFFECTIVE_FLOPS_PER_SECOND.
-    Repeated schedules reuse cached AdaLN tables; the model charges every request as if it were the first.
-    """
-    if device_type == "cpu":
-        return _Cost(0.0, 0, 0)
-    seconds, per_request = 0.0, 0
-
-    def moved(name: str, entries: int) -> None:
-        nonlocal seconds, per_request
-        size = moved_home_bytes(name, models[name], partition) * entries
-        per_request += size
-        seconds += size / PINNED_BYTES_PER_SECOND  # moved parts are always pinned
-
-    dit, placement = partition.dit, models["dit"]
-    step_compute = (
-        dit_forward_flops(partition, shape) / (share.dit_tp * share.dit_sp) / EFFECTIVE_FLOPS_PER_SECOND
+    device_type: str = "cuda"
+    adaln_cache: bool = False  # AdaLN tables kept on disk: the projections wait in the files
+    adaln_cached: bool = (
+        True  # the cache holds the planned request's tables (else its first request computes them)
     )
-    adaln_copy = dit.adaln_bytes / _bandwidth(homes["adaln"])
-    per_request += dit.adaln_bytes
-    per_step = 0
-    if placement.layers == "streamed":
-        per_step = _streamed_bus_bytes("dit", placement, partition, homes["dit"])
-        step_copy = per_step / _bandwidth(homes["dit"])
-        seconds += max(0.0, adaln_copy + step_copy - step_compute)
-        seconds += (shape.steps - 1) * max(0.0, step_copy - step_compute)
-    else:
-        seconds += max(0.0, adaln_copy - step_compute)
-    moved("dit", 1)
+    disk_bytes_per_second: float = DEFAULT_DISK_BYTES_PER_SECOND
+    activation_chunks: int | None = None  # None: auto (AUTO_ACTIVATION_CHUNKS under a GPU budget); 1: off
 
-    placement = models["text_encoder"]
-    moved("text_encoder", 1)
-    if placement.layers == "streamed":
-        streamed = _streamed_bus_bytes("text_encoder", placement, partition, homes["text_encoder"])
-        per_request += streamed
-        compute = text_encode_flops(partition, shape) / share.encoder_tp / EFFECTIVE_FLOPS_PER_SECOND
-        seconds += max(0.0, streamed / _bandwidth(homes["text_encoder"]) - compute)
+    def chunks(self, budget: MemoryBudget, models: Mapping[str, ModelPlacement]) -> int:
+        """The DiT's activation chunks under a plan of `models`: as asked, else (auto) AUTO_ACTIVATION_CHUNKS for a
+        streamed DiT under a GPU budget and none for a resident one (whose numbers stay those of the one forward)."""
+        if self.activation_chunks is not None:
+            return self.activation_chunks
+        streams = models["dit"].layers == "streamed"
+        return AUTO_ACTIVATION_CHUNKS if streams and self.device_type != "cpu" and budget.gpu_bytes else 1
 
-    # The VAEs' phases: decode, and conditioning for the tasks that encode.
-    entries = 1 if shape.task == "t2va" else 2
-    moved("video_vae", entries)
-    moved("audio_vae", entries)
-    placement = models["video_vae"]
-    if placement.layers == "streamed" and shape.decode is not None:
-        streamed = _streamed_bus_bytes("video_vae", placement, partition, homes["video_vae"])
-        for rows in shape.decode.call_rows:
-            per_request += streamed
-            compute = decoder_call_flops(partition, rows) / EFFECTIVE_FLOPS_PER_SECOND
-            seconds += max(0.0, streamed / _bandwidth(homes["video_vae"]) - compute)
-    return _Cost(seconds, per_step, per_request)
+    @property
+    def kept_schedules(self) -> int:
+        """Schedules whose AdaLN tables stay on the GPU between requests: none with the disk cache (it serves a repeat
+        from the page cache), else MODULATION_CACHE_SCHEDULES."""
+        return 0 if self.adaln_cache else MODULATION_CACHE_SCHEDULES
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -397,24 +347,31 @@ class _Evaluated:
     peaks: dict[str, int]
     peak: int
     host: HostPlan
-    cost: _Cost
+    cost: Cost
     gpu_fits: bool
+    working: dict[str, int]
+    chunks: int
 
     @property
     def fits(self) -> bool:
         return self.gpu_fits and self.host.fits
 
     def rank(self) -> tuple:
-        """Fewest seconds lost, then fewest bytes moved (a step's bytes weigh as all steps'), then the deeper DiT
-        ring (more slack for a copy that runs late), then the lowest peak."""
+        """Fewest seconds lost, then fewest bytes moved (a step's bytes weigh as all steps', the disk's ten times the
+        bus's), then the deeper DiT ring (more slack for a copy that runs late), then the lowest peak."""
         moved = self.cost.bytes_per_step * DEFAULT_STEPS + self.cost.bytes_per_request
-        return (round(self.cost.seconds, 3), moved, -self.models["dit"].ring_depth, self.peak)
+        read = self.cost.disk_bytes_per_step * DEFAULT_STEPS + self.cost.disk_bytes_per_request
+        return (round(self.cost.seconds, 3), moved + 10 * read, -self.models["dit"].ring_depth, self.peak)
 
 
-def _with_homes(models: Mapping[str, ModelPlacement], homes: Mapping[str, str]) -> dict[str, ModelPlacement]:
-    """Each placement with its chosen home ("none" for what is all resident)."""
+def _with_homes(models: Mapping[str, ModelPlacement], host: HostPlan) -> dict[str, ModelPlacement]:
+    """Each placement with its chosen home ("none" for what is all resident) and its file-home layers."""
     return {
-        name: replace(placement, home="none" if placement.all_resident else homes[name])
+        name: replace(
+            placement,
+            home="none" if placement.all_resident else host.homes[name],
+            mapped_layers=host.file_layers.get(name, 0) if host.homes[name] == "pinned" else 0,
+        )
         for name, placement in models.items()
     }
 
@@ -424,48 +381,81 @@ def _evaluate(
     sizes: CheckpointSizes,
     partition: PartitionSizes,
     shape: RequestShape,
-    working: Mapping[str, int],
     budget: MemoryBudget,
-    device_type: str,
+    context: PlanContext,
     most_resident: bool = True,
 ) -> _Evaluated:
     """Peaks, homes and cost of a placement; a streamed DiT first gets the most leading resident layers that fit
     (`most_resident`; none otherwise)."""
+    device_type = context.device_type
     gpu_limit = None if device_type == "cpu" else budget.gpu_bytes
+    chunks = context.chunks(budget, models)
+    working = phase_working(
+        partition, shape, sizes.share, sizes.weights, device_type, chunks, context.adaln_cache
+    )
+    kept = context.kept_schedules
     models = dict(models)
     dit = models["dit"]
     if dit.layers == "streamed" and most_resident:
-        # Resident layers add to every phase alike, so the room is the budget less the highest phase without them.
-        room = (
-            None
-            if gpu_limit is None
-            else gpu_limit - max(phase_peaks(models, partition, shape, working, device_type).values())
+        models["dit"] = replace(
+            dit,
+            resident_layers=most_resident_layers(
+                models, partition, shape, working, gpu_limit, device_type, kept
+            ),
         )
-        count = partition.dit.num_layers if room is None else 0
-        while (
-            room is not None
-            and count < partition.dit.num_layers
-            and partition.dit.leading_compute_bytes(count + 1) <= room
-        ):
-            count += 1
-        models["dit"] = RESIDENT if count >= partition.dit.num_layers else replace(dit, resident_layers=count)
-    peaks = phase_peaks(models, partition, shape, working, device_type)
+        if models["dit"].resident_layers >= partition.dit.num_layers:
+            models["dit"] = RESIDENT
+    peaks = phase_peaks(models, partition, shape, working, device_type, kept)
     peak = max(peaks.values())
-    host = host_plan(models, sizes, partition, shape, budget, device_type)
-    models = _with_homes(models, host.homes)
-    cost = _cost(models, host.homes, partition, shape, sizes.share, device_type)
-    return _Evaluated(models, peaks, peak, host, cost, gpu_limit is None or peak <= gpu_limit)
+    host = host_plan(models, sizes, partition, shape, budget, device_type, context.adaln_cache)
+    models = _with_homes(models, host)
+    cost = request_cost(
+        models,
+        host.homes,
+        partition,
+        shape,
+        sizes.share,
+        device_type,
+        context.disk_bytes_per_second,
+        context.adaln_cache and context.adaln_cached,
+    )
+    return _Evaluated(
+        models, peaks, peak, host, cost, gpu_limit is None or peak <= gpu_limit, working, chunks
+    )
+
+
+def most_resident_layers(
+    models: Mapping[str, ModelPlacement],
+    partition: PartitionSizes,
+    shape: RequestShape,
+    working: Mapping[str, int],
+    gpu_limit: int | None,
+    device_type: str,
+    kept_schedules: int,
+) -> int:
+    """How many leading DiT layers fit resident beside everything else of a streamed DiT's plan (all of them without a
+    limit): resident layers add to every phase alike, so the room is the limit less the highest phase without them."""
+    size = partition.dit
+    if gpu_limit is None:
+        return size.num_layers
+    without = {**models, "dit": replace(models["dit"], resident_layers=0)}
+    room = gpu_limit - max(
+        phase_peaks(without, partition, shape, working, device_type, kept_schedules).values()
+    )
+    count = 0
+    while count < size.num_layers and size.leading_compute_bytes(count + 1) <= room:
+        count += 1
+    return count
 
 
 def minimum_gpu_bytes(
     sizes: CheckpointSizes,
     partition: PartitionSizes,
     shape: RequestShape,
-    working: Mapping[str, int],
-    device_type: str,
+    budget: MemoryBudget,
+    context: PlanContext,
 ) -> int:
     """The smallest peak any placement reaches for this request: no resident DiT layers, the shallowest rings."""
-    unlimited = MemoryBudget(None, None)
     peaks = []
     for models in _profile_candidates("auto", partition):
         shallow = {
@@ -474,9 +464,8 @@ def minimum_gpu_bytes(
             else placement
             for name, placement in models.items()
         }
-        evaluated = _evaluate(
-            shallow, sizes, partition, shape, working, unlimited, device_type, most_resident=False
-        )
+        # The chunks a budget would get (an unlimited one gets none under auto).
+        evaluated = _evaluate(shallow, sizes, partition, shape, budget, context, most_resident=False)
         peaks.append(evaluated.peak)
     return min(peaks, default=0)
 
@@ -491,27 +480,27 @@ def plan_for_shape(
     shape: RequestShape,
     profile: str = "auto",
     device_type: str = "cuda",
+    context: PlanContext | None = None,
 ) -> MemoryPlan:
-    """The plan of `profile` for requests of `shape` under `budget`, on a "cuda" or "cpu" engine.
+    """The plan of `profile` for requests of `shape` under `budget`, on a "cuda" or "cpu" engine (`context`: the
+    AdaLN cache, the disk's rate, the activation chunks; its device_type is `device_type`).
 
     `auto` takes, among the placements that fit (GPU and host), the one losing the fewest seconds per request (the
-    cost model above), then the one moving the fewest bytes, then the lowest peak; none fitting, the lowest peak
-    (fits=False). On the CPU, or without a GPU budget, `auto` is the all-resident plan (so is every profile on the
-    CPU: the device is the host). `resident`, `low-memory` and `streamed` place as `_profile_candidates` says and
-    report whether that fits.
+    cost model, h3engine.memory.cost), then the one moving the fewest bytes, then the lowest peak; none fitting, the
+    lowest peak (fits=False). On the CPU, or without a GPU budget, `auto` is the all-resident plan (so is every
+    profile on the CPU: the device is the host). `resident`, `low-memory` and `streamed` place as
+    `_profile_candidates` says and report whether that fits.
     """
     if profile not in MEMORY_PROFILES:
         raise ValueError(f"profile must be one of {', '.join(MEMORY_PROFILES)}, got {profile!r}")
+    context = replace(context or PlanContext(), device_type=device_type)
     partition = partition_for_task(sizes, shape.task)
-    working = phase_working(partition, shape, sizes.share, sizes.weights, device_type)
     effective = profile
     if device_type == "cpu" or (budget.gpu_bytes is None and profile == "auto"):
         effective = "resident"
     # Only `auto` fills the room left with resident DiT layers; `streamed` keeps none.
     evaluated = [
-        _evaluate(
-            models, sizes, partition, shape, working, budget, device_type, most_resident=effective == "auto"
-        )
+        _evaluate(models, sizes, partition, shape, budget, context, most_resident=effective == "auto")
         for models in _profile_candidates(effective, partition)
     ]
     fitting = [candidate for candidate in evaluated if candidate.fits]
@@ -521,8 +510,8 @@ def plan_for_shape(
         chosen = min(fitting, key=_Evaluated.rank)
     else:
         chosen = min(evaluated, key=lambda candidate: (candidate.peak, candidate.rank()))
-    minimum = 0 if device_type == "cpu" else minimum_gpu_bytes(sizes, partition, shape, working, device_type)
-    return _plan_of(chosen, profile, sizes, partition, shape, budget, working, minimum, device_type)
+    minimum = 0 if device_type == "cpu" else minimum_gpu_bytes(sizes, partition, shape, budget, context)
+    return _plan_of(chosen, profile, sizes, partition, shape, budget, minimum, context)
 
 
 def _plan_of(
@@ -532,12 +521,11 @@ def _plan_of(
     partition: PartitionSizes,
     shape: RequestShape,
     budget: MemoryBudget,
-    working: Mapping[str, int],
     minimum: int,
-    device_type: str,
+    context: PlanContext,
 ) -> MemoryPlan:
     homes = chosen.host.homes
-    cpu = device_type == "cpu"
+    cpu = context.device_type == "cpu"
     return MemoryPlan(
         profile=profile,
         weights=sizes.weights,
@@ -545,25 +533,28 @@ def _plan_of(
         models=chosen.models,
         adaln_home="device" if cpu else homes["adaln"],
         other_partition_home=homes["other_partition"],
-        components=_components(chosen, sizes, partition, device_type),
+        components=_components(chosen, sizes, partition, context.device_type),
         phase_peaks=dict(chosen.peaks),
         peak_gpu_bytes=0 if cpu else chosen.peak,
         # On the CPU the working memory is host memory too.
-        peak_host_bytes=chosen.host.pinned_bytes + (max(working.values()) if cpu else 0),
+        peak_host_bytes=chosen.host.pinned_bytes + (max(chosen.working.values()) if cpu else 0),
         bytes_per_step=chosen.cost.bytes_per_step,
         bytes_per_request=chosen.cost.bytes_per_request,
         minimum_gpu_bytes=minimum,
         fits=chosen.fits,
         design_request=shape.label,
-        device_type=device_type,
+        device_type=context.device_type,
         partition=partition.partition,
         gpu_fits=chosen.gpu_fits,
         host_fits=chosen.host.fits,
         minimum_host_bytes=chosen.host.minimum_bytes,
-        working=dict(working),
+        working=dict(chosen.working),
         seconds_lost_per_request=chosen.cost.seconds,
         sizes=sizes,
         shape=shape,
+        cost=chosen.cost,
+        context=replace(context, activation_chunks=chosen.chunks),
+        host_pinned=dict(chosen.host.pinned),
     )
 
 
@@ -594,7 +585,8 @@ def _components(
                     resident + images,
                     resident + placement.ring_depth * ring_slot_bytes(name, partition),
                 )
-                pinned = (pinned_stream_bytes(name, placement, partition) if kept_home else 0) + (
+                in_files = placement.mapped_layers
+                pinned = (pinned_stream_bytes(name, placement, partition, in_files) if kept_home else 0) + (
                     resident if name == "dit" and warm else 0
                 )
             else:
@@ -602,7 +594,12 @@ def _components(
                 pinned = held if placement.layers == "phase" or (name == "dit" and warm) else 0
             rows.append(
                 PlannedComponent(
-                    f"{name}.layers", placement.layers, held, on_gpu, 0 if cpu else pinned, placement.home
+                    f"{name}.layers",
+                    placement.layers,
+                    held,
+                    on_gpu,
+                    0 if cpu else pinned,
+                    _home_words(placement),
                 )
             )
         pinned = size.other_bytes if placement.other == "phase" or (name == "dit" and warm) else 0
@@ -645,6 +642,13 @@ def _components(
     return tuple(rows)
 
 
+def _home_words(placement: ModelPlacement) -> str:
+    """A streamed part's home: "pinned", "mapped" (the files), or "pinned+files" with some layers in the files."""
+    if placement.home == "pinned" and placement.mapped_layers:
+        return "pinned+files"
+    return placement.home
+
+
 def plan_engine(
     sizes: CheckpointSizes,
     budget: MemoryBudget,
@@ -652,17 +656,19 @@ def plan_engine(
     weights: str,
     device_type: str,
     shapes: Sequence[RequestShape],
+    context: PlanContext | None = None,
 ) -> MemoryPlan:
     """The engine's plan, `shapes` most demanding first (e.g. the largest request it accepts, then the default
     request): the plan for the most demanding shape that fits and costs each request at most
     `LONGER_REQUESTS_ALLOWANCE_S` more than the plan for the last shape that fits; requests larger than its shape
-    are then judged one by one (`check_request_fits`). None fitting: the last one's plan (fits=False: the caller
-    refuses to start, naming `minimum_gpu_bytes`). `weights` must be the format `sizes` were computed for."""
+    are then judged one by one (`check_request_fits`), and each request runs with the most resident DiT layers it
+    leaves room for (`request_resident_layers`). None fitting: the last one's plan (fits=False: the caller refuses to
+    start, naming `minimum_gpu_bytes`). `weights` must be the format `sizes` were computed for."""
     if not shapes:
         raise ValueError("plan_engine needs at least one request shape")
     if weights != sizes.weights:
         raise ValueError(f"sizes are for {sizes.weights} weights, the plan asks for {weights}")
-    plans = [plan_for_shape(sizes, budget, shape, profile, device_type) for shape in shapes]
+    plans = [plan_for_shape(sizes, budget, shape, profile, device_type, context) for shape in shapes]
     fitting = [plan for plan in plans if plan.fits]
     if not fitting:
         return plans[-1]
@@ -672,15 +678,54 @@ def plan_engine(
     )
 
 
-def request_peak_bytes(plan: MemoryPlan, shape: RequestShape) -> int:
-    """The peak GPU bytes of one request of `shape` under `plan`'s placements (0 on the CPU)."""
+def _request_working(plan: MemoryPlan, shape: RequestShape) -> tuple[PartitionSizes, dict[str, int]]:
+    partition = partition_for_task(plan.sizes, shape.task)
+    context = plan.context
+    working = phase_working(
+        partition,
+        shape,
+        plan.sizes.share,
+        plan.weights,
+        plan.device_type,
+        context.chunks(plan.budget, plan.models),
+        context.adaln_cache,
+    )
+    return partition, working
+
+
+def request_peak_bytes(plan: MemoryPlan, shape: RequestShape, resident_layers: int | None = None) -> int:
+    """The peak GPU bytes of one request of `shape` under `plan`'s placements (0 on the CPU), its DiT keeping
+    `resident_layers` leading layers on the GPU (None: the plan's)."""
     if plan.device_type == "cpu":
         return 0
     if plan.sizes is None:
         raise ValueError("this plan was not made by the planner (it has no sizes)")
-    partition = partition_for_task(plan.sizes, shape.task)
-    working = phase_working(partition, shape, plan.sizes.share, plan.weights, plan.device_type)
-    return max(phase_peaks(plan.models, partition, shape, working, plan.device_type).values())
+    partition, working = _request_working(plan, shape)
+    models = dict(plan.models)
+    if resident_layers is not None and models["dit"].layers == "streamed":
+        models["dit"] = replace(models["dit"], resident_layers=resident_layers)
+    return max(
+        phase_peaks(models, partition, shape, working, plan.device_type, plan.context.kept_schedules).values()
+    )
+
+
+def request_resident_layers(plan: MemoryPlan, shape: RequestShape, lowest: int = 0) -> int:
+    """The most leading DiT layers a request of `shape` leaves room for on the GPU under `plan` (at least `lowest`,
+    the fewest its homes allow; the plan's count when its DiT does not stream)."""
+    dit = plan.models["dit"]
+    if dit.layers != "streamed" or plan.device_type == "cpu" or plan.sizes is None:
+        return dit.resident_layers
+    partition, working = _request_working(plan, shape)
+    most = most_resident_layers(
+        plan.models,
+        partition,
+        shape,
+        working,
+        plan.budget.gpu_bytes,
+        plan.device_type,
+        plan.context.kept_schedules,
+    )
+    return max(lowest, min(most, partition.dit.num_layers - 1))
 
 
 def _budget_flag(budget: MemoryBudget) -> str:
@@ -698,7 +743,8 @@ def check_request_fits(plan: MemoryPlan, shape: RequestShape) -> None:
     limit = plan.budget.gpu_bytes
     if limit is None or plan.device_type == "cpu":
         return
-    peak = request_peak_bytes(plan, shape)
+    lowest = plan.lowest_resident_layers  # a request may stream the DiT layers the plan keeps resident
+    peak = request_peak_bytes(plan, shape, lowest)
     if peak <= limit:
         return
     sizes = plan.sizes
@@ -706,7 +752,10 @@ def check_request_fits(plan: MemoryPlan, shape: RequestShape) -> None:
     seconds = shape.duration_seconds
     candidate = math.ceil(seconds) - 1
     while candidate >= MIN_DURATION_SECONDS:
-        if request_peak_bytes(plan, reshaped(sizes, shape, duration_seconds=float(candidate))) <= limit:
+        if (
+            request_peak_bytes(plan, reshaped(sizes, shape, duration_seconds=float(candidate)), lowest)
+            <= limit
+        ):
             raise RequestError(
                 "duration_seconds",
                 f"a {seconds:g} s request needs about {peak / GIB:.1f} GiB {over}; ask for "
@@ -722,7 +771,7 @@ def check_request_fits(plan: MemoryPlan, shape: RequestShape) -> None:
             variant = reshaped(sizes, shape, short_edge=smaller)
         except ValueError:
             break
-        if request_peak_bytes(plan, variant) <= limit:
+        if request_peak_bytes(plan, variant, lowest) <= limit:
             raise RequestError(
                 "short_edge",
                 f"a {edge}-pixel short edge needs about {peak / GIB:.1f} GiB {over}; ask for "

@@ -33,6 +33,7 @@ from h3engine.limits import (
     MIN_DURATION_SECONDS,
 )
 from h3engine.memory.budget import GPU_MEMORY_ENV, parse_gib, resolve_budget
+from h3engine.memory.cost import EFFECTIVE_FLOPS_PER_SECOND
 from h3engine.memory.plan import GIB, MEMORY_PROFILES, MODELS, WEIGHT_FORMATS, plan_for_shape
 from h3engine.memory.shapes import ReferenceSpec, request_shape
 
@@ -73,6 +74,25 @@ def add_plan_memory_parser(commands: argparse._SubParsersAction) -> argparse.Arg
     )
     plan.add_argument(
         "--prompt-tokens", type=int, default=None, help="prompt tokens (default: the bound, 8,192)"
+    )
+    plan.add_argument(
+        "--adaln-cache",
+        default=None,
+        metavar="DIR|off",
+        help="AdaLN tables kept on disk (the default, in the cache folder): the 13 B AdaLN parameters then wait in the "
+        "files and are read only for a schedule the cache lacks; off: they wait in host memory",
+    )
+    plan.add_argument(
+        "--disk-read-gbps",
+        default=None,
+        metavar="GBPS",
+        help="the checkpoint disk's read rate in GB/s (default: measured once, past the page cache, and kept)",
+    )
+    plan.add_argument(
+        "--activation-chunks",
+        default=None,
+        metavar="auto|off|N",
+        help="the DiT's activation chunks (default auto)",
     )
     plan.add_argument("--json", action="store_true", help="print one JSON object")
     return plan
@@ -140,6 +160,8 @@ def run_plan_memory(args: argparse.Namespace) -> int:
     gpu_flag, host_flag = _check_flags(args)
     references = parse_references(args.references) if args.references is not None else None
     # Torch from here on. A GPU budget given (flag or environment) plans for a GPU on any machine.
+    from h3engine.memory.disk import default_cache_folder
+    from h3engine.memory.engine_plan import MemoryRequest, plan_context
     from h3engine.memory.sizes import checkpoint_sizes
 
     explicit_gpu = gpu_flag is not None or os.environ.get(GPU_MEMORY_ENV, "").strip()
@@ -159,7 +181,15 @@ def run_plan_memory(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise RequestError("--short-edge / --aspect-ratio", str(error)) from None
     device_type = "cpu" if device == "cpu" else "cuda"
-    plan = plan_for_shape(sizes, budget, shape, args.memory_profile, device_type)
+    memory = MemoryRequest(
+        args.memory_profile,
+        weights=args.weights,
+        adaln_cache=args.adaln_cache,
+        disk_read_gbps=args.disk_read_gbps,
+        activation_chunks=args.activation_chunks,
+    ).checked()
+    context = plan_context(sizes.root, memory, default_cache_folder(), device_type)
+    plan = plan_for_shape(sizes, budget, shape, args.memory_profile, device_type, context)
     if budget.gpu_bytes is not None and device_type != "cpu" and budget.gpu_bytes < plan.minimum_gpu_bytes:
         raise RequestError(
             "--gpu-memory",
@@ -248,7 +278,27 @@ def plan_table(plan: Any) -> list[str]:
             f"moved host -> GPU: {plan.bytes_per_step / 1e9:.1f} GB per DiT step, {plan.bytes_per_request / 1e9:.1f} GB "
             f"per request besides; predicted {plan.seconds_lost_per_request:.1f} s per request over all-resident"
         )
+        lines += _disk_and_step_lines(plan)
     lines.append("verdict: " + ("fits" if plan.fits else "does NOT fit"))
+    return lines
+
+
+def _disk_and_step_lines(plan: Any) -> list[str]:
+    """The disk reads, the predicted step time and the AdaLN tables' source, in words."""
+    cost, context = plan.cost, plan.context
+    rate = context.disk_bytes_per_second
+    lines = [
+        f"read from the disk ({rate / 1e9:.2f} GB/s): {cost.disk_bytes_per_step / 1e9:.1f} GB per DiT step, "
+        f"{cost.disk_bytes_per_request / 1e9:.1f} GB per request besides (a new prompt: the text encoder)",
+        f"predicted DiT step: {cost.step_seconds:.2f} s ({cost.compute_step_seconds:.2f} s of compute at "
+        f"{EFFECTIVE_FLOPS_PER_SECOND / 1e12:.0f} TFLOP/s, the H200's); activation chunks "
+        f"{plan.activation_chunks}",
+    ]
+    if context.adaln_cache:
+        lines.append(
+            "AdaLN tables: from their disk cache (the projections wait in the files, 0 GiB of host memory); the "
+            f"first request of a schedule the cache lacks reads them: +{cost.first_request_seconds:.1f} s"
+        )
     return lines
 
 
@@ -272,6 +322,15 @@ def plan_json(plan: Any) -> dict[str, Any]:
         "bytes_per_step": plan.bytes_per_step,
         "bytes_per_request": plan.bytes_per_request,
         "seconds_lost_per_request": round(plan.seconds_lost_per_request, 3),
+        "disk_bytes_per_step": plan.cost.disk_bytes_per_step,
+        "disk_bytes_per_request": plan.cost.disk_bytes_per_request,
+        "disk_read_bytes_per_second": plan.context.disk_bytes_per_second,
+        "predicted_step_seconds": round(plan.cost.step_seconds, 3),
+        "predicted_compute_step_seconds": round(plan.cost.compute_step_seconds, 3),
+        "first_request_extra_seconds": round(plan.cost.first_request_seconds, 3),
+        "activation_chunks": plan.activation_chunks,
+        "adaln_tables": "disk cache" if plan.context.adaln_cache else "computed each request",
+        "host_pinned_bytes": dict(plan.host_pinned),
         "profile": plan.profile,
         "weights": plan.weights,
         "device": plan.device_type,
@@ -289,6 +348,7 @@ def plan_json(plan: Any) -> dict[str, Any]:
                 "home": placement.home,
                 "resident_layers": placement.resident_layers,
                 "ring_depth": placement.ring_depth,
+                "file_layers": placement.mapped_layers,
             }
             for name, placement in plan.models.items()
         },
@@ -367,6 +427,7 @@ def summary_lines(plan: Any) -> list[str]:
             f"  host -> GPU: {plan.bytes_per_step / 1e9:.1f} GB per DiT step, {plan.bytes_per_request / 1e9:.1f} GB per "
             f"request besides; about {plan.seconds_lost_per_request:.1f} s per request over the all-resident plan"
         )
+        lines += [f"  {line}" for line in _disk_and_step_lines(plan)]
     return lines
 
 

@@ -183,6 +183,9 @@ class CheckpointSizes:
     share: RankShare
     canvas: CanvasRules
     partitions: dict[str, PartitionSizes] = field(default_factory=dict)
+    # What the files store the large linears as: "fp8" for a converted checkpoint (its layers can then stream from
+    # the files in FP8), else "bf16".
+    files_weights: str = "bf16"
 
     def for_partition(self, partition: str) -> PartitionSizes:
         return self.partitions[partition]

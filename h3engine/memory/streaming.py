@@ -246,72 +246,75 @@ class LayerStream:
         read_ahead: int = READ_AHEAD,
         reader_threads: int = READER_THREADS,
     ) -> None:
-        """Take over `spec.layers[first:]`. `readers` gives, per layer and per streamed tensor (in `streamed_tensors`
-        order), how to read it from the checkpoint (the loader left them unread); without readers the tensors hold
-        their values on the host. `mapped` (all layers, or one flag per streamed layer): the layers whose home is the
+        """Take over `spec.layers[first:]` (the first `first` stay resident on the device; `set_resident_layers`
+        changes how many, between phases). `readers` gives, per layer and per streamed tensor (in `streamed_tensors`
+        order), how to read it from the checkpoint (the loader left them unread): for the streamed layers, or for
+        every layer (then a resident layer can be streamed later, from the files); without readers the tensors hold
+        their values on the host. `mapped` (all streamed layers, or one flag each): the layers whose home is the
         files, read at every visit; the others' images are filled once, layer by layer (the host holds one extra
         layer at a time). `pin`: page-locked host memory (default: when the device is a GPU). `quantize`: FP8 images
         (a file-home layer then needs readers that give FP8 values and scales: files stored in FP8)."""
         self.device = torch.device(device)
-        self.layers = spec.layers[first:]
-        if not self.layers:
-            raise ValueError("a layer stream needs at least one layer")
+        self._all_layers = tuple(spec.layers)
+        count = len(self._all_layers)
+        if not 0 <= first < count:
+            raise ValueError(
+                f"a layer stream needs at least one streamed layer, got first={first} of {count}"
+            )
         if ring_depth < 1:
             raise ValueError(f"ring_depth must be >= 1, got {ring_depth}")
         if read_ahead < 1 or reader_threads < 1:
             raise ValueError(
                 f"read_ahead and reader_threads must be >= 1, got {read_ahead}, {reader_threads}"
             )
-        self.home_is_file = [mapped] * len(self.layers) if isinstance(mapped, bool) else list(mapped)
-        if len(self.home_is_file) != len(self.layers):
-            raise ValueError(
-                f"mapped names {len(self.home_is_file)} layers, the stream has {len(self.layers)}"
-            )
-        if any(self.home_is_file) and readers is None:
-            raise ValueError("a file home needs readers")
-        self.depth = min(ring_depth, len(self.layers))
+        flags = [mapped] * (count - first) if isinstance(mapped, bool) else list(mapped)
+        if len(flags) != count - first:
+            raise ValueError(f"mapped names {len(flags)} layers, the stream has {count - first}")
+        if readers is not None and len(readers) not in (count, count - first):
+            raise ValueError(f"readers for {len(readers)} layers, the stream has {count - first} of {count}")
+        self.first = first
+        self.ring_depth = ring_depth
         self.quantize = quantize
-        found = [streamed_tensors(spec, layer) for layer in self.layers]
-        layouts = [_layout(tensors, quantize) for tensors in found]
-        self.tensors = [placed for placed, _, _ in layouts]
+        layouts = [_layout(streamed_tensors(spec, layer), quantize) for layer in self._all_layers]
+        self._tensors_all = [placed for placed, _, _ in layouts]
         self.slot_bytes = max(slot_bytes for _, slot_bytes, _ in layouts)
         self.image_bytes = max(image_bytes for _, _, image_bytes in layouts)
-        if readers is not None and [len(r) for r in readers] != [len(t) for t in self.tensors]:
-            raise ValueError("readers must give one reader per streamed tensor of every streamed layer")
+        self._sizes_all = [image for _, _, image in layouts]
+        reads = [[_to_tensor_read(reader) for reader in layer] for layer in readers] if readers else None
+        if reads is not None and len(reads) == count - first:
+            reads = [None] * first + reads
+        if reads is not None and any(
+            layer is not None and len(layer) != len(self._tensors_all[index])
+            for index, layer in enumerate(reads)
+        ):
+            raise ValueError("readers must give one reader per streamed tensor of every layer they cover")
+        self._reads_all: list[list[TensorRead] | None] | None = reads
+        # A resident layer that can be streamed later reads from the files (its home); the others have none.
+        self._file_all = [reads is not None and reads[index] is not None for index in range(first)] + flags
+        if any(flags) and reads is None:
+            raise ValueError("a file home needs readers")
         self._pin = self.device.type == "cuda" if pin is None else pin
         self._parked: dict[torch.dtype, Tensor] = {}
-        self._reads_of = (
-            [[_to_tensor_read(reader) for reader in layer] for layer in readers]
-            if readers is not None
-            else None
-        )
-        # Host images, one per layer (None for a file home), each filled and its layer parked before the next.
-        sizes = [image for _, _, image in layouts]
-        self.image_sizes = sizes
-        image_sizes = [size for size, in_file in zip(sizes, self.home_is_file, strict=True) if not in_file]
+        # Host images, one per layer (None for a file home or a resident layer), each filled and its layer parked
+        # before the next.
+        self._images_all: list[Tensor | None] = [None] * count
+        image_sizes = [self._sizes_all[index] for index in range(first, count) if not self._file_all[index]]
         buffers = iter(carve(image_sizes) if self._pin else [None] * len(image_sizes))
-        self.images: list[Tensor | None] = []
-        for index, size in enumerate(sizes):
-            if self.home_is_file[index]:
-                self._park(self.tensors[index])
-                self.images.append(None)
-                continue
-            image = pinned_or_pageable(next(buffers), size)
-            self._fill_image(index, image)
-            self._park(self.tensors[index])
-            self.images.append(image)
-        file_sizes = [size for size, in_file in zip(sizes, self.home_is_file, strict=True) if in_file]
-        self.read_ahead = min(read_ahead, len(file_sizes)) if file_sizes else 0
-        self.host_ring_bytes = max(file_sizes, default=0)
+        for index in range(first, count):
+            if not self._file_all[index]:
+                image = pinned_or_pageable(next(buffers), self._sizes_all[index])
+                self._fill_image(index, image)
+                self._images_all[index] = image
+            self._park(self._tensors_all[index])
+        self.read_ahead = read_ahead
         self._reader_threads = reader_threads
         self._host_ring: list[PageLockedBuffer] = []
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._reads: collections.deque[_Read] = collections.deque()  # in visit order
         self._free_buffers: list[int] = []
         self._buffer_copied: list[object] = []  # per host buffer: the event of the last copy that read it
-        self._read_cursor = (
-            0  # the layer from which the next read looks for a file-home layer, in visit order
-        )
+        # The streamed layer (an index into `layers`) from which the next read looks for a file-home layer.
+        self._read_cursor = 0
         self._copies: _CudaCopies | _HostCopies | None = None
         self._slots: list[Tensor] = []
         self._staging: list[Tensor] = []
@@ -325,17 +328,95 @@ class LayerStream:
         self.waited_reads = 0  # reads the host had to wait for (the disk was behind the compute)
         self.most_reads_ahead = 0  # the most file-home layers read or being read ahead of their turn at once
         self._hooks = []
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(self._all_layers):
             entry, exit_ = layer.get_submodule(spec.entry), layer.get_submodule(spec.exit)
             self._hooks.append(entry.register_forward_pre_hook(self._acquire_hook(index)))
             self._hooks.append(exit_.register_forward_hook(self._release_hook(index)))
 
+    # --- the streamed layers (those after the resident ones), indexed from 0 -----------------------------------------
+
+    @property
+    def layers(self) -> tuple[nn.Module, ...]:
+        return self._all_layers[self.first :]
+
+    @property
+    def tensors(self) -> list[list[StreamedTensor]]:
+        return self._tensors_all[self.first :]
+
+    @property
+    def images(self) -> list[Tensor | None]:
+        return self._images_all[self.first :]
+
+    @property
+    def home_is_file(self) -> list[bool]:
+        return self._file_all[self.first :]
+
+    @property
+    def image_sizes(self) -> list[int]:
+        return self._sizes_all[self.first :]
+
+    @property
+    def _reads_of(self) -> list[list[TensorRead] | None] | None:
+        return None if self._reads_all is None else self._reads_all[self.first :]
+
+    @property
+    def depth(self) -> int:
+        return min(self.ring_depth, len(self.layers))
+
+    @property
+    def lowest_resident(self) -> int:
+        """The fewest leading layers that can be resident: those below it have no home to stream from."""
+        lowest = self.first
+        while lowest > 0 and self._has_home(lowest - 1):
+            lowest -= 1
+        return lowest
+
+    def _has_home(self, layer: int) -> bool:
+        if self._images_all[layer] is not None:
+            return True
+        return self._file_all[layer] and (not self.quantize or self._reads_give_fp8(layer))
+
+    def _reads_give_fp8(self, layer: int) -> bool:
+        return all(
+            read.scale_extents is not None or not placed.quantized
+            for read, placed in zip(self._reads_all[layer], self._tensors_all[layer], strict=True)
+        )
+
+    def set_resident_layers(self, count: int) -> None:
+        """Keep the first `count` layers on the device (the ring must be closed): layers that join are copied there
+        from their home, layers that leave free their device memory and stream from their home (the files, for a
+        layer that was resident from the start)."""
+        if self.is_open:
+            raise RuntimeError("the resident layers change only between phases (the ring is open)")
+        if not self.lowest_resident <= count < len(self._all_layers):
+            raise ValueError(
+                f"resident layers must be within [{self.lowest_resident}, {len(self._all_layers) - 1}], got {count}"
+            )
+        for index in range(self.first, count):
+            image = self._images_all[index]
+            if image is None:
+                image = torch.empty(self._sizes_all[index], dtype=torch.uint8)
+                self._fill_image(index, image)
+            for placed in self._tensors_all[index]:
+                value = torch.empty(placed.shape, dtype=placed.dtype, device=self.device)
+                if placed.quantized:
+                    values = _typed_view(image, placed.image_offset, torch.float8_e4m3fn, placed.shape)
+                    scales = _typed_view(image, placed.scale_offset, torch.float32, (placed.shape[0], 1))
+                    dequantize_into(value, values.to(self.device), scales.to(self.device))
+                else:
+                    value.copy_(_typed_view(image, placed.image_offset, placed.dtype, placed.shape))
+                placed.tensor.data = value
+        for index in range(count, self.first):
+            self._park(self._tensors_all[index])
+        self.first = count
+
     # --- set-up ---------------------------------------------------------------------------------------------------
 
     def _fill_image(self, layer: int, image: Tensor) -> None:
-        """A layer's host image from its readers (or its loaded values): values, or FP8 values and scales."""
-        reads = self._reads_of[layer] if self._reads_of is not None else None
-        for index, placed in enumerate(self.tensors[layer]):
+        """A layer's host image (`layer` counts every layer, resident ones included) from its readers (or its loaded
+        values): values, or FP8 values and scales."""
+        reads = self._reads_all[layer] if self._reads_all is not None else None
+        for index, placed in enumerate(self._tensors_all[layer]):
             tensor = reads[index].read() if reads is not None else placed.tensor.detach()
             self._put(placed, image, tensor)
 
@@ -361,9 +442,20 @@ class LayerStream:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes the images hold on the host (file-home layers hold none; the host ring is `host_ring_bytes` x
-        `read_ahead` while the stream is open)."""
-        return sum(image.numel() for image in self.images if image is not None)
+        """Bytes the images hold on the host (file-home layers hold none; the host ring holds `host_ring_buffers` x
+        `host_ring_bytes` more while the stream is open)."""
+        return sum(image.numel() for image in self._images_all if image is not None)
+
+    @property
+    def host_ring_buffers(self) -> int:
+        """The host ring's buffers: `read_ahead`, at most one per streamed file-home layer."""
+        return min(self.read_ahead, sum(self.home_is_file))
+
+    @property
+    def host_ring_bytes(self) -> int:
+        """One host-ring buffer: the largest streamed file-home layer's image, exactly."""
+        sizes = [size for size, in_file in zip(self.image_sizes, self.home_is_file, strict=True) if in_file]
+        return max(sizes, default=0)
 
     @property
     def is_open(self) -> bool:
@@ -389,14 +481,13 @@ class LayerStream:
             # Allocated on the compute stream, written on the copy stream: keep them until that stream is done too.
             for buffer in [*self._slots, *self._staging]:
                 buffer.record_stream(self._copies.stream)
-        if self.read_ahead:
-            self._host_ring = [
-                PageLockedBuffer(self.host_ring_bytes, register=cuda and self._pin)
-                for _ in range(self.read_ahead)
-            ]
-            self._buffer_copied = [None] * self.read_ahead
+        buffers = self.host_ring_buffers
+        if buffers:
+            size = self.host_ring_bytes
+            self._host_ring = [PageLockedBuffer(size, register=cuda and self._pin) for _ in range(buffers)]
+            self._buffer_copied = [None] * buffers
             self._pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=min(self._reader_threads, self.read_ahead), thread_name_prefix="layer-reader"
+                max_workers=min(self._reader_threads, buffers), thread_name_prefix="layer-reader"
             )
         self._restart(start)
 
@@ -571,13 +662,15 @@ class LayerStream:
 
     def _acquire_hook(self, index: int) -> Callable:
         def hook(module: nn.Module, args: tuple) -> None:
-            self.acquire(index)
+            if index >= self.first:  # a resident layer needs nothing
+                self.acquire(index - self.first)
 
         return hook
 
     def _release_hook(self, index: int) -> Callable:
         def hook(module: nn.Module, args: tuple, output: object) -> None:
-            self.release(index)
+            if index >= self.first:
+                self.release(index - self.first)
 
         return hook
 

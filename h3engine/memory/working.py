@@ -29,31 +29,61 @@ MODULATION_CACHE_SCHEDULES = 2
 FP32 = 4
 
 
-def dit_forward_bytes(partition: PartitionSizes, shape: RequestShape, share: Any) -> int:
+def dit_forward_bytes(partition: PartitionSizes, shape: RequestShape, share: Any, chunks: int = 1) -> int:
     """The largest moment of one DiT forward (h3engine.models.dit, fused ops allocating only their outputs,
     FA4 / cuDNN attention: output and a small LSE, no S x S scores), on this rank's rows.
 
-    With S rows (S / dit_sp on a sequence-parallel rank), hidden H, q/k/v width I and FFN width F (/ dit_tp):
-    * block, SwiGLU: the caller's hidden and modulated rows, the block's new ones (4 x [S, H]), fc1's [S, 2F] and
-      swiglu's [S, F] output (`--weights fp8` only stores weights in FP8: they compute in bf16, the same
-      activations; `--fp8-linear`'s FP8 GEMMs would add an fp32 [S, F] quotient and its e4m3 copy at fc2, which
-      this leaves out);
-    * block, attention: caller's hidden and modulated (2 x [S, H]), q, k, v and the new q, k of the fused QK-norm +
-      RoPE (5 x [S, I]); on a sequence-parallel rank, at the exchange: q, k, v, their stacked copy, the stack
-      received from the other ranks ([S x sp, 3, heads / sp, head_dim]: as many bytes) and the output (10 x [S, I]);
+    With S rows (S / dit_sp on a sequence-parallel rank), hidden H, q/k/v width I and FFN width F (/ dit_tp); held
+    through a block: the previous block's hidden and modulated rows (`run_blocks` keeps them while it runs): 2 x [S, H].
+    Unchunked (`chunks` 1, or a tensor- or sequence-parallel rank, whose linears and Ulysses kernel do not chunk):
+    * block, SwiGLU: the post-attention hidden and the FFN input (2 x [S, H]), fc1's [S, 2F] and swiglu's [S, F]
+      (`--fp8-linear`'s FP8 GEMMs would add an fp32 [S, F] quotient and its e4m3 copy at fc2, left out);
+    * block, attention: q, k, v and the new q, k of the fused QK-norm + RoPE (5 x [S, I]); on a sequence-parallel
+      rank, at the exchange: q, k, v, their stack, the stack received and the output (10 x [S, I]);
     * embedding: fp32 patch projections of the video and audio rows, their compute-dtype copies, the packed [S, H];
     * head: the blocks' output and its modulated norm ([S, H] x 2), the gathered video rows in both dtypes.
+    With `chunks` N > 1 on a single rank (h3engine.models.dit_chunks): row chunks of c = ceil(rows / N), head groups
+    G = min(N, heads) of at most g = ceil(heads / G) heads (I_g = g x head_dim):
+    * block, attention: the [S, I] output buffer, and one group's q, k, v and normed q, k (5 x [S, I_g]) or, after the
+      groups, out_proj's output [S, H];
+    * block, FFN: the post-attention hidden, the FFN input and its preallocated output (3 x [S, H]), one chunk's fc1
+      [c, 2F] and swiglu [c, F]; the block's last fused op: the post-attention hidden, the FFN output and the new
+      hidden and modulated (4 x [S, H]): with the 2 held, 6 x [S, H] is the floor whatever N;
+    * embedding: the packed [S, H], then the text rows [Lt, H] being copied in or one chunk's fp32 patch projection
+      and its compute-dtype cast (video or audio rows);
+    * head: the blocks' output and its modulated norm (2 x [S, H]), one chunk of gathered video rows in both dtypes,
+      the fp32 video velocities [Nv, C_v].
+    Measured on an H100 at the released widths (38,222 rows, 3 x [S, H] held then): 4.98 GiB unchunked, 2.68 GiB from
+    8 chunks on; this formula gave both to within 1 MB.
     """
     config, e = partition.dit_config, partition.dtype_bytes
     hidden, inner, ffn = config.hidden_size, config.inner_dim, config.ffn_dim
     tp, sp = share.dit_tp, share.dit_sp
     rows = math.ceil(shape.sequence_rows / sp)
-    block = rows * (4 * hidden + 3 * ffn // tp) * e
-    attention = rows * (2 * hidden + (10 if sp > 1 else 5) * (inner // tp)) * e
     video, audio, everything = shape.total_video_rows, shape.total_audio_rows, shape.sequence_rows
-    embed = (video + audio) * hidden * (FP32 + e) + everything * hidden * e
-    head = 2 * everything * hidden * e + video * hidden * (e + FP32)
-    return max(block, attention, embed, head)
+    held = 2 * rows * hidden * e
+    if chunks == 1 or tp > 1 or sp > 1:
+        block = held + rows * (2 * hidden + 3 * ffn // tp) * e
+        attention = held + rows * (10 if sp > 1 else 5) * (inner // tp) * e
+        embed = (video + audio) * hidden * (FP32 + e) + everything * hidden * e
+        head = 2 * everything * hidden * e + video * hidden * (e + FP32)
+        return max(block, attention, embed, head)
+    groups = min(chunks, config.num_heads)
+    group_width = math.ceil(config.num_heads / groups) * config.head_dim
+    chunk_rows = math.ceil(rows / chunks)
+    video_chunk, audio_chunk = math.ceil(video / chunks), math.ceil(audio / chunks)
+    attention = held + rows * (inner + max(5 * group_width, hidden)) * e
+    ffn_phase = held + 3 * rows * hidden * e + chunk_rows * 3 * ffn * e
+    last_fused_op = held + 4 * rows * hidden * e
+    embed = everything * hidden * e + max(
+        shape.text_rows * hidden * e, max(video_chunk, audio_chunk) * hidden * (FP32 + e)
+    )
+    head = (
+        2 * everything * hidden * e
+        + video_chunk * hidden * (e + FP32)
+        + video * config.video_patch_dim * FP32
+    )
+    return max(attention, ffn_phase, last_fused_op, embed, head)
 
 
 def dit_request_state_bytes(partition: PartitionSizes, shape: RequestShape) -> int:
@@ -97,12 +127,14 @@ def adaln_table_bytes(partition: PartitionSizes, shape: RequestShape) -> int:
     return shape.steps * per_step
 
 
-def adaln_cache_bytes(partition: PartitionSizes, shape: RequestShape, device_type: str) -> int:
-    """The AdaLN tables a GPU keeps between requests: MODULATION_CACHE_SCHEDULES schedules, plus the one being built
-    before the oldest is dropped (requests whose schedules differ: another step count or shift)."""
+def adaln_cache_bytes(
+    partition: PartitionSizes, shape: RequestShape, device_type: str, kept: int = MODULATION_CACHE_SCHEDULES
+) -> int:
+    """The AdaLN tables on a GPU: the request's own, and the `kept` schedules it keeps between requests
+    (MODULATION_CACHE_SCHEDULES; none when the disk cache serves repeats)."""
     if device_type == "cpu":
         return 0
-    return (MODULATION_CACHE_SCHEDULES + 1) * adaln_table_bytes(partition, shape)
+    return (kept + 1) * adaln_table_bytes(partition, shape)
 
 
 def adaln_in_flight_bytes(partition: PartitionSizes, weights: str, device_type: str) -> int:
@@ -199,16 +231,23 @@ def decode_bytes(partition: PartitionSizes, shape: RequestShape) -> int:
 
 
 def phase_working(
-    partition: PartitionSizes, shape: RequestShape, share: Any, weights: str, device_type: str
+    partition: PartitionSizes,
+    shape: RequestShape,
+    share: Any,
+    weights: str,
+    device_type: str,
+    chunks: int = 1,
+    adaln_cache: bool = False,
 ) -> dict[str, int]:
     """Estimated working bytes of each phase this request runs, WORKING_SAFETY included. The denoise phase adds the
-    request state and the AdaLN projections in flight to the forward's activations."""
+    request state and the AdaLN projections in flight to the forward's activations (`chunks`: the DiT's activation
+    chunks); with the AdaLN tables' disk cache, tables that must be computed are built before the first forward, so
+    their projections in flight and the forward are never on the GPU together."""
     conditioning = conditioning_bytes(partition, shape) if shape.task != "t2va" else 0
-    denoise = (
-        dit_forward_bytes(partition, shape, share)
-        + dit_request_state_bytes(partition, shape)
-        + adaln_in_flight_bytes(partition, weights, device_type)
-        + step_cache_bytes(partition, shape, share)
+    forward = dit_forward_bytes(partition, shape, share, chunks) + step_cache_bytes(partition, shape, share)
+    in_flight = adaln_in_flight_bytes(partition, weights, device_type)
+    denoise = dit_request_state_bytes(partition, shape) + (
+        max(forward, in_flight) if adaln_cache else forward + in_flight
     )
     working = {
         "conditioning": conditioning,

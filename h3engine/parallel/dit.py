@@ -269,6 +269,8 @@ def load_dit_shard(
             replicated[key] = parked(expected.shape, expected.dtype)
         else:
             replicated[key] = _read_replicated(weight_files, key, device, expected.dtype)
+            if deferred is not None and deferred.remembers(key):
+                deferred.add(key, partial(_read_replicated, weight_files, key, "cpu", expected.dtype))
     missing, unexpected = model.load_state_dict(replicated, strict=False, assign=True)
     if set(missing) != set(sharded) or unexpected:
         raise RuntimeError(f"replicated DiT keys do not line up: missing {missing}, unexpected {unexpected}")

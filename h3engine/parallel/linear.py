@@ -78,6 +78,8 @@ class ParallelLinear(nn.Module):
             deferred.add(key, partial(self._read_placed, weight_files, key, "cpu", self.weight.dtype))
             self.weight = nn.Parameter(parked(self.weight.shape, self.weight.dtype), requires_grad=False)
             return
+        if deferred is not None and deferred.remembers(key):
+            deferred.add(key, partial(self._read_placed, weight_files, key, "cpu", self.weight.dtype))
         shard = self._read_placed(weight_files, key, device, self.weight.dtype)
         if shard.shape != self.weight.shape:
             raise RuntimeError(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from h3engine.checkpoint.layout import distilled_step_count
 from h3engine.errors import RequestError
@@ -54,6 +54,8 @@ class ResolvedRequest:
     geometry: Geometry | None
     # The rungs it runs (its own or a step-distilled checkpoint's); None: the grid of its steps.
     rungs: tuple[int, ...] | None
+    # Its memory shape under the engine's plan (h3engine.memory.shapes.RequestShape; None without a GPU budget).
+    memory_shape: Any = None
 
 
 def new_media_facts() -> MediaFacts:

@@ -57,6 +57,8 @@ class _DiskTables:
     adapters: str = ""
 
 
+# DiT -> how many past schedules' tables stay on its device (absent: MODULATION_CACHE_SCHEDULES).
+_kept: weakref.WeakKeyDictionary[H3DiT, int] = weakref.WeakKeyDictionary()
 # DiT -> its disk cache (absent: none).
 _disk_tables: weakref.WeakKeyDictionary[H3DiT, _DiskTables] = weakref.WeakKeyDictionary()
 # DiT -> the key of its adapters on AdaLN ("" or absent: none), kept apart so that it holds before a cache is attached.
@@ -152,6 +154,15 @@ def attach_table_cache(dit: H3DiT, cache: AdalnTableCache | None, model: str) ->
         _disk_tables[dit] = _DiskTables(cache, model)
 
 
+def set_kept_schedules(dit: H3DiT, count: int) -> None:
+    """How many past schedules' tables `dit` keeps on its device (MODULATION_CACHE_SCHEDULES by default; 0 when the
+    disk cache serves repeats and the GPU is short); the request's own are alive while it runs either way."""
+    _kept[dit] = count
+    cache = _cache(dit)
+    while len(cache) > count:
+        cache.popitem(last=False)
+
+
 def set_adapter_key(dit: H3DiT, key: str) -> None:
     """The adapters `dit` now carries on its AdaLN projections, as a key ("" for none): their tables are cached
     apart (h3engine.lora.adapters calls this whenever it changes them)."""
@@ -202,6 +213,10 @@ def schedule_modulation(dit: H3DiT, step_timesteps: list[Tensor], device: torch.
         for index, step in zip(missing, built, strict=True):
             steps[index] = step
         if disk is not None:
+            if device.type == "cuda":
+                # Built before the first forward, not under it: the projections in flight and the forward's
+                # activations are then never on the GPU together (the memory plan counts on it), once per schedule.
+                torch.cuda.synchronize(device)
             logger.info(
                 "AdaLN tables: %d of %d steps computed, %d read from %s",
                 len(missing),
@@ -214,7 +229,7 @@ def schedule_modulation(dit: H3DiT, step_timesteps: list[Tensor], device: torch.
     if disk is not None:
         result._to_store = [(disk.cache, *names[index], index) for index in missing]
     cache[cache_key] = list(result)
-    while len(cache) > MODULATION_CACHE_SCHEDULES:
+    while len(cache) > _kept.get(dit, MODULATION_CACHE_SCHEDULES):
         cache.popitem(last=False)
     return result
 
