@@ -37,6 +37,7 @@ from h3engine.conditioning.presentation import (
     text_presentation,
 )
 from h3engine.conditioning.remix import RemixPlan, plan_remix, splice_output
+from h3engine.conditioning.text_states import TEXT_STATES, presentation_key
 from h3engine.errors import GenerationCancelled
 from h3engine.geometry import FPS, Geometry
 from h3engine.media.mux import write_mp4
@@ -440,9 +441,17 @@ def encode_text(
     """The text-encoder states of a presentation and the seconds they took (the split layout's encoder group runs
     this alone)."""
     started = time.perf_counter()
-    with models.resident_for("text_encode"):
-        text_states = encode_presentation(models, presentation, device)
-        _synchronize(device)
+    # A rerun, a take or a new seed of the same prompt and references reads its states back (exact: the same inputs
+    # on the same encoder), without the text encoder's phase.
+    key = presentation_key(presentation)
+    text_states = TEXT_STATES.get(models.text_encoder, key)
+    if text_states is not None:
+        text_states = text_states.to(device)
+    else:
+        with models.resident_for("text_encode"):
+            text_states = encode_presentation(models, presentation, device)
+            _synchronize(device)
+        TEXT_STATES.put(models.text_encoder, key, text_states)
     if trace.active() is not None:
         trace.record("processor_tokens", input_ids=presentation.input_ids, **presentation.vision_inputs)
         trace.record("text_states", states=text_states)
