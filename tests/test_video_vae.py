@@ -564,3 +564,38 @@ def test_from_native_rejects_other_architectures() -> None:
         video_vae_format.config_from_native({**wrapper, "latent_channels": 16}, source)
     with pytest.raises(ValueError, match="multiples"):
         dataclasses.replace(VideoVAEConfig.tiny(), tile_size=30)
+
+
+def test_the_decode_autocast_keeps_no_second_copy_of_the_weights(tiny_config: VideoVAEConfig) -> None:
+    """Autocast keeps the casts of weights that require grad for the rest of its context; the decode's context turns
+    that cache off (checked here), so even a decoder whose weights require grad holds no fp16 copy of them."""
+    from h3engine.models.video_vae import decode_autocast
+
+    with decode_autocast(torch.device("cpu"), torch.bfloat16):
+        assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()
+    ours = VideoVAE(tiny_config).eval()
+    ours.load_state_dict(video_vae_keys.random_native_state(tiny_config, seed=7), strict=True)
+    ours.requires_grad_(True)
+    latents = torch.randn(1, 4, 7, 10, 14, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert ours.decode(latents, autocast_dtype=torch.bfloat16).isfinite().all()
+
+
+@pytest.mark.cuda
+def test_the_decode_peak_does_not_grow_with_the_clip(tiny_config: VideoVAEConfig) -> None:
+    """Windows decode one after another and leave the GPU as they are done: a clip three times as long peaks the
+    same (the latents and the output aside, which this test keeps on the host)."""
+    ours = VideoVAE(tiny_config).eval()
+    ours.load_state_dict(video_vae_keys.random_native_state(tiny_config, seed=7), strict=True)
+    ours = ours.cuda()
+    peaks = {}
+    for frames in (12, 37):
+        latents = torch.randn(1, 4, frames, 10, 14, generator=torch.Generator().manual_seed(3)).cuda()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.no_grad():
+            for pixels in ours.decode_pieces(latents, autocast_dtype=torch.float16):
+                pixels.cpu()
+        peaks[frames] = torch.cuda.max_memory_allocated() - base
+    assert peaks[37] <= peaks[12] * 1.05 + (1 << 20), peaks

@@ -211,10 +211,12 @@ class VideoVAEConfig:
 def decode_autocast(
     device: torch.device, autocast_dtype: torch.dtype | None
 ) -> contextlib.AbstractContextManager:
-    """The context `decode` runs its decoder calls in: `autocast_dtype` autocast on `device`, or none."""
+    """The context `decode` runs its decoder calls in: `autocast_dtype` autocast on `device`, or none. Autocast's
+    cache of cast weights is off: each call casts the weights it reads (the same values), so the decoder never holds
+    a second copy of its 2.4 B parameters (4.8 GB in fp16) besides the fp32 ones."""
     if autocast_dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=autocast_dtype)
+    return torch.autocast(device_type=device.type, dtype=autocast_dtype, cache_enabled=False)
 
 
 # ==================================================================================================== tiling helpers
