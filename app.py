@@ -451,7 +451,10 @@ def _load_engines(checkpoint: Path, config: AppConfig) -> list[Engine | ProcessR
     engines = []
     for name in config.devices:
         device = resolve_device(name, "--devices")
-        engines.append(load_engine(checkpoint, device, config.engine, on_load=_load_logger(str(device))))
+        engine = load_engine(checkpoint, device, config.engine, on_load=_load_logger(str(device)))
+        # A server switches partitions: the other one loads now, in the background, where the host budget holds it.
+        engine.store.preload_other_partitions()
+        engines.append(engine)
     return engines
 
 

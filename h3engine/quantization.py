@@ -21,39 +21,20 @@ import functools
 import torch
 from torch import Tensor, nn
 
+from h3engine.checkpoint.fp8_rows import FP8_DTYPE as FP8_DTYPE
+from h3engine.checkpoint.fp8_rows import FP8_MAX as FP8_MAX
+from h3engine.checkpoint.fp8_rows import dequantize_rows, quantize_rows
 from h3engine.models.dit import H3DiT
 from h3engine.parallel.collectives import all_reduce_sum
 from h3engine.parallel.groups import GroupMembership
 from h3engine.parallel.linear import ColumnParallelLinear, RowParallelLinear
 
-FP8_DTYPE = torch.float8_e4m3fn
-# Largest finite e4m3fn value: a row's largest magnitude is mapped onto it.
-FP8_MAX = torch.finfo(FP8_DTYPE).max
-# Scale of an all-zero row: any positive value quantizes it to zeros; the smallest normal fp32 keeps it finite.
-_ZERO_ROW_SCALE = torch.finfo(torch.float32).tiny
 # `torch._scaled_mm` needs both dimensions of its (column-major) second operand to be multiples of this.
 _SCALED_MM_ALIGNMENT = 16
 # Rowwise-scaled FP8 GEMMs exist from compute capability 8.9 (Ada) on.
 _SCALED_MM_MIN_CAPABILITY = (8, 9)
 # The DiT block layers that are quantized, as (submodule, attribute) paths inside a DiTBlock.
 _QUANTIZED_BLOCK_LAYERS = (("attn", "qkv_proj"), ("attn", "out_proj"), ("mlp", "fc1"), ("mlp", "fc2"))
-
-
-def quantize_rows(matrix: Tensor) -> tuple[Tensor, Tensor]:
-    """[R, K] -> (e4m3 values [R, K] row-major, fp32 scales [R, 1]) with matrix ~= values * scales."""
-    if matrix.dim() != 2:
-        raise ValueError(f"quantize_rows expects a 2-D matrix, got shape {list(matrix.shape)}")
-    matrix = matrix.contiguous()
-    row_amax = torch.linalg.vector_norm(matrix, ord=float("inf"), dim=1, keepdim=True, dtype=torch.float32)
-    scales = (row_amax / FP8_MAX).clamp_(min=_ZERO_ROW_SCALE)
-    # matrix / scales is computed in fp32 (the scales' dtype) and lands within 448 * (1 + 2^-23), which the e4m3
-    # conversion rounds to 448 (only values from 480 up would become NaN), so no clamp is needed.
-    return (matrix / scales).to(FP8_DTYPE), scales
-
-
-def dequantize_rows(values: Tensor, scales: Tensor) -> Tensor:
-    """Inverse of `quantize_rows` up to its rounding: fp32 values * scales."""
-    return values.to(torch.float32) * scales
 
 
 @functools.cache

@@ -22,6 +22,8 @@ from h3engine.checkpoint.safetensors_io import is_parked
 from h3engine.engine import Engine
 from h3engine.memory.homes import dequantize_into, dequantized
 from h3engine.memory.layers import dit_layers
+from h3engine.memory.placement import Placement
+from h3engine.memory.plan import RESIDENT, ModelPlacement, resident_plan
 from h3engine.memory.streaming import LayerStream
 from h3engine.models.dit import DiTConfig, H3DiT
 from h3engine.quantization import quantize_rows
@@ -115,3 +117,55 @@ def test_the_streamed_engine_on_a_gpu_equals_the_resident_one(checkpoint, task) 
         torch.cuda.empty_cache()
     for name in ("video", "audio", "video_latents", "audio_latents"):
         assert torch.equal(getattr(outputs["streamed"], name), getattr(outputs["resident"], name)), name
+
+
+class FilesEngine(Engine):
+    """Every model's layers streamed straight from the checkpoint files (the DiT's first block resident), in the
+    weight format the files give (FP8 for a converted checkpoint)."""
+
+    def _make_placement(self, memory_profile: str, device: torch.device) -> Placement:
+        from h3engine.memory.sizes import stored_weights
+
+        files = ModelPlacement(layers="streamed", other="resident", home="mapped", ring_depth=2)
+        models = {"text_encoder": files, "video_vae": files, "audio_vae": RESIDENT}
+        models["dit"] = dataclasses.replace(files, resident_layers=1)
+        plan = resident_plan(weights=stored_weights(self.layout))
+        return Placement(dataclasses.replace(plan, models=models), device)
+
+
+@pytest.mark.parametrize("task", ["t2va", "ref2va"])
+def test_layers_read_from_the_files_on_a_gpu_equal_the_resident_engine(checkpoint, task) -> None:
+    """Every streamed model's layers in the files, read by the reader threads into the page-locked host ring and
+    copied to the GPU: the resident engine's outputs, bit for bit; and again once the AdaLN tables and the text
+    states come from their caches."""
+    request = parity_requests(steps=2, seed=3)[task]
+    resident = Engine.from_checkpoint(checkpoint, device="cuda", memory_profile="resident", adaln_cache="off")
+    expected, _ = resident.generate(request)
+    del resident
+    torch.cuda.empty_cache()
+    engine = FilesEngine.from_checkpoint(checkpoint, device="cuda")
+    for _ in range(2):
+        got, _ = engine.generate(request)
+        for name in ("video", "audio", "video_latents", "audio_latents"):
+            assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    stream = engine.placement.stream_of(engine.store.models_for_task(task).dit)
+    assert stream.layer_reads > 0 and stream.host_bytes == 0 and stream.restarts == 0
+
+
+def test_a_converted_fp8_checkpoint_on_a_gpu_equals_weights_fp8(checkpoint, tmp_path) -> None:
+    from h3engine.checkpoint.fp8_files import convert_checkpoint
+
+    converted = tmp_path / "fp8"
+    convert_checkpoint(checkpoint, converted)
+    request = parity_requests(steps=2, seed=3)["t2va"]
+    reference = Engine.from_checkpoint(checkpoint, device="cuda", weights="fp8", memory_profile="streamed")
+    expected, _ = reference.generate(request)
+    del reference
+    torch.cuda.empty_cache()
+    engine = FilesEngine.from_checkpoint(converted, device="cuda")
+    assert engine.plan.weights == "fp8"
+    got, _ = engine.generate(request)
+    for name in ("video", "audio", "video_latents", "audio_latents"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    stream = engine.placement.stream_of(engine.store.models_for_task("t2va").dit)
+    assert stream.quantize and stream.layer_reads > 0 and stream.read_bytes > 0

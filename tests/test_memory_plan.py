@@ -700,3 +700,28 @@ def test_the_plans_pinned_dit_home_counts_its_slabs(bf16) -> None:
     layers = shapes.partition_for_task(bf16, "t2va").dit.layer_bytes[dit.resident_layers :]
     pinned = {component.name: component.host_bytes for component in result.components}
     assert pinned["dit.layers"] == packed_bytes(layers) > sum(layers)
+
+
+def test_plan_memory_fits_gaming_pcs_with_converted_fp8_files(capsys, tmp_path_factory) -> None:
+    """The released size with converted FP8 files (a placeholder's headers): 24 GiB + 32 GiB, 12 GiB + 32 GiB and
+    8 GiB + 16 GiB fit at 768p / 5 s, with the denoise working set at most 3 GiB and the step figures reported."""
+    fp8_files = make_placeholder_checkpoint(tmp_path_factory.mktemp("fp8") / "checkpoint", weights="fp8")
+    results = {}
+    for gpu, host in ((24, 32), (12, 32), (8, 16)):
+        code, out, err = _run_cli(
+            capsys,
+            "--checkpoint", str(fp8_files), "--gpu-memory", str(gpu), "--host-memory", str(host),
+            "--prompt-tokens", "1536", "--disk-read-gbps", "1.9", "--json",
+        )  # fmt: skip
+        assert code == 0, err
+        plan = json.loads(out)
+        results[gpu] = plan
+        assert plan["fits"] and plan["weights"] == "fp8"
+        assert plan["peak_gpu_bytes"] <= gpu * GIB and plan["peak_host_bytes"] <= host * GIB
+        assert plan["working_bytes"]["denoise"] <= 3 * GIB
+        assert plan["disk_read_bytes_per_second"] == 1.9e9 and plan["predicted_step_seconds"] > 0
+        assert plan["adaln_tables"] == "disk cache" and plan["activation_chunks"] > 1
+    # The smallest machine reads DiT layers from the disk every step; the step waits for it.
+    assert results[8]["disk_bytes_per_step"] > 0
+    assert results[8]["predicted_step_seconds"] >= results[8]["disk_bytes_per_step"] / 1.9e9 - 1e-6
+    assert results[24]["predicted_step_seconds"] <= results[8]["predicted_step_seconds"]

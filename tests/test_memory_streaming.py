@@ -225,7 +225,9 @@ def test_the_streamed_engine_generates_what_the_resident_one_does(
         for name in ("dit", "text_encoder", "video_vae")
     }
     visits = {name: stream.visits for name, stream in streams.items()}
-    TEXT_STATES.forget(models.text_encoder)  # the same prompt ran before: stream the encoder again all the same
+    TEXT_STATES.forget(
+        models.text_encoder
+    )  # the same prompt ran before: stream the encoder again all the same
     got, _ = streamed_engine.generate(request)
     for name in OUTPUTS:
         assert torch.equal(getattr(got, name), getattr(expected, name)), name

@@ -2,7 +2,9 @@
 
 What must hold: the files pass every check the engine makes and cost only their headers on disk; the drawn values
 are a function of (seed, key) alone, so slices and ranks agree and a second load gives the same model; they are
-scaled so a generation stays finite; and a placeholder says so (warning, sidecar), a real checkpoint does not.
+scaled so a generation stays finite; and a placeholder says so (warning, sidecar), a real checkpoint does not. A
+component written with real bytes holds exactly the values its hole file draws, on disk and read as stored (its
+extents known, as a released file's), and the checkpoint is still a placeholder.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ import torch
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.loader import audio_vae_source, dit_source, video_vae_source
 from h3engine.checkpoint.placeholder import is_placeholder, make_placeholder_checkpoint
-from h3engine.checkpoint.safetensors_io import WeightFiles, placeholder_values, read_header
+from h3engine.checkpoint.safetensors_io import (
+    PLACEHOLDER_KEY,
+    PLACEHOLDER_VALUES_KEY,
+    WeightFiles,
+    placeholder_values,
+    read_header,
+    row_extents,
+)
 from h3engine.checkpoint.text_encoder_files import check_text_encoder_files, open_text_encoder_files
 from h3engine.cli import main as cli_main
 from h3engine.engine import Engine
@@ -129,6 +138,67 @@ def test_the_cli_writes_one_and_sidecars_say_placeholder(tmp_path: Path, tiny_na
     )
     assert "weights" not in json.loads((tmp_path / "r.json").read_text())
     assert not is_placeholder(tiny_native)
+
+
+def header_metadata(path: Path) -> dict[str, str]:
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        return json.loads(handle.read(length)).get("__metadata__", {})
+
+
+def test_real_bytes_hold_the_values_the_hole_draws(tmp_path: Path, tiny_placeholder: Path) -> None:
+    real = make_placeholder_checkpoint(tmp_path / "real", seed=3, tiny=True, real_bytes=("dit",))
+    for partition in ("FL2VA", "Ref2VA"):
+        holes = WeightFiles.open(tiny_placeholder / partition / "transformer")
+        stored = WeightFiles.open(real / partition / "transformer")
+        assert set(stored.infos) == set(holes.infos) and holes.placeholder and stored.placeholder
+        for key, info in stored.infos.items():
+            assert torch.equal(stored.tensor(key), holes.tensor(key)), key
+            # Read as stored: its bytes have extents (the reader threads' path), a hole's have none.
+            assert (
+                row_extents(info, info.dtype) is not None
+                and row_extents(holes.infos[key], info.dtype) is None
+            )
+        path, hole = (
+            real / partition / "transformer" / "model.safetensors",
+            next(iter(holes.infos.values())).file,
+        )
+        assert PLACEHOLDER_KEY not in header_metadata(path) and header_metadata(path)[PLACEHOLDER_VALUES_KEY]
+        # On disk: the real-bytes file's blocks cover its length; the hole's cover little more than its header.
+        header = 8 + int.from_bytes(hole.read_bytes()[:8], "little")
+        assert path.stat().st_blocks * 512 >= path.stat().st_size - 4096
+        assert hole.stat().st_blocks * 512 <= header + 8192 < hole.stat().st_size
+    # The other components stayed holes.
+    assert (
+        WeightFiles.open(real / "FL2VA" / "text_encoder").infos["lm_head.weight"].placeholder_seed is not None
+    )
+    assert is_placeholder(real) and is_placeholder(tiny_placeholder)
+    dits = []
+    for folder in (tiny_placeholder, real):
+        engine = Engine.from_checkpoint(folder, device="cpu", dtype=torch.float32)
+        assert engine.store.placeholder and engine.record()["weights"] == "placeholder"
+        dits.append(engine.store.models_for_task("t2va").dit.state_dict())
+    assert (
+        all(torch.equal(dits[0][key], dits[1][key]) for key in dits[0]) and dits[0].keys() == dits[1].keys()
+    )
+
+
+def test_the_cli_writes_real_bytes_and_refuses_an_unknown_component(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "real"
+    assert cli_main(["make-placeholder-checkpoint", str(folder), "--tiny", "--real-bytes", "dit,nope"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --real-bytes: unknown component nope (expected some of dit, text_encoder, video_vae, audio_vae)"
+    ]
+    assert not folder.exists() or not any(folder.iterdir())
+    assert cli_main(["make-placeholder-checkpoint", str(folder), "--tiny", "--real-bytes", " video_vae"]) == 0
+    vae = WeightFiles.open(folder / "FL2VA" / "video_vae" / "source")
+    assert vae.placeholder and all(info.drawn for info in vae.infos.values())
+    assert all(
+        info.placeholder_seed is not None
+        for info in WeightFiles.open(folder / "FL2VA" / "transformer").infos.values()
+    )
 
 
 def test_the_app_on_a_placeholder_says_so_and_serves(tmp_path: Path, tiny_placeholder: Path) -> None:

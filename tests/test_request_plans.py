@@ -129,3 +129,41 @@ def test_a_5s_request_after_a_15s_one_re_plans_and_computes_the_same(
         record.getMessage() for record in caplog.records if "DiT layers resident" in record.getMessage()
     ]
     assert len(changes) == 2 and "keeps 0 DiT layers resident" in changes[0] and "kept 2" in changes[0]
+
+
+class WarmPartitions(Engine):
+    """Everything resident, both DiT partitions with a host home; "the device" copies are CPU clones."""
+
+    def _make_placement(self, memory_profile: str, device: torch.device) -> Placement:
+        from h3engine.memory.plan import resident_plan
+
+        plan = dataclasses.replace(resident_plan(), other_partition_home="pinned")
+        return Placement(plan, device, transfer=torch.clone)
+
+
+def test_the_other_partition_loads_in_the_background_so_the_first_switch_reads_no_file(
+    tiny_checkpoints,
+) -> None:
+    checkpoint = tiny_checkpoints("native", seed=5)
+    events = []
+    engine = WarmPartitions.from_checkpoint(checkpoint, device="cpu", on_load=events.append)
+    assert [event.partition for event in events if event.component == "dit"] == ["fl2va", "fl2va"]
+    assert engine.store.preload_other_partitions() and not engine.store.preload_other_partitions()
+    engine.store._preload.join()
+    assert (
+        len([key for key in engine.store._modules if key[0] == "dit"]) == 2
+    )  # both DiTs, before any request
+    events.clear()
+    resident = Engine.from_checkpoint(checkpoint, device="cpu", adaln_cache="off")
+    requests = parity_requests(steps=1, seed=2)
+    for task in ("ref2va", "t2va", "ref2va"):
+        got, _ = engine.generate(requests[task])
+        expected, _ = resident.generate(requests[task])
+        for name in OUTPUTS:
+            assert torch.equal(getattr(got, name), getattr(expected, name)), (task, name)
+    assert not [event for event in events if event.component == "dit"]  # no switch loaded a DiT
+
+
+def test_no_background_load_without_room_for_both_partitions(tiny_checkpoints) -> None:
+    engine = Engine.from_checkpoint(tiny_checkpoints("native", seed=5), device="cpu", adaln_cache="off")
+    assert not engine.placement.keeps_partitions_warm and not engine.store.preload_other_partitions()

@@ -14,6 +14,7 @@ so that tensor-parallel ranks read their shards from either layout with the same
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -305,11 +306,50 @@ def module_extents(
     info = files.infos[key]
     if not key.endswith(QKV_WEIGHT):
         return row_extents(info, dtype)
-    # The file interleaves [head, (q, k, v), head_dim] rows; the module stacks [(q, k, v), head, head_dim].
+    return row_extents(info, dtype, qkv_row_blocks(config))
+
+
+def qkv_row_blocks(config: DiTConfig) -> list[tuple[int, int, int]]:
+    """(file row, rows, module row) of each head's q, k and v: the file interleaves [head, (q, k, v), head_dim]
+    rows, the module stacks [(q, k, v), head, head_dim]."""
     head_dim, heads = config.head_dim, config.num_heads
-    blocks = [
+    return [
         ((head * 3 + which) * head_dim, head_dim, (which * heads + head) * head_dim)
         for which in range(3)
         for head in range(heads)
     ]
-    return row_extents(info, dtype, blocks)
+
+
+def module_fp8(
+    files: WeightFiles, config: DiTConfig, key: str
+) -> tuple[Callable[[], tuple[Tensor, Tensor]], Any, Any] | None:
+    """For a module key the files store in FP8 (h3engine.checkpoint.fp8_files): a reader of its e4m3 values and row
+    scales in the module's row order (QKV stacked), and the extents of both (None where they cannot be read straight
+    from the files); None for a key stored otherwise."""
+    if isinstance(files, DiffusersAsNativeFiles):
+        sources = diffusers_keys(key)
+        inner = files.files
+        if not sources or any(source not in inner.scales for source in sources):
+            return None
+
+        def read_diffusers() -> tuple[Tensor, Tensor]:
+            parts = [inner.fp8(source) for source in sources]
+            values, scales = torch.cat([v for v, _ in parts]), torch.cat([s for _, s in parts])
+            if key.endswith(FC1_WEIGHT):  # diffusers' [value; gate] -> [gate; value]
+                values, scales = (torch.cat(part.chunk(2)[::-1]) for part in (values, scales))
+            return values, scales
+
+        return read_diffusers, None, None
+    if key not in files.scales:
+        return None
+    info, scale_info = files.infos[key], files.scales[key]
+
+    def read() -> tuple[Tensor, Tensor]:
+        values, scales = files.fp8(key)
+        if key.endswith(QKV_WEIGHT):
+            values = interleaved_to_stacked_qkv(values, config.num_heads).contiguous()
+            scales = interleaved_to_stacked_qkv(scales, config.num_heads).contiguous()
+        return values, scales
+
+    blocks = qkv_row_blocks(config) if key.endswith(QKV_WEIGHT) else None
+    return read, row_extents(info, info.dtype, blocks), row_extents(scale_info, scale_info.dtype, blocks)

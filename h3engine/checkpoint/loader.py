@@ -71,6 +71,8 @@ class ComponentSource:
     read_key: Callable[[str, torch.dtype], torch.Tensor] | None = None
     # Where a module key's bytes lie in the files, when they are stored as the module holds them (None: unknown).
     key_extents: Callable[[str, torch.dtype], tuple[FileExtent, ...] | None] | None = None
+    # A key the files store in FP8: its raw reader and extents (h3engine.checkpoint.safetensors_io.DeferredReads.fp8).
+    key_fp8: Callable[[str], Any] | None = None
 
     def expected_state(self) -> StateDict:
         """Our module's state dict on the meta device (keys, shapes and target dtypes, no memory)."""
@@ -96,7 +98,8 @@ class ComponentSource:
         for key in [*wanted, *remembered] if self.read_key is not None else []:
             dtype = expected[key].dtype
             extents = self.key_extents(key, dtype) if self.key_extents is not None else None
-            deferred.add(key, partial(self.read_key, key, dtype), extents)
+            fp8 = self.key_fp8(key) if self.key_fp8 is not None else None
+            deferred.add(key, partial(self.read_key, key, dtype), extents, fp8)
         if self.to_file_names is _identity:
             # Native layout: stream tensor by tensor straight to the device, so the host never holds the whole model,
             # each tensor converted as it is read, so the device never holds a converted tensor beside its original.
@@ -178,6 +181,7 @@ def dit_source(layout: CheckpointLayout, paths: PartitionPaths, dtype: torch.dty
         key_extents=lambda key, dtype: dit_format.module_extents(
             dit_format.as_native_files(files, config), config, key, dtype
         ),
+        key_fp8=lambda key: dit_format.module_fp8(dit_format.as_native_files(files, config), config, key),
     )
 
 

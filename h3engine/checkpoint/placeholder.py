@@ -7,13 +7,18 @@ key as they are read, on the host as a file's tensor arrives. Outputs are noise:
 own processes at the released size (worker groups, split stages, the app) where the weights are not at hand. The
 text side keeps the released encoder shapes with the tiny tokenizer and processor (their special ids go into the
 encoder config). Loading one says so: a warning, `is_placeholder(folder)`, and `"weights": "placeholder"` in sidecars.
+`real_bytes` names components (PLACEHOLDER_COMPONENTS) whose files hold those same drawn values as real bytes, written
+a tensor at a time, so that reading their layers from the files measures the disk (the second partition's copies of the
+text encoder and VAEs are hard links to the first's where the file system allows).
 
-    python -m h3engine make-placeholder-checkpoint /tmp/h3-placeholder [--seed 0] [--tiny]
+    python -m h3engine make-placeholder-checkpoint /tmp/h3-placeholder [--seed 0] [--tiny] [--real-bytes dit,...]
 """
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +26,23 @@ import torch
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from h3engine.checkpoint import dit_keys
+from h3engine.checkpoint.fp8_files import (
+    SCALE_SUFFIX,
+    dit_quantized_key,
+    text_encoder_quantized_key,
+    text_encoder_unused_key,
+)
+from h3engine.checkpoint.fp8_rows import FP8_DTYPE, quantize_rows
 from h3engine.checkpoint.layout import NATIVE_PARTITION_FOLDERS, require_empty_folder
-from h3engine.checkpoint.safetensors_io import WeightFiles, write_placeholder_file
+from h3engine.checkpoint.safetensors_io import (
+    PLACEHOLDER_DRAWN,
+    PLACEHOLDER_VALUES_KEY,
+    TensorInfo,
+    WeightFiles,
+    placeholder_values,
+    write_placeholder_file,
+    write_tensor_file,
+)
 from h3engine.checkpoint.text_encoder_files import (
     TINY_TOKEN_IDS,
     tiny_text_encoder_config,
@@ -41,6 +61,9 @@ from h3engine.models.dit import DiTConfig
 from h3engine.models.video_vae import VideoVAE, VideoVAEConfig
 
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+# The components whose weight files `real_bytes` may write as real bytes.
+PLACEHOLDER_COMPONENTS = ("dit", "text_encoder", "video_vae", "audio_vae")
 
 # Qwen3-VL-32B as H3 ships it (docs/MODEL.md §4.1): 64 decoder layers of which H3TextEncoder keeps 50, plus the
 # vision tower (unused by T2VA but held in memory like the engine holds it).
@@ -106,9 +129,96 @@ def _module_shapes(module: torch.nn.Module) -> Shapes:
     return {key: (tuple(tensor.shape), tensor.dtype) for key, tensor in module.state_dict().items()}
 
 
-def make_placeholder_checkpoint(folder: str | Path, seed: int = 0, tiny: bool = False) -> Path:
-    """Write a native placeholder checkpoint (both partitions) into an empty or missing `folder`."""
+def parse_components(text: str | None) -> tuple[str, ...]:
+    """ "dit,text_encoder" -> the names, in PLACEHOLDER_COMPONENTS' order; ValueError naming any other name."""
+    names = {name.strip() for name in (text or "").split(",") if name.strip()}
+    unknown = sorted(names - set(PLACEHOLDER_COMPONENTS))
+    if unknown:
+        raise ValueError(
+            f"unknown component {', '.join(unknown)} (expected some of {', '.join(PLACEHOLDER_COMPONENTS)})"
+        )
+    return tuple(name for name in PLACEHOLDER_COMPONENTS if name in names)
+
+
+class _WeightWriter:
+    """Writes one placeholder weight file: a header and a hole, or (a real-bytes component) the drawn values, one
+    tensor in memory at a time; a real-bytes file written before with the same seed (the other partition's identical
+    copy) is hard-linked, not written again. With `weights` "fp8" the DiT's and the text encoder's large linears are
+    stored as a converted checkpoint stores them (h3engine.checkpoint.fp8_files): e4m3 values and row scales, the
+    quantized form of the bf16 placeholder's values."""
+
+    def __init__(self, real_bytes: tuple[str, ...], weights: str = "bf16") -> None:
+        self.real_bytes = real_bytes
+        self.weights = weights
+        self.written: dict[tuple[str, int], Path] = {}
+
+    def _fp8_shapes(self, component: str, shapes: Shapes) -> Shapes:
+        stored: Shapes = {}
+        for key, (shape, dtype) in shapes.items():
+            quantized = (
+                dit_quantized_key(key)
+                if component == "dit"
+                else text_encoder_quantized_key(key, tuple(shape))
+            )
+            if quantized:
+                stored[key] = (shape, FP8_DTYPE)
+                stored[key + SCALE_SUFFIX] = ((shape[0], 1), torch.float32)
+            elif not (component == "text_encoder" and text_encoder_unused_key(key)):
+                stored[key] = (shape, dtype)
+        return stored
+
+    def __call__(self, component: str, path: Path, shapes: Shapes, seed: int) -> None:
+        drawn = shapes
+        if self.weights == "fp8" and component in ("dit", "text_encoder"):
+            shapes = self._fp8_shapes(component, shapes)
+        if component not in self.real_bytes:
+            write_placeholder_file(path, shapes, seed)
+            return
+        earlier = self.written.get((component, seed))
+        if earlier is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(earlier, path)
+                return
+            except OSError:
+                pass  # no hard links here: written again
+        specs = [(key, tuple(shape), dtype) for key, (shape, dtype) in shapes.items()]
+
+        quantized: dict[str, torch.Tensor] = {}
+
+        def values(key: str) -> torch.Tensor:
+            shape, dtype = shapes[key]
+            if dtype == FP8_DTYPE or key.removesuffix(SCALE_SUFFIX) in quantized:
+                # As the hole file's reader gives them: the quantized rows of the bf16 draw (scales right after).
+                if key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) in quantized:
+                    return quantized.pop(key.removesuffix(SCALE_SUFFIX))
+                bf16_shape, _ = drawn[key]
+                info = TensorInfo(path, torch.bfloat16, tuple(bf16_shape), placeholder_seed=seed)
+                fp8_values, quantized[key] = quantize_rows(placeholder_values(key, info))
+                return fp8_values
+            # Exactly what the hole file's reader draws (the same seed, key, shape and dtype).
+            return placeholder_values(key, TensorInfo(path, dtype, tuple(shape), placeholder_seed=seed))
+
+        # No seed in the metadata: the engine reads the bytes (as stored) and still knows they are a placeholder's.
+        write_tensor_file(path, specs, values, {PLACEHOLDER_VALUES_KEY: PLACEHOLDER_DRAWN})
+        self.written[(component, seed)] = path
+
+
+def make_placeholder_checkpoint(
+    folder: str | Path,
+    seed: int = 0,
+    tiny: bool = False,
+    real_bytes: Iterable[str] = (),
+    weights: str = "bf16",
+    partitions: Iterable[str] | None = None,
+) -> Path:
+    """Write a native placeholder checkpoint (both partitions, or those `partitions` names) into an empty or missing
+    `folder`; the components named in `real_bytes` get files holding their drawn values (ValueError for a name not in
+    PLACEHOLDER_COMPONENTS); `weights` "fp8": the large linears stored as a converted checkpoint stores them."""
     folder = Path(folder)
+    if weights not in ("bf16", "fp8"):
+        raise ValueError(f"weights must be bf16 or fp8, got {weights!r}")
+    write = _WeightWriter(parse_components(",".join(real_bytes)), weights)
     require_empty_folder(folder)
     if tiny:
         configs = (DiTConfig.tiny(), VideoVAEConfig.tiny(), AudioVAEConfig.tiny())
@@ -120,17 +230,17 @@ def make_placeholder_checkpoint(folder: str | Path, seed: int = 0, tiny: bool = 
             key: (shape, dit_keys.native_storage_dtype(key))
             for key, shape in dit_keys.native_state_shapes(config).items()
         }
-        write_placeholder_file(transformer / "model.safetensors", shapes, component_seed(seed, partition))
+        write("dit", transformer / "model.safetensors", shapes, component_seed(seed, partition))
 
     def video_vae(config: VideoVAEConfig, path: Path) -> None:
         with torch.device("meta"):
             shapes = _module_shapes(VideoVAE(config))
-        write_placeholder_file(path, shapes, component_seed(seed, "video_vae"))
+        write("video_vae", path, shapes, component_seed(seed, "video_vae"))
 
     def audio_vae(config: AudioVAEConfig, path: Path) -> None:
         with torch.device("meta"):
             shapes = _module_shapes(AudioVAE(config))
-        write_placeholder_file(path, shapes, component_seed(seed, "audio_vae"))
+        write("audio_vae", path, shapes, component_seed(seed, "audio_vae"))
 
     def text_side(partition_folder: Path, text_dim: int) -> None:
         config = placeholder_text_encoder_config(tiny, text_dim)
@@ -139,13 +249,13 @@ def make_placeholder_checkpoint(folder: str | Path, seed: int = 0, tiny: bool = 
             full_model = Qwen3VLForConditionalGeneration(Qwen3VLConfig.from_dict(config))
         shapes = {key: (shape, torch.bfloat16) for key, (shape, _) in _module_shapes(full_model).items()}
         path = partition_folder / "text_encoder" / "model.safetensors"
-        write_placeholder_file(path, shapes, component_seed(seed, "text_encoder"))
+        write("text_encoder", path, shapes, component_seed(seed, "text_encoder"))
         write_tiny_tokenizer(partition_folder / "tokenizer")
         write_tiny_processor(partition_folder / "processor")
 
     writers = NativeWeightWriters(dit=dit, video_vae=video_vae, audio_vae=audio_vae, text_side=text_side)
     folder.mkdir(parents=True, exist_ok=True)
-    write_native_tree(folder, configs, TINY_CANVAS if tiny else {}, writers)
+    write_native_tree(folder, configs, TINY_CANVAS if tiny else {}, writers, partitions=partitions)
     return folder
 
 

@@ -5,7 +5,8 @@ reads only the JSON headers, and checks that every shard the index names exists,
 that each file is as long as its header says (a truncated download fails here, naming the file). Tensors are read
 one at a time through `safe_open`, whole (`tensor`) or as a slice (`row_slice`, for a tensor-parallel rank that
 needs only its rows), so nothing is loaded before it is asked for. A placeholder file (header only, its data a hole)
-hands out drawn values instead (`placeholder_values`): h3engine.checkpoint.placeholder writes them.
+hands out drawn values instead (`placeholder_values`): h3engine.checkpoint.placeholder writes them; one whose drawn
+values were written as real bytes is read like any file, and still counts as a placeholder (`WeightFiles.placeholder`).
 
 Danger: a released checkpoint is 66 GB per DiT partition; never materialize the whole state dict on the host when
 the target is a GPU — read tensor by tensor straight to the device.
@@ -20,10 +21,12 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from h3engine.checkpoint.fp8_rows import dequantize_rows, quantize_rows
 from h3engine.errors import CheckpointError
 
 _DTYPES = {
@@ -31,6 +34,7 @@ _DTYPES = {
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
     "I64": torch.int64,
     "I32": torch.int32,
     "I16": torch.int16,
@@ -38,6 +42,8 @@ _DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+# The key of a weight's FP8 row scales beside it (h3engine.checkpoint.fp8_files.SCALE_SUFFIX).
+FP8_SCALE_SUFFIX = "_scale"
 # A header larger than this is not a safetensors header (the format caps it at 100 MB).
 _MAX_HEADER_BYTES = 100_000_000
 
@@ -82,6 +88,9 @@ class DeferredReads:
         self.readers: dict[str, Callable[[], torch.Tensor]] = {}
         # Key -> the file extents that hold its bytes as the module has them (absent: read through the reader).
         self.extents: dict[str, tuple[FileExtent, ...]] = {}
+        # Key of a weight the files store in FP8 -> (a reader of its e4m3 values and fp32 row scales in the module's
+        # row order, the extents of the values, those of the scales; None where they must go through the reader).
+        self.fp8: dict[str, tuple[Callable[[], tuple[torch.Tensor, torch.Tensor]], Any, Any]] = {}
 
     def wants(self, key: str) -> bool:
         return key in self.keys
@@ -90,11 +99,17 @@ class DeferredReads:
         return key in self.remembered
 
     def add(
-        self, key: str, reader: Callable[[], torch.Tensor], extents: tuple[FileExtent, ...] | None = None
+        self,
+        key: str,
+        reader: Callable[[], torch.Tensor],
+        extents: tuple[FileExtent, ...] | None = None,
+        fp8: tuple[Callable[[], tuple[torch.Tensor, torch.Tensor]], Any, Any] | None = None,
     ) -> None:
         self.readers[key] = reader
         if extents is not None:
             self.extents[key] = extents
+        if fp8 is not None:
+            self.fp8[key] = fp8
 
 
 @dataclass(frozen=True)
@@ -106,6 +121,8 @@ class TensorInfo:
     placeholder_seed: int | None = None
     # Where the tensor's bytes start in the file (-1: unknown, e.g. a view that renames another file's tensors).
     offset: int = -1
+    # A placeholder's drawn values written as real bytes (PLACEHOLDER_VALUES_KEY): read as stored, outputs noise.
+    drawn: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -162,6 +179,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 
     infos: dict[str, TensorInfo] = {}
     placeholder_seed = _placeholder_seed(path, header.get("__metadata__"))
+    drawn = _drawn(header.get("__metadata__"))
     data_end = 0
     for key, entry in header.items():
         if key == "__metadata__":
@@ -172,7 +190,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             begin, end = (int(o) for o in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt header entry for tensor '{key}'") from None
-        infos[key] = TensorInfo(path, dtype, shape, placeholder_seed, 8 + header_len + begin)
+        infos[key] = TensorInfo(path, dtype, shape, placeholder_seed, 8 + header_len + begin, drawn)
         data_end = max(data_end, end)
         if end < begin:
             raise CheckpointError(f"{path}: corrupt offsets for tensor '{key}'")
@@ -187,7 +205,17 @@ class WeightFiles:
     """The tensors of one component, spread over one or several safetensors files."""
 
     def __init__(self, infos: dict[str, TensorInfo], description: str) -> None:
-        self.infos = infos
+        # A weight stored in FP8 (h3engine.checkpoint.fp8_files) with its row scales: the scales are no tensor of
+        # the module; reading the weight dequantizes it (`tensor`, the slices), `fp8` gives both as stored.
+        self.scales = {
+            key.removesuffix(FP8_SCALE_SUFFIX): info
+            for key, info in infos.items()
+            if key.endswith(FP8_SCALE_SUFFIX)
+            and key.removesuffix(FP8_SCALE_SUFFIX) in infos
+            and infos[key.removesuffix(FP8_SCALE_SUFFIX)].dtype == torch.float8_e4m3fn
+        }
+        scale_keys = {key + FP8_SCALE_SUFFIX for key in self.scales}
+        self.infos = {key: info for key, info in infos.items() if key not in scale_keys}
         self.description = description
         self._handles: dict[Path, object] = {}
 
@@ -278,32 +306,67 @@ class WeightFiles:
         return handle
 
     def tensor(self, key: str) -> torch.Tensor:
-        """Read one whole tensor (on the CPU, in its stored dtype)."""
-        info = self.infos.get(key)
-        if info is None:
+        """Read one whole tensor (on the CPU, in its stored dtype; a weight stored in FP8 dequantized to fp32)."""
+        if key not in self.infos:
             raise CheckpointError(f"{self.description}: missing tensor '{key}'")
-        if info.placeholder_seed is not None:
-            return placeholder_values(key, info)
-        return self._handle(info.file).get_tensor(key)
+        return self._read(key)
 
     def row_slice(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Read rows [start, stop) of a tensor without reading the rest of it."""
-        info = self.infos[key]
-        if info.placeholder_seed is not None:
-            return placeholder_values(key, info)[start:stop]
-        return self._handle(info.file).get_slice(key)[start:stop]
+        return self._read(key, rows=slice(start, stop))
 
     def column_slice(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Read columns [start, stop) of a 2-D tensor: each row's contiguous run of bytes, nothing else."""
-        info = self.infos[key]
+        return self._read(key, columns=slice(start, stop))
+
+    def fp8(self, key: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(e4m3 values, fp32 row scales [rows, 1]) of a weight stored in FP8, as stored; None for any other."""
+        return self._fp8(key) if key in self.scales else None
+
+    def _read(self, key: str, rows: slice | None = None, columns: slice | None = None) -> torch.Tensor:
+        if key in self.scales:
+            values, scales = self._fp8(key, rows, columns)
+            return dequantize_rows(values, scales)
+        return self._stored(key, self.infos[key], rows, columns)
+
+    def _stored(
+        self, key: str, info: TensorInfo, rows: slice | None = None, columns: slice | None = None
+    ) -> torch.Tensor:
         if info.placeholder_seed is not None:
-            return placeholder_values(key, info)[:, start:stop]
-        return self._handle(info.file).get_slice(key)[:, start:stop]
+            tensor = placeholder_values(key, info)
+        elif rows is None and columns is None:
+            return self._handle(info.file).get_tensor(key)
+        else:
+            tensor = self._handle(info.file).get_slice(key)
+        if rows is not None:
+            return tensor[rows]
+        return tensor[:, columns] if columns is not None else tensor
+
+    def _fp8(
+        self, key: str, rows: slice | None = None, columns: slice | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        info = self.infos[key]
+        if info.placeholder_seed is None:
+            scales = self._stored(key + FP8_SCALE_SUFFIX, self.scales[key], rows)
+            return self._stored(key, info, rows, columns), scales.to(torch.float32).view(-1, 1)
+        # A placeholder stands for the quantized form of the bf16 placeholder's values.
+        drawn = placeholder_values(
+            key, TensorInfo(info.file, torch.bfloat16, info.shape, info.placeholder_seed)
+        )
+        values, scales = quantize_rows(drawn)
+        values, scales = (values[rows], scales[rows]) if rows is not None else (values, scales)
+        return (values[:, columns] if columns is not None else values), scales
+
+    @property
+    def stores_fp8(self) -> bool:
+        """Whether some weights are stored in FP8 (h3engine.checkpoint.fp8_files)."""
+        return bool(self.scales)
 
     @property
     def placeholder(self) -> bool:
-        """Whether these are placeholder files (h3engine.checkpoint.placeholder): values drawn at load."""
-        return any(info.placeholder_seed is not None for info in self.infos.values())
+        """Whether these are placeholder files (h3engine.checkpoint.placeholder): values drawn at load, or drawn
+        when the files were written and stored as real bytes."""
+        return any(info.placeholder_seed is not None or info.drawn for info in self.infos.values())
 
     def close(self) -> None:
         self._handles.clear()
@@ -311,9 +374,13 @@ class WeightFiles:
 
 # --- placeholder files ------------------------------------------------------------------------------------------
 # A placeholder file (h3engine.checkpoint.placeholder) is a real header, `__metadata__[PLACEHOLDER_KEY]` = a seed,
-# followed by a data region the file's length covers but nothing was written to (a hole in a sparse file).
+# followed by a data region the file's length covers but nothing was written to (a hole in a sparse file). A
+# real-bytes one holds those drawn values as data and says so with `__metadata__[PLACEHOLDER_VALUES_KEY]` = "drawn"
+# instead: no seed, so that its bytes are read (and streamed from their extents) as a released file's are.
 
 PLACEHOLDER_KEY = "h3_placeholder_seed"
+PLACEHOLDER_VALUES_KEY = "h3_placeholder_values"
+PLACEHOLDER_DRAWN = "drawn"
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 # Drawing 60 GB of normal values on the host would take minutes: each tensor repeats one draw of this (prime) length.
 _PLACEHOLDER_PERIOD = 1_000_003
@@ -328,14 +395,24 @@ def _placeholder_seed(path: Path, metadata: object) -> int | None:
         raise CheckpointError(f"{path}: corrupt {PLACEHOLDER_KEY} metadata") from None
 
 
-def write_placeholder_file(
-    path: Path, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]], seed: int
+def _drawn(metadata: object) -> bool:
+    return isinstance(metadata, dict) and metadata.get(PLACEHOLDER_VALUES_KEY) == PLACEHOLDER_DRAWN
+
+
+def write_tensor_file(
+    path: Path,
+    specs: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+    values: Callable[[str], torch.Tensor] | None,
+    metadata: Mapping[str, str] | None = None,
 ) -> None:
-    """A safetensors header for `shapes` (key -> (shape, dtype)) whose data is a hole: no byte of it is written."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt", PLACEHOLDER_KEY: str(seed)}}
+    """A safetensors file of `specs` (key, shape, dtype), written a tensor at a time: the header first, then each
+    tensor's bytes as `values(key)` makes it (on the host, that shape and dtype), so that a file of any size is written
+    holding one tensor. `values` None leaves the data a hole (a placeholder: h3engine.checkpoint.placeholder). Keys go
+    in sorted order, as safetensors writes them."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
-    for key in sorted(shapes):
-        shape, dtype = shapes[key]
+    ordered = sorted(specs)
+    for key, shape, dtype in ordered:
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         header[key] = {
             "dtype": _DTYPE_NAMES[dtype],
@@ -348,7 +425,24 @@ def write_placeholder_file(
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as handle:
         handle.write(struct.pack("<Q", len(encoded)) + encoded)
-        handle.truncate(8 + len(encoded) + offset)
+        if values is None:
+            handle.truncate(8 + len(encoded) + offset)
+            return
+        for key, shape, dtype in ordered:
+            tensor = values(key)
+            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                raise ValueError(
+                    f"{key}: made {tensor.dtype} {list(tensor.shape)}, declared {dtype} {list(shape)}"
+                )
+            handle.write(memoryview(tensor.contiguous().view(torch.uint8).numpy()))
+
+
+def write_placeholder_file(
+    path: Path, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]], seed: int
+) -> None:
+    """A safetensors header for `shapes` (key -> (shape, dtype)) whose data is a hole: no byte of it is written."""
+    specs = [(key, tuple(shape), dtype) for key, (shape, dtype) in shapes.items()]
+    write_tensor_file(path, specs, None, {PLACEHOLDER_KEY: str(seed)})
 
 
 def placeholder_values(key: str, info: TensorInfo) -> torch.Tensor:

@@ -198,6 +198,7 @@ def read_text_encoder_tensors(
                 key,
                 partial(_read_whole, weight_files, key, dtype),
                 row_extents(weight_files.infos[key], dtype),
+                _fp8_reads(weight_files, key),
             )
         else:
             tensor = placed(weight_files.tensor(key), device, dtype)
@@ -205,6 +206,18 @@ def read_text_encoder_tensors(
             setattr(owner, leaf_name, nn.Parameter(tensor, requires_grad=False))
         else:
             owner._buffers[leaf_name] = tensor
+
+
+def _fp8_reads(weight_files: WeightFiles, key: str) -> tuple | None:
+    """A weight the files store in FP8: (its raw reader, the extents of its values and of its row scales)."""
+    if key not in weight_files.scales:
+        return None
+    info, scale_info = weight_files.infos[key], weight_files.scales[key]
+    return (
+        partial(weight_files.fp8, key),
+        row_extents(info, info.dtype),
+        row_extents(scale_info, scale_info.dtype),
+    )
 
 
 def _read_whole(weight_files: WeightFiles, key: str, dtype: torch.dtype) -> torch.Tensor:

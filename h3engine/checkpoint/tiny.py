@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,11 +148,19 @@ def write_native_tree(
     canvas: dict[str, int],
     writers: NativeWeightWriters,
     dmd_steps: list[int] | None = None,
+    partitions: Iterable[str] | None = None,
 ) -> None:
-    """Both native partition folders under `root`: configs written here, weight files by `writers`; `canvas` goes
-    into `_minimax_h3` (empty: the released 768 defaults)."""
+    """Both native partition folders under `root` (or those `partitions` names): configs written here, weight files by
+    `writers`; `canvas` goes into `_minimax_h3` (empty: the released 768 defaults)."""
     dit_config, video_config, audio_config = configs
+    wanted = set(NATIVE_PARTITION_FOLDERS) if partitions is None else set(partitions)
+    if not wanted or not wanted <= set(NATIVE_PARTITION_FOLDERS):
+        raise ValueError(
+            f"partitions must be some of {', '.join(NATIVE_PARTITION_FOLDERS)}, got {sorted(wanted)}"
+        )
     for partition, folder_name in NATIVE_PARTITION_FOLDERS.items():
+        if partition not in wanted:
+            continue
         folder = root / folder_name
         write_json(
             folder / "model_index.json",

@@ -32,6 +32,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from h3engine.checkpoint.layout import detect_layout, require_empty_folder
+from h3engine.cli.convert import add_convert_parser, run_convert
 from h3engine.cli.progress import PROGRESS_MODES, Progress, make_progress
 from h3engine.cli.remix import add_remix_flags, remix_payload
 from h3engine.cli.validation import (
@@ -230,7 +231,28 @@ def _build_parser() -> argparse.ArgumentParser:
     placeholder.add_argument(
         "--tiny", action="store_true", help="the tiny shapes instead of the released ones"
     )
+    placeholder.add_argument(
+        "--real-bytes",
+        default="",
+        metavar="COMPONENTS",
+        help="components whose files hold their drawn values as real bytes, e.g. dit,text_encoder (of dit, "
+        "text_encoder, video_vae, audio_vae): reading them measures the disk (the released DiT is ~66 GB a "
+        "partition)",
+    )
+    placeholder.add_argument(
+        "--weights",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="fp8: the large linears as a converted checkpoint stores them (python -m h3engine convert --weights fp8)",
+    )
+    placeholder.add_argument(
+        "--partitions",
+        default="fl2va,ref2va",
+        metavar="PARTITIONS",
+        help="the partitions to write, e.g. fl2va (default both)",
+    )
     add_plan_memory_parser(commands)
+    add_convert_parser(commands)
     add_validation_parsers(commands)
     return parser
 
@@ -410,9 +432,25 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
             except ValueError as error:  # the rungs themselves (only "dmd_steps: ..." can reach here)
                 raise RequestError("--dmd-steps", str(error).removeprefix("dmd_steps: ")) from None
         else:
-            from h3engine.checkpoint.placeholder import make_placeholder_checkpoint
+            from h3engine.checkpoint.placeholder import make_placeholder_checkpoint, parse_components
 
-            print(make_placeholder_checkpoint(args.folder, seed=args.seed, tiny=args.tiny))
+            try:
+                real_bytes = parse_components(args.real_bytes)
+            except ValueError as error:
+                raise RequestError("--real-bytes", str(error)) from None
+            partitions = [name.strip() for name in args.partitions.split(",") if name.strip()]
+            try:
+                folder = make_placeholder_checkpoint(
+                    args.folder,
+                    seed=args.seed,
+                    tiny=args.tiny,
+                    real_bytes=real_bytes,
+                    weights=args.weights,
+                    partitions=partitions,
+                )
+            except ValueError as error:
+                raise RequestError("--partitions", str(error)) from None
+            print(folder)
     except FileExistsError:
         raise RequestError("folder", f"{args.folder} is not empty") from None
     return 0
@@ -595,6 +633,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _make_checkpoint(args)
         if args.command == "plan-memory":
             return run_plan_memory(args)
+        if args.command == "convert":
+            return run_convert(args)
         if args.command in VALIDATION_COMMANDS:
             return run_validation(args)
         if args.quiet and args.progress != "auto":

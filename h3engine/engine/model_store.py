@@ -18,6 +18,7 @@ Contract:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -156,7 +157,53 @@ class ModelStore:
         self.first_partition = next(iter(self._sources))
         # The partition whose DiT is on the device (the last one a request asked for).
         self.partition_on_device: str | None = None
+        # The load of the other partitions' DiTs in the background (`preload_other_partitions`) and its error.
+        self._preload: threading.Thread | None = None
+        self._preload_error: BaseException | None = None
         self.models_for_partition(self.first_partition)
+
+    def preload_other_partitions(self) -> bool:
+        """Load the other partitions' DiTs into their host homes in a thread of its own, when the plan keeps both
+        partitions warm (the host budget holds them): the first switch then copies from host memory, like the later
+        ones, instead of reading the files. A request for such a partition waits for the load to end. Returns whether
+        a load started (a long-running server calls this after its start; a one-request CLI has no use for it)."""
+        others = [partition for partition in self._sources if partition != self.first_partition]
+        if not others or not self.placement.keeps_partitions_warm or self._preload is not None:
+            return False
+        self._preload = threading.Thread(
+            target=self._preload_dits, args=(others,), name="partition-preload", daemon=True
+        )
+        self._preload.start()
+        return True
+
+    def _preload_dits(self, partitions: list[str]) -> None:
+        for partition in partitions:
+            sources = self._sources[partition]
+            key = ("dit", self._identity("dit", sources.paths.dit))
+            if key in self._modules:
+                continue
+            started = time.perf_counter()
+            logger.info("loading the %s DiT in the background into host memory", partition)
+            try:
+                self._modules[key] = self._load_dit(sources.dit, sources.paths.dit, activate=False)
+            except BaseException as error:  # reported to the request that needs it
+                self._preload_error = error
+                return
+            seconds = time.perf_counter() - started
+            self.load_timings[f"dit:{sources.paths.dit.name}"] = seconds
+            logger.info("the %s DiT waits in host memory (%.1f s in the background)", partition, seconds)
+
+    def _wait_for_preload(self, partition: str) -> None:
+        """Before a partition's models are used: the background load of its DiT has ended (its error raised once)."""
+        thread = self._preload
+        if thread is None or partition == self.first_partition:
+            return
+        if thread.is_alive():
+            logger.info("the %s DiT is still loading in the background: the request waits for it", partition)
+            thread.join()
+        error, self._preload_error = self._preload_error, None
+        if error is not None:
+            raise error
 
     def dit_config(self, partition: str) -> Any:
         """The DiT config of `partition` (h3engine.models.dit.DiTConfig), read at start: no model loads."""
@@ -170,6 +217,7 @@ class ModelStore:
         return self.models_for_partition(self.partition_for(task))
 
     def models_for_partition(self, partition: str) -> Models:
+        self._wait_for_preload(partition)
         sources = self._sources[partition]
         paths = sources.paths
         folders = [getattr(paths, kind) for kind in COMPONENTS]
@@ -238,9 +286,10 @@ class ModelStore:
         encoder = self.loader.text_encoder(
             folder, self.placement.load_device("text_encoder"), self.dtype, deferred
         )
-        return self.placement.adopt(encoder, "text_encoder", deferred)
+        files_fp8 = open_text_encoder_files(folder)[1].stores_fp8
+        return self.placement.adopt(encoder, "text_encoder", deferred, files_fp8)
 
-    def _load_dit(self, source: ComponentSource, folder: Path) -> torch.nn.Module:
+    def _load_dit(self, source: ComponentSource, folder: Path, activate: bool = True) -> torch.nn.Module:
         # FP8 linears are made from the loaded bf16 weights: their layers cannot be left unread (the AdaLN can).
         deferred = self._deferred("dit", source.build, layers=not self.fp8_linear)
         dit = self.loader.dit(source, self.placement.load_device("dit"), self.dtype, deferred)
@@ -252,7 +301,9 @@ class ModelStore:
         if next(dit.parameters(), None) is not None:
             set_activation_chunks(dit, plan.activation_chunks)
             set_kept_schedules(dit, plan.context.kept_schedules)
-        return self.placement.adopt(self._prepare_dit(dit, deferred), "dit", deferred)
+        files_fp8 = source.files.stores_fp8
+        prepared = self._prepare_dit(dit, deferred, source)
+        return self.placement.adopt(prepared, "dit", deferred, files_fp8, activate)
 
     def _load_video_vae(self, source: ComponentSource) -> torch.nn.Module | None:
         deferred = self._deferred("video_vae", source.build) if source.read_key is not None else None
@@ -281,17 +332,29 @@ class ModelStore:
         if self.on_load is not None and kind in pending:
             self.on_load(LoadEvent(kind, partition, pending.index(kind) + 1, len(pending), seconds))
 
-    def _prepare_dit(self, dit: torch.nn.Module, deferred: DeferredReads | None = None) -> torch.nn.Module:
+    def _prepare_dit(
+        self, dit: torch.nn.Module, deferred: DeferredReads | None, source: ComponentSource
+    ) -> torch.nn.Module:
         """On a GPU, the DiT's AdaLN projections go to pinned host memory: `modulation.schedule_modulation` streams
         them to the device once per request schedule, and the placement leaves pinned tensors where they are.
         With `fp8_linear`, the blocks' linears are then quantized (h3engine.quantization). A DiT without parameters
-        is one another stage group holds (h3engine.runtime.stages): only its config is here."""
+        is one another stage group holds (h3engine.runtime.stages): only its config is here. Files that store the
+        AdaLN projections in FP8 hand over their values and scales as stored (loading dequantized them already)."""
         if next(dit.parameters(), None) is None:
             return dit
         fp8_weights = self.placement.plan.weights == "fp8"
+        files_fp8 = source.files.stores_fp8
+        stored = {}
+        if fp8_weights and files_fp8 and source.key_fp8 is not None:
+            stored = {
+                name: parts[0]
+                for name, _ in dit.named_parameters()
+                if name.endswith("adaln_proj.linear.weight") and (parts := source.key_fp8(name)) is not None
+            }
         if self.device.type == "cuda":
-            offload_adaln(dit, fp8=fp8_weights, readers=deferred.readers if deferred is not None else None)
-        elif fp8_weights:
+            readers = deferred.readers if deferred is not None else None
+            offload_adaln(dit, fp8=fp8_weights, readers=readers, stored_fp8=stored)
+        elif fp8_weights and not files_fp8:
             store_adaln_in_fp8(dit)
         if self.fp8_linear:
             from h3engine.quantization import quantize_dit_linears

@@ -12,6 +12,7 @@ same outputs; this is how their mechanisms are tested without a GPU).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -34,7 +35,9 @@ from h3engine.memory.plan import (
     plan_engine,
 )
 from h3engine.memory.shapes import ReferenceSpec, RequestShape, request_shape
-from h3engine.memory.sizes import RankShare, checkpoint_sizes
+from h3engine.memory.sizes import RankShare, checkpoint_sizes, stored_weights
+
+logger = logging.getLogger(__name__)
 
 # The variable `--adaln-cache` falls back to (h3engine.sampling.adaln_tables reads it too).
 ADALN_CACHE_ENV = "H3_ADALN_CACHE"
@@ -122,6 +125,9 @@ def plan_memory(
     """The plan an engine on `device` carries out (see the module docstring); `cache_folder` keeps the disk's
     measured read rate."""
     request.checked()
+    if request.weights != "fp8" and stored_weights(layout) == "fp8":
+        logger.info("%s stores its large linears in FP8: they run as --weights fp8", layout.root)
+        request = replace(request, weights="fp8")
     budget = resolve_budget(device, request.gpu_memory, request.host_memory)
     if device.type != "cuda":
         plan = replace(profile_plan(request.profile, request.weights), budget=budget, device_type=device.type)

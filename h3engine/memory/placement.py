@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -80,6 +81,15 @@ def profile_plan(profile: str, weights: str = "bf16") -> MemoryPlan:
     return replace(plan, models={name: streamed if name in LAYER_SPECS else RESIDENT for name in MODELS})
 
 
+def _tensor_read(deferred: DeferredReads, name: str, quantize: bool) -> TensorRead:
+    """How a stream reads one tensor again: its values (and their extents in the files), or, for an FP8 stream of
+    files that store the weight in FP8, its values and row scales as stored."""
+    if quantize and name in deferred.fp8:
+        read, value_extents, scale_extents = deferred.fp8[name]
+        return TensorRead(read, value_extents, scale_extents, fp8=True)
+    return TensorRead(deferred.readers[name], deferred.extents.get(name))
+
+
 def file_home_layers(count: int, in_files: int) -> list[bool]:
     """Which of `count` streamed layers (in visit order) read from the files when `in_files` of them do: spread
     evenly, so that the disk reads for the next file-home layer while the layers between compute."""
@@ -126,6 +136,8 @@ class Placement:
         self._cuda = self.compute_device.type == "cuda"
         self._transfer = transfer or (lambda tensor: tensor.to(self.compute_device, non_blocking=True))
         self._held: WeakKeyDictionary[nn.Module, _Held] = WeakKeyDictionary()
+        # A DiT partition may be adopted by a background load while requests run (h3engine.engine.model_store).
+        self._lock = threading.RLock()
         self.phase: str | None = None
 
     @property
@@ -206,11 +218,18 @@ class Placement:
         return DeferredReads(keys, remember)
 
     def adopt(
-        self, module: ModuleT | None, model: str, deferred: DeferredReads | None = None
+        self,
+        module: ModuleT | None,
+        model: str,
+        deferred: DeferredReads | None = None,
+        files_fp8: bool = False,
+        activate: bool = True,
     ) -> ModuleT | None:
         """Carry out the plan for a freshly loaded `model` (None: a model this rank does not hold; a model without
         parameters: a share another stage group holds); returns it. `deferred`: the reads the loader left for the
-        mapped home of its streamed layers."""
+        mapped home of its streamed layers. `files_fp8`: the files store its large linears in FP8 (a converted
+        checkpoint): what loaded is already their dequantized values, FP8 images come from the files as stored.
+        `activate` False: a DiT stays in its host home (loaded in the background) until `activate`."""
         if module is None or next(module.parameters(), None) is None:
             return module
         placement = self.model_placement(model)
@@ -225,7 +244,7 @@ class Placement:
             first_streamed = placement.resident_layers if placement.layers == "streamed" else len(spec.layers)
             for index, layer in enumerate(spec.layers):
                 for _, _, tensor in streamed_tensors(spec, layer):
-                    if quantize and quantizable(tensor) and index < first_streamed:
+                    if quantize and not files_fp8 and quantizable(tensor) and index < first_streamed:
                         tensor.data = dequantized(tensor.data)
                     if index >= first_streamed:
                         streamed.add(id(tensor))
@@ -252,8 +271,9 @@ class Placement:
             for tensor in resident:
                 if tensor.device != self.compute_device:
                     tensor.data = tensor.data.to(self.compute_device)
-        self._held[module] = held
-        if model == "dit":
+        with self._lock:
+            self._held[module] = held
+        if model == "dit" and activate:
             self.activate(module)
         return module
 
@@ -280,13 +300,14 @@ class Placement:
             covered = (
                 per_layer if all(name in deferred.readers for name in per_layer[0]) else per_layer[first:]
             )
-            readers = [
-                [TensorRead(deferred.readers[name], deferred.extents.get(name)) for name in layer]
-                for layer in covered
-            ]
+            readers = [[_tensor_read(deferred, name, quantize) for name in layer] for layer in covered]
         count = len(spec.layers) - first
         in_files = file_home_layers(count, count if placement.home == "mapped" else placement.mapped_layers)
-        if any(in_files) and (readers is None or quantize):
+        # An FP8 image can come from the files only where they store it so (a converted checkpoint).
+        files_hold_fp8 = readers is not None and (
+            not quantize or any(read.fp8 for layer in readers for read in layer)
+        )
+        if any(in_files) and (readers is None or not files_hold_fp8):
             logger.warning(
                 "%s: its layers cannot be read from the checkpoint files here (%s); they wait in host memory instead",
                 model,
@@ -316,16 +337,17 @@ class Placement:
     def activate(self, module: nn.Module) -> None:
         """Make `module` (an adopted DiT) the partition on the device: the one active before goes back to its host
         home first, so the device never holds both."""
-        held = self._held.get(module)
-        if held is None or held.active and not held.warm:
-            return
-        for other in list(self._held.values()):
-            if other is not held and other.name == held.name and other.active:
-                self._deactivate(other)
-        if not held.active:
-            for tensor, home in held.warm:
-                tensor.data = self._transfer(home)
-            held.active = True
+        with self._lock:
+            held = self._held.get(module)
+            if held is None or held.active and not held.warm:
+                return
+            for other in list(self._held.values()):
+                if other is not held and other.name == held.name and other.active:
+                    self._deactivate(other)
+            if not held.active:
+                for tensor, home in held.warm:
+                    tensor.data = self._transfer(home)
+                held.active = True
 
     def deactivate(self, module: nn.Module) -> None:
         """Send an adopted DiT back to its host home (a plan that keeps both partitions warm)."""

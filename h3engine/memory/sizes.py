@@ -29,6 +29,7 @@ from torch import nn
 
 from h3engine.checkpoint.layout import CanvasRules, CheckpointLayout, PartitionPaths, detect_layout
 from h3engine.checkpoint.loader import audio_vae_source, dit_source, video_vae_source
+from h3engine.checkpoint.safetensors_io import WeightFiles
 from h3engine.checkpoint.text_encoder_files import (
     IMAGE_MAX_PIXELS,
     IMAGE_MIN_PIXELS,
@@ -485,6 +486,11 @@ def checkpoint_sizes(
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     share = share or RankShare()
     layout = checkpoint if isinstance(checkpoint, CheckpointLayout) else detect_layout(checkpoint)
+    files_weights = stored_weights(layout)
+    if files_weights == "fp8":
+        weights = (
+            "fp8"  # the files hold FP8 values: holding them in bf16 would double the bytes, not the precision
+        )
     cache: dict[tuple[str, Path], object] = {}
     partitions = {
         name: _partition_sizes(layout, paths, dtype, weights, share, cache)
@@ -497,7 +503,15 @@ def checkpoint_sizes(
         share=share,
         canvas=layout.canvas,
         partitions=partitions,
+        files_weights=files_weights,
     )
+
+
+def stored_weights(layout: CheckpointLayout) -> str:
+    """What a checkpoint's files store the large linears as: "fp8" for a converted one (h3engine.checkpoint.fp8_files,
+    its DiT files read by their headers), else "bf16"."""
+    paths = next(iter(layout.partitions.values()))
+    return "fp8" if WeightFiles.open(paths.dit).stores_fp8 else "bf16"
 
 
 # ----------------------------------------------------------------------------------------------------------------

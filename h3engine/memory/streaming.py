@@ -56,6 +56,7 @@ class TensorRead:
     read: TensorReader
     extents: tuple[FileExtent, ...] | None = None
     scale_extents: tuple[FileExtent, ...] | None = None
+    fp8: bool = False  # `read` gives (e4m3 values, fp32 row scales) as the files store them
 
 
 @dataclass(frozen=True)
@@ -378,7 +379,7 @@ class LayerStream:
 
     def _reads_give_fp8(self, layer: int) -> bool:
         return all(
-            read.scale_extents is not None or not placed.quantized
+            read.fp8 or not placed.quantized
             for read, placed in zip(self._reads_all[layer], self._tensors_all[layer], strict=True)
         )
 
@@ -567,10 +568,14 @@ class LayerStream:
         image = self._host_ring[buffer].tensor
         read = 0
         for placed, source in zip(self.tensors[layer], self._reads_of[layer], strict=True):
-            extents = source.extents if source.scale_extents is not None or not placed.quantized else None
-            if extents is not None:
-                read += read_extents(_shifted(extents, placed.image_offset), image)
-                if source.scale_extents is not None:
+            # Straight from the files where their bytes are the image's: values as the layer holds them, or an FP8
+            # weight's values and row scales as the files store them.
+            direct = source.extents is not None and (
+                not placed.quantized or (source.fp8 and source.scale_extents is not None)
+            )
+            if direct:
+                read += read_extents(_shifted(source.extents, placed.image_offset), image)
+                if placed.quantized:
                     read += read_extents(_shifted(source.scale_extents, placed.scale_offset), image)
             else:
                 tensor = source.read()

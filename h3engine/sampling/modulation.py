@@ -94,25 +94,37 @@ def _adaln_projections(dit: H3DiT) -> list[nn.Module]:
 
 
 def offload_adaln(
-    dit: H3DiT, fp8: bool = False, readers: Mapping[str, Callable[[], Tensor]] | None = None
+    dit: H3DiT,
+    fp8: bool = False,
+    readers: Mapping[str, Callable[[], Tensor]] | None = None,
+    stored_fp8: Mapping[str, Callable[[], tuple[Tensor, Tensor]]] | None = None,
 ) -> None:
     """Move every AdaLN projection of `dit` to CPU memory, pinned when CUDA is present; `schedule_modulation`
     streams them to the compute device when it builds tables. `fp8`: their weights wait as e4m3 values with row
-    scales (h3engine.memory.homes) and are dequantized on the device. `readers`: weights the loader left unread
-    (module key -> reader of the mapped file): they are read again for each schedule, nothing waits in memory."""
-    readers = readers or {}
+    scales (h3engine.memory.homes) and are dequantized on the device: quantized here, or as `stored_fp8` (module key
+    -> reader) gives them from files that store them so. `readers`: weights the loader left unread (module key ->
+    reader of the files, which gives them dequantized where the files store FP8): they are read again for each
+    schedule, nothing waits in memory."""
+    readers, stored_fp8 = readers or {}, stored_fp8 or {}
     projections = _adaln_projections(dit)
     names = {id(projection): name for name, projection in dit.named_modules()}
     parameters = []
     for projection in projections:
         linear, key = projection.linear, f"{names[id(projection)]}.linear.weight"
         if key in readers:
-            _mapped_weights[linear] = readers[key]
+            read = readers[key]
+            # bf16 files under --weights fp8: the values FP8 storage stands for (FP8 files gave them already).
+            _mapped_weights[linear] = (
+                (lambda read=read: dequantized(read())) if fp8 and key not in stored_fp8 else read
+            )
             parameters.append(linear.bias)
             continue
         parameters += [linear.weight, linear.bias]
         if fp8:
-            _fp8_weights[linear] = quantize_rows(linear.weight.data.to("cpu"))
+            values, scales = (
+                stored_fp8[key]() if key in stored_fp8 else quantize_rows(linear.weight.data.to("cpu"))
+            )
+            _fp8_weights[linear] = (values, scales)
             linear.weight.data = parked(linear.weight.shape, linear.weight.dtype)
             parameters += list(_fp8_weights[linear])
     parameters = [parameter for parameter in parameters if not is_parked(parameter)]
