@@ -1,18 +1,18 @@
 """Step time and peak GPU / host memory of the engine under memory budgets; the partition switch; whole requests.
 
-Per budget (`--budgets` GiB, 120 = resident) and weight format (`--weights bf16,fp8`), one child process (forked
-from a server that has imported the engine) enforces the budget with `torch.cuda.set_per_process_memory_fraction`
-before the engine loads, runs a warm-up and the timed 768p / 5 s T2VA request, and records the plan, step times (device clock), peak reserved /
-allocated memory, nvidia-smi and host peaks, the layer streams' counters and whether the latents equal the resident
-run's (FP8: their error against bf16). Runs go R B B R per budget (ratios: medians against the neighbouring
-resident runs). `--switch`: T2VA -> Ref2VA -> T2VA with the other partition warm in host memory and read from disk;
-`--whole-request 50,8`: whole requests. The JSON under benchmarks/results/ is rewritten after each child (`--resume`,
-`--time-limit` for 10-minute calls). Method, cost and the CPU mapping: benchmarks/NOTES.md ("memory budgets").
+Per budget (`--budgets` GiB, 120 = resident) and weight format (`--weights bf16,fp8`), one child process (forked from
+a server that has imported the engine) enforces the budget (`set_per_process_memory_fraction`; `--host-limit`: a cgroup
+v2 memory.max where the machine allows) before the engine loads, runs a warm-up, the timed 768p / 5 s T2VA request and
+that request again (AdaLN tables computed, then cached), and records the plan and its cost, step times (device clock),
+GPU and host peaks, page cache, disk reads, the layer streams' counters and whether the latents equal the resident
+run's (FP8: their error against bf16). Runs go R B B R per budget. `--switch`: T2VA -> Ref2VA -> T2VA; `--whole-request
+50,8`: whole requests. The JSON is rewritten after each child (`--resume`, `--time-limit`). Method: benchmarks/NOTES.md.
 
     python -m benchmarks.memory_budgets --placeholder --device cuda:0 --weights bf16 --budgets 120,24,16 \\
         --time-limit 570 --output-dir DIR            # then again with --resume DIR/memory_budgets_...json
-    python -m benchmarks.memory_budgets --placeholder --budgets '' --weights fp8 --switch --switch-budget 24
-    python -m benchmarks.memory_budgets --tiny --device cpu --budgets 120,24 --weights bf16,fp8 --switch
+    python -m benchmarks.memory_budgets --checkpoint DIR --budgets 120,24 --host-limit 64 --host-memory 48 \\
+        --drop-caches --adaln-cache off --disk-read-gbps 1.9 --activation-chunks 4   # DIR: a --real-bytes placeholder
+    python -m benchmarks.memory_budgets --tiny --device cpu --budgets 120,24 --weights bf16,fp8 --switch --real-bytes
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ import contextlib
 import ctypes
 import dataclasses
 import datetime
+import errno
 import hashlib
 import importlib
+import itertools
 import json
 import logging
 import os
@@ -68,7 +70,15 @@ REF2VA_PROMPT = (
     "[Shot 1] <Subject 1> walks into a cafe, stops at the counter and waves to the barista."
 )
 # A first guess at a child's seconds for --time-limit before one of its kind has finished (released size).
-DEFAULT_CHILD_ESTIMATE_S = {"budget": 150.0, "switch": 360.0, "whole": 480.0}
+DEFAULT_CHILD_ESTIMATE_S = {"budget": 175.0, "switch": 360.0, "whole": 480.0}
+# Where --host-limit makes each child's cgroup (v2, memory controller) and where --drop-caches writes; tests point them
+# at folders of their own.
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+DROP_CACHES_PATH = Path("/proc/sys/vm/drop_caches")
+CGROUP_NUMBERS = itertools.count()
+# The pipeline's timing of a request's AdaLN tables by where they came from (h3engine.engine.pipeline.ADALN_TIMING).
+ADALN_TIMINGS = {"adaln_tables_computed_s": "computed", "adaln_tables_cached_s": "cache"}
+KILLED_FOR_MEMORY = "killed for memory"
 FP8_NOTE = (
     "relative L2 of the final latents (video, audio) of --weights fp8 against bf16 at the same budget, same request "
     "and seed; on random or placeholder weights this says nothing about picture quality"
@@ -87,6 +97,18 @@ NOTES = [
     "checkpoint files at every visit) then costs host time a real checkpoint's page cache would not; such runs say "
     "so in `caveats`",
     "--switch and --whole-request run with the first of --weights",
+    "disk.stream_read_bytes_per_step: bytes the layer streams (every streamed model) read from the checkpoint files "
+    "over the timed request / its steps (the DiT's alone: dit_read_bytes_per_step, against the plan's "
+    "predicted_disk_bytes_per_step); disk.block_device_read_bytes: /proc/self/io read_bytes over the timed request, "
+    "the process's block-device reads (page-cache hits not counted)",
+    "page_cache: the cgroup's `file` bytes at the end where --host-limit is enforced, else the change of Cached in "
+    "/proc/meminfo from before the load to the end (the whole machine's); rss_peak_bytes: the largest VmHWM of the "
+    "spans",
+    "first request / later request: the timed request (its AdaLN tables computed, each child having a cache folder "
+    "of its own unless --adaln-cache names one) and the same request again (`later`, tables from the cache)",
+    "host_limit: a cgroup v2 memory.max per child (page cache charged) where the machine allows; pages a child did "
+    "not bring into memory itself (the page cache before it started, its forked imports) are charged elsewhere: "
+    "--drop-caches makes its reads its own",
     FP8_NOTE,
 ]
 
@@ -105,7 +127,45 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds of video")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--host-memory", type=float, default=None, help="host budget, GiB (default: the machine's)"
+        "--host-memory",
+        type=float,
+        default=None,
+        help="each engine's host budget, GiB (default: the machine's)",
+    )
+    parser.add_argument(
+        "--host-limit",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="run each child in a cgroup v2 with memory.max = GIB (page cache charged; root and cgroup2 with the "
+        "memory controller needed, else recorded as not enforced)",
+    )
+    parser.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="sync and drop the page cache before each child (root), so that reads come from the disk",
+    )
+    parser.add_argument(
+        "--real-bytes",
+        nargs="?",
+        const=",".join(STREAMED_MODELS),
+        default=None,
+        metavar="COMPONENTS",
+        help="the placeholder made for the run (released or --tiny shapes) holds its drawn values as real bytes for "
+        f"these components (default: {','.join(STREAMED_MODELS)}), so layers read from the files measure the disk",
+    )
+    parser.add_argument(
+        "--adaln-cache",
+        default=None,
+        metavar="DIR|off",
+        help="the engines' AdaLN table cache (default: a folder per child in the run's temporary folder, so that "
+        "its first request computes the tables and the later one reads them)",
+    )
+    parser.add_argument(
+        "--disk-read-gbps", default=None, help="the engines' disk read rate, GB/s (default: measured)"
+    )
+    parser.add_argument(
+        "--activation-chunks", default=None, help="the engines' activation chunks: auto (default), off or N"
     )
     parser.add_argument("--switch", action="store_true", help="time T2VA -> Ref2VA -> T2VA (two variants)")
     parser.add_argument("--switch-budget", type=float, default=24.0, help="GPU budget of --switch, GiB")
@@ -140,7 +200,22 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         "--cpu-threads", type=int, default=1, help="torch threads of each child on the CPU (default 1)"
     )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child's mode: one JSON spec
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.real_bytes is not None:
+        from h3engine.checkpoint.placeholder import parse_components
+
+        if args.checkpoint is not None:
+            parser.error(
+                "--real-bytes: makes the run's placeholder; for --checkpoint write one with python -m h3engine "
+                "make-placeholder-checkpoint DIR --real-bytes ..."
+            )
+        try:
+            args.real_bytes = ",".join(parse_components(args.real_bytes))
+        except ValueError as error:
+            parser.error(f"--real-bytes: {error}")
+    if args.host_limit is not None and not args.host_limit > 0:
+        parser.error(f"--host-limit: expected GiB > 0, got {args.host_limit}")
+    return args
 
 
 def parse_numbers(text: str) -> list[float]:
@@ -199,6 +274,119 @@ def pinned_host_bytes(cuda: bool) -> dict[str, int] | None:
         return None
     wanted = ("allocated_bytes.current", "allocated_bytes.peak", "active_bytes.current", "active_bytes.peak")
     return {name: int(values[name]) for name in wanted if name in values}
+
+
+def meminfo_bytes(name: str) -> int | None:
+    """A /proc/meminfo field in bytes (None where it cannot be read)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            field, _, value = line.partition(":")
+            if field == name:
+                return int(value.split()[0]) * 1024
+    return None
+
+
+def process_read_bytes() -> int | None:
+    """/proc/self/io read_bytes: what this process (all its threads) made the block devices read."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/io").read_text().splitlines():
+            field, _, value = line.partition(":")
+            if field == "read_bytes":
+                return int(value)
+    return None
+
+
+def _why(error: OSError) -> str:
+    return error.strerror or str(error)
+
+
+def make_cgroup(name: str, limit_bytes: int, root: Path | None = None) -> tuple[Path | None, str | None]:
+    """(a new cgroup `root/name` with memory.max = `limit_bytes`, None) or (None, why it cannot be): cgroup v2 must be
+    mounted at `root` (CGROUP_ROOT) with the memory controller, which is enabled for children where it is not yet."""
+    root = CGROUP_ROOT if root is None else root
+    try:
+        controllers = (root / "cgroup.controllers").read_text().split()
+    except OSError as error:
+        return None, f"no cgroup v2 at {root} (cgroup.controllers: {_why(error)})"
+    if "memory" not in controllers:
+        return (
+            None,
+            f"the memory controller is not available at {root} (controllers: {' '.join(controllers)})",
+        )
+    subtree = root / "cgroup.subtree_control"
+    try:
+        if "memory" not in subtree.read_text().split():
+            subtree.write_text("+memory")
+    except OSError as error:
+        return None, f"cannot enable the memory controller in {subtree} ({_why(error)})"
+    folder = root / name
+    try:
+        folder.mkdir()
+        (folder / "memory.max").write_text(str(limit_bytes))
+        # No swap beside the limit (where the kernel accounts it): over the limit is reclaim or the OOM killer.
+        if (folder / "memory.swap.max").exists():
+            (folder / "memory.swap.max").write_text("0")
+    except OSError as error:
+        remove_cgroup(folder)
+        return None, f"cannot make {folder} with memory.max ({_why(error)})"
+    return folder, None
+
+
+def join_cgroup(folder: Path) -> str | None:
+    """(The child, before it loads anything.) Move this process into `folder`; None, or why it could not."""
+    try:
+        (folder / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError as error:
+        return f"cannot join {folder} ({_why(error)})"
+    return None
+
+
+def cgroup_number(folder: Path, name: str) -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        return int((folder / name).read_text().split()[0])
+    return None
+
+
+def cgroup_fields(folder: Path, name: str) -> dict[str, int]:
+    """The "key value" lines of a cgroup file (memory.stat, memory.events); {} where it cannot be read."""
+    fields = {}
+    with contextlib.suppress(OSError):
+        for line in (folder / name).read_text().splitlines():
+            key, _, value = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                fields[key] = int(value)
+    return fields
+
+
+def remove_cgroup(folder: Path, wait_s: float = 5.0) -> str | None:
+    """Remove a cgroup made by `make_cgroup`; None, or why not. The kernel's folder goes with rmdir once its last
+    process is gone (EBUSY for a moment after it exits); plain files in it (a test's stand-in tree) are removed."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            folder.rmdir()
+            return None
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            if error.errno == errno.ENOTEMPTY:
+                for entry in folder.iterdir():
+                    with contextlib.suppress(OSError):
+                        entry.unlink()  # a cgroup's own files refuse this: only a stand-in's go
+            if time.monotonic() > deadline:
+                return f"{folder} not removed ({_why(error)})"
+            time.sleep(0.1)
+
+
+def drop_caches(path: Path | None = None) -> dict[str, Any]:
+    """Write back dirty pages and drop the page cache (3: page cache, dentries and inodes) where permitted."""
+    path = DROP_CACHES_PATH if path is None else path
+    os.sync()
+    try:
+        path.write_text("3")
+    except OSError as error:
+        return {"done": False, "why": f"{path}: {_why(error)}"}
+    return {"done": True}
 
 
 def nvidia_smi_now() -> tuple[float, float]:
@@ -350,6 +538,7 @@ def run_request(
         "step_s": step_summary(step_s),
         "steps_s": step_s,
         "step_event_elapsed_s": steps.elapsed_s,
+        "adaln_tables": next((ADALN_TIMINGS[key] for key in ADALN_TIMINGS if key in output.timings), None),
         "timings_s": dict(output.timings),
     }
 
@@ -367,13 +556,23 @@ def stream_counters(engine: Any, models: Any) -> dict[str, dict[str, int] | None
                 "visits": stream.visits,
                 "restarts": stream.restarts,
                 "copied_bytes": stream.copied_bytes,
+                "read_bytes": stream.read_bytes,
+                "layer_reads": stream.layer_reads,
+                "waited_reads": stream.waited_reads,
+                "most_reads_ahead": stream.most_reads_ahead,
                 "host_bytes": stream.host_bytes,
+                "host_ring_buffers": stream.host_ring_buffers,
+                "host_ring_bytes": stream.host_ring_bytes,
+                "file_home_layers": sum(stream.home_is_file),
                 "ring_depth": stream.depth,
                 "slot_bytes": stream.slot_bytes,
                 "layers": len(stream.layers),
             }
         )
     return counters
+
+
+COUNTED = ("visits", "restarts", "copied_bytes", "read_bytes", "layer_reads", "waited_reads")
 
 
 def stream_deltas(
@@ -385,16 +584,29 @@ def stream_deltas(
         if now is None or then is None:
             deltas[name] = None
             continue
-        delta = {key: now[key] - then[key] for key in ("visits", "restarts", "copied_bytes")}
+        delta = {key: now[key] - then[key] for key in COUNTED}
         deltas[name] = {
             **delta,
             "copied_bytes_per_step": delta["copied_bytes"] / steps if name == "dit" else None,
-            "host_bytes": now["host_bytes"],
-            "ring_depth": now["ring_depth"],
-            "slot_bytes": now["slot_bytes"],
-            "layers": now["layers"],
+            "read_bytes_per_step": delta["read_bytes"] / steps if name == "dit" else None,
+            **{key: value for key, value in now.items() if key not in COUNTED},  # sizes, and a maximum
         }
     return deltas
+
+
+def disk_figures(engine: Any, streams: dict[str, dict[str, Any] | None], steps: int, io: int | None) -> dict:
+    """The timed request's reads from the checkpoint files against the plan's prediction (see NOTES)."""
+    read = sum(stream["read_bytes"] for stream in streams.values() if stream is not None)
+    dit = streams.get("dit")
+    cost = engine.plan.cost
+    return {
+        "stream_read_bytes_per_step": read / steps,
+        "dit_read_bytes_per_step": None if dit is None else dit["read_bytes"] / steps,
+        "predicted_disk_bytes_per_step": cost.disk_bytes_per_step,
+        "predicted_disk_bytes_per_request": cost.disk_bytes_per_request,
+        "disk_bytes_per_second": engine.plan.context.disk_bytes_per_second,
+        "block_device_read_bytes": io,
+    }
 
 
 def plan_record(engine: Any) -> dict[str, Any]:
@@ -412,6 +624,12 @@ def plan_record(engine: Any) -> dict[str, Any]:
         "seconds_lost_per_request": plan.seconds_lost_per_request,
         "adaln_home": plan.adaln_home,
         "other_partition_home": plan.other_partition_home,
+        "cost": dataclasses.asdict(plan.cost),
+        "predicted_step_s": plan.cost.step_seconds,
+        "context": dataclasses.asdict(plan.context),
+        "activation_chunks": plan.activation_chunks,
+        "host_pinned": dict(plan.host_pinned),
+        "working": dict(plan.working),
         "budget": dataclasses.asdict(plan.budget),
         "models": {name: dataclasses.asdict(placement) for name, placement in plan.models.items()},
         "placements": engine.placement.describe(),
@@ -419,14 +637,21 @@ def plan_record(engine: Any) -> dict[str, Any]:
 
 
 def caveats(spec: dict[str, Any], engine: Any) -> list[str]:
-    """What makes a run's times unlike the released checkpoint's: mapped homes of a placeholder checkpoint."""
+    """What makes a run's times unlike the released checkpoint's: layers a placeholder's hole files (no real bytes)
+    hand out at every visit, drawing their values on the host."""
     plan = engine.plan
-    mapped = [name for name, placement in plan.models.items() if placement.home == "mapped"]
-    mapped += ["dit AdaLN projections"] if plan.adaln_home == "mapped" else []
-    if spec.get("placeholder") and mapped:
+    from_files = [
+        name
+        for name, placement in plan.models.items()
+        if placement.home == "mapped" or (placement.layers == "streamed" and placement.mapped_layers > 0)
+    ]
+    from_files += ["dit AdaLN projections"] if plan.adaln_home == "mapped" else []
+    holes = [name for name in from_files if name.split()[0] not in spec.get("real_bytes", ())]
+    if spec.get("placeholder") and holes:
         return [
-            f"placeholder checkpoint with mapped homes ({', '.join(mapped)}): their values are drawn again at every "
-            "visit, so the steps that read them are slower than with the released checkpoint"
+            f"placeholder checkpoint whose hole files this plan reads layers from ({', '.join(holes)}): their values "
+            "are drawn on the host at every visit, so these figures measure the CPU drawing values, not the disk "
+            "(--real-bytes writes them)"
         ]
     return []
 
@@ -475,6 +700,11 @@ def machine_id(device: torch.device) -> str:
     return f"{platform.node()}:{boot}"
 
 
+def engine_options(spec: dict[str, Any]) -> dict[str, Any]:
+    """The engine options every child passes (`--adaln-cache`, `--disk-read-gbps`, `--activation-chunks`)."""
+    return {name: spec[name] for name in ("adaln_cache", "disk_read_gbps", "activation_chunks")}
+
+
 def load_engine(spec: dict[str, Any], device: torch.device, host_memory: float | None = None) -> Any:
     from h3engine.engine import Engine
 
@@ -485,6 +715,7 @@ def load_engine(spec: dict[str, Any], device: torch.device, host_memory: float |
         gpu_memory=spec["gpu_memory"],
         host_memory=host_memory if host_memory is not None else spec["host_memory"],
         weights=spec["weights"],
+        **engine_options(spec),
     )
 
 
@@ -493,18 +724,33 @@ def measure_budget(spec: dict[str, Any], device: torch.device) -> dict[str, Any]
     # The resident engine peaks at ~121 GiB (README's e2e runs): it runs on the whole GPU, uncapped.
     limit = enforce_budget(device, None if spec["budget_gib"] == RESIDENT_GIB else spec["budget_gib"])
     windows = Windows(device)
+    cached_before = meminfo_bytes("Cached")
     with windows.span("load"):
         engine = load_engine(spec, device)
     request = make_request(spec, spec["steps"])
     shape = request_shape(engine, request)
+    models = engine.store.models_for_task(request.task)
+    loaded = stream_counters(engine, models)
     with windows.span("warm_up"):
         _, warm_up = run_request(engine, dataclasses.replace(request, steps=1), device)
-    models = engine.store.models_for_task(request.task)
     before = stream_counters(engine, models)
+    # The text encoder runs here only: the later requests reuse the prompt's encoding.
+    warm_up["streams"] = stream_deltas(loaded, before, 1)
+    io_before = process_read_bytes()
     with windows.span("timed"):
         output, timed = run_request(engine, request, device)
-    streams = stream_deltas(before, stream_counters(engine, models), request.steps)
+    io_after = process_read_bytes()
+    after = stream_counters(engine, models)
+    streams = stream_deltas(before, after, request.steps)
     save_latents(output, spec.get("latents_path"))
+    # The same request again: its AdaLN tables now come from the cache the first one filled.
+    with windows.span("later"):
+        later_output, later = run_request(engine, request, device)
+    later["streams"] = stream_deltas(after, stream_counters(engine, models), request.steps)
+    later["latents_equal_to_first"] = latents_digest(later_output) == latents_digest(output)
+    cached_after = meminfo_bytes("Cached")
+    io = None if io_before is None or io_after is None else io_after - io_before
+    plan = engine.plan
     return {
         "limit": limit,
         "plan": plan_record(engine),
@@ -513,7 +759,21 @@ def measure_budget(spec: dict[str, Any], device: torch.device) -> dict[str, Any]
         "shape": shape,
         "warm_up": warm_up,
         "timed": timed,
+        "later": later,
         "step_s": timed["step_s"],
+        "later_step_s": later["step_s"],
+        "adaln_tables": {"first": timed["adaln_tables"], "later": later["adaln_tables"]},
+        "predicted_step_s": plan.cost.step_seconds,
+        "predicted_compute_step_s": plan.cost.compute_step_seconds,
+        "predicted_first_request_extra_s": plan.cost.first_request_seconds,
+        "disk": disk_figures(engine, streams, request.steps, io),
+        "rss_peak_bytes": max(
+            (span["host_peak_bytes"] or 0 for span in windows.spans.values()), default=None
+        ),
+        "page_cache": {
+            "bytes": None if cached_before is None or cached_after is None else cached_after - cached_before,
+            "source": "change of Cached in /proc/meminfo from before the load to the end (the whole machine's)",
+        },
         "memory": windows.spans,
         "checks": budget_checks(limit, windows.spans),
         "streams": streams,
@@ -577,6 +837,7 @@ def load_with_partition_on_disk(spec: dict[str, Any], device: torch.device) -> A
         gpu_memory=spec["gpu_memory"],
         host_memory=spec["host_memory"],
         weights=spec["weights"],
+        **engine_options(spec),
     )
 
 
@@ -671,6 +932,9 @@ def child_main(spec_text: str) -> None:
     """The `--one` mode: run one configuration and write its record to `spec["record_path"]`."""
     spec = json.loads(spec_text)
     die_with_parent(spec["parent_pid"])
+    # Into the host limit's cgroup before anything is loaded: what it allocates and reads from here on is charged there.
+    cgroup = Path(spec["cgroup"]) if spec.get("cgroup") else None
+    join_error = join_cgroup(cgroup) if cgroup is not None else None
     logging.basicConfig(level=logging.WARNING)
     device = torch.device(spec["device"])
     cuda = device.type == "cuda"
@@ -687,11 +951,18 @@ def child_main(spec_text: str) -> None:
         "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
         "device_total_bytes": torch.cuda.get_device_properties(device).total_memory if cuda else None,
     }
+    if cgroup is not None:
+        record["cgroup_join_error"] = join_error
     try:
         record.update(MEASURES[spec["kind"]](spec, device))
+        record["outcome"] = "done"
     except Exception as error:  # a budget that does not fit, out of memory: recorded, the run goes on
+        record["outcome"] = "error"
         record["error"] = f"{type(error).__name__}: {error}"
         record["traceback"] = traceback.format_exc()
+    if cgroup is not None and join_error is None:
+        # Now, while this process still holds its memory (after it exits, anon is gone and only the page cache stays).
+        record["cgroup_stat"] = cgroup_fields(cgroup, "memory.stat")
     Path(spec["record_path"]).write_text(json.dumps(record, default=str))
 
 
@@ -782,7 +1053,12 @@ def child_entry(spec_text: str) -> None:
 
 
 def run_child(
-    run: dict[str, Any], args: argparse.Namespace, checkpoint: str, work: Path, latents: Path
+    run: dict[str, Any],
+    args: argparse.Namespace,
+    checkpoint: str,
+    work: Path,
+    latents: Path,
+    facts: dict[str, Any],
 ) -> dict[str, Any]:
     """Run one configuration in a child process and return its record (an error record if it died)."""
     name = run["run_id"].replace(":", "_")
@@ -801,32 +1077,108 @@ def run_child(
         "scratch_dir": str(work),
         "parent_pid": os.getpid(),
         "cpu_threads": args.cpu_threads,
-        "placeholder": args.checkpoint is None and not args.tiny,
+        "placeholder": facts["placeholder"],
+        "real_bytes": facts["real_bytes"],
+        # A folder per child by default: each child's first request computes its tables, the later one reads them.
+        "adaln_cache": args.adaln_cache or str(work / "adaln" / name),
+        "disk_read_gbps": args.disk_read_gbps,
+        "activation_chunks": args.activation_chunks,
+        "cgroup": None,
     }
+    extra: dict[str, Any] = {}
+    if args.drop_caches:
+        extra["drop_caches"] = drop_caches()
+    cgroup = None
+    if args.host_limit is not None:
+        cgroup, why = make_cgroup(
+            f"h3-bench-{os.getpid()}-{next(CGROUP_NUMBERS)}", int(args.host_limit * GIB)
+        )
+        spec["cgroup"] = None if cgroup is None else str(cgroup)
+        extra["host_limit"] = {"gib": args.host_limit, "enforced": False, "why": why}
+    try:
+        returncode, wall_s, current_peak = start_child(spec, run["run_id"], args.child_timeout, cgroup)
+        if cgroup is not None:
+            peak = cgroup_number(cgroup, "memory.peak")
+            events = cgroup_fields(cgroup, "memory.events")
+            stat_after_exit = cgroup_fields(cgroup, "memory.stat")
+    finally:
+        removal = remove_cgroup(cgroup) if cgroup is not None else None
+    record_path = Path(spec["record_path"])
+    if record_path.exists():
+        record = json.loads(record_path.read_text())
+        record_path.unlink()
+    else:
+        record = {
+            "run_id": run["run_id"],
+            "outcome": "no record",
+            "error": f"the child wrote no record (exit {returncode})",
+        }
+    if cgroup is not None:
+        # Killed by its cgroup's OOM killer: a result (this budget does not fit the limit), not a crash.
+        killed = bool(events.get("oom_kill")) and returncode == -signal.SIGKILL
+        join_error = record.pop(
+            "cgroup_join_error", None if killed else "the child did not say whether it joined"
+        )
+        stat = record.pop("cgroup_stat", None)
+        stat_source = "memory.stat before the child exited"
+        if stat is None:
+            stat, stat_source = stat_after_exit, "memory.stat after the child ended (its anon memory gone)"
+        extra["host_limit"] = {
+            "gib": args.host_limit,
+            "enforced": join_error is None,
+            **({"why": join_error} if join_error is not None else {}),
+            "cgroup": str(cgroup),
+            # memory.peak from kernel 5.19; else the largest memory.current the parent saw (every 0.5 s).
+            "peak_bytes": peak if peak is not None else current_peak,
+            "peak_source": "memory.peak" if peak is not None else "memory.current sampled every 0.5 s",
+            "file_bytes": stat.get("file"),
+            "anon_bytes": stat.get("anon"),
+            "stat_source": stat_source,
+            "oom_kills": events.get("oom_kill"),
+            "removed": removal is None,
+            **({"removal_error": removal} if removal is not None else {}),
+        }
+        if join_error is None and stat.get("file") is not None and "page_cache" in record:
+            record["page_cache"] = {
+                "bytes": stat["file"],
+                "source": "the cgroup's memory.stat file at the end",
+            }
+        if killed:
+            record = {
+                "run_id": run["run_id"],
+                "outcome": KILLED_FOR_MEMORY,
+                "error": f"{KILLED_FOR_MEMORY}: the OOM killer of its cgroup (memory.max {args.host_limit:g} GiB)",
+            }
+    return {**run, **record, **extra, "budget_gib": run["budget_gib"], "child_wall_s": wall_s}
+
+
+def start_child(
+    spec: dict[str, Any], name: str, timeout: float, cgroup: Path | None
+) -> tuple[int | str | None, float, int | None]:
+    """Run the child and wait for it: (its exit code, or why it was killed; seconds; the largest memory.current of its
+    cgroup seen meanwhile)."""
     # Forked from the server the engine's ranks start from (torch and the engine imported: a child starts in a
     # fraction of a second, not after seconds of imports), under this process's environment; still a process of
     # its own (allocator, CUDA context, host peak). The server never touches CUDA.
     child = rank_context().Process(
         target=in_front_environment,
         args=(dict(os.environ), child_entry, json.dumps(spec)),
-        name=run["run_id"],
+        name=name,
     )
     started = time.perf_counter()
     child.start()
-    child.join(args.child_timeout)
+    current_peak = None
+    while child.is_alive() and time.perf_counter() - started < timeout:
+        child.join(min(0.5, max(0.0, timeout - (time.perf_counter() - started))))
+        current = cgroup_number(cgroup, "memory.current") if cgroup is not None else None
+        if current is not None:
+            current_peak = max(current_peak or 0, current)
     returncode: int | str | None = child.exitcode
     if child.is_alive():
         child.kill()
         child.join()
-        returncode = f"killed after {args.child_timeout:.0f} s"
-    wall_s = time.perf_counter() - started
-    record_path = Path(spec["record_path"])
-    if record_path.exists():
-        record = json.loads(record_path.read_text())
-        record_path.unlink()
-    else:
-        record = {"run_id": run["run_id"], "error": f"the child wrote no record (exit {returncode})"}
-    return {**run, **record, "budget_gib": run["budget_gib"], "child_wall_s": wall_s}
+        returncode = f"killed after {timeout:.0f} s"
+    return returncode, time.perf_counter() - started, current_peak
 
 
 def relative_l2(candidate: torch.Tensor, reference: torch.Tensor) -> float:
@@ -902,21 +1254,48 @@ def fp8_error(record: dict[str, Any], latents: Path) -> dict[str, float] | None:
 def describe_checkpoint(args: argparse.Namespace) -> str:
     if args.checkpoint is not None:
         return args.checkpoint
-    if args.tiny:
+    if args.tiny and args.real_bytes is None:
         return "tiny (random weights, h3engine.checkpoint.tiny)"
-    return "placeholder (released shapes, weights drawn at load: h3engine.checkpoint.placeholder)"
+    shapes = "tiny" if args.tiny else "released"
+    if args.real_bytes:
+        return (
+            f"placeholder ({shapes} shapes, h3engine.checkpoint.placeholder; {args.real_bytes} written as real bytes, "
+            "the rest drawn at load)"
+        )
+    return f"placeholder ({shapes} shapes, weights drawn at load: h3engine.checkpoint.placeholder)"
 
 
 def make_checkpoint(args: argparse.Namespace, folder: Path) -> str:
     if args.checkpoint is not None:
         return str(Path(args.checkpoint).resolve())
-    if args.tiny:
+    if args.tiny and args.real_bytes is None:
         from h3engine.checkpoint.tiny import make_tiny_checkpoint
 
         return str(make_tiny_checkpoint(folder / "tiny", seed=0))
     from h3engine.checkpoint.placeholder import make_placeholder_checkpoint
 
-    return str(make_placeholder_checkpoint(folder / "placeholder", seed=0))
+    real_bytes = args.real_bytes.split(",") if args.real_bytes else ()
+    return str(
+        make_placeholder_checkpoint(folder / "placeholder", seed=0, tiny=args.tiny, real_bytes=real_bytes)
+    )
+
+
+def checkpoint_facts(checkpoint: str) -> dict[str, Any]:
+    """Whether the checkpoint is a placeholder and which components' files (first partition) hold real bytes, from
+    their headers: a hole file carries a placeholder seed (its values drawn at every read), a real-bytes one not."""
+    from h3engine.checkpoint.layout import detect_layout
+    from h3engine.checkpoint.safetensors_io import read_header
+
+    paths = next(iter(detect_layout(checkpoint).partitions.values()))
+    placeholder, real_bytes = False, []
+    for name in ("dit", "text_encoder", "video_vae", "audio_vae"):
+        folder = Path(getattr(paths, name))
+        files = [folder] if folder.is_file() else sorted(folder.rglob("*.safetensors"))
+        infos = [info for path in files for info in read_header(path).values()]
+        placeholder = placeholder or any(info.placeholder_seed is not None or info.drawn for info in infos)
+        if infos and all(info.placeholder_seed is None for info in infos):
+            real_bytes.append(name)
+    return {"placeholder": placeholder, "real_bytes": real_bytes}
 
 
 def engine_version() -> str | None:
@@ -982,7 +1361,18 @@ def new_result(args: argparse.Namespace) -> dict[str, Any]:
             "device": args.device,
             "checkpoint": describe_checkpoint(args),
             "cpu_threads": args.cpu_threads if on_cpu(args) else None,
+            "host_memory_gib": args.host_memory,
+            "host_limit_gib": args.host_limit,
+            "drop_caches": args.drop_caches,
+            "engine_options": {
+                "adaln_cache": args.adaln_cache or "a folder per child in the run's temporary folder",
+                "disk_read_gbps": args.disk_read_gbps,
+                "activation_chunks": args.activation_chunks,
+            },
         },
+        # Which components' files hold real bytes (from their headers, once the checkpoint is made).
+        "real_bytes": None,
+        "warnings": [],
         "budget_mapping": (
             {gib_key(RESIDENT_GIB): "resident", "other": "streamed (the CPU has no budget)"}
             if not gpu
@@ -1021,6 +1411,14 @@ def result_path(output_dir: Path, device_name: str) -> Path:
 SECTION = {"budget": "configurations", "switch": "switch", "whole": "whole_request"}
 
 
+def warn(result: dict[str, Any], line: str) -> None:
+    """A warning printed now and kept in the JSON's `warnings` (once)."""
+    warnings = result.setdefault("warnings", [])
+    if line not in warnings:
+        warnings.append(line)
+        print(f"warning: {line}", flush=True)
+
+
 def summary_line(record: dict[str, Any]) -> str:
     if "error" in record:
         return f"{record['run_id']}: {record['error']}"
@@ -1034,10 +1432,13 @@ def summary_line(record: dict[str, Any]) -> str:
         return f"{record['run_id']}: {done}"
     timed = record["memory"]["timed"]
     reserved = timed["max_reserved_bytes"]
+    adaln = record["adaln_tables"]
     return (
-        f"{record['run_id']}: step {record['step_s']:.3f} s, load {record['load_s']:.1f} s, "
+        f"{record['run_id']}: step {record['step_s']:.3f} s (predicted {record['predicted_step_s']:.3f} s; later "
+        f"{record['later_step_s']:.3f} s), load {record['load_s']:.1f} s, "
         f"reserved {'-' if reserved is None else f'{reserved / GIB:.1f} GiB'}, host peak "
-        f"{(timed['host_peak_bytes'] or 0) / GIB:.1f} GiB, restarts {record['restarts']}"
+        f"{(timed['host_peak_bytes'] or 0) / GIB:.1f} GiB, read {record['disk']['stream_read_bytes_per_step'] / MIB:.1f} "
+        f"MiB/step, AdaLN tables {adaln['first']} then {adaln['later']}, restarts {record['restarts']}"
     )
 
 
@@ -1058,9 +1459,16 @@ def main(argv: list[str] | None = None) -> Path | None:
         record["run_id"]
         for section in SECTION.values()
         for record in result[section]
-        if "error" not in record
+        # A child its cgroup's OOM killer ended is a result too: a resumed run does not try it again.
+        if "error" not in record or record.get("outcome") == KILLED_FOR_MEMORY
     }
     runs = planned_runs(args)
+    if args.host_limit is not None and args.host_memory is None:
+        warn(
+            result,
+            "--host-limit without --host-memory: the engines plan for the machine's MemAvailable, which the cgroup's "
+            "memory.max does not change",
+        )
     result["run_order"] = list(dict.fromkeys([*result["run_order"], *(run["run_id"] for run in runs)]))
     invocation = {"started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "ran": []}
     result["invocations"].append(invocation)
@@ -1069,19 +1477,36 @@ def main(argv: list[str] | None = None) -> Path | None:
     with tempfile.TemporaryDirectory(prefix="memory_budgets_") as temporary:
         work = Path(temporary)
         checkpoint = None  # made when the first child needs it (a resumed run may need none)
+        facts: dict[str, Any] = {}
         latents = Path(args.latents_dir) if args.latents_dir else work / "latents"
         latents.mkdir(parents=True, exist_ok=True)
+
+        def out_of_time(run: dict[str, Any]) -> bool:
+            if args.time_limit is None:
+                return False
+            estimate = longest.get(run["kind"], DEFAULT_CHILD_ESTIMATE_S[run["kind"]])
+            if time.perf_counter() - began + estimate <= args.time_limit:
+                return False
+            invocation["stopped_before"] = run["run_id"]
+            print(f"--time-limit: stopping before {run['run_id']} (~{estimate:.0f} s)", flush=True)
+            return True
+
         for run in runs:
             if run["run_id"] in done:
                 continue
-            if args.time_limit is not None:
-                estimate = longest.get(run["kind"], DEFAULT_CHILD_ESTIMATE_S[run["kind"]])
-                if time.perf_counter() - began + estimate > args.time_limit:
-                    invocation["stopped_before"] = run["run_id"]
-                    print(f"--time-limit: stopping before {run['run_id']} (~{estimate:.0f} s)", flush=True)
+            if out_of_time(run):
+                break
+            if checkpoint is None:
+                made = time.perf_counter()
+                checkpoint = make_checkpoint(args, work)
+                facts = checkpoint_facts(checkpoint)
+                invocation["checkpoint_made_s"] = time.perf_counter() - made
+                result["real_bytes"] = facts["real_bytes"]
+                if out_of_time(run):  # writing real bytes at the released size takes minutes
                     break
-            checkpoint = checkpoint or make_checkpoint(args, work)
-            record = run_child(run, args, checkpoint, work, latents)
+            record = run_child(run, args, checkpoint, work, latents, facts)
+            for caveat in record.get("caveats", []):
+                warn(result, f"{run['run_id']}: {caveat}")
             longest[run["kind"]] = max(longest.get(run["kind"], 0.0), record["child_wall_s"])
             section = result[SECTION[run["kind"]]]
             section[:] = [old for old in section if old["run_id"] != run["run_id"]] + [record]
