@@ -336,13 +336,17 @@ def settle_folders(config: AppConfig) -> AppConfig:
                 problem,
                 replaced[field],
             )
-    config = replace(config, **replaced)
-    if config.engine.adaln_cache is None and _cannot_write(config.cache_dir) is None:
-        # The engines keep their AdaLN tables in the app's cache folder (wherever it settled); without one that can
-        # be written they keep none (a named cache folder that cannot be written is refused later, naming it).
-        folder = str(config.cache_dir / ADALN_FOLDER_NAME)
-        config = replace(config, engine=replace(config.engine, adaln_cache=folder))
-    return config
+    return replace(config, **replaced)
+
+
+def with_adaln_cache(config: AppConfig) -> AppConfig:
+    """The engines keep their AdaLN tables in the app's cache folder (wherever it settled), unless `--adaln-cache`
+    says otherwise; without a cache folder that can be written they keep none. Called when models load (a refused
+    option must leave no folder behind)."""
+    if config.engine.adaln_cache is not None or _cannot_write(config.cache_dir) is not None:
+        return config
+    folder = str(config.cache_dir / ADALN_FOLDER_NAME)
+    return replace(config, engine=replace(config.engine, adaln_cache=folder))
 
 
 def _cannot_write(folder: Path) -> str | None:
@@ -443,6 +447,7 @@ def _load_engines(checkpoint: Path, config: AppConfig) -> list[Engine | ProcessR
     slots of the replicas on a Ray cluster."""
     from h3engine.engine_options import check_engine_options, load_engine, resolve_device
 
+    config = with_adaln_cache(config)
     if config.ray is not None:
         return _start_ray_replicas(checkpoint, config)
     layout = check_engine_options(config.engine, config.world_size)
