@@ -702,21 +702,28 @@ def test_the_plans_pinned_dit_home_counts_its_slabs(bf16) -> None:
     assert pinned["dit.layers"] == packed_bytes(layers) > sum(layers)
 
 
-def test_plan_memory_fits_gaming_pcs_with_converted_fp8_files(capsys, tmp_path_factory) -> None:
-    """The released size with converted FP8 files (a placeholder's headers): 24 GiB + 32 GiB, 12 GiB + 32 GiB and
-    8 GiB + 16 GiB fit at 768p / 5 s, with the denoise working set at most 3 GiB and the step figures reported."""
+def test_plan_memory_fits_gaming_pcs_with_converted_fp8_files(capsys, released, tmp_path_factory) -> None:
+    """The released size (a placeholder's headers): 24 GiB + 32 GiB with the released bf16 files, and with converted
+    FP8 files 24 GiB + 32 GiB, 12 GiB + 32 GiB and 8 GiB + 16 GiB fit at 768p / 5 s, with the denoise working set at
+    most 3 GiB and the step figures reported."""
     fp8_files = make_placeholder_checkpoint(tmp_path_factory.mktemp("fp8") / "checkpoint", weights="fp8")
     results = {}
-    for gpu, host in ((24, 32), (12, 32), (8, 16)):
+    for weights, checkpoint, gpu, host in (
+        ("bf16", released, 24, 32),
+        ("fp8", fp8_files, 24, 32),
+        ("fp8", fp8_files, 12, 32),
+        ("fp8", fp8_files, 8, 16),
+    ):
         code, out, err = _run_cli(
             capsys,
-            "--checkpoint", str(fp8_files), "--gpu-memory", str(gpu), "--host-memory", str(host),
+            "--checkpoint", str(checkpoint), "--gpu-memory", str(gpu), "--host-memory", str(host),
             "--prompt-tokens", "1536", "--disk-read-gbps", "1.9", "--json",
         )  # fmt: skip
         assert code == 0, err
         plan = json.loads(out)
-        results[gpu] = plan
-        assert plan["fits"] and plan["weights"] == "fp8"
+        if weights == "fp8":
+            results[gpu] = plan
+        assert plan["fits"] and plan["weights"] == weights
         assert plan["peak_gpu_bytes"] <= gpu * GIB and plan["peak_host_bytes"] <= host * GIB
         assert plan["working_bytes"]["denoise"] <= 3 * GIB
         assert plan["disk_read_bytes_per_second"] == 1.9e9 and plan["predicted_step_seconds"] > 0

@@ -28,6 +28,7 @@ from h3engine.memory.plan import (
     check_request_fits,
     plan_engine,
     plan_for_shape,
+    request_dit_plan,
     request_peak_bytes,
     request_resident_layers,
 )
@@ -62,6 +63,22 @@ def test_a_longer_request_keeps_fewer_resident_layers_under_the_same_plan(bf16) 
         if count < bf16.partitions["fl2va"].dit.num_layers - 1:  # one more would not fit
             assert request_peak_bytes(plan, shape, count + 1) > plan.budget.gpu_bytes
     check_request_fits(plan, long)  # served, with fewer resident layers
+
+
+def test_a_request_that_fits_only_with_the_shallow_ring_gets_it(bf16) -> None:
+    context = PlanContext(adaln_cache=True)
+    plan = plan_engine(bf16, _budget(24, 32), "auto", "bf16", "cuda", engine_shapes(bf16), context)
+    plan = dataclasses.replace(
+        plan, models={**plan.models, "dit": dataclasses.replace(plan.models["dit"], ring_depth=3)}
+    )
+    shape = request_shape(bf16, "t2va", duration_seconds=15.0, text_tokens=TYPICAL_PROMPT_TOKENS)
+    # A budget between the request's peaks with no resident layer at the deep and at the shallow ring.
+    deep, shallow = (request_peak_bytes(plan, shape, 0, depth) for depth in (3, 2))
+    assert shallow < deep
+    tight = dataclasses.replace(plan, budget=MemoryBudget((deep + shallow) // 2, plan.budget.host_bytes))
+    assert request_dit_plan(tight, shape) == (0, 2)
+    check_request_fits(tight, shape)
+    assert request_dit_plan(plan, shape)[1] == 3
 
 
 def test_the_plan_for_a_short_request_costs_it_nothing_for_a_long_one(bf16) -> None:
@@ -103,14 +120,14 @@ def test_a_5s_request_after_a_15s_one_re_plans_and_computes_the_same(
     engine = ReplanningEngine.from_checkpoint(
         checkpoint, device="cpu", dtype=torch.float32, adaln_cache="off"
     )
-    counts = {4.0: 2, 15.0: 0}
+    counts = {4.0: (2, 2), 15.0: (0, 3)}
     asked = []
 
-    def count(plan, shape, lowest: int = 0) -> int:
+    def count(plan, shape, lowest: int = 0) -> tuple[int, int]:
         asked.append((shape.duration_seconds, lowest))
         return counts[shape.duration_seconds]
 
-    monkeypatch.setattr(placement_module, "request_resident_layers", count)
+    monkeypatch.setattr(placement_module, "request_dit_plan", count)
     stream = engine.placement.stream_of(engine.store.models_for_task("t2va").dit)
     assert stream.first == 2 and stream.lowest_resident == 0
     base = parity_requests(steps=2, seed=3)["t2va"]
@@ -122,13 +139,14 @@ def test_a_5s_request_after_a_15s_one_re_plans_and_computes_the_same(
             expected, _ = resident.generate(request)
             for name in OUTPUTS:
                 assert torch.equal(getattr(got, name), getattr(expected, name)), (seconds, name)
-            seen.append(stream.first)
-    assert seen == [2, 0, 2] and [duration for duration, _ in asked] == [4.0, 15.0, 4.0]
+            seen.append((stream.first, stream.ring_depth))
+    assert seen == [(2, 2), (0, 3), (2, 2)] and [duration for duration, _ in asked] == [4.0, 15.0, 4.0]
     assert all(lowest == 0 for _, lowest in asked)
     changes = [
         record.getMessage() for record in caplog.records if "DiT layers resident" in record.getMessage()
     ]
-    assert len(changes) == 2 and "keeps 0 DiT layers resident" in changes[0] and "kept 2" in changes[0]
+    assert len(changes) == 2 and "keeps 0 DiT layers resident" in changes[0]
+    assert "with a ring of 3 (the previous request: 2, ring of 2)" in changes[0]
 
 
 class WarmPartitions(Engine):

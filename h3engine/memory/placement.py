@@ -41,7 +41,7 @@ from h3engine.memory.plan import (
     WEIGHT_FORMATS,
     MemoryPlan,
     ModelPlacement,
-    request_resident_layers,
+    request_dit_plan,
     resident_plan,
 )
 from h3engine.memory.shapes import RequestShape
@@ -381,16 +381,20 @@ class Placement:
         stream = self.stream_of(dit)
         if shape is None or stream is None or self.plan.sizes is None:
             return
-        resident = request_resident_layers(self.plan, shape, stream.lowest_resident)
-        if resident != stream.first:
+        resident, depth = request_dit_plan(self.plan, shape, stream.lowest_resident)
+        if (resident, depth) != (stream.first, stream.ring_depth):
             logger.info(
-                "memory: %s keeps %d DiT layers resident on %s (the previous request kept %d)",
+                "memory: %s keeps %d DiT layers resident on %s with a ring of %d (the previous request: %d, ring "
+                "of %d)",
                 shape.label,
                 resident,
                 self.compute_device,
+                depth,
                 stream.first,
+                stream.ring_depth,
             )
             stream.set_resident_layers(resident)
+            stream.ring_depth = depth
             if self._cuda:
                 torch.cuda.empty_cache()
 

@@ -693,31 +693,51 @@ def _request_working(plan: MemoryPlan, shape: RequestShape) -> tuple[PartitionSi
     return partition, working
 
 
-def request_peak_bytes(plan: MemoryPlan, shape: RequestShape, resident_layers: int | None = None) -> int:
+def _with_dit(
+    plan: MemoryPlan, resident_layers: int | None, ring_depth: int | None
+) -> dict[str, ModelPlacement]:
+    """The plan's placements, its streamed DiT with these resident layers and ring depth (None: the plan's)."""
+    models = dict(plan.models)
+    dit = models["dit"]
+    if dit.layers == "streamed":
+        models["dit"] = replace(
+            dit,
+            resident_layers=dit.resident_layers if resident_layers is None else resident_layers,
+            ring_depth=dit.ring_depth if ring_depth is None else ring_depth,
+        )
+    return models
+
+
+def request_peak_bytes(
+    plan: MemoryPlan, shape: RequestShape, resident_layers: int | None = None, ring_depth: int | None = None
+) -> int:
     """The peak GPU bytes of one request of `shape` under `plan`'s placements (0 on the CPU), its DiT keeping
-    `resident_layers` leading layers on the GPU (None: the plan's)."""
+    `resident_layers` leading layers on the GPU and a ring of `ring_depth` (None: the plan's)."""
     if plan.device_type == "cpu":
         return 0
     if plan.sizes is None:
         raise ValueError("this plan was not made by the planner (it has no sizes)")
     partition, working = _request_working(plan, shape)
-    models = dict(plan.models)
-    if resident_layers is not None and models["dit"].layers == "streamed":
-        models["dit"] = replace(models["dit"], resident_layers=resident_layers)
+    models = _with_dit(plan, resident_layers, ring_depth)
     return max(
         phase_peaks(models, partition, shape, working, plan.device_type, plan.context.kept_schedules).values()
     )
 
 
-def request_resident_layers(plan: MemoryPlan, shape: RequestShape, lowest: int = 0) -> int:
-    """The most leading DiT layers a request of `shape` leaves room for on the GPU under `plan` (at least `lowest`,
-    the fewest its homes allow; the plan's count when its DiT does not stream)."""
+def request_dit_plan(plan: MemoryPlan, shape: RequestShape, lowest: int = 0) -> tuple[int, int]:
+    """(resident layers, ring depth) of the DiT for one request of `shape` under `plan`: the plan's ring, or the
+    shallowest one where the plan's leaves no room even with `lowest` resident layers (the fewest its homes allow);
+    then the most leading layers the request leaves room for. The plan's own when its DiT does not stream."""
     dit = plan.models["dit"]
     if dit.layers != "streamed" or plan.device_type == "cpu" or plan.sizes is None:
-        return dit.resident_layers
+        return dit.resident_layers, dit.ring_depth
     partition, working = _request_working(plan, shape)
+    depth = dit.ring_depth
+    if request_peak_bytes(plan, shape, lowest, depth) > plan.budget.gpu_bytes:
+        depth = min(min(RING_DEPTHS), depth)
+    models = _with_dit(plan, None, depth)
     most = most_resident_layers(
-        plan.models,
+        models,
         partition,
         shape,
         working,
@@ -725,7 +745,12 @@ def request_resident_layers(plan: MemoryPlan, shape: RequestShape, lowest: int =
         plan.device_type,
         plan.context.kept_schedules,
     )
-    return max(lowest, min(most, partition.dit.num_layers - 1))
+    return max(lowest, min(most, partition.dit.num_layers - 1)), depth
+
+
+def request_resident_layers(plan: MemoryPlan, shape: RequestShape, lowest: int = 0) -> int:
+    """The most leading DiT layers a request of `shape` leaves room for on the GPU under `plan` (`request_dit_plan`)."""
+    return request_dit_plan(plan, shape, lowest)[0]
 
 
 def _budget_flag(budget: MemoryBudget) -> str:
@@ -744,7 +769,10 @@ def check_request_fits(plan: MemoryPlan, shape: RequestShape) -> None:
     if limit is None or plan.device_type == "cpu":
         return
     lowest = plan.lowest_resident_layers  # a request may stream the DiT layers the plan keeps resident
-    peak = request_peak_bytes(plan, shape, lowest)
+    shallow = min(
+        min(RING_DEPTHS), plan.models["dit"].ring_depth or min(RING_DEPTHS)
+    )  # and take the shallowest ring
+    peak = request_peak_bytes(plan, shape, lowest, shallow)
     if peak <= limit:
         return
     sizes = plan.sizes
@@ -753,7 +781,9 @@ def check_request_fits(plan: MemoryPlan, shape: RequestShape) -> None:
     candidate = math.ceil(seconds) - 1
     while candidate >= MIN_DURATION_SECONDS:
         if (
-            request_peak_bytes(plan, reshaped(sizes, shape, duration_seconds=float(candidate)), lowest)
+            request_peak_bytes(
+                plan, reshaped(sizes, shape, duration_seconds=float(candidate)), lowest, shallow
+            )
             <= limit
         ):
             raise RequestError(
@@ -771,7 +801,7 @@ def check_request_fits(plan: MemoryPlan, shape: RequestShape) -> None:
             variant = reshaped(sizes, shape, short_edge=smaller)
         except ValueError:
             break
-        if request_peak_bytes(plan, variant, lowest) <= limit:
+        if request_peak_bytes(plan, variant, lowest, shallow) <= limit:
             raise RequestError(
                 "short_edge",
                 f"a {edge}-pixel short edge needs about {peak / GIB:.1f} GiB {over}; ask for "
