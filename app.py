@@ -45,6 +45,7 @@ from h3engine.engine_options import (
     ADALN_FOLDER_NAME,
     EngineOptions,
     add_engine_flags,
+    cannot_write,
     default_cache_folder,
 )
 from h3engine.serving.options import ServingOptions, add_serving_flags
@@ -326,7 +327,7 @@ def settle_folders(config: AppConfig) -> AppConfig:
     replaced: dict[str, Path] = {}
     fallback = None
     for field, named in (("outputs_dir", config.outputs_named), ("cache_dir", config.cache_named)):
-        problem = None if named else _cannot_write(getattr(config, field))
+        problem = None if named else cannot_write(getattr(config, field))
         if problem is not None:
             fallback = fallback or owned_temp_folder(FALLBACK_FOLDER_PREFIX)
             replaced[field] = fallback / field.removesuffix("_dir")
@@ -343,22 +344,10 @@ def with_adaln_cache(config: AppConfig) -> AppConfig:
     """The engines keep their AdaLN tables in the app's cache folder (wherever it settled), unless `--adaln-cache`
     says otherwise; without a cache folder that can be written they keep none. Called when models load (a refused
     option must leave no folder behind)."""
-    if config.engine.adaln_cache is not None or _cannot_write(config.cache_dir) is not None:
+    if config.engine.adaln_cache is not None or cannot_write(config.cache_dir) is not None:
         return config
     folder = str(config.cache_dir / ADALN_FOLDER_NAME)
     return replace(config, engine=replace(config.engine, adaln_cache=folder))
-
-
-def _cannot_write(folder: Path) -> str | None:
-    """Why `folder` cannot be made or written to, or None (it exists afterwards)."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        return str(error.strerror or error)
-    return None
 
 
 def parse_file_size(text: str) -> int:
@@ -389,7 +378,7 @@ def check_before_loading(config: AppConfig) -> None:
     _check_can_listen(config.host, config.port)
     if config.lora_dir is not None and not config.lora_dir.is_dir():
         raise ConfigError(f"--lora-dir: no such folder: {config.lora_dir}")
-    problem = _cannot_write(config.outputs_dir)
+    problem = cannot_write(config.outputs_dir)
     if problem is not None:
         raise ConfigError(f"--outputs: cannot write to {config.outputs_dir} ({problem})")
 
@@ -423,7 +412,7 @@ def check_before_loading(config: AppConfig) -> None:
     except RequestError as error:
         raise ConfigError(str(error)) from None
     # The cache holds the tiny demo checkpoint, made when no checkpoint is given.
-    problem = None if config.checkpoint is not None else _cannot_write(config.cache_dir)
+    problem = None if config.checkpoint is not None else cannot_write(config.cache_dir)
     if problem is not None:
         raise ConfigError(f"H3_CACHE_DIR: cannot write to {config.cache_dir} ({problem})")
 

@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING
 from h3engine.errors import RequestError
 from h3engine.memory.disk import default_cache_folder
 
-__all__ = ["ADALN_FOLDER_NAME", "EngineOptions", "add_engine_flags", "default_cache_folder", "load_engine"]
+__all__ = [
+    "ADALN_FOLDER_NAME",
+    "EngineOptions",
+    "add_engine_flags",
+    "cannot_write",
+    "default_cache_folder",
+    "load_engine",
+]
 
 if TYPE_CHECKING:
     import torch
@@ -195,13 +202,21 @@ def check_adaln_cache(setting: str | None) -> None:
     if not setting.strip():
         raise RequestError("--adaln-cache", "expected a folder or off, got an empty value")
     folder = Path(setting).expanduser()
+    problem = cannot_write(folder)
+    if problem is not None:
+        raise RequestError("--adaln-cache", f"cannot write to {folder} ({problem})")
+
+
+def cannot_write(folder: Path) -> str | None:
+    """Why `folder` cannot be made or written to, or None (it exists afterwards)."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".h3-write-check-{os.getpid()}"
+        probe = folder / f".write-test-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as error:
-        raise RequestError("--adaln-cache", f"cannot write to {folder} ({error.strerror or error})") from None
+        return str(error.strerror or error)
+    return None
 
 
 def check_dtype(name: str | None) -> str:
