@@ -40,13 +40,12 @@ from h3engine.memory.plan import (
     MemoryBudget,
     ModelPlacement,
     RequestShape,
-    check_request_fits,
     engine_shapes,
     plan_engine,
     plan_for_shape,
-    request_peak_bytes,
     request_shape,
 )
+from h3engine.memory.request_plan import check_request_fits, request_peak_bytes
 from h3engine.memory.shapes import TYPICAL_PROMPT_TOKENS
 from h3engine.memory.sizes import RankShare, checkpoint_sizes
 from h3engine.memory.slabs import ALIGNMENT, aligned, packed_bytes, slab_plan

@@ -1,5 +1,5 @@
 """A request does not pay for a larger one: the engine's plan fixes the homes, and each request keeps as many DiT
-layers resident on the GPU as it leaves room for (h3engine.memory.plan.request_resident_layers), re-planned between
+layers resident on the GPU as it leaves room for (h3engine.memory.request_plan.request_dit_plan), re-planned between
 requests (h3engine.memory.placement.Placement.prepare_request), with the same outputs whatever the count.
 
 At the released size (a placeholder's headers): a 15 s request keeps fewer layers than a 5 s one under the same plan,
@@ -21,13 +21,9 @@ from h3engine.checkpoint.placeholder import make_placeholder_checkpoint
 from h3engine.engine import Engine
 from h3engine.memory import placement as placement_module
 from h3engine.memory.placement import Placement
-from h3engine.memory.plan import (
-    GIB,
-    MemoryBudget,
-    PlanContext,
+from h3engine.memory.plan import GIB, MemoryBudget, PlanContext, plan_engine, plan_for_shape
+from h3engine.memory.request_plan import (
     check_request_fits,
-    plan_engine,
-    plan_for_shape,
     request_dit_plan,
     request_peak_bytes,
     request_resident_layers,

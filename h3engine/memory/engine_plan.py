@@ -30,10 +30,10 @@ from h3engine.memory.plan import (
     MemoryBudget,
     MemoryPlan,
     PlanContext,
-    check_request_fits,
     engine_shapes,
     plan_engine,
 )
+from h3engine.memory.request_plan import check_request_fits
 from h3engine.memory.shapes import ReferenceSpec, RequestShape, request_shape
 from h3engine.memory.sizes import RankShare, checkpoint_sizes, stored_weights
 

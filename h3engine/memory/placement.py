@@ -41,9 +41,9 @@ from h3engine.memory.plan import (
     WEIGHT_FORMATS,
     MemoryPlan,
     ModelPlacement,
-    request_dit_plan,
     resident_plan,
 )
+from h3engine.memory.request_plan import request_dit_plan
 from h3engine.memory.shapes import RequestShape
 from h3engine.memory.streaming import LayerStream, TensorRead, streamed_tensors
 
