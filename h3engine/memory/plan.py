@@ -3,14 +3,15 @@
 Types: per model (`ModelPlacement`) its repeated layers are "resident" (on the device for the engine's life),
 "phase" (moved onto the device for the phases that run it) or "streamed" (through a ring of `ring_depth` device
 buffers filled a few layers ahead, the first `resident_layers` staying on the device); the rest is resident or phase.
-What is not resident waits in a host home: "pinned", "mapped" (read again from the checkpoint files) or "none". On a
-GPU the DiT's AdaLN projections wait on the host (`adaln_home`), streamed once per request; the partition not served
-waits in `other_partition_home`: "pinned" (warm: a switch copies from RAM), else "mapped" / "disk" (read again).
+What is not resident waits in a host home: "pinned" (`mapped_layers` of a streamed model's layers in the files), "mapped"
+(all read again from the checkpoint files) or "none". On a GPU the DiT's AdaLN projections wait on the host
+(`adaln_home`: "pinned", or "mapped" with their tables on disk); the partition not served waits in
+`other_partition_home`: "pinned" (warm: a switch copies from RAM), else "mapped" / "disk" (read again).
 
-The planner: `plan_for_shape(sizes, budget, shape, profile)` (`auto`: of the placements that fit, the one losing the
-fewest seconds per request under the cost model below), `plan_engine(..., shapes)` (the most demanding shape whose
-plan costs little more), `request_peak_bytes` / `check_request_fits` (one request under a plan). Shapes:
-h3engine.memory.shapes; working memory: .working; peaks and host homes: .peaks; words: .plan_cli.
+The planner: `plan_for_shape(sizes, budget, shape, profile, device_type, context)` (`auto`: of the placements that fit,
+the one losing the fewest seconds per request under h3engine.memory.cost), `plan_engine(..., shapes)` (the most
+demanding shape whose plan costs little more); one request under a plan: .request_plan. Shapes: .shapes; working
+memory: .working; peaks and host homes: .peaks; words: .plan_cli.
 
 Danger: the peaks rest on estimated activations (h3engine.memory.working). Imports no torch (budget.py relies on it).
 """
