@@ -1,6 +1,4 @@
-"""A memory plan: where each model of a checkpoint lives so that an engine's peak stays under its budget.
-
-Types: per model (`ModelPlacement`) its repeated layers are "resident" (on the device for the engine's life),
+"""A memory plan: where each model of a checkpoint lives so that an engine's peak stays under its budget. Types: per model (`ModelPlacement`) its repeated layers are "resident" (on the device for the engine's life),
 "phase" (moved onto the device for the phases that run it) or "streamed" (through a ring of `ring_depth` device
 buffers filled a few layers ahead, the first `resident_layers` staying on the device); the rest is resident or phase.
 What is not resident waits in a host home: "pinned" (`mapped_layers` of a streamed model's layers in the files), "mapped"
@@ -13,7 +11,7 @@ the one losing the fewest seconds per request under h3engine.memory.cost), `plan
 demanding shape whose plan costs little more); one request under a plan: .request_plan. Shapes: .shapes; working
 memory: .working; peaks and host homes: .peaks; words: .plan_cli.
 
-Danger: the peaks rest on estimated activations (h3engine.memory.working). Imports no torch (budget.py relies on it).
+Danger: the peaks rest on estimated activations (.working). Imports no torch (budget.py relies on it).
 """
 
 from __future__ import annotations
