@@ -250,11 +250,15 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> AppC
         serving = ServingOptions.from_args(args, environ)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    if serving.max_body_size is not None:
+    for flag, size in (
+        ("--max-body-size", serving.max_body_size),
+        ("--max-inputs-size", serving.max_inputs_size),
+    ):
         try:
-            parse_file_size(serving.max_body_size)
+            if size is not None:
+                parse_file_size(size)
         except ConfigError as error:
-            raise ConfigError(str(error).replace("--max-file-size", "--max-body-size")) from None
+            raise ConfigError(str(error).replace("--max-file-size", flag)) from None
     return AppConfig(
         checkpoint=Path(args.checkpoint).expanduser() if args.checkpoint else None,
         outputs_dir=Path(args.outputs or DEFAULT_OUTPUTS).expanduser().resolve(),
@@ -696,6 +700,7 @@ def _start_and_serve(argv: Sequence[str] | None) -> int:
         host=config.host,
         share=config.share,
         max_body_bytes=parse_file_size(config.serving.max_body_size or str(config.max_file_size) + "b"),
+        max_inputs_bytes=parse_file_size(config.serving.max_inputs_size),
         queue_size=config.queue_size,
         library=LoraLibrary(config.lora_dir),
         shared_history=config.shared_history,

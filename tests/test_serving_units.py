@@ -18,14 +18,17 @@ import app
 from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.checkpoint.layout import CanvasRules
 from h3engine.geometry import Geometry
+from h3engine.media.outputs import OutputFiles, StagedOutputs
 from h3engine.request import GenerationRequest
 from h3engine.runtime.front import EngineFront, JobHandle
+from h3engine.runtime.messages import ENGINE_FAILURE_MESSAGE, output_failure_message
 from h3engine.serving.api import ApiError, ApiSettings, Serving
+from h3engine.serving.inputs import ClientFiles, QuotaExceeded, write_input
 from h3engine.serving.jobs import MAX_ATTEMPTS, VideoJobs
 from h3engine.serving.metrics import Metrics
 from h3engine.serving.retention import Retention
 from h3engine.serving.store import STORE_NAME, JobRecord, JobStore, StoreError
-from h3engine.serving.videos import ApiFieldError, request_from_fields, size_to_canvas, supported_sizes
+from h3engine.serving.videos import ApiFieldError, request_from_fields, size_fields, supported_sizes
 from h3engine.serving.webhooks import Webhooks
 
 RELEASED = CheckpointFacts(
@@ -153,12 +156,26 @@ def test_recovery_runs_queued_jobs_reruns_a_running_one_once_and_never_twice_to_
 
 def test_sizes_follow_the_canvas_rule() -> None:
     assert supported_sizes(RELEASED)[1] == "1344x768"  # 16:9 at the released short edge
-    assert size_to_canvas("1344x768", RELEASED) == ("16:9", None)
-    assert size_to_canvas("768x768", RELEASED) == ("1:1", None)
-    assert size_to_canvas("512x512", RELEASED) == ("512:512", 512)
-    with pytest.raises(ApiFieldError, match=r"supported: .*1344x768") as raised:
-        size_to_canvas("1280x720", RELEASED)
-    assert raised.value.param == "size"
+    assert size_fields("1344x768", RELEASED) == {"aspect_ratio": "16:9"}
+    assert size_fields("768x768", RELEASED) == {"aspect_ratio": "1:1"}
+    assert size_fields("auto", RELEASED) == {}
+    assert size_fields("512x512", RELEASED) == {"aspect_ratio": "1:1", "short_edge": 512}
+    assert size_fields("896x512", RELEASED) == {"aspect_ratio": "16:9", "short_edge": 512}
+    assert size_fields("640x512", RELEASED) == {"width": 640, "height": 512}  # 5:4, not a preset
+    for size in ("1280x720", "1024x512", "1000x10", "0x0", "1344x769", "big"):
+        with pytest.raises(ApiFieldError, match=r"supported: auto, .*1344x768") as raised:
+            size_fields(size, RELEASED)
+        assert raised.value.param == "size"
+
+
+@pytest.mark.parametrize("size", ["auto", "1344x768", "768x768", "512x512", "896x512", "640x512", "768x1344"])
+def test_every_size_the_rule_makes_passes_the_checker(tmp_path, size) -> None:
+    """Each size the API accepts becomes a request the one checker accepts too (the size was once turned into an
+    aspect ratio the checker refuses)."""
+    from h3engine.request import validate
+
+    request = request_from_fields({"prompt": "x", "size": size}, tmp_path, RELEASED).request
+    validate(request, canvas_multiple=RELEASED.canvas_multiple)
 
 
 def test_fields_read_multipart_text_and_refuse_the_unknown(tmp_path) -> None:
@@ -228,6 +245,70 @@ def test_retention_expires_the_oldest_results(tmp_path) -> None:
     store.close()
 
 
+def test_inputs_go_with_their_job_and_uploaded_files_expire(tmp_path) -> None:
+    """Retention removes an expired result's inputs, an old failed job's inputs and old uploaded files; at start the
+    sweep removes job folders no job owns and file folders without their row, and keeps the rest."""
+    store = JobStore.open(tmp_path)
+    files = ClientFiles(tmp_path, store)
+    old = time.time() - 10 * 86400
+    folders = {}
+    for job_id, status in (
+        ("video_" + "a" * 24, "completed"),
+        ("video_" + "b" * 24, "failed"),
+        ("video_" + "c" * 24, "completed"),
+    ):
+        folder = files.job_folder("o", job_id)
+        write_input(folder, "first.png", b"png")
+        record = _record(job_id, tmp_path, status, completed_at=old if job_id[-1] != "c" else time.time())
+        record.meta = {"inputs": str(folder)}
+        Path(record.out_path).write_bytes(b"0")
+        store.insert(record)
+        folders[job_id[-1]] = folder
+    kept_file = files.add_file("o", "new.png", b"new", "vision")
+    old_file = files.add_file("o", "old.png", b"old", "vision")
+    store._execute("UPDATE files SET created_at = ? WHERE id = ?", (old, old_file.id))
+    assert Retention(store, keep_days=7, max_outputs_gb=None, inputs=files).sweep() == 1
+    assert [folders[name].exists() for name in "abc"] == [False, False, True]
+    assert files.get_file("o", old_file.id) is None and not Path(old_file.path).exists()
+    assert files.get_file("o", kept_file.id) is not None
+    orphan = files.job_folder("o", "video_" + "d" * 24)
+    stray = files.owner_folder("o") / "files" / ("file-" + "e" * 24)
+    write_input(orphan, "x.png", b"x")
+    write_input(stray, "y.png", b"y")
+    assert files.sweep_orphans() == 2
+    assert (
+        not orphan.exists() and not stray.exists() and folders["c"].exists() and Path(kept_file.path).exists()
+    )
+    assert files.used_bytes("o") == len(b"png") + len(b"new")
+    with pytest.raises(QuotaExceeded, match="delete uploaded files"):
+        ClientFiles(tmp_path, store, quota_bytes=8).check_quota("o", 3)
+    store.close()
+
+
+def test_staging_files_go_even_when_their_folder_was_moved(tmp_path) -> None:
+    """A results folder moved (and replaced by a file) mid-job: discarding still removes the staging files, through
+    the folder held open, and raises nothing over the job's own error."""
+    results = tmp_path / "results"
+    results.mkdir()
+    staging = StagedOutputs(OutputFiles(results / "a.mp4", results / "a.json"))
+    moved = tmp_path / "moved"
+    results.rename(moved)
+    results.write_text("a file now")
+    assert len(list(moved.glob(".*.partial"))) == 2
+    staging.discard()
+    assert list(moved.iterdir()) == []
+    error = NotADirectoryError(20, "Not a directory", str(results / ".a.mp4.partial"))
+    wrapped = RuntimeError("the MP4 writer failed")
+    wrapped.__cause__ = error
+    assert output_failure_message(wrapped, results) == (
+        "The outputs folder refuses writes (Not a directory); the details are in the server log."
+    )
+    assert (
+        output_failure_message(FileNotFoundError(2, "No such file", "/elsewhere/x"), results)
+        == ENGINE_FAILURE_MESSAGE
+    )
+
+
 def test_serving_flags_and_their_defaults(tmp_path) -> None:
     (tmp_path / "keys").write_text("# ours\nfile-key-12345678\n")
     config = app.parse_config(
@@ -240,6 +321,7 @@ def test_serving_flags_and_their_defaults(tmp_path) -> None:
         ["--api-key", "short"],
         ["--max-queue", "0"],
         ["--max-body-size", "lots"],
+        ["--max-inputs-size", "lots"],
         ["--webhook-url", "ftp://x"],
     ):
         with pytest.raises(app.ConfigError):

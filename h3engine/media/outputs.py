@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import secrets
 from collections.abc import Iterator, Mapping
@@ -37,10 +38,13 @@ if (
     from h3engine.geometry import Geometry
     from h3engine.request import GenerationRequest
 
+logger = logging.getLogger(__name__)
+
 MP4_SUFFIX = ".mp4"
 SIDECAR_SUFFIX = ".json"
 TENSORS_SUFFIX = ".safetensors"
 PARTIAL_SUFFIX = ".partial"
+_UNLINK_IN_FOLDER = os.unlink in os.supports_dir_fd  # POSIX: unlink a name through an open folder
 
 
 def output_paths(out_mp4: str | os.PathLike[str]) -> tuple[Path, Path]:
@@ -102,7 +106,10 @@ def atomic_output(final_path: str | os.PathLike[str]) -> Iterator[Path]:
         os.replace(partial_path, final_path)
     except BaseException:
         # BaseException too: a Ctrl-C or a cancelled worker must not leave a stray .partial behind.
-        partial_path.unlink(missing_ok=True)
+        try:
+            partial_path.unlink(missing_ok=True)
+        except OSError as error:  # the folder went away: the writer's own error is the one to raise
+            logger.warning("could not remove the staging file %s: %s", partial_path, error)
         raise
     _flush_folder_entry(final_path.parent)
 
@@ -165,17 +172,27 @@ def checked_output_files(out_path: Path | str, save_tensors_path: Path | str | N
 
 
 class StagedOutputs:
-    """Hidden staging files for one request's `OutputFiles`; see `staged`."""
+    """Hidden staging files for one request's `OutputFiles`; see `staged`.
+
+    Each staging folder is held open while the files stage: `discard` unlinks through it, so the files go even when
+    the folder was moved or replaced meanwhile, and a failure there is logged, never raised over the job's own error.
+    """
 
     def __init__(self, final: OutputFiles) -> None:
         self.final = final
         created: list[Path] = []
+        self._folders: dict[Path, int] = {}
         try:
             for path in final.in_commit_order():
+                if _UNLINK_IN_FOLDER and path.parent not in self._folders:
+                    self._folders[path.parent] = os.open(
+                        path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+                    )
                 created.append(_new_partial_path(path))
         except BaseException:
             for path in created:
                 path.unlink(missing_ok=True)
+            self._close_folders()
             raise
         self._staging = created
         self.files = OutputFiles(created[0], created[-1], created[1] if final.tensors is not None else None)
@@ -188,6 +205,7 @@ class StagedOutputs:
         for path, final_path in zip(self._staging, self.final.in_commit_order(), strict=True):
             os.replace(path, final_path)
         self._committed = True
+        self._close_folders()
         for folder in {path.parent for path in self.final.in_commit_order()}:
             _flush_folder_entry(folder)
         return self.final
@@ -195,7 +213,22 @@ class StagedOutputs:
     def discard(self) -> None:
         if not self._committed:
             for path in self._staging:
-                path.unlink(missing_ok=True)
+                folder = self._folders.get(path.parent)
+                try:
+                    if folder is None:
+                        path.unlink(missing_ok=True)
+                    else:
+                        os.unlink(path.name, dir_fd=folder)
+                except FileNotFoundError:
+                    pass
+                except OSError as error:
+                    logger.warning("could not remove the staging file %s: %s", path, error)
+        self._close_folders()
+
+    def _close_folders(self) -> None:
+        for descriptor in self._folders.values():
+            os.close(descriptor)
+        self._folders.clear()
 
 
 @contextlib.contextmanager

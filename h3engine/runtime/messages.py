@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -172,7 +173,8 @@ def job_failed(
 def output_failure_message(error: BaseException, outputs_folder: Path) -> str:
     """The sentence for a job that `error` ended while it ran: a full disk (an OSError ENOSPC or EDQUOT anywhere in
     the error's chain, e.g. under the MP4 writer's error) says so with the space left on the outputs folder's disk;
-    anything else is `ENGINE_FAILURE_MESSAGE`. No server path: a browser reads it."""
+    an OSError on a path in the outputs folder is `outputs_refuse_writes`; anything else is
+    `ENGINE_FAILURE_MESSAGE`. No server path: a browser reads it."""
     seen: set[int] = set()
     cause: BaseException | None = error
     while cause is not None and id(cause) not in seen:
@@ -180,8 +182,24 @@ def output_failure_message(error: BaseException, outputs_folder: Path) -> str:
         if isinstance(cause, OSError) and cause.errno in DISK_FULL_ERRNOS:
             words = disk_full_text(outputs_folder)
             return f"{words[0].upper()}{words[1:]}; free some space, then try again."
+        if isinstance(cause, OSError) and _in_folder(cause.filename, outputs_folder):
+            words = outputs_refuse_writes(cause.strerror or type(cause).__name__)
+            return f"{words[0].upper()}{words[1:]}"
         cause = cause.__cause__ or cause.__context__
     return ENGINE_FAILURE_MESSAGE
+
+
+def outputs_refuse_writes(why: str) -> str:
+    """'the outputs folder refuses writes (Not a directory); ...': the page's and the API's words for an outputs
+    folder that cannot be written, `why` being what the system said (never a path)."""
+    return f"the outputs folder refuses writes ({why}); the details are in the server log."
+
+
+def _in_folder(filename: object, folder: Path) -> bool:
+    if not isinstance(filename, str | bytes | os.PathLike):
+        return False
+    path = Path(os.fsdecode(filename))
+    return path.is_relative_to(folder) or path.absolute().is_relative_to(Path(folder).absolute())
 
 
 def disk_full_text(outputs_folder: Path) -> str:

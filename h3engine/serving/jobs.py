@@ -29,18 +29,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from h3engine.engine_options import cannot_write
 from h3engine.errors import RequestError
 from h3engine.media.outputs import output_paths
 from h3engine.request import GenerationRequest
 from h3engine.request.shapes import from_dict
 from h3engine.runtime.front import EngineFront, JobHandle, stamped_output_name
 from h3engine.runtime.messages import (
+    ENGINE_FAILURE_MESSAGE,
     JobFailed,
     JobFinished,
     JobQueued,
     JobStarted,
     PreviewFrame,
     StepProgress,
+    outputs_refuse_writes,
+)
+from h3engine.serving.inputs import (
+    DEFAULT_QUOTA_BYTES,
+    ClientFiles,
+    job_inputs,
+    new_job_id,
+    owner_key,
+    remove_folder,
 )
 from h3engine.serving.store import JobRecord, JobStore, now
 from h3engine.serving.videos import DEFAULT_MODEL, video_object
@@ -60,6 +71,9 @@ PROGRESS_WRITE_INTERVAL_S = 1.0
 SUBSCRIBER_BUFFER = 64
 FAILURE_CODES = {"request": "invalid_request", "cancelled": "cancelled", "engine": "generation_failed"}
 THUMBNAIL_SUFFIX = ".jpg"
+SPRITESHEET_SUFFIX = ".sprites.jpg"
+SPRITESHEET_GRID = (5, 5)  # columns, rows: 25 frames evenly spread over the clip
+SPRITE_WIDTH = 256
 
 
 class Refused(Exception):
@@ -87,8 +101,9 @@ class _Active:
 
 
 def job_files(record: JobRecord) -> list[Path]:
+    """The MP4, sidecar, thumbnail and spritesheet of a job (the last two made when asked for)."""
     video, sidecar = output_paths(record.out_path)
-    return [video, sidecar, video.with_suffix(THUMBNAIL_SUFFIX)]
+    return [video, sidecar, video.with_suffix(THUMBNAIL_SUFFIX), video.with_suffix(SPRITESHEET_SUFFIX)]
 
 
 def write_thumbnail(video_path: Path) -> Path | None:
@@ -116,6 +131,40 @@ def write_thumbnail(video_path: Path) -> Path | None:
         return None
 
 
+def write_spritesheet(video_path: Path) -> Path | None:
+    """A JPEG grid of frames evenly spread over the clip, left to right then top to bottom (OpenAI's "spritesheet"
+    variant), beside the MP4; None when the clip has no frames."""
+    import av
+    from PIL import Image
+
+    columns, rows = SPRITESHEET_GRID
+    target = video_path.with_suffix(SPRITESHEET_SUFFIX)
+    with av.open(str(video_path)) as container:
+        stream = container.streams.video[0]
+        count = stream.frames or 0
+        wanted = {round(index * max(0, count - 1) / (columns * rows - 1)) for index in range(columns * rows)}
+        sprites = [
+            frame.to_image()
+            for index, frame in enumerate(container.decode(stream))
+            if index in wanted or not count
+        ]
+    if not sprites:
+        return None
+    sprites = sprites[: columns * rows]
+    width = min(SPRITE_WIDTH, sprites[0].width)
+    height = max(1, round(sprites[0].height * width / sprites[0].width))
+    sheet = Image.new("RGB", (columns * width, rows * height))
+    for index, sprite in enumerate(sprites):
+        sheet.paste(sprite.resize((width, height)), ((index % columns) * width, (index // columns) * height))
+    partial = target.with_name(f".{target.name}.{secrets.token_hex(4)}.partial")
+    try:
+        sheet.save(partial, format="JPEG", quality=85)
+        partial.replace(target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
+
+
 def preview_data_url(rgb: Any) -> str:
     from PIL import Image
 
@@ -133,8 +182,10 @@ class VideoJobs:
         limits: Limits | None = None,
         on_end: Callable[[JobRecord], None] | None = None,
         shared: bool = False,
+        inputs_quota: int = DEFAULT_QUOTA_BYTES,
     ) -> None:
         self.front, self.store, self.outputs_dir = front, store, Path(outputs_dir)
+        self.inputs = ClientFiles(self.outputs_dir, store, inputs_quota)  # API jobs' input files, /v1/files
         # --shared-history: the page's History and the keyless API ("local") are one owner and one folder.
         self.shared = shared
         self.limits = limits or Limits()
@@ -178,11 +229,18 @@ class VideoJobs:
     # --- jobs ----------------------------------------------------------------------------------------------
 
     def results_dir(self, owner: str) -> Path:
-        import hashlib
-
         if self.shared and owner == LOCAL_OWNER:
             return self.outputs_dir
-        return self.outputs_dir / "api" / hashlib.sha256(owner.encode()).hexdigest()[:32]
+        return self.outputs_dir / "api" / owner_key(owner)
+
+    def outputs_problem(self, folder: Path) -> str | None:
+        """Why a results folder cannot take a job now (made when missing; the page's sentence, no path), or None."""
+        why = cannot_write(folder)
+        if why is None:
+            return None
+        logger.error("the results folder %s refuses writes: %s", folder, why)
+        words = outputs_refuse_writes(why)
+        return f"{words[0].upper()}{words[1:]}"
 
     def ui_owner(self, results_dir: Path) -> str:
         """The store owner of a page's results folder ("ui:<folder>"; with --shared-history the keyless API's)."""
@@ -202,10 +260,12 @@ class VideoJobs:
         source: str = "api",
         idempotency: tuple[str, str] | None = None,
         out_path: Path | None = None,
+        job_id: str | None = None,
     ) -> tuple[JobRecord, bool]:
         """A new job (its row, then its place on the front), or with `idempotency` (key, body digest) the job that
-        key made before (False: not new). Refused for a key reused with another body, a full queue or an owner
-        at its limit. The request must have passed the front's checks."""
+        key made before (False: not new). Refused for a key reused with another body, a full queue, an owner at its
+        limit, or a results folder that refuses writes (503, the page's sentence). The request must have passed
+        the front's checks; `job_id` is the id its inputs folder was named by (`ClientFiles.job_folder`)."""
         geometry = self.front.expected_geometry(request)  # may probe input files: outside the lock
         with self._lock:
             if idempotency is not None:
@@ -235,7 +295,7 @@ class VideoJobs:
                     f"You have {mine} jobs queued or running, the most allowed at once; wait for one to end.",
                     self.retry_after(),
                 )
-            job_id = "video_" + secrets.token_hex(12)
+            job_id = job_id or new_job_id()
             if out_path is None:
                 out_path = self.results_dir(owner) / stamped_output_name(request.task, job_id[-8:])
             meta = {**meta, "width": geometry.width, "height": geometry.height, "frames": geometry.frames}
@@ -251,8 +311,10 @@ class VideoJobs:
                 idempotency_key=idempotency[0] if idempotency else None,
                 body_digest=idempotency[1] if idempotency else None,
             )
+            problem = self.outputs_problem(Path(out_path).parent)
+            if problem is not None:
+                raise Refused(503, "outputs_unwritable", problem)
             try:
-                Path(out_path).parent.mkdir(parents=True, exist_ok=True)
                 self.store.insert(record)
             except (OSError, sqlite3.Error) as error:
                 logger.error("job store: cannot record a new job: %s", error)
@@ -266,7 +328,11 @@ class VideoJobs:
             handle = self.front.submit(request, out_path=record.out_path)
         except (RequestError, OSError, RuntimeError) as error:
             logger.warning("job %s cannot be queued: %s", record.id, error)
-            self._end(record, "failed", error_code="invalid_request", error_message=str(error))
+            if isinstance(error, RequestError) and error.field == "out_path" or isinstance(error, OSError):
+                problem = self.outputs_problem(Path(record.out_path).parent) or ENGINE_FAILURE_MESSAGE
+                self._end(record, "failed", error_code="outputs_unwritable", error_message=problem)
+            else:
+                self._end(record, "failed", error_code="invalid_request", error_message=str(error))
             return
         with self._lock:
             self._active[record.id] = _Active(record, handle, {"progress": 0})
@@ -377,6 +443,7 @@ class VideoJobs:
                 self._submit(record)
         if any(counts.values()):
             logger.info("job store recovery: %s", ", ".join(f"{k} {v}" for k, v in counts.items() if v))
+        self.inputs.sweep_orphans()
         return counts
 
     # --- following -----------------------------------------------------------------------------------------
@@ -540,8 +607,13 @@ def _offer(queue: asyncio.Queue, message: dict[str, Any]) -> None:
 
 
 def _remove_files(record: JobRecord) -> None:
+    """A job's results and its input files."""
     for path in job_files(record):
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as error:
+            logger.warning("could not remove %s: %s", path, error)
+    remove_folder(job_inputs(record))
 
 
 def _result_from_sidecar(video: Path, sidecar_path: Path, thumbnail: bool = True) -> dict[str, Any]:

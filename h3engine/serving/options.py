@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MAX_JOBS_PER_OWNER = 8
+DEFAULT_MAX_INPUTS_SIZE = "4gb"
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class ServingOptions:
     webhook_secret: str | None = None
     keep_days: float | None = None
     max_outputs_gb: float | None = None
+    max_inputs_size: str = DEFAULT_MAX_INPUTS_SIZE  # an owner's uploaded files and job inputs together
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str]) -> ServingOptions:
@@ -60,6 +62,7 @@ class ServingOptions:
             webhook_secret=args.webhook_secret or None,
             keep_days=args.keep_days,
             max_outputs_gb=args.max_outputs_gb,
+            max_inputs_size=args.max_inputs_size,
         )
 
 
@@ -101,6 +104,13 @@ def add_serving_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str
         "--max-body-size",
         default=environ.get("H3_MAX_BODY_SIZE") or None,
         help="largest /v1 request body, e.g. 50mb (413 past it; default: --max-file-size)",
+    )
+    group.add_argument(
+        "--max-inputs-size",
+        default=environ.get("H3_MAX_INPUTS_SIZE") or DEFAULT_MAX_INPUTS_SIZE,
+        metavar="SIZE",
+        help="what an API key's uploaded files and job inputs may take together, e.g. 2gb (429 past it; "
+        f"default {DEFAULT_MAX_INPUTS_SIZE}); env H3_MAX_INPUTS_SIZE",
     )
     group.add_argument(
         "--webhook-url",

@@ -14,6 +14,7 @@ from typing import Any
 
 from h3engine.lora.library import LoraLibrary
 from h3engine.serving.api import ApiSettings, Serving, _is_loopback
+from h3engine.serving.inputs import DEFAULT_QUOTA_BYTES
 from h3engine.serving.jobs import Limits, VideoJobs
 from h3engine.serving.metrics import Metrics
 from h3engine.serving.options import ServingOptions
@@ -54,6 +55,7 @@ def start_serving(
     host: str,
     max_body_bytes: int,
     queue_size: int,
+    max_inputs_bytes: int = DEFAULT_QUOTA_BYTES,
     library: LoraLibrary | None = None,
     shared_history: bool = False,
     share: bool = False,
@@ -72,7 +74,9 @@ def start_serving(
             )
 
     limits = Limits(max_queue=options.max_queue or queue_size, per_owner=options.max_jobs_per_owner)
-    jobs = VideoJobs(front, store, outputs_dir, limits, on_end, shared=shared_history)
+    jobs = VideoJobs(
+        front, store, outputs_dir, limits, on_end, shared=shared_history, inputs_quota=max_inputs_bytes
+    )
     settings = ApiSettings(
         keys=options.api_keys,
         loopback=_is_loopback(host) and not share,
@@ -83,7 +87,7 @@ def start_serving(
     jobs.start()
     retention = None
     if options.keep_days is not None or options.max_outputs_gb is not None:
-        retention = Retention(store, options.keep_days, options.max_outputs_gb)
+        retention = Retention(store, options.keep_days, options.max_outputs_gb, jobs.inputs)
         retention.start()
     if not settings.keys and not settings.loopback:
         where = "a public share link" if share else f"the address {host}"

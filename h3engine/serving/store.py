@@ -50,6 +50,16 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE INDEX IF NOT EXISTS jobs_by_owner ON jobs (owner, created_at);
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_by_idempotency ON jobs (owner, idempotency_key)
     WHERE idempotency_key IS NOT NULL;
+CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    filename TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    purpose TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    path TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS files_by_owner ON files (owner, created_at);
 """
 
 
@@ -108,6 +118,22 @@ def _record_values(record: JobRecord) -> dict[str, Any]:
     values["deleted"] = int(record.deleted)
     values["expired"] = int(record.expired)
     return values
+
+
+@dataclass
+class FileRecord:
+    """A file a client uploaded to /v1/files, kept at `path` until it is deleted or expires."""
+
+    id: str
+    owner: str
+    filename: str
+    bytes: int
+    purpose: str
+    created_at: float
+    path: str
+
+
+_FILE_COLUMNS = tuple(item.name for item in fields(FileRecord))
 
 
 class JobStore:
@@ -238,6 +264,61 @@ class JobStore:
             sql += " AND owner = ?"
             parameters.append(owner)
         return int(self._execute(sql, parameters)[0][0])
+
+    # --- uploaded files (/v1/files) -----------------------------------------------------------------------------
+
+    def insert_file(self, record: FileRecord) -> None:
+        values = {name: getattr(record, name) for name in _FILE_COLUMNS}
+        marks = ", ".join(f":{name}" for name in values)
+        self._execute(f"INSERT INTO files ({', '.join(values)}) VALUES ({marks})", values)
+
+    def get_file(self, file_id: str, owner: str) -> FileRecord | None:
+        """The owner's file (None when absent or another owner's)."""
+        rows = self._execute("SELECT * FROM files WHERE id = ? AND owner = ?", (file_id, owner))
+        return FileRecord(**{name: rows[0][name] for name in _FILE_COLUMNS}) if rows else None
+
+    def list_files(
+        self, owner: str, after: str | None = None, limit: int = 20, order: str = "desc"
+    ) -> list[FileRecord]:
+        """An owner's files by upload time (`order` "asc" or "desc"), starting after the file `after`."""
+        direction, compare = ("ASC", ">") if order == "asc" else ("DESC", "<")
+        sql, parameters = "SELECT * FROM files WHERE owner = ?", [owner]
+        if after is not None:
+            anchor = self._execute(
+                "SELECT created_at, id FROM files WHERE id = ? AND owner = ?", (after, owner)
+            )
+            if anchor:
+                sql += f" AND (created_at, id) {compare} (?, ?)"
+                parameters += [anchor[0]["created_at"], anchor[0]["id"]]
+        sql += f" ORDER BY created_at {direction}, id {direction} LIMIT ?"
+        rows = self._execute(sql, [*parameters, limit])
+        return [FileRecord(**{name: row[name] for name in _FILE_COLUMNS}) for row in rows]
+
+    def files_before(self, created_before: float) -> list[FileRecord]:
+        """Every owner's files uploaded before `created_before` (retention's candidates)."""
+        rows = self._execute(
+            "SELECT * FROM files WHERE created_at < ? ORDER BY created_at", (created_before,)
+        )
+        return [FileRecord(**{name: row[name] for name in _FILE_COLUMNS}) for row in rows]
+
+    def delete_file(self, file_id: str) -> None:
+        self._execute("DELETE FROM files WHERE id = ?", (file_id,))
+
+    def file_ids(self) -> set[str]:
+        return {row["id"] for row in self._execute("SELECT id FROM files")}
+
+    def job_ids(self) -> set[str]:
+        """The ids of every job not deleted (what an inputs folder may belong to)."""
+        return {row["id"] for row in self._execute("SELECT id FROM jobs WHERE deleted = 0")}
+
+    def terminal_before(self, ended_before: float) -> list[JobRecord]:
+        """Jobs that ended (completed or failed) before `ended_before`, not deleted, oldest first."""
+        rows = self._execute(
+            "SELECT * FROM jobs WHERE status IN ('completed', 'failed') AND deleted = 0 AND completed_at < ? "
+            "ORDER BY completed_at, id",
+            (ended_before,),
+        )
+        return [_row_to_record(row) for row in rows]
 
 
 def now() -> float:

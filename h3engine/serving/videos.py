@@ -1,24 +1,23 @@
 """API fields -> `GenerationRequest`, and jobs -> OpenAI Video objects.
 
-`request_from_fields(fields, uploads, facts, ...)` reads a POST /v1/videos body (JSON values, or multipart strings:
-numbers, lists and objects are read from their text) into a request that the one checker then judges; its
+`request_from_fields(fields, inputs_dir, facts, ...)` reads a POST /v1/videos body (JSON values, or multipart
+strings: numbers, lists and objects are read from their text) into a request that the one checker then judges; its
 `RequestError`s name API fields (`api_error_of`): `seconds` for the duration, `size` for the canvas,
-`input_reference` / `last_frame` / `references` for files. `size` ("WxH") must be a canvas the checkpoint's
-rule gives (`supported_sizes`), listed in the error otherwise. `video_object(record, live)` is the Video object.
+`input_reference` / `last_frame` / `references` for files. `size_fields`: `size` is `auto` or a "WxH" canvas the
+checkpoint's rule makes (`supported_sizes`, listed in the error otherwise). Several `input_reference` files (or one
+that is not an image) are Ref2VA's ordered references. `video_object(record, live)` is the Video object.
 
-Danger: every value here comes from a client; uploads reach the engine only as copies under `<outputs>/inputs/`,
-named by a digest of their bytes and a sanitised base name.
+Danger: every value here comes from a client; uploads reach the engine only as copies in the job's own inputs
+folder (h3engine.serving.inputs), under a sanitised base name.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +35,12 @@ from h3engine.request import (
     Reference,
 )
 from h3engine.request.remix import REMIX_MODES, Remix, parse_ranges
+from h3engine.serving.inputs import write_input
 from h3engine.serving.store import JobRecord
 
 DEFAULT_MODEL = "minimax-h3"
 DEFAULT_SECONDS = 4.0
 RANDOM_SEED_LIMIT = 2**31
-INPUTS_FOLDER = "inputs"
 # The fields POST /v1/videos reads: OpenAI's, then H3's own (what the SDK sends through `extra_body`).
 OPENAI_FIELDS = ("prompt", "model", "seconds", "size", "input_reference")
 H3_FIELDS = (
@@ -64,11 +63,13 @@ H3_FIELDS = (
     "audio_mask",
 )
 FILE_FIELDS = ("input_reference", "last_frame", "references", "source_video", "source_audio")
+FILE_VALUE_RULE = (
+    "must be an uploaded file (multipart), a data: URL, or the id of a file uploaded to /v1/files"
+)
 _INTEGER_FIELDS = ("seed", "steps", "short_edge")
 _NUMBER_FIELDS = ("flow_shift", "audio_flow_shift")
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX×]\s*(\d{1,5})\s*$")
 _QUOTED_PATH = re.compile(r"(['\"])/[^'\"]*/([^'\"/]+)\1")
-_UNSAFE_NAME_CHARACTERS = re.compile(r"[^\w.,()\[\]+@ -]+")
 _INTEGER_TEXT = re.compile(r"^[+-]?\d{1,30}$")
 _NUMBER_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
@@ -114,30 +115,36 @@ def supported_sizes(facts: CheckpointFacts, short_edge: int | None = None) -> li
     return sizes
 
 
-def size_to_canvas(size: Any, facts: CheckpointFacts) -> tuple[str, int | None]:
-    """(aspect_ratio, short_edge) of a "WxH" size: one the canvas rule gives for its ratio at the checkpoint's short
-    edge, or at min(W, H) as the short edge. ApiFieldError listing the supported sizes otherwise."""
+def size_fields(size: Any, facts: CheckpointFacts) -> dict[str, Any]:
+    """The request's canvas fields for a `size`: "auto" (the task's own canvas); a "WxH" the checkpoint's rule makes
+    for a preset aspect ratio at its own short edge, or at min(W, H) (aspect_ratio, short_edge); any other "WxH" the
+    rule reproduces exactly at min(W, H) (width, height). ApiFieldError listing the supported sizes otherwise."""
+    if isinstance(size, str) and size.strip().lower() == "auto":
+        return {}
     supported = supported_sizes(facts)
     match = _SIZE.match(size) if isinstance(size, str) else None
-    if match is not None:
+    if match is not None and int(match.group(1)) > 0 and int(match.group(2)) > 0:
         width, height = int(match.group(1)), int(match.group(2))
-        text = f"{width}x{height}"
-        if text in supported:
-            return PRESET_ASPECT_RATIOS[supported.index(text)], None
-        if width > 0 and height > 0:
-            edge = min(width, height)
-            _, max_pixels = canvas_rule(edge, facts.canvas.short_edge, facts.canvas.max_pixels)
-            try:
-                canvas = resolve_canvas(
-                    width, height, multiple=facts.canvas_multiple, short_edge=edge, max_pixels=max_pixels
-                )
-            except ValueError:
-                canvas = None
-            if canvas == (height, width):
-                return f"{width}:{height}", edge
+        if f"{width}x{height}" in supported:
+            return {"aspect_ratio": PRESET_ASPECT_RATIOS[supported.index(f"{width}x{height}")]}
+        edge = min(width, height)
+        if f"{width}x{height}" in supported_sizes(facts, edge):
+            return {
+                "aspect_ratio": PRESET_ASPECT_RATIOS[supported_sizes(facts, edge).index(f"{width}x{height}")],
+                "short_edge": edge,
+            }
+        _, max_pixels = canvas_rule(edge, facts.canvas.short_edge, facts.canvas.max_pixels)
+        try:
+            canvas = resolve_canvas(
+                width, height, multiple=facts.canvas_multiple, short_edge=edge, max_pixels=max_pixels
+            )
+        except ValueError:
+            canvas = None
+        if canvas == (height, width):
+            return {"width": width, "height": height}
     raise ApiFieldError(
         "size",
-        f"size: {str(size)[:40]!r} is not a canvas this model makes; supported: {', '.join(supported)} "
+        f"size: {str(size)[:40]!r} is not a canvas this model makes; supported: auto, {', '.join(supported)} "
         f"(or WxH where the canvas rule at that short edge gives exactly W x H; multiples of {facts.canvas_multiple})",
     )
 
@@ -163,26 +170,6 @@ def _structured(value: Any, name: str) -> Any:
         except ValueError:
             raise ApiFieldError(name, f"{name}: not valid JSON: {value[:60]!r}") from None
     return value
-
-
-def safe_file_name(name: str) -> str:
-    cleaned = _UNSAFE_NAME_CHARACTERS.sub("_", Path(name or "").name).strip(" .")[:100]
-    return cleaned or "file"
-
-
-def keep_upload(outputs_dir: Path, upload: Upload) -> str:
-    """The upload stored as `<outputs>/inputs/<digest>/<name>` (kept across restarts: recovery re-runs from it)."""
-    digest = hashlib.sha256(upload.data).hexdigest()
-    final = outputs_dir / INPUTS_FOLDER / digest[:20] / safe_file_name(upload.name)
-    if not final.is_file():
-        final.parent.mkdir(parents=True, exist_ok=True)
-        partial = final.with_name(f".{final.name}.{secrets.token_hex(4)}.partial")
-        try:
-            partial.write_bytes(upload.data)
-            os.replace(partial, final)
-        finally:
-            partial.unlink(missing_ok=True)
-    return str(final)
 
 
 def _rungs(value: Any) -> Any:
@@ -255,37 +242,40 @@ def _remix_of(fields: Mapping[str, Any], task: Any, kept: Any) -> Remix | None:
 
 def request_from_fields(
     fields: Mapping[str, Any],
-    outputs_dir: Path,
+    inputs_dir: Path,
     facts: CheckpointFacts,
     library: LoraLibrary | None = None,
 ) -> Built:
-    """The request of a POST /v1/videos body (files already read into `Upload`s). Raises ApiFieldError or
-    RequestError (whose field `api_error_of` maps to the API's name)."""
+    """The request of a POST /v1/videos body (files already read into `Upload`s, written into `inputs_dir`, the
+    job's own folder). Raises ApiFieldError or RequestError (whose field `api_error_of` maps to the API's name)."""
     unknown = sorted(set(fields) - set(OPENAI_FIELDS) - set(H3_FIELDS))
     if unknown:
         raise ApiFieldError(
             unknown[0], f"{unknown[0]}: unknown field; accepted: {', '.join(OPENAI_FIELDS + H3_FIELDS)}"
         )
-    if "prompt" not in fields:
-        raise ApiFieldError("prompt", "prompt: is required")
+    if not isinstance(fields.get("prompt"), str):
+        raise ApiFieldError(
+            "prompt", "prompt: is required" if "prompt" not in fields else "prompt: must be a string"
+        )
+    model = fields.get("model")
+    if model not in (None, "") and (not isinstance(model, str) or model.strip() != DEFAULT_MODEL):
+        raise ApiFieldError("model", f"model: this server serves {DEFAULT_MODEL!r}, got {model!r:.60}")
     for name in FILE_FIELDS:
         value = fields.get(name)
         items = value if isinstance(value, list) else [] if value is None else [value]
         for item in items:
             if not isinstance(item, Upload):
-                raise ApiFieldError(
-                    name,
-                    f"{name}: must be an uploaded {'media' if name.startswith('source_') else 'image'} file (multipart), "
-                    f"got {str(item)[:60]!r}",
-                )
+                raise ApiFieldError(name, f"{name}: {FILE_VALUE_RULE}, got {str(item)[:60]!r}")
     first = _as_uploads(fields.get("input_reference"))
     last = _as_uploads(fields.get("last_frame"))
     references = _as_uploads(fields.get("references"))
-    task = fields.get("task") or ("ref2va" if references else "fl2va" if first or last else "t2va")
+    # Several input_reference files, or one that is not an image, are Ref2VA's ordered references.
+    several = len(first) > 1 or any(kind_of_suffix(upload.name) not in (None, "image") for upload in first)
+    task = fields.get("task") or ("ref2va" if references or several else "fl2va" if first or last else "t2va")
     built = Built(GenerationRequest(task="t2va", prompt=""), {})
 
     def kept(upload: Upload, api_field: str) -> str:
-        path = keep_upload(outputs_dir, upload)
+        path = str(write_input(inputs_dir, upload.name, upload.data))
         built.file_fields[path] = api_field
         return path
 
@@ -312,13 +302,13 @@ def request_from_fields(
                 built.keyframe_fields.append(api_field)
         if references:
             raise ApiFieldError("references", "references: only Ref2VA takes references; give task ref2va")
-    aspect_ratio, short_edge = "auto", _number_from_text(fields.get("short_edge"), integer=True)
+    canvas: dict[str, Any] = {"short_edge": _number_from_text(fields.get("short_edge"), integer=True)}
     if fields.get("size") not in (None, ""):
         if "aspect_ratio" in fields or "short_edge" in fields:
             raise ApiFieldError("size", "size: give either size or aspect_ratio / short_edge, not both")
-        aspect_ratio, short_edge = size_to_canvas(fields["size"], facts)
+        canvas = size_fields(fields["size"], facts)
     elif fields.get("aspect_ratio") not in (None, ""):
-        aspect_ratio = fields["aspect_ratio"]
+        canvas["aspect_ratio"] = fields["aspect_ratio"]
     seconds = fields.get("seconds")
     duration = DEFAULT_SECONDS if seconds in (None, "") else _number_from_text(seconds, integer=False)
     seed = fields.get("seed")
@@ -334,8 +324,7 @@ def request_from_fields(
         task=task,
         prompt=fields["prompt"],
         duration_seconds=duration,
-        aspect_ratio=aspect_ratio,
-        short_edge=short_edge,
+        **canvas,
         seed=seed,
         keyframes=tuple(keyframes),
         references=tuple(reference_list),
@@ -347,7 +336,7 @@ def request_from_fields(
         **values,
     )
     built.meta = {
-        "model": str(fields.get("model") or DEFAULT_MODEL)[:200],
+        "model": DEFAULT_MODEL,
         "seconds": f"{duration:g}" if isinstance(duration, int | float) else str(duration),
     }
     callback = fields.get("callback_url")
@@ -360,6 +349,34 @@ def request_from_fields(
             raise ApiFieldError("callback_url", "callback_url: must be an http:// or https:// URL")
         built.meta["callback_url"] = callback
     return built
+
+
+def copy_inputs(request: GenerationRequest, folder: Path) -> GenerationRequest:
+    """The request naming copies of its input files in `folder` (a new job's own: remixing a video must not
+    depend on the source job's files staying). FileNotFoundError when one is gone."""
+    copies: dict[str, str] = {}
+
+    def copied(path: str | None) -> str | None:
+        if path is None:
+            return None
+        if path not in copies:
+            copies[path] = str(write_input(folder, Path(path).name, Path(path).read_bytes()))
+        return copies[path]
+
+    remix = request.remix
+    if remix is not None:
+        remix = replace(
+            remix,
+            source_video=copied(remix.source_video),
+            source_audio=copied(remix.source_audio),
+            video_mask_image=copied(remix.video_mask_image),
+        )
+    return replace(
+        request,
+        keyframes=tuple(replace(keyframe, path=copied(keyframe.path)) for keyframe in request.keyframes),
+        references=tuple(replace(reference, path=copied(reference.path)) for reference in request.references),
+        remix=remix,
+    )
 
 
 def api_param(error: RequestError, built: Built | None, size_given: bool) -> str:
