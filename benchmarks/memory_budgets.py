@@ -51,6 +51,7 @@ from benchmarks._common import (
     prepared_shape,
     synchronize,
 )
+from h3engine.memory.report import summary_lines
 from h3engine.runtime.rank_process import in_front_environment, rank_context
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -612,7 +613,7 @@ def disk_figures(engine: Any, streams: dict[str, dict[str, Any] | None], steps: 
 def plan_record(engine: Any) -> dict[str, Any]:
     plan = engine.plan
     return {
-        "summary_lines": plan.summary_lines(),
+        "summary_lines": summary_lines(plan),
         "profile": plan.profile,
         "weights": plan.weights,
         "fits": plan.fits,

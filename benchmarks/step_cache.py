@@ -303,7 +303,9 @@ def main(argv: list[str] | None = None) -> Path:
             checkpoint, device, memory_profile=args.memory_profile, gpu_memory=args.gpu_memory
         )
         result["load_s"] = time.perf_counter() - started
-        result["memory_plan"] = engine.plan.summary_lines()
+        from h3engine.memory.report import summary_lines
+
+        result["memory_plan"] = summary_lines(engine.plan)
         if args.warmup_steps > 0:
             run_preset(engine, dataclasses.replace(request, steps=args.warmup_steps), "off", device)
         reference = None

@@ -1,4 +1,4 @@
-"""The memory planner (h3engine.memory: budget, sizes, plan, plan_cli), on the CPU, from headers only.
+"""The memory planner (h3engine.memory: budget, sizes, plan, report; the plan-memory command), on the CPU, from headers only.
 
 A released-size placeholder checkpoint (~1 MB of headers) stands for the release: its sizes are checked against the
 numbers docs/MODEL.md states and against sizes worked out here from the configs' shapes; the plans are checked for the
@@ -45,6 +45,7 @@ from h3engine.memory.plan import (
     plan_for_shape,
     request_shape,
 )
+from h3engine.memory.report import summary_lines
 from h3engine.memory.request_plan import check_request_fits, request_peak_bytes
 from h3engine.memory.shapes import TYPICAL_PROMPT_TOKENS
 from h3engine.memory.sizes import RankShare, checkpoint_sizes
@@ -515,7 +516,7 @@ def test_the_engine_plans_for_the_most_demanding_shape_that_fits_at_little_more_
     assert not hopeless.fits and hopeless.minimum_gpu_bytes > 4 * GIB
     with pytest.raises(ValueError, match="fp8"):
         plan_engine(bf16, _budget(16), "auto", "fp8", "cuda", shapes)
-    assert any(line.startswith("memory plan (auto, bf16") for line in plan.summary_lines())
+    assert any(line.startswith("memory plan (auto, bf16") for line in summary_lines(plan))
 
 
 def test_a_request_over_the_plan_is_refused_naming_what_fits(bf16) -> None:
@@ -643,10 +644,10 @@ def test_importing_the_budget_and_the_cli_imports_no_torch() -> None:
 def test_the_tiny_plan_summary_names_every_model(tiny_native: Path) -> None:
     sizes = checkpoint_sizes(tiny_native)
     plan = plan_for_shape(sizes, _budget(8), request_shape(sizes, "t2va"))
-    text = "\n".join(plan.summary_lines())
+    text = "\n".join(summary_lines(plan))
     for name in MODELS:
         assert f"  {name}: " in text
-    assert replace(plan, sizes=None).summary_lines()  # a plan without its sizes still reads
+    assert summary_lines(replace(plan, sizes=None))  # a plan without its sizes still reads
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from h3engine.checkpoint.layout import detect_layout, require_empty_folder
 from h3engine.cli.convert import add_convert_parser, run_convert
+from h3engine.cli.plan_memory import add_plan_memory_parser, run_plan_memory
 from h3engine.cli.progress import PROGRESS_MODES, Progress, make_progress
 from h3engine.cli.remix import add_remix_flags, remix_payload
 from h3engine.cli.validation import (
@@ -53,7 +54,6 @@ from h3engine.engine_options import (
 )
 from h3engine.errors import H3Error, RequestError
 from h3engine.media.formats import accepted_text
-from h3engine.memory.plan_cli import add_plan_memory_parser, run_plan_memory
 from h3engine.request import (
     LORA_TARGETS,
     MAX_LORA_STRENGTH,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from h3engine.errors import RequestError
-from h3engine.memory.plan import GIB, MemoryBudget
+from h3engine.memory.types import GIB, MemoryBudget
 
 GPU_MEMORY_ENV = "H3_GPU_MEMORY"
 HOST_MEMORY_ENV = "H3_HOST_MEMORY"

@@ -22,9 +22,9 @@ from h3engine.memory.peaks import file_home_layers, moved_home_bytes
 from h3engine.memory.working import decoder_call_flops, dit_forward_flops, text_encode_flops
 
 if TYPE_CHECKING:
-    from h3engine.memory.plan import ModelPlacement
     from h3engine.memory.shapes import RequestShape
     from h3engine.memory.sizes import PartitionSizes
+    from h3engine.memory.types import ModelPlacement
 
 # Host -> GPU copy rate from pinned memory: PCIe Gen5 x16 reaches ~50 GB/s alone; half of it allows for the NUMA
 # distance and the other copies sharing the link (a Gen4 gaming PC reaches ~25 GB/s).

@@ -27,7 +27,6 @@ from h3engine.memory.budget import format_gib, resolve_budget
 from h3engine.memory.disk import disk_read_rate, parse_gbps
 from h3engine.memory.placement import check_memory_profile, check_weights, profile_plan
 from h3engine.memory.plan import (
-    MemoryBudget,
     MemoryPlan,
     PlanContext,
     engine_shapes,
@@ -36,6 +35,9 @@ from h3engine.memory.plan import (
 from h3engine.memory.request_plan import check_request_fits
 from h3engine.memory.shapes import ReferenceSpec, RequestShape, request_shape
 from h3engine.memory.sizes import RankShare, checkpoint_sizes, stored_weights
+from h3engine.memory.types import (
+    MemoryBudget,
+)
 
 logger = logging.getLogger(__name__)
 

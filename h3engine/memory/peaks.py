@@ -20,9 +20,9 @@ from h3engine.memory.slabs import packed_bytes
 from h3engine.memory.working import FP32, MODULATION_CACHE_SCHEDULES, adaln_cache_bytes
 
 if TYPE_CHECKING:
-    from h3engine.memory.plan import MemoryBudget, ModelPlacement
     from h3engine.memory.shapes import RequestShape
     from h3engine.memory.sizes import CheckpointSizes, PartitionSizes
+    from h3engine.memory.types import MemoryBudget, ModelPlacement
 
 # The phases of a request in order, and the `pipeline.Models` fields each one runs (what the placement holds on the
 # device for it, h3engine.memory.placement).

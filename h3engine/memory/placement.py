@@ -34,18 +34,21 @@ from h3engine.memory.homes import dequantized, pin_in_place, quantizable
 from h3engine.memory.layers import LAYER_SPECS, LayerSpec, layer_spec
 from h3engine.memory.peaks import FP8_MODELS, PHASE_COMPONENTS, PHASE_LAYERS
 from h3engine.memory.plan import (
+    MemoryPlan,
+    resident_plan,
+)
+from h3engine.memory.report import summary_lines
+from h3engine.memory.request_plan import request_dit_plan
+from h3engine.memory.shapes import RequestShape
+from h3engine.memory.streaming import LayerStream, TensorRead, streamed_tensors
+from h3engine.memory.types import (
     GIB,
     MEMORY_PROFILES,
     MODELS,
     RESIDENT,
     WEIGHT_FORMATS,
-    MemoryPlan,
     ModelPlacement,
-    resident_plan,
 )
-from h3engine.memory.request_plan import request_dit_plan
-from h3engine.memory.shapes import RequestShape
-from h3engine.memory.streaming import LayerStream, TensorRead, streamed_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -156,9 +159,8 @@ class Placement:
 
     def plan_lines(self) -> list[str]:
         """The plan in a few lines, for the log at start."""
-        summary = getattr(self.plan, "summary_lines", None)
-        if summary is not None:
-            return summary()
+        if isinstance(self.plan, MemoryPlan):
+            return summary_lines(self.plan)
         return [
             f"{self.plan.profile}: " + "; ".join(f"{name} {text}" for name, text in self.describe().items())
         ]

@@ -17,14 +17,16 @@ from h3engine.errors import RequestError
 from h3engine.limits import MIN_DURATION_SECONDS
 from h3engine.memory.peaks import phase_peaks
 from h3engine.memory.plan import (
-    GIB,
     RING_DEPTHS,
-    MemoryBudget,
     MemoryPlan,
-    ModelPlacement,
     most_resident_layers,
 )
 from h3engine.memory.shapes import RequestShape, partition_for_task, reshaped
+from h3engine.memory.types import (
+    GIB,
+    MemoryBudget,
+    ModelPlacement,
+)
 from h3engine.memory.working import phase_working
 
 if TYPE_CHECKING:

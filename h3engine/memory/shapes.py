@@ -8,11 +8,12 @@ lists the requests an engine plans for.
 
 Danger: h3engine.memory sits below the request layer (tests/test_house.py): the request limits come from
 h3engine.limits, and three small rules of h3engine.conditioning (and its presentation) are mirrored here;
-tests/test_memory_plan.py keeps each mirror equal to its original. Importing this module imports no torch; `request_shape` does (through the sizes).
+tests/test_memory_plan.py keeps each mirror equal to its original. Importing this module imports no torch; `request_shape` does (the decoder's tiling rule).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +45,8 @@ from h3engine.limits import (
 )
 
 if TYPE_CHECKING:
-    from h3engine.memory.sizes import CheckpointSizes, DecodeShape, PartitionSizes
+    from h3engine.memory.sizes import CheckpointSizes, PartitionSizes, TextEncoderDims
+    from h3engine.models.video_vae import VideoVAE, VideoVAEConfig
 
 # h3engine.conditioning.presentation.QWEN_VIDEO_SAMPLE_FPS: the rate the text encoder reads a reference video at.
 QWEN_VIDEO_SAMPLE_FPS = 2.0
@@ -222,8 +224,6 @@ def request_shape(
     bound (h3engine.request.MAX_PROMPT_TOKENS), FL2VA both keyframes, Ref2VA `worst_case_references`. `short_edge`
     None is the checkpoint's own canvas rule (768 for the release). ValueError for a geometry the resolver refuses.
     """
-    from h3engine.memory.sizes import decode_shape, image_vision_patches, video_vision_patches
-
     arguments = {
         "task": task,
         "duration_seconds": duration_seconds,
@@ -382,3 +382,83 @@ def engine_shapes(sizes: CheckpointSizes) -> list[RequestShape]:
         for task, references in served
     ]
     return sorted(shapes, key=lambda shape: shape.sequence_rows, reverse=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_video_vae(config: VideoVAEConfig) -> VideoVAE:
+    import torch
+
+    from h3engine.models.video_vae import VideoVAE  # the decoder's own tiling rule, on the meta device
+
+    with torch.device("meta"):
+        return VideoVAE(config)
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """The video decoder's work for one request: its calls and the largest of them, per `VideoVAE.plan_decode`."""
+
+    calls: int  # decoder calls (the streamed decoder's layers cross the bus once per call)
+    largest_call_rows: (
+        int  # token rows of the largest call (tiles x (tile tokens + register and zero tokens))
+    )
+    window_tile_elements: int  # decoded elements of one window's tiles before stitching (the largest window)
+    window_frames: int  # pixel frames one window decodes
+    call_rows: tuple[int, ...] = ()  # every call's rows (FLOPs)
+
+
+def decode_shape(config: VideoVAEConfig, latent_frames: int, latent_h: int, latent_w: int) -> DecodeShape:
+    """How `VideoVAE.decode` splits latents of this extent into decoder calls (the released tiling and batching)."""
+    vae = _meta_video_vae(config)
+    plan = vae.plan_decode((1, config.latent_channels, latent_frames, latent_h, latent_w))
+    suffix_tokens = config.decoder_num_register_tokens + 1
+    call_rows = []
+    for batch in plan.call_batches(vae.decode_batch_tiles):
+        rows = 0
+        for index in batch:
+            tile = plan.tiles[index]
+            extent = [stop - start for start, stop in (tile.frames, tile.rows, tile.columns)]
+            rows += math.prod(extent) + suffix_tokens
+        call_rows.append(rows)
+    window_elements = max(
+        sum(math.prod(vae.decoded_tile_shape(1, tile)) for tile in plan.window_tiles(window))
+        for window in range(plan.window_count)
+    )
+    window_frames = max(
+        vae.decoded_tile_shape(1, plan.window_tiles(w)[0])[2] for w in range(plan.window_count)
+    )
+    return DecodeShape(len(call_rows), max(call_rows), window_elements, window_frames, tuple(call_rows))
+
+
+def image_vision_patches(height: int, width: int, dims: TextEncoderDims) -> int:
+    """Qwen vision patches (before the 2x2 merge) of one image of `height` x `width` pixels, as the checkpoint's
+    image processor resizes it (transformers' own `smart_resize`)."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    factor = dims.vision_patch * dims.merge
+    resized_h, resized_w = smart_resize(
+        height, width, factor=factor, min_pixels=dims.image_min_pixels, max_pixels=dims.image_max_pixels
+    )
+    return (resized_h // dims.vision_patch) * (resized_w // dims.vision_patch)
+
+
+def video_vision_patches(
+    sampled_frames: int, height: int, width: int, dims: TextEncoderDims
+) -> tuple[int, int]:
+    """(patches before the merge, temporal blocks) of a reference video's frames as the Qwen3-VL video processor
+    resizes them (transformers' own `smart_resize`); `sampled_frames` are the 2 fps frames H3 hands it."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    factor = dims.vision_patch * dims.merge
+    frames = max(sampled_frames, dims.temporal_patch)
+    resized_h, resized_w = smart_resize(
+        frames,
+        height,
+        width,
+        temporal_factor=dims.temporal_patch,
+        factor=factor,
+        min_pixels=dims.video_min_pixels,
+        max_pixels=dims.video_max_pixels,
+    )
+    blocks = math.ceil(frames / dims.temporal_patch)
+    return blocks * (resized_h // dims.vision_patch) * (resized_w // dims.vision_patch), blocks

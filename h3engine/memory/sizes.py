@@ -15,7 +15,6 @@ and the plan's ring and home sizes with it.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import math
@@ -38,7 +37,7 @@ from h3engine.checkpoint.text_encoder_files import (
     open_text_encoder_files,
 )
 from h3engine.memory.layers import dit_layers, text_encoder_layers, video_decoder_layers
-from h3engine.memory.plan import WEIGHT_FORMATS
+from h3engine.memory.types import WEIGHT_FORMATS
 from h3engine.models.audio_vae import AudioVAEConfig
 from h3engine.models.dit import DiTConfig
 from h3engine.models.text_encoder import H3TextEncoder
@@ -516,79 +515,3 @@ def stored_weights(layout: CheckpointLayout) -> str:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Request geometry that needs the models' own code
-
-
-@functools.lru_cache(maxsize=8)
-def _meta_video_vae(config: VideoVAEConfig) -> VideoVAE:
-    with torch.device("meta"):
-        return VideoVAE(config)
-
-
-@dataclass(frozen=True)
-class DecodeShape:
-    """The video decoder's work for one request: its calls and the largest of them, per `VideoVAE.plan_decode`."""
-
-    calls: int  # decoder calls (the streamed decoder's layers cross the bus once per call)
-    largest_call_rows: (
-        int  # token rows of the largest call (tiles x (tile tokens + register and zero tokens))
-    )
-    window_tile_elements: int  # decoded elements of one window's tiles before stitching (the largest window)
-    window_frames: int  # pixel frames one window decodes
-    call_rows: tuple[int, ...] = ()  # every call's rows (FLOPs)
-
-
-def decode_shape(config: VideoVAEConfig, latent_frames: int, latent_h: int, latent_w: int) -> DecodeShape:
-    """How `VideoVAE.decode` splits latents of this extent into decoder calls (the released tiling and batching)."""
-    vae = _meta_video_vae(config)
-    plan = vae.plan_decode((1, config.latent_channels, latent_frames, latent_h, latent_w))
-    suffix_tokens = config.decoder_num_register_tokens + 1
-    call_rows = []
-    for batch in plan.call_batches(vae.decode_batch_tiles):
-        rows = 0
-        for index in batch:
-            tile = plan.tiles[index]
-            extent = [stop - start for start, stop in (tile.frames, tile.rows, tile.columns)]
-            rows += math.prod(extent) + suffix_tokens
-        call_rows.append(rows)
-    window_elements = max(
-        sum(math.prod(vae.decoded_tile_shape(1, tile)) for tile in plan.window_tiles(window))
-        for window in range(plan.window_count)
-    )
-    window_frames = max(
-        vae.decoded_tile_shape(1, plan.window_tiles(w)[0])[2] for w in range(plan.window_count)
-    )
-    return DecodeShape(len(call_rows), max(call_rows), window_elements, window_frames, tuple(call_rows))
-
-
-def image_vision_patches(height: int, width: int, dims: TextEncoderDims) -> int:
-    """Qwen vision patches (before the 2x2 merge) of one image of `height` x `width` pixels, as the checkpoint's
-    image processor resizes it (transformers' own `smart_resize`)."""
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
-
-    factor = dims.vision_patch * dims.merge
-    resized_h, resized_w = smart_resize(
-        height, width, factor=factor, min_pixels=dims.image_min_pixels, max_pixels=dims.image_max_pixels
-    )
-    return (resized_h // dims.vision_patch) * (resized_w // dims.vision_patch)
-
-
-def video_vision_patches(
-    sampled_frames: int, height: int, width: int, dims: TextEncoderDims
-) -> tuple[int, int]:
-    """(patches before the merge, temporal blocks) of a reference video's frames as the Qwen3-VL video processor
-    resizes them (transformers' own `smart_resize`); `sampled_frames` are the 2 fps frames H3 hands it."""
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
-
-    factor = dims.vision_patch * dims.merge
-    frames = max(sampled_frames, dims.temporal_patch)
-    resized_h, resized_w = smart_resize(
-        frames,
-        height,
-        width,
-        temporal_factor=dims.temporal_patch,
-        factor=factor,
-        min_pixels=dims.video_min_pixels,
-        max_pixels=dims.video_max_pixels,
-    )
-    blocks = math.ceil(frames / dims.temporal_patch)
-    return blocks * (resized_h // dims.vision_patch) * (resized_w // dims.vision_patch), blocks
