@@ -242,3 +242,59 @@ class Geometry:
             vae_spatial_ratio=vae_spatial_ratio,
             patch=patch,
         )
+
+
+# Rules of the reference conditioning that the memory planner needs too (one definition: h3engine.conditioning
+# and h3engine.memory.shapes both read them here).
+
+QWEN_VIDEO_SAMPLE_FPS = 2.0  # the rate the text encoder samples a reference video at
+
+
+def reference_image_size(width: int, height: int, short_edge: int, multiple: int) -> tuple[int, int]:
+    """`(width, height)` of a reference image scaled to `short_edge` (no area cap), each axis rounded to `multiple`."""
+    if not MIN_ASPECT_RATIO <= width / height <= MAX_ASPECT_RATIO:
+        raise ValueError(f"a reference image must be within 1:4 and 4:1, got {width}x{height}")
+    scale = short_edge / min(width, height)
+    return (
+        max(multiple, round(width * scale / multiple) * multiple),
+        max(multiple, round(height * scale / multiple) * multiple),
+    )
+
+
+def reference_video_encode_frames(num_frames: int) -> int:
+    """Frames of a reference video the VAE encodes: snapped down to 17n + 5, with n >= 1 (the reference's rule)."""
+    chunks = max(1, (num_frames - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK)
+    return chunks * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
+
+
+def qwen_video_sampling(
+    num_frames: int,
+    fps: float = FPS,
+    sample_fps: float = QWEN_VIDEO_SAMPLE_FPS,
+    temporal_patch: int = 2,
+) -> tuple[list[int], list[float]]:
+    """Which frames of a `fps` clip the text encoder sees, and the timestamp of each of its temporal blocks.
+
+    Frames `round(m * fps / sample_fps)` (Python rounding, duplicates dropped); the sampled list is padded with its
+    last timestamp to a multiple of `temporal_patch` (Qwen repeats the last frame itself), and a block is stamped
+    with the mean of its first and last timestamps.
+    """
+    stride = fps / sample_fps
+    indices: list[int] = []
+    cursor = 0.0
+    while round(cursor) < num_frames:
+        if not indices or round(cursor) > indices[-1]:
+            indices.append(round(cursor))
+        cursor += stride
+    if len(indices) < temporal_patch:
+        minimum = round((temporal_patch - 1) * stride) + 1
+        raise ValueError(
+            f"a reference video needs at least {minimum} frames at {fps:g} fps for the text encoder, got {num_frames}"
+        )
+    timestamps = [sample / sample_fps for sample in range(len(indices))]
+    timestamps += [timestamps[-1]] * (-len(timestamps) % temporal_patch)
+    block_timestamps = [
+        (timestamps[start] + timestamps[start + temporal_patch - 1]) / 2
+        for start in range(0, len(timestamps), temporal_patch)
+    ]
+    return indices, block_timestamps

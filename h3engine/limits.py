@@ -15,3 +15,5 @@ MAX_REFERENCES = 12
 MAX_SHORT_EDGE = 2048
 # The prompt's own tokens (h3engine.request says why 8,192).
 MAX_PROMPT_TOKENS = 8_192
+# Denoising steps of a request that names none (GenerationRequest.steps; the planner's design request).
+DEFAULT_STEPS = 50

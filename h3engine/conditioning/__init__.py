@@ -25,11 +25,9 @@ from PIL import Image
 
 from h3engine.geometry import (
     FPS,
-    MAX_ASPECT_RATIO,
-    MIN_ASPECT_RATIO,
-    VAE_FRAMES_PER_CHUNK,
-    VAE_LATENTS_PER_CHUNK,
     Geometry,
+    reference_image_size,
+    reference_video_encode_frames,
     resolve_canvas,
 )
 from h3engine.sampling.packing import (
@@ -116,17 +114,6 @@ class NormalizedReference:
         return self.audio is not None
 
 
-def reference_image_size(width: int, height: int, short_edge: int, multiple: int) -> tuple[int, int]:
-    """`(width, height)` of a reference image scaled to `short_edge` (no area cap), each axis rounded to `multiple`."""
-    if not MIN_ASPECT_RATIO <= width / height <= MAX_ASPECT_RATIO:
-        raise ValueError(f"a reference image must be within 1:4 and 4:1, got {width}x{height}")
-    scale = short_edge / min(width, height)
-    return (
-        max(multiple, round(width * scale / multiple) * multiple),
-        max(multiple, round(height * scale / multiple) * multiple),
-    )
-
-
 def normalize_reference_image(image: Image.Image, short_edge: int, multiple: int) -> Image.Image:
     """Resize a reference image (LANCZOS) to its own high-detail canvas, see `reference_image_size`.
 
@@ -184,12 +171,6 @@ def normalize_reference_video(
             for frame in frames
         ]
     )
-
-
-def reference_video_encode_frames(num_frames: int) -> int:
-    """Frames of a reference video the VAE encodes: snapped down to 17n + 5, with n >= 1 (the reference's rule)."""
-    chunks = max(1, (num_frames - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK)
-    return chunks * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
 
 
 def normalize_reference_audio(

@@ -26,12 +26,11 @@ from transformers import PreTrainedTokenizerBase, Qwen3VLProcessor
 from h3engine.checkpoint.text_encoder_files import load_tokenizer
 from h3engine.conditioning import NormalizedReference
 from h3engine.errors import CheckpointError
-from h3engine.geometry import FPS
+from h3engine.geometry import qwen_video_sampling
 from h3engine.models.text_encoder import TEXT_ROW_TAG, VIDEO_ROW_TAG
 from h3engine.request import reference_labels
 
 # The rate the text encoder reads a reference video at (the normalized clip itself runs at 24 fps).
-QWEN_VIDEO_SAMPLE_FPS = 2.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -143,39 +142,6 @@ def keyframe_presentation(
             stream.vision_block("<|image_pad|>", pad_count)
     stream.text(prompt)
     return stream.finish(vision_inputs)
-
-
-def qwen_video_sampling(
-    num_frames: int,
-    fps: float = FPS,
-    sample_fps: float = QWEN_VIDEO_SAMPLE_FPS,
-    temporal_patch: int = 2,
-) -> tuple[list[int], list[float]]:
-    """Which frames of a `fps` clip the text encoder sees, and the timestamp of each of its temporal blocks.
-
-    Frames `round(m * fps / sample_fps)` (Python rounding, duplicates dropped); the sampled list is padded with its
-    last timestamp to a multiple of `temporal_patch` (Qwen repeats the last frame itself), and a block is stamped
-    with the mean of its first and last timestamps.
-    """
-    stride = fps / sample_fps
-    indices: list[int] = []
-    cursor = 0.0
-    while round(cursor) < num_frames:
-        if not indices or round(cursor) > indices[-1]:
-            indices.append(round(cursor))
-        cursor += stride
-    if len(indices) < temporal_patch:
-        minimum = round((temporal_patch - 1) * stride) + 1
-        raise ValueError(
-            f"a reference video needs at least {minimum} frames at {fps:g} fps for the text encoder, got {num_frames}"
-        )
-    timestamps = [sample / sample_fps for sample in range(len(indices))]
-    timestamps += [timestamps[-1]] * (-len(timestamps) % temporal_patch)
-    block_timestamps = [
-        (timestamps[start] + timestamps[start + temporal_patch - 1]) / 2
-        for start in range(0, len(timestamps), temporal_patch)
-    ]
-    return indices, block_timestamps
 
 
 def reference_presentation(

@@ -7,8 +7,9 @@ leaves open takes its worst case under the request limits (the prompt bound, bot
 lists the requests an engine plans for.
 
 Danger: h3engine.memory sits below the request layer (tests/test_house.py): the request limits come from
-h3engine.limits, and three small rules of h3engine.conditioning (and its presentation) are mirrored here;
-tests/test_memory_plan.py keeps each mirror equal to its original. Importing this module imports no torch; `request_shape` does (the decoder's tiling rule).
+h3engine.limits, and the reference conditioning's rules it needs (reference image size, encoded video frames, the
+text encoder's video sampling) from h3engine.geometry, where conditioning reads them too. Importing this module
+imports no torch; `request_shape` does (the decoder's tiling rule).
 """
 
 from __future__ import annotations
@@ -26,14 +27,16 @@ from h3engine.geometry import (
     AUDIO_SAMPLE_RATE,
     FPS,
     MAX_ASPECT_RATIO,
-    VAE_FRAMES_PER_CHUNK,
-    VAE_LATENTS_PER_CHUNK,
     Geometry,
     canvas_rule,
+    qwen_video_sampling,
+    reference_image_size,
+    reference_video_encode_frames,
     resolve_canvas,
     video_latent_frames,
 )
 from h3engine.limits import (
+    DEFAULT_STEPS,
     MAX_DURATION_SECONDS,
     MAX_PROMPT_TOKENS,
     MAX_REFERENCES,
@@ -48,8 +51,6 @@ if TYPE_CHECKING:
     from h3engine.memory.sizes import CheckpointSizes, PartitionSizes, TextEncoderDims
     from h3engine.models.video_vae import VideoVAE, VideoVAEConfig
 
-# h3engine.conditioning.presentation.QWEN_VIDEO_SAMPLE_FPS: the rate the text encoder reads a reference video at.
-QWEN_VIDEO_SAMPLE_FPS = 2.0
 
 # The number of distinct per-row timesteps M of a forward, which sizes the AdaLN tables ([M * 3, hidden] per table):
 # text and target video share t_video, target audio has t_audio, visual conditions sit at 0.999, reference audio at 1.
@@ -57,39 +58,8 @@ TIMESTEP_LEVELS = {"t2va": 2, "fl2va": 3, "ref2va": 4}
 # An upper bound on the tokens of one label H3 puts before a keyframe or reference ("<Picture 1>: ", a video
 # block's "<0.2 seconds>"): a few BPE tokens each; 8 covers the tiny tokenizer's longer splits too.
 LABEL_TOKENS = 8
-# Default denoising steps (GenerationRequest.steps).
-DEFAULT_STEPS = 50
 # The Qwen vision block around each image or video block: <|vision_start|> ... <|vision_end|>.
 VISION_BLOCK_TOKENS = 2
-
-
-def reference_image_size(width: float, height: float, short_edge: int, multiple: int) -> tuple[int, int]:
-    """(width, height) of a reference image scaled to `short_edge`, each side rounded to `multiple`
-    (h3engine.conditioning.reference_image_size)."""
-    scale = short_edge / min(width, height)
-    return (
-        max(multiple, round(width * scale / multiple) * multiple),
-        max(multiple, round(height * scale / multiple) * multiple),
-    )
-
-
-def reference_video_encode_frames(num_frames: int) -> int:
-    """Frames of a reference video the VAE encodes: snapped down to 17n + 5, n >= 1
-    (h3engine.conditioning.reference_video_encode_frames)."""
-    chunks = max(1, (num_frames - VAE_LATENTS_PER_CHUNK) // VAE_FRAMES_PER_CHUNK)
-    return chunks * VAE_FRAMES_PER_CHUNK + VAE_LATENTS_PER_CHUNK
-
-
-def qwen_sampled_frames(num_frames: int, fps: float = FPS, sample_fps: float = QWEN_VIDEO_SAMPLE_FPS) -> int:
-    """How many frames of a `fps` clip the text encoder reads: frames round(m * fps / sample_fps), duplicates
-    dropped (the length of h3engine.conditioning.presentation.qwen_video_sampling's first list)."""
-    stride = fps / sample_fps
-    sampled, cursor, last = 0, 0.0, -1
-    while round(cursor) < num_frames:
-        if round(cursor) > last:
-            sampled, last = sampled + 1, round(cursor)
-        cursor += stride
-    return sampled
 
 
 @dataclass(frozen=True)
@@ -385,6 +355,11 @@ def engine_shapes(sizes: CheckpointSizes) -> list[RequestShape]:
 
 
 @functools.lru_cache(maxsize=8)
+def qwen_sampled_frames(num_frames: int) -> int:
+    """How many frames of a 24 fps clip the text encoder reads (h3engine.geometry.qwen_video_sampling)."""
+    return len(qwen_video_sampling(num_frames, temporal_patch=1)[0])
+
+
 def _meta_video_vae(config: VideoVAEConfig) -> VideoVAE:
     import torch
 

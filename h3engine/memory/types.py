@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GIB = 1 << 30
+# How many past noise schedules' AdaLN tables a DiT keeps on its device (h3engine.sampling.modulation).
+MODULATION_CACHE_SCHEDULES = 2
 
 MEMORY_PROFILES = ("auto", "resident", "streamed", "low-memory")
 WEIGHT_FORMATS = ("bf16", "fp8")

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from h3engine.memory.types import MODULATION_CACHE_SCHEDULES
+
 if TYPE_CHECKING:
     from h3engine.memory.shapes import RequestShape
     from h3engine.memory.sizes import PartitionSizes
@@ -22,9 +24,6 @@ if TYPE_CHECKING:
 # 512-byte steps) and keeps freed blocks of one size from serving a larger request (fragmentation), and the
 # formulas leave out small tensors (index tensors, scalars, kernel workspaces of a few MB).
 WORKING_SAFETY = 1.2
-# h3engine.sampling.modulation.MODULATION_CACHE_SCHEDULES (a test keeps them equal): schedules whose AdaLN tables stay on
-# the GPU between requests; one more is being built while they are held.
-MODULATION_CACHE_SCHEDULES = 2
 # Bytes of one fp32 element; the compute dtype's comes from the sizes (`PartitionSizes.dtype_bytes`).
 FP32 = 4
 

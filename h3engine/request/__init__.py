@@ -37,6 +37,7 @@ from h3engine.geometry import (
     parse_aspect_ratio,
 )
 from h3engine.limits import (
+    DEFAULT_STEPS,
     MAX_CLIP_SECONDS,
     MAX_DURATION_SECONDS,
     MAX_PROMPT_TOKENS,
@@ -205,7 +206,7 @@ class GenerationRequest:
     width: int | None = None
     height: int | None = None
     seed: int = 0
-    steps: int = 50
+    steps: int = DEFAULT_STEPS
     flow_shift: float = 12.0
     audio_flow_shift: float = 3.0
     recipe: RecipeName = "sglang"

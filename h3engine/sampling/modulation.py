@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from h3engine.checkpoint.safetensors_io import is_parked, parked
 from h3engine.memory.homes import dequantize_into, dequantized, pin_in_place
+from h3engine.memory.types import MODULATION_CACHE_SCHEDULES
 from h3engine.models.dit import BlockModulation, H3DiT, StepModulation
 from h3engine.quantization import quantize_rows
 from h3engine.sampling.adaln_tables import AdalnTableCache, StepTables, TableKey, device_identity
@@ -35,7 +36,6 @@ from h3engine.sampling.adaln_tables import AdalnTableCache, StepTables, TableKey
 logger = logging.getLogger(__name__)
 
 # Schedules whose AdaLN tables `schedule_modulation` keeps per DiT.
-MODULATION_CACHE_SCHEDULES = 2
 
 # DiT -> (device, step timesteps) -> that schedule's tables, least recently used first.
 _caches: weakref.WeakKeyDictionary[H3DiT, OrderedDict[tuple, list[StepModulation]]] = (
