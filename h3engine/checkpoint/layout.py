@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from h3engine.errors import CheckpointError
+from h3engine.limits import TASKS
 
-TASKS = ("t2va", "fl2va", "ref2va")
 PARTITION_OF_TASK = {"t2va": "fl2va", "fl2va": "fl2va", "ref2va": "ref2va"}
 NATIVE_PARTITION_FOLDERS = {"fl2va": "FL2VA", "ref2va": "Ref2VA"}
 DIFFUSERS_DIT_FOLDERS = {"fl2va": "transformer", "ref2va": "transformer_ref"}

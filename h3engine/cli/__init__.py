@@ -62,6 +62,7 @@ from h3engine.request import (
     GenerationRequest,
     distilled_step_count,
 )
+from h3engine.request.checks import parse_rungs
 from h3engine.request.shapes import from_dict
 
 if TYPE_CHECKING:  # torch is imported only once a generation really starts
@@ -258,15 +259,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def parse_dmd_steps(text: str | None, flag: str = "--dmd-steps") -> list[int] | None:
-    """`999,750,500,250` -> the rungs (RequestError naming `flag` for anything else)."""
-    if text is None:
-        return None
-    try:
-        return [int(part) for part in text.split(",")]
-    except ValueError:
-        raise RequestError(
-            flag, f"expected comma-separated integers such as 999,750,500,250, got '{text}'"
-        ) from None
+    """`999,750,500,250` -> the rungs (None when not given; RequestError naming `flag` for anything else)."""
+    return None if text is None else list(parse_rungs(text, flag))
 
 
 def parse_reference_spec(spec: str) -> dict[str, object]:

@@ -114,10 +114,6 @@ class ModelSize:
     def layers_compute_total(self) -> int:
         return sum(self.layer_compute_bytes)
 
-    def leading_layers_bytes(self, count: int) -> int:
-        """Bytes of the first `count` layers as stored."""
-        return sum(self.layer_bytes[:count])
-
     def leading_compute_bytes(self, count: int) -> int:
         """Bytes of the first `count` layers unquantized: what the device holds of layers that do not stream
         (h3engine.memory.placement dequantizes an FP8 model's resident and phase-moved layers)."""
@@ -186,9 +182,6 @@ class CheckpointSizes:
     # What the files store the large linears as: "fp8" for a converted checkpoint (its layers can then stream from
     # the files in FP8), else "bf16".
     files_weights: str = "bf16"
-
-    def for_partition(self, partition: str) -> PartitionSizes:
-        return self.partitions[partition]
 
     def other_partition(self, partition: str) -> PartitionSizes | None:
         """The partition that is not `partition` (None in a one-partition checkpoint)."""

@@ -118,10 +118,6 @@ class AudioVAEConfig:
         """Waveform samples per latent (800 released)."""
         return math.prod(self.encoder_rates)
 
-    @property
-    def latents_per_second(self) -> float:
-        return self.sampling_rate / self.hop_length
-
     @classmethod
     def released(cls) -> AudioVAEConfig:
         return cls()

@@ -48,6 +48,7 @@ from h3engine.limits import (
     MAX_TOTAL_VIDEO_SECONDS,
     MIN_CLIP_SECONDS,
     MIN_DURATION_SECONDS,
+    TASKS,
 )
 from h3engine.request.checks import (
     check_finite_number,
@@ -61,7 +62,6 @@ from h3engine.request.checks import (
 )
 from h3engine.request.remix import Remix, check_remix
 
-TASKS = ("t2va", "fl2va", "ref2va")
 KEYFRAME_POSITIONS = ("first", "last")
 REFERENCE_KINDS = ("image", "video", "audio")
 RECIPES = ("sglang", "diffusers")

@@ -1,6 +1,6 @@
 """Small checks the request rules share: each raises a RequestError naming its field.
 
-`fail(field, problem)` raises; `describe(value)` prints any value short (huge integers by their size, long texts
+`fail(field, problem)` raises; `parse_rungs(text, field)` reads "999,750,500,250" (every door's rungs); `describe(value)` prints any value short (huge integers by their size, long texts
 cut) with its type unless it is a plain JSON scalar; `check_local_path` refuses empty paths, NUL characters,
 lone surrogates (text that is not UTF-8) and URIs.
 """
@@ -99,3 +99,16 @@ def describe(value: Any) -> str:
     if value is None or isinstance(value, str | int | float):
         return text
     return f"{text} ({type(value).__name__})"
+
+
+def parse_rungs(text: Any, field: str = "rungs") -> tuple[int, ...]:
+    """Rungs written as text, "999,750,500,250" (empty or None: none), as integers; RequestError naming `field`
+    otherwise. The request rules judge the numbers (h3engine.request)."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return ()
+    try:
+        if not isinstance(text, str):
+            raise ValueError
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        fail(field, f"expected comma-separated integers such as 999,750,500,250, got {describe(text)}")

@@ -209,9 +209,8 @@ class EngineReplica:
             )
 
     def partition_on_device(self) -> str | None:
-        """The partition whose DiT the engine's model store holds (None before any, or from a store that does not
-        say)."""
-        return getattr(self.engine.store, "partition_on_device", None)
+        """The partition whose DiT the engine's model store holds (None before any)."""
+        return self.engine.store.partition_on_device
 
     def close(self) -> None:
         pass  # the engine's models go with the process

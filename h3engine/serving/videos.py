@@ -28,12 +28,12 @@ from h3engine.lora.library import LoraLibrary
 from h3engine.media.formats import kind_of_suffix
 from h3engine.request import (
     LORA_TARGET_OF_TASK,
-    MAX_LORAS,
     GenerationRequest,
     Keyframe,
     LoraChoice,
     Reference,
 )
+from h3engine.request.checks import parse_rungs
 from h3engine.request.remix import REMIX_MODES, Remix, parse_ranges
 from h3engine.serving.inputs import write_input
 from h3engine.serving.store import JobRecord
@@ -177,12 +177,7 @@ def _rungs(value: Any) -> Any:
     if value is None or value == "":
         return ()
     if isinstance(value, str):
-        try:
-            return tuple(int(part) for part in value.split(","))
-        except ValueError:
-            raise ApiFieldError(
-                "rungs", f"rungs: expected integers such as 999,750,500,250, got {value[:60]!r}"
-            ) from None
+        return parse_rungs(value)
     if isinstance(value, list):
         return tuple(_number_from_text(item, integer=True) for item in value)
     return value
@@ -197,8 +192,6 @@ def _loras(value: Any, task: str, library: LoraLibrary) -> tuple[LoraChoice, ...
         value = [value]
     if not isinstance(value, list):
         raise RequestError("loras", 'must be a list such as [{"name": "style.safetensors", "strength": 0.8}]')
-    if len(value) > MAX_LORAS:
-        raise RequestError("loras", f"at most {MAX_LORAS} adapters per request, got {len(value)}")
     choices = []
     for index, item in enumerate(value):
         item = {"name": item} if isinstance(item, str) else item
