@@ -25,7 +25,7 @@ import pytest
 from _app_helpers import ASSETS, RunningApp, refusing_writes, start_app, stop_app
 from PIL import Image
 
-from h3engine.serving.api import owner_of_key
+from h3engine.serving.service import owner_of_key
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::DeprecationWarning"

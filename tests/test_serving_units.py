@@ -22,11 +22,12 @@ from h3engine.media.outputs import OutputFiles, StagedOutputs
 from h3engine.request import GenerationRequest
 from h3engine.runtime.front import EngineFront, JobHandle
 from h3engine.runtime.messages import ENGINE_FAILURE_MESSAGE, output_failure_message
-from h3engine.serving.api import ApiError, ApiSettings, Serving
+from h3engine.serving.errors import ApiError
 from h3engine.serving.inputs import ClientFiles, QuotaExceeded, write_input
 from h3engine.serving.jobs import MAX_ATTEMPTS, VideoJobs
 from h3engine.serving.metrics import Metrics
 from h3engine.serving.retention import Retention
+from h3engine.serving.service import ApiSettings, Serving
 from h3engine.serving.store import STORE_NAME, JobRecord, JobStore, StoreError
 from h3engine.serving.videos import ApiFieldError, request_from_fields, size_fields, supported_sizes
 from h3engine.serving.webhooks import Webhooks

@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from h3engine.lora.library import LoraLibrary
-from h3engine.serving.api import ApiSettings, Serving, _is_loopback
+from h3engine.serving.api import routes
 from h3engine.serving.inputs import DEFAULT_QUOTA_BYTES
 from h3engine.serving.jobs import Limits, VideoJobs
 from h3engine.serving.metrics import Metrics
 from h3engine.serving.options import ServingOptions
 from h3engine.serving.retention import Retention
+from h3engine.serving.service import ApiSettings, Serving, is_loopback
 from h3engine.serving.store import JobRecord, JobStore
 from h3engine.serving.videos import video_object
 from h3engine.serving.webhooks import Webhooks
@@ -34,7 +35,7 @@ class ServingRuntime:
     retention: Retention | None
 
     def routes(self) -> list[Any]:
-        return self.serving.routes()
+        return routes(self.serving)
 
     def stop_taking(self) -> None:
         self.jobs.stop_taking()
@@ -79,7 +80,7 @@ def start_serving(
     )
     settings = ApiSettings(
         keys=options.api_keys,
-        loopback=_is_loopback(host) and not share,
+        loopback=is_loopback(host) and not share,
         max_body_bytes=max_body_bytes,
         webhook_url=options.webhook_url,
     )
