@@ -736,8 +736,8 @@ def _start_and_serve(argv: Sequence[str] | None) -> int:
             ssr_mode=False,
             footer_links=["api", "gradio", "settings"],
             # /v1/videos, /metrics, /healthz, /readyz beside Gradio's own routes (h3engine.serving.api); the page
-            # load gives a browser its History's cookie (ui.access.BrowserCookie).
-            app_kwargs={"routes": serving.routes(), "middleware": _page_middleware(config)},
+            # load gives a browser its History's cookie, and with --auth results go to their user only (ui.access).
+            app_kwargs={"routes": serving.routes(), "middleware": _page_middleware(config, access)},
         )
     except KeyboardInterrupt:
         # Ctrl-C or SIGTERM before launch() reached its own blocking loop (which handles them itself): the server
@@ -753,12 +753,17 @@ def _start_and_serve(argv: Sequence[str] | None) -> int:
     return 0
 
 
-def _page_middleware(config: AppConfig) -> list[object]:
+def _page_middleware(config: AppConfig, access: AccessPolicy) -> list[object]:
+    """The page's cookie for a browser's History (not with --shared-history), and with --auth each user's results
+    served to that user only (ui.access)."""
     from starlette.middleware import Middleware
 
-    from ui.access import BrowserCookie
+    from ui.access import BrowserCookie, OwnerOnlyFiles
 
-    return [] if config.shared_history else [Middleware(BrowserCookie)]
+    middleware = [] if config.shared_history else [Middleware(BrowserCookie)]
+    if config.auth:
+        middleware.append(Middleware(OwnerOnlyFiles, access=access))
+    return middleware
 
 
 def _delete_cached_files(demo: gr.Blocks, access: AccessPolicy) -> None:

@@ -6,7 +6,8 @@ Per owner (the default): the owner is the user who logged in (`--auth`), else th
 name a client chooses can form a path) and History shows only the caller's folder. `--shared-history` (`AccessPolicy(shared=True)`) writes
 to the outputs folder itself for everyone, as on a personal machine. The outputs folder is never served: a file a
 handler returns is `publish`ed as a copy under a keyed-hash name that only the receiving session learns
-(`AccessPolicy` says how copies are swept). README "Sharing the app" describes the model.
+(`AccessPolicy` says how copies are swept); with `--auth`, `OwnerOnlyFiles` serves a copy of a user's result to
+that user alone. README "Sharing the app" describes the model.
 
 Danger: session hashes are chosen by the client; they only ever reach the file system through a digest.
 """
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from gradio.utils import get_upload_folder
 
@@ -73,6 +75,8 @@ class AccessPolicy:
     owned_cache: Path | None = None
     _key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
     _published: set[Path] = field(default_factory=set, repr=False)
+    # A copy's folder -> the owner folder ("users/<digest>") of a logged-in user's result it copies.
+    _user_copies: dict[Path, str] = field(default_factory=dict, repr=False)
     _swept_at: float = field(default_factory=time.monotonic, repr=False)
 
     def results_dir(self, request: Any) -> Path:
@@ -91,6 +95,9 @@ class AccessPolicy:
             self.sweep(self.max_age_s)
         folder = Path(self.serve_dir or get_upload_folder()).resolve() / f"{COPY_PREFIX}{tag[:40]}"
         target = folder / source.name
+        owner = self._user_of(source)
+        if owner is not None:
+            self._user_copies[folder] = owner
         if target.is_file():
             # Gradio's delete_cache ages files by their ctime: a copy handed out again is fresh.
             os.utime(target)
@@ -104,6 +111,22 @@ class AccessPolicy:
         finally:
             partial.unlink(missing_ok=True)
         return str(target)
+
+    def _user_of(self, source: Path) -> str | None:
+        """ "users/<digest>" when `source` is a logged-in user's file in the outputs folder, else None."""
+        try:
+            parts = source.relative_to(Path(self.outputs_dir).resolve()).parts
+        except ValueError:
+            return None
+        return f"{parts[0]}/{parts[1]}" if len(parts) > 2 and parts[0] == USERS_FOLDER else None
+
+    def user_of_copy(self, path: str | os.PathLike[str]) -> str | None:
+        """The owner folder of the user whose result the published copy at `path` is (None: not a user's)."""
+        try:
+            folder = Path(path).resolve().parent
+        except (OSError, ValueError):
+            return None
+        return self._user_copies.get(folder)
 
     def sweep(self, max_age_s: float | None) -> None:
         """Delete the copies this process published whose last hand-out is older than `max_age_s` (None: all)."""
@@ -166,3 +189,46 @@ class BrowserCookie:
             await send(message)
 
         await self.app(scope, receive, send_with_cookie)
+
+
+class OwnerOnlyFiles:
+    """ASGI middleware for `--auth`: a published copy of a logged-in user's result (Gradio's `/file=` routes) is
+    served to that user only; anyone else, logged in or not, gets 404 as for a file that is not there. Copies of
+    other owners' results (browsers, sessions) stay served to whoever holds their unguessable URL."""
+
+    def __init__(self, app: Any, access: AccessPolicy) -> None:
+        self.app, self.access = app, access
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope.get("type") == "http" else ""
+        if "/file=" in path:
+            owner = self.access.user_of_copy(unquote(path.split("/file=", 1)[1]))
+            if owner is not None and owner != _caller_folder(scope):
+                await send(
+                    {"type": "http.response.start", "status": 404, "headers": [(b"content-length", b"0")]}
+                )
+                await send({"type": "http.response.body", "body": b""})
+                return
+        await self.app(scope, receive, send)
+
+
+def _caller_folder(scope: dict[str, Any]) -> str | None:
+    """The owner folder of the user logged in on this request (Gradio's login cookie), None when nobody is."""
+    app = scope.get("app")
+    tokens, cookie_id = getattr(app, "tokens", None), getattr(app, "cookie_id", None)
+    if not isinstance(tokens, dict) or cookie_id is None:
+        return None
+    header = b"; ".join(value for name, value in scope.get("headers", []) if name == b"cookie").decode(
+        "latin-1"
+    )
+    cookies = SimpleCookie()
+    try:
+        cookies.load(header)
+    except CookieError:
+        return None
+    for name in (f"access-token-{cookie_id}", f"access-token-unsecure-{cookie_id}"):
+        morsel = cookies.get(name)
+        username = tokens.get(morsel.value) if morsel is not None else None
+        if username:
+            return owner_folder(username, None).as_posix()
+    return None
