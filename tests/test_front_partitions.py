@@ -310,5 +310,5 @@ def test_an_engine_replica_reports_its_model_stores_partition() -> None:
     replica = EngineReplica.__new__(EngineReplica)  # no engine to load: only the store is read
     replica.engine = SimpleNamespace(store=SimpleNamespace(partition_on_device="ref2va"))
     assert replica.partition_on_device() == "ref2va"
-    replica.engine = SimpleNamespace(store=SimpleNamespace())  # a store from before the property
+    replica.engine = SimpleNamespace(store=SimpleNamespace(partition_on_device=None))  # before any partition
     assert replica.partition_on_device() is None
