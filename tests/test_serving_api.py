@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from _api_helpers import openai_client, wait_for_video
 from _app_helpers import ASSETS, RunningApp, assert_browser_playable, start_app, stop_app
 from _browser_helpers import browser_page, needs_chromium
 
@@ -60,16 +61,11 @@ class Served:
 
 
 def _client(app: RunningApp, key: str = KEY_A) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{app.url}v1", api_key=key, max_retries=0, timeout=60)
+    return openai_client(app, key)
 
 
-def _wait(client: openai.OpenAI, video_id: str, timeout: float = 60) -> openai.types.Video:
-    deadline = time.monotonic() + timeout
-    while True:
-        video = client.videos.retrieve(video_id)
-        if video.status in ("completed", "failed") or time.monotonic() > deadline:
-            return video
-        time.sleep(0.1)
+def _wait(client: openai.OpenAI, video_id: str, timeout: float = 90) -> openai.types.Video:
+    return wait_for_video(client, video_id, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -223,23 +223,37 @@ class JobStore:
         source: str | None = None,
     ) -> list[JobRecord]:
         """An owner's jobs by creation time (`order` "asc" or "desc"), starting after the job `after`."""
-        direction = "ASC" if order == "asc" else "DESC"
-        compare = ">" if order == "asc" else "<"
         sql = "SELECT * FROM jobs WHERE owner = ? AND deleted = 0"
         parameters: list[Any] = [owner]
         if source is not None:
             sql += " AND source = ?"
             parameters.append(source)
+        return [
+            _row_to_record(row) for row in self._page("jobs", sql, parameters, owner, after, limit, order)
+        ]
+
+    def _page(
+        self,
+        table: str,
+        sql: str,
+        parameters: list[Any],
+        owner: str,
+        after: str | None,
+        limit: int,
+        order: str,
+    ) -> list[sqlite3.Row]:
+        """`sql`'s rows of `table` by creation time ("asc" or "desc"), starting after the owner's row `after`."""
+        direction, compare = ("ASC", ">") if order == "asc" else ("DESC", "<")
         if after is not None:
             anchor = self._execute(
-                "SELECT created_at, id FROM jobs WHERE id = ? AND owner = ?", (after, owner)
+                f"SELECT created_at, id FROM {table} WHERE id = ? AND owner = ?", (after, owner)
             )
             if anchor:
                 sql += f" AND (created_at, id) {compare} (?, ?)"
-                parameters += [anchor[0]["created_at"], anchor[0]["id"]]
-        sql += f" ORDER BY created_at {direction}, id {direction} LIMIT ?"
-        parameters.append(limit)
-        return [_row_to_record(row) for row in self._execute(sql, parameters)]
+                parameters = [*parameters, anchor[0]["created_at"], anchor[0]["id"]]
+        return self._execute(
+            f"{sql} ORDER BY created_at {direction}, id {direction} LIMIT ?", [*parameters, limit]
+        )
 
     def unfinished(self) -> list[JobRecord]:
         """Jobs not yet completed or failed (deleted ones too: their files may still need removing), oldest first."""
@@ -281,17 +295,7 @@ class JobStore:
         self, owner: str, after: str | None = None, limit: int = 20, order: str = "desc"
     ) -> list[FileRecord]:
         """An owner's files by upload time (`order` "asc" or "desc"), starting after the file `after`."""
-        direction, compare = ("ASC", ">") if order == "asc" else ("DESC", "<")
-        sql, parameters = "SELECT * FROM files WHERE owner = ?", [owner]
-        if after is not None:
-            anchor = self._execute(
-                "SELECT created_at, id FROM files WHERE id = ? AND owner = ?", (after, owner)
-            )
-            if anchor:
-                sql += f" AND (created_at, id) {compare} (?, ?)"
-                parameters += [anchor[0]["created_at"], anchor[0]["id"]]
-        sql += f" ORDER BY created_at {direction}, id {direction} LIMIT ?"
-        rows = self._execute(sql, [*parameters, limit])
+        rows = self._page("files", "SELECT * FROM files WHERE owner = ?", [owner], owner, after, limit, order)
         return [FileRecord(**{name: row[name] for name in _FILE_COLUMNS}) for row in rows]
 
     def files_before(self, created_before: float) -> list[FileRecord]:
