@@ -3,8 +3,12 @@
 Contract: `build_ui(front, options)` returns a `gr.Blocks` (not yet queued or launched; app.py does both). Events:
 * `/t2va`, `/fl2va`, `/ref2va`: the three generate endpoints (public API); `/remix` the Remix section's (ui.remix). Each has a validator that runs before
   Gradio queues it, and all three share the concurrency group "h3-engine" limited to the front's replica count.
+  The page's Generate runs a private copy of its endpoint that ends a failure in the status line instead of raising
+  it (ui.notices); the public endpoint, which raises for API clients, hangs on a trigger the page never shows.
 * Everything else (derived canvas, swap, last frame, reference gallery, examples, history, cancel) is private: not
-  part of the API.
+  part of the API. No page event whose outputs are inputs or players raises (Gradio would put each of them in its
+  error state): a problem is one toast (ui.notices), and the buttons that act on the shown result are disabled
+  while there is none.
 * The page config (`/config`, the same for everyone) holds no result and no server path: History is filled per
   session by a `demo.load` event; app.py passes a checkpoint label and banner without server paths (unless
   `--shared-history`, the single-user mode).
@@ -26,6 +30,7 @@ from ui.examples import Example, load_examples
 from ui.handlers import STARTING_STATUS, Handlers, parameter_names, swap_keyframes
 from ui.history import HistoryEntry
 from ui.loras import wire_lora_panel
+from ui.notices import result_buttons_state, told_in_a_toast, told_in_the_status
 from ui.prompt_builder import wire_prompt_builder
 from ui.references import wire_reference_gallery
 from ui.remix import build_remix_tab, wire_remix_tab
@@ -45,14 +50,11 @@ SHOW_STATUS_JS = """() => {
     // Again once the cleared result column has settled (a slow page may still be laying it out).
     setTimeout(show, 400);
 }"""
-# Rerun, after the shown result's settings are back in its tab: press that tab's Generate (the visible one).
-RERUN_JS = """() => {
-    setTimeout(() => {
-        for (const task of ["t2va", "fl2va", "ref2va"]) {
-            const button = document.getElementById(`${task}-generate`);
-            if (button && button.offsetParent !== null) { button.click(); return; }
-        }
-    }, 300);
+# Rerun, once the shown result's settings are back in its tab: press that tab's Generate (`task`: "" when the
+# settings could not be restored, and nothing is pressed).
+RERUN_JS = """(task) => {
+    if (!task) return;
+    setTimeout(() => document.getElementById(`${task}-generate`)?.click(), 300);
 }"""
 # Short enough that all three fit a phone-wide tab bar (Gradio folds the others into a menu).
 TAB_TITLES = {"t2va": "Text", "fl2va": "First / last frame", "ref2va": "References"}
@@ -124,6 +126,23 @@ def build_ui(
         for tab in tabs.values():
             _wire_generate(tab, handlers, result, generate_buttons, history.table, options.max_jobs)
         wire_remix_tab(remix_tab, handlers, result, options.max_jobs, ENGINE_CONCURRENCY_ID)
+        # The buttons that act on the shown result follow it: enabled once there is one (a job's, a take's, a
+        # History row's), disabled again when a page starts without one.
+        needs_result = [
+            result.restore,
+            result.rerun,
+            result.continue_in_fl2va,
+            tabs["fl2va"].use_last_frame,
+            remix_tab.use_result,
+        ]
+        result.last_result.change(
+            lambda last_result: result_buttons_state(last_result, len(needs_result)),
+            inputs=result.last_result,
+            outputs=needs_result,
+            queue=False,
+            show_progress="hidden",
+            api_visibility="private",
+        )
         result.cancel.click(handlers.cancel_jobs, queue=False, api_visibility="private")
         for tab in tabs.values():
             _wire_canvas_text(tab, handlers)
@@ -144,33 +163,53 @@ def build_ui(
         for tab in tabs.values():
             restore_outputs += [*tab.inputs, *tab.prompt_builder.inputs]
 
-        def restore(entry: HistoryEntry, keep_takes: bool) -> dict[Any, Any]:
+        def restore(entry: HistoryEntry, keep_takes: bool) -> tuple[str, dict[Any, Any]]:
+            """(the entry's task, the updates that show it and put its settings back in that task's tab)."""
             request, values = handlers.settings_of(entry)
             updates: dict[Any, Any] = {task_tabs: gr.Tabs(selected=request.task)}
             updates.update(zip(result.outputs, handlers.result_of(entry, keep_takes), strict=True))
             tab = tabs[request.task]
             updates.update(_tab_updates(tab, values))
             updates.update(tab.prompt_builder.builder_values(values["prompt"]))
-            return updates
+            return request.task, updates
 
         def restore_from_history(row: list[Any], caller: gr.Request) -> dict[Any, Any]:
-            return restore(handlers.history_entry(row, caller), keep_takes=False)
+            return restore(handlers.history_entry(row, caller), keep_takes=False)[1]
 
         def restore_shown_result(last_result: str | None, caller: gr.Request) -> dict[Any, Any]:
-            return restore(handlers.entry_of_result(last_result, caller), keep_takes=True)
+            return restore(handlers.entry_of_result(last_result, caller), keep_takes=True)[1]
 
+        def restore_for_rerun(last_result: str | None, caller: gr.Request) -> dict[Any, Any]:
+            task, updates = restore(handlers.entry_of_result(last_result, caller), keep_takes=True)
+            return {**updates, result.rerun_task: task}
+
+        # A problem (the result's files went away) is one toast; nothing on the page changes then.
         history.table.click(
-            restore_from_history, inputs=history.table, outputs=restore_outputs, api_visibility="private"
+            told_in_a_toast(restore_from_history, len(restore_outputs)),
+            inputs=history.table,
+            outputs=restore_outputs,
+            api_visibility="private",
         )
         result.restore.click(
-            restore_shown_result, inputs=result.last_result, outputs=restore_outputs, api_visibility="private"
+            told_in_a_toast(restore_shown_result, len(restore_outputs)),
+            inputs=result.last_result,
+            outputs=restore_outputs,
+            api_visibility="private",
         )
-        # Rerun: the shown result's settings (seed included) back in its tab, then that tab's Generate.
-        result.rerun.click(
-            restore_shown_result, inputs=result.last_result, outputs=restore_outputs, api_visibility="private"
-        ).then(None, js=RERUN_JS, queue=False, api_visibility="private")
+        # Rerun: the shown result's settings (seed included) back in its tab, then that tab's Generate; nothing is
+        # pressed when they could not be restored.
+        rerun_outputs = [*restore_outputs, result.rerun_task]
+        result.rerun.click(lambda: "", outputs=result.rerun_task, queue=False, api_visibility="private").then(
+            told_in_a_toast(restore_for_rerun, len(rerun_outputs)),
+            inputs=result.last_result,
+            outputs=rerun_outputs,
+            api_visibility="private",
+        ).then(None, js=RERUN_JS, inputs=result.rerun_task, queue=False, api_visibility="private")
         result.takes.select(
-            handlers.show_take, inputs=result.take_paths, outputs=result.outputs, api_visibility="private"
+            told_in_a_toast(handlers.show_take, len(result.outputs)),
+            inputs=result.take_paths,
+            outputs=result.outputs,
+            api_visibility="private",
         )
         # Not queued: the queue's size (--queue-size) is for jobs, and a full one refused a page's History.
         history.refresh.click(
@@ -209,8 +248,8 @@ def _wire_generate(
     until the job ends; the page brings the status into view; then the queued endpoint runs the job. The endpoint's
     events may all run at once: the engine front queues the jobs and reports each one's place. However the job
     ends, `finish` gives the buttons back, refreshes History and, when the handler never ran (a full queue), says
-    so: the page runs a `.then` step only after a normal completion, so it is wired as `.failure` too (the handler
-    raises a gr.Error for a failed or refused job, Gradio one for a full queue)."""
+    so: the page runs a `.then` step only after a normal completion, so it is wired as `.failure` too (Gradio fails
+    the event for a full queue; the page's handler itself ends a failed or refused job in the status line)."""
 
     def start(*inputs: Any) -> tuple[Any, ...]:
         updates, starts = handlers.start(tab.task, inputs)
@@ -225,7 +264,21 @@ def _wire_generate(
     )
     # Once the status says what happens (its height may change), bring it into view.
     started.then(None, js=SHOW_STATUS_JS, queue=False, api_visibility="private")
+    # The page's copy of the endpoint: a failure ends in the status line, never as Gradio's error state (a red
+    # "Error" box over the player).
     generated = started.then(
+        told_in_the_status(handlers.generator(tab.task)),
+        inputs=tab.inputs,
+        outputs=result.outputs,
+        api_visibility="private",
+        validator=handlers.validator(tab.task),
+        concurrency_limit=max_jobs,
+        concurrency_id=ENGINE_CONCURRENCY_ID,
+        show_progress_on=[result.video],
+    )
+    # The public endpoint: the same handler and checks, raising a failure's words for API clients; its trigger is
+    # never shown.
+    gr.Button(visible=False, elem_id=f"{tab.task}-api").click(
         handlers.generator(tab.task),
         inputs=tab.inputs,
         outputs=result.outputs,
@@ -235,7 +288,6 @@ def _wire_generate(
         validator=handlers.validator(tab.task),
         concurrency_limit=max_jobs,
         concurrency_id=ENGINE_CONCURRENCY_ID,
-        show_progress_on=[result.video],
     )
 
     def finish(status: str, seed_used: Any, caller: gr.Request) -> tuple[Any, ...]:
@@ -290,14 +342,17 @@ def _wire_keyframes(tab: TaskTab, handlers: Handlers, result: ResultColumn, task
     pair = [tab.first_image, tab.last_image]
     tab.swap.click(swap_keyframes, inputs=pair, outputs=pair, queue=False, api_visibility="private")
     tab.use_last_frame.click(
-        handlers.use_last_frame, inputs=result.last_result, outputs=tab.first_image, api_visibility="private"
+        told_in_a_toast(handlers.use_last_frame, 1),
+        inputs=result.last_result,
+        outputs=tab.first_image,
+        api_visibility="private",
     )
 
     def continue_in_fl2va(last_result: str | None) -> tuple[gr.Tabs, str]:
         return gr.Tabs(selected="fl2va"), handlers.use_last_frame(last_result)
 
     result.continue_in_fl2va.click(
-        continue_in_fl2va,
+        told_in_a_toast(continue_in_fl2va, 2),
         inputs=result.last_result,
         outputs=[task_tabs, tab.first_image],
         api_visibility="private",

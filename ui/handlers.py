@@ -641,7 +641,12 @@ class Handlers:
         """The caller's result a clicked History row names."""
         entry = find_entry(self.access.results_dir(caller), row[0] if row else None)
         if entry is None:
-            raise gr.Error("That result is no longer in your history.", print_exception=False)
+            raise gr.Error(
+                "That result is no longer in your history (its files were removed); press Refresh under "
+                "History to update the list.",
+                title="Result gone",
+                print_exception=False,
+            )
         return entry
 
     def settings_of(self, entry: HistoryEntry) -> tuple[GenerationRequest, dict[str, Any]]:
@@ -681,15 +686,28 @@ class Handlers:
             else None
         )
         if entry is None:
-            raise gr.Error("That take is no longer in your history.", print_exception=False)
+            raise gr.Error(
+                "That take is no longer in your history (its files were removed).",
+                title="Take gone",
+                print_exception=False,
+            )
         return self.result_of(entry, keep_takes=True)
 
     def entry_of_result(self, last_result: str | None, caller: gr.Request | None) -> HistoryEntry:
         """The history entry of the result shown in the result column."""
-        entry = find_entry(self.access.results_dir(caller), Path(last_result).stem) if last_result else None
+        if not last_result:
+            raise gr.Error(
+                "There is no result to restore yet: generate (or pick) one first.",
+                title="No result yet",
+                print_exception=False,
+            )
+        entry = find_entry(self.access.results_dir(caller), Path(last_result).stem)
         if entry is None:
             raise gr.Error(
-                "There is no result to restore yet: generate (or pick) one first.", print_exception=False
+                "The result shown is no longer in your history (its files were removed), so its settings cannot "
+                "be restored.",
+                title="Result gone",
+                print_exception=False,
             )
         return entry
 
@@ -697,9 +715,18 @@ class Handlers:
         return request_values(request, self.access.publish, self.library, self.front.facts.canvas.short_edge)
 
     def use_last_frame(self, last_result: str | None) -> str:
-        if not last_result or not Path(last_result).is_file():
+        if not last_result:
             raise gr.Error(
-                "There is no previous result yet: generate (or restore) one first.", print_exception=False
+                "There is no previous result yet: generate (or restore) one first.",
+                title="No result yet",
+                print_exception=False,
+            )
+        if not Path(last_result).is_file():
+            raise gr.Error(
+                "The result shown is no longer on the server (its video was removed), so its last frame cannot "
+                "be used.",
+                title="Result gone",
+                print_exception=False,
             )
         try:
             return self.access.publish(last_frame_png(last_result, self.store))

@@ -176,7 +176,8 @@ def wire_lora_panel(panel: LoraPanel, steps: Any, flow_shift: Any, audio_flow_sh
         try:
             entries = [panel.library.entry(choice, "loras") for choice in _names(value)]
         except RequestError as error:
-            raise gr.Error(str(error), print_exception=False) from None
+            # In the panel's note, not raised: Gradio would put every output (the settings) in its error state.
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), f"⚠ No Turbo preset: {error}"
         settings = turbo_settings([entry.turbo for entry in entries])
         note = f"Turbo preset: {settings.describe()}. Steps, flow shifts and rungs are under Advanced."
         rung_text = ",".join(map(str, settings.rungs))

@@ -13,6 +13,7 @@ import asyncio
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
@@ -20,8 +21,10 @@ import gradio as gr
 from h3engine.errors import RequestError
 from h3engine.request import GenerationRequest
 from h3engine.request.remix import Remix, parse_ranges
+from ui.components import as_sent
 from ui.handlers import RANDOM_SEED_LIMIT, Handlers, result_update
 from ui.mask_timeline import timeline_html, video_seconds_of
+from ui.notices import told_in_a_toast, told_in_the_status
 from ui.result import ResultColumn
 from ui.takes import TakeSet
 
@@ -73,8 +76,24 @@ def build_remix_tab(steps: int) -> RemixTab:
     with gr.Row():
         source_video = gr.File(label="Source video (v2a, extend)", type="filepath", file_types=["video"])
         source_audio = gr.File(label="Source audio (a2v)", type="filepath", file_types=["audio"])
-    use_result = gr.Button("Use the shown result as the source video", size="sm")
-    seconds = gr.Number(value=5, label="Seconds (a2v: clip length; extend: N s added)", minimum=1, maximum=15)
+    # Disabled until there is a result (ui.blocks enables it).
+    use_result = gr.Button(
+        "Use the shown result as the source video",
+        size="sm",
+        interactive=False,
+        elem_id="remix-use-result",
+    )
+    # As sent: Gradio's own bounds check would fail the Remix event and its players with a red "Error"; the request's
+    # checks refuse a number out of range in the status instead.
+    seconds = as_sent(
+        gr.Number(
+            value=5,
+            label="Seconds (a2v: clip length; extend: N s added)",
+            minimum=1,
+            maximum=15,
+            elem_id="remix-seconds",
+        )
+    )
     with gr.Row():
         video_mask = gr.Textbox(label="Regenerate video at (s)", placeholder="e.g. 1-2.5,4-5")
         audio_mask = gr.Textbox(label="Regenerate audio at (s)", placeholder="e.g. 0-1")
@@ -184,11 +203,27 @@ def redraw_timeline(
     return timeline_html(mode, seconds, video_seconds, video_mask or "", audio_mask or "")
 
 
+def shown_result(last_result: str | None) -> str:
+    """The shown result's MP4, as the source video (a gr.Error when there is none, or its file went away)."""
+    if not last_result or not Path(last_result).is_file():
+        raise gr.Error(
+            "The result shown is no longer on the server (its video was removed); generate or pick another."
+            if last_result
+            else "There is no result yet: generate (or pick) one first.",
+            title="No result to use",
+            print_exception=False,
+        )
+    return last_result
+
+
 def wire_remix_tab(
     tab: RemixTab, handlers: Handlers, result: ResultColumn, max_jobs: int, concurrency_id: str
 ) -> None:
     tab.use_result.click(
-        lambda shown: shown, inputs=result.last_result, outputs=tab.source_video, api_visibility="private"
+        told_in_a_toast(shown_result, 1),
+        inputs=result.last_result,
+        outputs=tab.source_video,
+        api_visibility="private",
     )
     timeline_inputs = [tab.mode, tab.seconds, tab.source_video, tab.video_mask, tab.audio_mask]
     for component in timeline_inputs:
@@ -199,7 +234,18 @@ def wire_remix_tab(
             api_visibility="private",
             queue=False,
         )
+    # The page's Remix: a failure ends in the status line, never as Gradio's error state over the player.
     tab.generate.click(
+        told_in_the_status(remix_generator(handlers)),
+        inputs=tab.inputs,
+        outputs=result.outputs,
+        api_visibility="private",
+        concurrency_limit=max_jobs,
+        concurrency_id=concurrency_id,
+        show_progress_on=[result.video],
+    )
+    # The public endpoint, raising a failure's words for API clients; its trigger is never shown.
+    gr.Button(visible=False, elem_id="remix-api").click(
         remix_generator(handlers),
         inputs=tab.inputs,
         outputs=result.outputs,
@@ -209,5 +255,4 @@ def wire_remix_tab(
         "on the released weights. Returns status, preview, video, seed used, details, downloads, takes.",
         concurrency_limit=max_jobs,
         concurrency_id=concurrency_id,
-        show_progress_on=[result.video],
     )

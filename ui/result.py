@@ -42,6 +42,8 @@ class ResultColumn:
     rerun: gr.Button
     last_result: gr.State
     take_paths: gr.State
+    # Never shown: the task whose Generate a Rerun presses once its settings are back ("" when they could not be).
+    rerun_task: gr.Textbox
 
     @property
     def outputs(self) -> list[gr.components.Component]:
@@ -74,11 +76,15 @@ def build_result_column() -> ResultColumn:
         visible=False,
         elem_id="h3-takes",
     )
+    # They act on the result shown: disabled until there is one (ui.blocks enables them).
     with gr.Row():
-        restore = gr.Button("Restore its settings", size="sm", elem_id="h3-restore-result")
-        rerun = gr.Button("Rerun", size="sm", elem_id="h3-rerun")
+        restore = gr.Button("Restore its settings", size="sm", interactive=False, elem_id="h3-restore-result")
+        rerun = gr.Button("Rerun", size="sm", interactive=False, elem_id="h3-rerun")
         continue_in_fl2va = gr.Button(
-            "Continue from its last frame (FL2VA)", size="sm", elem_id="h3-continue-fl2va"
+            "Continue from its last frame (FL2VA)",
+            size="sm",
+            interactive=False,
+            elem_id="h3-continue-fl2va",
         )
     # Shown once there is a result: an empty number field would read as 0.
     seed_used = gr.Number(
@@ -102,6 +108,7 @@ def build_result_column() -> ResultColumn:
         rerun,
         gr.State(None),
         gr.State([]),
+        gr.Textbox("", visible=False),
     )
 
 

@@ -317,8 +317,12 @@ def build_fl2va_tab(
         )
     with gr.Row():
         swap = gr.Button("⇄ Swap first and last", size="sm", elem_id="fl2va-swap")
+        # Disabled until there is a result (ui.blocks enables it).
         use_last_frame = gr.Button(
-            "Use the last frame of the previous result", size="sm", elem_id="fl2va-use-last-frame"
+            "Use the last frame of the previous result",
+            size="sm",
+            interactive=False,
+            elem_id="fl2va-use-last-frame",
         )
     controls = dict(first_image=first_image, last_image=last_image, swap=swap, use_last_frame=use_last_frame)
     return _task_tab(
