@@ -20,7 +20,8 @@ from typing import Any
 
 import gradio as gr
 
-# How long a problem's toast stays (a person may close it sooner).
+# How long a problem's toast stays (a person may close it sooner). The page's script closes it (ui.theme): Gradio's own
+# timer closes a toast's whole group when its first message's time is up, and is never cancelled.
 TOAST_SECONDS = 8
 
 
@@ -38,7 +39,7 @@ def told_in_a_toast(handler: Callable[..., Any], outputs: int) -> Callable[..., 
         try:
             return handler(*arguments, **keywords)
         except gr.Error as error:
-            gr.Warning(str(error.message), duration=TOAST_SECONDS, title=error.title)
+            gr.Warning(str(error.message), duration=None, title=error.title)
             return left_as_they_are(outputs)
 
     return told

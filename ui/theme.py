@@ -5,6 +5,7 @@ from __future__ import annotations
 import gradio as gr
 
 from h3engine.media.formats import FORMATS
+from ui.notices import TOAST_SECONDS
 
 THEME = gr.themes.Soft(primary_hue="indigo", secondary_hue="slate", radius_size="md")
 
@@ -29,6 +30,14 @@ CSS = """
   #h3-result-column { position: sticky; top: 8px; align-self: flex-start; max-height: calc(100vh - 16px);
                       overflow-y: auto; }
 }
+/* Toasts: one at a time (the page's script hides the messages before the newest and closes older toasts, so no count
+   and no list), at the bottom of the window, or at its top while the status line or Cancel would be under them (the
+   script moves them): never over those two. */
+.toast-wrap { top: auto !important; bottom: var(--size-3); }
+.toast-wrap[data-h3-top] { top: var(--size-3) !important; bottom: auto; }
+.toast-message-item[data-h3-old], .toast-separator, .toast-count, .toast-header .chevron { display: none !important; }
+.toast-header { pointer-events: none; }
+.toast-header .toast-close { pointer-events: auto; }
 """
 
 # Outside CSS (which Gradio scopes to inside its container): the container hides its overflow, which would make it
@@ -54,6 +63,63 @@ _MUTED_MEDIA_JS = """
 """
 
 
+# One toast at a time. A press on the page (a button, a History row) first closes the toasts shown; a message that
+# comes without one hides those before it (Gradio would stack them, and list those of one kind under a count) and
+# closes the toasts of other kinds. A warning (the page's own problems: ui.notices) comes without a Gradio timer and
+# is closed TOAST_SECONDS after the newest message: Gradio's timer closes a toast's whole group when its first
+# message's time is up (a newer message with it), and is never cancelled. Then the toasts stay clear of the status
+# line and Cancel: at the bottom of the window, or at its top while one of those would be under them. Checked as
+# toasts come, as the page scrolls (the result column scrolls on its own on wide windows) or resizes, and as the page
+# changes (the status may grow).
+_TOASTS_JS = """
+    const closeToasts = () => document.querySelectorAll(".toast-wrap [data-testid=toast-close]")
+        .forEach((close) => close.click());
+    document.addEventListener("click", (event) => {
+        const target = event.target instanceof Element ? event.target : null;
+        if (target && !target.closest(".toast-wrap") && target.closest("button, tr")) closeToasts();
+    }, true);
+    let closing = null;
+    const newestToastOnly = () => {
+        const fresh = [...document.querySelectorAll(".toast-message-item:not([data-h3-seen])")];
+        if (fresh.length === 0) return;
+        const newest = fresh[fresh.length - 1];
+        fresh.forEach((item) => item.setAttribute("data-h3-seen", ""));
+        document.querySelectorAll(".toast-message-item").forEach((item) => {
+            item.toggleAttribute("data-h3-old", item !== newest);
+        });
+        document.querySelectorAll(".toast-item").forEach((toast) => {
+            if (!toast.contains(newest)) toast.querySelector("[data-testid=toast-close]")?.click();
+        });
+        clearTimeout(closing);
+        if (newest.classList.contains("warning")) closing = setTimeout(closeToasts, TOAST_MS);
+    };
+    const keptClear = () => ["#h3-status", "#h3-cancel"]
+        .map((selector) => document.querySelector(selector))
+        .filter((element) => element !== null)
+        .map((element) => element.getBoundingClientRect());
+    const clearOfStatus = () => {
+        const wrap = document.querySelector(".toast-wrap");
+        if (!wrap || wrap.childElementCount === 0) return;
+        const kept = keptClear();
+        const covers = () => {
+            const box = wrap.getBoundingClientRect();
+            return kept.some((area) => box.left < area.right && area.left < box.right && box.top < area.bottom
+                && area.top < box.bottom);
+        };
+        wrap.removeAttribute("data-h3-top");
+        if (covers()) {
+            wrap.setAttribute("data-h3-top", "");
+            if (covers()) wrap.removeAttribute("data-h3-top");
+        }
+    };
+    const toasts = () => { newestToastOnly(); clearOfStatus(); };
+    new MutationObserver(toasts).observe(document.body, { childList: true, subtree: true, characterData: true });
+    document.addEventListener("scroll", clearOfStatus, { capture: true, passive: true });
+    window.addEventListener("resize", clearOfStatus);
+""".replace("TOAST_MS", str(TOAST_SECONDS * 1000))
+
+
 def page_js(muted_media: bool) -> str:
     """The script the page runs once loaded; `muted_media`: the players start muted (the random-weight demo)."""
-    return "() => {" + _KEYFRAME_PICKERS_JS + (_MUTED_MEDIA_JS if muted_media else "") + "}"
+    parts = [_KEYFRAME_PICKERS_JS, _TOASTS_JS, _MUTED_MEDIA_JS if muted_media else ""]
+    return "() => {" + "".join(parts) + "}"
