@@ -32,6 +32,7 @@ from typing import Any
 import gradio as gr
 
 from h3engine.errors import RequestError
+from h3engine.limits import MAX_DURATION_SECONDS, MIN_DURATION_SECONDS
 from h3engine.lora.library import LoraLibrary
 from h3engine.request import VERIFIED_SHORT_EDGE, GenerationRequest, Keyframe, Reference
 from h3engine.request.shapes import from_dict
@@ -251,6 +252,34 @@ def shown_problem(error: RequestError, values: TaskValues) -> tuple[str, str]:
     return failing, error_text(error, failing, values)
 
 
+def duration_out_of_range(values: TaskValues) -> str | None:
+    """When the tab's own duration is used and is a number outside what the model makes, that in plain words (the
+    page shows it in the canvas line and the status; the field keeps what was typed): else None."""
+    named = values.values
+    seconds = named.get("duration_seconds")
+    if values.task == "ref2va" and named.get("duration_from_reference") is True:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds != seconds:
+        return None
+    if MIN_DURATION_SECONDS <= seconds <= MAX_DURATION_SECONDS:
+        return None
+    return (
+        f"the duration must be from {MIN_DURATION_SECONDS:g} to {MAX_DURATION_SECONDS:g} seconds, and {seconds:g} s "
+        "was typed; change it to a duration in that range"
+    )
+
+
+def page_problem(error: RequestError, values: TaskValues) -> str:
+    """A RequestError as the page's status says it: `<input>: <message>` (`shown_problem`), or a duration outside
+    the model's range in plain words."""
+    if error.field == "duration_seconds":
+        words = duration_out_of_range(values)
+        if words is not None:
+            return words
+    failing, message = shown_problem(error, values)
+    return f"{failing}: {message}"
+
+
 def _with_input(problem: str, file: str | None, words: str | None) -> str:
     """A problem at the input it came in: `'name' (words): problem` for a file's, else `words: problem` for a
     reference's (a keyframe's input says which frame it is)."""
@@ -375,8 +404,7 @@ class Handlers:
         values = TaskValues.from_inputs(task, inputs)
         error = self.problem(values)
         if error is not None:
-            failing, message = shown_problem(error, values)
-            return result_update(status=f"⚠ Not started: {failing}: {message}"), False
+            return result_update(status=f"⚠ Not started: {page_problem(error, values)}"), False
         cleared = result_update(
             status=STARTING_STATUS,
             preview=None,
@@ -394,6 +422,10 @@ class Handlers:
 
         def describe(*inputs: Any) -> str:
             values = TaskValues.from_inputs(task, inputs)
+            # Under the duration: a duration out of range first, in plain words (the field keeps what was typed).
+            words = duration_out_of_range(values)
+            if words is not None:
+                return f"Canvas and frames: waiting for valid settings ({words})"
             try:
                 check_input_types(values)
                 request = build_request(values, seed=0, prompt=PLACEHOLDER_PROMPT, library=self.library)

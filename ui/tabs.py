@@ -157,6 +157,8 @@ def _settings_controls(
                 step=0.5,
                 label="Duration (seconds)",
                 elem_id=f"{task}-duration",
+                # Its number box keeps what was typed: no silent clamping (ui.theme).
+                elem_classes="h3-typed",
             )
         )
         aspect_ratio = as_sent(
@@ -186,6 +188,7 @@ def _settings_controls(
                 label="Takes",
                 info="jobs with consecutive seeds",
                 elem_id=f"{task}-takes",
+                elem_classes="h3-typed",
             )
         )
     lora_panel = build_lora_panel(task, library)

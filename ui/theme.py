@@ -63,6 +63,20 @@ _MUTED_MEDIA_JS = """
 """
 
 
+# A slider's number box keeps what was typed (the sliders marked h3-typed: duration, takes): Gradio's slider clamps an
+# out-of-range or empty box into its range when it loses focus, which would silently run another value than the one
+# typed. The canvas line and the status say what is wrong instead (ui.handlers.duration_out_of_range), and the checks
+# refuse the job. Its own blur listener is on the box: the page's capturing listener runs first and stops the event.
+_TYPED_NUMBERS_JS = """
+    document.addEventListener("blur", (event) => {
+        const box = event.target;
+        if (!(box instanceof HTMLInputElement) || box.type !== "number" || !box.closest(".h3-typed")) return;
+        const value = box.valueAsNumber;
+        const outside = box.value === "" || value < Number(box.min) || value > Number(box.max);
+        if (outside) event.stopImmediatePropagation();
+    }, true);
+"""
+
 # One toast at a time. A press on the page (a button, a History row) first closes the toasts shown; a message that
 # comes without one hides those before it (Gradio would stack them, and list those of one kind under a count) and
 # closes the toasts of other kinds. A warning (the page's own problems: ui.notices) comes without a Gradio timer and
@@ -121,5 +135,5 @@ _TOASTS_JS = """
 
 def page_js(muted_media: bool) -> str:
     """The script the page runs once loaded; `muted_media`: the players start muted (the random-weight demo)."""
-    parts = [_KEYFRAME_PICKERS_JS, _TOASTS_JS, _MUTED_MEDIA_JS if muted_media else ""]
+    parts = [_KEYFRAME_PICKERS_JS, _TYPED_NUMBERS_JS, _TOASTS_JS, _MUTED_MEDIA_JS if muted_media else ""]
     return "() => {" + "".join(parts) + "}"
