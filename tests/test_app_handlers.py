@@ -145,7 +145,8 @@ def test_an_output_path_the_front_refuses_is_a_status_without_the_fronts_field_o
     updates, error = _press(_handlers(front, outputs, tmp_path))
     assert (
         updates[-1][STATUS]
-        == "⚠ Not started: the outputs folder refuses writes; the details are in the server log."
+        == "⚠ Not started: the outputs folder refuses writes (its files cannot be made there); the details are in "
+        "the server log."
     )
     assert error is not None and str(outputs) not in error.message and "out_path" not in error.message
 

@@ -23,10 +23,10 @@ from safetensors.torch import load_file, save_file
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.loader import dit_source
 from h3engine.errors import RequestError
-from h3engine.lora.library import LoraLibrary
-from h3engine.request import GenerationRequest, LoraChoice
-from ui.handlers import parse_rungs
-from ui.loras import LORA_SLOTS, lora_choices, lora_values, loras_to_rows, rows_to_loras
+from h3engine.lora.library import LoraLibrary, lora_choices
+from h3engine.request import GenerationRequest, LoraChoice, validate
+from h3engine.request.checks import parse_rungs
+from ui.loras import LORA_SLOTS, lora_values, loras_to_rows, rows_to_loras
 
 SETTINGS = dict(duration_seconds=4, aspect_ratio="auto", randomize_seed=False, seed=5, steps=2)
 
@@ -88,13 +88,17 @@ def test_the_parameter_becomes_the_requests_adapters_and_back(loras: Path) -> No
         ],
         "loras[1]: must be an object {\"name\": ..., \"strength\": ...}, got {'name': 'style.safetensors', "
         "'path': '/etc'}": [{"name": "style.safetensors"}, {"name": "style.safetensors", "path": "/etc"}],
-        'loras: must be a list such as [{"name": "style.safetensors", "strength": 0.8}], got \'style\'': "style",
-        "loras: at most 8 adapters per request, got 9": [{"name": "style.safetensors"}] * 9,
+        'loras: must be a list such as [{"name": "style.safetensors", "strength": 0.8}], got 5': 5,
+        "loras[0].name: no adapter named 'style'; available: ref/only.safetensors, style.safetensors, "
+        "turbo.safetensors": "style",  # a bare name is a list of one
     }
     for message, bad in refusals.items():
         with pytest.raises(RequestError) as refused:
             lora_choices(bad, "t2va", library)
         assert str(refused.value) == message
+    too_many = lora_choices([{"name": "style.safetensors"}] * 9, "t2va", library)  # the checker counts them
+    with pytest.raises(RequestError, match=r"^loras: at most 8 adapters per request, got 9$"):
+        validate(GenerationRequest(task="t2va", prompt="x", loras=too_many))
 
 
 def test_the_rows_and_the_parameter_mirror_each_other() -> None:

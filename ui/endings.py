@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from h3engine.runtime.messages import DISK_FULL_ERRNOS, disk_full_text
+from h3engine.runtime.messages import DISK_FULL_ERRNOS, disk_full_text, outputs_refuse_writes
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,4 @@ def storage_problem(error: OSError, outputs_dir: Path) -> NotStarted:
     why = error.strerror or type(error).__name__
     if error.filename is not None and not Path(error.filename).is_relative_to(outputs_dir):
         return NotStarted(f"an input file could not be read ({why}); add it again.", "Input file unreadable")
-    return NotStarted(
-        f"the outputs folder refuses writes ({why}); the details are in the server log.",
-        "Cannot write the outputs",
-    )
+    return NotStarted(outputs_refuse_writes(why), "Cannot write the outputs")

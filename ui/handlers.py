@@ -31,13 +31,15 @@ from typing import Any
 
 import gradio as gr
 
+from h3engine.engine_options import cannot_write
 from h3engine.errors import RequestError
 from h3engine.limits import MAX_DURATION_SECONDS, MIN_DURATION_SECONDS
-from h3engine.lora.library import LoraLibrary
+from h3engine.lora.library import LoraLibrary, lora_choices
 from h3engine.request import VERIFIED_SHORT_EDGE, GenerationRequest, Keyframe, Reference
+from h3engine.request.checks import parse_rungs
 from h3engine.request.shapes import from_dict
 from h3engine.runtime.front import EngineFront, JobHandle, stamped_output_name
-from h3engine.runtime.messages import PreviewFrame
+from h3engine.runtime.messages import PreviewFrame, outputs_refuse_writes
 from ui.access import AccessPolicy
 from ui.components import NotAnUpload
 from ui.endings import UNEXPECTED_ERROR, NotStarted, storage_problem
@@ -51,7 +53,7 @@ from ui.history import (
     sidecar_step_cache,
 )
 from ui.inputs import InputStore, last_frame_png, reference_kind
-from ui.loras import lora_choices, lora_values
+from ui.loras import lora_values
 from ui.result import RESULT_FIELDS
 from ui.tabs import DEFAULT_VALUES, MEDIA_PARAMETERS, SETTINGS_PARAMETERS
 from ui.takes import Take, TakeSet, checked_takes
@@ -108,20 +110,6 @@ class TaskValues:
                 items = [value] if isinstance(value, str) else value if isinstance(value, list) else []
                 files[name] = [item for item in items if isinstance(item, str)]
         return files
-
-
-def parse_rungs(text: Any) -> tuple[int, ...]:
-    """The Rungs field (`999,750,500,250`; empty: none) as the request's rungs (RequestError naming `rungs`)."""
-    if text is None or (isinstance(text, str) and not text.strip()):
-        return ()
-    try:
-        if not isinstance(text, str):
-            raise ValueError
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise RequestError(
-            "rungs", f"expected comma-separated integers such as 999,750,500,250, got {_short(text)}"
-        ) from None
 
 
 def build_request(
@@ -558,10 +546,8 @@ class Handlers:
             if isinstance(error, OSError):
                 raise storage_problem(error, self.access.outputs_dir) from None
             logger.error("the engine front refused a job's output files: %s", error)
-            raise NotStarted(
-                "the outputs folder refuses writes; the details are in the server log.",
-                "Cannot write the outputs",
-            ) from None
+            why = cannot_write(results_dir) or "its files cannot be made there"
+            raise NotStarted(outputs_refuse_writes(why), "Cannot write the outputs") from None
         return handles
 
     def _record(self, request: GenerationRequest, out_path: Path, results_dir: Path) -> str | None:

@@ -6,8 +6,9 @@ Contract:
   endpoint parameter (`[{"name": "style.safetensors", "strength": 0.8}]`: names as the folder lists them).
 * The rows write `loras` on user input only; `loras` redraws the rows whenever it changes (a restore, an example),
   so the two never loop. `wire_lora_panel` attaches these events and the two buttons (private: not in the API).
-* `lora_choices(value, task, library)` turns the parameter into the request's LoraChoice entries (each on the tab's
-  DiT); `lora_values(request, library)` is its inverse for History (adapters no longer listed are left out).
+* `h3engine.lora.library.lora_choices` (the API's too) turns the parameter into the request's LoraChoice entries
+  (each on the tab's DiT); `lora_values(request, library)` is its inverse for History (adapters no longer listed are
+  left out).
 
 Danger: names come from clients; only `LoraLibrary.entry` turns a name into a path, never the name itself.
 """
@@ -21,12 +22,11 @@ import gradio as gr
 
 from h3engine.errors import RequestError
 from h3engine.lora.library import LoraLibrary, turbo_settings
-from h3engine.request import LORA_TARGET_OF_TASK, MAX_LORA_STRENGTH, MAX_LORAS, GenerationRequest, LoraChoice
+from h3engine.request import LORA_TARGET_OF_TASK, MAX_LORA_STRENGTH, MAX_LORAS, GenerationRequest
 from ui.components import as_sent
 
 LORA_SLOTS = MAX_LORAS
 NO_ADAPTER = ""
-ENTRY_KEYS = ("name", "strength")
 
 
 @dataclass
@@ -116,33 +116,6 @@ def loras_to_rows(value: Any) -> list[Any]:
         rows.append(gr.Row(visible=slot <= len(entries)))
         slots += [entry.get("name", NO_ADAPTER), entry.get("strength", 1.0)]
     return [*rows, *slots]
-
-
-def lora_choices(value: Any, task: str, library: LoraLibrary) -> tuple[LoraChoice, ...]:
-    """The `loras` parameter as the request's entries, each on the tab's DiT (RequestError naming `loras[i]`)."""
-    if value is None or value == []:
-        return ()
-    if not isinstance(value, list):
-        raise RequestError(
-            "loras",
-            f'must be a list such as [{{"name": "style.safetensors", "strength": 0.8}}], got {value!r:.80}',
-        )
-    if len(value) > MAX_LORAS:
-        raise RequestError("loras", f"at most {MAX_LORAS} adapters per request, got {len(value)}")
-    target = LORA_TARGET_OF_TASK[task]
-    choices = []
-    for index, item in enumerate(value):
-        field = f"loras[{index}]"
-        if not isinstance(item, dict) or "name" not in item or set(item) - set(ENTRY_KEYS):
-            raise RequestError(field, f'must be an object {{"name": ..., "strength": ...}}, got {item!r:.80}')
-        entry = library.entry(item["name"], f"{field}.name")
-        if not entry.fits(target):
-            raise RequestError(
-                f"{field}.name",
-                f"{entry.name!r} is for the {' and '.join(entry.targets)} DiT; this task runs {target}",
-            )
-        choices.append(LoraChoice(path=str(entry.path), strength=item.get("strength", 1.0), target=target))
-    return tuple(choices)
 
 
 def lora_values(request: GenerationRequest, library: LoraLibrary) -> list[dict[str, Any]]:

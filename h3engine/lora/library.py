@@ -25,7 +25,7 @@ from typing import Any
 from h3engine.checkpoint.layout import valid_dmd_steps
 from h3engine.checkpoint.lora_format import PARTITIONS, LoraError, Partition, read_lora_header
 from h3engine.errors import RequestError
-from h3engine.request import MAX_STEPS, distilled_step_count
+from h3engine.request import LORA_TARGET_OF_TASK, MAX_STEPS, LoraChoice, distilled_step_count
 
 TURBO_METADATA_KEY = "minimax_h3"
 _TURBO_FIELDS = ("num_inference_steps", "flow_shift", "audio_flow_shift", "dmd_denoising_steps")
@@ -208,3 +208,37 @@ def turbo_settings(declared: Sequence[TurboSettings | None], recipe: str = "sgla
     if settings.rungs:
         settings = replace(settings, steps=distilled_step_count(settings.rungs, recipe))
     return settings
+
+
+LORA_ENTRY_KEYS = ("name", "strength")
+
+
+def lora_choices(value: Any, task: str, library: LoraLibrary) -> tuple[LoraChoice, ...]:
+    """`loras` as the page and the API take it, `[{"name": adapter in --lora-dir, "strength": 0.8}, ...]` (a bare
+    name, or one object, is a list of one), as the request's entries on the task's DiT; RequestError naming
+    `loras[i]` for an entry that is not an object of these keys, an adapter not in the folder, or one made for the
+    other DiT. The request rules judge the count and the strengths."""
+    if value in (None, "", []):
+        return ()
+    if isinstance(value, str | dict):
+        value = [value]
+    if not isinstance(value, list):
+        raise RequestError(
+            "loras",
+            f'must be a list such as [{{"name": "style.safetensors", "strength": 0.8}}], got {value!r:.80}',
+        )
+    target = LORA_TARGET_OF_TASK[task]
+    choices = []
+    for index, item in enumerate(value):
+        field = f"loras[{index}]"
+        item = {"name": item} if isinstance(item, str) else item
+        if not isinstance(item, dict) or "name" not in item or set(item) - set(LORA_ENTRY_KEYS):
+            raise RequestError(field, f'must be an object {{"name": ..., "strength": ...}}, got {item!r:.80}')
+        entry = library.entry(item["name"], f"{field}.name")
+        if not entry.fits(target):
+            raise RequestError(
+                f"{field}.name",
+                f"{entry.name!r} is for the {' and '.join(entry.targets)} DiT; this task runs {target}",
+            )
+        choices.append(LoraChoice(path=str(entry.path), strength=item.get("strength", 1.0), target=target))
+    return tuple(choices)

@@ -24,7 +24,7 @@ from typing import Any
 from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.errors import RequestError
 from h3engine.geometry import PRESET_ASPECT_RATIOS, canvas_rule, resolve_canvas
-from h3engine.lora.library import LoraLibrary
+from h3engine.lora.library import LoraLibrary, lora_choices
 from h3engine.media.formats import kind_of_suffix
 from h3engine.request import (
     LORA_TARGET_OF_TASK,
@@ -184,27 +184,16 @@ def _rungs(value: Any) -> Any:
 
 
 def _loras(value: Any, task: str, library: LoraLibrary) -> tuple[LoraChoice, ...]:
-    """`loras`: [{"name": adapter in --lora-dir, "strength": 0.8}, ...] (or bare names)."""
+    """`loras` (JSON text in multipart; a strength as text there too) as the request's entries (lora_choices)."""
     value = _structured(value, "loras")
-    if value in (None, "", []):
-        return ()
-    if isinstance(value, str | dict):
-        value = [value]
-    if not isinstance(value, list):
-        raise RequestError("loras", 'must be a list such as [{"name": "style.safetensors", "strength": 0.8}]')
-    choices = []
-    for index, item in enumerate(value):
-        item = {"name": item} if isinstance(item, str) else item
-        if not isinstance(item, dict) or "name" not in item or set(item) - {"name", "strength"}:
-            raise RequestError(
-                f"loras[{index}]", f'must be an object {{"name": ..., "strength": ...}}, got {item!r:.80}'
-            )
-        entry = library.entry(item["name"], f"loras[{index}].name")
-        strength = _number_from_text(item.get("strength", 1.0), integer=False)
-        choices.append(
-            LoraChoice(path=str(entry.path), strength=strength, target=LORA_TARGET_OF_TASK.get(task))
-        )
-    return tuple(choices)
+    if isinstance(value, list):
+        value = [
+            {**item, "strength": _number_from_text(item["strength"], integer=False)}
+            if isinstance(item, dict) and "strength" in item
+            else item
+            for item in value
+        ]
+    return lora_choices(value, task, library)
 
 
 def _as_uploads(value: Any) -> list[Upload]:
