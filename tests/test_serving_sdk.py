@@ -266,9 +266,13 @@ def test_a_broken_outputs_folder_fails_the_job_in_plain_words_and_refuses_until_
         app.outputs_dir.unlink()
         shutil.move(moved, app.outputs_dir)
     assert _wait(client, client.videos.create(prompt="x", extra_body=FAST).id).status == "completed"
-    results = next(
-        path for path in (app.outputs_dir / "api").iterdir() if path.name == owner_key(owner_of_key(KEY_A))
-    )
+
+
+def test_an_outputs_folder_that_refuses_writes_refuses_the_request_not_the_job(app) -> None:
+    """Immutable (or read-only) results folder: the create is refused with the page's sentence (once: 200 with a job
+    already failed, naming the internal field out_path), and served again once the folder takes writes."""
+    client = _client(app)
+    results = app.outputs_dir / "api" / owner_key(owner_of_key(KEY_A))
     with refusing_writes(results):
         with pytest.raises(openai.InternalServerError) as raised:
             client.videos.create(prompt="x", extra_body=FAST)
