@@ -78,12 +78,18 @@ RUN_TEMP_VARIABLE = "H3_TEST_RUN_TEMP"
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # The run's temp folder first: importing the engine (prepare_test_process) may already make folders in the
+    # temp folder (torch's inductor cache), which must be the run's.
+    if not hasattr(config, "workerinput") and not os.environ.get(RUN_TEMP_VARIABLE):
+        use_run_temp_folder()
     if runs_tests(config):
         prepare_test_process()
     else:
         gc.enable()  # pytest-xdist's controller collects nothing (`pytest_collection_finish` never runs there)
-    if hasattr(config, "workerinput") or os.environ.get(RUN_TEMP_VARIABLE):
-        return  # a test process of a run (the folder is its run's) or a run inside a test's
+
+
+def use_run_temp_folder() -> None:
+    """A temp folder of the run's own for this process and every process it starts, removed at its exit."""
     folder = tempfile.mkdtemp(prefix="h3-tests-")
     os.environ[RUN_TEMP_VARIABLE] = folder
     for variable in ("TMPDIR", "TEMP", "TMP"):
