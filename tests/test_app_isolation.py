@@ -21,6 +21,7 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -120,7 +121,12 @@ def test_gradio_temp_folder_holds_the_apps_files_while_it_runs(app, made) -> Non
 
 
 def _run_app(folder: Path, *arguments: str) -> tuple[subprocess.CompletedProcess, float]:
-    environment = {"PATH": "/usr/bin:/bin", "H3_CACHE_DIR": str(folder / "cache")}
+    # The run's temp folder (conftest.py) too: importing torch makes a folder in the temp folder.
+    environment = {
+        "PATH": "/usr/bin:/bin",
+        "H3_CACHE_DIR": str(folder / "cache"),
+        "TMPDIR": tempfile.gettempdir(),
+    }
     environment["GRADIO_TEMP_DIR"] = str(folder / "gradio")
     started = time.monotonic()
     finished = subprocess.run(
