@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from h3engine.engine_options import (
-    ADALN_FOLDER_NAME,
     EngineOptions,
     add_engine_flags,
     cannot_write,
@@ -350,6 +349,8 @@ def with_adaln_cache(config: AppConfig) -> AppConfig:
     option must leave no folder behind)."""
     if config.engine.adaln_cache is not None or cannot_write(config.cache_dir) is not None:
         return config
+    from h3engine.sampling.adaln_tables import ADALN_FOLDER_NAME  # torch: only once models load
+
     folder = str(config.cache_dir / ADALN_FOLDER_NAME)
     return replace(config, engine=replace(config.engine, adaln_cache=folder))
 

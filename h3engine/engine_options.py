@@ -26,7 +26,6 @@ from h3engine.errors import RequestError
 from h3engine.memory.disk import default_cache_folder
 
 __all__ = [
-    "ADALN_FOLDER_NAME",
     "EngineOptions",
     "add_engine_flags",
     "cannot_write",
@@ -171,10 +170,6 @@ def add_engine_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]
         help="quantize the DiT blocks' linear layers to FP8 (faster on Hopper, not the released precision; one "
         "GPU per engine, no worker group)",
     )
-
-
-# The AdaLN tables' folder inside an engine's cache folder (h3engine.sampling.adaln_tables).
-ADALN_FOLDER_NAME = "adaln-tables"
 
 
 def check_memory_options(options: EngineOptions) -> None:

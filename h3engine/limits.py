@@ -21,3 +21,5 @@ MAX_SHORT_EDGE = 2048
 MAX_PROMPT_TOKENS = 8_192
 # Denoising steps of a request that names none (GenerationRequest.steps; the planner's design request).
 DEFAULT_STEPS = 50
+# No load decodes past this point of a file: it bounds the work a long or lying file can cause (h3engine.media).
+MAX_MEDIA_SECONDS = 120.0

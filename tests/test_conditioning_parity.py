@@ -33,7 +33,8 @@ from _parity_helpers import (
 )
 from PIL import Image
 
-from h3engine.cli import main, parse_reference_spec
+from h3engine.cli import main
+from h3engine.cli.specs import parse_reference_spec
 from h3engine.conditioning import (
     fit_keyframes,
     reference_image_size,

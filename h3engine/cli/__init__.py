@@ -36,6 +36,7 @@ from h3engine.cli.convert import add_convert_parser, run_convert
 from h3engine.cli.plan_memory import add_plan_memory_parser, run_plan_memory
 from h3engine.cli.progress import PROGRESS_MODES, Progress, make_progress
 from h3engine.cli.remix import add_remix_flags, remix_payload
+from h3engine.cli.specs import parse_dmd_steps, parse_lora_spec, parse_reference_spec
 from h3engine.cli.validation import (
     VALIDATION_COMMANDS,
     add_capture_flags,
@@ -58,11 +59,9 @@ from h3engine.request import (
     LORA_TARGETS,
     MAX_LORA_STRENGTH,
     MAX_LORAS,
-    REFERENCE_KINDS,
     GenerationRequest,
     distilled_step_count,
 )
-from h3engine.request.checks import parse_rungs
 from h3engine.request.shapes import from_dict
 
 if TYPE_CHECKING:  # torch is imported only once a generation really starts
@@ -256,47 +255,6 @@ def _build_parser() -> argparse.ArgumentParser:
     add_convert_parser(commands)
     add_validation_parsers(commands)
     return parser
-
-
-def parse_dmd_steps(text: str | None, flag: str = "--dmd-steps") -> list[int] | None:
-    """`999,750,500,250` -> the rungs (None when not given; RequestError naming `flag` for anything else)."""
-    return None if text is None else list(parse_rungs(text, flag))
-
-
-def parse_reference_spec(spec: str) -> dict[str, object]:
-    """`KIND:PATH[@START_SECONDS]` -> a reference entry of our request shape.
-
-    Only a video takes a start time: the text after its last `@` when that reads as a number. Otherwise (and for
-    images and audio) an `@` belongs to the path.
-    """
-    kind, separator, rest = spec.partition(":")
-    if not separator or kind not in REFERENCE_KINDS or not rest:
-        raise RequestError(
-            "--ref",
-            f"expected KIND:PATH[@START_SECONDS] with KIND one of {', '.join(REFERENCE_KINDS)}, got '{spec}'",
-        )
-    path, at, start_text = rest.rpartition("@")
-    if kind == "video" and at and path:
-        try:
-            return {"kind": kind, "path": path, "start_seconds": float(start_text)}
-        except ValueError:
-            pass
-    return {"kind": kind, "path": rest}
-
-
-def parse_lora_spec(spec: str, target: str | None) -> dict[str, object]:
-    """`PATH[:STRENGTH]` -> a LoRA entry of our request shape. The text after the last `:` is the strength when it
-    reads as a number; otherwise it belongs to the path, if that path exists (else RequestError naming --lora)."""
-    path, colon, strength_text = spec.rpartition(":")
-    if colon and path:
-        try:
-            return {"path": path, "strength": float(strength_text), "target": target}
-        except ValueError:
-            if not Path(spec).exists():
-                raise RequestError(
-                    "--lora", f"expected PATH[:STRENGTH] with STRENGTH a number such as 0.8, got '{spec}'"
-                ) from None
-    return {"path": spec, "strength": 1.0, "target": target}
 
 
 def _task(args: argparse.Namespace) -> str:

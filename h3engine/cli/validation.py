@@ -184,7 +184,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _reference(args: argparse.Namespace) -> int:
-    from h3engine.cli import parse_reference_spec
+    from h3engine.cli.specs import parse_reference_spec
     from h3engine.request import GenerationRequest
     from h3engine.validation.reference import ReferenceUnavailable, check_reference, run_reference
 

@@ -30,6 +30,7 @@ from h3engine.geometry import (
     reference_video_encode_frames,
     resolve_canvas,
 )
+from h3engine.request.files import ReferenceKind
 from h3engine.sampling.packing import (
     AudioReference,
     ImageReference,
@@ -91,9 +92,6 @@ def _cover_crop(image: Image.Image, height: int, width: int) -> Image.Image:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Ref2VA references
-
-
-ReferenceKind = Literal["image", "video", "audio"]
 
 
 @dataclass(frozen=True, eq=False)

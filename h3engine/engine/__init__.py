@@ -39,7 +39,6 @@ from h3engine.engine.pipeline import (
     run_generation,
     write_outputs,
 )
-from h3engine.engine_options import ADALN_FOLDER_NAME, default_cache_folder
 from h3engine.errors import RequestError
 from h3engine.geometry import Geometry
 from h3engine.lora.adapters import (
@@ -52,12 +51,13 @@ from h3engine.lora.adapters import (
     same_adapters,
 )
 from h3engine.media.outputs import OutputFiles, checked_output_files, input_records, staged
+from h3engine.memory.disk import default_cache_folder
 from h3engine.memory.engine_plan import MemoryRequest, check_request_memory, plan_memory
 from h3engine.memory.placement import Placement
 from h3engine.memory.plan import MemoryPlan
 from h3engine.request import MAX_LORAS, GenerationRequest, MediaFacts
 from h3engine.request.resolved import ResolvedRequest, resolve_request
-from h3engine.sampling.adaln_tables import AdalnTableCache, open_table_cache
+from h3engine.sampling.adaln_tables import ADALN_FOLDER_NAME, AdalnTableCache, open_table_cache
 
 logger = logging.getLogger(__name__)
 

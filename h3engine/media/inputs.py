@@ -30,6 +30,7 @@ from av.audio.resampler import AudioResampler
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from h3engine.errors import RequestError, file_name
+from h3engine.limits import MAX_MEDIA_SECONDS
 from h3engine.media.formats import FORMATS
 from h3engine.request import (
     MAX_IMAGE_PIXELS,
@@ -50,8 +51,6 @@ MAX_FILE_BYTES = 2 * 1024**3
 MAX_VIDEO_FRAME_PIXELS = 4096 * 2304
 MAX_VIDEO_FPS = 240.0
 MAX_VIDEO_OUTPUT_BYTES = 12 * 1024**3
-# No load decodes past this point of a file: it bounds the work a long or lying file can cause.
-MAX_MEDIA_SECONDS = 120.0
 MIN_SAMPLE_RATE = 4_000
 MAX_SAMPLE_RATE = 384_000
 MAX_SOURCE_CHANNELS = 2

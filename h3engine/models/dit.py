@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from h3engine import ops
 from h3engine.models import dit_chunks
 from h3engine.ops import attention as attention_ops
+from h3engine.ops.attention import AttentionKernel
 
 # Rows carry one AdaLN entry per (timestep, modality); modality tags are 0 video, 1 text, 2 audio.
 NUM_MODALITIES = 3
@@ -190,10 +191,6 @@ _KNOWN_CONFIGS: dict[str, tuple[Any, Any]] = {
 # --------------------------------------------------------------------------------------------------------------
 # Functional pieces
 # --------------------------------------------------------------------------------------------------------------
-
-
-# (query, key, value) [S, heads, head_dim] -> [S, heads, head_dim]: how the packed rows attend to each other.
-AttentionKernel = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 def attention(query: Tensor, key: Tensor, value: Tensor) -> Tensor:

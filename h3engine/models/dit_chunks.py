@@ -18,16 +18,18 @@ exchanges rows between ranks (Ulysses), and in `SequenceParallelDiT.embed` (its 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from h3engine import ops
+from h3engine.ops.attention import AttentionKernel
 
-if TYPE_CHECKING:
-    from h3engine.models.dit import Attention, AttentionKernel, FinalLayer, H3DiT, PackedLayout
+# The modules come from h3engine.models.dit (Attention, FinalLayer, H3DiT), which calls in here: they are typed by
+# their base class, and the forward's layout (dit.PackedLayout: row indices, sequence length) as Any, so that this
+# module imports nothing of the DiT's.
 
 
 def set_chunks(dit: nn.Module, chunks: int) -> None:
@@ -81,7 +83,7 @@ def map_rows(function: Callable[[Tensor], Tensor], rows: Tensor, chunks: int) ->
 
 
 def attention_by_head_groups(
-    attn: Attention,
+    attn: nn.Module,
     hidden: Tensor,
     rope_cos_sin: tuple[Tensor, Tensor] | None,
     attend: AttentionKernel,
@@ -101,7 +103,7 @@ def attention_by_head_groups(
 
 
 def attend_head_group(
-    attn: Attention,
+    attn: nn.Module,
     hidden: Tensor,
     heads: slice,
     rope_cos_sin: tuple[Tensor, Tensor] | None,
@@ -132,9 +134,7 @@ def attend_head_group(
     return attend(query, key, value)
 
 
-def fp32_velocities(
-    final_layer: FinalLayer, modulated: Tensor, layout: PackedLayout
-) -> tuple[Tensor, Tensor]:
+def fp32_velocities(final_layer: nn.Module, modulated: Tensor, layout: Any) -> tuple[Tensor, Tensor]:
     """`FinalLayer.forward`'s heads: video_out and audio_out on their modality's rows of `modulated`, gathered and cast
     to fp32 (the heads are fp32 islands), over `final_layer.activation_chunks` row chunks of each (1: one call)."""
     chunks = final_layer.activation_chunks
@@ -147,7 +147,7 @@ def fp32_velocities(
 
 
 def embed_by_rows(
-    dit: H3DiT, video_rows: Tensor, audio_rows: Tensor, text_states: Tensor, layout: PackedLayout
+    dit: nn.Module, video_rows: Tensor, audio_rows: Tensor, text_states: Tensor, layout: Any
 ) -> Tensor:
     """`H3DiT.embed` with the fp32 patch projections over `dit.activation_chunks` row chunks, each chunk cast into its
     rows of the packed sequence at once: the fp32 [Nv, hidden] projection and its cast copy are never whole."""

@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from h3engine import ops
-
-if TYPE_CHECKING:
-    from h3engine.models.video_vae import VideoVAEConfig
+from h3engine.models.video_vae_config import VideoVAEConfig
 
 
 def autocast_off(tensor: torch.Tensor) -> contextlib.AbstractContextManager:

@@ -33,6 +33,10 @@ FORCE_ENVIRONMENT_VARIABLE = "H3_ATTENTION"
 _failed: dict[tuple, set[str]] = {}
 
 
+# (query, key, value) [S, heads, head_dim] -> [S, heads, head_dim]: how the packed rows attend to each other.
+AttentionKernel = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
 def sdpa_attention(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
     """The reference twin: torch's SDPA dispatch on [1, heads, S, head_dim] views."""
     # SDPA's fused kernels (flash, cuDNN, CPU flash) only take 4-D [batch, heads, S, head_dim]; a 3-D call falls
@@ -107,7 +111,7 @@ def fa4_attention(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
     return output.squeeze(0)
 
 
-_IMPLEMENTATIONS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+_IMPLEMENTATIONS: dict[str, AttentionKernel] = {
     "fa4": fa4_attention,
     "cudnn": cudnn_attention,
     "sdpa": sdpa_attention,

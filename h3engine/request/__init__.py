@@ -60,6 +60,13 @@ from h3engine.request.checks import (
     is_integer,
     is_number,
 )
+from h3engine.request.files import (
+    Keyframe,
+    MediaFacts,
+    MediaInfo,
+    MediaProbe,
+    Reference,
+)
 from h3engine.request.remix import Remix, check_remix
 
 KEYFRAME_POSITIONS = ("first", "last")
@@ -117,63 +124,8 @@ MAX_IMAGE_PIXELS = 8192 * 2048
 
 
 TaskName = Literal["t2va", "fl2va", "ref2va"]
-KeyframePosition = Literal["first", "last"]
-ReferenceKind = Literal["image", "video", "audio"]
 RecipeName = Literal["sglang", "diffusers"]
 CacheName = Literal["off", "high", "fast"]
-
-
-@dataclass(frozen=True)
-class Keyframe:
-    """An image the generated video starts ("first") or ends ("last") on."""
-
-    path: str
-    position: KeyframePosition
-
-
-@dataclass(frozen=True)
-class Reference:
-    """A Ref2VA reference; its place in `GenerationRequest.references` is its label number in the prompt."""
-
-    kind: ReferenceKind
-    path: str
-    start_seconds: float | None = None
-
-
-@dataclass(frozen=True)
-class MediaInfo:
-    """Facts about one media file, measured by the caller's probe (None where the file has no such stream)."""
-
-    duration_seconds: float | None
-    has_audio: bool
-    width: int | None
-    height: int | None
-
-
-MediaProbe = Callable[[Reference], MediaInfo]
-
-
-class MediaFacts:
-    """The facts of a request's input files, each file probed once and remembered: a `MediaProbe` that asks
-    `probe` (h3engine.media.inputs.probe_media, or a test's) only about a file it has not seen, by kind and path; a
-    keyframe is asked about as an image reference. Probing opens and may decode a file, and several rules (and the
-    engine, after them) ask about the same one."""
-
-    def __init__(self, probe: MediaProbe) -> None:
-        self._probe = probe
-        self._facts: dict[tuple[str, str], MediaInfo] = {}
-
-    def __call__(self, entry: Reference | Keyframe) -> MediaInfo:
-        kind = "image" if isinstance(entry, Keyframe) else entry.kind
-        key = (kind, entry.path)
-        if key not in self._facts:
-            self._facts[key] = self._probe(Reference(kind=kind, path=entry.path))
-        return self._facts[key]
-
-    @classmethod
-    def of(cls, probe: MediaProbe) -> MediaFacts:
-        """`probe` itself when it already remembers, else a `MediaFacts` asking it."""
-        return probe if isinstance(probe, MediaFacts) else cls(probe)
 
 
 LoraTarget = Literal["transformer", "transformer_ref"]

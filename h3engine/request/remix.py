@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from h3engine.geometry import FPS, frames_for_duration, snap_frames_down
-from h3engine.limits import MAX_DURATION_SECONDS, MIN_DURATION_SECONDS
+from h3engine.limits import MAX_DURATION_SECONDS, MAX_MEDIA_SECONDS, MIN_DURATION_SECONDS
 from h3engine.request.checks import check_integer_range, check_local_path, describe, fail, is_number
+from h3engine.request.files import Reference
 
 REMIX_MODES = ("v2a", "a2v", "extend")
 DEFAULT_OVERLAP_FRAMES = 22  # 17k + 5 with k = 1: two latent frames held (peers default to 18-22)
@@ -158,10 +159,6 @@ def _check_sources(remix: Remix) -> None:
 
 
 def _check_files(remix: Remix, duration_seconds: float, probe: Any) -> tuple[float, list[str]]:
-    from h3engine.media.inputs import (
-        MAX_MEDIA_SECONDS,
-    )  # the media readers (PyAV); the probe loaded them already
-    from h3engine.request import Reference
 
     warnings = []
     video_seconds = None

@@ -197,6 +197,10 @@ def _read_metadata(path: Path) -> str | None:
     return (header.get("__metadata__") or {}).get("h3_adaln_tables")
 
 
+# The AdaLN tables' folder inside an engine's cache folder (the default of `open_table_cache`).
+ADALN_FOLDER_NAME = "adaln-tables"
+
+
 def open_table_cache(setting: str | None, default_folder: Path | None) -> AdalnTableCache | None:
     """The cache an engine uses: `setting` "off" (none), a folder, or None (the `H3_ADALN_CACHE` variable, else
     `default_folder`); its bound from `H3_ADALN_CACHE_GIB` (default DEFAULT_MAX_BYTES). A default folder that cannot
