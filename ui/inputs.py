@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import re
 import secrets
 import shutil
 from dataclasses import dataclass
@@ -28,26 +27,10 @@ from pathlib import Path
 import av
 
 from h3engine.errors import RequestError
-from h3engine.media.formats import accepted_text, kind_of_suffix
+from h3engine.media.formats import accepted_text, kind_of_suffix, safe_file_name
 from h3engine.request import reference_labels
 
 INPUTS_FOLDER = "inputs"
-# A stored copy keeps the user's own file name (messages name it), less what a file system or a URL could misread:
-# letters and digits of any script stay, as do a few punctuation marks; the rest becomes "_".
-_UNSAFE_NAME_CHARACTERS = re.compile(r"[^\w.,()\[\]+@ -]+")
-MAX_NAME_BYTES = 120
-
-
-def safe_file_name(name: str) -> str:
-    cleaned = _UNSAFE_NAME_CHARACTERS.sub("_", Path(name).name).strip(" .")
-    if len(cleaned.encode("utf-8")) > MAX_NAME_BYTES:
-        # Shorten the stem, keep the suffix (it tells the kind): at most MAX_NAME_BYTES bytes of UTF-8.
-        suffix = Path(cleaned).suffix[:16]
-        stem = cleaned[: len(cleaned) - len(suffix)]
-        while len((stem + suffix).encode("utf-8")) > MAX_NAME_BYTES:
-            stem = stem[:-1]
-        cleaned = stem.rstrip(" .") + suffix
-    return cleaned or "file"
 
 
 class InputStore:

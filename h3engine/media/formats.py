@@ -5,10 +5,12 @@ content formats accepted.
 in h3engine.media.inputs (which recognise files by content, never by name) and their messages, and the CLI's help
 all read it, so what is offered and what is accepted cannot drift apart. Images are JPEG, PNG and WEBP only: the
 reference loaders take nothing else (Pillow would read BMP or TIFF, the model's reference pipeline does not).
+`safe_file_name` is the name a stored copy of a user's file keeps.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,3 +78,24 @@ def kind_of_suffix(path: str | Path) -> str | None:
 def accepted_text() -> str:
     """Every kind's formats in one sentence, e.g. for the CLI's help and messages about an unknown suffix."""
     return "; ".join(f"{kind}: {media.describe()}" for kind, media in FORMATS.items())
+
+
+# A stored copy keeps the user's own file name (messages name it), less what a file system or a URL could misread:
+# letters and digits of any script stay, as do a few punctuation marks; the rest becomes "_".
+_UNSAFE_NAME_CHARACTERS = re.compile(r"[^\w.,()\[\]+@ -]+")
+MAX_NAME_BYTES = 120
+
+
+def safe_file_name(name: str) -> str:
+    """The base name a stored copy of a user's file keeps (the page's inputs, the API's): no folders, no leading dot,
+    only letters, digits and a few marks, at most MAX_NAME_BYTES of UTF-8 with the suffix kept; "file" if nothing is
+    left."""
+    cleaned = _UNSAFE_NAME_CHARACTERS.sub("_", Path(name).name).strip(" .")
+    if len(cleaned.encode("utf-8")) > MAX_NAME_BYTES:
+        # Shorten the stem, keep the suffix (it tells the kind): at most MAX_NAME_BYTES bytes of UTF-8.
+        suffix = Path(cleaned).suffix[:16]
+        stem = cleaned[: len(cleaned) - len(suffix)]
+        while len((stem + suffix).encode("utf-8")) > MAX_NAME_BYTES:
+            stem = stem[:-1]
+        cleaned = stem.rstrip(" .") + suffix
+    return cleaned or "file"

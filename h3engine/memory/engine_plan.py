@@ -182,7 +182,7 @@ def gpu_plan(
     return plan
 
 
-def request_memory_shape(
+def check_request_memory(
     plan: MemoryPlan,
     request: Any,
     canvas: tuple[int, int],
@@ -190,10 +190,12 @@ def request_memory_shape(
     probe: Callable[[Any], Any],
     duration_seconds: float | None = None,
 ) -> RequestShape | None:
-    """The memory shape of one validated `request` (h3engine.request.GenerationRequest, whose canvas is `canvas`:
-    height, width); None without a GPU budget (the CPU) or the planner's sizes. `probe` gives a reference's
-    `MediaInfo` (the resolved request's media facts, which probed each file once); `duration_seconds` is the resolved
-    duration (default: the request's). Duck-typed: this layer sits below the request module."""
+    """RequestError (naming the field to change) when one validated `request` would not fit the plan's GPU budget
+    even with the fewest DiT layers resident; returns its memory shape (None without a GPU budget, on the CPU, or
+    without the planner's sizes: nothing to check). `request` is an h3engine.request.GenerationRequest whose canvas
+    is `canvas` (height, width); `probe` gives a reference's `MediaInfo` (the resolved request's media facts, which
+    probed each file once); `duration_seconds` is the resolved duration (default: the request's). Duck-typed: this
+    layer sits below the request module."""
     if plan.sizes is None or plan.budget.gpu_bytes is None:
         return None
     references = None
@@ -207,7 +209,7 @@ def request_memory_shape(
             aspect = (float(info.width), float(info.height)) if info.width and info.height else (16.0, 9.0)
             references.append(ReferenceSpec(reference.kind, seconds, aspect, info.has_audio))
     height, width = canvas
-    return request_shape(
+    shape = request_shape(
         plan.sizes,
         request.task,
         duration_seconds=request.duration_seconds if duration_seconds is None else duration_seconds,
@@ -217,24 +219,9 @@ def request_memory_shape(
         keyframes=tuple(keyframe.position for keyframe in request.keyframes),
         references=references,
         steps=request.steps,
-        step_cache=getattr(request, "cache", "off") != "off",
+        step_cache=request.cache != "off",
     )
-
-
-def check_request_memory(
-    plan: MemoryPlan,
-    request: Any,
-    canvas: tuple[int, int],
-    prompt_tokens: int,
-    probe: Callable[[Any], Any],
-    duration_seconds: float | None = None,
-) -> RequestShape | None:
-    """RequestError (naming the field to change) when one validated `request` would not fit the plan's GPU budget
-    even with the fewest DiT layers resident (see `request_memory_shape` for the arguments); returns its shape (None:
-    nothing to check)."""
-    shape = request_memory_shape(plan, request, canvas, prompt_tokens, probe, duration_seconds)
-    if shape is not None:
-        check_request_fits(plan, shape)
+    check_request_fits(plan, shape)
     return shape
 
 

@@ -21,6 +21,7 @@ import secrets
 import shutil
 from pathlib import Path
 
+from h3engine.media.formats import safe_file_name
 from h3engine.runtime.messages import size_text
 from h3engine.serving.store import FileRecord, JobRecord, JobStore, now
 
@@ -32,9 +33,6 @@ FILES_FOLDER = "files"
 FILE_ID = re.compile(r"^file-[0-9a-f]{24}$")
 JOB_ID = re.compile(r"^video_[0-9a-f]{24}$")
 DEFAULT_QUOTA_BYTES = 4 * 1024**3
-# A stored copy keeps the client's file name (messages name it), less what a file system could misread.
-_UNSAFE_NAME_CHARACTERS = re.compile(r"[^\w.,()\[\]+@ -]+")
-MAX_NAME_CHARACTERS = 100
 
 
 class QuotaExceeded(Exception):
@@ -46,21 +44,13 @@ def owner_key(owner: str) -> str:
     return hashlib.sha256(owner.encode()).hexdigest()[:32]
 
 
-def safe_file_name(name: str) -> str:
-    cleaned = _UNSAFE_NAME_CHARACTERS.sub("_", Path(name or "").name).strip(" .")
-    if len(cleaned) > MAX_NAME_CHARACTERS:
-        suffix = Path(cleaned).suffix[:16]
-        cleaned = cleaned[: MAX_NAME_CHARACTERS - len(suffix)].rstrip(" .") + suffix
-    return cleaned or "file"
-
-
 def new_job_id() -> str:
     return "video_" + secrets.token_hex(12)
 
 
-def write_input(folder: Path, name: str, data: bytes) -> Path:
-    """`data` as `folder/<safe name>` (a new name when taken: "-2", "-3" before the suffix), written whole or not
-    at all."""
+def write_input(folder: Path, name: str, data: bytes | Path) -> Path:
+    """`data` (bytes, or a file to copy) as `folder/<safe name>` (a new name when taken: "-2", "-3" before the
+    suffix), written whole or not at all."""
     folder.mkdir(parents=True, exist_ok=True)
     base = Path(safe_file_name(name))
     target, number = folder / base.name, 1
@@ -69,7 +59,10 @@ def write_input(folder: Path, name: str, data: bytes) -> Path:
         target = folder / f"{base.stem}-{number}{base.suffix}"
     partial = folder / f".{target.name}.{secrets.token_hex(4)}.partial"
     try:
-        partial.write_bytes(data)
+        if isinstance(data, Path):
+            shutil.copyfile(data, partial)
+        else:
+            partial.write_bytes(data)
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)

@@ -342,7 +342,7 @@ def copy_inputs(request: GenerationRequest, folder: Path) -> GenerationRequest:
         if path is None:
             return None
         if path not in copies:
-            copies[path] = str(write_input(folder, Path(path).name, Path(path).read_bytes()))
+            copies[path] = str(write_input(folder, Path(path).name, Path(path)))
         return copies[path]
 
     remix = request.remix
