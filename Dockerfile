@@ -19,7 +19,7 @@ RUN apt-get update \
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # The locked sets (exact versions, hashes; see README). requirements-gpu.txt is requirements.txt plus
-# FlashAttention-4, the fastest exact attention on Hopper and newer (h3engine.ops.attention); without it (or if it
+# FlashAttention-4, the fastest exact attention on Hopper and newer (h3engine.models.attention); without it (or if it
 # fails to import) attention runs on torch's cuDNN kernel. `--build-arg WITH_FA4=0` leaves it out.
 # `--build-arg WITH_RAY=1` adds Ray Serve (requirements-ray.txt): the image then also runs a Ray node
 # (docker/ray-compose.yaml) and `python app.py --ray ADDRESS`.

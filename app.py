@@ -4,7 +4,7 @@ Command line and environment -> `AppConfig`; load the engine replicas; start the
 launch. Each of `--devices` is a replica holding a whole `Engine` in this process, or with `--world-size N`
 every N devices form a resident worker group (h3engine.runtime.workers); the engine flags (layout, `--dtype`,
 `--memory-profile`, `--gpu-memory`, `--host-memory`, `--weights`, `--fp8-linear`) are the CLI's
-(h3engine.engine_options). `--ray ADDRESS` serves from
+(h3engine.engine.options). `--ray ADDRESS` serves from
 `--ray-replicas` engine replicas of `--world-size` GPUs (or CPU ranks with `--devices cpu`) on a Ray Serve
 cluster instead (h3engine.runtime.ray_serve). Without a checkpoint (`--checkpoint` / `H3_CHECKPOINT`) it runs
 on a tiny random-weight checkpoint made once in a cache folder, and says so in a banner. GPU replicas make one
@@ -41,20 +41,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from h3engine.engine_options import (
-    EngineOptions,
-    add_engine_flags,
-    cannot_write,
-    default_cache_folder,
-)
+from h3engine.engine.options import EngineOptions, add_engine_flags, cannot_write, default_cache_folder
 from h3engine.serving.options import ServingOptions, add_serving_flags
 
 if TYPE_CHECKING:
     import gradio as gr
 
-    from h3engine.engine import Engine
+    from h3engine.engine.engine import Engine
     from h3engine.engine.model_store import LoadEvent
-    from h3engine.parallel.groups import RuntimeLayout
+    from h3engine.models.parallel.groups import RuntimeLayout
     from h3engine.runtime.front import EngineFront
     from h3engine.runtime.ray_serve import RaySlot
     from h3engine.runtime.workers import ProcessReplica
@@ -109,7 +104,7 @@ class AppConfig:
     preview_every: int
     warm_up: bool = True  # GPU replicas run `WARM_UP_REQUEST` before taking jobs (h3engine.runtime.front)
     shared_history: bool = False  # one History and outputs folder for everyone (ui.access)
-    lora_dir: Path | None = None  # the LoRA adapters the app offers (h3engine.lora.library)
+    lora_dir: Path | None = None  # the LoRA adapters the app offers (h3engine.engine.lora.library)
     ray: str | None = None  # a Ray cluster's address ("auto": this node's): the replicas run there
     ray_replicas: int = 1
     stall_timeout: float | None = (
@@ -349,7 +344,7 @@ def with_adaln_cache(config: AppConfig) -> AppConfig:
     option must leave no folder behind)."""
     if config.engine.adaln_cache is not None or cannot_write(config.cache_dir) is not None:
         return config
-    from h3engine.sampling.adaln_tables import ADALN_FOLDER_NAME  # torch: only once models load
+    from h3engine.engine.sampling.adaln_tables import ADALN_FOLDER_NAME  # torch: only once models load
 
     folder = str(config.cache_dir / ADALN_FOLDER_NAME)
     return replace(config, engine=replace(config.engine, adaln_cache=folder))
@@ -387,7 +382,7 @@ def check_before_loading(config: AppConfig) -> None:
     if problem is not None:
         raise ConfigError(f"--outputs: cannot write to {config.outputs_dir} ({problem})")
 
-    from h3engine.engine_options import check_engine_options, check_fp8_device, resolve_device
+    from h3engine.engine.options import check_engine_options, check_fp8_device, resolve_device
     from h3engine.errors import RequestError
 
     try:
@@ -439,7 +434,7 @@ def _check_can_listen(host: str, port: int) -> None:
 def _load_engines(checkpoint: Path, config: AppConfig) -> list[Engine | ProcessReplica | RaySlot]:
     """One replica per device (in-process engines) or per group of `world_size` devices (worker groups), or the
     slots of the replicas on a Ray cluster."""
-    from h3engine.engine_options import check_engine_options, load_engine, resolve_device
+    from h3engine.engine.options import check_engine_options, load_engine, resolve_device
 
     config = with_adaln_cache(config)
     if config.ray is not None:
@@ -690,7 +685,7 @@ def _start_and_serve(argv: Sequence[str] | None) -> int:
         sweep_every_s=CACHE_SWEEP_S,
         owned_cache=gradio_cache,
     )
-    from h3engine.lora.library import LoraLibrary
+    from h3engine.engine.lora.library import LoraLibrary
     from h3engine.serving.server import start_serving
 
     serving = start_serving(

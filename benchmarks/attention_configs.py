@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton.testing
 
 from benchmarks._common import RESULTS_DIR, device_label, package_version, sustained_ms
-from h3engine.ops import attention as attention_ops
+from h3engine.models import attention as attention_ops
 
 ROWS, HEADS, HEAD_DIM = 38_222, 56, 128
 # (tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap, threads): FA4's default for head_dim 128 first, then the feasible

@@ -27,13 +27,13 @@ import torch
 
 from benchmarks._common import RESULTS_DIR, device_label, kernel_profile, package_version, synchronize
 from benchmarks._packed_request import PackedRequest, build_packed_request, max_relative_error, relative_l2
-from h3engine import ops
 from h3engine.checkpoint.dit_format import config_to_diffusers, module_to_diffusers, native_to_module
 from h3engine.checkpoint.dit_keys import random_native_tensor
+from h3engine.engine.sampling import modulation as modulation_module
+from h3engine.models import attention as attention_ops
+from h3engine.models import ops
 from h3engine.models.dit import DiTConfig, H3DiT
-from h3engine.ops import attention as attention_ops
-from h3engine.quantization import quantize_dit_linears
-from h3engine.sampling import modulation as modulation_module
+from h3engine.models.quantization import quantize_dit_linears
 
 VIDEO_SHIFT, AUDIO_SHIFT = 12.0, 3.0
 

@@ -42,8 +42,10 @@ from h3engine.checkpoint.loader import ComponentSource
 from h3engine.checkpoint.placeholder import RELEASED_TEXT_ENCODER_CONFIG
 from h3engine.checkpoint.text_encoder_files import build_tiny_tokenizer, tiny_text_encoder_config
 from h3engine.checkpoint.tiny import TINY_CANVAS
-from h3engine.conditioning import EncodedConditions
-from h3engine.conditioning.presentation import Presentation, text_presentation
+from h3engine.engine.conditioning.encode import EncodedConditions
+from h3engine.engine.conditioning.presentation import Presentation, text_presentation
+from h3engine.engine.lora.adapters import Adapter, apply_adapters
+from h3engine.engine.lora.library import TURBO_TABLE
 from h3engine.engine.pipeline import (
     DenoisedLatents,
     Models,
@@ -53,17 +55,15 @@ from h3engine.engine.pipeline import (
     denoise_request,
     encode_presentation,
 )
-from h3engine.geometry import Geometry
-from h3engine.lora.adapters import Adapter, apply_adapters
-from h3engine.lora.library import TURBO_TABLE
+from h3engine.engine.sampling.modulation import clear_modulation_cache, offload_adaln
+from h3engine.engine.sampling.schedule import RELEASED_AUDIO_SHIFT, RELEASED_VIDEO_SHIFT, Schedule
 from h3engine.media import mux
 from h3engine.models.audio_vae import AudioVAE, AudioVAEConfig
 from h3engine.models.dit import DiTConfig, H3DiT
 from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.models.video_vae import VideoVAE, VideoVAEConfig
+from h3engine.request.geometry import Geometry
 from h3engine.runtime.front import WARM_UP_REQUEST
-from h3engine.sampling.modulation import clear_modulation_cache, offload_adaln
-from h3engine.sampling.schedule import RELEASED_AUDIO_SHIFT, RELEASED_VIDEO_SHIFT, Schedule
 
 RECIPE = "sglang"  # the serving recipe: N forwards for N steps
 ASPECT = "16:9"
@@ -429,7 +429,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--turbo",
         action="store_true",
-        help="the Turbo preset's table (h3engine.lora.library.TURBO_TABLE: 8 steps, flow shifts 6 / 3) instead of "
+        help="the Turbo preset's table (h3engine.engine.lora.library.TURBO_TABLE: 8 steps, flow shifts 6 / 3) instead of "
         "--steps and the released shifts",
     )
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)

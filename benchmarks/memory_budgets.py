@@ -489,8 +489,9 @@ def step_summary(seconds: list[float]) -> float | None:
 
 
 def make_request(spec: dict[str, Any], steps: int, task: str = "t2va") -> Any:
-    from h3engine.lora.library import TURBO_TABLE
-    from h3engine.request import GenerationRequest, Reference
+    from h3engine.engine.lora.library import TURBO_TABLE
+    from h3engine.request.files import Reference
+    from h3engine.request.model import GenerationRequest
 
     shifts = {}
     if steps == TURBO_TABLE.steps:
@@ -707,7 +708,7 @@ def engine_options(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_engine(spec: dict[str, Any], device: torch.device, host_memory: float | None = None) -> Any:
-    from h3engine.engine import Engine
+    from h3engine.engine.engine import Engine
 
     return Engine.from_checkpoint(
         spec["checkpoint"],
@@ -823,7 +824,7 @@ def disk_host_budget(spec: dict[str, Any], device: torch.device) -> tuple[float 
 def load_with_partition_on_disk(spec: dict[str, Any], device: torch.device) -> Any:
     """An `Engine` whose plan sends the other DiT partition to "disk" whatever the host budget, everything else as
     planned: the disk variant where no host budget makes the planner choose it."""
-    from h3engine.engine import Engine
+    from h3engine.engine.engine import Engine
 
     class PartitionOnDisk(Engine):
         def _make_placement(self, memory_profile: str, device: torch.device) -> Any:

@@ -1,6 +1,6 @@
 """Each fused Triton op against its plain-torch twin at the released DiT shapes (768p / 5 s T2VA, S = 38,222).
 
-For every op of `h3engine.ops`: the median time of the Triton kernel and of the reference (triton.testing.do_bench
+For every op of `h3engine.models.ops`: the median time of the Triton kernel and of the reference (triton.testing.do_bench
 on a GPU: warm-up, L2 flushed before every run, median), the bytes the fused kernel must move at least (each input
 read once, each output written once; the AdaLN tables and norm weights are negligible and left out) and the
 bandwidth that makes, also as a fraction of a measured device-to-device copy, and the max abs / max rel error
@@ -30,11 +30,11 @@ import triton
 import triton.testing
 
 from benchmarks._common import RESULTS_DIR, device_label, package_version
-from h3engine import ops
-from h3engine.kernels import reference
-from h3engine.kernels import triton as triton_kernels
-from h3engine.kernels.triton.common import INTERPRETING
+from h3engine.models import ops
 from h3engine.models.dit import DiTConfig
+from h3engine.models.kernels import reference
+from h3engine.models.kernels import triton as triton_kernels
+from h3engine.models.kernels.triton.common import INTERPRETING
 
 # The 768p / 5 s T2VA layout: 512 text + 414 audio + 37,296 video rows; M = 2 timesteps -> 6 AdaLN table rows.
 RELEASED_SEQUENCE_LENGTH = 38_222

@@ -31,9 +31,9 @@ import torch  # noqa: E402
 
 from benchmarks._common import RESULTS_DIR, package_version  # noqa: E402
 from h3engine.checkpoint.tiny import make_tiny_checkpoint  # noqa: E402
-from h3engine.engine import Engine  # noqa: E402
-from h3engine.engine_options import EngineOptions  # noqa: E402
-from h3engine.request import GenerationRequest  # noqa: E402
+from h3engine.engine.engine import Engine  # noqa: E402
+from h3engine.engine.options import EngineOptions  # noqa: E402
+from h3engine.request.model import GenerationRequest  # noqa: E402
 from h3engine.runtime.front import EngineFront, JobHandle  # noqa: E402
 from h3engine.runtime.messages import TERMINAL_EVENTS, JobFinished  # noqa: E402
 

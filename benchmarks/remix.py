@@ -100,7 +100,7 @@ def remixes(sources: dict[str, Path], seconds: float) -> dict[str, Any]:
 
 def held_rows_equal(prepared: Any, output: Any) -> bool | None:
     """Every held row of the final latents equals its source latents bit for bit (None: nothing held)."""
-    from h3engine.sampling.packing import audio_latents_to_rows, patchify_video
+    from h3engine.engine.sampling.packing import audio_latents_to_rows, patchify_video
 
     held = prepared.held
     if held is None:
@@ -143,8 +143,8 @@ def run_one(engine: Any, request: Any, mp4: Path, device: torch.device) -> dict[
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_arguments(argv)
-    from h3engine.engine import Engine
-    from h3engine.request import GenerationRequest
+    from h3engine.engine.engine import Engine
+    from h3engine.request.model import GenerationRequest
 
     device = torch.device(args.device)
     base = GenerationRequest(

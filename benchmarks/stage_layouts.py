@@ -32,8 +32,8 @@ import torch
 from benchmarks._common import RESULTS_DIR, package_version
 from h3engine.checkpoint.placeholder import make_placeholder_checkpoint
 from h3engine.checkpoint.tiny import make_tiny_checkpoint
-from h3engine.engine_options import EngineOptions, check_engine_options
-from h3engine.request import GenerationRequest
+from h3engine.engine.options import EngineOptions, check_engine_options
+from h3engine.request.model import GenerationRequest
 from h3engine.runtime.front import EngineFront
 from h3engine.runtime.messages import JobFailed, JobFinished
 from h3engine.runtime.split import start_replica

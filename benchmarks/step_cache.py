@@ -101,7 +101,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 
 def parse_custom(text: str) -> Any:
     """`NAME=Fn,Bn,THRESHOLD,WARMUP,MAX_CONSECUTIVE` -> a CachePreset (ValueError naming the flag otherwise)."""
-    from h3engine.sampling.step_cache import CachePreset
+    from h3engine.engine.sampling.step_cache import CachePreset
 
     name, _, knobs = text.partition("=")
     parts = knobs.split(",")
@@ -113,7 +113,7 @@ def parse_custom(text: str) -> Any:
 
 def presets(args: argparse.Namespace) -> list[Any]:
     """The runs' presets in order: "off", the named ones, the custom ones, "off" again (unless --no-repeat-off)."""
-    from h3engine.sampling.step_cache import cache_preset
+    from h3engine.engine.sampling.step_cache import cache_preset
 
     named = [name.strip() for name in args.presets.split(",") if name.strip()]
     for name in named:
@@ -200,7 +200,7 @@ def run_preset(
 
 
 def knobs_of(preset: Any) -> dict[str, Any]:
-    from h3engine.sampling.step_cache import cache_preset
+    from h3engine.engine.sampling.step_cache import cache_preset
 
     return dataclasses.asdict(cache_preset(preset))
 
@@ -279,8 +279,8 @@ def write(path: Path, result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_arguments(argv)
-    from h3engine.engine import Engine
-    from h3engine.request import GenerationRequest
+    from h3engine.engine.engine import Engine
+    from h3engine.request.model import GenerationRequest
 
     device = torch.device(args.device)
     order = presets(args)

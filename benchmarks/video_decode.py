@@ -22,7 +22,7 @@ import torch
 
 from benchmarks._common import RESULTS_DIR, device_label, kernel_profile, package_version, synchronize
 from benchmarks.e2e import build_video_vae
-from h3engine import ops
+from h3engine.models import ops
 from h3engine.models.video_vae import DECODE_BATCH_TILES, VideoVAE, VideoVAEConfig
 
 RELEASED_LATENTS = (1, 24, 37, 48, 84)
@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument(
         "--reference-ops",
         action="store_true",
-        help="also time each variant with h3engine.ops forced to the torch twins (no Triton elementwise kernels)",
+        help="also time each variant with h3engine.models.ops forced to the torch twins (no Triton elementwise kernels)",
     )
     args = parser.parse_args()
     device = torch.device(args.device)

@@ -1,5 +1,5 @@
 import sys
 
-from h3engine.cli import main
+from h3engine.cli.main import main
 
 sys.exit(main())

@@ -22,16 +22,16 @@ from h3engine.checkpoint.text_encoder_files import (
     open_text_encoder_files,
 )
 from h3engine.models.audio_vae import AudioVAE, AudioVAEConfig
-from h3engine.models.video_vae import VideoVAE, VideoVAEConfig
-from h3engine.parallel.groups import (
+from h3engine.models.parallel.groups import (
     EncoderLayout,
     VAELayout,
     create_encoder_groups,
     create_vae_group,
     initialize_process_group,
 )
-from h3engine.parallel.text_encoder import load_text_encoder_shard
-from h3engine.parallel.vae import AUDIO_DECODE_RANK, decode_video_and_audio
+from h3engine.models.parallel.text_encoder import load_text_encoder_shard
+from h3engine.models.parallel.vae import AUDIO_DECODE_RANK, decode_video_and_audio
+from h3engine.models.video_vae import VideoVAE, VideoVAEConfig
 
 SEED = 2468
 # Two tiny Qwen3-VL text encoders: the checkpoint's own (2 heads, 1 key/value head) and one with 8 heads and 2

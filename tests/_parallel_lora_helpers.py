@@ -15,9 +15,9 @@ from _parallel_dit_helpers import EIGHT_HEADS, packed_request
 
 from h3engine.checkpoint.lora_format import read_lora
 from h3engine.checkpoint.safetensors_io import WeightFiles
-from h3engine.lora.adapters import Adapter, apply_adapters, remove_adapters
-from h3engine.parallel.dit import load_dit_shard
-from h3engine.parallel.groups import ParallelLayout, create_dit_groups, initialize_process_group
+from h3engine.engine.lora.adapters import Adapter, apply_adapters, remove_adapters
+from h3engine.models.parallel.dit import load_dit_shard
+from h3engine.models.parallel.groups import ParallelLayout, create_dit_groups, initialize_process_group
 
 # (sp, tp) layouts on two ranks: Ulysses alone, tensor parallel alone.
 LAYOUTS = [(2, 1), (1, 2)]

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from h3engine.request import Reference
-from h3engine.validation.reference import diffusers_references
+from h3engine.cli.validation.reference import diffusers_references
+from h3engine.request.files import Reference
 
 # The keyword inputs of diffusers' DiT forward, in our DiT's positional order.
 DIT_INPUT_NAMES = (

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from h3engine.media.mux import write_mp4
-from h3engine.request import GenerationRequest
+from h3engine.request.model import GenerationRequest
 from h3engine.request.remix import Remix
 
 SOURCE_FRAMES = 110  # trimmed to 107 = 17 * 6 + 5

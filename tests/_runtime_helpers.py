@@ -9,7 +9,8 @@ from typing import Any
 
 from safetensors.torch import load_file
 
-from h3engine.request import GenerationRequest, Keyframe, Reference
+from h3engine.request.files import Keyframe, Reference
+from h3engine.request.model import GenerationRequest
 from h3engine.runtime.front import JobHandle
 from h3engine.runtime.messages import TERMINAL_EVENTS, StepProgress
 

@@ -14,10 +14,10 @@ import torch.distributed as dist
 from _dit_helpers import tiny_fl2va_request
 
 from benchmarks._packed_request import PackedRequest
+from h3engine.engine.sampling.step_cache import CachePreset, ReduceGroups, StepCache
 from h3engine.models.dit import DiTConfig, H3DiT
-from h3engine.parallel.dit import SequenceParallelDiT, modality_rows, worker_groups
-from h3engine.parallel.groups import ParallelLayout, create_dit_groups, initialize_process_group
-from h3engine.sampling.step_cache import CachePreset, ReduceGroups, StepCache
+from h3engine.models.parallel.dit import SequenceParallelDiT, modality_rows, worker_groups
+from h3engine.models.parallel.groups import ParallelLayout, create_dit_groups, initialize_process_group
 
 # Six blocks: one first block, four middle ones to skip, one last block for the presets with last_blocks=1.
 CONFIG = dataclasses.replace(DiTConfig.tiny(), num_layers=6)

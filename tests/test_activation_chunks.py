@@ -31,12 +31,12 @@ from _lora_helpers import small_lora
 from torch.overrides import TorchFunctionMode
 
 from benchmarks._packed_request import max_relative_error
-from h3engine import ops
 from h3engine.checkpoint.lora_format import LoraFile, LoraLayer
-from h3engine.lora.adapters import Adapter, apply_adapters, remove_adapters
+from h3engine.engine.lora.adapters import Adapter, apply_adapters, remove_adapters
+from h3engine.engine.sampling.step_cache import CachePreset, StepCache
 from h3engine.memory.layers import dit_layers
 from h3engine.memory.streaming import LayerStream
-from h3engine.models import dit_chunks
+from h3engine.models import dit_chunks, ops
 from h3engine.models.dit import (
     LOW_RANK_ATTRIBUTE,
     Attention,
@@ -47,10 +47,9 @@ from h3engine.models.dit import (
     attention,
     set_activation_chunks,
 )
-from h3engine.parallel.dit import SequenceParallelDiT, _apply_tensor_parallel
-from h3engine.parallel.groups import GroupMembership
-from h3engine.quantization import Fp8Linear, quantize_dit_linears
-from h3engine.sampling.step_cache import CachePreset, StepCache
+from h3engine.models.parallel.dit import SequenceParallelDiT, _apply_tensor_parallel
+from h3engine.models.parallel.groups import GroupMembership
+from h3engine.models.quantization import Fp8Linear, quantize_dit_linears
 
 CONFIG = dataclasses.replace(DiTConfig.tiny(), num_heads=4, num_layers=3)
 TEXT_ROWS = 11  # 149 packed rows

@@ -1,4 +1,4 @@
-"""AdaLN tables on disk (h3engine.sampling.adaln_tables): exact, keyed by what they depend on, bounded, robust.
+"""AdaLN tables on disk (h3engine.engine.sampling.adaln_tables): exact, keyed by what they depend on, bounded, robust.
 
 What is compared: a tiny engine's generations with the cache off, with tables computed into an empty cache and with
 tables read back from it (a new engine, so that no table stays in memory): bit for bit, because stored tables are the
@@ -22,11 +22,11 @@ import torch
 from _lora_helpers import small_lora, write_lora
 from _runtime_helpers import parity_requests
 
-from h3engine.cli import main
-from h3engine.engine import Engine
-from h3engine.request import LoraChoice
-from h3engine.sampling.adaln_tables import AdalnTableCache, StepTables, TableKey, device_identity
-from h3engine.sampling.modulation import build_modulation, schedule_modulation, stored_tables
+from h3engine.cli.main import main
+from h3engine.engine.engine import Engine
+from h3engine.engine.sampling.adaln_tables import AdalnTableCache, StepTables, TableKey, device_identity
+from h3engine.engine.sampling.modulation import build_modulation, schedule_modulation, stored_tables
+from h3engine.request.model import LoraChoice
 
 OUTPUTS = ("video", "audio", "video_latents", "audio_latents")
 
@@ -94,7 +94,7 @@ def test_a_new_schedule_computes_only_the_steps_it_lacks(checkpoint, tmp_path, c
     engine = Engine.from_checkpoint(checkpoint, device="cpu", adaln_cache=str(folder))
     dit = engine.store.models_for_task("t2va").dit
     steps = [torch.tensor([0.25, 0.5]), torch.tensor([0.5, 0.75]), torch.tensor([0.75, 0.75])]
-    with caplog.at_level(logging.INFO, logger="h3engine.sampling.modulation"):
+    with caplog.at_level(logging.INFO, logger="h3engine.engine.sampling.modulation"):
         first = schedule_modulation(dit, steps[:2], torch.device("cpu"))
         first.persist()
         assert first.source == "computed" and len(adaln_files(folder)) == 2
@@ -160,7 +160,7 @@ def test_a_truncated_file_is_computed_again_with_a_warning(checkpoint, uncached,
     generate(Engine.from_checkpoint(checkpoint, device="cpu", adaln_cache=str(folder)), request)
     broken = adaln_files(folder)[0]
     broken.write_bytes(broken.read_bytes()[: broken.stat().st_size // 2])
-    with caplog.at_level(logging.WARNING, logger="h3engine.sampling.adaln_tables"):
+    with caplog.at_level(logging.WARNING, logger="h3engine.engine.sampling.adaln_tables"):
         engine = Engine.from_checkpoint(checkpoint, device="cpu", adaln_cache=str(folder))
         assert_same(generate(engine, request), generate(uncached, request))
     assert f"AdaLN table file {broken} is unreadable" in caplog.text

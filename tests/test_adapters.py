@@ -1,4 +1,4 @@
-"""LoRA adapters applied beside the DiT's linears (h3engine.lora.adapters, a request's `loras`), in one process.
+"""LoRA adapters applied beside the DiT's linears (h3engine.engine.lora.adapters, a request's `loras`), in one process.
 
 Whole T2VA generations at fp32 on a tiny checkpoint equal diffusers 0.42.1's pipeline after `load_lora_weights`
 (peft's unfused LoRA layers), one LoRA or two with strengths; strength 0 and removal give the base outputs
@@ -24,10 +24,9 @@ from benchmarks._packed_request import max_relative_error
 from h3engine.checkpoint.dit_format import native_to_module
 from h3engine.checkpoint.dit_keys import random_native_state
 from h3engine.checkpoint.lora_format import read_lora
-from h3engine.engine import Engine
-from h3engine.errors import RequestError
-from h3engine.lora import adapters as adapters_module
-from h3engine.lora.adapters import (
+from h3engine.engine.engine import Engine
+from h3engine.engine.lora import adapters as adapters_module
+from h3engine.engine.lora.adapters import (
     Adapter,
     LoraFiles,
     adapted_layers,
@@ -35,11 +34,13 @@ from h3engine.lora.adapters import (
     apply_adapters,
     remove_adapters,
 )
+from h3engine.errors import RequestError
 from h3engine.models.dit import DiTConfig, H3DiT
-from h3engine.parallel.dit import _apply_tensor_parallel
-from h3engine.parallel.groups import GroupMembership
-from h3engine.quantization import Fp8Linear, quantize_dit_linears
-from h3engine.request import MAX_LORAS, GenerationRequest, LoraChoice, Reference
+from h3engine.models.parallel.dit import _apply_tensor_parallel
+from h3engine.models.parallel.groups import GroupMembership
+from h3engine.models.quantization import Fp8Linear, quantize_dit_linears
+from h3engine.request.files import Reference
+from h3engine.request.model import MAX_LORAS, GenerationRequest, LoraChoice
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -149,7 +150,7 @@ def test_strength_zero_removal_and_switching_are_exact(engine, base, tmp_path) -
 
 
 def test_an_adaln_lora_takes_effect_after_a_cached_schedule(engine, base, checkpoint, tmp_path) -> None:
-    """The AdaLN tables of a schedule are cached per DiT (h3engine.sampling.modulation): `base` filled the cache for this
+    """The AdaLN tables of a schedule are cached per DiT (h3engine.engine.sampling.modulation): `base` filled the cache for this
     request, so an adapter on the AdaLN projections must make the engine build them again."""
     path = lora_file(tmp_path, engine, "diffusers", 10, only="adaln_proj")
     output = generate(engine, (path, 1.0, "transformer"))

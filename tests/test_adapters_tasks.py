@@ -20,9 +20,10 @@ import torch
 from _lora_helpers import assert_changed, assert_equal, loras_loaded, small_lora, write_lora
 from _parity_helpers import reference_objects, reference_pipeline, reference_run, relative_l2, synthetic_image
 
-from h3engine.engine import Engine
-from h3engine.lora.adapters import adapted_layers
-from h3engine.request import GenerationRequest, Keyframe, LoraChoice, Reference
+from h3engine.engine.engine import Engine
+from h3engine.engine.lora.adapters import adapted_layers
+from h3engine.request.files import Keyframe, Reference
+from h3engine.request.model import GenerationRequest, LoraChoice
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

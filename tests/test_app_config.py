@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import app
-from h3engine.engine_options import EngineOptions
+from h3engine.engine.options import EngineOptions
 
 
 def test_replicas_warm_up_unless_told_not_to() -> None:

@@ -22,10 +22,11 @@ from safetensors.torch import load_file, save_file
 
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.loader import dit_source
+from h3engine.engine.lora.library import LoraLibrary, lora_choices
 from h3engine.errors import RequestError
-from h3engine.lora.library import LoraLibrary, lora_choices
-from h3engine.request import GenerationRequest, LoraChoice, validate
 from h3engine.request.checks import parse_rungs
+from h3engine.request.model import GenerationRequest, LoraChoice
+from h3engine.request.validate import validate
 from ui.loras import LORA_SLOTS, lora_values, loras_to_rows, rows_to_loras
 
 SETTINGS = dict(duration_seconds=4, aspect_ratio="auto", randomize_seed=False, seed=5, steps=2)

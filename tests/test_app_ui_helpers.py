@@ -20,11 +20,13 @@ import gradio as gr
 import pytest
 from _app_helpers import ASSETS, REPOSITORY_ROOT
 
-from h3engine.cli import _build_parser
+from h3engine.cli.main import _build_parser
+from h3engine.engine.lora.library import LoraLibrary
 from h3engine.errors import RequestError
-from h3engine.lora.library import LoraLibrary
 from h3engine.media.formats import FORMATS, accepted_text
-from h3engine.request import GenerationRequest, Keyframe, Reference, reference_labels
+from h3engine.request.files import Keyframe, Reference
+from h3engine.request.model import GenerationRequest
+from h3engine.request.validate import reference_labels
 from ui.components import NotAnUpload, as_uploaded
 from ui.examples import load_examples
 from ui.handlers import (

@@ -30,8 +30,10 @@ import pytest
 from PIL import Image
 
 from h3engine.media.mux import probe_mp4
-from h3engine.request import GenerationRequest, MediaInfo, Reference, validate
+from h3engine.request.files import MediaInfo, Reference
+from h3engine.request.model import GenerationRequest
 from h3engine.request.shapes import from_dict
+from h3engine.request.validate import validate
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ASSETS = REPO_ROOT / "assets"

@@ -47,12 +47,7 @@ from _channel_helpers import (
 )
 from _runtime_helpers import still_running
 
-from h3engine.runtime.channel import (
-    ChannelClosed,
-    ChannelError,
-    ChannelTimeout,
-    TensorChannel,
-)
+from h3engine.runtime.channel import ChannelClosed, ChannelError, ChannelTimeout, TensorChannel
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 COLLECT_TIMEOUT_S = 90.0

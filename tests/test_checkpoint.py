@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.tiny import make_tiny_checkpoint
-from h3engine.cli import main as cli_main
-from h3engine.engine import Engine
+from h3engine.cli.main import main as cli_main
+from h3engine.engine.engine import Engine
 from h3engine.errors import CheckpointError
 from h3engine.models.dit import FP32_PARAMETER_NAMES
 

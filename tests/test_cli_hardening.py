@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from h3engine.cli import main
+from h3engine.cli.main import main
 
 REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
 # Runs `python -m h3engine` in a fresh interpreter, then reports its exit code and whether torch was imported.
@@ -189,7 +189,7 @@ def test_fp8_linear_is_refused_on_the_cpu(capsys, tmp_path: Path) -> None:
 def test_fp8_linear_needs_compute_capability_8_9(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from h3engine.engine_options import check_fp8_device
+    from h3engine.engine.options import check_fp8_device
     from h3engine.errors import RequestError
 
     gpu = torch.device("cuda:0")
@@ -203,7 +203,7 @@ def test_fp8_linear_needs_compute_capability_8_9(monkeypatch: pytest.MonkeyPatch
 def test_device_names_are_checked_against_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from h3engine.engine_options import resolve_device
+    from h3engine.engine.options import resolve_device
     from h3engine.errors import RequestError
 
     assert resolve_device("cpu") == torch.device("cpu")
@@ -237,7 +237,7 @@ def tokenizer_only_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_prompt_token_counter_counts_what_the_text_encoder_reads(tokenizer_only_checkpoint: Path) -> None:
     from h3engine.checkpoint.text_encoder_files import load_tokenizer
-    from h3engine.conditioning.presentation import prompt_token_counter, text_presentation
+    from h3engine.engine.conditioning.presentation import prompt_token_counter, text_presentation
 
     folder = tokenizer_only_checkpoint / "FL2VA" / "tokenizer"
     count = prompt_token_counter(folder)
@@ -250,7 +250,7 @@ def test_prompt_token_counter_counts_what_the_text_encoder_reads(tokenizer_only_
 def test_check_request_applies_the_token_bound(tokenizer_only_checkpoint: Path) -> None:
     from h3engine.checkpoint.layout import CanvasRules
     from h3engine.errors import RequestError
-    from h3engine.request import GenerationRequest
+    from h3engine.request.model import GenerationRequest
     from h3engine.runtime.checks import CheckpointFacts, check_request
 
     facts = CheckpointFacts(

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 import app
-from h3engine.cli import main
+from h3engine.cli.main import main
 from h3engine.cli.progress import BarProgress, PlainProgress
-from h3engine.engine import Engine
+from h3engine.engine.engine import Engine
 from h3engine.engine.model_store import COMPONENTS, LoadEvent
 
 REPOSITORY_ROOT = Path(__file__).resolve().parents[1]

@@ -33,23 +33,25 @@ from _parity_helpers import (
 )
 from PIL import Image
 
-from h3engine.cli import main
+from h3engine.cli.main import main
 from h3engine.cli.specs import parse_reference_spec
-from h3engine.conditioning import (
+from h3engine.engine.conditioning.encode import (
     fit_keyframes,
     reference_image_size,
     reference_video_encode_frames,
     resample_waveform,
     sinc_resample_kernel,
 )
-from h3engine.conditioning.presentation import qwen_video_sampling
-from h3engine.engine import Engine
+from h3engine.engine.conditioning.presentation import qwen_video_sampling
+from h3engine.engine.engine import Engine
 from h3engine.engine.pipeline import prepare_request, run_generation
+from h3engine.engine.sampling.schedule import Schedule
 from h3engine.errors import RequestError
 from h3engine.media.mux import write_mp4
-from h3engine.request import GenerationRequest, Keyframe, Reference, resolve_duration_seconds
+from h3engine.request.files import Keyframe, Reference
+from h3engine.request.model import GenerationRequest
 from h3engine.request.resolved import ResolvedRequest, new_media_facts, request_geometry
-from h3engine.sampling.schedule import Schedule
+from h3engine.request.validate import resolve_duration_seconds
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -27,11 +27,11 @@ from h3engine.checkpoint.dit_keys import (
     native_to_diffusers,
     random_native_state,
 )
+from h3engine.engine.sampling import modulation as modulation_module
+from h3engine.engine.sampling.modulation import clear_modulation_cache, offload_adaln, schedule_modulation
 from h3engine.errors import CheckpointError
-from h3engine.kernels.reference.rope import rotate_first_channels
 from h3engine.models.dit import FP32_PARAMETER_NAMES, DiTConfig, H3DiT, MultiAxisRope
-from h3engine.sampling import modulation as modulation_module
-from h3engine.sampling.modulation import clear_modulation_cache, offload_adaln, schedule_modulation
+from h3engine.models.kernels.reference.rope import rotate_first_channels
 
 SEED = 1234
 FP32_TOLERANCE = 1e-5

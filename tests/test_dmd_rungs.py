@@ -17,15 +17,15 @@ from gradio_client.exceptions import ValidationError
 
 from h3engine.checkpoint.layout import CanvasRules, detect_layout
 from h3engine.checkpoint.tiny import make_tiny_checkpoint
-from h3engine.cli import main
-from h3engine.engine import Engine
+from h3engine.cli.main import main
+from h3engine.engine.engine import Engine
 from h3engine.engine.pipeline import prepare_request, run_generation
+from h3engine.engine.sampling.schedule import Schedule, rung_sigmas
 from h3engine.errors import CheckpointError, RequestError
-from h3engine.request import GenerationRequest
+from h3engine.request.model import GenerationRequest
 from h3engine.request.resolved import check_distilled_steps
 from h3engine.runtime.checks import CheckpointFacts, check_request
 from h3engine.runtime.front import WARM_UP_REQUEST, warm_up_request
-from h3engine.sampling.schedule import Schedule, rung_sigmas
 
 RUNGS = (999, 750, 500, 250)
 REFUSAL = "steps: this checkpoint is step-distilled to 4 steps (rungs 999, 750, 500, 250), got "
@@ -226,7 +226,7 @@ def test_the_cli_refuses_another_count_before_loading(
     def no_load(*args: object, **kwargs: object) -> None:
         raise AssertionError("the checkpoint must not load")
 
-    monkeypatch.setattr("h3engine.cli.load_engine", no_load)
+    monkeypatch.setattr("h3engine.cli.main.load_engine", no_load)
     code = main(generate_arguments(dmd_checkpoint, tmp_path / "clip.mp4", "--steps", "50"))
     stderr = capsys.readouterr().err
     assert code == 2 and stderr == f"error: {REFUSAL}50\n"

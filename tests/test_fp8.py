@@ -1,4 +1,4 @@
-"""FP8 DiT linears (h3engine.quantization): quantization bounds, the reference path, DiT conversion, `_scaled_mm`.
+"""FP8 DiT linears (h3engine.models.quantization): quantization bounds, the reference path, DiT conversion, `_scaled_mm`.
 
 Error bounds come from e4m3's format: 3 mantissa bits give a relative rounding error of at most 2^-4 in the
 normal range (|x / scale| >= 2^-6) and an absolute one of at most 2^-10 * scale below it (subnormal spacing 2^-9).
@@ -14,17 +14,17 @@ import torch
 from _dit_helpers import tiny_fl2va_request
 from torch import nn
 
-import h3engine.quantization as fp8
+import h3engine.models.quantization as fp8
 from benchmarks._packed_request import PackedRequest, max_relative_error
 from h3engine.checkpoint.dit_format import native_to_module
 from h3engine.checkpoint.dit_keys import random_native_state
 from h3engine.checkpoint.safetensors_io import WeightFiles
 from h3engine.checkpoint.tiny import save_sharded
 from h3engine.models.dit import DiTConfig, H3DiT
-from h3engine.parallel.dit import load_dit_shard
-from h3engine.parallel.groups import ParallelLayout, create_dit_groups
-from h3engine.parallel.linear import RowParallelLinear
-from h3engine.quantization import (
+from h3engine.models.parallel.dit import load_dit_shard
+from h3engine.models.parallel.groups import ParallelLayout, create_dit_groups
+from h3engine.models.parallel.linear import RowParallelLinear
+from h3engine.models.quantization import (
     FP8_DTYPE,
     FP8_MAX,
     Fp8Linear,

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from h3engine.cli import main
-from h3engine.engine import Engine
-from h3engine.quantization import Fp8Linear
-from h3engine.request import GenerationRequest
+from h3engine.cli.main import main
+from h3engine.engine.engine import Engine
+from h3engine.models.quantization import Fp8Linear
+from h3engine.request.model import GenerationRequest
 
 
 @pytest.fixture(scope="module")

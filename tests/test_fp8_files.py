@@ -20,8 +20,8 @@ from safetensors import safe_open
 from h3engine.checkpoint.fp8_files import FORMAT_FP8, FORMAT_KEY, SCALE_SUFFIX, dit_quantized_key
 from h3engine.checkpoint.fp8_rows import dequantize_rows, quantize_rows
 from h3engine.checkpoint.safetensors_io import WeightFiles
-from h3engine.cli import main
-from h3engine.engine import Engine
+from h3engine.cli.main import main
+from h3engine.engine.engine import Engine
 from h3engine.memory.sizes import checkpoint_sizes
 
 OUTPUTS = ("video", "audio", "video_latents", "audio_latents")

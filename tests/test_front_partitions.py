@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from h3engine.request import GenerationRequest
+from h3engine.request.model import GenerationRequest
 from h3engine.runtime.front import (
     CANCELLED_BEFORE_START_MESSAGE,
     MAX_PASSED_OVER,

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import pytest
 
-from h3engine import cli
+from h3engine.cli import main as cli
 from h3engine.errors import RequestError
 from h3engine.media.inputs import probe_media
-from h3engine.request import validate
 from h3engine.request.shapes import from_dict
+from h3engine.request.validate import validate
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 ASSETS = REPOSITORY / "assets"

@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from h3engine.engine import Engine
-from h3engine.request import GenerationRequest
+from h3engine.engine.engine import Engine
+from h3engine.request.model import GenerationRequest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

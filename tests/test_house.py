@@ -15,34 +15,34 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 PACKAGE = REPOSITORY / "h3engine"
 
 # Lowest first. A module may import modules of its own layer or of lower ones, never of a higher one. A name ending
-# in ".*" stands for a package and every module in it.
+# in ".*" stands for a package and every module in it; the most specific name that matches a module places it.
 LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "h3engine",
         "h3engine.errors",
-        "h3engine.geometry",
-        "h3engine.kernels",
-        "h3engine.limits",
-        "h3engine.ops.*",
-        "h3engine.validation",
-        "h3engine.validation.trace",
-        "h3engine.validation.compare",
+        "h3engine.request.geometry",
+        "h3engine.models.kernels",
+        "h3engine.request.limits",
+        "h3engine.models.ops.*",
+        "h3engine.cli.validation",
+        "h3engine.engine.trace",
+        "h3engine.cli.validation.compare",
     ),
     ("h3engine.models.*",),
     ("h3engine.checkpoint.*",),
-    ("h3engine.parallel.*",),
-    ("h3engine.quantization", "h3engine.memory.*"),
+    ("h3engine.models.parallel.*",),
+    ("h3engine.models.quantization", "h3engine.memory.*"),
     (
-        "h3engine.sampling.*",
+        "h3engine.engine.sampling.*",
         "h3engine.media.*",
         "h3engine.request.*",
-        "h3engine.conditioning.*",
-        "h3engine.lora.*",
-        "h3engine.validation.checkpoint_probe",
-        "h3engine.validation.reference",
+        "h3engine.engine.conditioning.*",
+        "h3engine.engine.lora.*",
+        "h3engine.cli.validation.checkpoint_probe",
+        "h3engine.cli.validation.reference",
     ),
     ("h3engine.engine.pipeline",),
-    ("h3engine.engine", "h3engine.engine.model_store", "h3engine.engine_options"),
+    ("h3engine.engine", "h3engine.engine.engine", "h3engine.engine.model_store", "h3engine.engine.options"),
     ("h3engine.runtime.*",),
     ("h3engine.serving.*",),
     ("h3engine.cli.*", "h3engine.__main__"),
@@ -63,11 +63,13 @@ def modules() -> dict[str, Path]:
 
 
 def layer_of(module: str) -> int | None:
-    for index, names in enumerate(LAYERS):
-        for name in names:
-            if module == name or (name.endswith(".*") and (module + ".").startswith(name[:-1])):
-                return index
-    return None
+    matches = [
+        (len(name), index)
+        for index, names in enumerate(LAYERS)
+        for name in names
+        if module == name or (name.endswith(".*") and (module + ".").startswith(name[:-1]))
+    ]
+    return max(matches)[1] if matches else None
 
 
 def resolved_import(module: str, path: Path, node: ast.ImportFrom) -> str:

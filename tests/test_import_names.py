@@ -2,7 +2,7 @@
 
 Scripts and `python -m` put the repository root first on `sys.path`, so a top-level package of ours wins over an
 installed distribution of the same import name. transformers 5.25 imports Hugging Face's `kernels`; our fused
-kernels live in the top-level folder `kernels/` (no `__init__.py`) and are imported as `h3engine.kernels`.
+kernels live in the top-level folder `kernels/` (no `__init__.py`) and are imported as `h3engine.models.kernels`.
 These tests run Python from the repository root in the installed environment, as the app and the CLI do.
 """
 
@@ -72,10 +72,10 @@ def test_the_engine_runs_its_fused_kernels_under_its_own_name() -> None:
     # The Triton interpreter runs the kernels on the CPU; fp32 SwiGLU differs from torch's by a few ulps of exp.
     result = run_from_repository_root(
         "import torch\n"
-        "from h3engine import ops\n"
-        "from h3engine.kernels import reference\n"
-        "assert ops.triton_kernels is not None, 'h3engine.kernels.triton did not import'\n"
-        "assert ops.triton_kernels.__name__ == 'h3engine.kernels.triton'\n"
+        "from h3engine.models import ops\n"
+        "from h3engine.models.kernels import reference\n"
+        "assert ops.triton_kernels is not None, 'h3engine.models.kernels.triton did not import'\n"
+        "assert ops.triton_kernels.__name__ == 'h3engine.models.kernels.triton'\n"
         "fused = torch.randn(5, 74, generator=torch.Generator().manual_seed(0))\n"
         "assert ops.triton_kernels.supports_swiglu(fused)\n"
         "torch.testing.assert_close(ops.triton_kernels.swiglu(fused), reference.swiglu(fused))\n"

@@ -268,7 +268,7 @@ def test_a_tiny_engine_runs_from_the_files_with_a_host_budget_below_its_models(t
     the files (no image in host memory), read at each visit, and the generation is the resident one's."""
     from _runtime_helpers import parity_requests
 
-    from h3engine.engine import Engine
+    from h3engine.engine.engine import Engine
     from h3engine.memory.sizes import checkpoint_sizes
 
     checkpoint = tiny_checkpoints("native", seed=7)

@@ -13,9 +13,9 @@ import pytest
 import torch
 from _lora_helpers import random_lora, write_lora
 
-from h3engine import cli
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.loader import dit_source
+from h3engine.cli import main as cli
 from h3engine.models.dit import DiTConfig
 
 

@@ -38,7 +38,9 @@ from h3engine.media.inputs import (
     read_audio_source,
     resample_audio,
 )
-from h3engine.request import GenerationRequest, Keyframe, MediaInfo, Reference, validate
+from h3engine.request.files import Keyframe, MediaInfo, Reference
+from h3engine.request.model import GenerationRequest
+from h3engine.request.validate import validate
 
 VIDEO_WIDTH, VIDEO_HEIGHT = 64, 48
 SOURCE_RATE = 44_100

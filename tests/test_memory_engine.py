@@ -16,12 +16,13 @@ from _runtime_helpers import ASSETS, events_until_done
 
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.placeholder import make_placeholder_checkpoint
-from h3engine.engine import Engine
+from h3engine.engine.engine import Engine
 from h3engine.errors import RequestError
 from h3engine.media.inputs import probe_media
 from h3engine.memory.engine_plan import MemoryRequest, check_request_memory, gpu_plan
 from h3engine.memory.plan import GIB, MemoryBudget
-from h3engine.request import GenerationRequest, Reference
+from h3engine.request.files import Reference
+from h3engine.request.model import GenerationRequest
 from h3engine.runtime.front import EngineFront
 from h3engine.runtime.messages import JobFailed, JobFinished
 

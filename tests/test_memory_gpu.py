@@ -19,14 +19,14 @@ from _dit_helpers import tiny_fl2va_request
 from _runtime_helpers import parity_requests
 
 from h3engine.checkpoint.safetensors_io import is_parked
-from h3engine.engine import Engine
+from h3engine.engine.engine import Engine
 from h3engine.memory.homes import dequantize_into, dequantized
 from h3engine.memory.layers import dit_layers
 from h3engine.memory.placement import Placement
 from h3engine.memory.plan import RESIDENT, ModelPlacement, resident_plan
 from h3engine.memory.streaming import LayerStream
 from h3engine.models.dit import DiTConfig, H3DiT
-from h3engine.quantization import quantize_rows
+from h3engine.models.quantization import quantize_rows
 
 pytestmark = pytest.mark.cuda
 MIB = 1 << 20

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from h3engine.checkpoint.placeholder import make_placeholder_checkpoint
-from h3engine.cli import main
+from h3engine.cli.main import main
 from h3engine.errors import CheckpointError, RequestError
 from h3engine.memory import plan as planner
 from h3engine.memory import shapes, working
@@ -554,10 +554,12 @@ def test_a_request_over_the_plan_is_refused_naming_what_fits(bf16) -> None:
 
 def test_the_planner_reads_the_rules_the_code_runs() -> None:
     """h3engine.memory sits below conditioning and sampling (tests/test_house.py): the rules both need live in one
-    place below both (h3engine.geometry, h3engine.limits, h3engine.memory.types), never copied."""
-    from h3engine import conditioning, geometry, request
-    from h3engine.conditioning import presentation
-    from h3engine.sampling import modulation
+    place below both (h3engine.request.geometry, h3engine.request.limits, h3engine.memory.types), never copied."""
+    from h3engine.engine.conditioning import encode as conditioning
+    from h3engine.engine.conditioning import presentation
+    from h3engine.engine.sampling import modulation
+    from h3engine.request import geometry
+    from h3engine.request import model as request
 
     assert conditioning.reference_image_size is geometry.reference_image_size is shapes.reference_image_size
     assert conditioning.reference_video_encode_frames is shapes.reference_video_encode_frames

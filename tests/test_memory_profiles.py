@@ -29,15 +29,16 @@ from safetensors.torch import load_file
 from torch import nn
 
 from h3engine.checkpoint.layout import detect_layout
-from h3engine.cli import main
-from h3engine.engine import Engine
+from h3engine.cli.main import main
+from h3engine.engine.engine import Engine
+from h3engine.engine.options import EngineOptions
 from h3engine.engine.pipeline import Models
-from h3engine.engine_options import EngineOptions
 from h3engine.errors import GenerationCancelled, RequestError
 from h3engine.memory.homes import pin_in_place
 from h3engine.memory.placement import Placement
-from h3engine.parallel.groups import RuntimeLayout
-from h3engine.request import GenerationRequest, Keyframe, LoraChoice
+from h3engine.models.parallel.groups import RuntimeLayout
+from h3engine.request.files import Keyframe
+from h3engine.request.model import GenerationRequest, LoraChoice
 from h3engine.runtime.front import EngineFront
 from h3engine.runtime.messages import TERMINAL_EVENTS, JobFinished
 from h3engine.runtime.workers import ProcessReplica, validated_spec
@@ -277,7 +278,7 @@ def test_the_cli_refuses_an_unknown_profile_with_exit_code_2(capsys, tmp_path) -
 
 
 def test_adapters_run_under_every_profile_alike(checkpoint, fl2va_request, low_memory, tmp_path) -> None:
-    """A LoRA's factors ride on the layers beside their weights (h3engine.lora.adapters), not as parameters, so they are
+    """A LoRA's factors ride on the layers beside their weights (h3engine.engine.lora.adapters), not as parameters, so they are
     where the forward runs while the DiT moves for its phase: low-memory with an adapter equals resident with it."""
     _, _, base = low_memory
     engine = RecordingEngine.from_checkpoint(checkpoint, device="cpu", memory_profile="low-memory")

@@ -22,17 +22,17 @@ from _lora_helpers import small_lora, write_lora
 from _runtime_helpers import events_until_done, parity_requests
 from safetensors.torch import load_file
 
-from h3engine.cli import main
-from h3engine.conditioning.text_states import TEXT_STATES
-from h3engine.engine import Engine
-from h3engine.engine_options import EngineOptions
+from h3engine.cli.main import main
+from h3engine.engine.conditioning.text_states import TEXT_STATES
+from h3engine.engine.engine import Engine
+from h3engine.engine.options import EngineOptions
 from h3engine.memory.homes import dequantized, quantizable
 from h3engine.memory.layers import dit_layers
 from h3engine.memory.placement import Placement
 from h3engine.memory.plan import RESIDENT, ModelPlacement, resident_plan
 from h3engine.memory.streaming import LayerStream, streamed_tensors
 from h3engine.models.dit import DiTConfig, H3DiT
-from h3engine.request import LoraChoice
+from h3engine.request.model import LoraChoice
 from h3engine.runtime.front import EngineFront
 from h3engine.runtime.messages import JobFinished
 from h3engine.runtime.workers import ProcessReplica

@@ -10,7 +10,7 @@ import torch
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.loader import ComponentSource
 from h3engine.checkpoint.tiny import make_tiny_checkpoint
-from h3engine.engine import Engine
+from h3engine.engine.engine import Engine
 from h3engine.engine.model_store import ModelLoader
 
 

@@ -1,6 +1,6 @@
-"""h3engine.ops and its kernels: the torch twins are the model's unfused math; the Triton kernels equal the twins.
+"""h3engine.models.ops and its kernels: the torch twins are the model's unfused math; the Triton kernels equal the twins.
 
-CPU: the twins (called through `h3engine.ops`, which picks them for CPU tensors) equal the model's unfused
+CPU: the twins (called through `h3engine.models.ops`, which picks them for CPU tensors) equal the model's unfused
 expressions, written out here from its building blocks (RMSNorm, gather_rows, apply_rope, F.silu, the collectives'
 permutations), and DiTBlock / Attention / FinalLayer, which now call the ops, still equal those expressions
 bit-exactly. Triton (`test_triton_kernel_*`): on a CUDA GPU in bf16, fp16 and fp32; on CPU the same tests run in a
@@ -26,9 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from h3engine import ops
-from h3engine.kernels import reference
-from h3engine.kernels.reference.rope import rotate_first_channels
+from h3engine.models import ops
 from h3engine.models.dit import (
     NUM_BLOCK_MODULATIONS,
     Attention,
@@ -43,8 +41,10 @@ from h3engine.models.dit import (
     attention,
     run_blocks,
 )
-from h3engine.parallel import collectives
-from h3engine.parallel.groups import GroupMembership
+from h3engine.models.kernels import reference
+from h3engine.models.kernels.reference.rope import rotate_first_channels
+from h3engine.models.parallel import collectives
+from h3engine.models.parallel.groups import GroupMembership
 
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -319,7 +319,7 @@ RELAYOUT_SHAPES = [(5, (3,), 8, 6, 4), (3, (), 6, 12, 3), (4, (2, 3), 4, 5, 1)] 
 
 
 def triton_kernels():
-    from h3engine.kernels import triton as kernels_triton
+    from h3engine.models.kernels import triton as kernels_triton
 
     return kernels_triton
 

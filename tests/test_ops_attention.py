@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3engine.ops import attention as attention_ops
+from h3engine.models import attention as attention_ops
 
 
 @pytest.fixture(autouse=True)

@@ -30,8 +30,8 @@ import pytest
 import torch
 from _runtime_helpers import events_until_done, still_running
 
-from h3engine.engine import Engine
 from h3engine.engine import pipeline as pipeline_module
+from h3engine.engine.engine import Engine
 from h3engine.errors import GenerationCancelled, RequestError
 from h3engine.media import outputs
 from h3engine.media.leftovers import (
@@ -41,7 +41,8 @@ from h3engine.media.leftovers import (
     remove_staging_files_of,
 )
 from h3engine.media.outputs import OutputFiles, staged
-from h3engine.request import GenerationRequest, Keyframe, Reference
+from h3engine.request.files import Keyframe, Reference
+from h3engine.request.model import GenerationRequest
 from h3engine.runtime.front import EngineFront, stamped_output_name
 from h3engine.runtime.messages import ENGINE_FAILURE_MESSAGE, JobFailed, output_failure_message, size_text
 

@@ -19,7 +19,7 @@ from benchmarks._packed_request import max_relative_error
 from h3engine.checkpoint.dit_format import native_to_module
 from h3engine.checkpoint.dit_keys import random_native_state
 from h3engine.checkpoint.tiny import save_sharded
-from h3engine.lora.adapters import apply_adapters
+from h3engine.engine.lora.adapters import apply_adapters
 from h3engine.models.dit import H3DiT
 
 # The tensor-parallel partial sums (base and low-rank) add in another order: fp32 rounding noise.

@@ -33,8 +33,8 @@ from h3engine.checkpoint.safetensors_io import WeightFiles
 from h3engine.checkpoint.tiny import save_sharded
 from h3engine.errors import CheckpointError
 from h3engine.models.dit import DiTConfig, H3DiT
-from h3engine.parallel.dit import load_dit_shard
-from h3engine.parallel.groups import ParallelLayout, create_dit_groups
+from h3engine.models.parallel.dit import load_dit_shard
+from h3engine.models.parallel.groups import ParallelLayout, create_dit_groups
 
 # Ulysses alone runs the same attention over the same rows; tensor parallelism adds the split GEMMs' partial sums
 # in another order (fp32 rounding noise).

@@ -45,16 +45,16 @@ from h3engine.checkpoint.text_encoder_files import (
     write_tiny_text_encoder,
 )
 from h3engine.checkpoint.tiny import save_sharded, write_json
-from h3engine.models.text_encoder import H3TextEncoder
-from h3engine.parallel.groups import (
+from h3engine.models.parallel.groups import (
     EncoderLayout,
     GroupMembership,
     VAELayout,
     create_encoder_groups,
     create_vae_group,
 )
-from h3engine.parallel.text_encoder import load_text_encoder_shard
-from h3engine.parallel.vae import decode_video_and_audio, tile_share
+from h3engine.models.parallel.text_encoder import load_text_encoder_shard
+from h3engine.models.parallel.vae import decode_video_and_audio, tile_share
+from h3engine.models.text_encoder import H3TextEncoder
 
 # Measured on CPU (torch 2.14.1, gloo), max relative error of the encoder states over 50 layers: tiny tp2 7.3e-7,
 # 8 heads tp2 1.6e-6, tp4 1.7e-6, two tp-2 replicas 1.6e-6 (the row-parallel partial sums add in another order).

@@ -32,13 +32,13 @@ import pytest
 import torch
 import torch.distributed
 
+from h3engine.engine.options import EngineOptions
 from h3engine.engine.pipeline import DenoisedLatents, Mp4WriteError
-from h3engine.engine_options import EngineOptions
 from h3engine.errors import GenerationCancelled, RequestError
 from h3engine.memory.engine_plan import MemoryRequest
 from h3engine.memory.sizes import RankShare
-from h3engine.parallel.groups import EncoderLayout, GroupMembership, ParallelLayout, VAELayout
-from h3engine.request import GenerationRequest
+from h3engine.models.parallel.groups import EncoderLayout, GroupMembership, ParallelLayout, VAELayout
+from h3engine.request.model import GenerationRequest
 from h3engine.runtime import rank_jobs, rank_process
 from h3engine.runtime.job_protocol import NO_JOB, RankOutOfMemory, RunJob, Stop, WorkerSpec
 from h3engine.runtime.messages import (

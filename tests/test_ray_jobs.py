@@ -24,7 +24,8 @@ import pytest
 import app
 from h3engine.errors import RequestError
 from h3engine.media.outputs import OutputFiles
-from h3engine.request import GenerationRequest, Keyframe, LoraChoice, Reference
+from h3engine.request.files import Keyframe, Reference
+from h3engine.request.model import GenerationRequest, LoraChoice
 from h3engine.runtime.messages import JobFinished
 from h3engine.runtime.ray_jobs import (
     CHUNK_BYTES,

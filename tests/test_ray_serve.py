@@ -39,9 +39,10 @@ from _runtime_helpers import events_until_done, max_relative_errors, wait_for_st
 
 from h3engine.checkpoint.facts import CheckpointFacts  # noqa: E402
 from h3engine.checkpoint.layout import detect_layout  # noqa: E402
-from h3engine.engine import Engine  # noqa: E402
-from h3engine.engine_options import EngineOptions  # noqa: E402
-from h3engine.request import GenerationRequest, Keyframe, LoraChoice, Reference  # noqa: E402
+from h3engine.engine.engine import Engine  # noqa: E402
+from h3engine.engine.options import EngineOptions  # noqa: E402
+from h3engine.request.files import Keyframe, Reference  # noqa: E402
+from h3engine.request.model import GenerationRequest, LoraChoice  # noqa: E402
 from h3engine.runtime.front import EngineFront  # noqa: E402
 from h3engine.runtime.messages import (  # noqa: E402
     JobFailed,

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from benchmarks._packed_request import relative_l2
-from h3engine import ops
 from h3engine.checkpoint.dit_keys import random_native_tensor
+from h3engine.models import attention as attention_ops
+from h3engine.models import ops
 from h3engine.models.dit import DiTBlock, DiTConfig, MultiAxisRope, PackedLayout
-from h3engine.ops import attention as attention_ops
 
 pytestmark = pytest.mark.cuda
 

@@ -11,7 +11,7 @@ import gradio as gr
 import pytest
 
 from h3engine.errors import RequestError
-from h3engine.geometry import FPS, frames_for_duration
+from h3engine.request.geometry import FPS, frames_for_duration
 from h3engine.request.remix import Remix, remix_seconds
 from h3engine.runtime.front import JobHandle
 from h3engine.runtime.messages import JobFinished, JobStarted

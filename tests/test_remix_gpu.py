@@ -17,7 +17,7 @@ import pytest
 import torch
 from _remix_helpers import every_mode, remix_request, write_sources
 
-from h3engine.engine import Engine
+from h3engine.engine.engine import Engine
 from h3engine.engine.pipeline import StepEvent, denoise_request
 
 pytestmark = pytest.mark.cuda

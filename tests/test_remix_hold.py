@@ -1,4 +1,4 @@
-"""Held target rows (h3engine.sampling.hold) on the tiny checkpoint: kept rows stay the source, masks 0 and 1."""
+"""Held target rows (h3engine.engine.sampling.hold) on the tiny checkpoint: kept rows stay the source, masks 0 and 1."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3engine.engine import Engine
+from h3engine.engine.engine import Engine
 from h3engine.engine.pipeline import PreparedRequest, StepEvent, denoise_request
-from h3engine.geometry import Geometry
-from h3engine.request import GenerationRequest
-from h3engine.sampling.hold import HeldRows, audio_range_mask, pool_spatial_mask, video_range_mask
-from h3engine.sampling.packing import audio_latents_to_rows, patchify_video
+from h3engine.engine.sampling.hold import HeldRows, audio_range_mask, pool_spatial_mask, video_range_mask
+from h3engine.engine.sampling.packing import audio_latents_to_rows, patchify_video
+from h3engine.request.geometry import Geometry
+from h3engine.request.model import GenerationRequest
 
 STEPS = 2
 

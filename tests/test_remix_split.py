@@ -32,14 +32,14 @@ from _remix_helpers import (
 from _runtime_helpers import events_until_done, max_relative_errors
 from safetensors.torch import load_file
 
-from h3engine.engine import Engine
-from h3engine.engine_options import EngineOptions
-from h3engine.parallel.groups import RuntimeLayout
+from h3engine.engine.engine import Engine
+from h3engine.engine.options import EngineOptions
+from h3engine.engine.sampling.hold import HeldRows
+from h3engine.engine.sampling.packing import audio_latents_to_rows, patchify_video
+from h3engine.models.parallel.groups import RuntimeLayout
 from h3engine.runtime.front import EngineFront
 from h3engine.runtime.messages import JobFinished
 from h3engine.runtime.split import SplitReplica
-from h3engine.sampling.hold import HeldRows
-from h3engine.sampling.packing import audio_latents_to_rows, patchify_video
 
 EVENT_TIMEOUT_S = 180
 FP32 = EngineOptions(dtype="float32")

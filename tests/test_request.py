@@ -18,18 +18,11 @@ from pathlib import Path
 import pytest
 
 from h3engine.errors import RequestError
-from h3engine.geometry import frames_for_duration, resolve_canvas
-from h3engine.request import (
-    GenerationRequest,
-    Keyframe,
-    MediaInfo,
-    Reference,
-    reference_labels,
-    resolve_aspect,
-    resolve_duration_seconds,
-    validate,
-)
+from h3engine.request.files import Keyframe, MediaInfo, Reference
+from h3engine.request.geometry import frames_for_duration, resolve_canvas
+from h3engine.request.model import GenerationRequest
 from h3engine.request.shapes import from_dict
+from h3engine.request.validate import reference_labels, resolve_aspect, resolve_duration_seconds, validate
 
 # ---------------------------------------------------------------------------------------------------------------
 # Media the fake probe knows about (what the PyAV/Pillow probe would report for such files)

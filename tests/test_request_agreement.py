@@ -24,10 +24,11 @@ from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
 from h3engine.checkpoint.tiny import make_tiny_checkpoint
-from h3engine.engine import Engine
+from h3engine.engine.engine import Engine
 from h3engine.errors import RequestError
 from h3engine.media import inputs as media_inputs
-from h3engine.request import GenerationRequest, Keyframe, LoraChoice, MediaInfo, Reference
+from h3engine.request.files import Keyframe, MediaInfo, Reference
+from h3engine.request.model import GenerationRequest, LoraChoice
 from h3engine.runtime.front import EngineFront
 
 EXAMPLES = 300

@@ -12,7 +12,9 @@ import dataclasses
 import pytest
 
 from h3engine.errors import RequestError
-from h3engine.request import GenerationRequest, Keyframe, MediaInfo, Reference, validate
+from h3engine.request.files import Keyframe, MediaInfo, Reference
+from h3engine.request.model import GenerationRequest
+from h3engine.request.validate import validate
 
 PICTURE = "/media/picture.png"
 
@@ -52,7 +54,7 @@ def test_prompt_character_bound() -> None:
 
 
 def test_prompt_token_bound_counts_with_the_given_tokenizer() -> None:
-    from h3engine.request import check_prompt_tokens
+    from h3engine.request.validate import check_prompt_tokens
 
     counted: list[str] = []
 

@@ -18,7 +18,7 @@ import torch
 from _runtime_helpers import parity_requests
 
 from h3engine.checkpoint.placeholder import make_placeholder_checkpoint
-from h3engine.engine import Engine
+from h3engine.engine.engine import Engine
 from h3engine.memory import placement as placement_module
 from h3engine.memory.placement import Placement
 from h3engine.memory.plan import GIB, MemoryBudget, PlanContext, plan_engine, plan_for_shape

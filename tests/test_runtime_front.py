@@ -23,15 +23,11 @@ import pytest
 import torch
 from _runtime_helpers import events_until_done
 
-from h3engine.engine import Engine
+from h3engine.engine.engine import Engine
 from h3engine.media.preview import PREVIEW_SHORT_EDGE, channel_to_rgb_weights, latent_preview_rgb
-from h3engine.request import GenerationRequest, Keyframe
-from h3engine.runtime.front import (
-    WARM_UP_REQUEST,
-    EngineFront,
-    EngineReplica,
-    JobHandle,
-)
+from h3engine.request.files import Keyframe
+from h3engine.request.model import GenerationRequest
+from h3engine.runtime.front import WARM_UP_REQUEST, EngineFront, EngineReplica, JobHandle
 from h3engine.runtime.messages import (
     ENGINE_FAILURE_MESSAGE,
     TERMINAL_EVENTS,
@@ -394,7 +390,8 @@ def test_a_lora_that_does_not_fit_is_refused_before_the_job_is_queued(front, tmp
 
     from h3engine.errors import RequestError
     from h3engine.models.dit import DiTConfig
-    from h3engine.request import LoraChoice, Reference
+    from h3engine.request.files import Reference
+    from h3engine.request.model import LoraChoice
 
     config = DiTConfig.tiny()
     fits = tmp_path / "fits.safetensors"

@@ -33,17 +33,12 @@ from _runtime_helpers import (
     wait_for_step,
 )
 
-from h3engine.engine import Engine
-from h3engine.engine_options import EngineOptions
-from h3engine.parallel.groups import RuntimeLayout
-from h3engine.request import GenerationRequest
+from h3engine.engine.engine import Engine
+from h3engine.engine.options import EngineOptions
+from h3engine.models.parallel.groups import RuntimeLayout
+from h3engine.request.model import GenerationRequest
 from h3engine.runtime.front import EngineFront
-from h3engine.runtime.messages import (
-    JobFailed,
-    JobFinished,
-    PreviewFrame,
-    StepProgress,
-)
+from h3engine.runtime.messages import JobFailed, JobFinished, PreviewFrame, StepProgress
 from h3engine.runtime.workers import ProcessReplica
 
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
@@ -255,7 +250,7 @@ def test_split_stage_groups_on_one_gpu_equal_colocated(tmp_path) -> None:
     from safetensors.torch import load_file
 
     from h3engine.checkpoint.tiny import make_tiny_checkpoint
-    from h3engine.cli import main
+    from h3engine.cli.main import main
 
     checkpoint = make_tiny_checkpoint(tmp_path / "checkpoint", seed=11)
     saved = {}

@@ -43,21 +43,16 @@ from _runtime_helpers import (
     wait_for_step,
 )
 
-from h3engine.cli import main
-from h3engine.engine import Engine
-from h3engine.engine_options import EngineOptions
+from h3engine.cli.main import main
+from h3engine.engine.engine import Engine
+from h3engine.engine.options import EngineOptions
 from h3engine.errors import RequestError
 from h3engine.media.mux import probe_mp4
-from h3engine.parallel.groups import PROFILES, RuntimeLayout
-from h3engine.request import GenerationRequest, Keyframe, LoraChoice
+from h3engine.models.parallel.groups import PROFILES, RuntimeLayout
+from h3engine.request.files import Keyframe
+from h3engine.request.model import GenerationRequest, LoraChoice
 from h3engine.runtime.front import EngineFront
-from h3engine.runtime.messages import (
-    JobFailed,
-    JobFinished,
-    JobStarted,
-    PreviewFrame,
-    StepProgress,
-)
+from h3engine.runtime.messages import JobFailed, JobFinished, JobStarted, PreviewFrame, StepProgress
 from h3engine.runtime.workers import ProcessReplica, rank_devices
 
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent

@@ -33,19 +33,8 @@ from diffusers.modular_pipelines.minimax_h3.before_denoise import (
 from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3AfterDenoiseStep
 from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec
 
-from h3engine.geometry import (
-    PRESET_ASPECT_RATIOS,
-    Geometry,
-    audio_latent_count,
-    frames_for_duration,
-    parse_aspect_ratio,
-    resolve_canvas,
-    snap_frames_down,
-    snap_frames_up,
-    video_latent_frames,
-)
-from h3engine.sampling.noise import draw_initial_noise, noise_condition_rows
-from h3engine.sampling.packing import (
+from h3engine.engine.sampling.noise import draw_initial_noise, noise_condition_rows
+from h3engine.engine.sampling.packing import (
     AudioReference,
     ImageReference,
     VideoReference,
@@ -58,7 +47,18 @@ from h3engine.sampling.packing import (
     t2va_layout,
     unpatchify_video,
 )
-from h3engine.sampling.schedule import Schedule, euler_step, shifted_sigmas
+from h3engine.engine.sampling.schedule import Schedule, euler_step, shifted_sigmas
+from h3engine.request.geometry import (
+    PRESET_ASPECT_RATIOS,
+    Geometry,
+    audio_latent_count,
+    frames_for_duration,
+    parse_aspect_ratio,
+    resolve_canvas,
+    snap_frames_down,
+    snap_frames_up,
+    video_latent_frames,
+)
 
 RELEASED_CAP = 768 * 1344
 

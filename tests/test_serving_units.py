@@ -17,9 +17,9 @@ from starlette.requests import Request
 import app
 from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.checkpoint.layout import CanvasRules
-from h3engine.geometry import Geometry
 from h3engine.media.outputs import OutputFiles, StagedOutputs
-from h3engine.request import GenerationRequest
+from h3engine.request.geometry import Geometry
+from h3engine.request.model import GenerationRequest
 from h3engine.runtime.front import EngineFront, JobHandle
 from h3engine.runtime.messages import ENGINE_FAILURE_MESSAGE, output_failure_message
 from h3engine.serving.errors import ApiError
@@ -173,7 +173,7 @@ def test_sizes_follow_the_canvas_rule() -> None:
 def test_every_size_the_rule_makes_passes_the_checker(tmp_path, size) -> None:
     """Each size the API accepts becomes a request the one checker accepts too (the size was once turned into an
     aspect ratio the checker refuses)."""
-    from h3engine.request import validate
+    from h3engine.request.validate import validate
 
     request = request_from_fields({"prompt": "x", "size": size}, tmp_path, RELEASED).request
     validate(request, canvas_multiple=RELEASED.canvas_multiple)

@@ -32,13 +32,13 @@ from _runtime_helpers import events_until_done, parity_requests, process_exists,
 from safetensors.torch import load_file
 
 import app
-from h3engine.cli import main
-from h3engine.engine import Engine
-from h3engine.engine_options import EngineOptions, check_engine_options
+from h3engine.cli.main import main
+from h3engine.engine.engine import Engine
+from h3engine.engine.options import EngineOptions, check_engine_options
 from h3engine.errors import RequestError
-from h3engine.parallel.groups import RuntimeLayout
-from h3engine.parallel.vae import latent_frame_shares, rank_tiles
-from h3engine.request import GenerationRequest
+from h3engine.models.parallel.groups import RuntimeLayout
+from h3engine.models.parallel.vae import latent_frame_shares, rank_tiles
+from h3engine.request.model import GenerationRequest
 from h3engine.runtime.front import EngineFront, JobHandle
 from h3engine.runtime.messages import JobFailed, JobFinished, JobStarted, StepProgress
 from h3engine.runtime.split import STEPS as PIPELINE_STEPS

@@ -23,7 +23,7 @@ import pytest
 import torch
 from _runtime_helpers import at_path
 
-from h3engine.request import GenerationRequest
+from h3engine.request.model import GenerationRequest
 from h3engine.runtime.front import JobHandle
 from h3engine.runtime.messages import JobFinished, JobQueued, JobStarted, StepProgress
 from h3engine.runtime.split import STEPS, FirstStartOnly, Turns

@@ -27,20 +27,15 @@ import pytest
 from _runtime_helpers import events_until_done, parity_requests, process_exists, wait_for_step
 
 import app
-from h3engine.cli import main
-from h3engine.engine_options import EngineOptions
+from h3engine.cli.main import main
+from h3engine.engine.options import EngineOptions
 from h3engine.errors import RequestError
-from h3engine.parallel.groups import RuntimeLayout
-from h3engine.request import GenerationRequest
+from h3engine.models.parallel.groups import RuntimeLayout
+from h3engine.request.model import GenerationRequest
 from h3engine.runtime.front import EngineFront
 from h3engine.runtime.messages import JobFailed, JobFinished, StepProgress
 from h3engine.runtime.split import SplitReplica
-from h3engine.runtime.supervision import (
-    STALL_FLOOR_S,
-    Pace,
-    StallPolicy,
-    checked_stall_timeout,
-)
+from h3engine.runtime.supervision import STALL_FLOOR_S, Pace, StallPolicy, checked_stall_timeout
 from h3engine.runtime.workers import ProcessReplica
 
 SEED = 11

@@ -1,4 +1,4 @@
-"""Step caching (h3engine.sampling.step_cache): the skip rule, its agreement with cache-dit, the DiT with and without it.
+"""Step caching (h3engine.engine.sampling.step_cache): the skip rule, its agreement with cache-dit, the DiT with and without it.
 
 What is checked: the rule's warm-up, threshold and consecutive limit; that video and audio are judged apart (an
 audio-only change prevents a skip the pooled rows would allow); that its decisions and differences equal cache-dit
@@ -22,18 +22,11 @@ from _lora_helpers import small_lora, write_lora
 from _step_cache_helpers import CONFIG, EAGER, FORWARDS, cached_forwards, random_dit, step_request, worker
 
 from h3engine.checkpoint.lora_format import read_lora
-from h3engine.cli import main
-from h3engine.engine import Engine
-from h3engine.errors import RequestError
-from h3engine.lora.adapters import Adapter, apply_adapters
-from h3engine.memory.layers import dit_layers
-from h3engine.memory.streaming import LayerStream
-from h3engine.models.dit import run_blocks
-from h3engine.request import CACHE_PRESETS, GenerationRequest, validate
-from h3engine.request.resolved import _check_checkpoint_rules
-from h3engine.request.shapes import from_dict
-from h3engine.sampling import step_cache
-from h3engine.sampling.step_cache import (
+from h3engine.cli.main import main
+from h3engine.engine.engine import Engine
+from h3engine.engine.lora.adapters import Adapter, apply_adapters
+from h3engine.engine.sampling import step_cache
+from h3engine.engine.sampling.step_cache import (
     PRESETS,
     CachePreset,
     ReduceGroups,
@@ -42,6 +35,14 @@ from h3engine.sampling.step_cache import (
     cache_preset,
     relative_differences,
 )
+from h3engine.errors import RequestError
+from h3engine.memory.layers import dit_layers
+from h3engine.memory.streaming import LayerStream
+from h3engine.models.dit import run_blocks
+from h3engine.request.model import CACHE_PRESETS, GenerationRequest
+from h3engine.request.resolved import _check_checkpoint_rules
+from h3engine.request.shapes import from_dict
+from h3engine.request.validate import validate
 from ui.history import result_markdown, step_cache_line
 
 RULE = CachePreset("rule", first_blocks=1, last_blocks=0, threshold=0.1, warmup_steps=2, max_consecutive=2)

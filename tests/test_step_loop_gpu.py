@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3engine.engine import Engine
-from h3engine.request import GenerationRequest
+from h3engine.engine.engine import Engine
+from h3engine.request.model import GenerationRequest
 
 pytestmark = pytest.mark.cuda
 

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from h3engine.request import GenerationRequest
+from h3engine.request.model import GenerationRequest
 from h3engine.runtime.front import CANCELLED_BEFORE_START_MESSAGE, SHUTTING_DOWN_MESSAGE, JobHandle
 from h3engine.runtime.messages import JobFailed
 from h3engine.runtime.supervision import RestartingReplica

@@ -1,4 +1,4 @@
-"""Text-encoder states kept between requests (h3engine.conditioning.text_states): a rerun with another seed skips the
+"""Text-encoder states kept between requests (h3engine.engine.conditioning.text_states): a rerun with another seed skips the
 encoder and generates what a fresh encode gives; another prompt, other references or another encoder do not hit.
 
 How it breaks: a key without the pixel tensors would hand a Ref2VA request the states of other references (the
@@ -13,9 +13,9 @@ import pytest
 import torch
 from _runtime_helpers import ASSETS, parity_requests
 
-from h3engine.conditioning.text_states import TEXT_STATES, TextStateCache, presentation_key
-from h3engine.engine import Engine
-from h3engine.request import Reference
+from h3engine.engine.conditioning.text_states import TEXT_STATES, TextStateCache, presentation_key
+from h3engine.engine.engine import Engine
+from h3engine.request.files import Reference
 
 OUTPUTS = ("video", "audio", "video_latents", "audio_latents")
 
@@ -90,7 +90,7 @@ def test_the_cache_is_bounded_and_keyed_by_encoder() -> None:
 
 
 def test_the_key_reads_every_input_tensor() -> None:
-    from h3engine.conditioning.presentation import Presentation
+    from h3engine.engine.conditioning.presentation import Presentation
 
     ids = torch.tensor([[1, 2, 3]])
     base = Presentation(ids, torch.zeros(3, dtype=torch.int64), {"pixel_values": torch.ones(2, 4)})

@@ -11,17 +11,18 @@ import torch
 from _lora_helpers import random_lora, write_lora
 from safetensors.torch import load_file, save_file
 
-from h3engine import cli
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.loader import dit_source
 from h3engine.checkpoint.tiny import make_tiny_checkpoint
-from h3engine.engine import Engine
+from h3engine.cli import main as cli
+from h3engine.engine.engine import Engine
+from h3engine.engine.lora.library import TURBO_TABLE, LoraLibrary, TurboSettings, file_turbo, turbo_settings
 from h3engine.errors import RequestError
-from h3engine.lora.library import TURBO_TABLE, LoraLibrary, TurboSettings, file_turbo, turbo_settings
 from h3engine.models.dit import DiTConfig
-from h3engine.request import GenerationRequest, validate
+from h3engine.request.model import GenerationRequest
 from h3engine.request.resolved import effective_rungs
 from h3engine.request.shapes import from_dict
+from h3engine.request.validate import validate
 
 RUNGS = (999, 750, 500, 250)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from _parity_helpers import synthetic_image
 
-from h3engine.cli import main
+from h3engine.cli.main import main
 
 pytestmark = pytest.mark.cuda
 PROMPT = "A red fox runs. <d>[English] Look!</d>"

@@ -22,11 +22,11 @@ from _parity_helpers import synthetic_image
 from safetensors.torch import load_file, save_file
 
 from h3engine.checkpoint.placeholder import make_placeholder_checkpoint
-from h3engine.cli import main
+from h3engine.cli.main import main
+from h3engine.cli.validation.compare import compare_captures, parse_tolerances
+from h3engine.engine import trace
 from h3engine.models.audio_vae import AudioVAE
-from h3engine.request import GenerationRequest
-from h3engine.validation import trace
-from h3engine.validation.compare import compare_captures, parse_tolerances
+from h3engine.request.model import GenerationRequest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKLMiniMaxH3
 
-from h3engine import ops
 from h3engine.checkpoint import video_vae_format, video_vae_keys
 from h3engine.errors import CheckpointError
+from h3engine.models import ops
 from h3engine.models.video_vae import (
     DecodePlan,
     DecodeTile,

@@ -22,7 +22,7 @@ from typing import Any
 
 import gradio as gr
 
-from h3engine.lora.library import LoraLibrary
+from h3engine.engine.lora.library import LoraLibrary
 from h3engine.runtime.front import EngineFront
 from ui.access import AccessPolicy
 from ui.endings import NOT_TAKEN_STATUS

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h3engine.errors import RequestError
-from h3engine.request import TASKS, GenerationRequest
+from h3engine.request.limits import TASKS
+from h3engine.request.model import GenerationRequest
 from h3engine.request.shapes import from_dict
 
 logger = logging.getLogger(__name__)

@@ -31,12 +31,13 @@ from typing import Any
 
 import gradio as gr
 
-from h3engine.engine_options import cannot_write
+from h3engine.engine.lora.library import LoraLibrary, lora_choices
+from h3engine.engine.options import cannot_write
 from h3engine.errors import RequestError
-from h3engine.limits import MAX_DURATION_SECONDS, MIN_DURATION_SECONDS
-from h3engine.lora.library import LoraLibrary, lora_choices
-from h3engine.request import VERIFIED_SHORT_EDGE, GenerationRequest, Keyframe, Reference
 from h3engine.request.checks import parse_rungs
+from h3engine.request.files import Keyframe, Reference
+from h3engine.request.limits import MAX_DURATION_SECONDS, MIN_DURATION_SECONDS
+from h3engine.request.model import VERIFIED_SHORT_EDGE, GenerationRequest
 from h3engine.request.shapes import from_dict
 from h3engine.runtime.front import EngineFront, JobHandle, stamped_output_name
 from h3engine.runtime.messages import PreviewFrame, outputs_refuse_writes

@@ -6,7 +6,7 @@ Contract:
   from these copies, so a result's sidecar names files that outlive Gradio's upload cache: clicking the result in
   the history after a restart restores its images and clips too, and they lie in the one folder the app serves.
 * `reference_kind(path)` tells image / video / audio from the file name's extension (h3engine.media.formats).
-* `label_references(paths)` gives each reference its prompt labels, numbered by h3engine.request.reference_labels
+* `label_references(paths)` gives each reference its prompt labels, numbered by h3engine.request.validate.reference_labels
   (the rule validation applies to the prompt, so the rows and the check cannot disagree).
 * `last_frame_png(video_path, store)` decodes the last frame of a result for "use the last frame".
 
@@ -28,7 +28,7 @@ import av
 
 from h3engine.errors import RequestError
 from h3engine.media.formats import accepted_text, kind_of_suffix, safe_file_name
-from h3engine.request import reference_labels
+from h3engine.request.validate import reference_labels
 
 INPUTS_FOLDER = "inputs"
 

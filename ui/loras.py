@@ -6,7 +6,7 @@ Contract:
   endpoint parameter (`[{"name": "style.safetensors", "strength": 0.8}]`: names as the folder lists them).
 * The rows write `loras` on user input only; `loras` redraws the rows whenever it changes (a restore, an example),
   so the two never loop. `wire_lora_panel` attaches these events and the two buttons (private: not in the API).
-* `h3engine.lora.library.lora_choices` (the API's too) turns the parameter into the request's LoraChoice entries
+* `h3engine.engine.lora.library.lora_choices` (the API's too) turns the parameter into the request's LoraChoice entries
   (each on the tab's DiT); `lora_values(request, library)` is its inverse for History (adapters no longer listed are
   left out).
 
@@ -20,9 +20,9 @@ from typing import Any
 
 import gradio as gr
 
+from h3engine.engine.lora.library import LoraLibrary, turbo_settings
 from h3engine.errors import RequestError
-from h3engine.lora.library import LoraLibrary, turbo_settings
-from h3engine.request import LORA_TARGET_OF_TASK, MAX_LORA_STRENGTH, MAX_LORAS, GenerationRequest
+from h3engine.request.model import LORA_TARGET_OF_TASK, MAX_LORA_STRENGTH, MAX_LORAS, GenerationRequest
 from ui.components import as_sent
 
 LORA_SLOTS = MAX_LORAS

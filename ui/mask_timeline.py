@@ -14,7 +14,7 @@ import math
 import os
 
 from h3engine.errors import RequestError
-from h3engine.geometry import FPS, frames_for_duration
+from h3engine.request.geometry import FPS, frames_for_duration
 from h3engine.request.remix import DEFAULT_OVERLAP_FRAMES, Remix, check_ranges, parse_ranges, remix_seconds
 
 LANE_COLOURS = {"video": "#6d5dfc", "audio": "#e0884a"}
@@ -37,7 +37,7 @@ def video_seconds_of(path: str | None) -> float | None:
 @functools.lru_cache(maxsize=32)
 def _probed_seconds(path: str, size: int, modified_ns: int) -> float | None:
     from h3engine.media.inputs import probe_media
-    from h3engine.request import Reference
+    from h3engine.request.files import Reference
 
     try:
         return probe_media(Reference(kind="video", path=path)).duration_seconds

@@ -24,7 +24,7 @@ from typing import Any
 
 import gradio as gr
 
-from h3engine.request import TASKS
+from h3engine.request.limits import TASKS
 
 LANGUAGES = (
     "English", "Chinese", "Cantonese", "Japanese", "Korean", "Spanish", "French", "German", "Italian",

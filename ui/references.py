@@ -23,8 +23,8 @@ import gradio as gr
 from PIL import Image, ImageOps
 
 from h3engine.errors import RequestError
-from h3engine.limits import MAX_REFERENCES_OF_KIND
 from h3engine.media.formats import FORMATS, REFERENCE_SUFFIXES
+from h3engine.request.limits import MAX_REFERENCES_OF_KIND
 from ui.components import as_uploaded
 from ui.inputs import LabelledReference, label_references, reference_kind
 

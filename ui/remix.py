@@ -19,7 +19,7 @@ from typing import Any
 import gradio as gr
 
 from h3engine.errors import RequestError
-from h3engine.request import GenerationRequest
+from h3engine.request.model import GenerationRequest
 from h3engine.request.remix import Remix, parse_ranges
 from ui.components import as_sent
 from ui.handlers import RANDOM_SEED_LIMIT, Handlers, result_update

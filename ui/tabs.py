@@ -16,10 +16,10 @@ from typing import Any
 
 import gradio as gr
 
-from h3engine.geometry import PRESET_ASPECT_RATIOS
-from h3engine.limits import MAX_DURATION_SECONDS, MIN_DURATION_SECONDS
-from h3engine.lora.library import LoraLibrary
-from h3engine.request import CACHE_PRESETS, VERIFIED_SHORT_EDGE
+from h3engine.engine.lora.library import LoraLibrary
+from h3engine.request.geometry import PRESET_ASPECT_RATIOS
+from h3engine.request.limits import MAX_DURATION_SECONDS, MIN_DURATION_SECONDS
+from h3engine.request.model import CACHE_PRESETS, VERIFIED_SHORT_EDGE
 from ui.components import as_sent, as_uploaded
 from ui.loras import LoraPanel, build_lora_panel
 from ui.prompt_builder import PromptBuilderPanel, build_prompt_builder
@@ -48,7 +48,7 @@ DEFAULT_VALUES = {
     "loras": [],
     "cache": "off",
 }
-# The step-cache presets as the Advanced section names them (h3engine.sampling.step_cache.PRESETS).
+# The step-cache presets as the Advanced section names them (h3engine.engine.sampling.step_cache.PRESETS).
 CACHE_LABELS = {
     "off": "off (every block of every step)",
     "high": "high (the peers' conservative setting)",

@@ -75,7 +75,7 @@ class CheckpointFacts:
 
     @classmethod
     def from_engine(cls, engine: Any) -> CheckpointFacts:
-        """The facts an `h3engine.engine.Engine` read at start (`engine.facts`)."""
+        """The facts an `h3engine.engine.engine.Engine` read at start (`engine.facts`)."""
         return engine.facts
 
     def distilled_steps(self, task: str, recipe: str = "sglang") -> int | None:

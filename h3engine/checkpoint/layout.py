@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from h3engine.errors import CheckpointError
-from h3engine.limits import TASKS
+from h3engine.request.limits import TASKS
 
 PARTITION_OF_TASK = {"t2va": "fl2va", "fl2va": "fl2va", "ref2va": "ref2va"}
 NATIVE_PARTITION_FOLDERS = {"fl2va": "FL2VA", "ref2va": "Ref2VA"}

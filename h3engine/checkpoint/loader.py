@@ -57,7 +57,7 @@ class ComponentSource:
     """One component on disk: how to build our module and how to read and rename its tensors.
 
     `config` is the component's parsed config (DiTConfig, VideoVAEConfig, AudioVAEConfig): the sharded loaders of
-    h3engine.parallel build from it and read the same `files`.
+    h3engine.models.parallel build from it and read the same `files`.
     """
 
     name: str

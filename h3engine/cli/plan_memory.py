@@ -23,21 +23,21 @@ import sys
 from typing import Any
 
 from h3engine.errors import RequestError
-from h3engine.geometry import MAX_ASPECT_RATIO, MIN_ASPECT_RATIO, parse_aspect_ratio
-from h3engine.limits import (
+from h3engine.memory.budget import GPU_MEMORY_ENV, parse_gib, resolve_budget
+from h3engine.memory.plan import plan_for_shape
+from h3engine.memory.report import gpu_budget_words, plan_json, plan_table
+from h3engine.memory.shapes import ReferenceSpec, request_shape
+from h3engine.memory.types import GIB, MEMORY_PROFILES, WEIGHT_FORMATS
+from h3engine.request.geometry import MAX_ASPECT_RATIO, MIN_ASPECT_RATIO, parse_aspect_ratio
+from h3engine.request.limits import (
     MAX_CLIP_SECONDS,
     MAX_DURATION_SECONDS,
     MAX_PROMPT_TOKENS,
     MAX_REFERENCES,
     MAX_SHORT_EDGE,
     MIN_DURATION_SECONDS,
+    TASKS,
 )
-from h3engine.memory.budget import GPU_MEMORY_ENV, parse_gib, resolve_budget
-from h3engine.memory.plan import plan_for_shape
-from h3engine.memory.report import gpu_budget_words, plan_json, plan_table
-from h3engine.memory.shapes import ReferenceSpec, request_shape
-from h3engine.memory.types import GIB, MEMORY_PROFILES, WEIGHT_FORMATS
-from h3engine.request import TASKS
 
 
 def add_plan_memory_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:

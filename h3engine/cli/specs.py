@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from h3engine.errors import RequestError
-from h3engine.request import REFERENCE_KINDS
 from h3engine.request.checks import parse_rungs
+from h3engine.request.model import REFERENCE_KINDS
 
 
 def parse_dmd_steps(text: str | None, flag: str = "--dmd-steps") -> list[int] | None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from h3engine import __version__, ops
+from h3engine import __version__
 from h3engine.checkpoint.layout import PARTITION_OF_TASK, CheckpointLayout, PartitionPaths, folder_fingerprint
 from h3engine.checkpoint.loader import (
     ComponentSource,
@@ -38,19 +38,20 @@ from h3engine.checkpoint.loader import (
 )
 from h3engine.checkpoint.safetensors_io import DeferredReads
 from h3engine.checkpoint.text_encoder_files import load_tokenizer, open_text_encoder_files
-from h3engine.conditioning.presentation import load_processor
+from h3engine.engine.conditioning.presentation import load_processor
 from h3engine.engine.pipeline import Models
-from h3engine.memory.placement import Placement
-from h3engine.models.dit import set_activation_chunks
-from h3engine.models.text_encoder import H3TextEncoder
-from h3engine.ops import attention as attention_ops
-from h3engine.sampling.adaln_tables import AdalnTableCache
-from h3engine.sampling.modulation import (
+from h3engine.engine.sampling.adaln_tables import AdalnTableCache
+from h3engine.engine.sampling.modulation import (
     attach_table_cache,
     offload_adaln,
     set_kept_schedules,
     store_adaln_in_fp8,
 )
+from h3engine.memory.placement import Placement
+from h3engine.models import attention as attention_ops
+from h3engine.models import ops
+from h3engine.models.dit import set_activation_chunks
+from h3engine.models.text_encoder import H3TextEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -337,7 +338,7 @@ class ModelStore:
     ) -> torch.nn.Module:
         """On a GPU, the DiT's AdaLN projections go to pinned host memory: `modulation.schedule_modulation` streams
         them to the device once per request schedule, and the placement leaves pinned tensors where they are.
-        With `fp8_linear`, the blocks' linears are then quantized (h3engine.quantization). A DiT without parameters
+        With `fp8_linear`, the blocks' linears are then quantized (h3engine.models.quantization). A DiT without parameters
         is one another stage group holds (h3engine.runtime.stages): only its config is here. Files that store the
         AdaLN projections in FP8 hand over their values and scales as stored (loading dequantized them already)."""
         if next(dit.parameters(), None) is None:
@@ -357,13 +358,13 @@ class ModelStore:
         elif fp8_weights and not files_fp8:
             store_adaln_in_fp8(dit)
         if self.fp8_linear:
-            from h3engine.quantization import quantize_dit_linears
+            from h3engine.models.quantization import quantize_dit_linears
 
             quantize_dit_linears(dit)
         return dit
 
     def kernel_report(self) -> dict[str, str]:
-        """Which attention backend and which implementation of the fused DiT ops run (h3engine.ops): e.g.
+        """Which attention backend and which implementation of the fused DiT ops run (h3engine.models.ops): e.g.
         {"attention": "fa4", "fused_ops": "triton", "attention_tiles": "192x128"} on a Hopper GPU,
         {"attention": "sdpa", "fused_ops": "reference"} on the CPU. The DiT's head size decides the attention
         choice; 128 is the released one."""

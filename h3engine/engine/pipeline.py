@@ -29,43 +29,48 @@ from typing import Any
 import torch
 
 from h3engine.checkpoint.layout import CanvasRules
-from h3engine.conditioning import EncodedConditions, encode_keyframes, encode_references, fit_keyframes
-from h3engine.conditioning.presentation import (
+from h3engine.engine import trace
+from h3engine.engine.conditioning.encode import (
+    EncodedConditions,
+    encode_keyframes,
+    encode_references,
+    fit_keyframes,
+)
+from h3engine.engine.conditioning.presentation import (
     Presentation,
     keyframe_presentation,
     reference_presentation,
     text_presentation,
 )
-from h3engine.conditioning.remix import RemixPlan, plan_remix, splice_output
-from h3engine.conditioning.text_states import TEXT_STATES, presentation_key
-from h3engine.errors import GenerationCancelled
-from h3engine.geometry import FPS, Geometry
-from h3engine.media.mux import write_mp4
-from h3engine.media.outputs import StagedOutputs, save_tensors, sidecar_record, write_sidecar
-from h3engine.media.progressive import ProgressiveFrames
-from h3engine.media.remux import copy_source_video
-from h3engine.memory.placement import PHASE_COMPONENTS, Placement
-from h3engine.parallel.dit import modality_rows, worker_groups
-from h3engine.parallel.groups import GroupMembership
-from h3engine.parallel.vae import decode_video_and_audio
-from h3engine.request import GenerationRequest
-from h3engine.request.inputs import read_keyframe, read_reference
-from h3engine.request.resolved import ResolvedRequest
-from h3engine.sampling.hold import ActiveHold, HeldRows
-from h3engine.sampling.modulation import schedule_modulation
-from h3engine.sampling.noise import InitialNoise, draw_initial_noise, noise_condition_rows
-from h3engine.sampling.packing import (
+from h3engine.engine.conditioning.remix import RemixPlan, plan_remix, splice_output
+from h3engine.engine.conditioning.text_states import TEXT_STATES, presentation_key
+from h3engine.engine.sampling.hold import ActiveHold, HeldRows
+from h3engine.engine.sampling.modulation import schedule_modulation
+from h3engine.engine.sampling.noise import InitialNoise, draw_initial_noise, noise_condition_rows
+from h3engine.engine.sampling.packing import (
     PackedLayout,
     patchify_video,
     row_timesteps,
     rows_to_audio_latents,
     unpatchify_video,
 )
-from h3engine.sampling.schedule import Schedule, euler_step
-from h3engine.sampling.step_cache import CachePreset, ReduceGroups, StepCache, cache_preset
-from h3engine.validation import trace
+from h3engine.engine.sampling.schedule import Schedule, euler_step
+from h3engine.engine.sampling.step_cache import CachePreset, ReduceGroups, StepCache, cache_preset
+from h3engine.errors import GenerationCancelled
+from h3engine.media.mux import write_mp4
+from h3engine.media.outputs import StagedOutputs, save_tensors, sidecar_record, write_sidecar
+from h3engine.media.progressive import ProgressiveFrames
+from h3engine.media.remux import copy_source_video
+from h3engine.memory.placement import PHASE_COMPONENTS, Placement
+from h3engine.models.parallel.dit import modality_rows, worker_groups
+from h3engine.models.parallel.groups import GroupMembership
+from h3engine.models.parallel.vae import decode_video_and_audio
+from h3engine.request.geometry import FPS, Geometry
+from h3engine.request.inputs import read_keyframe, read_reference
+from h3engine.request.model import GenerationRequest
+from h3engine.request.resolved import ResolvedRequest
 
-# Where a request's AdaLN tables came from (h3engine.sampling.modulation.ScheduleModulation.source) -> the timing
+# Where a request's AdaLN tables came from (h3engine.engine.sampling.modulation.ScheduleModulation.source) -> the timing
 # that records their seconds; the sidecar's "adaln_tables" says "computed" or "cache" from it.
 ADALN_TIMING = {
     "computed": "adaln_tables_computed_s",
@@ -96,7 +101,7 @@ class GenerationOutput:
     video_latents: torch.Tensor  # [C, T, h, w] normalized latents after denoising
     audio_latents: torch.Tensor  # [2, C, A] normalized latents after denoising
     timings: dict[str, float] = field(default_factory=dict)
-    # The step cache's preset and forwards computed / skipped (h3engine.sampling.step_cache); None: cache "off".
+    # The step cache's preset and forwards computed / skipped (h3engine.engine.sampling.step_cache); None: cache "off".
     step_cache: dict[str, Any] | None = None
 
 
@@ -153,12 +158,12 @@ class PreparedRequest:
     seed: int
     recipe: str
     conditioning_s: float = 0.0
-    # The request's step-cache preset (h3engine.sampling.step_cache.PRESETS; "off": none; a benchmark may put a
+    # The request's step-cache preset (h3engine.engine.sampling.step_cache.PRESETS; "off": none; a benchmark may put a
     # CachePreset of its own here).
     cache: str | CachePreset = "off"
-    # Target rows held at source latents (h3engine.sampling.hold: remix tasks and masks); None: plain generation.
+    # Target rows held at source latents (h3engine.engine.sampling.hold: remix tasks and masks); None: plain generation.
     held: HeldRows | None = None
-    # A remix's sources as its output keeps them (h3engine.conditioning.remix); None: not a remix.
+    # A remix's sources as its output keeps them (h3engine.engine.conditioning.remix); None: not a remix.
     remix: RemixPlan | None = None
 
 
@@ -295,7 +300,7 @@ def denoise(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run every step of the schedule on the packed rows; returns the final (video_rows, audio_rows), fp32.
     `step_cache` runs each forward's blocks (it may skip the middle ones); None runs them all, as always.
-    `hold` keeps some target rows at source latents (h3engine.sampling.hold); None is the plain loop. `timings`
+    `hold` keeps some target rows at source latents (h3engine.engine.sampling.hold); None is the plain loop. `timings`
     gets the seconds the AdaLN tables took, under a name that says whether any were computed (`ADALN_TIMING`);
     tables computed here go to the DiT's disk cache once the last step has used them."""
     first_video_target = layout.num_condition_video_rows
@@ -625,7 +630,7 @@ def decode_on_group(
     mp4_path: Path | None = None,
     should_cancel: Callable[[], bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]] | None:
-    """`decode` with the video tiles split over a VAE group (h3engine.parallel.vae); None on all but VAE rank 0.
+    """`decode` with the video tiles split over a VAE group (h3engine.models.parallel.vae); None on all but VAE rank 0.
 
     Every member calls it with the same latents. Rank 0 decodes the audio while the others finish their tiles, so
     one timing, `decode_s`, covers both. A group of one is plain `decode`, which writes the MP4 at `mp4_path` while
@@ -723,7 +728,7 @@ def finish_remix(
     mp4_path: Path | None,
     should_cancel: Callable[[], bool] | None = None,
 ) -> GenerationOutput:
-    """Decode a remix, splice the sources the output keeps (h3engine.conditioning.remix) and write its MP4 at
+    """Decode a remix, splice the sources the output keeps (h3engine.engine.conditioning.remix) and write its MP4 at
     `mp4_path`: v2a with the source's video stream copied, unless it asked for the decoded frames."""
     decoded = decode(models, latents.video_latents, latents.audio_latents, None, should_cancel)
     return remix_output(plan, latents.output(*decoded), mp4_path)

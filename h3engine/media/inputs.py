@@ -30,16 +30,10 @@ from av.audio.resampler import AudioResampler
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from h3engine.errors import RequestError, file_name
-from h3engine.limits import MAX_MEDIA_SECONDS
 from h3engine.media.formats import FORMATS
-from h3engine.request import (
-    MAX_IMAGE_PIXELS,
-    MAX_IMAGE_SIDE,
-    MIN_IMAGE_SIDE,
-    Keyframe,
-    MediaInfo,
-    Reference,
-)
+from h3engine.request.files import Keyframe, MediaInfo, Reference
+from h3engine.request.limits import MAX_MEDIA_SECONDS
+from h3engine.request.model import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, MIN_IMAGE_SIDE
 
 MODEL_FPS = 24
 MODEL_SAMPLE_RATE = 32_000

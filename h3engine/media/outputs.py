@@ -35,8 +35,8 @@ if (
 ):  # torch is imported by `save_tensors` alone: the CLI checks output names before importing it
     import torch
 
-    from h3engine.geometry import Geometry
-    from h3engine.request import GenerationRequest
+    from h3engine.request.geometry import Geometry
+    from h3engine.request.model import GenerationRequest
 
 logger = logging.getLogger(__name__)
 

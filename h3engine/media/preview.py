@@ -15,7 +15,7 @@ import math
 import numpy as np
 import torch
 
-from h3engine.sampling.packing import unpatchify_video
+from h3engine.engine.sampling.packing import unpatchify_video
 
 PREVIEW_SHORT_EDGE = 256
 # Contrast: values this many standard deviations from the mean reach black / white.

@@ -26,22 +26,15 @@ from h3engine.errors import RequestError
 from h3engine.memory.budget import format_gib, resolve_budget
 from h3engine.memory.disk import disk_read_rate, parse_gbps
 from h3engine.memory.placement import check_memory_profile, check_weights, profile_plan
-from h3engine.memory.plan import (
-    MemoryPlan,
-    PlanContext,
-    engine_shapes,
-    plan_engine,
-)
+from h3engine.memory.plan import MemoryPlan, PlanContext, engine_shapes, plan_engine
 from h3engine.memory.request_plan import check_request_fits
 from h3engine.memory.shapes import ReferenceSpec, RequestShape, request_shape
 from h3engine.memory.sizes import RankShare, checkpoint_sizes, stored_weights
-from h3engine.memory.types import (
-    MemoryBudget,
-)
+from h3engine.memory.types import MemoryBudget
 
 logger = logging.getLogger(__name__)
 
-# The variable `--adaln-cache` falls back to (h3engine.sampling.adaln_tables reads it too).
+# The variable `--adaln-cache` falls back to (h3engine.engine.sampling.adaln_tables reads it too).
 ADALN_CACHE_ENV = "H3_ADALN_CACHE"
 # The most activation chunks one may ask for (past the DiT's 56 heads only the rows split further).
 MAX_ACTIVATION_CHUNKS = 256
@@ -51,7 +44,7 @@ MAX_ACTIVATION_CHUNKS = 256
 class MemoryRequest:
     """An engine's memory flags: `--memory-profile`, `--gpu-memory` / `--host-memory` (GiB as given; None: the
     environment, else the default), `--weights`, `--adaln-cache` (a folder, "off", or None: the environment, else the
-    engine's cache folder; h3engine.sampling.adaln_tables), and the share of the models this rank holds."""
+    engine's cache folder; h3engine.engine.sampling.adaln_tables), and the share of the models this rank holds."""
 
     profile: str = "auto"
     gpu_memory: str | float | None = None
@@ -90,7 +83,7 @@ class MemoryRequest:
 
     @classmethod
     def from_options(cls, options: Any) -> MemoryRequest:
-        """The request of h3engine.engine_options.EngineOptions (their memory fields)."""
+        """The request of h3engine.engine.options.EngineOptions (their memory fields)."""
         return cls(
             options.memory_profile,
             options.gpu_memory,
@@ -192,7 +185,7 @@ def check_request_memory(
 ) -> RequestShape | None:
     """RequestError (naming the field to change) when one validated `request` would not fit the plan's GPU budget
     even with the fewest DiT layers resident; returns its memory shape (None without a GPU budget, on the CPU, or
-    without the planner's sizes: nothing to check). `request` is an h3engine.request.GenerationRequest whose canvas
+    without the planner's sizes: nothing to check). `request` is an h3engine.request.model.GenerationRequest whose canvas
     is `canvas` (height, width); `probe` gives a reference's `MediaInfo` (the resolved request's media facts, which
     probed each file once); `duration_seconds` is the resolved duration (default: the request's). Duck-typed: this
     layer sits below the request module."""

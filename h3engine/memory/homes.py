@@ -4,8 +4,8 @@
   placement's homes and the DiT's offloaded AdaLN projections.
 * `host_buffers(sizes, pin)` hands out byte buffers carved from the same kind of slabs (pageable when `pin` is
   False or pinning fails): a streamed layer's home image (h3engine.memory.streaming).
-* `quantize_rows` (h3engine.quantization's) / `dequantize_into` are the FP8 storage of `--weights fp8`: e4m3 values with one fp32 scale per
-  output row (h3engine.quantization's scheme), turned back into the compute dtype as `dtype(float32(q) * scale)`,
+* `quantize_rows` (h3engine.models.quantization's) / `dequantize_into` are the FP8 storage of `--weights fp8`: e4m3 values with one fp32 scale per
+  output row (h3engine.models.quantization's scheme), turned back into the compute dtype as `dtype(float32(q) * scale)`,
   one rounding. A home in FP8 holds half the bytes of bf16 and crosses PCIe in half the time; the values the layer
   computes with are no longer the released ones (a stated, measured error, never the default).
 
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from h3engine.memory.slabs import PINNED_SLAB_BYTES, aligned, slab_plan
-from h3engine.quantization import quantize_rows
+from h3engine.models.quantization import quantize_rows
 
 logger = logging.getLogger(__name__)
 

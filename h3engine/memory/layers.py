@@ -5,7 +5,7 @@ stream (`streamed_parts`; "" is the whole layer), and the submodules whose calls
 and close (`exit`, forward hook) a layer's use. The DiT (refiner blocks, then main blocks) and the video decoder
 stream only their attention and feed-forward: each block also reads the NEXT block's first norm (fused residual and
 norm), so norms stay. The text encoder streams its 50 Qwen3-VL decoder layers whole. The DiT's AdaLN projections
-are not layers here (h3engine.sampling.modulation streams them once per request); the audio VAE has none.
+are not layers here (h3engine.engine.sampling.modulation streams them once per request); the audio VAE has none.
 
 Danger: the specs name attributes of our modules and of transformers' Qwen3-VL; a renamed attribute raises here,
 at load, rather than streaming nothing.

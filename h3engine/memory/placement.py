@@ -11,7 +11,7 @@ change; `resident_for(phase, modules)` is where a phase begins and ends; `activa
 the one on the device (the other waits in pinned memory when `plan.other_partition_home` says so).
 
 Danger: a tensor already pinned, or parked, when adopted stays where it is: its module streams it itself (the DiT's
-offloaded AdaLN projections, h3engine.sampling.modulation).
+offloaded AdaLN projections, h3engine.engine.sampling.modulation).
 """
 
 from __future__ import annotations
@@ -33,22 +33,12 @@ from h3engine.errors import RequestError
 from h3engine.memory.homes import dequantized, pin_in_place, quantizable
 from h3engine.memory.layers import LAYER_SPECS, LayerSpec, layer_spec
 from h3engine.memory.peaks import FP8_MODELS, PHASE_COMPONENTS, PHASE_LAYERS
-from h3engine.memory.plan import (
-    MemoryPlan,
-    resident_plan,
-)
+from h3engine.memory.plan import MemoryPlan, resident_plan
 from h3engine.memory.report import summary_lines
 from h3engine.memory.request_plan import request_dit_plan
 from h3engine.memory.shapes import RequestShape
 from h3engine.memory.streaming import LayerStream, TensorRead, streamed_tensors
-from h3engine.memory.types import (
-    GIB,
-    MEMORY_PROFILES,
-    MODELS,
-    RESIDENT,
-    WEIGHT_FORMATS,
-    ModelPlacement,
-)
+from h3engine.memory.types import GIB, MEMORY_PROFILES, MODELS, RESIDENT, WEIGHT_FORMATS, ModelPlacement
 
 logger = logging.getLogger(__name__)
 

@@ -14,20 +14,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from h3engine.errors import RequestError
-from h3engine.limits import MIN_DURATION_SECONDS
 from h3engine.memory.peaks import phase_peaks
-from h3engine.memory.plan import (
-    RING_DEPTHS,
-    MemoryPlan,
-    most_resident_layers,
-)
+from h3engine.memory.plan import RING_DEPTHS, MemoryPlan, most_resident_layers
 from h3engine.memory.shapes import RequestShape, partition_for_task, reshaped
-from h3engine.memory.types import (
-    GIB,
-    MemoryBudget,
-    ModelPlacement,
-)
+from h3engine.memory.types import GIB, MemoryBudget, ModelPlacement
 from h3engine.memory.working import phase_working
+from h3engine.request.limits import MIN_DURATION_SECONDS
 
 if TYPE_CHECKING:
     from h3engine.memory.sizes import PartitionSizes

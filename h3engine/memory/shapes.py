@@ -1,14 +1,14 @@
 """The shape of a request as far as memory goes: its canvas, frames, packed rows and what its encoders see.
 
 `request_shape(sizes, task, ...)` builds a `RequestShape` from a request's fields with the project's geometry
-(h3engine.geometry) on a checkpoint's canvas rule, VAE and patch factors and Qwen vision rules; what the request
+(h3engine.request.geometry) on a checkpoint's canvas rule, VAE and patch factors and Qwen vision rules; what the request
 leaves open takes its worst case under the request limits (the prompt bound, both FL2VA keyframes,
 `worst_case_references`). `reshaped` builds a variant (a shorter duration, a smaller short edge); `engine_shapes`
 lists the requests an engine plans for.
 
 Danger: h3engine.memory sits below the request layer (tests/test_house.py): the request limits come from
-h3engine.limits, and the reference conditioning's rules it needs (reference image size, encoded video frames, the
-text encoder's video sampling) from h3engine.geometry, where conditioning reads them too. Importing this module
+h3engine.request.limits, and the reference conditioning's rules it needs (reference image size, encoded video frames, the
+text encoder's video sampling) from h3engine.request.geometry, where conditioning reads them too. Importing this module
 imports no torch; `request_shape` does (the decoder's tiling rule).
 """
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from h3engine.checkpoint.layout import PARTITION_OF_TASK
 from h3engine.errors import CheckpointError
-from h3engine.geometry import (
+from h3engine.request.geometry import (
     AUDIO_LATENTS_PER_SECOND,
     AUDIO_SAMPLE_RATE,
     FPS,
@@ -35,7 +35,7 @@ from h3engine.geometry import (
     resolve_canvas,
     video_latent_frames,
 )
-from h3engine.limits import (
+from h3engine.request.limits import (
     DEFAULT_STEPS,
     MAX_DURATION_SECONDS,
     MAX_PROMPT_TOKENS,
@@ -84,7 +84,7 @@ TYPICAL_REFERENCES = (ReferenceSpec("image"), ReferenceSpec("audio", seconds=5.0
 class RequestShape:
     """The sizes of one request that fix its memory: canvas, frames, the packed rows and what the encoders see.
 
-    Built by `request_shape` from the request's fields with the project's own geometry (h3engine.geometry, the
+    Built by `request_shape` from the request's fields with the project's own geometry (h3engine.request.geometry, the
     conditioning and presentation rules); `arguments` are that call's keyword arguments, so that a variant (a
     shorter duration, a smaller short edge) can be rebuilt.
     """
@@ -116,7 +116,7 @@ class RequestShape:
     encode_tile: tuple[int, int] = (0, 0)  # pixels (h, w) of one encoder tile
     encode_audio_samples: int = 0  # samples per channel of the longest audio condition
     decode: DecodeShape | None = None
-    # A step cache other than "off" (h3engine.sampling.step_cache): the residuals it holds count.
+    # A step cache other than "off" (h3engine.engine.sampling.step_cache): the residuals it holds count.
     step_cache: bool = False
     arguments: Mapping[str, Any] = field(default_factory=dict)
 
@@ -191,7 +191,7 @@ def request_shape(
     """The shape of a request on this checkpoint (its canvas rule, VAE and patch factors, tokenizer's vision rules).
 
     Left out, the request's variable parts take their worst case under the request limits: `text_tokens` the prompt
-    bound (h3engine.request.MAX_PROMPT_TOKENS), FL2VA both keyframes, Ref2VA `worst_case_references`. `short_edge`
+    bound (h3engine.request.limits.MAX_PROMPT_TOKENS), FL2VA both keyframes, Ref2VA `worst_case_references`. `short_edge`
     None is the checkpoint's own canvas rule (768 for the release). ValueError for a geometry the resolver refuses.
     """
     arguments = {
@@ -356,7 +356,7 @@ def engine_shapes(sizes: CheckpointSizes) -> list[RequestShape]:
 
 @functools.lru_cache(maxsize=8)
 def qwen_sampled_frames(num_frames: int) -> int:
-    """How many frames of a 24 fps clip the text encoder reads (h3engine.geometry.qwen_video_sampling)."""
+    """How many frames of a 24 fps clip the text encoder reads (h3engine.request.geometry.qwen_video_sampling)."""
     return len(qwen_video_sampling(num_frames, temporal_patch=1)[0])
 
 

@@ -43,7 +43,7 @@ from h3engine.models.dit import DiTConfig
 from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.models.video_vae import VideoVAE, VideoVAEConfig
 
-# Bytes of one FP8 scale (fp32, one per output row: h3engine.quantization.quantize_rows).
+# Bytes of one FP8 scale (fp32, one per output row: h3engine.models.quantization.quantize_rows).
 FP8_SCALE_BYTES = 4
 
 # Tensor-parallel splits, by the linear's attribute name: "rows" (column-parallel: output rows split), "columns"
@@ -217,7 +217,7 @@ def _fp8_bytes(tensor: torch.Tensor) -> int:
 def _split_bytes(tensor: torch.Tensor, split: str | None, degree: int, stored_fp8: bool) -> tuple[int, int]:
     """(stored bytes, unquantized bytes) of this rank's share of a 2-D weight split `split` over `degree` ranks.
 
-    As h3engine.parallel splits them: the DiT's qkv and fc1 (the refiner's too) by output rows, out_proj and fc2 by
+    As h3engine.models.parallel splits them: the DiT's qkv and fc1 (the refiner's too) by output rows, out_proj and fc2 by
     input columns over dit_tp; the text encoder's q/gate/up by rows, o/down by columns over encoder_tp, k/v by rows
     over min(encoder_tp, kv_heads) (more ranks than key/value heads replicate them). A split dimension is divided
     with ceil (exact for the released widths); an FP8 row-parallel layer keeps every output row's scale."""

@@ -37,7 +37,7 @@ from h3engine.memory.homes import (
 )
 from h3engine.memory.layers import LayerSpec
 from h3engine.memory.slabs import aligned
-from h3engine.quantization import quantize_rows
+from h3engine.models.quantization import quantize_rows
 
 # A reader of a file home: the tensor's values on the host, in the layer's dtype and shape; or, for a tensor stored in
 # FP8 in the files, its (e4m3 values, fp32 row scales).

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GIB = 1 << 30
-# How many past noise schedules' AdaLN tables a DiT keeps on its device (h3engine.sampling.modulation).
+# How many past noise schedules' AdaLN tables a DiT keeps on its device (h3engine.engine.sampling.modulation).
 MODULATION_CACHE_SCHEDULES = 2
 
 MEMORY_PROFILES = ("auto", "resident", "streamed", "low-memory")

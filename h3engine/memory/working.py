@@ -108,7 +108,7 @@ def dit_request_state_bytes(partition: PartitionSizes, shape: RequestShape) -> i
 
 
 def step_cache_bytes(partition: PartitionSizes, shape: RequestShape, share: Any) -> int:
-    """A step cache's share of a forward (h3engine.sampling.step_cache): the first blocks' residual and the middle
+    """A step cache's share of a forward (h3engine.engine.sampling.step_cache): the first blocks' residual and the middle
     blocks' one kept between forwards, and at the decision the new residual and the difference's |a - b| temporary
     (4 x [S, H] on this rank's rows; the per-row fp32 sums are small). None with cache "off"."""
     if not shape.step_cache:
@@ -118,7 +118,7 @@ def step_cache_bytes(partition: PartitionSizes, shape: RequestShape, share: Any)
 
 
 def adaln_table_bytes(partition: PartitionSizes, shape: RequestShape) -> int:
-    """The AdaLN tables of one schedule (h3engine.sampling.modulation): per step, per block six [M * 3, H] tables, and the
+    """The AdaLN tables of one schedule (h3engine.engine.sampling.modulation): per step, per block six [M * 3, H] tables, and the
     final layer's two [M, H]; built once per request and kept in the modulation cache."""
     config, e = partition.dit_config, partition.dtype_bytes
     levels, hidden = shape.timestep_levels, config.hidden_size
@@ -167,7 +167,7 @@ def text_encode_bytes(partition: PartitionSizes, shape: RequestShape, share: Any
 
 
 def conditioning_bytes(partition: PartitionSizes, shape: RequestShape) -> int:
-    """The VAE encoders' largest moment (FL2VA keyframes, Ref2VA references; h3engine.conditioning).
+    """The VAE encoders' largest moment (FL2VA keyframes, Ref2VA references; h3engine.engine.conditioning).
 
     * video: the condition's pixels on the GPU as uint8 and four fp32 copies (the float cast, /255, the ImageNet
       normalization's two steps; a clip padded to whole 17-frame clips is concatenated once more), and one encoder

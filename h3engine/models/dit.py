@@ -25,10 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from h3engine import ops
-from h3engine.models import dit_chunks
-from h3engine.ops import attention as attention_ops
-from h3engine.ops.attention import AttentionKernel
+from h3engine.models import attention as attention_ops
+from h3engine.models import dit_chunks, ops
+from h3engine.models.attention import AttentionKernel
 
 # Rows carry one AdaLN entry per (timestep, modality); modality tags are 0 video, 1 text, 2 audio.
 NUM_MODALITIES = 3
@@ -37,7 +36,7 @@ NUM_BLOCK_MODULATIONS = 6
 # The sinusoidal timestep features use the classic 10000 period.
 TIMESTEP_MAX_PERIOD = 10000.0
 
-# h3engine.lora.adapters puts a LoRA's update (a callable on the layer's input) on a linear under this name; a forward hook
+# h3engine.engine.lora.adapters puts a LoRA's update (a callable on the layer's input) on a linear under this name; a forward hook
 # adds it where the layer is called, and the paths below that read the weight instead add it themselves.
 LOW_RANK_ATTRIBUTE = "low_rank_update"
 
@@ -196,7 +195,7 @@ _KNOWN_CONFIGS: dict[str, tuple[Any, Any]] = {
 def attention(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
     """Full bidirectional attention over one packed document: [S, heads, head_dim] in and out, no mask.
 
-    The single call site of the attention kernel; `h3engine.ops.attention` picks the backend (FA4, cuDNN, SDPA).
+    The single call site of the attention kernel; `h3engine.models.attention` picks the backend (FA4, cuDNN, SDPA).
     Scale is 1/sqrt(head_dim).
     """
     return attention_ops.attention(query, key, value)
@@ -308,7 +307,7 @@ class Attention(nn.Module):
     def _project_qkv(self, hidden: Tensor) -> tuple[Tensor, ...]:
         """q, k and v as three GEMMs on the stacked weight's row blocks (contiguous outputs).
 
-        An FP8 layer (`h3engine.quantization.Fp8Linear`, which holds no bf16 weight) provides `forward_chunks`, which
+        An FP8 layer (`h3engine.models.quantization.Fp8Linear`, which holds no bf16 weight) provides `forward_chunks`, which
         quantizes `hidden` once for the three GEMMs (duck-typed: fp8 imports this module, not the other way round).
         """
         forward_chunks = getattr(self.qkv_proj, "forward_chunks", None)
@@ -464,7 +463,7 @@ class DiTBlock(nn.Module):
         """The block from its attention input `modulated` (`attention_input(hidden, ...)`) on: (new hidden, the
         `following` block's attention input of it, or None without a following block). The last gated residual and
         the next block's first norm then run as one op, one pass over the sequence instead of two."""
-        # Each op gathers its table rows per packed row: table[adaln_index] (see `h3engine.ops` for the rounding).
+        # Each op gathers its table rows per packed row: table[adaln_index] (see `h3engine.models.ops` for the rounding).
         rows, tables = layout.adaln_index, modulation
         attended = self.attn(modulated, layout.rope_cos_sin, layout.attend)
         # hidden + gate_attn * attended, and the FFN's modulated norm of that sum, in one pass.
@@ -504,7 +503,7 @@ def run_blocks(
     chain = list(zip(blocks, modulations, strict=True))
     if not chain:
         return hidden
-    # Tables may still be in flight on the stream that builds a schedule's (h3engine.sampling.modulation): each block waits
+    # Tables may still be in flight on the stream that builds a schedule's (h3engine.engine.sampling.modulation): each block waits
     # for its own and, for the fused next norm, the following block's.
     modulated = chain[0][0].attention_input(hidden, chain[0][1].wait(), layout)
     for index, (block, modulation) in enumerate(chain):
@@ -564,7 +563,7 @@ class BlockModulation:
     gate_ffn: Tensor
 
     def wait(self) -> BlockModulation:
-        """These tables, ready to be read; tables built on another CUDA stream (h3engine.sampling.modulation) first make the
+        """These tables, ready to be read; tables built on another CUDA stream (h3engine.engine.sampling.modulation) first make the
         reading stream wait for them."""
         return self
 
@@ -574,7 +573,7 @@ class StepModulation:
     """Every AdaLN table of one forward: one `BlockModulation` per block and the final layer's (1 + scale, shift).
 
     It depends only on the forward's M distinct timesteps, so a request can build the tables of every step of its
-    schedule once (h3engine.sampling.modulation) and pass each forward its step's.
+    schedule once (h3engine.engine.sampling.modulation) and pass each forward its step's.
     """
 
     blocks: tuple[BlockModulation, ...]
@@ -600,7 +599,7 @@ class PackedLayout:
     video_index: Tensor
     audio_index: Tensor
     text_index: Tensor
-    # One process holding every row attends locally; a sequence-parallel shard (h3engine.parallel) passes a kernel
+    # One process holding every row attends locally; a sequence-parallel shard (h3engine.models.parallel) passes a kernel
     # that exchanges rows with the other shards around the attention call.
     attend: AttentionKernel = attention
 
@@ -705,8 +704,8 @@ class H3DiT(nn.Module):
         """One packed request -> (video velocity [Nv, C*prod(patch)] fp32, audio velocity [Na, Ca] fp32).
 
         A denoising loop passes the request-static `layout` (from `prepare_layout` on the same index tensors) and
-        this step's `modulation` (h3engine.sampling.modulation.schedule_modulation) so that neither is rebuilt every step.
-        `blocks_runner` runs the block chain instead of `run_blocks` (the step cache, h3engine.sampling.step_cache).
+        this step's `modulation` (h3engine.engine.sampling.modulation.schedule_modulation) so that neither is rebuilt every step.
+        `blocks_runner` runs the block chain instead of `run_blocks` (the step cache, h3engine.engine.sampling.step_cache).
         """
         if layout is None:
             layout = self.prepare_layout(

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from h3engine import ops
-from h3engine.ops.attention import AttentionKernel
+from h3engine.models import ops
+from h3engine.models.attention import AttentionKernel
 
 # The modules come from h3engine.models.dit (Attention, FinalLayer, H3DiT), which calls in here: they are typed by
 # their base class, and the forward's layout (dit.PackedLayout: row indices, sequence length) as Any, so that this

@@ -7,7 +7,7 @@ causal 3D-CNN encoder and ViT decoder are in `h3engine.models.video_vae_networks
 * `decode(latents)`: UN-normalized latents (`denormalize_latents`) -> pixels [B, 3, F, 16h, 16w] in the same space,
   decoded in windows of 7 latents (5 + 2 overlap) cross-faded over 5 frames. Three steps that can run apart:
   `plan_decode` lists the tiles, `decode_tiles` makes whole decoder calls (`DecodePlan.call_batches`),
-  `assemble_decode` stitches and cross-fades; `h3engine.parallel.vae` spreads the calls over ranks bit-identically.
+  `assemble_decode` stitches and cross-fades; `h3engine.models.parallel.vae` spreads the calls over ranks bit-identically.
 * Spatial tiling (256 px tiles, >= 64 px overlap, linear cross-fade) is ON in the released recipe both ways and part
   of the function: the decoder's RoPE positions are relative to the tile it sees, so tiling changes the pixels.
 * State-dict keys are the native `video_vae/source/model.safetensors` keys (560 for the release), including the
@@ -24,11 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from h3engine.models.video_vae_config import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    VideoVAEConfig,
-)
+from h3engine.models.video_vae_config import IMAGENET_MEAN, IMAGENET_STD, VideoVAEConfig
 from h3engine.models.video_vae_networks import VideoEncoder, ViTDecoder, autocast_off
 
 # Decoder calls take up to this many tiles at once (one 768p window is 28 tiles: two calls of 14).
@@ -474,7 +470,7 @@ class VideoVAE(nn.Module):
         `autocast_dtype=None` computes in the weights' dtype (fp32: parity). `torch.float16` runs SGLang's released
         recipe (fp16 autocast with the reference's fp32 islands; see the module docstring).
 
-        The same three steps as the parallel decode (`h3engine.parallel.vae`), with every tile decoded here:
+        The same three steps as the parallel decode (`h3engine.models.parallel.vae`), with every tile decoded here:
         `plan_decode`, `decode_tiles` over every planned call, `assemble_decode`.
         """
         return torch.cat(list(self.decode_pieces(latents, autocast_dtype)), dim=2)

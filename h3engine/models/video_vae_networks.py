@@ -7,7 +7,7 @@ RMSNorms, QK-norm and the final LayerNorm compute in fp32, the residual stream a
 angles are fp32. Two fp16 roundings of that recipe are reproduced on purpose because they change the output:
 `post_quant_conv` runs under autocast, so the embedded tokens are rounded to fp16 before they join the fp32 residual
 stream, and the per-axis positions (and cos/sin) are computed in the dtype of that conv's output (diffusers keeps
-them in fp32). The decoder blocks' elementwise work goes through `h3engine.ops` (RMSNorm fused with the layer-scaled
+them in fp32). The decoder blocks' elementwise work goes through `h3engine.models.ops` (RMSNorm fused with the layer-scaled
 residual, QK-norm + RoPE, SwiGLU): Triton kernels on CUDA, elsewhere torch twins that give the unfused bits.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from h3engine import ops
+from h3engine.models import ops
 from h3engine.models.video_vae_config import VideoVAEConfig
 
 

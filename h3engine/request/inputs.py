@@ -2,7 +2,7 @@
 
 Contract:
 * `read_reference(resolved, index, canvas, multiple)` reads one Ref2VA reference of a resolved request
-  (h3engine.request.resolved) and normalizes it with h3engine.conditioning; a video's canvas follows its probed
+  (h3engine.request.resolved) and normalizes it with h3engine.engine.conditioning; a video's canvas follows its probed
   size (the resolved media facts: no second probe). RequestError naming `references[index]`.
 * `read_keyframe(request, index)` reads one keyframe image (RequestError naming `keyframes[index]`).
 """
@@ -13,16 +13,16 @@ import torch
 from PIL import Image
 
 from h3engine.checkpoint.layout import CanvasRules
-from h3engine.conditioning import (
+from h3engine.engine.conditioning.encode import (
     NormalizedReference,
     normalize_reference_audio,
     normalize_reference_image,
     normalize_reference_video,
 )
 from h3engine.errors import RequestError
-from h3engine.geometry import AUDIO_SAMPLE_RATE, FPS, canvas_rule, resolve_canvas
 from h3engine.media import inputs as media_inputs
-from h3engine.request import GenerationRequest
+from h3engine.request.geometry import AUDIO_SAMPLE_RATE, FPS, canvas_rule, resolve_canvas
+from h3engine.request.model import GenerationRequest
 from h3engine.request.resolved import ResolvedRequest
 
 

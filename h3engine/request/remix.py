@@ -1,7 +1,7 @@
 """Remix requests: new sound for a video (v2a), new video for a sound (a2v), extend a clip, masked regeneration.
 
 A `Remix` rides on a T2VA request (the DiT it runs is T2VA's, with some target rows held at the source's latents:
-h3engine.sampling.hold). `check_remix` is the checker's part for it (RequestError naming `remix.<field>`; each file
+h3engine.engine.sampling.hold). `check_remix` is the checker's part for it (RequestError naming `remix.<field>`; each file
 probed once through the request's `MediaFacts`); `remix_seconds` is the clip length a remix generates.
 Modes: "v2a" holds the source video (trimmed down to the 17k+5 frame grid, the trim said in a warning); "a2v" holds
 the source audio over the span it covers (a longer one trimmed, said); "extend" holds the source's last
@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from h3engine.geometry import FPS, frames_for_duration, snap_frames_down
-from h3engine.limits import MAX_DURATION_SECONDS, MAX_MEDIA_SECONDS, MIN_DURATION_SECONDS
 from h3engine.request.checks import check_integer_range, check_local_path, describe, fail, is_number
 from h3engine.request.files import Reference
+from h3engine.request.geometry import FPS, frames_for_duration, snap_frames_down
+from h3engine.request.limits import MAX_DURATION_SECONDS, MAX_MEDIA_SECONDS, MIN_DURATION_SECONDS
 
 REMIX_MODES = ("v2a", "a2v", "extend")
 DEFAULT_OVERLAP_FRAMES = 22  # 17k + 5 with k = 1: two latent frames held (peers default to 18-22)

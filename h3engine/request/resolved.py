@@ -21,19 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from h3engine.checkpoint.layout import distilled_step_count
 from h3engine.errors import RequestError
-from h3engine.geometry import Geometry, canvas_rule, frames_for_duration
 from h3engine.media import inputs as media_inputs
-from h3engine.request import (
-    GenerationRequest,
-    MediaFacts,
-    Reference,
-    check_cache_schedule,
-    resolve_aspect,
-    resolve_duration_seconds,
-    validate,
-)
 from h3engine.request.checks import fail
+from h3engine.request.files import MediaFacts, Reference
+from h3engine.request.geometry import Geometry, canvas_rule, frames_for_duration
+from h3engine.request.model import GenerationRequest
 from h3engine.request.remix import check_remix
+from h3engine.request.validate import check_cache_schedule, resolve_aspect, resolve_duration_seconds, validate
 
 if TYPE_CHECKING:
     from h3engine.checkpoint.facts import CheckpointFacts
@@ -73,7 +67,9 @@ def resolve_request(
         warnings = validate(request, media, canvas_multiple=1)
         rungs = request.rungs or None
     else:
-        from h3engine.conditioning.presentation import prompt_token_counter  # the tokenizer (imports torch)
+        from h3engine.engine.conditioning.presentation import (
+            prompt_token_counter,  # the tokenizer (imports torch)
+        )
 
         counter = None if facts.tokenizer is None else prompt_token_counter(facts.tokenizer)
         warnings = validate(
@@ -95,7 +91,10 @@ def _check_checkpoint_rules(request: GenerationRequest, facts: CheckpointFacts) 
     check_distilled_steps(request.steps, request.recipe, rungs)
     check_cache_schedule(request.cache, rungs is not None)
     if request.loras and request.task in facts.lora_targets:
-        from h3engine.lora.adapters import LoraHeaders, request_adapters  # the LoRA readers (import torch)
+        from h3engine.engine.lora.adapters import (  # the LoRA readers (import torch)
+            LoraHeaders,
+            request_adapters,
+        )
 
         target, config = facts.lora_targets[request.task]
         request_adapters(request, target, config, LoraHeaders())  # headers only: each file's fit and targets

@@ -15,13 +15,9 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from h3engine.request import (
-    GenerationRequest,
-    Keyframe,
-    LoraChoice,
-    Reference,
-)
 from h3engine.request.checks import describe, fail, is_integer, uri_scheme
+from h3engine.request.files import Keyframe, Reference
+from h3engine.request.model import GenerationRequest, LoraChoice
 from h3engine.request.remix import Remix
 
 # SGLang fills in this seed when a request in its shape carries none; keeping it reproduces its outputs.

@@ -15,8 +15,8 @@ the same function.
 from __future__ import annotations
 
 from h3engine.checkpoint.facts import CheckpointFacts
-from h3engine.geometry import Geometry
-from h3engine.request import GenerationRequest
+from h3engine.request.geometry import Geometry
+from h3engine.request.model import GenerationRequest
 from h3engine.request.resolved import resolve_request
 
 __all__ = ["CheckpointFacts", "check_request", "expected_geometry"]

@@ -32,11 +32,11 @@ from typing import Any, Protocol
 import torch
 
 from h3engine.checkpoint.layout import PARTITION_OF_TASK
-from h3engine.engine import Engine
-from h3engine.geometry import Geometry
+from h3engine.engine.engine import Engine
 from h3engine.media.leftovers import WARM_UP_FOLDER_PREFIX, owned_temp_folder
 from h3engine.media.outputs import checked_output_files
-from h3engine.request import GenerationRequest
+from h3engine.request.geometry import Geometry
+from h3engine.request.model import GenerationRequest
 from h3engine.runtime.checks import CheckpointFacts, check_request, expected_geometry
 from h3engine.runtime.messages import (
     ENGINE_FAILURE_MESSAGE,

@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from h3engine.engine_options import EngineOptions
-from h3engine.geometry import Geometry
-from h3engine.parallel.groups import EncoderLayout, ParallelLayout, VAELayout
-from h3engine.request import GenerationRequest
+from h3engine.engine.options import EngineOptions
+from h3engine.models.parallel.groups import EncoderLayout, ParallelLayout, VAELayout
+from h3engine.request.geometry import Geometry
+from h3engine.request.model import GenerationRequest
 from h3engine.runtime.channel import TensorChannel
 from h3engine.runtime.checks import CheckpointFacts
 
@@ -92,7 +92,7 @@ class RunJob:
     submitted_at: float  # time.monotonic() of the submit, for JobStarted.queue_wait_s
     replica_index: int
     preview_every: int
-    # A CaptureSpec (h3engine.validation.trace): rank 0 records the job's boundaries there (`generate --capture`).
+    # A CaptureSpec (h3engine.engine.trace): rank 0 records the job's boundaries there (`generate --capture`).
     capture: Any = None
 
     @classmethod

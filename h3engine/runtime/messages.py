@@ -30,12 +30,12 @@ import numpy as np
 import torch
 
 from h3engine.errors import GenerationCancelled, H3Error
-from h3engine.geometry import FPS, Geometry
 from h3engine.media.outputs import OutputFiles
 from h3engine.media.preview import latent_preview_rgb
+from h3engine.request.geometry import FPS, Geometry
 
 if TYPE_CHECKING:
-    from h3engine.engine import Engine
+    from h3engine.engine.engine import Engine
     from h3engine.engine.pipeline import StepEvent
 
 logger = logging.getLogger(__name__)

@@ -26,22 +26,22 @@ import torch.distributed as dist
 from h3engine.checkpoint.loader import ComponentSource
 from h3engine.checkpoint.safetensors_io import DeferredReads
 from h3engine.checkpoint.text_encoder_files import open_text_encoder_files
+from h3engine.engine import trace
 from h3engine.engine.model_store import ModelLoader
 from h3engine.memory.sizes import RankShare
-from h3engine.models.text_encoder import H3TextEncoder
-from h3engine.parallel.dit import load_dit_shard
-from h3engine.parallel.groups import (
+from h3engine.models.parallel.dit import load_dit_shard
+from h3engine.models.parallel.groups import (
     create_control_group,
     create_dit_groups,
     create_encoder_groups,
     create_vae_group,
 )
-from h3engine.parallel.text_encoder import load_text_encoder_shard
-from h3engine.parallel.vae import AUDIO_DECODE_RANK
+from h3engine.models.parallel.text_encoder import load_text_encoder_shard
+from h3engine.models.parallel.vae import AUDIO_DECODE_RANK
+from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.runtime.job_protocol import RunJob, WorkerSpec
 from h3engine.runtime.rank_jobs import JobRank, RankGroups
 from h3engine.runtime.rank_process import Outbox, join_world, rank_engine, run_rank
-from h3engine.validation import trace
 
 
 def worker_groups(rank: int, spec: WorkerSpec) -> RankGroups:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from h3engine.engine import Engine
+from h3engine.engine.engine import Engine
 from h3engine.engine.pipeline import (
     DenoisedLatents,
     Models,
@@ -34,11 +34,11 @@ from h3engine.engine.pipeline import (
     write_outputs,
 )
 from h3engine.errors import GenerationCancelled, RequestError
-from h3engine.geometry import Geometry
 from h3engine.media.outputs import OutputFiles, input_records, staged
-from h3engine.parallel.collectives import all_reduce_sum
-from h3engine.parallel.groups import DiTGroups, EncoderGroups, GroupMembership
-from h3engine.parallel.vae import AUDIO_DECODE_RANK
+from h3engine.models.parallel.collectives import all_reduce_sum
+from h3engine.models.parallel.groups import DiTGroups, EncoderGroups, GroupMembership
+from h3engine.models.parallel.vae import AUDIO_DECODE_RANK
+from h3engine.request.geometry import Geometry
 from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.job_protocol import RankOutOfMemory, RankReady, RunJob
 from h3engine.runtime.messages import job_failed, job_finished, job_started, step_reporter

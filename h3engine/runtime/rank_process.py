@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 
 from h3engine.checkpoint.layout import detect_layout
-from h3engine.engine import Engine
+from h3engine.engine.engine import Engine
 from h3engine.engine.model_store import ModelLoader
-from h3engine.engine_options import resolve_dtype
+from h3engine.engine.options import resolve_dtype
 from h3engine.errors import H3Error
 from h3engine.memory.engine_plan import MemoryRequest
 from h3engine.memory.sizes import RankShare
-from h3engine.parallel.groups import initialize_process_group
+from h3engine.models.parallel.groups import initialize_process_group
 from h3engine.runtime.channel import ChannelClosed, ChannelPeerGone
 from h3engine.runtime.front import EVENT_BUFFER_SIZE, release_memory, settle_heap
 from h3engine.runtime.job_protocol import (

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from h3engine.errors import RequestError
 from h3engine.media.outputs import OutputFiles, StagedOutputs
-from h3engine.request import GenerationRequest
+from h3engine.request.model import GenerationRequest
 from h3engine.runtime.messages import JobFinished
 
 CHUNK_BYTES = 4 << 20

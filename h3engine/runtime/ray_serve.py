@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from h3engine.engine_options import EngineOptions
+from h3engine.engine.options import EngineOptions
 from h3engine.errors import RequestError
 from h3engine.media.leftovers import owned_temp_folder, remove_dead_temp_folders
 from h3engine.media.outputs import OutputFiles
@@ -96,7 +96,7 @@ def require_ray() -> None:
 def _local_replica(spec: RayReplicaSpec) -> Replica:
     import torch
 
-    from h3engine.engine_options import check_engine_options, load_engine
+    from h3engine.engine.options import check_engine_options, load_engine
     from h3engine.runtime.front import EngineReplica
     from h3engine.runtime.supervision import StallPolicy
     from h3engine.runtime.workers import ProcessReplica

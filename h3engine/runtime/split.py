@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from h3engine.checkpoint.layout import detect_layout
-from h3engine.engine_options import EngineOptions
+from h3engine.engine import trace
+from h3engine.engine.options import EngineOptions
 from h3engine.memory.engine_plan import MemoryRequest
-from h3engine.parallel.groups import RuntimeLayout
+from h3engine.models.parallel.groups import RuntimeLayout
 from h3engine.runtime.channel import TensorChannel
 from h3engine.runtime.front import CANCELLED_BEFORE_START_MESSAGE, SHUTTING_DOWN_MESSAGE, JobHandle
 from h3engine.runtime.job_protocol import RankReady, RunJob, Stop
@@ -72,7 +73,6 @@ from h3engine.runtime.workers import (
     checked_layouts,
     stage_devices,
 )
-from h3engine.validation import trace
 
 logger = logging.getLogger(__name__)
 

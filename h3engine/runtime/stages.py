@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
-from h3engine.conditioning.remix import RemixPlan
+from h3engine.engine import trace
+from h3engine.engine.conditioning.remix import RemixPlan
 from h3engine.engine.pipeline import DenoisedLatents, encode_text
-from h3engine.parallel import groups as parallel_groups
-from h3engine.parallel.vae import latent_frame_shares
+from h3engine.models.parallel import groups as parallel_groups
+from h3engine.models.parallel.vae import latent_frame_shares
 from h3engine.runtime.channel import ChannelConsumer, ChannelProducer
 from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.job_protocol import (
@@ -50,7 +51,6 @@ from h3engine.runtime.job_protocol import (
 from h3engine.runtime.rank import ShardedLoader
 from h3engine.runtime.rank_jobs import JobRank, RankGroups
 from h3engine.runtime.rank_process import Outbox, join_world, rank_engine, run_rank
-from h3engine.validation import trace
 
 # The channels between the groups, by what they carry: producer stage -> consumer stage.
 CHANNEL_ROUTES: dict[str, tuple[Stage, Stage]] = {

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from h3engine.engine_options import cannot_write
+from h3engine.engine.options import cannot_write
 from h3engine.errors import RequestError
 from h3engine.media.outputs import output_paths
-from h3engine.request import GenerationRequest
+from h3engine.request.model import GenerationRequest
 from h3engine.request.shapes import from_dict
 from h3engine.runtime.front import EngineFront, JobHandle, stamped_output_name
 from h3engine.runtime.messages import (

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from h3engine.lora.library import LoraLibrary
+from h3engine.engine.lora.library import LoraLibrary
 from h3engine.serving.api import routes
 from h3engine.serving.inputs import DEFAULT_QUOTA_BYTES
 from h3engine.serving.jobs import Limits, VideoJobs

@@ -22,18 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from h3engine.checkpoint.facts import CheckpointFacts
+from h3engine.engine.lora.library import LoraLibrary, lora_choices
 from h3engine.errors import RequestError
-from h3engine.geometry import PRESET_ASPECT_RATIOS, canvas_rule, resolve_canvas
-from h3engine.lora.library import LoraLibrary, lora_choices
 from h3engine.media.formats import kind_of_suffix
-from h3engine.request import (
-    LORA_TARGET_OF_TASK,
-    GenerationRequest,
-    Keyframe,
-    LoraChoice,
-    Reference,
-)
 from h3engine.request.checks import parse_rungs
+from h3engine.request.files import Keyframe, Reference
+from h3engine.request.geometry import PRESET_ASPECT_RATIOS, canvas_rule, resolve_canvas
+from h3engine.request.model import LORA_TARGET_OF_TASK, GenerationRequest, LoraChoice
 from h3engine.request.remix import REMIX_MODES, Remix, parse_ranges
 from h3engine.serving.inputs import write_input
 from h3engine.serving.store import JobRecord

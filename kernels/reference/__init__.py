@@ -1,6 +1,6 @@
 """Plain-torch twins of the fused kernels: the model's own expressions, op for op, so the roundings are its own.
 
-Each twin is what `h3engine.ops` runs when no Triton kernel applies (CPU tensors, `H3_KERNELS=reference`,
+Each twin is what `h3engine.models.ops` runs when no Triton kernel applies (CPU tensors, `H3_KERNELS=reference`,
 unsupported shapes) and what the Triton kernels are tested against.
 """
 

@@ -1,4 +1,4 @@
-"""The two permute-and-copy steps around the Ulysses all-to-alls of `h3engine.parallel.collectives`, in torch.
+"""The two permute-and-copy steps around the Ulysses all-to-alls of `h3engine.models.parallel.collectives`, in torch.
 
 Contract
 --------

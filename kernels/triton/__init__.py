@@ -1,8 +1,8 @@
-"""Triton kernels for the elementwise ops of the DiT block and the video decoder, the twins of `h3engine.kernels.reference`
+"""Triton kernels for the elementwise ops of the DiT block and the video decoder, the twins of `h3engine.models.kernels.reference`
 (same names, same results).
 
 Each op `name` comes with `supports_name(...)`, taking the op's arguments: True when the kernel handles those
-shapes, strides and dtypes (bf16, fp16, fp32). Device placement is the caller's check (`h3engine.ops` sends only
+shapes, strides and dtypes (bf16, fp16, fp32). Device placement is the caller's check (`h3engine.models.ops` sends only
 CUDA tensors here); under TRITON_INTERPRET=1 the kernels also run on CPU tensors, which the CPU tests use.
 Importing this package needs `triton`.
 """

@@ -1,4 +1,4 @@
-"""Triton twin of `h3engine.kernels.reference.activation.swiglu`: silu(gate) * value from fc1's [S, 2F] output in one pass.
+"""Triton twin of `h3engine.models.kernels.reference.activation.swiglu`: silu(gate) * value from fc1's [S, 2F] output in one pass.
 
 Contract
 --------

@@ -1,4 +1,4 @@
-"""Triton twins of `h3engine.kernels.reference.norms`: modulated RMSNorm, gated residual, the two fused, and the video
+"""Triton twins of `h3engine.models.kernels.reference.norms`: modulated RMSNorm, gated residual, the two fused, and the video
 decoder's fp32 RMSNorm (alone or after its layer-scaled residual) rounded to the GEMM dtype.
 
 Contract
@@ -16,7 +16,7 @@ value by at most one ulp, rarely.
 
 Danger
 ------
-`supports_*` must hold before a launch (`h3engine.ops` checks). `rows` is not bounds-checked: an index outside the
+`supports_*` must hold before a launch (`h3engine.models.ops` checks). `rows` is not bounds-checked: an index outside the
 tables reads other memory instead of raising like `index_select`.
 """
 

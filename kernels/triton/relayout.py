@@ -1,4 +1,4 @@
-"""Triton twins of `h3engine.kernels.reference.relayout`: the Ulysses send/receive permutations as one strided copy each.
+"""Triton twins of `h3engine.models.kernels.reference.relayout`: the Ulysses send/receive permutations as one strided copy each.
 
 Contract
 --------

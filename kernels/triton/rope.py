@@ -1,4 +1,4 @@
-"""Triton twin of `h3engine.kernels.reference.rope.qk_norm_rope`: QK RMSNorm + partial rotate-half RoPE in one pass.
+"""Triton twin of `h3engine.models.kernels.reference.rope.qk_norm_rope`: QK RMSNorm + partial rotate-half RoPE in one pass.
 
 Contract
 --------
