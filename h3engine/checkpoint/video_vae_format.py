@@ -134,7 +134,12 @@ def config_to_native(config: VideoVAEConfig) -> tuple[dict[str, Any], dict[str, 
         raise ValueError(
             "the native config stores channels as ch * ch_mult; block_out_channels must be multiples"
         )
-    wrapper = {
+    return _native_wrapper(config), _native_source(config, base_channels)
+
+
+def _native_wrapper(config: VideoVAEConfig) -> dict[str, Any]:
+    """`video_vae/config.json`: the wrapper's tiling and the latent statistics."""
+    return {
         "_class_name": "MiniMaxH3VideoVAE",
         "_diffusers_version": "0.32.2",
         "mode": "standalone",
@@ -156,6 +161,10 @@ def config_to_native(config: VideoVAEConfig) -> tuple[dict[str, Any], dict[str, 
         "latents_mean": list(config.latents_mean),
         "latents_std": list(config.latents_std),
     }
+
+
+def _native_vit_decoder_kwargs(config: VideoVAEConfig) -> dict[str, Any]:
+    """The source config's `vit_decoder_kwargs`, leaving out the fields at their native defaults."""
     vit_decoder_kwargs: dict[str, Any] = {
         "dim_head": config.decoder_attention_head_dim,
         "ffn_activation_fn": "silu",
@@ -175,6 +184,11 @@ def config_to_native(config: VideoVAEConfig) -> tuple[dict[str, Any], dict[str, 
         vit_decoder_kwargs["eps"] = config.decoder_norm_eps
     if config.decoder_ffn_mult != _NATIVE_DEFAULT_FFN_MULT:
         vit_decoder_kwargs["ffn_mult"] = config.decoder_ffn_mult
+    return vit_decoder_kwargs
+
+
+def _native_source(config: VideoVAEConfig, base_channels: int) -> dict[str, Any]:
+    """`video_vae/source/config.json`: the legacy autoencoder's fields, channels as `base_channels` * ch_mult."""
     source: dict[str, Any] = {
         "_class_name": "AutoencoderKLLegacy",
         "in_channels": config.in_channels,
@@ -202,7 +216,7 @@ def config_to_native(config: VideoVAEConfig) -> tuple[dict[str, Any], dict[str, 
         "use_vit_decoder": True,
         "vae_ratio": config.spatial_compression_ratio,
         "vae_ratio_t": config.temporal_compression_ratio,
-        "vit_decoder_kwargs": vit_decoder_kwargs,
+        "vit_decoder_kwargs": _native_vit_decoder_kwargs(config),
         "zq_ch_decoder": None,
         "zq_ch_encoder": None,
     }
@@ -210,7 +224,7 @@ def config_to_native(config: VideoVAEConfig) -> tuple[dict[str, Any], dict[str, 
         source["norm_num_groups"] = config.norm_num_groups
     if config.norm_eps != _NATIVE_DEFAULT_NORM_EPS:
         source["norm_eps"] = config.norm_eps
-    return wrapper, source
+    return source
 
 
 def config_from_diffusers(config: dict[str, Any]) -> VideoVAEConfig:
