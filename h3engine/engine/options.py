@@ -84,6 +84,12 @@ class EngineOptions:
 def add_engine_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
     """The engine flags, with their help and defaults; `environ` (the app's) supplies H3_MEMORY_PROFILE,
     H3_GPU_MEMORY and H3_HOST_MEMORY (without it, the budgets read those two when the engine plans)."""
+    _add_layout_flags(parser, environ)
+    _add_precision_and_memory_flags(parser, environ)
+
+
+def _add_layout_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None) -> None:
+    """The worker group's parallel degrees and the stage layout with its devices (a group of their own)."""
     layout = parser.add_argument_group("worker group layout (default: the profile of the group's size)")
     layout.add_argument("--dit-sp", type=int, default=None, help="DiT Ulysses sequence-parallel degree")
     layout.add_argument("--dit-tp", type=int, default=None, help="DiT tensor-parallel degree")
@@ -108,6 +114,12 @@ def add_engine_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]
         default=None,
         help="split layout: the VAE's GPUs, e.g. 6,7 (default: the first --vae-ranks of the DiT's)",
     )
+
+
+def _add_precision_and_memory_flags(
+    parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
+) -> None:
+    """The compute dtype, the weight format, the memory profile and budgets, and the caches and rates they use."""
     parser.add_argument("--dtype", default=None, help="bfloat16 (released precision, default) or float32")
     memory_profile_help = (
         "auto (default): the plan that fits the GPU and host budgets fastest; resident: every model stays on the "
