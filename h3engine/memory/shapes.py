@@ -206,9 +206,8 @@ def request_shape(
         "step_cache": step_cache,
     }
     partition = partition_for_task(sizes, task)
-    dims, video_config = partition.text_dims, partition.video_config
+    video_config = partition.video_config
     vae_ratio, patch = video_config.spatial_compression_ratio, partition.dit_config.patch_size[-1]
-    multiple = vae_ratio * patch
     rule_short_edge, max_pixels = canvas_rule(short_edge, sizes.canvas.short_edge, sizes.canvas.max_pixels)
     geometry = Geometry.for_request(
         aspect_ratio,
@@ -218,69 +217,26 @@ def request_shape(
         vae_spatial_ratio=vae_ratio,
         patch=patch,
     )
-    merge_area = dims.merge**2
-    text_rows = MAX_PROMPT_TOKENS if text_tokens is None else text_tokens
-    condition_video = condition_audio = vision_patches = vision_tokens = 0
-    encode_pixels = encode_clip = encode_samples = 0
-    encode_tile = (0, 0)
-
-    def visual_condition(frames: int, height: int, width: int) -> None:
-        nonlocal encode_pixels, encode_clip, encode_tile
-        if frames * height * width > encode_pixels:
-            encode_pixels = frames * height * width
-            encode_tile = (min(video_config.tile_size, height), min(video_config.tile_size, width))
-        encode_clip = max(encode_clip, video_config.clip_length if frames > 1 else 1)
-
-    def image_block(height: int, width: int) -> None:
-        nonlocal text_rows, vision_patches, vision_tokens
-        patches = image_vision_patches(height, width, dims)
-        vision_patches += patches
-        vision_tokens += patches // merge_area
-        text_rows += LABEL_TOKENS + VISION_BLOCK_TOKENS + patches // merge_area
-
+    tally = _ConditionTally(
+        partition.text_dims, video_config, MAX_PROMPT_TOKENS if text_tokens is None else text_tokens
+    )
     if task == "fl2va":
         for _ in keyframes:
             # One latent frame on the target canvas, and the fitted keyframe's image block in the text.
-            condition_video += geometry.rows_per_frame
-            image_block(geometry.height, geometry.width)
-            visual_condition(1, geometry.height, geometry.width)
+            tally.condition_video += geometry.rows_per_frame
+            tally.image_block(geometry.height, geometry.width)
+            tally.visual_condition(1, geometry.height, geometry.width)
     elif task == "ref2va":
         clip_seconds = geometry.frames / FPS  # references are cut to the generated length
         chosen = worst_case_references(clip_seconds) if references is None else tuple(references)
         for reference in chosen:
             seconds = min(clip_seconds if reference.seconds is None else reference.seconds, clip_seconds)
             if reference.kind == "image":
-                width, height = reference_image_size(
-                    *reference.aspect, short_edge=sizes.canvas.reference_image_short_edge, multiple=multiple
+                tally.reference_image(reference, sizes.canvas.reference_image_short_edge, vae_ratio, patch)
+            else:
+                tally.reference_clip(
+                    reference, seconds, geometry.frames, (rule_short_edge, max_pixels), vae_ratio, patch
                 )
-                condition_video += (height // vae_ratio // patch) * (width // vae_ratio // patch)
-                image_block(height, width)
-                visual_condition(1, height, width)
-                continue
-            latents = math.ceil(seconds * AUDIO_LATENTS_PER_SECOND)
-            if reference.kind == "audio" or reference.has_audio:
-                condition_audio += 2 * latents
-                text_rows += LABEL_TOKENS  # "<Audio j>: "
-                encode_samples = max(encode_samples, math.ceil(seconds * AUDIO_SAMPLE_RATE))
-            if reference.kind == "video":
-                frames = min(max(1, round(seconds * FPS)), geometry.frames)
-                height, width = resolve_canvas(
-                    *reference.aspect, multiple=multiple, short_edge=rule_short_edge, max_pixels=max_pixels
-                )
-                encoded = reference_video_encode_frames(frames)
-                condition_video += (
-                    video_latent_frames(encoded)
-                    * (height // vae_ratio // patch)
-                    * (width // vae_ratio // patch)
-                )
-                sampled = qwen_sampled_frames(frames)
-                patches, blocks = video_vision_patches(sampled, height, width, dims)
-                vision_patches += patches
-                vision_tokens += patches // merge_area
-                text_rows += (
-                    LABEL_TOKENS + blocks * (LABEL_TOKENS + VISION_BLOCK_TOKENS) + patches // merge_area
-                )
-                visual_condition(encoded, height, width)
     elif task != "t2va":
         raise ValueError(f"unknown task '{task}'")
     return RequestShape(
@@ -293,21 +249,103 @@ def request_shape(
         latent_w=geometry.latent_w,
         audio_latents=geometry.audio_latents,
         patch=geometry.patch,
-        text_rows=text_rows,
-        condition_video_rows=condition_video,
-        condition_audio_rows=condition_audio,
-        vision_patches=vision_patches,
-        vision_tokens=vision_tokens,
+        text_rows=tally.text_rows,
+        condition_video_rows=tally.condition_video,
+        condition_audio_rows=tally.condition_audio,
+        vision_patches=tally.vision_patches,
+        vision_tokens=tally.vision_tokens,
         steps=steps,
         timestep_levels=TIMESTEP_LEVELS[task],
-        encode_pixels=encode_pixels,
-        encode_clip_frames=encode_clip,
-        encode_tile=encode_tile,
-        encode_audio_samples=encode_samples,
+        encode_pixels=tally.encode_pixels,
+        encode_clip_frames=tally.encode_clip,
+        encode_tile=tally.encode_tile,
+        encode_audio_samples=tally.encode_samples,
         decode=decode_shape(video_config, geometry.latent_frames, geometry.latent_h, geometry.latent_w),
         step_cache=step_cache,
         arguments=arguments,
     )
+
+
+@dataclass
+class _ConditionTally:
+    """What a request's keyframes and references add to its text rows, condition rows and encoder inputs, counted
+    one condition at a time by `request_shape`."""
+
+    dims: TextEncoderDims
+    video_config: VideoVAEConfig
+    text_rows: int
+    condition_video: int = 0
+    condition_audio: int = 0
+    vision_patches: int = 0
+    vision_tokens: int = 0
+    encode_pixels: int = 0
+    encode_clip: int = 0
+    encode_tile: tuple[int, int] = (0, 0)
+    encode_samples: int = 0
+
+    def visual_condition(self, frames: int, height: int, width: int) -> None:
+        """A visual condition the video VAE encodes: the largest sets the encoder's pixels and tile."""
+        if frames * height * width > self.encode_pixels:
+            self.encode_pixels = frames * height * width
+            self.encode_tile = (
+                min(self.video_config.tile_size, height),
+                min(self.video_config.tile_size, width),
+            )
+        self.encode_clip = max(self.encode_clip, self.video_config.clip_length if frames > 1 else 1)
+
+    def image_block(self, height: int, width: int) -> None:
+        """An image's vision block among the text rows."""
+        patches = image_vision_patches(height, width, self.dims)
+        self.vision_patches += patches
+        self.vision_tokens += patches // self.dims.merge**2
+        self.text_rows += LABEL_TOKENS + VISION_BLOCK_TOKENS + patches // self.dims.merge**2
+
+    def reference_image(
+        self, reference: ReferenceSpec, reference_short_edge: int, vae_ratio: int, patch: int
+    ) -> None:
+        """A reference image, normalized to the reference short edge: its latent rows and its image block."""
+        width, height = reference_image_size(
+            *reference.aspect, short_edge=reference_short_edge, multiple=vae_ratio * patch
+        )
+        self.condition_video += (height // vae_ratio // patch) * (width // vae_ratio // patch)
+        self.image_block(height, width)
+        self.visual_condition(1, height, width)
+
+    def reference_clip(
+        self,
+        reference: ReferenceSpec,
+        seconds: float,
+        target_frames: int,
+        canvas: tuple[int, int],
+        vae_ratio: int,
+        patch: int,
+    ) -> None:
+        """A reference video or audio clip of `seconds` (already cut to the request): the soundtrack's audio rows and
+        label, and a video's latent rows on the request's `canvas` rule (short edge, max pixels) and vision blocks."""
+        latents = math.ceil(seconds * AUDIO_LATENTS_PER_SECOND)
+        if reference.kind == "audio" or reference.has_audio:
+            self.condition_audio += 2 * latents
+            self.text_rows += LABEL_TOKENS  # "<Audio j>: "
+            self.encode_samples = max(self.encode_samples, math.ceil(seconds * AUDIO_SAMPLE_RATE))
+        if reference.kind != "video":
+            return
+        frames = min(max(1, round(seconds * FPS)), target_frames)
+        short_edge, max_pixels = canvas
+        height, width = resolve_canvas(
+            *reference.aspect, multiple=vae_ratio * patch, short_edge=short_edge, max_pixels=max_pixels
+        )
+        encoded = reference_video_encode_frames(frames)
+        self.condition_video += (
+            video_latent_frames(encoded) * (height // vae_ratio // patch) * (width // vae_ratio // patch)
+        )
+        sampled = qwen_sampled_frames(frames)
+        patches, blocks = video_vision_patches(sampled, height, width, self.dims)
+        self.vision_patches += patches
+        self.vision_tokens += patches // self.dims.merge**2
+        self.text_rows += (
+            LABEL_TOKENS + blocks * (LABEL_TOKENS + VISION_BLOCK_TOKENS) + patches // self.dims.merge**2
+        )
+        self.visual_condition(encoded, height, width)
 
 
 def reshaped(sizes: CheckpointSizes, shape: RequestShape, **changes: Any) -> RequestShape:
