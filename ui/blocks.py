@@ -33,8 +33,8 @@ from ui.loras import wire_lora_panel
 from ui.notices import result_buttons_state, told_in_a_toast, told_in_the_status
 from ui.prompt_builder import wire_prompt_builder
 from ui.references import wire_reference_gallery
-from ui.remix import build_remix_tab, wire_remix_tab
-from ui.result import ResultColumn, build_history, build_result_column
+from ui.remix import RemixTab, build_remix_tab, wire_remix_tab
+from ui.result import HistoryPanel, ResultColumn, build_history, build_result_column
 from ui.tabs import DEFAULT_VALUES, TaskTab, build_fl2va_tab, build_ref2va_tab, build_t2va_tab
 
 ENGINE_CONCURRENCY_ID = "h3-engine"
@@ -90,133 +90,166 @@ def build_ui(
     library = LoraLibrary(options.lora_dir)
     handlers = Handlers(front, access or AccessPolicy(options.outputs_dir), library, recorder)
     examples = load_examples(options.examples_path, options.repository_root)
-    builders = {"t2va": build_t2va_tab, "fl2va": build_fl2va_tab, "ref2va": build_ref2va_tab}
     with gr.Blocks(title="MiniMax H3", delete_cache=delete_cache) as demo:
-        gr.Markdown(
-            "# MiniMax H3: video with sound\n"
-            f"Checkpoint: `{options.checkpoint_label}` · engine replicas: {front.replicas} · "
-            f"memory profile: {options.memory_profile} · "
-            "24 fps video with 32 kHz stereo audio"
-        )
-        if options.banner_markdown:
-            gr.Markdown(options.banner_markdown, elem_id="h3-banner")
-        with gr.Row():
-            with gr.Column(scale=3):
-                with gr.Tabs(selected="t2va") as task_tabs:
-                    tabs: dict[str, TaskTab] = {}
-                    for task, build in builders.items():
-                        with gr.Tab(TAB_TITLES[task], id=task, elem_id=f"tab-{task}"):
-                            initial = _initial_values(front, task)
-                            tabs[task] = build(
-                                _initial_canvas_text(handlers, task, initial),
-                                [example.title for example in examples[task]],
-                                library,
-                                initial["steps"],
-                                initial["short_edge"],
-                            )
-                # Beside the task tabs, not among them: a fourth tab would push References into the tab bar's
-                # overflow menu on a phone.
-                with gr.Accordion("Remix a clip", open=False, elem_id="h3-remix"):
-                    remix_tab = build_remix_tab(_initial_values(front, "t2va")["steps"])
-            with gr.Column(scale=2, elem_id="h3-result-column"):
-                result = build_result_column()
-        history = build_history()
-
-        generate_buttons = [tab.generate for tab in tabs.values()]
-        for tab in tabs.values():
-            _wire_generate(tab, handlers, result, generate_buttons, history.table, options.max_jobs)
-        wire_remix_tab(remix_tab, handlers, result, options.max_jobs, ENGINE_CONCURRENCY_ID)
-        # The buttons that act on the shown result follow it: enabled once there is one (a job's, a take's, a
-        # History row's), disabled again when a page starts without one.
-        needs_result = [
-            result.restore,
-            result.rerun,
-            result.continue_in_fl2va,
-            tabs["fl2va"].use_last_frame,
-            remix_tab.use_result,
-        ]
-        result.last_result.change(
-            lambda last_result: result_buttons_state(last_result, len(needs_result)),
-            inputs=result.last_result,
-            outputs=needs_result,
-            queue=False,
-            show_progress="hidden",
-            api_visibility="private",
-        )
-        result.cancel.click(handlers.cancel_jobs, queue=False, api_visibility="private")
-        for tab in tabs.values():
-            _wire_canvas_text(tab, handlers)
-            _wire_examples(tab, examples[tab.task], handlers)
-            wire_prompt_builder(tab.prompt_builder, tab.prompt)
-            settings = tab.settings
-            wire_lora_panel(
-                settings.lora_panel,
-                settings.steps,
-                settings.flow_shift,
-                settings.audio_flow_shift,
-                settings.rungs,
-            )
-        _wire_keyframes(tabs["fl2va"], handlers, result, task_tabs)
-        wire_reference_gallery(tabs["ref2va"].reference_gallery, tabs["ref2va"].prompt)
-
-        restore_outputs = [task_tabs, *result.outputs]
-        for tab in tabs.values():
-            restore_outputs += [*tab.inputs, *tab.prompt_builder.inputs]
-
-        def restore(entry: HistoryEntry, keep_takes: bool) -> tuple[str, dict[Any, Any]]:
-            """(the entry's task, the updates that show it and put its settings back in that task's tab)."""
-            request, values = handlers.settings_of(entry)
-            updates: dict[Any, Any] = {task_tabs: gr.Tabs(selected=request.task)}
-            updates.update(zip(result.outputs, handlers.result_of(entry, keep_takes), strict=True))
-            tab = tabs[request.task]
-            updates.update(_tab_updates(tab, values))
-            updates.update(tab.prompt_builder.builder_values(values["prompt"]))
-            return request.task, updates
-
-        def restore_from_history(row: list[Any], caller: gr.Request) -> dict[Any, Any]:
-            return restore(handlers.history_entry(row, caller), keep_takes=False)[1]
-
-        def restore_shown_result(last_result: str | None, caller: gr.Request) -> dict[Any, Any]:
-            return restore(handlers.entry_of_result(last_result, caller), keep_takes=True)[1]
-
-        def restore_for_rerun(last_result: str | None, caller: gr.Request) -> dict[Any, Any]:
-            task, updates = restore(handlers.entry_of_result(last_result, caller), keep_takes=True)
-            return {**updates, result.rerun_task: task}
-
-        # A problem (the result's files went away) is one toast; nothing on the page changes then.
-        history.table.click(
-            told_in_a_toast(restore_from_history, len(restore_outputs)),
-            inputs=history.table,
-            outputs=restore_outputs,
-            api_visibility="private",
-        )
-        result.restore.click(
-            told_in_a_toast(restore_shown_result, len(restore_outputs)),
-            inputs=result.last_result,
-            outputs=restore_outputs,
-            api_visibility="private",
-        )
-        # Rerun: the shown result's settings (seed included) back in its tab, then that tab's Generate; nothing is
-        # pressed when they could not be restored.
-        rerun_outputs = [*restore_outputs, result.rerun_task]
-        result.rerun.click(lambda: "", outputs=result.rerun_task, queue=False, api_visibility="private").then(
-            told_in_a_toast(restore_for_rerun, len(rerun_outputs)),
-            inputs=result.last_result,
-            outputs=rerun_outputs,
-            api_visibility="private",
-        ).then(None, js=RERUN_JS, inputs=result.rerun_task, queue=False, api_visibility="private")
-        result.takes.select(
-            told_in_a_toast(handlers.show_take, len(result.outputs)),
-            inputs=result.take_paths,
-            outputs=result.outputs,
-            api_visibility="private",
-        )
+        page = _build_page(front, options, handlers, library, examples)
+        _wire_tabs(page, handlers, examples, options.max_jobs)
+        _wire_restore(page, handlers)
         # Not queued: the queue's size (--queue-size) is for jobs, and a full one refused a page's History.
-        history.refresh.click(
-            handlers.refresh_history, outputs=history.table, queue=False, api_visibility="private"
+        page.history.refresh.click(
+            handlers.refresh_history, outputs=page.history.table, queue=False, api_visibility="private"
         )
-        demo.load(handlers.refresh_history, outputs=history.table, queue=False, api_visibility="private")
+        demo.load(handlers.refresh_history, outputs=page.history.table, queue=False, api_visibility="private")
     return demo
+
+
+@dataclass(frozen=True)
+class _Page:
+    """The page's parts that events are wired to."""
+
+    tabs: dict[str, TaskTab]
+    task_tabs: gr.Tabs
+    remix_tab: RemixTab
+    result: ResultColumn
+    history: HistoryPanel
+
+
+def _build_page(
+    front: EngineFront,
+    options: UiOptions,
+    handlers: Handlers,
+    library: LoraLibrary,
+    examples: dict[str, list[Example]],
+) -> _Page:
+    """Header and banner, the task tabs with the Remix section beside them, the result column, the history."""
+    builders = {"t2va": build_t2va_tab, "fl2va": build_fl2va_tab, "ref2va": build_ref2va_tab}
+    gr.Markdown(
+        "# MiniMax H3: video with sound\n"
+        f"Checkpoint: `{options.checkpoint_label}` · engine replicas: {front.replicas} · "
+        f"memory profile: {options.memory_profile} · "
+        "24 fps video with 32 kHz stereo audio"
+    )
+    if options.banner_markdown:
+        gr.Markdown(options.banner_markdown, elem_id="h3-banner")
+    with gr.Row():
+        with gr.Column(scale=3):
+            with gr.Tabs(selected="t2va") as task_tabs:
+                tabs: dict[str, TaskTab] = {}
+                for task, build in builders.items():
+                    with gr.Tab(TAB_TITLES[task], id=task, elem_id=f"tab-{task}"):
+                        initial = _initial_values(front, task)
+                        tabs[task] = build(
+                            _initial_canvas_text(handlers, task, initial),
+                            [example.title for example in examples[task]],
+                            library,
+                            initial["steps"],
+                            initial["short_edge"],
+                        )
+            # Beside the task tabs, not among them: a fourth tab would push References into the tab bar's
+            # overflow menu on a phone.
+            with gr.Accordion("Remix a clip", open=False, elem_id="h3-remix"):
+                remix_tab = build_remix_tab(_initial_values(front, "t2va")["steps"])
+        with gr.Column(scale=2, elem_id="h3-result-column"):
+            result = build_result_column()
+    return _Page(tabs, task_tabs, remix_tab, result, build_history())
+
+
+def _wire_tabs(page: _Page, handlers: Handlers, examples: dict[str, list[Example]], max_jobs: int) -> None:
+    """Generate, cancel and the result buttons; each tab's canvas text, examples, prompt builder and LoRA panel;
+    the keyframes and the reference gallery."""
+    tabs, result = page.tabs, page.result
+    generate_buttons = [tab.generate for tab in tabs.values()]
+    for tab in tabs.values():
+        _wire_generate(tab, handlers, result, generate_buttons, page.history.table, max_jobs)
+    wire_remix_tab(page.remix_tab, handlers, result, max_jobs, ENGINE_CONCURRENCY_ID)
+    # The buttons that act on the shown result follow it: enabled once there is one (a job's, a take's, a
+    # History row's), disabled again when a page starts without one.
+    needs_result = [
+        result.restore,
+        result.rerun,
+        result.continue_in_fl2va,
+        tabs["fl2va"].use_last_frame,
+        page.remix_tab.use_result,
+    ]
+    result.last_result.change(
+        lambda last_result: result_buttons_state(last_result, len(needs_result)),
+        inputs=result.last_result,
+        outputs=needs_result,
+        queue=False,
+        show_progress="hidden",
+        api_visibility="private",
+    )
+    result.cancel.click(handlers.cancel_jobs, queue=False, api_visibility="private")
+    for tab in tabs.values():
+        _wire_canvas_text(tab, handlers)
+        _wire_examples(tab, examples[tab.task], handlers)
+        wire_prompt_builder(tab.prompt_builder, tab.prompt)
+        settings = tab.settings
+        wire_lora_panel(
+            settings.lora_panel,
+            settings.steps,
+            settings.flow_shift,
+            settings.audio_flow_shift,
+            settings.rungs,
+        )
+    _wire_keyframes(tabs["fl2va"], handlers, result, page.task_tabs)
+    wire_reference_gallery(tabs["ref2va"].reference_gallery, tabs["ref2va"].prompt)
+
+
+def _wire_restore(page: _Page, handlers: Handlers) -> None:
+    """A History row, Restore and Rerun put a result's settings back in its tab; a take shows that take."""
+    tabs, task_tabs, result, history = page.tabs, page.task_tabs, page.result, page.history
+    restore_outputs = [task_tabs, *result.outputs]
+    for tab in tabs.values():
+        restore_outputs += [*tab.inputs, *tab.prompt_builder.inputs]
+
+    def restore(entry: HistoryEntry, keep_takes: bool) -> tuple[str, dict[Any, Any]]:
+        """(the entry's task, the updates that show it and put its settings back in that task's tab)."""
+        request, values = handlers.settings_of(entry)
+        updates: dict[Any, Any] = {task_tabs: gr.Tabs(selected=request.task)}
+        updates.update(zip(result.outputs, handlers.result_of(entry, keep_takes), strict=True))
+        tab = tabs[request.task]
+        updates.update(_tab_updates(tab, values))
+        updates.update(tab.prompt_builder.builder_values(values["prompt"]))
+        return request.task, updates
+
+    def restore_from_history(row: list[Any], caller: gr.Request) -> dict[Any, Any]:
+        return restore(handlers.history_entry(row, caller), keep_takes=False)[1]
+
+    def restore_shown_result(last_result: str | None, caller: gr.Request) -> dict[Any, Any]:
+        return restore(handlers.entry_of_result(last_result, caller), keep_takes=True)[1]
+
+    def restore_for_rerun(last_result: str | None, caller: gr.Request) -> dict[Any, Any]:
+        task, updates = restore(handlers.entry_of_result(last_result, caller), keep_takes=True)
+        return {**updates, result.rerun_task: task}
+
+    # A problem (the result's files went away) is one toast; nothing on the page changes then.
+    history.table.click(
+        told_in_a_toast(restore_from_history, len(restore_outputs)),
+        inputs=history.table,
+        outputs=restore_outputs,
+        api_visibility="private",
+    )
+    result.restore.click(
+        told_in_a_toast(restore_shown_result, len(restore_outputs)),
+        inputs=result.last_result,
+        outputs=restore_outputs,
+        api_visibility="private",
+    )
+    # Rerun: the shown result's settings (seed included) back in its tab, then that tab's Generate; nothing is
+    # pressed when they could not be restored.
+    rerun_outputs = [*restore_outputs, result.rerun_task]
+    result.rerun.click(lambda: "", outputs=result.rerun_task, queue=False, api_visibility="private").then(
+        told_in_a_toast(restore_for_rerun, len(rerun_outputs)),
+        inputs=result.last_result,
+        outputs=rerun_outputs,
+        api_visibility="private",
+    ).then(None, js=RERUN_JS, inputs=result.rerun_task, queue=False, api_visibility="private")
+    result.takes.select(
+        told_in_a_toast(handlers.show_take, len(result.outputs)),
+        inputs=result.take_paths,
+        outputs=result.outputs,
+        api_visibility="private",
+    )
 
 
 def _initial_values(front: EngineFront, task: str) -> dict[str, Any]:
