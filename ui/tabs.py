@@ -148,6 +148,32 @@ class TaskTab:
 def _settings_controls(
     task: str, derived_text: str, library: LoraLibrary, steps: int, short_edge: int
 ) -> SettingsControls:
+    duration, aspect_ratio = _canvas_controls(task)
+    derived = gr.Markdown(derived_text, elem_classes="h3-derived", elem_id=f"{task}-derived")
+    seed, randomize_seed, takes = _seed_controls(task)
+    lora_panel = build_lora_panel(task, library)
+    with gr.Accordion("Advanced", open=False, elem_id=f"{task}-advanced"):
+        steps, short_edge, flow_shift, audio_flow_shift = _schedule_controls(task, steps, short_edge)
+        rungs, cache = _step_controls(task)
+    return SettingsControls(
+        duration,
+        aspect_ratio,
+        derived,
+        seed,
+        randomize_seed,
+        steps,
+        flow_shift,
+        audio_flow_shift,
+        short_edge,
+        takes,
+        rungs,
+        cache,
+        lora_panel,
+    )
+
+
+def _canvas_controls(task: str) -> tuple[gr.Slider, gr.Dropdown]:
+    """The duration and aspect ratio, side by side."""
     with gr.Row():
         duration = as_sent(
             gr.Slider(
@@ -169,7 +195,11 @@ def _settings_controls(
                 elem_id=f"{task}-aspect",
             )
         )
-    derived = gr.Markdown(derived_text, elem_classes="h3-derived", elem_id=f"{task}-derived")
+    return duration, aspect_ratio
+
+
+def _seed_controls(task: str) -> tuple[gr.Number, gr.Checkbox, gr.Slider]:
+    """The seed, whether to draw one, and the takes (jobs with consecutive seeds), in one row."""
     with gr.Row():
         seed = as_sent(
             gr.Number(value=DEFAULT_VALUES["seed"], precision=0, label="Seed", elem_id=f"{task}-seed")
@@ -191,58 +221,54 @@ def _settings_controls(
                 elem_classes="h3-typed",
             )
         )
-    lora_panel = build_lora_panel(task, library)
-    with gr.Accordion("Advanced", open=False, elem_id=f"{task}-advanced"):
-        with gr.Row():
-            steps = as_sent(gr.Number(value=steps, precision=0, label="Steps", elem_id=f"{task}-steps"))
-            short_edge = as_sent(
-                gr.Number(
-                    value=short_edge,
-                    precision=0,
-                    label="Short edge (px)",
-                    info=f"starts at the checkpoint's own ({VERIFIED_SHORT_EDGE} for the release, the verified "
-                    "setting)",
-                )
-            )
-        with gr.Row():
-            flow_shift = as_sent(gr.Number(value=DEFAULT_VALUES["flow_shift"], label="Video flow shift"))
-            audio_flow_shift = as_sent(
-                gr.Number(value=DEFAULT_VALUES["audio_flow_shift"], label="Audio flow shift")
-            )
-        rungs = as_sent(
-            gr.Textbox(
-                value=DEFAULT_VALUES["rungs"],
-                label="Rungs (step-distilled adapters)",
-                placeholder="e.g. 999,750,500,250; empty: the usual grid of Steps",
-                info="one denoising step at each timestep (1000 is pure noise); Steps must equal their count",
-                elem_id=f"{task}-rungs",
+    return seed, randomize_seed, takes
+
+
+def _schedule_controls(
+    task: str, steps: int, short_edge: int
+) -> tuple[gr.Number, gr.Number, gr.Number, gr.Number]:
+    """Advanced: the steps and short edge, then the video and audio flow shifts, a row each."""
+    with gr.Row():
+        steps_box = as_sent(gr.Number(value=steps, precision=0, label="Steps", elem_id=f"{task}-steps"))
+        short_edge_box = as_sent(
+            gr.Number(
+                value=short_edge,
+                precision=0,
+                label="Short edge (px)",
+                info=f"starts at the checkpoint's own ({VERIFIED_SHORT_EDGE} for the release, the verified "
+                "setting)",
             )
         )
-        cache = as_sent(
-            gr.Dropdown(
-                choices=[(CACHE_LABELS[name], name) for name in CACHE_PRESETS],
-                value=DEFAULT_VALUES["cache"],
-                label="Step cache (full-step runs)",
-                info="skips the middle DiT blocks of steps that barely changed: faster, slightly different; "
-                "not with rungs (Turbo)",
-                elem_id=f"{task}-cache",
-            )
+    with gr.Row():
+        flow_shift = as_sent(gr.Number(value=DEFAULT_VALUES["flow_shift"], label="Video flow shift"))
+        audio_flow_shift = as_sent(
+            gr.Number(value=DEFAULT_VALUES["audio_flow_shift"], label="Audio flow shift")
         )
-    return SettingsControls(
-        duration,
-        aspect_ratio,
-        derived,
-        seed,
-        randomize_seed,
-        steps,
-        flow_shift,
-        audio_flow_shift,
-        short_edge,
-        takes,
-        rungs,
-        cache,
-        lora_panel,
+    return steps_box, short_edge_box, flow_shift, audio_flow_shift
+
+
+def _step_controls(task: str) -> tuple[gr.Textbox, gr.Dropdown]:
+    """Advanced: the rungs of a step-distilled adapter and the step cache."""
+    rungs = as_sent(
+        gr.Textbox(
+            value=DEFAULT_VALUES["rungs"],
+            label="Rungs (step-distilled adapters)",
+            placeholder="e.g. 999,750,500,250; empty: the usual grid of Steps",
+            info="one denoising step at each timestep (1000 is pure noise); Steps must equal their count",
+            elem_id=f"{task}-rungs",
+        )
     )
+    cache = as_sent(
+        gr.Dropdown(
+            choices=[(CACHE_LABELS[name], name) for name in CACHE_PRESETS],
+            value=DEFAULT_VALUES["cache"],
+            label="Step cache (full-step runs)",
+            info="skips the middle DiT blocks of steps that barely changed: faster, slightly different; "
+            "not with rungs (Turbo)",
+            elem_id=f"{task}-cache",
+        )
+    )
+    return rungs, cache
 
 
 def _prompt(task: str) -> tuple[gr.Textbox, PromptBuilderPanel]:
