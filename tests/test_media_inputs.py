@@ -28,7 +28,8 @@ from diffusers.utils import load_image as reference_load_image
 from PIL import Image
 
 from h3engine.errors import RequestError
-from h3engine.media import inputs
+from h3engine.media import input_video
+from h3engine.media.input_audio import resample_audio
 from h3engine.media.inputs import (
     LoadedAudio,
     load_audio,
@@ -36,7 +37,6 @@ from h3engine.media.inputs import (
     load_video,
     probe_media,
     read_audio_source,
-    resample_audio,
 )
 from h3engine.request.files import Keyframe, MediaInfo, Reference
 from h3engine.request.model import GenerationRequest
@@ -361,7 +361,7 @@ def test_video_probe(media: dict[str, Path]) -> None:
 
 
 def test_video_frame_size_limit(media: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(inputs, "MAX_VIDEO_FRAME_PIXELS", VIDEO_WIDTH * VIDEO_HEIGHT - 1)
+    monkeypatch.setattr(input_video, "MAX_VIDEO_FRAME_PIXELS", VIDEO_WIDTH * VIDEO_HEIGHT - 1)
     for call in (
         lambda: load_video(media["video_30"]),
         lambda: probe_media(Reference(kind="video", path=str(media["video_30"]))),

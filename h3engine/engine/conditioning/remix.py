@@ -26,6 +26,7 @@ from h3engine.engine.sampling.packing import audio_latents_to_rows, patchify_vid
 from h3engine.errors import RequestError
 from h3engine.media import inputs as media_inputs
 from h3engine.request.geometry import AUDIO_LATENTS_PER_SECOND, AUDIO_SAMPLE_RATE, FPS, Geometry
+from h3engine.request.limits import MAX_MEDIA_SECONDS
 from h3engine.request.remix import Remix
 
 SAMPLES_PER_AUDIO_LATENT = AUDIO_SAMPLE_RATE // AUDIO_LATENTS_PER_SECOND
@@ -111,7 +112,7 @@ def plan_remix(
     soundtrack = None
     if remix.source_video is not None:
         if remix.mode == "extend":
-            source = _load_video(remix.source_video, media_inputs.MAX_MEDIA_SECONDS, geometry)
+            source = _load_video(remix.source_video, MAX_MEDIA_SECONDS, geometry)
             frames = source.frames[-remix.overlap_frames :]
             plan |= {"prefix_frames": source.frames, "overlap_frames": remix.overlap_frames}
             if source.soundtrack is not None:
