@@ -24,7 +24,8 @@ from h3engine.memory import streaming
 from h3engine.memory.homes import PageLockedBuffer
 from h3engine.memory.layers import dit_layers
 from h3engine.memory.placement import file_home_layers
-from h3engine.memory.streaming import LayerStream, TensorRead, read_extents, streamed_tensors
+from h3engine.memory.stream_layout import TensorRead, read_extents, streamed_tensors
+from h3engine.memory.streaming import LayerStream
 
 LAYERS = 6  # 5 blocks + 1 refiner block
 

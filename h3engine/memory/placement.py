@@ -37,7 +37,8 @@ from h3engine.memory.plan import MemoryPlan, resident_plan
 from h3engine.memory.report import summary_lines
 from h3engine.memory.request_plan import request_dit_plan
 from h3engine.memory.shapes import RequestShape
-from h3engine.memory.streaming import LayerStream, TensorRead, streamed_tensors
+from h3engine.memory.stream_layout import TensorRead, streamed_tensors
+from h3engine.memory.streaming import LayerStream
 from h3engine.memory.types import GIB, MEMORY_PROFILES, MODELS, RESIDENT, WEIGHT_FORMATS, ModelPlacement
 
 logger = logging.getLogger(__name__)

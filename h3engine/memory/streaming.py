@@ -18,197 +18,33 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import os
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from h3engine.checkpoint.safetensors_io import FileExtent, parked
-from h3engine.memory.homes import (
-    PageLockedBuffer,
-    carve,
-    dequantize_into,
-    pinned_or_pageable,
-    quantizable,
-    quantized_bytes,
-)
+from h3engine.checkpoint.safetensors_io import parked
+from h3engine.memory.homes import PageLockedBuffer, carve, dequantize_into, pinned_or_pageable
 from h3engine.memory.layers import LayerSpec
-from h3engine.memory.slabs import aligned
+from h3engine.memory.stream_copies import CudaCopies, HostCopies
+from h3engine.memory.stream_layout import (
+    StreamedTensor,
+    TensorRead,
+    TensorReader,
+    read_extents,
+    shifted,
+    streamed_tensors,
+    tensor_layout,
+    tensor_parts,
+    to_tensor_read,
+    typed_view,
+)
 from h3engine.models.quantization import quantize_rows
 
-# A reader of a file home: the tensor's values on the host, in the layer's dtype and shape; or, for a tensor stored in
-# FP8 in the files, its (e4m3 values, fp32 row scales).
-TensorReader = Callable[[], "Tensor | tuple[Tensor, Tensor]"]
 # Layers read ahead of their turn into the host ring, and the threads reading them, by default.
 READ_AHEAD = 2
 READER_THREADS = 2
-
-
-@dataclass(frozen=True)
-class TensorRead:
-    """How to read one streamed tensor from the files: `read()`, or `extents` (its bytes, as the layer holds them, at
-    these places of the files) that a reader thread copies straight into a host buffer; `scale_extents` likewise for
-    the row scales of a tensor the files store in FP8."""
-
-    read: TensorReader
-    extents: tuple[FileExtent, ...] | None = None
-    scale_extents: tuple[FileExtent, ...] | None = None
-    fp8: bool = False  # `read` gives (e4m3 values, fp32 row scales) as the files store them
-
-
-@dataclass(frozen=True)
-class StreamedTensor:
-    """One streamed parameter or buffer of a layer: where it lives in a slot and in the layer's host image."""
-
-    owner: nn.Module
-    name: str  # the attribute on `owner`
-    shape: torch.Size
-    dtype: torch.dtype
-    slot_offset: int
-    image_offset: int  # its bytes, or its e4m3 values when quantized
-    scale_offset: int = -1  # quantized: its fp32 row scales in the image; -1 otherwise
-
-    @property
-    def quantized(self) -> bool:
-        return self.scale_offset >= 0
-
-    @property
-    def tensor(self) -> Tensor:
-        return getattr(self.owner, self.name)
-
-    def in_slot(self, slot: Tensor) -> Tensor:
-        return _typed_view(slot, self.slot_offset, self.dtype, self.shape)
-
-
-def _typed_view(buffer: Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> Tensor:
-    size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    return buffer[offset : offset + size].view(dtype).view(shape)
-
-
-def streamed_tensors(spec: LayerSpec, layer: nn.Module) -> list[tuple[nn.Module, str, Tensor]]:
-    """(owner, attribute, tensor) of each parameter and buffer of a layer's streamed parts, in a fixed order."""
-    found = []
-    for part in spec.parts_of(layer):
-        for owner in part.modules():
-            for name, tensor in [*owner._parameters.items(), *owner._buffers.items()]:
-                if tensor is not None:
-                    found.append((owner, name, tensor))
-    return found
-
-
-def _layout(
-    tensors: Sequence[tuple[nn.Module, str, Tensor]], quantize: bool
-) -> tuple[list[StreamedTensor], int, int]:
-    """Each tensor's place in a slot and in the host image, the slot's bytes and the image's."""
-    placed, slot_bytes, image_bytes = [], 0, 0
-    for owner, name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        scale_offset = -1
-        image_offset = image_bytes
-        if quantize and quantizable(tensor):
-            value_bytes, scale_bytes = quantized_bytes(tensor.shape)
-            scale_offset = aligned(image_offset + value_bytes)
-            image_bytes = aligned(scale_offset + scale_bytes)
-        else:
-            image_bytes = aligned(image_offset + nbytes)
-        placed.append(
-            StreamedTensor(owner, name, tensor.shape, tensor.dtype, slot_bytes, image_offset, scale_offset)
-        )
-        slot_bytes = aligned(slot_bytes + nbytes)
-    return placed, slot_bytes, image_bytes
-
-
-def read_extents(extents: Sequence[FileExtent], destination: Tensor) -> int:
-    """Copy each extent's bytes from its file into `destination` (a contiguous uint8 host tensor) at its target;
-    returns the bytes read. The reads release the GIL (os.preadv)."""
-    view = memoryview(destination.numpy())
-    total = 0
-    for extent in extents:
-        descriptor = os.open(extent.path, os.O_RDONLY)
-        try:
-            done = 0
-            while done < extent.length:
-                part = view[extent.target + done : extent.target + extent.length]
-                count = os.preadv(descriptor, [part], extent.offset + done)
-                if count <= 0:
-                    raise OSError(f"{extent.path}: ended {extent.length - done} bytes early")
-                done += count
-        finally:
-            os.close(descriptor)
-        total += extent.length
-    return total
-
-
-def _to_tensor_read(reader: TensorRead | TensorReader) -> TensorRead:
-    return reader if isinstance(reader, TensorRead) else TensorRead(reader)
-
-
-class _CudaCopies:
-    """The side stream and the per-slot events of a ring on a GPU."""
-
-    def __init__(self, device: torch.device, slots: int) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-        self.ready = [torch.cuda.Event() for _ in range(slots)]
-        self.free = [torch.cuda.Event() for _ in range(slots)]
-        self.used = [False] * slots
-
-    @contextmanager
-    def filling(self, slot: int) -> Iterator[None]:
-        """Work issued inside runs on the copy stream, after the compute that last read `slot`."""
-        with torch.cuda.stream(self.stream):
-            if self.used[slot]:
-                self.stream.wait_event(self.free[slot])
-            yield
-            self.ready[slot].record(self.stream)
-        self.used[slot] = True
-
-    def wait_ready(self, slot: int) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
-
-    def mark_free(self, slot: int) -> None:
-        self.free[slot].record(torch.cuda.current_stream(self.device))
-
-    def copied(self) -> torch.cuda.Event:
-        """An event marking every copy issued so far on the copy stream (a host buffer they read may be reused)."""
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
-
-    def drain(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        self.stream.synchronize()
-
-    def after_compute(self) -> None:
-        """Copies issued from now on start after everything the compute stream has queued (a restart: the visit that
-        stopped half way never marked its slot free)."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-
-
-class _HostCopies:
-    """A ring on the CPU: copies happen at once, in order, so there is nothing to wait for."""
-
-    @contextmanager
-    def filling(self, slot: int) -> Iterator[None]:
-        yield
-
-    def wait_ready(self, slot: int) -> None:
-        pass
-
-    def mark_free(self, slot: int) -> None:
-        pass
-
-    def copied(self) -> None:
-        return None
-
-    def drain(self) -> None:
-        pass
-
-    def after_compute(self) -> None:
-        pass
 
 
 @dataclass
@@ -257,38 +93,18 @@ class LayerStream:
         (a file-home layer then needs readers that give FP8 values and scales: files stored in FP8)."""
         self.device = torch.device(device)
         self._all_layers = tuple(spec.layers)
-        count = len(self._all_layers)
-        if not 0 <= first < count:
-            raise ValueError(
-                f"a layer stream needs at least one streamed layer, got first={first} of {count}"
-            )
-        if ring_depth < 1:
-            raise ValueError(f"ring_depth must be >= 1, got {ring_depth}")
-        if read_ahead < 1 or reader_threads < 1:
-            raise ValueError(
-                f"read_ahead and reader_threads must be >= 1, got {read_ahead}, {reader_threads}"
-            )
-        flags = [mapped] * (count - first) if isinstance(mapped, bool) else list(mapped)
-        if len(flags) != count - first:
-            raise ValueError(f"mapped names {len(flags)} layers, the stream has {count - first}")
-        if readers is not None and len(readers) not in (count, count - first):
-            raise ValueError(f"readers for {len(readers)} layers, the stream has {count - first} of {count}")
+        flags = _home_flags(
+            len(self._all_layers), first, ring_depth, read_ahead, reader_threads, mapped, readers
+        )
         self.first = first
         self.ring_depth = ring_depth
         self.quantize = quantize
-        layouts = [_layout(streamed_tensors(spec, layer), quantize) for layer in self._all_layers]
+        layouts = [tensor_layout(streamed_tensors(spec, layer), quantize) for layer in self._all_layers]
         self._tensors_all = [placed for placed, _, _ in layouts]
         self.slot_bytes = max(slot_bytes for _, slot_bytes, _ in layouts)
         self.image_bytes = max(image_bytes for _, _, image_bytes in layouts)
         self._sizes_all = [image for _, _, image in layouts]
-        reads = [[_to_tensor_read(reader) for reader in layer] for layer in readers] if readers else None
-        if reads is not None and len(reads) == count - first:
-            reads = [None] * first + reads
-        if reads is not None and any(
-            layer is not None and len(layer) != len(self._tensors_all[index])
-            for index, layer in enumerate(reads)
-        ):
-            raise ValueError("readers must give one reader per streamed tensor of every layer they cover")
+        reads = _layer_reads(readers, first, self._tensors_all)
         self._reads_all: list[list[TensorRead] | None] | None = reads
         # A resident layer that can be streamed later reads from the files (its home); the others have none.
         self._file_all = [reads is not None and reads[index] is not None for index in range(first)] + flags
@@ -296,31 +112,10 @@ class LayerStream:
             raise ValueError("a file home needs readers")
         self._pin = self.device.type == "cuda" if pin is None else pin
         self._parked: dict[torch.dtype, Tensor] = {}
-        # Host images, one per layer (None for a file home or a resident layer), each filled and its layer parked
-        # before the next.
-        self._images_all: list[Tensor | None] = [None] * count
-        image_sizes = [self._sizes_all[index] for index in range(first, count) if not self._file_all[index]]
-        buffers = iter(carve(image_sizes) if self._pin else [None] * len(image_sizes))
-        for index in range(first, count):
-            if not self._file_all[index]:
-                image = pinned_or_pageable(next(buffers), self._sizes_all[index])
-                self._fill_image(index, image)
-                self._images_all[index] = image
-            self._park(self._tensors_all[index])
+        self._images_all = self._host_images()
         self.read_ahead = read_ahead
         self._reader_threads = reader_threads
-        self._host_ring: list[PageLockedBuffer] = []
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._reads: collections.deque[_Read] = collections.deque()  # in visit order
-        self._free_buffers: list[int] = []
-        self._buffer_copied: list[object] = []  # per host buffer: the event of the last copy that read it
-        # The streamed layer (an index into `layers`) from which the next read looks for a file-home layer.
-        self._read_cursor = 0
-        self._copies: _CudaCopies | _HostCopies | None = None
-        self._slots: list[Tensor] = []
-        self._staging: list[Tensor] = []
-        self._queue: collections.deque[tuple[int, int]] = collections.deque()  # (layer, slot) in visit order
-        self._current: tuple[int, int] | None = None
+        self._closed_rings()
         self.visits = 0  # layers computed since the stream was made (for tests and benchmarks)
         self.restarts = 0  # visits out of the cyclic order, each of which reloaded the ring
         self.copied_bytes = 0  # host -> device bytes copied since the stream was made
@@ -333,6 +128,38 @@ class LayerStream:
             entry, exit_ = layer.get_submodule(spec.entry), layer.get_submodule(spec.exit)
             self._hooks.append(entry.register_forward_pre_hook(self._acquire_hook(index)))
             self._hooks.append(exit_.register_forward_hook(self._release_hook(index)))
+
+    def _host_images(self) -> list[Tensor | None]:
+        """Host images, one per layer (None for a file home or a resident layer), each filled and its layer parked
+        before the next."""
+        count = len(self._all_layers)
+        images: list[Tensor | None] = [None] * count
+        image_sizes = [
+            self._sizes_all[index] for index in range(self.first, count) if not self._file_all[index]
+        ]
+        buffers = iter(carve(image_sizes) if self._pin else [None] * len(image_sizes))
+        for index in range(self.first, count):
+            if not self._file_all[index]:
+                image = pinned_or_pageable(next(buffers), self._sizes_all[index])
+                self._fill_image(index, image)
+                images[index] = image
+            self._park(self._tensors_all[index])
+        return images
+
+    def _closed_rings(self) -> None:
+        """The state of the rings while they are closed: no buffers, no reads, no copies queued."""
+        self._host_ring: list[PageLockedBuffer] = []
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._reads: collections.deque[_Read] = collections.deque()  # in visit order
+        self._free_buffers: list[int] = []
+        self._buffer_copied: list[object] = []  # per host buffer: the event of the last copy that read it
+        # The streamed layer (an index into `layers`) from which the next read looks for a file-home layer.
+        self._read_cursor = 0
+        self._copies: CudaCopies | HostCopies | None = None
+        self._slots: list[Tensor] = []
+        self._staging: list[Tensor] = []
+        self._queue: collections.deque[tuple[int, int]] = collections.deque()  # (layer, slot) in visit order
+        self._current: tuple[int, int] | None = None
 
     # --- the streamed layers (those after the resident ones), indexed from 0 -----------------------------------------
 
@@ -401,11 +228,11 @@ class LayerStream:
             for placed in self._tensors_all[index]:
                 value = torch.empty(placed.shape, dtype=placed.dtype, device=self.device)
                 if placed.quantized:
-                    values = _typed_view(image, placed.image_offset, torch.float8_e4m3fn, placed.shape)
-                    scales = _typed_view(image, placed.scale_offset, torch.float32, (placed.shape[0], 1))
+                    values = typed_view(image, placed.image_offset, torch.float8_e4m3fn, placed.shape)
+                    scales = typed_view(image, placed.scale_offset, torch.float32, (placed.shape[0], 1))
                     dequantize_into(value, values.to(self.device), scales.to(self.device))
                 else:
-                    value.copy_(_typed_view(image, placed.image_offset, placed.dtype, placed.shape))
+                    value.copy_(typed_view(image, placed.image_offset, placed.dtype, placed.shape))
                 placed.tensor.data = value
         for index in range(count, self.first):
             self._park(self._tensors_all[index])
@@ -425,14 +252,14 @@ class LayerStream:
         """One tensor's values into a layer's image (quantized there when the image is FP8)."""
         if placed.quantized:
             values, scales = tensor if isinstance(tensor, tuple) else quantize_rows(tensor)
-            _typed_view(image, placed.image_offset, values.dtype, values.shape).copy_(values)
-            _typed_view(image, placed.scale_offset, torch.float32, (placed.shape[0], 1)).copy_(
+            typed_view(image, placed.image_offset, values.dtype, values.shape).copy_(values)
+            typed_view(image, placed.scale_offset, torch.float32, (placed.shape[0], 1)).copy_(
                 scales.view(placed.shape[0], 1)
             )
         elif isinstance(tensor, tuple):
             raise ValueError("a tensor stored in FP8 streams only into an FP8 stream (--weights fp8)")
         else:
-            _typed_view(image, placed.image_offset, placed.dtype, placed.shape).copy_(tensor)
+            typed_view(image, placed.image_offset, placed.dtype, placed.shape).copy_(tensor)
 
     def _park(self, layer_tensors: list[StreamedTensor]) -> None:
         for placed in layer_tensors:
@@ -469,7 +296,7 @@ class LayerStream:
         if self.is_open:
             return
         cuda = self.device.type == "cuda"
-        self._copies = _CudaCopies(self.device, self.depth) if cuda else _HostCopies()
+        self._copies = CudaCopies(self.device, self.depth) if cuda else HostCopies()
         self._slots = [
             torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.depth)
         ]
@@ -574,13 +401,13 @@ class LayerStream:
                 not placed.quantized or (source.fp8 and source.scale_extents is not None)
             )
             if direct:
-                read += read_extents(_shifted(source.extents, placed.image_offset), image)
+                read += read_extents(shifted(source.extents, placed.image_offset), image)
                 if placed.quantized:
-                    read += read_extents(_shifted(source.scale_extents, placed.scale_offset), image)
+                    read += read_extents(shifted(source.scale_extents, placed.scale_offset), image)
             else:
                 tensor = source.read()
                 self._put(placed, image, tensor)
-                read += sum(part.numel() * part.element_size() for part in _parts(tensor))
+                read += sum(part.numel() * part.element_size() for part in tensor_parts(tensor))
         return read
 
     def _host_image(self, layer: int) -> tuple[Tensor, int]:
@@ -622,13 +449,11 @@ class LayerStream:
                 for placed in self.tensors[layer]:
                     target = placed.in_slot(destination)
                     if placed.quantized:
-                        values = _typed_view(staging, placed.image_offset, torch.float8_e4m3fn, placed.shape)
-                        scales = _typed_view(
-                            staging, placed.scale_offset, torch.float32, (placed.shape[0], 1)
-                        )
+                        values = typed_view(staging, placed.image_offset, torch.float8_e4m3fn, placed.shape)
+                        scales = typed_view(staging, placed.scale_offset, torch.float32, (placed.shape[0], 1))
                         dequantize_into(target, values, scales)
                     else:
-                        target.copy_(_typed_view(staging, placed.image_offset, placed.dtype, placed.shape))
+                        target.copy_(typed_view(staging, placed.image_offset, placed.dtype, placed.shape))
             else:
                 destination[:size].copy_(image[:size], non_blocking=True)
         self.copied_bytes += size
@@ -687,10 +512,43 @@ class LayerStream:
         self._hooks = []
 
 
-def _shifted(extents: Sequence[FileExtent], offset: int) -> list[FileExtent]:
-    """Extents whose targets are relative to a tensor, moved to where the tensor starts in an image."""
-    return [FileExtent(e.path, e.offset, e.length, e.target + offset) for e in extents]
+def _home_flags(
+    count: int,
+    first: int,
+    ring_depth: int,
+    read_ahead: int,
+    reader_threads: int,
+    mapped: bool | Sequence[bool],
+    readers: Sequence[Sequence[TensorRead | TensorReader]] | None,
+) -> list[bool]:
+    """Whether each streamed layer's home is the files (`mapped`), once the stream's arguments are checked
+    (ValueError) against its `count` layers."""
+    if not 0 <= first < count:
+        raise ValueError(f"a layer stream needs at least one streamed layer, got first={first} of {count}")
+    if ring_depth < 1:
+        raise ValueError(f"ring_depth must be >= 1, got {ring_depth}")
+    if read_ahead < 1 or reader_threads < 1:
+        raise ValueError(f"read_ahead and reader_threads must be >= 1, got {read_ahead}, {reader_threads}")
+    flags = [mapped] * (count - first) if isinstance(mapped, bool) else list(mapped)
+    if len(flags) != count - first:
+        raise ValueError(f"mapped names {len(flags)} layers, the stream has {count - first}")
+    if readers is not None and len(readers) not in (count, count - first):
+        raise ValueError(f"readers for {len(readers)} layers, the stream has {count - first} of {count}")
+    return flags
 
 
-def _parts(tensor: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, ...]:
-    return tensor if isinstance(tensor, tuple) else (tensor,)
+def _layer_reads(
+    readers: Sequence[Sequence[TensorRead | TensorReader]] | None,
+    first: int,
+    tensors: list[list[StreamedTensor]],
+) -> list[list[TensorRead] | None] | None:
+    """Per layer (resident ones included: None where `readers` cover only the streamed layers), one `TensorRead` per
+    streamed tensor; None without readers. ValueError when a layer's readers do not match its tensors."""
+    reads = [[to_tensor_read(reader) for reader in layer] for layer in readers] if readers else None
+    if reads is not None and len(reads) == len(tensors) - first:
+        reads = [None] * first + reads
+    if reads is not None and any(
+        layer is not None and len(layer) != len(tensors[index]) for index, layer in enumerate(reads)
+    ):
+        raise ValueError("readers must give one reader per streamed tensor of every layer they cover")
+    return reads
