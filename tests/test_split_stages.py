@@ -41,8 +41,8 @@ from h3engine.models.parallel.vae import latent_frame_shares, rank_tiles
 from h3engine.request.model import GenerationRequest
 from h3engine.runtime.front import EngineFront, JobHandle
 from h3engine.runtime.messages import JobFailed, JobFinished, JobStarted, StepProgress
-from h3engine.runtime.split import STEPS as PIPELINE_STEPS
 from h3engine.runtime.split import SplitReplica
+from h3engine.runtime.stage_groups import STEPS as PIPELINE_STEPS
 from h3engine.runtime.workers import ProcessReplica, stage_devices
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"

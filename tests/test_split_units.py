@@ -26,7 +26,8 @@ from _runtime_helpers import at_path
 from h3engine.request.model import GenerationRequest
 from h3engine.runtime.front import JobHandle
 from h3engine.runtime.messages import JobFinished, JobQueued, JobStarted, StepProgress
-from h3engine.runtime.split import STEPS, FirstStartOnly, Turns
+from h3engine.runtime.split import FirstStartOnly
+from h3engine.runtime.stage_groups import STEPS, Turns
 from h3engine.runtime.stages import TensorSlot, attach_tensors, detach_tensors, receive_job
 
 # A due turn comes at once. A job's thread waits for its turn up to twice as long as the test waits for it, so a
