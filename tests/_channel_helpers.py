@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from h3engine.runtime.channel import ChannelClosed, ChannelError, ChannelTimeout, TensorChannel
+from h3engine.runtime.channel import TensorChannel
+from h3engine.runtime.channel_errors import ChannelClosed, ChannelError, ChannelTimeout
 
 SEED = 20240607
 EXCHANGE_SLOTS = 3

@@ -47,7 +47,8 @@ from _channel_helpers import (
 )
 from _runtime_helpers import still_running
 
-from h3engine.runtime.channel import ChannelClosed, ChannelError, ChannelTimeout, TensorChannel
+from h3engine.runtime.channel import TensorChannel
+from h3engine.runtime.channel_errors import ChannelClosed, ChannelError, ChannelTimeout
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 COLLECT_TIMEOUT_S = 90.0

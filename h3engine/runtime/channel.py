@@ -17,216 +17,37 @@ descriptors through multiprocessing's resource sharer, which trusts the authkey 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
-import os
 import queue
 import time
 from collections import deque
 from collections.abc import Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from multiprocessing.context import BaseContext
 from multiprocessing.reduction import ForkingPickler
-from pathlib import Path
 
 import torch
 import torch.multiprocessing
+
+from h3engine.runtime.channel_errors import ChannelClosed, ChannelError, ChannelPeerGone, ChannelTimeout
+from h3engine.runtime.channel_peers import Peer, Role, SharedState, remove_shared_memory_of
+from h3engine.runtime.channel_wire import (
+    ProducerFinished,
+    SlotFilled,
+    SlotReleased,
+    place_tensors,
+    round_up,
+    serialize,
+    slot_view,
+)
 
 logger = logging.getLogger(__name__)
 
 # How often a blocked call looks at the other side's liveness and the closing flag; also the detection latency.
 POLL_INTERVAL_S = 0.05
-# Every tensor starts at a multiple of this inside a slot, so any dtype view is aligned for vectorized kernels.
-TENSOR_ALIGNMENT_BYTES = 256
 # Slot buffers are sized in whole granules, and grow by at least half, so slowly growing sends rarely reallocate.
 BUFFER_GRANULE_BYTES = 1 << 20
 DEFAULT_TIMEOUT_S = 60.0
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------------------------------
-
-
-class ChannelError(RuntimeError):
-    """The tensor channel cannot carry on; the message names the channel and what went wrong."""
-
-
-class ChannelTimeout(ChannelError):
-    """A send found no free slot, or a receive found no message, within its timeout; the other side is alive."""
-
-
-class ChannelPeerGone(ChannelError):
-    """The process at the other end exited without closing its endpoint."""
-
-
-class ChannelClosed(ChannelError):
-    """This endpoint, the other one or the whole channel was closed; no more tensors travel."""
-
-
-# --------------------------------------------------------------------------------------------------------------
-# What travels through the queues
-# --------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Placement:
-    """Where one tensor sits in a slot buffer: `nbytes` bytes at `offset`, read back as `dtype` of `shape`."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class _SlotFilled:
-    """Producer -> consumer. `new_buffer` only when the slot got a new buffer (first use, growth); `ready_event`
-    only on the slot's first use on CUDA (an interprocess event must be opened once per process)."""
-
-    slot: int
-    tag: Hashable
-    placements: tuple[_Placement, ...]
-    new_buffer: torch.Tensor | None
-    ready_event: torch.cuda.Event | None
-
-
-@dataclass(frozen=True)
-class _ProducerFinished:
-    """Producer -> consumer: the producer is closing; nothing follows."""
-
-
-@dataclass(frozen=True)
-class _SlotReleased:
-    """Consumer -> producer: the slot may be written again. `consumed_event` only on the slot's first release
-    on CUDA; later releases re-record the same event."""
-
-    slot: int
-    consumed_event: torch.cuda.Event | None
-
-
-def _serialize(message: object) -> bytes:
-    # Pickled here, in the caller's thread, rather than later in the queue's feeder thread: a tensor or event
-    # that cannot be shared fails in `send` itself, and torch's own sharing event for a new CUDA buffer is
-    # recorded on the caller's current stream.
-    return bytes(ForkingPickler.dumps(message))
-
-
-def _place(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[_Placement, ...], int]:
-    """The placements of `tensors` packed in order, and the bytes a slot needs to hold them."""
-    placements = []
-    offset = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        placements.append(_Placement(name, tensor.dtype, tuple(tensor.shape), offset, nbytes))
-        offset = _round_up(offset + nbytes, TENSOR_ALIGNMENT_BYTES)
-    return tuple(placements), offset
-
-
-def _view(buffer: torch.Tensor, placement: _Placement) -> torch.Tensor:
-    raw = buffer[placement.offset : placement.offset + placement.nbytes]
-    return raw.view(placement.dtype).view(placement.shape)
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Who is attached, alive, closed
-# --------------------------------------------------------------------------------------------------------------
-
-
-class _Role(enum.IntEnum):
-    PRODUCER = 0
-    CONSUMER = 1
-
-
-class _Peer(enum.Enum):
-    UNCLAIMED = "unclaimed"
-    ALIVE = "alive"
-    CLOSED = "closed"
-    GONE = "gone"
-
-
-def _remove_shared_memory_of(dead_pid: int) -> None:
-    """Unlink the /dev/shm files torch made in a process that died without its exit handlers.
-
-    torch names them `torch_<pid>_...` (for instance the reference counts it keeps for CUDA tensors shared over
-    IPC); a process killed outright never removes them. Only called once `dead_pid` is known to be gone.
-    """
-    for path in Path("/dev/shm").glob(f"torch_{dead_pid}_*"):
-        try:
-            path.unlink()
-        except OSError:
-            pass
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The kernel's start time of a running process (clock ticks after boot); None once it has exited.
-
-    A dead child stays a zombie until its parent joins it, and `os.kill(pid, 0)` still succeeds on a zombie, so
-    the state letter is what tells; the start time tells a reused pid apart.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat_file:
-            stat = stat_file.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # The command name (field 2) is in parentheses and may itself contain spaces or parentheses.
-    fields_after_name = stat[stat.rindex(b")") + 2 :].split()
-    if fields_after_name[0] in (b"Z", b"X"):
-        return None
-    return int(fields_after_name[19])
-
-
-class _SharedState:
-    """Per role: pid, start ticks, closed flag; plus the channel's closing flag. One shared int64 array."""
-
-    _FIELDS_PER_ROLE = 3
-    _CLOSING = 2 * _FIELDS_PER_ROLE
-
-    def __init__(self, context: BaseContext) -> None:
-        self._values = context.Array("q", self._CLOSING + 1)
-
-    def claim(self, role: _Role, describe: str) -> None:
-        base = role * self._FIELDS_PER_ROLE
-        pid = os.getpid()
-        with self._values.get_lock():
-            if self._values[self._CLOSING]:
-                raise ChannelClosed(f"{describe} is closing; no {role.name.lower()} can attach")
-            if self._values[base]:
-                raise ChannelError(
-                    f"{describe} already has a {role.name.lower()} (pid {self._values[base]}); each side is "
-                    f"claimed once per channel"
-                )
-            self._values[base] = pid
-            self._values[base + 1] = _start_ticks(pid)
-
-    def pid(self, role: _Role) -> int:
-        return self._values[role * self._FIELDS_PER_ROLE]
-
-    def status(self, role: _Role) -> _Peer:
-        base = role * self._FIELDS_PER_ROLE
-        with self._values.get_lock():
-            pid, started, closed = self._values[base : base + self._FIELDS_PER_ROLE]
-        if pid == 0:
-            return _Peer.UNCLAIMED
-        if closed:
-            return _Peer.CLOSED
-        return _Peer.ALIVE if _start_ticks(pid) == started else _Peer.GONE
-
-    def mark_closed(self, role: _Role) -> None:
-        self._values[role * self._FIELDS_PER_ROLE + 2] = 1
-
-    def set_closing(self) -> None:
-        with self._values.get_lock():
-            self._values[self._CLOSING] = 1
-
-    def closing(self) -> bool:
-        return bool(self._values[self._CLOSING])
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -272,24 +93,24 @@ class TensorChannel:
         self.name = name
         self.timeout_s = timeout_s
         context = torch.multiprocessing.get_context("spawn")
-        self._messages = context.Queue()  # producer -> consumer: _SlotFilled, _ProducerFinished
-        self._releases = context.Queue()  # consumer -> producer: _SlotReleased
-        self._state = _SharedState(context)
+        self._messages = context.Queue()  # producer -> consumer: SlotFilled, ProducerFinished
+        self._releases = context.Queue()  # consumer -> producer: SlotReleased
+        self._state = SharedState(context)
         self._closed = False
 
     @property
     def describe(self) -> str:
         return f"tensor channel {self.name!r}"
 
-    def _check_peer(self, peer: _Role, when_closed: str, when_gone: str) -> None:
+    def _check_peer(self, peer: Role, when_closed: str, when_gone: str) -> None:
         """ChannelClosed once the engine closes the channel or `peer` closed its end (`when_closed` says what that
         means); ChannelPeerGone once the peer's process exited (`when_gone` says what is lost)."""
         if self._state.closing():
             raise ChannelClosed(f"{self.describe}: the engine closed the channel")
         status = self._state.status(peer)
-        if status is _Peer.CLOSED:
+        if status is Peer.CLOSED:
             raise ChannelClosed(f"{self.describe}: {when_closed}")
-        if status is _Peer.GONE:
+        if status is Peer.GONE:
             raise ChannelPeerGone(
                 f"{self.describe}: the {peer.name.lower()} process (pid {self._state.pid(peer)}) exited; "
                 f"{when_gone}"
@@ -297,12 +118,12 @@ class TensorChannel:
 
     def producer(self) -> ChannelProducer:
         """Attach this process as the channel's only producer."""
-        self._state.claim(_Role.PRODUCER, self.describe)
+        self._state.claim(Role.PRODUCER, self.describe)
         return ChannelProducer(self)
 
     def consumer(self) -> ChannelConsumer:
         """Attach this process as the channel's only consumer."""
-        self._state.claim(_Role.CONSUMER, self.describe)
+        self._state.claim(Role.CONSUMER, self.describe)
         return ChannelConsumer(self)
 
     def close(self, timeout: float | None = None) -> bool:
@@ -316,21 +137,21 @@ class TensorChannel:
         self._closed = True
         self._state.set_closing()
         deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
-        settled = (_Peer.UNCLAIMED, _Peer.CLOSED, _Peer.GONE)
-        while not all(self._state.status(role) in settled for role in _Role):
+        settled = (Peer.UNCLAIMED, Peer.CLOSED, Peer.GONE)
+        while not all(self._state.status(role) in settled for role in Role):
             if time.monotonic() >= deadline:
                 logger.warning(
                     "%s: closed with the producer %s and the consumer %s",
                     self.describe,
-                    self._state.status(_Role.PRODUCER).value,
-                    self._state.status(_Role.CONSUMER).value,
+                    self._state.status(Role.PRODUCER).value,
+                    self._state.status(Role.CONSUMER).value,
                 )
                 break
             time.sleep(POLL_INTERVAL_S)
-        clean = all(self._state.status(role) in settled for role in _Role)
-        for role in _Role:
-            if self._state.status(role) is _Peer.GONE:
-                _remove_shared_memory_of(self._state.pid(role))
+        clean = all(self._state.status(role) in settled for role in Role)
+        for role in Role:
+            if self._state.status(role) is Peer.GONE:
+                remove_shared_memory_of(self._state.pid(role))
         for channel_queue in (self._messages, self._releases):
             channel_queue.close()
             channel_queue.join_thread()
@@ -403,7 +224,7 @@ class ChannelProducer:
         slot_index = self._take_free_slot(tag, timeout)
         try:
             message = self._fill_slot(slot_index, tensors, tag)
-            self._channel._messages.put(_serialize(message))
+            self._channel._messages.put(serialize(message))
         except BaseException:
             self._free_slots.appendleft(slot_index)
             raise
@@ -417,15 +238,15 @@ class ChannelProducer:
             return
         self._closed = True
         state = self._channel._state
-        if state.status(_Role.CONSUMER) in (_Peer.UNCLAIMED, _Peer.ALIVE):
-            self._channel._messages.put(_serialize(_ProducerFinished()))
+        if state.status(Role.CONSUMER) in (Peer.UNCLAIMED, Peer.ALIVE):
+            self._channel._messages.put(serialize(ProducerFinished()))
         deadline = self._channel._deadline(timeout)
         while self._stats.sends and not self._consumer_let_go():
             if time.monotonic() >= deadline:
                 logger.warning(
                     "%s: the consumer (pid %d) did not close; freeing the slot buffers anyway",
                     self._channel.describe,
-                    state.pid(_Role.CONSUMER),
+                    state.pid(Role.CONSUMER),
                 )
                 break
             time.sleep(POLL_INTERVAL_S)
@@ -437,10 +258,10 @@ class ChannelProducer:
             self._slots = []
             self._free_slots.clear()
             self._in_flight.clear()
-            if state.status(_Role.CONSUMER) is _Peer.GONE:
+            if state.status(Role.CONSUMER) is Peer.GONE:
                 # Nobody will read the pipe again: do not let this process's exit wait to flush into it.
                 self._channel._messages.cancel_join_thread()
-            state.mark_closed(_Role.PRODUCER)
+            state.mark_closed(Role.PRODUCER)
 
     def __enter__(self) -> ChannelProducer:
         return self
@@ -449,16 +270,16 @@ class ChannelProducer:
         self.close()
 
     def _consumer_let_go(self) -> bool:
-        consumer = self._channel._state.status(_Role.CONSUMER)
-        if consumer is _Peer.UNCLAIMED:
+        consumer = self._channel._state.status(Role.CONSUMER)
+        if consumer is Peer.UNCLAIMED:
             # Nothing was mapped yet; once the channel is closing no consumer can attach any more.
             return self._channel._state.closing()
-        return consumer in (_Peer.CLOSED, _Peer.GONE)
+        return consumer in (Peer.CLOSED, Peer.GONE)
 
     def _check_can_send(self) -> None:
         if self._closed:
             raise ChannelClosed(f"{self._channel.describe}: this producer is closed")
-        self._channel._check_peer(_Role.CONSUMER, "the consumer closed its end", "nothing more can be sent")
+        self._channel._check_peer(Role.CONSUMER, "the consumer closed its end", "nothing more can be sent")
 
     def _take_free_slot(self, tag: Hashable, timeout: float | None) -> int:
         """A free slot, once the consumer no longer holds an earlier send under the same `tag`.
@@ -481,7 +302,7 @@ class ChannelProducer:
         return self._free_slots.popleft()
 
     def _why_no_slot(self, tag: Hashable, waited_s: float) -> str:
-        consumer_pid = self._channel._state.pid(_Role.CONSUMER)
+        consumer_pid = self._channel._state.pid(Role.CONSUMER)
         if tag in self._in_flight.values():
             return (
                 f"the consumer (pid {consumer_pid}) still holds the send tagged {tag!r} after {waited_s:.1f} s; "
@@ -502,7 +323,7 @@ class ChannelProducer:
         try:
             payload = releases.get(timeout=wait_s) if wait_s > 0 else releases.get_nowait()
             while True:
-                release: _SlotReleased = ForkingPickler.loads(payload)
+                release: SlotReleased = ForkingPickler.loads(payload)
                 if self._in_flight.pop(release.slot, None) is None:
                     raise ChannelError(f"{self._channel.describe}: slot {release.slot} released twice")
                 if release.consumed_event is not None:
@@ -512,13 +333,13 @@ class ChannelProducer:
         except queue.Empty:
             return
 
-    def _fill_slot(self, slot_index: int, tensors: Mapping[str, torch.Tensor], tag: Hashable) -> _SlotFilled:
-        placements, needed_bytes = _place(tensors)
+    def _fill_slot(self, slot_index: int, tensors: Mapping[str, torch.Tensor], tag: Hashable) -> SlotFilled:
+        placements, needed_bytes = place_tensors(tensors)
         slot = self._slots[slot_index]
         new_buffer = None
         if slot.buffer is None or slot.buffer.numel() < needed_bytes:
             old_bytes = 0 if slot.buffer is None else slot.buffer.numel()
-            capacity = _round_up(max(needed_bytes, old_bytes + old_bytes // 2, 1), BUFFER_GRANULE_BYTES)
+            capacity = round_up(max(needed_bytes, old_bytes + old_bytes // 2, 1), BUFFER_GRANULE_BYTES)
             slot.buffer = new_buffer = self._allocate(capacity)
             self._stats.buffer_allocations += 1
         if slot.used:
@@ -527,8 +348,8 @@ class ChannelProducer:
         if self._channel.device.type == "cpu":
             with torch.no_grad():
                 for placement, tensor in zip(placements, tensors.values(), strict=True):
-                    _view(slot.buffer, placement).copy_(tensor)
-            return _SlotFilled(slot_index, tag, placements, new_buffer, None)
+                    slot_view(slot.buffer, placement).copy_(tensor)
+            return SlotFilled(slot_index, tag, placements, new_buffer, None)
 
         announce_event = slot.ready_event is None
         with torch.no_grad(), torch.cuda.device(self._channel.device):
@@ -537,11 +358,11 @@ class ChannelProducer:
                 # The consumer's reads of the previous contents may still be queued on its stream.
                 stream.wait_event(slot.consumed_event)
             for placement, tensor in zip(placements, tensors.values(), strict=True):
-                _view(slot.buffer, placement).copy_(tensor)
+                slot_view(slot.buffer, placement).copy_(tensor)
             if announce_event:
                 slot.ready_event = torch.cuda.Event(interprocess=True)
             slot.ready_event.record(stream)
-        return _SlotFilled(
+        return SlotFilled(
             slot_index, tag, placements, new_buffer, slot.ready_event if announce_event else None
         )
 
@@ -598,7 +419,7 @@ class ChannelConsumer:
             except queue.Empty:
                 continue
             message = self._unpickle(payload)
-            if isinstance(message, _ProducerFinished):
+            if isinstance(message, ProducerFinished):
                 self._producer_finished = True
                 continue
             return self._accept(message)
@@ -625,14 +446,14 @@ class ChannelConsumer:
                 consumed_event = event_to_share = torch.cuda.Event(interprocess=True)
                 self._consumed_events[slot] = consumed_event
             consumed_event.record(torch.cuda.current_stream(self._channel.device))
-        self._channel._releases.put(_serialize(_SlotReleased(slot, event_to_share)))
+        self._channel._releases.put(serialize(SlotReleased(slot, event_to_share)))
 
     def close(self) -> None:
         """Drop every mapping of the producer's buffers and report this end closed (the producer waits for it)."""
         if self._closed:
             return
         self._closed = True
-        producer = self._channel._state.status(_Role.PRODUCER)
+        producer = self._channel._state.status(Role.PRODUCER)
         try:
             if self._channel.device.type == "cuda" and self._buffers:
                 # A mapping must not go while reads of it are still queued.
@@ -642,12 +463,12 @@ class ChannelConsumer:
             self._held.clear()
             self._buffers.clear()
             self._ready_events.clear()
-            if producer is _Peer.ALIVE:
+            if producer is Peer.ALIVE:
                 self._discard_unread_messages()
-            if producer is _Peer.GONE:
+            if producer is Peer.GONE:
                 # Nobody will read the pipe again: do not let this process's exit wait to flush into it.
                 self._channel._releases.cancel_join_thread()
-            self._channel._state.mark_closed(_Role.CONSUMER)
+            self._channel._state.mark_closed(Role.CONSUMER)
 
     def __enter__(self) -> ChannelConsumer:
         return self
@@ -661,21 +482,21 @@ class ChannelConsumer:
             raise ChannelClosed(f"{self._channel.describe}: this consumer is closed")
         if self._producer_finished:
             raise ChannelClosed(f"{self._channel.describe}: {finished}")
-        self._channel._check_peer(_Role.PRODUCER, finished, "its slot buffers are gone")
+        self._channel._check_peer(Role.PRODUCER, finished, "its slot buffers are gone")
 
-    def _unpickle(self, payload: bytes) -> _SlotFilled | _ProducerFinished:
+    def _unpickle(self, payload: bytes) -> SlotFilled | ProducerFinished:
         try:
             return ForkingPickler.loads(payload)
         except Exception as error:
             # A CPU buffer arrives as a file descriptor fetched from the producer process, a CUDA one as an IPC
             # handle into its memory: both fail when the producer has just died.
-            if self._channel._state.status(_Role.PRODUCER) is _Peer.GONE:
+            if self._channel._state.status(Role.PRODUCER) is Peer.GONE:
                 raise ChannelPeerGone(
                     f"{self._channel.describe}: the producer process exited before its buffer could be mapped"
                 ) from error
             raise ChannelError(f"{self._channel.describe}: could not map a slot buffer: {error}") from error
 
-    def _accept(self, message: _SlotFilled) -> tuple[Hashable, dict[str, torch.Tensor]]:
+    def _accept(self, message: SlotFilled) -> tuple[Hashable, dict[str, torch.Tensor]]:
         slot = message.slot
         if message.new_buffer is not None:
             if slot in self._buffers and slot in self._consumed_events:
@@ -688,7 +509,7 @@ class ChannelConsumer:
             self._ready_events[slot].wait(torch.cuda.current_stream(self._channel.device))
         buffer = self._buffers[slot]
         self._held[message.tag] = slot
-        return message.tag, {placement.name: _view(buffer, placement) for placement in message.placements}
+        return message.tag, {placement.name: slot_view(buffer, placement) for placement in message.placements}
 
     def _discard_unread_messages(self) -> None:
         # Unpickling a CUDA buffer and dropping it releases torch's IPC reference count in the producer, which

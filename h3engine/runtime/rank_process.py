@@ -41,7 +41,7 @@ from h3engine.errors import H3Error
 from h3engine.memory.engine_plan import MemoryRequest
 from h3engine.memory.sizes import RankShare
 from h3engine.models.parallel.groups import initialize_process_group
-from h3engine.runtime.channel import ChannelClosed, ChannelPeerGone
+from h3engine.runtime.channel_errors import ChannelClosed, ChannelPeerGone
 from h3engine.runtime.front import EVENT_BUFFER_SIZE, release_memory, settle_heap
 from h3engine.runtime.job_protocol import (
     JobCommand,
