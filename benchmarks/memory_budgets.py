@@ -77,7 +77,8 @@ DEFAULT_CHILD_ESTIMATE_S = {"budget": 175.0, "switch": 360.0, "whole": 480.0}
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 DROP_CACHES_PATH = Path("/proc/sys/vm/drop_caches")
 CGROUP_NUMBERS = itertools.count()
-# The pipeline's timing of a request's AdaLN tables by where they came from (h3engine.engine.pipeline.ADALN_TIMING).
+# The pipeline's timing of a request's AdaLN tables by where they came from
+# (h3engine.engine.sampling.denoise_steps.ADALN_TIMING).
 ADALN_TIMINGS = {"adaln_tables_computed_s": "computed", "adaln_tables_cached_s": "cache"}
 KILLED_FOR_MEMORY = "killed for memory"
 FP8_NOTE = (

@@ -18,7 +18,6 @@ components onto the device and home again; the timings include those copies).
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -44,45 +43,31 @@ from h3engine.engine.conditioning.presentation import (
 )
 from h3engine.engine.conditioning.remix import RemixPlan, plan_remix, splice_output
 from h3engine.engine.conditioning.text_states import TEXT_STATES, presentation_key
-from h3engine.engine.sampling.hold import ActiveHold, HeldRows
-from h3engine.engine.sampling.modulation import schedule_modulation
-from h3engine.engine.sampling.noise import InitialNoise, draw_initial_noise, noise_condition_rows
-from h3engine.engine.sampling.packing import (
-    PackedLayout,
-    patchify_video,
-    row_timesteps,
-    rows_to_audio_latents,
-    unpatchify_video,
+from h3engine.engine.sampling.denoise_steps import (
+    check_cancelled,
+    denoise,
+    initial_rows,
+    layout_on,
+    start_hold,
+    target_latents,
 )
-from h3engine.engine.sampling.schedule import Schedule, euler_step
+from h3engine.engine.sampling.hold import HeldRows
+from h3engine.engine.sampling.noise import draw_initial_noise
+from h3engine.engine.sampling.packing import PackedLayout
+from h3engine.engine.sampling.schedule import Schedule
 from h3engine.engine.sampling.step_cache import CachePreset, ReduceGroups, StepCache, cache_preset
-from h3engine.errors import GenerationCancelled
 from h3engine.media.mux import write_mp4
 from h3engine.media.outputs import StagedOutputs, save_tensors, sidecar_record, write_sidecar
 from h3engine.media.progressive import ProgressiveFrames
 from h3engine.media.remux import copy_source_video
 from h3engine.memory.placement import PHASE_COMPONENTS, Placement
-from h3engine.models.parallel.dit import modality_rows, worker_groups
+from h3engine.models.parallel.dit import worker_groups
 from h3engine.models.parallel.groups import GroupMembership
 from h3engine.models.parallel.vae import decode_video_and_audio
 from h3engine.request.geometry import FPS, Geometry
 from h3engine.request.inputs import read_keyframe, read_reference
 from h3engine.request.model import GenerationRequest
 from h3engine.request.resolved import ResolvedRequest
-
-# Where a request's AdaLN tables came from (h3engine.engine.sampling.modulation.ScheduleModulation.source) -> the timing
-# that records their seconds; the sidecar's "adaln_tables" says "computed" or "cache" from it.
-ADALN_TIMING = {
-    "computed": "adaln_tables_computed_s",
-    "cache": "adaln_tables_cached_s",
-    "memory": "adaln_tables_cached_s",
-}
-
-
-def check_cancelled(should_cancel: Callable[[], bool] | None) -> None:
-    """Raise GenerationCancelled when `should_cancel` says so (a None never cancels)."""
-    if should_cancel is not None and should_cancel():
-        raise GenerationCancelled("generation cancelled")
 
 
 @dataclass(frozen=True)
@@ -260,146 +245,6 @@ def encode_presentation(models: Models, presentation: Presentation, device: torc
 # --- denoise ------------------------------------------------------------------------------------------------
 
 
-def pack_condition_rows(
-    conditions: EncodedConditions, noise: InitialNoise, patch: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The leading (condition) video and audio rows, fp32 CPU, in packed order: visual conditions noised to
-    t = 0.999 with the request's condition noise, reference audio clean."""
-    video_rows = [noise.video_rows[:0]] + [
-        noise_condition_rows(patchify_video(latents, patch), noise_rows)
-        for latents, noise_rows in zip(conditions.visual_latents, noise.condition_video_rows, strict=True)
-    ]
-    audio_rows = [noise.audio_rows[:0]] + [rows.to(torch.float32) for rows in conditions.audio_rows]
-    return torch.cat(video_rows), torch.cat(audio_rows)
-
-
-def layout_on(layout: PackedLayout, device: torch.device) -> PackedLayout:
-    """The layout's index and position tensors on the compute device (done once per request)."""
-    return dataclasses.replace(
-        layout,
-        tags=layout.tags.to(device),
-        positions=layout.positions.to(device),
-        video_index=layout.video_index.to(device),
-        audio_index=layout.audio_index.to(device),
-        text_index=layout.text_index.to(device),
-    )
-
-
-def denoise(
-    dit: torch.nn.Module,
-    text_states: torch.Tensor,
-    layout: PackedLayout,
-    video_rows: torch.Tensor,
-    audio_rows: torch.Tensor,
-    schedule: Schedule,
-    on_step: Callable[[StepEvent], None] | None = None,
-    should_cancel: Callable[[], bool] | None = None,
-    step_cache: StepCache | None = None,
-    hold: ActiveHold | None = None,
-    timings: dict[str, float] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run every step of the schedule on the packed rows; returns the final (video_rows, audio_rows), fp32.
-    `step_cache` runs each forward's blocks (it may skip the middle ones); None runs them all, as always.
-    `hold` keeps some target rows at source latents (h3engine.engine.sampling.hold); None is the plain loop. `timings`
-    gets the seconds the AdaLN tables took, under a name that says whether any were computed (`ADALN_TIMING`);
-    tables computed here go to the DiT's disk cache once the last step has used them."""
-    first_video_target = layout.num_condition_video_rows
-    first_audio_target = layout.num_condition_audio_rows
-    device = video_rows.device
-    # Request-static work, done before the loop: every step's row timesteps (CPU), the AdaLN tables of the whole
-    # schedule (cached on the DiT per schedule), and the RoPE tables and row indices of each distinct per-row
-    # timestep index (it changes only where two modalities' timesteps coincide, e.g. both 0 at the first step).
-    step_rows = [
-        row_timesteps(layout, float(schedule.video_timesteps[step]), float(schedule.audio_timesteps[step]))
-        for step in range(schedule.num_steps)
-    ]
-    if hold is not None:
-        step_rows = [
-            hold.row_timesteps(
-                layout,
-                rows,
-                (float(schedule.video_timesteps[step]), float(schedule.video_sigmas[step])),
-                (float(schedule.audio_timesteps[step]), float(schedule.audio_sigmas[step])),
-            )
-            for step, rows in enumerate(step_rows)
-        ]
-    step_modulation = schedule_modulation(dit, [timesteps for timesteps, _ in step_rows], device)
-    if timings is not None:
-        timings[ADALN_TIMING[step_modulation.source]] = step_modulation.seconds
-    # Per-row timestep index (CPU bytes) -> (that index on the device, its prepared DiT layout).
-    packed_layouts: dict[bytes, tuple[torch.Tensor, object]] = {}
-    # What the DiT reads of the request's rows besides the timestep index, in its argument order.
-    row_layout = (layout.tags, layout.positions, layout.video_index, layout.audio_index, layout.text_index)
-    started = time.perf_counter()
-    for step in range(schedule.num_steps):
-        check_cancelled(should_cancel)
-        timesteps, timestep_index = step_rows[step]
-        index_key = timestep_index.numpy().tobytes()
-        if index_key not in packed_layouts:
-            timestep_index = timestep_index.to(device, non_blocking=True)
-            packed_layouts[index_key] = (timestep_index, dit.prepare_layout(timestep_index, *row_layout))
-        timestep_index, packed_layout = packed_layouts[index_key]
-        # "off" passes nothing more: the call it always was.
-        cached = {}
-        if step_cache is not None:
-            step_cache.use_rows(*modality_rows(packed_layout))
-            cached = {"blocks_runner": step_cache.run}
-        video_input, audio_input = video_rows, audio_rows
-        if hold is not None:
-            video_input, audio_input = hold.inputs(
-                video_rows, audio_rows, first_video_target, first_audio_target
-            )
-        video_velocity, audio_velocity = dit(
-            video_input,
-            audio_input,
-            text_states,
-            timesteps.to(device, non_blocking=True),
-            timestep_index,
-            *row_layout,
-            layout=packed_layout,
-            modulation=step_modulation[step],
-            **cached,
-        )
-        video_velocity, audio_velocity = (
-            video_velocity[first_video_target:],
-            audio_velocity[first_audio_target:],
-        )
-        if hold is not None:
-            video_velocity, audio_velocity = hold.velocities(video_velocity.float(), audio_velocity.float())
-        video_rows[first_video_target:] = euler_step(
-            video_rows[first_video_target:],
-            video_velocity.float(),
-            schedule.video_timesteps[step],
-            schedule.video_sigmas[step],
-            schedule.video_sigmas[step + 1],
-        )
-        audio_rows[first_audio_target:] = euler_step(
-            audio_rows[first_audio_target:],
-            audio_velocity.float(),
-            schedule.audio_timesteps[step],
-            schedule.audio_sigmas[step],
-            schedule.audio_sigmas[step + 1],
-        )
-        if hold is not None:
-            hold.restore(video_rows, audio_rows, first_video_target, first_audio_target)
-        if trace.active() is not None:
-            generated = (first_video_target, first_audio_target)
-            trace.record_step(
-                step, schedule.num_steps, generated, video_velocity, audio_velocity, video_rows, audio_rows
-            )
-        if on_step is not None:
-            on_step(
-                StepEvent(
-                    step=step + 1,
-                    total=schedule.num_steps,
-                    elapsed_s=time.perf_counter() - started,
-                    video_rows=video_rows[first_video_target:],
-                )
-            )
-    step_modulation.persist()
-    return video_rows, audio_rows
-
-
 @dataclass
 class DenoisedLatents:
     """A request's generated latents after the last step: normalized, on the compute device."""
@@ -487,26 +332,8 @@ def denoise_encoded(
         video_channels=models.dit.config.video_in_channels,
         audio_channels=models.dit.config.audio_in_channels,
     )
-    condition_video_rows, condition_audio_rows = pack_condition_rows(conditions, noise, geometry.patch)
-    if condition_video_rows.shape[0] != layout.num_condition_video_rows or (
-        condition_audio_rows.shape[0] != layout.num_condition_audio_rows
-    ):
-        raise RuntimeError(
-            f"the layout reserves {layout.num_condition_video_rows} video / {layout.num_condition_audio_rows} audio "
-            f"condition rows, the conditioning packs into {condition_video_rows.shape[0]} / "
-            f"{condition_audio_rows.shape[0]}"
-        )
-    if trace.active() is not None:
-        trace.record_request_start(condition_video_rows, condition_audio_rows, noise, layout)
-    video_rows = torch.cat([condition_video_rows, noise.video_rows]).to(device)
-    audio_rows = torch.cat([condition_audio_rows, noise.audio_rows]).to(device)
-    hold = None
-    if prepared.held is not None:
-        hold = ActiveHold(prepared.held, noise.video_rows, noise.audio_rows, device)
-        first_video, first_audio = layout.num_condition_video_rows, layout.num_condition_audio_rows
-        video_rows[first_video:], audio_rows[first_audio:] = hold.start(
-            video_rows[first_video:], audio_rows[first_audio:]
-        )
+    video_rows, audio_rows = initial_rows(conditions, noise, layout, geometry.patch, device)
+    hold = start_hold(prepared.held, noise, video_rows, audio_rows, layout, device)
 
     preset = cache_preset(prepared.cache)
     step_cache = None if preset is None else StepCache(preset, ReduceGroups(*worker_groups(models.dit)))
@@ -519,7 +346,7 @@ def denoise_encoded(
             video_rows,
             audio_rows,
             prepared.schedule,
-            on_step,
+            None if on_step is None else _step_events(on_step, prepared.schedule, video_rows, layout),
             should_cancel,
             step_cache,
             hold,
@@ -529,16 +356,22 @@ def denoise_encoded(
     timings["denoise_s"] = time.perf_counter() - started
     check_cancelled(should_cancel)
 
-    video_latents = unpatchify_video(
-        video_rows[layout.num_condition_video_rows :],
-        geometry.latent_frames,
-        geometry.latent_h,
-        geometry.latent_w,
-        geometry.patch,
-    )
-    audio_latents = rows_to_audio_latents(audio_rows[layout.num_condition_audio_rows :])
+    video_latents, audio_latents = target_latents(video_rows, audio_rows, layout, geometry)
     record = None if step_cache is None else step_cache.record()
     return DenoisedLatents(video_latents, audio_latents, timings, record, prepared.remix)
+
+
+def _step_events(
+    on_step: Callable[[StepEvent], None], schedule: Schedule, video_rows: torch.Tensor, layout: PackedLayout
+) -> Callable[[int, float], None]:
+    """`denoise`'s report after each step as a `StepEvent` to `on_step`, with the generated rows of `video_rows`
+    (which the steps update in place)."""
+
+    def report(step: int, elapsed_s: float) -> None:
+        generated = video_rows[layout.num_condition_video_rows :]
+        on_step(StepEvent(step=step, total=schedule.num_steps, elapsed_s=elapsed_s, video_rows=generated))
+
+    return report
 
 
 # --- decode -------------------------------------------------------------------------------------------------

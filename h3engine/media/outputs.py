@@ -308,7 +308,8 @@ def sidecar_record(
     precision, kernels: its keys go to the top level), the geometry, the timings and the video's file name; with a
     step cache (request `cache` other than "off"), its preset and forwards computed and skipped."""
     cache = {} if step_cache is None else {"step_cache": dict(step_cache)}
-    # The denoise loop names the seconds its AdaLN tables took by where they came from (pipeline.ADALN_TIMING).
+    # The denoise loop names the seconds its AdaLN tables took by where they came from
+    # (h3engine.engine.sampling.denoise_steps.ADALN_TIMING).
     if "adaln_tables_computed_s" in timings:
         cache["adaln_tables"] = "computed"
     elif "adaln_tables_cached_s" in timings:

@@ -86,11 +86,11 @@ def dit_forward_bytes(partition: PartitionSizes, shape: RequestShape, share: Any
 
 
 def dit_request_state_bytes(partition: PartitionSizes, shape: RequestShape) -> int:
-    """What the denoising loop holds on the GPU for the whole request (h3engine.engine.pipeline.denoise): the text states
-    [L, text_dim], the fp32 video and audio rows with their velocities and the Euler step's two temporaries, the
-    layout's index and fp64 position tensors, and up to two prepared layouts (RoPE cos and sin [S, rotary] in the
-    compute dtype, the AdaLN and timestep index [S] int64): the first step's, where both timesteps coincide, and the
-    rest's."""
+    """What the denoising loop holds on the GPU for the whole request (h3engine.engine.sampling.denoise_steps.denoise):
+    the text states [L, text_dim], the fp32 video and audio rows with their velocities and the Euler step's two
+    temporaries, the layout's index and fp64 position tensors, and up to two prepared layouts (RoPE cos and sin
+    [S, rotary] in the compute dtype, the AdaLN and timestep index [S] int64): the first step's, where both timesteps
+    coincide, and the rest's."""
     config, e = partition.dit_config, partition.dtype_bytes
     rows = shape.sequence_rows
     text = shape.text_rows * config.text_dim * e
