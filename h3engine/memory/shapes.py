@@ -239,6 +239,18 @@ def request_shape(
                 )
     elif task != "t2va":
         raise ValueError(f"unknown task '{task}'")
+    return _shape_of(task, geometry, tally, steps, step_cache, arguments)
+
+
+def _shape_of(
+    task: str,
+    geometry: Geometry,
+    tally: _ConditionTally,
+    steps: int,
+    step_cache: bool,
+    arguments: dict[str, Any],
+) -> RequestShape:
+    """The `RequestShape` of a request of `task` on `geometry` whose conditions `tally` counted."""
     return RequestShape(
         task=task,
         height=geometry.height,
@@ -260,7 +272,7 @@ def request_shape(
         encode_clip_frames=tally.encode_clip,
         encode_tile=tally.encode_tile,
         encode_audio_samples=tally.encode_samples,
-        decode=decode_shape(video_config, geometry.latent_frames, geometry.latent_h, geometry.latent_w),
+        decode=decode_shape(tally.video_config, geometry.latent_frames, geometry.latent_h, geometry.latent_w),
         step_cache=step_cache,
         arguments=arguments,
     )
