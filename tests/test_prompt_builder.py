@@ -1,4 +1,5 @@
-"""The prompt builder (ui/prompt_builder.py): composition, parsing, the round trip, the panel and its events.
+"""The prompt builder (ui/prompt_sections.py, ui/prompt_builder.py): composition, parsing, the round trip, the panel
+and its events.
 
 * Composition is checked section by section against the layouts of the official request scripts (our own texts).
 * The round trip runs on seeded random field sets of every task: `parse(compose(f)) == f.normalised()`.
@@ -21,19 +22,16 @@ import pytest
 from h3engine.checkpoint.layout import CanvasRules
 from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.front import EngineFront
-from ui.prompt_builder import (
-    LANGUAGES,
+from ui.prompt_builder import LANGUAGES, PromptBuilderPanel, build_prompt_builder, wire_prompt_builder
+from ui.prompt_sections import (
     DialogueLine,
     Keyframe,
-    PromptBuilderPanel,
     PromptFields,
     Shot,
-    build_prompt_builder,
     compose_prompt,
     fit_rows,
     format_cut_time,
     parse_prompt,
-    wire_prompt_builder,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
