@@ -702,7 +702,7 @@ def _start_and_serve(argv: Sequence[str] | None) -> int:
         shared_history=config.shared_history,
     )
     demo = ui.build_ui(
-        front, options, access, delete_cache=(CACHE_SWEEP_S, CACHE_MAX_AGE_S), recorder=serving.jobs
+        front, options, access, delete_cache=(CACHE_SWEEP_S, CACHE_MAX_AGE_S), jobs=serving.jobs
     )
     demo.queue(default_concurrency_limit=LIGHT_EVENT_CONCURRENCY, max_size=config.queue_size)
     settle_heap()

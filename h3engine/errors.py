@@ -8,6 +8,12 @@ an interface marks that input without reading the message.
 from __future__ import annotations
 
 import os
+import re
+
+# An absolute path inside a message, quoted ('/srv/h3/outputs/inputs/job/first.png') or bare (a checkpoint file at
+# the start of a CheckpointError): what `without_server_paths` shortens to its base name.
+QUOTED_PATH = re.compile(r"(['\"])/[^'\"]*/([^'\"/]+)\1")
+BARE_PATH = re.compile(r"(?<![\w'\":/.])/(?:[^\s'\":/]+/)+([^\s'\":/]+)")
 
 
 class H3Error(Exception):
@@ -59,6 +65,22 @@ class RequestError(H3Error):
 
 class GenerationCancelled(H3Error):
     """The request was cancelled before it finished."""
+
+
+def without_server_paths(text: str) -> str:
+    """`text` with each absolute path, quoted or bare, by its base name."""
+    return BARE_PATH.sub(r"\1", QUOTED_PATH.sub(r"\1\2\1", text))
+
+
+def public_text(error: H3Error) -> str:
+    """The one sentence a browser or an API client reads for `error`: its field, its file by base name and its
+    problem, no server path (the server log keeps the whole error)."""
+    if isinstance(error, RequestError):
+        parts = [error.field] if error.field else []
+        if error.path is not None:
+            parts.append(file_name(os.path.basename(error.path)))
+        return ": ".join([*parts, without_server_paths(error.problem)])
+    return without_server_paths(str(error))
 
 
 def file_name(path: object) -> str:

@@ -24,18 +24,26 @@ import pytest
 from _app_helpers import ASSETS
 
 from h3engine.errors import RequestError
+from h3engine.request.files import MediaFacts
+from h3engine.request.geometry import Geometry
+from h3engine.request.resolved import ResolvedRequest
 from h3engine.runtime.front import JobHandle
 from h3engine.runtime.messages import JobFailed, JobFinished, JobStarted, size_text
 from ui.access import AccessPolicy
-from ui.handlers import Handlers, parameter_names
+from ui.handlers import Handlers
 from ui.result import RESULT_FIELDS
 from ui.tabs import DEFAULT_VALUES
+from ui.task_values import parameter_names
 
 STATUS = RESULT_FIELDS.index("status")
 
 
+# The canvas the stand-in front says a request resolves to (the job service records it).
+STAND_IN_GEOMETRY = Geometry.from_canvas(48, 64, 22, vae_spatial_ratio=4, patch=2)
+
+
 class StandInFront:
-    """What Handlers needs of an EngineFront: `check`, `submit`, `cancel`; each job ends with `ending(handle)`."""
+    """What Handlers needs of an EngineFront: `resolve`, `submit`, `cancel`; each job ends with `ending(handle)`."""
 
     replicas = 1
 
@@ -47,7 +55,7 @@ class StandInFront:
         self.check_threads: list[int] = []
         self.loop_running_in_check: list[bool] = []
 
-    def check(self, request) -> list[str]:
+    def resolve(self, request) -> ResolvedRequest:
         self.check_threads.append(threading.get_ident())
         try:
             asyncio.get_running_loop()
@@ -56,7 +64,7 @@ class StandInFront:
             self.loop_running_in_check.append(False)
         if self.check_error is not None:
             raise self.check_error
-        return []
+        return ResolvedRequest(request, (), MediaFacts(lambda entry: None), 4.0, STAND_IN_GEOMETRY, None)
 
     def submit(self, request, out_path) -> JobHandle:
         if self.submit_error is not None:
@@ -121,7 +129,7 @@ def test_a_done_job_says_so_and_raises_nothing(outputs, tmp_path) -> None:
 def test_the_checks_run_in_a_worker_thread_not_on_the_event_loop(outputs, tmp_path) -> None:
     front = StandInFront(ending=_finished)
     _press(_handlers(front, outputs, tmp_path), takes=2)
-    assert front.loop_running_in_check == [False, False]  # the first take's request and the last's
+    assert front.loop_running_in_check == [False]  # one resolve a press, whatever its takes
     assert threading.get_ident() not in front.check_threads
 
 

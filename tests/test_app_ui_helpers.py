@@ -20,24 +20,15 @@ import gradio as gr
 import pytest
 from _app_helpers import ASSETS, REPOSITORY_ROOT
 
-from h3engine.cli.main import _build_parser
+from h3engine.cli.parser import build_parser
 from h3engine.engine.lora.library import LoraLibrary
 from h3engine.errors import RequestError
 from h3engine.media.formats import FORMATS, accepted_text
+from h3engine.request.file_rules import reference_labels
 from h3engine.request.files import Keyframe, Reference
 from h3engine.request.model import GenerationRequest
-from h3engine.request.validate import reference_labels
 from ui.components import NotAnUpload, as_uploaded
 from ui.examples import load_examples
-from ui.handlers import (
-    TaskValues,
-    build_request,
-    check_input_types,
-    error_text,
-    failing_parameter,
-    parameter_names,
-    request_values,
-)
 from ui.history import find_entry, history_rows, list_history, result_markdown
 from ui.inputs import InputStore, label_references, reference_kind
 from ui.references import (
@@ -49,6 +40,15 @@ from ui.references import (
     remove_reference,
 )
 from ui.tabs import build_ref2va_tab
+from ui.task_values import (
+    TaskValues,
+    build_request,
+    check_input_types,
+    error_text,
+    failing_parameter,
+    parameter_names,
+    request_values,
+)
 
 
 def test_labels_are_numbered_per_modality_and_a_sounding_video_takes_an_audio_label_first() -> None:
@@ -285,7 +285,7 @@ def test_the_pickers_offer_exactly_what_is_accepted() -> None:
             assert reference_kind(f"clip{suffix.upper()}") == kind
     assert FORMATS["image"].suffixes == (".jpg", ".jpeg", ".png", ".webp")
     # The command line's help lists the same formats.
-    generate = _build_parser()._subparsers._group_actions[0].choices["generate"]
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
     assert " ".join(accepted_text().split()) in " ".join(generate.format_help().split())
     for refused in ("scan.bmp", "scan.tif", "scan.tiff", "notes.txt"):
         with pytest.raises(RequestError, match=r"accepted: image: a JPEG, PNG or WEBP image \(\.jpg"):

@@ -248,10 +248,11 @@ def test_prompt_token_counter_counts_what_the_text_encoder_reads(tokenizer_only_
 
 
 def test_check_request_applies_the_token_bound(tokenizer_only_checkpoint: Path) -> None:
+    from h3engine.checkpoint.facts import CheckpointFacts
     from h3engine.checkpoint.layout import CanvasRules
     from h3engine.errors import RequestError
     from h3engine.request.model import GenerationRequest
-    from h3engine.runtime.checks import CheckpointFacts, check_request
+    from h3engine.request.resolved import resolve_request
 
     facts = CheckpointFacts(
         tasks=("t2va", "fl2va"),
@@ -260,11 +261,11 @@ def test_check_request_applies_the_token_bound(tokenizer_only_checkpoint: Path) 
         patch=2,
         tokenizer=tokenizer_only_checkpoint / "FL2VA" / "tokenizer",
     )
-    assert check_request(GenerationRequest(task="t2va", prompt="a fox"), facts) == []
+    assert resolve_request(GenerationRequest(task="t2va", prompt="a fox"), facts).warnings == ()
     with pytest.raises(
         RequestError, match="^prompt: must be at most 8,192 tokens of the checkpoint's tokenizer"
     ):
-        check_request(GenerationRequest(task="t2va", prompt=LONG_PROMPT), facts)
+        resolve_request(GenerationRequest(task="t2va", prompt=LONG_PROMPT), facts)
 
 
 def test_cli_checks_the_token_bound_before_loading(

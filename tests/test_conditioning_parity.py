@@ -48,10 +48,10 @@ from h3engine.engine.pipeline import prepare_request, run_generation
 from h3engine.engine.sampling.schedule import Schedule
 from h3engine.errors import RequestError
 from h3engine.media.mux import write_mp4
+from h3engine.request.file_rules import resolve_duration_seconds
 from h3engine.request.files import Keyframe, Reference
 from h3engine.request.model import GenerationRequest
 from h3engine.request.resolved import ResolvedRequest, new_media_facts, request_geometry
-from h3engine.request.validate import resolve_duration_seconds
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -112,8 +112,9 @@ def media(tmp_path_factory) -> dict[str, Path]:
 def unchecked(engine: Engine, request: GenerationRequest) -> ResolvedRequest:
     """`request` resolved on the engine's checkpoint without the request rules (media the rules refuse)."""
     media = new_media_facts()
-    geometry = request_geometry(request, engine.facts, media)
-    return ResolvedRequest(request, (), media, resolve_duration_seconds(request, media), geometry, None)
+    seconds = resolve_duration_seconds(request, media)
+    geometry = request_geometry(request, engine.facts, media, seconds)
+    return ResolvedRequest(request, (), media, seconds, geometry, None)
 
 
 def our_run(engine: Engine, request: GenerationRequest, validated: bool = True):

@@ -15,6 +15,7 @@ from _app_helpers import start_app, stop_app
 from gradio_client import Client
 from gradio_client.exceptions import ValidationError
 
+from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.checkpoint.layout import CanvasRules, detect_layout
 from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.cli.main import main
@@ -23,8 +24,8 @@ from h3engine.engine.pipeline import prepare_request, run_generation
 from h3engine.engine.sampling.schedule import Schedule, rung_sigmas
 from h3engine.errors import CheckpointError, RequestError
 from h3engine.request.model import GenerationRequest
-from h3engine.request.resolved import check_distilled_steps
-from h3engine.runtime.checks import CheckpointFacts, check_request
+from h3engine.request.resolved import resolve_request
+from h3engine.request.validate import check_steps_for_rungs
 from h3engine.runtime.front import WARM_UP_REQUEST, warm_up_request
 
 RUNGS = (999, 750, 500, 250)
@@ -69,14 +70,24 @@ def test_the_rung_grid_is_the_shifted_positions_then_zero() -> None:
 
 
 def test_only_the_distilled_count_passes() -> None:
-    check_distilled_steps(4, "sglang", RUNGS)
-    check_distilled_steps(5, "diffusers", RUNGS)  # the diffusers recipe counts the terminal grid point
-    check_distilled_steps(50, "sglang", None)
+    subject = "this checkpoint is step-distilled to"
+    check_steps_for_rungs(4, "sglang", RUNGS, subject)
+    check_steps_for_rungs(
+        5, "diffusers", RUNGS, subject
+    )  # the diffusers recipe counts the terminal grid point
     with pytest.raises(RequestError) as refused:
-        check_distilled_steps(50, "sglang", RUNGS)
+        check_steps_for_rungs(50, "sglang", RUNGS, subject)
     assert str(refused.value) == REFUSAL + "50"
-    with pytest.raises(RequestError, match="the diffusers recipe counts grid points, so ask for 5$"):
-        check_distilled_steps(4, "diffusers", RUNGS)
+    with pytest.raises(
+        RequestError, match=r"to 5 steps \(rungs .*; the diffusers recipe counts the terminal grid"
+    ):
+        check_steps_for_rungs(4, "diffusers", RUNGS, subject)
+    # One rule for a request's own rungs too.
+    with pytest.raises(
+        RequestError, match=r"^steps: its rungs run 4 steps \(rungs 999, 750, 500, 250\), got 3$"
+    ):
+        resolve_request(request(steps=3, rungs=RUNGS), None)
+    assert resolve_request(request(steps=None, rungs=RUNGS), None).request.steps == 4
 
 
 # --- a whole generation -----------------------------------------------------------------------------------------------
@@ -129,9 +140,9 @@ def test_the_front_checks_refuse_it_and_the_warm_up_runs_the_rungs(dmd_engine: E
     assert facts.dmd_steps == {"t2va": RUNGS, "fl2va": RUNGS, "ref2va": RUNGS}
     assert facts.distilled_steps("t2va") == 4 and facts.distilled_steps("t2va", "diffusers") == 5
     with pytest.raises(RequestError) as refused:
-        check_request(request(steps=50), facts)
+        resolve_request(request(steps=50), facts)
     assert str(refused.value) == REFUSAL + "50"
-    assert check_request(request(), facts) == []
+    assert resolve_request(request(), facts).warnings == ()
     assert warm_up_request(facts).steps == 4
     # An undistilled checkpoint keeps every count and the one-step warm-up.
     plain = CheckpointFacts(

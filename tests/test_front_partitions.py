@@ -18,7 +18,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from h3engine.checkpoint.facts import CheckpointFacts
+from h3engine.checkpoint.layout import CanvasRules
+from h3engine.request.files import MediaFacts
 from h3engine.request.model import GenerationRequest
+from h3engine.request.resolved import ResolvedRequest
 from h3engine.runtime.front import (
     CANCELLED_BEFORE_START_MESSAGE,
     MAX_PASSED_OVER,
@@ -52,7 +56,10 @@ class GatedReplica:
         jobs_in_flight: int = 1,
         reports: bool = True,
     ) -> None:
-        self.facts = SimpleNamespace(tasks=("t2va", "fl2va", "ref2va"))
+        # The facts of a small undistilled checkpoint: the front resolves each job on them before queueing it.
+        self.facts = CheckpointFacts(
+            tasks=("t2va", "fl2va", "ref2va"), canvas=CanvasRules(32, 32 * 56), vae_spatial_ratio=4, patch=2
+        )
         self.partition = partition
         self.pinned = pinned
         self.jobs_in_flight = jobs_in_flight
@@ -91,7 +98,10 @@ class Queue:
         self.handles: dict[str, JobHandle] = {}
 
     def submit(self, task: str, name: str) -> JobHandle:
-        self.handles[name] = self.front.submit(GenerationRequest(task=task, prompt=name))
+        # Only the order is judged here: each job is taken as resolved (a queue of bare prompts of every task).
+        request = GenerationRequest(task=task, prompt=name)
+        resolved = ResolvedRequest(request, (), MediaFacts(lambda entry: None), 4.0, None, None)
+        self.handles[name] = self.front.submit(resolved)
         return self.handles[name]
 
     def occupy(self) -> None:

@@ -560,12 +560,13 @@ def test_the_planner_reads_the_rules_the_code_runs() -> None:
     from h3engine.engine.sampling import modulation
     from h3engine.request import geometry
     from h3engine.request import model as request
+    from h3engine.request.resolved import resolve_request
 
     assert conditioning.reference_image_size is geometry.reference_image_size is shapes.reference_image_size
     assert conditioning.reference_video_encode_frames is shapes.reference_video_encode_frames
     assert presentation.qwen_video_sampling is geometry.qwen_video_sampling
     assert modulation.MODULATION_CACHE_SCHEDULES is working.MODULATION_CACHE_SCHEDULES
-    assert request.GenerationRequest("t2va", "a").steps == shapes.DEFAULT_STEPS
+    assert resolve_request(request.GenerationRequest("t2va", "a"), None).request.steps == shapes.DEFAULT_STEPS
     assert [shapes.qwen_sampled_frames(frames) for frames in (1, 12, 13, 120)] == [1, 1, 2, 10]
 
 

@@ -19,8 +19,8 @@ from typing import Any
 import gradio as gr
 import pytest
 
+from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.checkpoint.layout import CanvasRules
-from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.front import EngineFront
 from ui.prompt_builder import LANGUAGES, PromptBuilderPanel, build_prompt_builder, wire_prompt_builder
 from ui.prompt_sections import (

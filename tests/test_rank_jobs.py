@@ -65,12 +65,11 @@ class FakeEngine:
         self._on_prepare = on_prepare
         self._problem = problem
 
-    def validate(self, request: GenerationRequest) -> None:
+    def resolved(self, request: Any) -> Any:
+        """The request as resolved (the door's, or resolved here): the memory check that may refuse it."""
         if self._problem is not None:
             raise self._problem
-
-    def geometry_for(self, request: GenerationRequest) -> Any:
-        return GEOMETRY
+        return SimpleNamespace(request=getattr(request, "request", request), geometry=GEOMETRY)
 
     def prepare(self, request: GenerationRequest, should_cancel: Any) -> Any:
         return self._on_prepare(should_cancel) if self._on_prepare else "prepared"
@@ -253,7 +252,7 @@ def test_a_bad_request_ends_the_job_before_it_starts() -> None:
 
 
 def test_a_remix_of_chained_windows_is_refused_as_one_job() -> None:
-    """A job is one window (the CLI submits one per window): `windows` > 1 ends it naming the field, not silently
+    """A job is one window (the front runs a chained extend a window a job): `windows` > 1 ends it naming the field, not silently
     as one window."""
     from h3engine.request.remix import Remix
 

@@ -11,8 +11,10 @@ import gradio as gr
 import pytest
 
 from h3engine.errors import RequestError
-from h3engine.request.geometry import FPS, frames_for_duration
+from h3engine.request.files import MediaFacts
+from h3engine.request.geometry import FPS, Geometry, frames_for_duration
 from h3engine.request.remix import Remix, remix_seconds
+from h3engine.request.resolved import ResolvedRequest
 from h3engine.runtime.front import JobHandle
 from h3engine.runtime.messages import JobFinished, JobStarted
 from ui.access import AccessPolicy
@@ -26,8 +28,12 @@ REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
 STATUS = RESULT_FIELDS.index("status")
 
 
+# The canvas the stand-in front says a request resolves to (the job service records it).
+STAND_IN_GEOMETRY = Geometry.from_canvas(48, 64, 22, vae_spatial_ratio=4, patch=2)
+
+
 class StandInFront:
-    """`check` (raises `refusal` when set), `submit` (finishes at once), `cancel`."""
+    """`resolve` (raises `refusal` when set), `submit` (finishes at once), `cancel`."""
 
     replicas = 1
 
@@ -35,14 +41,14 @@ class StandInFront:
         self.refusal = refusal
         self.requests = []
 
-    def check(self, request) -> list[str]:  # noqa: ANN001
+    def resolve(self, request) -> ResolvedRequest:  # noqa: ANN001
         if self.refusal is not None:
             raise self.refusal
-        return []
+        return ResolvedRequest(request, (), MediaFacts(lambda entry: None), 4.0, STAND_IN_GEOMETRY, None)
 
-    def submit(self, request, out_path) -> JobHandle:  # noqa: ANN001
-        self.requests.append(request)
-        handle = JobHandle(f"job{len(self.requests)}", request, Path(out_path))
+    def submit(self, resolved, out_path) -> JobHandle:  # noqa: ANN001
+        self.requests.append(resolved.request)
+        handle = JobHandle(f"job{len(self.requests)}", resolved, Path(out_path))
         handle.publish(JobStarted(handle.job_id, 0, 0.0, 64, 48, 24, 24, 2))
         video = handle.out_path
         video.write_bytes(b"mp4")

@@ -18,11 +18,13 @@ from pathlib import Path
 import pytest
 
 from h3engine.errors import RequestError
+from h3engine.request.file_rules import reference_labels, resolve_aspect, resolve_duration_seconds
 from h3engine.request.files import Keyframe, MediaInfo, Reference
 from h3engine.request.geometry import frames_for_duration, resolve_canvas
 from h3engine.request.model import GenerationRequest
+from h3engine.request.resolved import resolve_request
 from h3engine.request.shapes import from_dict
-from h3engine.request.validate import reference_labels, resolve_aspect, resolve_duration_seconds, validate
+from h3engine.request.validate import validate
 
 # ---------------------------------------------------------------------------------------------------------------
 # Media the fake probe knows about (what the PyAV/Pillow probe would report for such files)
@@ -560,8 +562,9 @@ def test_defaults_and_kept_order() -> None:
         None,  # the checkpoint's own canvas rule
         0,
     )
-    assert (defaults.steps, defaults.flow_shift, defaults.audio_flow_shift, defaults.recipe) == (
-        50,
+    # Steps left out are filled in when the request is resolved: DEFAULT_STEPS, or a step-distilled count.
+    assert defaults.steps is None and resolve_request(defaults, None).request.steps == 50
+    assert (defaults.flow_shift, defaults.audio_flow_shift, defaults.recipe) == (
         12.0,
         3.0,
         "sglang",
@@ -634,7 +637,7 @@ def test_sglang_t2va_request() -> None:
         aspect_ratio="16:9",
         short_edge=768,
         seed=0,
-        steps=50,
+        steps=None,  # SGLang's default (50) is DEFAULT_STEPS, filled in when resolved
         recipe="sglang",
     )
     assert validate(request) == []

@@ -312,7 +312,7 @@ def sides(
 
 def test_the_front_accepts_exactly_what_the_engine_accepts(sides) -> None:
     front, engine, requests = sides
-    outcomes = check_agreement(front.check, engine.validate, requests)
+    outcomes = check_agreement(front.resolve, engine.resolve, requests)
     # Not a vacuous pass: many requests were accepted, and refusals named many different fields.
     accepted = outcomes.pop("accepted", 0)
     assert accepted >= EXAMPLES // 10, outcomes
@@ -328,7 +328,7 @@ def test_the_property_fails_when_one_side_lacks_a_rule(sides) -> None:
         # The front's check before issue 30: a Ref2VA request's keyframes went unread until the engine ran it.
         if request.task == "ref2va":
             request = dataclasses.replace(request, keyframes=())
-        return front.check(request)
+        return front.resolve(request)
 
     with pytest.raises(AssertionError, match=r"engine refused: keyframes"):
-        check_agreement(front_ignoring_ref2va_keyframes, engine.validate, requests)
+        check_agreement(front_ignoring_ref2va_keyframes, engine.resolve, requests)

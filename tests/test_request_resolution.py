@@ -93,16 +93,16 @@ def test_a_generation_probes_each_input_file_once(engine: Engine, probes, task: 
     assert set(probes.values()) == {1}, probes
 
 
-def test_a_worker_ranks_calls_probe_each_file_once(engine: Engine, probes) -> None:
+def test_a_resolved_request_is_not_resolved_again(engine: Engine, probes) -> None:
     request = REQUESTS["ref2va"]
-    # What a worker group's rank 0 calls for one job (h3engine.runtime.rank): one resolution for all three.
-    engine.validate(request)
-    geometry = engine.geometry_for(request)
-    prepared = engine.prepare(request)
-    assert prepared.geometry == geometry
+    # What a worker group's rank 0 gets with its job: the request its door resolved.
+    resolved = engine.resolve(request)
+    assert engine.resolved(resolved) is resolved  # its memory check was made with the engine's plan
+    prepared = engine.prepare(resolved)
+    assert prepared.geometry == resolved.geometry
     assert set(probes.values()) == {1} and set(probes) == files_of(request)
-    # The next job (another request object, even an equal one) is resolved again: its files may have changed.
-    engine.validate(dataclasses.replace(request))
+    # A bare request is resolved each time it is given (no memo): its files may have changed.
+    engine.validate(request)
     assert set(probes.values()) == {2}
 
 
@@ -167,7 +167,11 @@ def test_canvas_rule_takes_every_short_edge_as_given() -> None:
 
 def test_checkpoint_facts_from_the_headers_are_the_engines(engine: Engine, tiny_native: Path) -> None:
     facts = CheckpointFacts.from_layout(detect_layout(tiny_native))
-    assert facts == engine.facts == CheckpointFacts.from_engine(engine)
+    assert engine.facts == CheckpointFacts.from_engine(engine)
+    assert (
+        facts == dataclasses.replace(engine.facts, memory_plan=None)
+        and engine.facts.memory_plan is engine.plan
+    )
     models = engine.store.models_for_partition(engine.store.first_partition)
     assert (facts.vae_spatial_ratio, facts.patch) == models.spatial_factors
     assert pickle.loads(pickle.dumps(facts)) == facts

@@ -13,19 +13,24 @@ latent frame, never writes the loop's rows, and equals an independent numpy comp
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
+import shutil
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from _app_helpers import ASSETS
 from _runtime_helpers import events_until_done
 
+from h3engine.checkpoint.facts import CheckpointFacts
+from h3engine.checkpoint.layout import CanvasRules
 from h3engine.engine.engine import Engine
+from h3engine.errors import RequestError
 from h3engine.media.preview import PREVIEW_SHORT_EDGE, channel_to_rgb_weights, latent_preview_rgb
-from h3engine.request.files import Keyframe
+from h3engine.request.files import Keyframe, Reference
 from h3engine.request.model import GenerationRequest
 from h3engine.runtime.front import WARM_UP_REQUEST, EngineFront, EngineReplica, JobHandle
 from h3engine.runtime.messages import (
@@ -74,7 +79,7 @@ def _long_request(prompt: str = "long") -> GenerationRequest:
 
 def test_a_job_reports_queue_start_steps_previews_and_files(front) -> None:
     request = GenerationRequest(task="t2va", prompt="a kite", steps=6, seed=5)
-    expected_geometry = front.expected_geometry(request)
+    expected_geometry = front.resolve(request).geometry
     events = events_until_done(front.submit(request), EVENT_TIMEOUT_S)
 
     assert events[0] == JobQueued(events[0].job_id, position=1)
@@ -205,12 +210,23 @@ def test_a_warm_up_that_raises_leaves_the_replica_serving(engines, tmp_path) -> 
         front.shutdown()
 
 
-def test_a_request_error_keeps_the_engine_message(front, tmp_path) -> None:
+def test_a_request_error_is_refused_at_submit_and_keeps_the_engine_message_at_run_time(
+    front, tmp_path
+) -> None:
     missing = str(tmp_path / "missing.png")
     request = GenerationRequest(task="fl2va", prompt="x", steps=2, keyframes=(Keyframe(missing, "first"),))
-    failed = events_until_done(front.submit(request), EVENT_TIMEOUT_S)[-1]
+    with pytest.raises(RequestError) as refused:
+        front.submit(request)  # resolved before it takes a place in the queue
+    assert refused.value.field == "keyframes[0]" and "missing.png" in str(refused.value)
+    assert front.waiting == 0
+    # A file that goes away after the request was resolved: the job fails with the engine's words.
+    keyframe = tmp_path / "gone.png"
+    shutil.copyfile(ASSETS / "fl2va" / "first.png", keyframe)
+    resolved = front.resolve(dataclasses.replace(request, keyframes=(Keyframe(str(keyframe), "first"),)))
+    keyframe.unlink()
+    failed = events_until_done(front.submit(resolved), EVENT_TIMEOUT_S)[-1]
     assert failed.kind == "request"
-    assert "missing.png" in failed.message and "Traceback" not in failed.message
+    assert "gone.png" in failed.message and "Traceback" not in failed.message
 
 
 def test_two_replicas_run_two_jobs_at_once(engines, tmp_path) -> None:
@@ -278,7 +294,8 @@ def test_a_warm_up_runs_before_the_first_job_and_leaves_no_files(engines, tmp_pa
         front.shutdown()
     assert isinstance(events[-1], JobFinished)
     # The job waited for the warm-up, which ran like a job into a folder of its own, now gone.
-    assert [call[0] for call in calls] == [WARM_UP_REQUEST, request]
+    # Each ran as resolved (the job by the front when submitted, the warm-up by its engine), steps as given.
+    assert [call[0].request for call in calls] == [WARM_UP_REQUEST, request]
     warm_up_folder = calls[0][1].parent
     assert wrote_video == [True, True] and warm_up_folder != outputs and not warm_up_folder.exists()
     assert sorted(path.name for path in outputs.iterdir()) == sorted(
@@ -290,7 +307,7 @@ def test_a_failed_warm_up_leaves_the_replica_serving(engines, tmp_path, monkeypa
     generate_to_file = engines[0].generate_to_file
 
     def fail_the_warm_up(request, out_path, **keywords):
-        if request == WARM_UP_REQUEST:
+        if request.request == WARM_UP_REQUEST:
             raise RuntimeError("a kernel that does not compile")
         return generate_to_file(request, out_path, **keywords)
 
@@ -311,7 +328,10 @@ class _WaitingReplica:
 
     def __init__(self, tasks: tuple[str, ...] = ("t2va", "fl2va", "ref2va")) -> None:
         # An undistilled checkpoint: the warm-up keeps its one step.
-        self.facts = SimpleNamespace(tasks=tasks, distilled_steps=lambda task, recipe="sglang": None)
+        # The facts of a small undistilled checkpoint: the front resolves each job on them before queueing it.
+        self.facts = CheckpointFacts(
+            tasks=tasks, canvas=CanvasRules(32, 32 * 56), vae_spatial_ratio=4, patch=2
+        )
         self.requests = []
 
     def run(self, handle: JobHandle, replica_index: int, preview_every: int) -> JobFailed:
@@ -344,7 +364,10 @@ def test_no_warm_up_where_the_checkpoint_does_not_serve_its_task(tmp_path) -> No
     replica = _WaitingReplica(tasks=("ref2va",))
     front = EngineFront([replica], tmp_path / "outputs", warm_up=True)
     try:
-        handle = front.submit(GenerationRequest(task="ref2va", prompt="first", steps=2))
+        picture = Reference(kind="image", path=str(ASSETS / "ref2va" / "picture1.png"))
+        handle = front.submit(
+            GenerationRequest(task="ref2va", prompt="first", steps=2, references=(picture,))
+        )
         deadline = time.monotonic() + EVENT_TIMEOUT_S
         while not replica.requests and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -417,9 +440,9 @@ def test_a_lora_that_does_not_fit_is_refused_before_the_job_is_queued(front, tmp
             loras=(LoraChoice(str(path), 0.5),),
         )
 
-    assert front.check(request(fits)) == []
+    assert front.resolve(request(fits)).warnings == ()
     with pytest.raises(RequestError) as refused:
-        front.check(request(pruned))
+        front.resolve(request(pruned))
     message = str(refused.value)
     assert message.startswith(
         "loras[0]: LoRA file 'pruned.safetensors': key 'blocks.1.mlp.fc2.lora_A.weight'"
@@ -428,5 +451,5 @@ def test_a_lora_that_does_not_fit_is_refused_before_the_job_is_queued(front, tmp
     with pytest.raises(
         RequestError, match=r"^loras\[0\]\.target: 'ref_only.safetensors' targets 'transformer_ref'"
     ):
-        front.check(request(ref_only))
-    assert front.check(request(ref_only, "ref2va")) == []  # the Ref2VA DiT is what it names
+        front.resolve(request(ref_only))
+    assert front.resolve(request(ref_only, "ref2va")).warnings == ()  # the Ref2VA DiT is what it names

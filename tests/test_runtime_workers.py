@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -241,7 +242,7 @@ def test_generations_equal_the_single_process_engine(
     groups, single_process_tensors, layout_name, task, tmp_path
 ) -> None:
     front, _ = groups.get(layout_name)
-    expected_geometry = front.expected_geometry(REQUESTS[task])
+    expected_geometry = front.resolve(REQUESTS[task]).geometry
     events = generate_and_compare(front, task, single_process_tensors[task], tmp_path)
 
     started = [event for event in events if isinstance(event, JobStarted)]
@@ -305,19 +306,23 @@ def test_a_vae_rank_alone_writes_the_mp4_while_it_decodes(groups, single_process
     finished = events[-1]
     timings = json.loads(Path(finished.sidecar_path).read_text())["timings_s"]
     assert {"video_decode_s", "mux_s", "mux_after_decode_s"} <= set(timings), timings
-    assert probe_mp4(finished.video_path)["frame_count"] == front.expected_geometry(REQUESTS["t2va"]).frames
+    assert probe_mp4(finished.video_path)["frame_count"] == front.resolve(REQUESTS["t2va"]).geometry.frames
 
 
 def test_a_bad_request_fails_only_itself(groups, tmp_path) -> None:
     """Rank 0 finds the missing file; the others learn it from the broadcast and skip the job (no hang)."""
     front, replica = groups.get("sp2")
     workers = replica.worker_pids
-    missing = str(tmp_path / "missing.png")
+    # A file that went away after the request was resolved (a missing one is refused at submit).
+    missing = tmp_path / "missing.png"
+    shutil.copyfile(ASSETS / "fl2va" / "first.png", missing)
     request = GenerationRequest(
-        task="fl2va", prompt="x", steps=2, duration_seconds=4.0, keyframes=(Keyframe(missing, "first"),)
+        task="fl2va", prompt="x", steps=2, duration_seconds=4.0, keyframes=(Keyframe(str(missing), "first"),)
     )
-    failed = events_until_done(front.submit(request), EVENT_TIMEOUT_S)[-1]
-    assert failed.kind == "request" and missing in failed.message, failed
+    resolved = front.resolve(request)
+    missing.unlink()
+    failed = events_until_done(front.submit(resolved), EVENT_TIMEOUT_S)[-1]
+    assert failed.kind == "request" and missing.name in failed.message, failed
     assert isinstance(events_until_done(front.submit(REQUESTS["t2va"]), EVENT_TIMEOUT_S)[-1], JobFinished)
     assert replica.worker_pids == workers
 

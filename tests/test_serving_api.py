@@ -192,7 +192,8 @@ def test_remix_and_extend(served, tmp_path) -> None:
     ("arguments", "param", "message"),
     [
         (dict(seconds="3"), "seconds", r"seconds: must be within \[4, 15\]"),
-        (dict(size="1000x10"), "size", "size: '1000x10' is not a canvas this model makes; supported: "),
+        (dict(size="1000x10"), "size", "size: height: must be a multiple of 8, got 10"),
+        (dict(size="big"), "size", "size: 'big' is not WxH; supported: "),
         (dict(extra_body={"steps": 5000}), "steps", "steps: must be <= 1000, got 5000"),
         (dict(extra_body={"flow_shift": "x"}), "flow_shift", "flow_shift: "),
         (dict(extra_body={"task": "fl2va"}), "input_reference", "needs a first and/or a last keyframe"),

@@ -102,9 +102,13 @@ def test_a_size_beyond_the_presets_passes_the_canvas_checks(app) -> None:
     assert raised.value.body["param"] == "seconds", raised.value.body
 
 
-def test_other_sizes_are_refused_listing_the_sizes(app) -> None:
+def test_sizes_are_judged_by_the_checker_and_a_size_that_is_not_wxh_lists_the_sizes(app) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
-        _client(app).videos.create(prompt="A kite.", size="1280x720")
+        _client(app).videos.create(prompt="A kite.", size="1000x10")
+    assert raised.value.body["param"] == "size"
+    assert raised.value.body["message"] == "size: height: must be a multiple of 8, got 10"  # as --height says
+    with pytest.raises(openai.BadRequestError) as raised:
+        _client(app).videos.create(prompt="A kite.", size="big")
     error = raised.value.body
     assert (
         error["param"] == "size"

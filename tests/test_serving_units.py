@@ -18,7 +18,6 @@ import app
 from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.checkpoint.layout import CanvasRules
 from h3engine.media.outputs import OutputFiles, StagedOutputs
-from h3engine.request.geometry import Geometry
 from h3engine.request.model import GenerationRequest
 from h3engine.runtime.front import EngineFront, JobHandle
 from h3engine.runtime.messages import ENGINE_FAILURE_MESSAGE, output_failure_message
@@ -120,9 +119,6 @@ class _FakeFront:
         self.submitted.append(str(out_path))
         return JobHandle("h", request, Path(out_path))
 
-    def expected_geometry(self, request) -> Geometry:
-        raise AssertionError("not needed")
-
 
 def test_recovery_runs_queued_jobs_reruns_a_running_one_once_and_never_twice_to_completion(tmp_path) -> None:
     store = JobStore.open(tmp_path)
@@ -163,7 +159,10 @@ def test_sizes_follow_the_canvas_rule() -> None:
     assert size_fields("512x512", RELEASED) == {"aspect_ratio": "1:1", "short_edge": 512}
     assert size_fields("896x512", RELEASED) == {"aspect_ratio": "16:9", "short_edge": 512}
     assert size_fields("640x512", RELEASED) == {"width": 640, "height": 512}  # 5:4, not a preset
-    for size in ("1280x720", "1024x512", "1000x10", "0x0", "1344x769", "big"):
+    # Any other WxH is an explicit canvas, judged by the one checker as --width/--height are.
+    assert size_fields("1280x720", RELEASED) == {"width": 1280, "height": 720}
+    assert size_fields("1344x769", RELEASED) == {"width": 1344, "height": 769}
+    for size in ("0x0", "big", "1344", "-5x3"):
         with pytest.raises(ApiFieldError, match=r"supported: auto, .*1344x768") as raised:
             size_fields(size, RELEASED)
         assert raised.value.param == "size"
@@ -353,11 +352,11 @@ class _WaitingReplica:
     facts = RELEASED
 
     def run(self, handle, replica_index, preview_every):
-        from h3engine.runtime.checks import expected_geometry
         from h3engine.runtime.messages import JobFailed, job_started
 
-        geometry = expected_geometry(handle.request, RELEASED)
-        handle.publish(job_started(handle.job_id, replica_index, handle.submitted_at, geometry))
+        handle.publish(
+            job_started(handle.job_id, replica_index, handle.submitted_at, handle.resolved.geometry)
+        )
         while not handle.cancel_requested:
             time.sleep(0.01)
         return JobFailed(handle.job_id, "cancelled", "Cancelled.")
@@ -372,8 +371,8 @@ def test_a_stop_leaves_running_and_waiting_api_jobs_queued_for_the_next_start(tm
     jobs = VideoJobs(front, store, tmp_path)
     jobs.start()
     request = GenerationRequest(task="t2va", prompt="x", steps=1)
-    first, _ = jobs.create("o", request, {})
-    second, _ = jobs.create("o", request, {})
+    first, _ = jobs.create("o", front.resolve(request), {})
+    second, _ = jobs.create("o", front.resolve(request), {})
     deadline = time.monotonic() + 10
     while store.get(first.id).status != "in_progress":
         assert time.monotonic() < deadline

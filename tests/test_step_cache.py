@@ -406,8 +406,8 @@ def test_the_memory_check_counts_the_cached_residuals(tiny_native: Path) -> None
 
 
 def test_the_app_takes_the_preset_as_an_endpoint_parameter() -> None:
-    from ui.handlers import TaskValues, build_request, failing_parameter, parameter_names, request_values
     from ui.tabs import CACHE_LABELS, DEFAULT_VALUES
+    from ui.task_values import TaskValues, build_request, failing_parameter, parameter_names, request_values
 
     assert parameter_names("t2va")[-1] == "cache" and DEFAULT_VALUES["cache"] == "off"
     assert set(CACHE_LABELS) == set(CACHE_PRESETS)

@@ -57,8 +57,8 @@ def test_rungs_round_trip_and_fix_the_step_count() -> None:
     # The diffusers recipe counts the terminal grid point: 4 rungs are 5 of its steps.
     assert validate(request(rungs=RUNGS, steps=5, recipe="diffusers")) == []
     cases = {
-        "steps: 4 rungs run 4 steps, got 8": request(rungs=RUNGS, steps=8),
-        "steps: 4 rungs run 5 steps (the diffusers recipe counts the terminal grid point too), got 4": request(
+        "steps: its rungs run 4 steps (rungs 999, 750, 500, 250), got 8": request(rungs=RUNGS, steps=8),
+        "steps: its rungs run 5 steps (rungs 999, 750, 500, 250; the diffusers recipe counts the terminal grid point too), got 4": request(
             rungs=RUNGS, recipe="diffusers"
         ),
         "rungs: must be strictly decreasing integers in (0, 1000], got [250, 500] (list)": request(
@@ -239,7 +239,12 @@ def test_the_cli_turbo_preset_and_rungs(capsys, tmp_path: Path, tiny_native: Pat
             "--rungs",
             "999,x",
         ): "error: --rungs: expected comma-separated integers such as 999,750,500,250, got '999,x'\n",
-        ("--rungs", "999,500", "--steps", "5"): "error: steps: 2 rungs run 2 steps, got 5\n",
+        (
+            "--rungs",
+            "999,500",
+            "--steps",
+            "5",
+        ): "error: steps: its rungs run 2 steps (rungs 999, 500), got 5\n",
     }
     for flags, message in refusals.items():
         assert cli.main(generate(tiny_native, tmp_path / "d.mp4", *flags)) == 2

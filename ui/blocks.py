@@ -27,7 +27,7 @@ from h3engine.runtime.front import EngineFront
 from ui.access import AccessPolicy
 from ui.endings import NOT_TAKEN_STATUS
 from ui.examples import Example, load_examples
-from ui.handlers import STARTING_STATUS, Handlers, parameter_names, swap_keyframes
+from ui.handlers import STARTING_STATUS, Handlers, swap_keyframes
 from ui.history import HistoryEntry
 from ui.loras import wire_lora_panel
 from ui.notices import result_buttons_state, told_in_a_toast, told_in_the_status
@@ -36,6 +36,7 @@ from ui.references import wire_reference_gallery
 from ui.remix import RemixTab, build_remix_tab, wire_remix_tab
 from ui.result import HistoryPanel, ResultColumn, build_history, build_result_column
 from ui.tabs import DEFAULT_VALUES, TaskTab, build_fl2va_tab, build_ref2va_tab, build_t2va_tab
+from ui.task_values import parameter_names
 
 ENGINE_CONCURRENCY_ID = "h3-engine"
 # Brings the status into view when Generate is pressed (on a phone the result column is below the tab).
@@ -83,12 +84,12 @@ def build_ui(
     options: UiOptions,
     access: AccessPolicy | None = None,
     delete_cache: tuple[int, int] | None = None,
-    recorder: Any = None,
+    jobs: Any = None,
 ) -> gr.Blocks:
     """`access`: who sees which results (default: per user or session); `delete_cache`: Gradio's (every N s,
-    its files older than M s), for the uploads; `recorder`: the job store's (ui.handlers.Handlers)."""
+    its files older than M s), for the uploads; `jobs`: the job service (h3engine.serving.jobs.VideoJobs), shared with the API."""
     library = LoraLibrary(options.lora_dir)
-    handlers = Handlers(front, access or AccessPolicy(options.outputs_dir), library, recorder)
+    handlers = Handlers(front, access or AccessPolicy(options.outputs_dir), library, jobs)
     examples = load_examples(options.examples_path, options.repository_root)
     with gr.Blocks(title="MiniMax H3", delete_cache=delete_cache) as demo:
         page = _build_page(front, options, handlers, library, examples)

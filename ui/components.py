@@ -38,7 +38,7 @@ def as_sent(component: ComponentT) -> ComponentT:
 
 @dataclass(frozen=True)
 class NotAnUpload:
-    """What a file input received instead of an uploaded file (ui.handlers.check_input_types refuses it)."""
+    """What a file input received instead of an uploaded file (ui.task_values.check_input_types refuses it)."""
 
     value: Any
 

@@ -18,11 +18,9 @@ copies in the outputs folder; a history stem is looked up by `ui.history.find_en
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import inspect
 import logging
-import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -31,18 +29,17 @@ from typing import Any
 
 import gradio as gr
 
-from h3engine.engine.lora.library import LoraLibrary, lora_choices
+from h3engine.engine.lora.library import LoraLibrary
 from h3engine.engine.options import cannot_write
 from h3engine.errors import RequestError
-from h3engine.request.checks import parse_rungs
-from h3engine.request.files import Keyframe, Reference
-from h3engine.request.limits import MAX_DURATION_SECONDS, MIN_DURATION_SECONDS
-from h3engine.request.model import VERIFIED_SHORT_EDGE, GenerationRequest
+from h3engine.request.model import GenerationRequest
+from h3engine.request.resolved import ResolvedRequest
 from h3engine.request.shapes import from_dict
 from h3engine.runtime.front import EngineFront, JobHandle, stamped_output_name
 from h3engine.runtime.messages import PreviewFrame, outputs_refuse_writes
+from h3engine.serving.jobs import JobView, Refused, VideoJobs, page_jobs
+from h3engine.serving.videos import DEFAULT_MODEL
 from ui.access import AccessPolicy
-from ui.components import NotAnUpload
 from ui.endings import UNEXPECTED_ERROR, NotStarted, storage_problem
 from ui.history import (
     HistoryEntry,
@@ -53,11 +50,25 @@ from ui.history import (
     result_markdown,
     sidecar_step_cache,
 )
-from ui.inputs import InputStore, last_frame_png, reference_kind
-from ui.loras import lora_values
+from ui.inputs import InputStore, last_frame_png
+from ui.press import PressResolutions
 from ui.result import RESULT_FIELDS
-from ui.tabs import DEFAULT_VALUES, MEDIA_PARAMETERS, SETTINGS_PARAMETERS
+from ui.tabs import DEFAULT_VALUES
 from ui.takes import Take, TakeSet, checked_takes
+from ui.task_values import (
+    _FILE_FIELDS,
+    _OPTIONAL_FILE_PARAMETERS,
+    TaskValues,
+    build_request,
+    check_input_types,
+    duration_out_of_range,
+    error_text,
+    failing_parameter,
+    page_problem,
+    parameter_names,
+    request_values,
+    shown_problem,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,217 +77,6 @@ POLL_INTERVAL_S = 0.1
 STARTING_STATUS = "Starting…"
 RANDOM_SEED_LIMIT = 2**31
 PLACEHOLDER_PROMPT = "(prompt)"
-_SCALAR_FIELDS = {
-    "prompt",
-    "aspect_ratio",
-    "short_edge",
-    "seed",
-    "steps",
-    "flow_shift",
-    "audio_flow_shift",
-    "takes",
-    "rungs",
-    "loras",
-    "cache",
-}
-_BOOLEAN_FIELDS = ("randomize_seed", "duration_from_reference")
-_FILE_FIELDS = ("first_image", "last_image", "references")
-# The endpoint parameters an API client may leave out although their components start empty.
-_OPTIONAL_FILE_PARAMETERS = ("first_image", "last_image")
-_KEYFRAME_WORDS = {"first_image": "first frame", "last_image": "last frame"}
-_QUOTED_PATH = re.compile(r"(['\"])/[^'\"]*/([^'\"/]+)\1")
-
-
-def parameter_names(task: str) -> tuple[str, ...]:
-    return ("prompt", *MEDIA_PARAMETERS[task], *SETTINGS_PARAMETERS)
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskValues:
-    """One endpoint's raw inputs, by parameter name."""
-
-    task: str
-    values: dict[str, Any]
-
-    @classmethod
-    def from_inputs(cls, task: str, inputs: Sequence[Any]) -> TaskValues:
-        return cls(task, dict(zip(parameter_names(task), inputs, strict=True)))
-
-    def files(self) -> dict[str, list[str]]:
-        """The file inputs' paths, by parameter name (what is not a path, check_input_types refuses)."""
-        files = {}
-        for name in _FILE_FIELDS:
-            if name in self.values:
-                value = self.values[name]
-                items = [value] if isinstance(value, str) else value if isinstance(value, list) else []
-                files[name] = [item for item in items if isinstance(item, str)]
-        return files
-
-
-def build_request(
-    values: TaskValues,
-    seed: int | None = None,
-    keep: Callable[[str], str] = str,
-    prompt: str | None = None,
-    library: LoraLibrary | None = None,
-) -> GenerationRequest:
-    """A GenerationRequest from a tab's inputs; `keep` maps each input file to the path the request names, `library`
-    each adapter name (the app's --lora-dir)."""
-    named = values.values
-    keyframes = tuple(
-        Keyframe(path=keep(named[name]), position=position)
-        for name, position in (("first_image", "first"), ("last_image", "last"))
-        if named.get(name)
-    )
-    references = tuple(
-        Reference(kind=reference_kind(path), path=keep(path)) for path in named.get("references") or ()
-    )
-    from_reference = values.task == "ref2va" and bool(named.get("duration_from_reference"))
-    return GenerationRequest(
-        task=values.task,
-        prompt=named["prompt"] if prompt is None else prompt,
-        duration_seconds=None if from_reference else named["duration_seconds"],
-        aspect_ratio=named["aspect_ratio"],
-        short_edge=named["short_edge"],
-        seed=named["seed"] if seed is None else seed,
-        steps=named["steps"],
-        flow_shift=named["flow_shift"],
-        audio_flow_shift=named["audio_flow_shift"],
-        keyframes=keyframes,
-        references=references,
-        loras=lora_choices(named.get("loras"), values.task, library or LoraLibrary(None)),
-        rungs=parse_rungs(named.get("rungs")),
-        cache=named.get("cache", DEFAULT_VALUES["cache"]),
-    )
-
-
-def check_input_types(values: TaskValues) -> None:
-    """The type checks GenerationRequest cannot make: its checkboxes are not request fields, and a file input must
-    hold uploaded files (ui.components.as_uploaded), not a bare path or some other value."""
-    for name in _BOOLEAN_FIELDS:
-        if name in values.values and not isinstance(values.values[name], bool):
-            raise RequestError(name, f"must be true or false, got {_short(values.values[name])}")
-    for name in _FILE_FIELDS:
-        value = values.values.get(name)
-        items = value if name == "references" and isinstance(value, list) else [value]
-        for item in items:
-            if isinstance(item, NotAnUpload):
-                raise RequestError(
-                    name,
-                    f"must be an uploaded file (gradio_client: handle_file(path)), got {_short(item.value)}",
-                )
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def failing_parameter(error: RequestError, values: TaskValues) -> str:
-    """The input a RequestError is about: the one holding its field (`keyframes[1].path` -> that keyframe's input,
-    `width, height` -> the aspect ratio), else the one holding its file, else the prompt."""
-    head, index = _field_head(error.field)
-    names = values.values
-    if head in _SCALAR_FIELDS or head in _BOOLEAN_FIELDS or head in _FILE_FIELDS:
-        return head
-    if head in ("width", "height"):
-        return "aspect_ratio"
-    if head == "duration_seconds":
-        return "duration_from_reference" if names.get("duration_from_reference") else "duration_seconds"
-    if head == "keyframes":
-        given = [name for name in ("first_image", "last_image") if names.get(name)]
-        index = index or 0
-        return given[index] if index < len(given) else "first_image"
-    if error.path is not None:
-        # The request may name a stored copy of the upload (ui.inputs.InputStore), which keeps its file name.
-        for name, paths in values.files().items():
-            if error.path in paths or Path(error.path).name in {Path(path).name for path in paths}:
-                return name
-    return "prompt"
-
-
-def _field_head(field: str) -> tuple[str, int | None]:
-    """A field path's first name and its first index: `keyframes[1].path` -> ("keyframes", 1), `width, height` ->
-    ("width", None)."""
-    match = re.match(r"([A-Za-z_]+)(?:\[(\d+)\])?", field)
-    if match is None:
-        return "", None
-    return match.group(1), None if match.group(2) is None else int(match.group(2))
-
-
-def error_text(error: RequestError, parameter: str, values: TaskValues) -> str:
-    """A RequestError as shown at the input `parameter` (Gradio's validation message, which gradio_client prints
-    after the parameter's name and the page shows in place of an image's label): files by the names they were
-    uploaded under, never a server path, the field not named a second time, and a file input's file named with the
-    input it came in (`'cat.png' (first frame): ...`, `'a.wav' (reference 2): ...`)."""
-    field, problem = error.field, _without_server_paths(error.problem, values)
-    file = None if error.path is None else f"'{Path(error.path).name}'"
-    if field == parameter or (parameter in _KEYFRAME_WORDS and _field_head(field)[0] == "keyframes"):
-        return _with_input(problem, file, _KEYFRAME_WORDS.get(parameter))
-    head, index = _field_head(field)
-    if head == "references" and index is not None:
-        inner = field[len(f"references[{index}]") :]
-        return _with_input(problem, file, f"reference {index + 1}{inner}")
-    if file is not None:
-        problem = f"{file}: {problem}"
-    if not field:
-        return problem
-    if problem.startswith(("is ", "must ")):  # another field's rule: "duration_seconds is required, or ..."
-        return f"{field} {problem}"
-    return f"{field}: {problem}"
-
-
-def _without_server_paths(text: str, values: TaskValues) -> str:
-    """`text` with every uploaded file, and any other quoted server path, by its base name."""
-    for paths in values.files().values():
-        for path in paths:
-            if isinstance(path, str) and path:
-                text = text.replace(path, Path(path).name)
-    return _QUOTED_PATH.sub(r"\1\2\1", text)
-
-
-def shown_problem(error: RequestError, values: TaskValues) -> tuple[str, str]:
-    """(the input a RequestError is about, its message as shown there: `error_text`)."""
-    failing = failing_parameter(error, values)
-    return failing, error_text(error, failing, values)
-
-
-def duration_out_of_range(values: TaskValues) -> str | None:
-    """When the tab's own duration is used and is a number outside what the model makes, that in plain words (the
-    page shows it in the canvas line and the status; the field keeps what was typed): else None."""
-    named = values.values
-    seconds = named.get("duration_seconds")
-    if values.task == "ref2va" and named.get("duration_from_reference") is True:
-        return None
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds != seconds:
-        return None
-    if MIN_DURATION_SECONDS <= seconds <= MAX_DURATION_SECONDS:
-        return None
-    return (
-        f"the duration must be from {MIN_DURATION_SECONDS:g} to {MAX_DURATION_SECONDS:g} seconds, and {seconds:g} s "
-        "was typed; change it to a duration in that range"
-    )
-
-
-def page_problem(error: RequestError, values: TaskValues) -> str:
-    """A RequestError as the page's status says it: `<input>: <message>` (`shown_problem`), or a duration outside
-    the model's range in plain words."""
-    if error.field == "duration_seconds":
-        words = duration_out_of_range(values)
-        if words is not None:
-            return words
-    failing, message = shown_problem(error, values)
-    return f"{failing}: {message}"
-
-
-def _with_input(problem: str, file: str | None, words: str | None) -> str:
-    """A problem at the input it came in: `'name' (words): problem` for a file's, else `words: problem` for a
-    reference's (a keyframe's input says which frame it is)."""
-    if file is not None:
-        return f"{file} ({words}): {problem}" if words else f"{file}: {problem}"
-    if words is not None and words.startswith("reference"):
-        return f"{words}: {problem}"
-    return problem
 
 
 def result_update(**fields: Any) -> tuple[Any, ...]:
@@ -285,43 +85,6 @@ def result_update(**fields: Any) -> tuple[Any, ...]:
     if unknown:
         raise ValueError(f"unknown result fields: {sorted(unknown)}")
     return tuple(fields.get(name, gr.skip()) for name in RESULT_FIELDS)
-
-
-def request_values(
-    request: GenerationRequest,
-    keep: Callable[[str], str],
-    library: LoraLibrary | None = None,
-    own_short_edge: int = VERIFIED_SHORT_EDGE,
-) -> dict[str, Any]:
-    """A request's settings as input values by parameter name (files that no longer exist, and adapters no longer
-    in the LoRA folder, are left out); a short edge left to the checkpoint's rule shows as `own_short_edge`, the
-    rule's own (a browser cannot send an empty number)."""
-    values: dict[str, Any] = {
-        "prompt": request.prompt,
-        "duration_seconds": request.duration_seconds or DEFAULT_VALUES["duration_seconds"],
-        "aspect_ratio": request.aspect_ratio,
-        "seed": request.seed,
-        "randomize_seed": False,
-        "steps": request.steps,
-        "flow_shift": request.flow_shift,
-        "audio_flow_shift": request.audio_flow_shift,
-        "short_edge": own_short_edge if request.short_edge is None else request.short_edge,
-        "takes": 1,
-        "rungs": ",".join(map(str, request.rungs)),
-        "loras": lora_values(request, library or LoraLibrary(None)),
-        "cache": request.cache,
-    }
-    if request.task == "fl2va":
-        by_position = {keyframe.position: keyframe.path for keyframe in request.keyframes}
-        for name, position in (("first_image", "first"), ("last_image", "last")):
-            path = by_position.get(position)
-            values[name] = keep(path) if path and Path(path).is_file() else None
-    if request.task == "ref2va":
-        values["references"] = [
-            keep(reference.path) for reference in request.references if Path(reference.path).is_file()
-        ]
-        values["duration_from_reference"] = request.duration_seconds is None
-    return values
 
 
 def take_caption(number: int, seed: int) -> str:
@@ -348,15 +111,17 @@ class Handlers:
         front: EngineFront,
         access: AccessPolicy,
         library: LoraLibrary | None = None,
-        recorder: Any = None,
+        jobs: VideoJobs | None = None,
     ) -> None:
         self.front = front
         self.access = access
-        # The job store's recorder (h3engine.serving.jobs.VideoJobs: record_ui, ui_event, ui_settle), or None.
-        self.recorder = recorder
-        self._store_ids: dict[str, str] = {}  # a UI job's front id -> its store id
+        # The one job service (the API's too): it records, queues and follows the page's jobs; a page of its own
+        # (tests, a page without the API) gets one keeping its store in the outputs folder.
+        self.jobs = jobs or page_jobs(front, access.outputs_dir)
         self.library = library or LoraLibrary(None)
         self.store = InputStore(access.outputs_dir)
+        # The page's steps of a Generate press each ask for the press's resolution; only the first resolves.
+        self.resolutions = PressResolutions(front.resolve)
         # The jobs each browser session has running, for its Cancel button.
         self._running: dict[str, set[JobHandle]] = {}
 
@@ -369,7 +134,7 @@ class Handlers:
             checked_takes(values.values["takes"])
             # A random seed is drawn later; check the request with a valid placeholder.
             seed = 0 if values.values["randomize_seed"] else None
-            self.front.check(build_request(values, seed=seed, library=self.library))
+            self.resolutions(build_request(values, seed=seed, library=self.library))
         except RequestError as error:
             return error
         return None
@@ -418,8 +183,7 @@ class Handlers:
             try:
                 check_input_types(values)
                 request = build_request(values, seed=0, prompt=PLACEHOLDER_PROMPT, library=self.library)
-                self.front.check(request)
-                geometry = self.front.expected_geometry(request)
+                geometry = self.resolutions(request).geometry
             except RequestError as error:
                 # A file's problem as its input shows it; a setting's with the field's name (no input shows it).
                 failing = failing_parameter(error, values)
@@ -477,15 +241,15 @@ class Handlers:
         try:
             # The checks probe the media and the inputs are copied: blocking work, so off the event loop.
             requests, results_dir = await asyncio.to_thread(self._prepare, values, caller)
-            handles = self._submit(requests, results_dir)
+            views = self._submit(requests, results_dir)
         except Exception as error:
             refusal = error if isinstance(error, NotStarted) else _unexpected(error, "start a job")
             yield result_update(status=f"⚠ Not started: {refusal.reason}")
             raise gr.Error(refusal.reason, title=refusal.title, print_exception=False) from None
         session = _session_of(caller)
-        self._running.setdefault(session, set()).update(handles)
+        self._running.setdefault(session, set()).update(views)
         try:
-            async for update in self._follow(TakeSet.of(handles, self._observe), progress):
+            async for update in self._follow(TakeSet.of(views), progress):
                 yield update
         except gr.Error:
             raise
@@ -495,27 +259,24 @@ class Handlers:
             raise gr.Error(reason, title="Generation failed", print_exception=False) from None
         finally:
             # Cancelled by Gradio, or the reader went away: stop the engine at its next step.
-            for handle in handles:
-                self.front.cancel(handle)
-                self._settle(handle)
+            for view in views:
+                self.jobs.cancel(view.job_id)
             running = self._running.get(session, set())
-            running.difference_update(handles)
+            running.difference_update(views)
             if not running:
                 self._running.pop(session, None)
 
-    def _prepare(self, values: TaskValues, caller: gr.Request | None) -> tuple[list[GenerationRequest], Path]:
-        """A press's requests, one per take (consecutive seeds), checked, their input files copied into the outputs
+    def _prepare(self, values: TaskValues, caller: gr.Request | None) -> tuple[list[ResolvedRequest], Path]:
+        """A press's resolved requests, one per take (consecutive seeds), their input files copied into the outputs
         folder; and the caller's results folder, made. Blocking. NotStarted says why no job can start."""
         try:
             check_input_types(values)
             takes = checked_takes(values.values["takes"])
             # Consecutive seeds from the first: a drawn first seed leaves room for the others.
             seed = secrets.randbelow(RANDOM_SEED_LIMIT) if values.values["randomize_seed"] else None
-            request = build_request(values, seed=seed, keep=self.store.keep_file, library=self.library)
-            requests = [dataclasses.replace(request, seed=request.seed + take) for take in range(takes)]
-            self.front.check(request)
-            if takes > 1:
-                self.front.check(requests[-1])
+            resolved = self.resolutions(build_request(values, seed=seed, library=self.library))
+            kept = resolved.with_files_at(self.store.keep_file)
+            requests = [kept.with_seed(kept.request.seed + take) for take in range(takes)]
             results_dir = self.access.results_dir(caller)
             results_dir.mkdir(parents=True, exist_ok=True)
         except RequestError as error:
@@ -525,57 +286,31 @@ class Handlers:
             raise storage_problem(error, self.access.outputs_dir) from None
         return requests, results_dir
 
-    def _submit(self, requests: list[GenerationRequest], results_dir: Path) -> list[JobHandle]:
-        """One job per request, writing into `results_dir`; all or none (NotStarted when the front refuses the
-        output files: the folder went away or refuses writes)."""
-        handles: list[JobHandle] = []
-        store_id = None
+    def _submit(self, requests: list[ResolvedRequest], results_dir: Path) -> list[JobView]:
+        """One job of the job service per request, writing into `results_dir`; all or none (NotStarted when the
+        service refuses one: the folder went away or refuses writes, the store cannot record it)."""
+        views: list[JobView] = []
+        owner = self.jobs.ui_owner(results_dir)
         try:
             for take in requests:
-                out_path = results_dir / stamped_output_name(take.task, secrets.token_hex(4))
-                store_id = self._record(take, out_path, results_dir)
-                handles.append(self.front.submit(take, out_path=out_path))
-                if store_id is not None:
-                    self._store_ids[handles[-1].job_id] = store_id
-                    store_id = None
-        except (RequestError, OSError) as error:
-            for handle in handles:
-                self.front.cancel(handle)
-                self._settle(handle)
-            if store_id is not None and self.recorder is not None:
-                self.recorder.ui_settle(store_id)
+                out_path = results_dir / stamped_output_name(take.request.task, secrets.token_hex(4))
+                meta = {"model": DEFAULT_MODEL, "seconds": f"{take.duration_seconds:g}"}
+                view = JobView(take.request)
+                record, _ = self.jobs.create(owner, take, meta, "ui", out_path=out_path, view=view)
+                if record.status == "failed":  # the front refused it (its output files)
+                    raise Refused(503, record.error_code or "not_queued", record.error_message or "")
+                views.append(view)
+        except (Refused, OSError) as error:
+            for view in views:
+                self.jobs.cancel(view.job_id)
             if isinstance(error, OSError):
                 raise storage_problem(error, self.access.outputs_dir) from None
-            logger.error("the engine front refused a job's output files: %s", error)
-            why = cannot_write(results_dir) or "its files cannot be made there"
-            raise NotStarted(outputs_refuse_writes(why), "Cannot write the outputs") from None
-        return handles
-
-    def _record(self, request: GenerationRequest, out_path: Path, results_dir: Path) -> str | None:
-        """The job's row in the job store (None without one): written before the job is queued."""
-        if self.recorder is None:
-            return None
-        try:
-            return self.recorder.record_ui(self.recorder.ui_owner(results_dir), request, out_path)
-        except Exception:  # a store that fails (a full disk) must not stop the page's job
-            logger.exception("the job store could not record a job of the page")
-            return None
-
-    def _observe(self, handle: JobHandle, event: Any) -> None:
-        store_id = self._store_ids.get(handle.job_id)
-        if store_id is not None and self.recorder is not None:
-            try:
-                self.recorder.ui_event(store_id, event)
-            except Exception:  # the store must never break the page's job
-                logger.exception("the job store could not record job %s", handle.job_id)
-
-    def _settle(self, handle: JobHandle) -> None:
-        store_id = self._store_ids.pop(handle.job_id, None)
-        if store_id is not None and self.recorder is not None:
-            try:
-                self.recorder.ui_settle(store_id)
-            except Exception:
-                logger.exception("the job store could not settle job %s", handle.job_id)
+            logger.error("the job service refused a job of the page: %s", error)
+            if error.code == "outputs_unwritable":
+                why = cannot_write(results_dir) or "its files cannot be made there"
+                raise NotStarted(outputs_refuse_writes(why), "Cannot write the outputs") from None
+            raise NotStarted(error.message, "Not started") from None
+        return views
 
     async def _follow(self, takes: TakeSet, progress: gr.Progress) -> AsyncIterator[tuple[Any, ...]]:
         """Result-column updates while the takes run; the status after every message is the takes' own, and the
@@ -644,8 +379,8 @@ class Handlers:
 
     def cancel_jobs(self, caller: gr.Request) -> None:
         """Cancel: every job of the caller's session stops; each generate handler then writes how its jobs ended."""
-        for handle in list(self._running.get(_session_of(caller), ())):
-            self.front.cancel(handle)
+        for view in list(self._running.get(_session_of(caller), ())):
+            self.jobs.cancel(view.job_id)
 
     # --- history, examples, keyframes --------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ import av
 
 from h3engine.errors import RequestError
 from h3engine.media.formats import accepted_text, kind_of_suffix, safe_file_name
-from h3engine.request.validate import reference_labels
+from h3engine.request.file_rules import reference_labels
 
 INPUTS_FOLDER = "inputs"
 

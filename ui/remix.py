@@ -21,6 +21,7 @@ import gradio as gr
 from h3engine.errors import RequestError
 from h3engine.request.model import GenerationRequest
 from h3engine.request.remix import Remix, parse_ranges
+from h3engine.request.resolved import ResolvedRequest
 from ui.components import as_sent
 from ui.handlers import RANDOM_SEED_LIMIT, Handlers, result_update
 from ui.mask_timeline import timeline_html, video_seconds_of
@@ -175,21 +176,19 @@ def remix_generator(handlers: Handlers) -> Any:
             yield result_update(status=f"⚠ Not started: {reason}")
             raise gr.Error(reason, title="Invalid request", print_exception=False) from None
         try:
-            async for update in handlers._follow(TakeSet.of(handles, handlers._observe), progress):
+            async for update in handlers._follow(TakeSet.of(handles), progress):
                 yield update
         finally:
-            for handle in handles:
-                handlers.front.cancel(handle)
-                handlers._settle(handle)
+            for view in handles:
+                handlers.jobs.cancel(view.job_id)
 
     return remix
 
 
 def _checked(
     handlers: Handlers, values: dict[str, Any], caller: gr.Request | None
-) -> tuple[GenerationRequest, Any]:
-    request = remix_request(values, handlers.store.keep_file)
-    handlers.front.check(request)
+) -> tuple[ResolvedRequest, Any]:
+    request = handlers.resolutions(remix_request(values, handlers.store.keep_file))
     results_dir = handlers.access.results_dir(caller)
     results_dir.mkdir(parents=True, exist_ok=True)
     return request, results_dir

@@ -59,7 +59,7 @@ AUTO_ASPECT_LABELS = {
     "fl2va": "auto (follow the image)",
     "ref2va": "auto (16:9)",
 }
-# A task endpoint's parameters (ui.handlers.parameter_names): the prompt, the task's media, then the settings.
+# A task endpoint's parameters (ui.task_values.parameter_names): the prompt, the task's media, then the settings.
 SETTINGS_PARAMETERS = (
     "duration_seconds",
     "aspect_ratio",

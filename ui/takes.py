@@ -8,11 +8,9 @@ from its own messages only, so no message of an ended job can overwrite it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from h3engine.errors import RequestError
-from h3engine.runtime.front import JobHandle
 from h3engine.runtime.messages import (
     JobEvent,
     JobFailed,
@@ -22,6 +20,7 @@ from h3engine.runtime.messages import (
     PreviewFrame,
     StepProgress,
 )
+from h3engine.serving.jobs import JobView
 
 MAX_TAKES = 8
 
@@ -40,7 +39,7 @@ class Take:
     """One job of the set and what its messages said so far."""
 
     number: int  # 1-based, in seed order
-    handle: JobHandle
+    handle: JobView  # the job's messages, from the job service
     status: str = "Waiting for a free engine."
     step: StepProgress | None = None
     started: JobStarted | None = None
@@ -88,16 +87,10 @@ class Take:
 class TakeSet:
     takes: list[Take]
     previews: list[PreviewFrame] = field(default_factory=list)
-    # Told of each take's start and end (the job store records them: ui.handlers).
-    observer: Callable[[JobHandle, JobEvent], None] | None = None
 
     @classmethod
-    def of(
-        cls, handles: list[JobHandle], observer: Callable[[JobHandle, JobEvent], None] | None = None
-    ) -> TakeSet:
-        return cls(
-            [Take(number, handle) for number, handle in enumerate(handles, start=1)], observer=observer
-        )
+    def of(cls, views: list[JobView]) -> TakeSet:
+        return cls([Take(number, view) for number, view in enumerate(views, start=1)])
 
     @property
     def ended(self) -> bool:
@@ -115,8 +108,6 @@ class TakeSet:
             for event in take.handle.drain():
                 changed = True
                 take.apply(event)
-                if self.observer is not None and isinstance(event, JobStarted | JobFinished | JobFailed):
-                    self.observer(take.handle, event)
                 if isinstance(event, PreviewFrame):
                     preview = event
                 elif isinstance(event, JobFinished):

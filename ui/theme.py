@@ -65,7 +65,7 @@ _MUTED_MEDIA_JS = """
 
 # A slider's number box keeps what was typed (the sliders marked h3-typed: duration, takes): Gradio's slider clamps an
 # out-of-range or empty box into its range when it loses focus, which would silently run another value than the one
-# typed. The canvas line and the status say what is wrong instead (ui.handlers.duration_out_of_range), and the checks
+# typed. The canvas line and the status say what is wrong instead (ui.task_values.duration_out_of_range), and the checks
 # refuse the job. Its own blur listener is on the box: the page's capturing listener runs first and stops the event.
 _TYPED_NUMBERS_JS = """
     document.addEventListener("blur", (event) => {

@@ -40,6 +40,9 @@ class CheckpointFacts:
     lora_targets: dict[str, tuple[str, DiTConfig]] = field(default_factory=dict)
     # The partition an engine loads at start ("fl2va" or "ref2va"; None: not known).
     first_partition: str | None = None
+    # The engine's memory plan (h3engine.memory.plan.MemoryPlan), so that a front checks a request's memory before
+    # queueing it; None: read from the files alone, no plan yet.
+    memory_plan: Any = None
 
     @property
     def canvas_multiple(self) -> int:

@@ -28,25 +28,22 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
-from h3engine.checkpoint.layout import detect_layout, distilled_step_count, require_empty_folder
-from h3engine.cli.convert import add_convert_parser, run_convert
-from h3engine.cli.plan_memory import add_plan_memory_parser, run_plan_memory
-from h3engine.cli.progress import PROGRESS_MODES, Progress, make_progress
-from h3engine.cli.remix import add_remix_flags, remix_payload
+from h3engine.checkpoint.layout import detect_layout, require_empty_folder
+from h3engine.cli.convert import run_convert
+from h3engine.cli.parser import build_parser
+from h3engine.cli.plan_memory import run_plan_memory
+from h3engine.cli.progress import Progress, make_progress
+from h3engine.cli.remix import remix_payload
 from h3engine.cli.specs import parse_dmd_steps, parse_lora_spec, parse_reference_spec
 from h3engine.cli.validation.command import (
     VALIDATION_COMMANDS,
-    add_capture_flags,
-    add_validation_parsers,
     capturing_generation,
     run_validation,
 )
 from h3engine.engine.options import (
     EngineOptions,
-    add_engine_flags,
     check_dtype,
     check_engine_options,
     check_fp8_device,
@@ -54,14 +51,12 @@ from h3engine.engine.options import (
     resolve_device,
 )
 from h3engine.errors import H3Error, RequestError
-from h3engine.media.formats import accepted_text
-from h3engine.request.model import LORA_TARGETS, MAX_LORA_STRENGTH, MAX_LORAS, GenerationRequest
+from h3engine.request.model import GenerationRequest
 from h3engine.request.shapes import from_dict
 
 if TYPE_CHECKING:  # torch is imported only once a generation really starts
     import torch
 
-    from h3engine.checkpoint.facts import CheckpointFacts
     from h3engine.models.parallel.groups import RuntimeLayout
     from h3engine.request.resolved import ResolvedRequest
     from h3engine.runtime.supervision import StallPolicy
@@ -80,175 +75,6 @@ class EngineFailed(Exception):
 class JobRefused(Exception):
     """A worker group refused the job's request or an input file when it ran (exit code 2; its message is one
     line naming the field)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with its errors in the CLI's one-line form (`error: ...`, exit 2), without the usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m h3engine", description="MiniMax H3 audio-video generation")
-    parser.add_argument("--debug", action="store_true", help="print tracebacks of internal errors")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    generate = commands.add_parser("generate", help="generate one MP4 (video + stereo audio)")
-    generate.add_argument(
-        "--checkpoint", required=True, help="checkpoint folder (native or diffusers layout)"
-    )
-    generate.add_argument(
-        "--task",
-        default=None,
-        help="t2va, fl2va or ref2va (default: ref2va with --ref, fl2va with a first/last frame, else t2va); "
-        "remix: v2a, a2v or extend (h3engine.cli.remix)",
-    )
-    generate.add_argument("--prompt", required=True)
-    generate.add_argument("--first-frame", default=None, help="FL2VA: image the video starts on")
-    generate.add_argument("--last-frame", default=None, help="FL2VA: image the video ends on")
-    generate.add_argument(
-        "--ref",
-        action="append",
-        default=[],
-        metavar="KIND:PATH[@START_SECONDS]",
-        help="Ref2VA reference, repeatable, in prompt order (<Picture i>, <Video k>, <Audio j>): KIND is image, "
-        f"video or audio ({accepted_text()}); @START_SECONDS (videos only) skips the start of the clip",
-    )
-    generate.add_argument(
-        "--lora",
-        action="append",
-        default=[],
-        metavar="PATH[:STRENGTH]",
-        help=f"LoRA adapter (.safetensors), repeatable (at most {MAX_LORAS}); STRENGTH from "
-        f"{-MAX_LORA_STRENGTH:g} to {MAX_LORA_STRENGTH:g}, default 1",
-    )
-    generate.add_argument(
-        "--lora-target",
-        choices=LORA_TARGETS,
-        default=None,
-        help="the DiT every --lora applies to: transformer (T2VA / FL2VA) or transformer_ref (Ref2VA); default: "
-        "the file's transformer. / transformer_ref. key prefixes, else transformer (as diffusers)",
-    )
-    add_remix_flags(generate)
-    generate.add_argument("--duration", type=float, default=None, help="seconds, 4 to 15 (default 5)")
-    generate.add_argument("--aspect-ratio", default="auto", help="21:9, 16:9, 4:3, 1:1, 3:4, 9:16 or auto")
-    generate.add_argument(
-        "--short-edge", type=int, default=None, help="canvas short edge (checkpoint default)"
-    )
-    generate.add_argument("--width", type=int, default=None, help="explicit canvas width (with --height)")
-    generate.add_argument("--height", type=int, default=None, help="explicit canvas height (with --width)")
-    generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument(
-        "--steps",
-        type=int,
-        help="denoising steps (default: 50, or the count a step-distilled checkpoint runs, which accepts no other)",
-    )
-    generate.add_argument("--flow-shift", type=float, default=None, help="video sigma shift (checkpoint: 12)")
-    generate.add_argument(
-        "--audio-flow-shift", type=float, default=None, help="audio sigma shift (checkpoint: 3)"
-    )
-    generate.add_argument(
-        "--rungs",
-        default=None,
-        metavar="T1,T2,...",
-        help="step-distilled rungs, e.g. 999,750,500,250 (timesteps in (0, 1000], decreasing), one forward each "
-        "instead of the grid of --steps (which then defaults to their count)",
-    )
-    generate.add_argument(
-        "--turbo",
-        action="store_true",
-        help="the Turbo preset for step-distilled adapters: steps, flow shifts and rungs from the first --lora "
-        "whose metadata declares them, else 8 steps with shifts 6 / 3; flags given explicitly win",
-    )
-    generate.add_argument("--recipe", default="sglang", help="sglang (default) or diffusers")
-    generate.add_argument(
-        "--cache",
-        default="off",
-        help="step caching for full-step runs: off (default, every block of every step), high (the peers' "
-        "conservative MiniMax-H3 setting) or fast (more aggressive); lossy, refused with --rungs / --turbo",
-    )
-    generate.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
-    ranks = generate.add_argument_group("worker group (several GPUs, or CPU ranks)")
-    ranks.add_argument("--gpus", type=int, default=None, help="run on the first N GPUs, one rank each")
-    ranks.add_argument("--devices", default=None, help="run on these GPUs, one rank each, e.g. 0,1,2,3")
-    ranks.add_argument(
-        "--world-size",
-        type=int,
-        default=None,
-        help="number of ranks on --device (e.g. --device cpu --world-size 2)",
-    )
-    ranks.add_argument(
-        "--stall-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="fail the job and restart the worker group when its ranks report nothing for this long (default: "
-        "derived from the step time, at least 5 minutes; see README)",
-    )
-    add_engine_flags(generate)
-    add_capture_flags(generate)
-    generate.add_argument(
-        "--out", required=True, help="output .mp4 path (a .json sidecar is written beside it)"
-    )
-    generate.add_argument(
-        "--save-tensors", default=None, help="also write float32 tensors to this .safetensors"
-    )
-    shown = generate.add_argument_group("progress")
-    shown.add_argument(
-        "--progress",
-        choices=PROGRESS_MODES,
-        default="auto",
-        help="auto (default): a bar on a terminal, else plain lines, on stderr; bar or plain forces one; json: one "
-        "JSON event a line on stdout (stderr keeps the errors)",
-    )
-    shown.add_argument(
-        "--quiet", "-q", action="store_true", help="print only warnings, errors and the output path"
-    )
-
-    tiny = commands.add_parser("make-tiny-checkpoint", help="write a tiny random-weight checkpoint")
-    tiny.add_argument("folder")
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--layout", choices=("native", "diffusers"), default="native")
-    tiny.add_argument(
-        "--dmd-steps",
-        metavar="RUNGS",
-        help="write a step-distilled checkpoint running these rungs, e.g. 999,750,500,250 (native layout only)",
-    )
-    placeholder = commands.add_parser(
-        "make-placeholder-checkpoint",
-        help="write a checkpoint of the released shapes whose weights are drawn at load (benchmarks; outputs are "
-        "noise): about 1 MB on disk",
-    )
-    placeholder.add_argument("folder")
-    placeholder.add_argument("--seed", type=int, default=0)
-    placeholder.add_argument(
-        "--tiny", action="store_true", help="the tiny shapes instead of the released ones"
-    )
-    placeholder.add_argument(
-        "--real-bytes",
-        default="",
-        metavar="COMPONENTS",
-        help="components whose files hold their drawn values as real bytes, e.g. dit,text_encoder (of dit, "
-        "text_encoder, video_vae, audio_vae): reading them measures the disk (the released DiT is ~66 GB a "
-        "partition)",
-    )
-    placeholder.add_argument(
-        "--weights",
-        choices=("bf16", "fp8"),
-        default="bf16",
-        help="fp8: the large linears as a converted checkpoint stores them (python -m h3engine convert --weights fp8)",
-    )
-    placeholder.add_argument(
-        "--partitions",
-        default="fl2va,ref2va",
-        metavar="PARTITIONS",
-        help="the partitions to write, e.g. fl2va (default both)",
-    )
-    add_plan_memory_parser(commands)
-    add_convert_parser(commands)
-    add_validation_parsers(commands)
-    return parser
 
 
 def _task(args: argparse.Namespace) -> str:
@@ -282,13 +108,9 @@ def _request_payload(args: argparse.Namespace) -> dict:
     }
     if args.lora_target is not None and not args.lora:
         raise RequestError("--lora-target", "given without --lora (it sets the target of each --lora)")
-    rungs = parse_dmd_steps(args.rungs, "--rungs")
-    steps = args.steps
-    if rungs is not None and steps is None:
-        steps = distilled_step_count(rungs, args.recipe)
     optional = {
-        "rungs": rungs,
-        "steps": steps,
+        "rungs": parse_dmd_steps(args.rungs, "--rungs"),
+        "steps": args.steps,
         "duration_seconds": args.duration,
         "short_edge": args.short_edge,
         "width": args.width,
@@ -303,17 +125,18 @@ def _request_payload(args: argparse.Namespace) -> dict:
 def _generate(args: argparse.Namespace, progress: Progress) -> int:
     # PyAV and Pillow (which read the input files' headers) are imported by the first command that needs them.
     from h3engine.request.resolved import new_media_facts, resolve_request
+    from h3engine.request.validate import validate
 
     out_path, save_tensors_path = _checked_outputs(args.out, args.save_tensors)
     _check_utf8_flag("--checkpoint", args.checkpoint)
     request = from_dict(_request_payload(args))
-    # The rules no checkpoint decides, each input file probed once (PyAV and Pillow read the headers): a mistake in
-    # the request, its files, the output flags or the dtype is refused before torch is imported.
+    # The request's own rules, each input file probed once (PyAV and Pillow read the headers): a mistake in the
+    # request, its files, the output flags or the dtype is refused before torch is imported. The one resolve below
+    # decides on the checkpoint with the files' facts read here.
     media = new_media_facts()
-    resolve_request(request, None, media)
+    validate(request, media, canvas_multiple=1)
     if args.turbo:
         request = _with_turbo(args, request)
-        resolve_request(request, None, media)  # the steps, shifts and rungs it set
     options = EngineOptions.from_args(args)
     check_dtype(options.dtype)
 
@@ -339,11 +162,10 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
     # The checkpoint's own rules, from its headers (the engine and its front decide with the same function and
     # facts); the models load after this.
     facts = CheckpointFacts.from_layout(detect_layout(args.checkpoint))
-    request = _checkpoint_steps(facts, request, explicit=args.steps is not None)
     resolved = resolve_request(request, facts, media)
     for warning in resolved.warnings:
         progress.warning(warning)
-    with capturing_generation(args, request, on_workers=device is None) as capture:
+    with capturing_generation(args, resolved.request, on_workers=device is None) as capture:
         if device is not None:
             return _generate_in_process(
                 args.checkpoint, options, resolved, device, out_path, save_tensors_path, progress
@@ -351,7 +173,7 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
         return _generate_on_workers(
             args.checkpoint,
             options,
-            request,
+            resolved,
             devices,
             layout,
             out_path,
@@ -452,19 +274,6 @@ def _checked_outputs(out: str, save_tensors: str | None) -> tuple[Path, Path | N
     return files.video, files.tensors
 
 
-def _checkpoint_steps(
-    facts: CheckpointFacts, request: GenerationRequest, explicit: bool
-) -> GenerationRequest:
-    """The request with a step-distilled checkpoint's own step count where `--steps` was left out (the checker
-    refuses an explicit other count)."""
-    from h3engine.request.resolved import effective_rungs
-
-    rungs = effective_rungs(request.rungs, facts.dmd_steps.get(request.task))
-    if rungs is not None and not explicit:
-        request = replace(request, steps=distilled_step_count(rungs, request.recipe))
-    return request
-
-
 def _generate_in_process(
     checkpoint: str,
     options: EngineOptions,
@@ -476,10 +285,8 @@ def _generate_in_process(
 ) -> int:
     engine = load_engine(checkpoint, device, options, on_load=progress.load_event)
     progress.memory_plan(engine.placement.plan_lines())
-    # The engine's own check (its facts, its memory plan) on the files' facts already probed.
-    resolved = engine.resolve(resolved.request, resolved.media)
-    request = resolved.request
-    progress.prepare(request.task, request.steps)
+    # Resolved before the engine loaded: the engine adds its memory plan's check.
+    progress.prepare(resolved.request.task, resolved.request.steps)
     written = engine.generate_to_file(
         resolved,
         out_path,
@@ -494,7 +301,7 @@ def _generate_in_process(
 def _generate_on_workers(
     checkpoint: str,
     options: EngineOptions,
-    request: GenerationRequest,
+    resolved: ResolvedRequest,
     devices: tuple[str, ...],
     layout: RuntimeLayout,
     out_path: Path,
@@ -514,21 +321,8 @@ def _generate_on_workers(
     progress.group_loaded(devices, layout.describe(), time.perf_counter() - started)
     front = EngineFront([replica], out_path.parent)
     try:
-        if request.remix is not None and request.remix.windows > 1:
-            # Chained windows: each one a job of the group (worker or split stage groups), window k extending window
-            # k-1's MP4.
-            from h3engine.engine.conditioning.remix import chain_windows
-
-            def window_job(single: GenerationRequest, video: Path, tensors: Path | None, *_: object) -> Any:
-                last_window = video == out_path  # the one a capture records (one request's boundaries)
-                finished = _run_job(front, single, video, tensors, progress, capture if last_window else None)
-                return SimpleNamespace(video=Path(finished.video_path), finished=finished)
-
-            outputs = SimpleNamespace(video=out_path, tensors=save_tensors_path)
-            last = chain_windows(window_job, request, outputs, None, None)
-            finished = last.finished
-        else:
-            finished = _run_job(front, request, out_path, save_tensors_path, progress, capture)
+        # A chained extend runs as one job a window (the front chains them).
+        finished = _run_job(front, resolved, out_path, save_tensors_path, progress, capture)
         progress.finished(Path(finished.video_path), Path(finished.sidecar_path), finished.timings_s)
         return 0
     finally:
@@ -537,7 +331,7 @@ def _generate_on_workers(
 
 def _run_job(
     front: Any,
-    request: GenerationRequest,
+    resolved: ResolvedRequest,
     out_path: Path,
     save_tensors_path: Path | None,
     progress: Progress,
@@ -547,8 +341,8 @@ def _run_job(
     its JobFinished (JobRefused / EngineFailed else)."""
     from h3engine.runtime.messages import JobFailed, JobFinished, StepProgress
 
-    progress.prepare(request.task, request.steps)
-    handle = front.submit(request, out_path, save_tensors_path, capture)
+    progress.prepare(resolved.request.task, resolved.request.steps)
+    handle = front.submit(resolved, out_path, save_tensors_path, capture)
     while True:
         event = handle.next_event(timeout=1.0)
         if isinstance(event, StepProgress):
@@ -556,8 +350,8 @@ def _run_job(
         elif isinstance(event, JobFinished):
             return event
         elif isinstance(event, JobFailed):
-            if event.kind == "request":
-                raise JobRefused(event.message)
+            if event.error is not None:  # the whole error: on the CLI the paths are the user's own
+                raise JobRefused(str(event.error))
             raise EngineFailed(event.message)
 
 
@@ -567,7 +361,7 @@ def _raise_terminated(signal_number: int, frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = _build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
     except SystemExit as done:  # --help (0) or an argument error (2, already printed)
         return 0 if done.code is None else int(done.code)
     # Only the main thread may take signals (main() also runs inside tests and other programs' threads).

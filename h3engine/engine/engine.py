@@ -7,8 +7,8 @@ Contract:
   (None by default) hears each component load (h3engine.engine.model_store.LoadEvent), now and on a later first use.
 * `resolve` is the one request checker (h3engine.request.resolved) on the checkpoint's `facts`, then the memory
   check: file headers, never the models (`validate`: its warnings). `generate` is `prepare` (read the resolved
-  request's inputs, encode the conditioning) then the pipeline; each takes a request or its `ResolvedRequest`, and
-  the request `resolve` just resolved is not resolved again (one probe a file). `generate_to_file` checks its output
+  request's inputs, encode the conditioning) then the pipeline; each takes a request or its `ResolvedRequest` (which
+  any door made once and is not resolved again: one probe a file; the engine adds only its memory check). `generate_to_file` checks its output
   names, then writes the MP4, the optional tensors and the sidecar as staging files that appear together.
 * `should_cancel` is polled between the phases; a request's `loras` apply to its DiT for that request only.
 * Memory (h3engine.memory.engine_plan): the profile, the GPU / host budgets and the weight format become a plan
@@ -27,7 +27,6 @@ import torch
 
 from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.checkpoint.layout import DIFFUSERS_DIT_FOLDERS, CheckpointLayout, detect_layout
-from h3engine.engine.conditioning.presentation import prompt_token_counter
 from h3engine.engine.conditioning.remix import chain_windows
 from h3engine.engine.lora.adapters import (
     Adapter,
@@ -52,13 +51,13 @@ from h3engine.engine.sampling.adaln_tables import ADALN_FOLDER_NAME, AdalnTableC
 from h3engine.errors import RequestError
 from h3engine.media.outputs import OutputFiles, checked_output_files, input_records, staged
 from h3engine.memory.disk import default_cache_folder
-from h3engine.memory.engine_plan import MemoryRequest, check_request_memory, plan_memory
+from h3engine.memory.engine_plan import MemoryRequest, plan_memory
 from h3engine.memory.placement import Placement
 from h3engine.memory.plan import MemoryPlan
 from h3engine.request.files import MediaFacts
 from h3engine.request.geometry import Geometry
 from h3engine.request.model import MAX_LORAS, GenerationRequest
-from h3engine.request.resolved import ResolvedRequest, resolve_request
+from h3engine.request.resolved import ResolvedRequest, resolve_request, with_memory_check
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +91,9 @@ class Engine:
             on_load,
             adaln_cache=self._open_adaln_cache(),
         )
-        self.facts = CheckpointFacts.from_layout(layout)
+        # The checkpoint's facts and this engine's memory plan: what `resolve` (here or on a front) decides with.
+        self.facts = dataclasses.replace(CheckpointFacts.from_layout(layout), memory_plan=self.plan)
         self._lora_files = LoraFiles(MAX_LORAS)
-        # The request `resolve` last resolved, until `prepare` takes it: the same request's `geometry_for` and
-        # `prepare` (a worker rank calls validate, geometry_for, then prepare) do not resolve it again.
-        self._last_resolved: ResolvedRequest | None = None
 
     @classmethod
     def from_checkpoint(
@@ -168,40 +165,27 @@ class Engine:
         return models
 
     def resolve(self, request: GenerationRequest, media: MediaFacts | None = None) -> ResolvedRequest:
-        """Check a request against the rules, this checkpoint and its input files, and resolve it (raises
-        RequestError naming the field): `resolve_request` on `facts`, then the memory plan's check on what it
-        resolved. `media`: the facts of files already probed for this request."""
-        resolved = resolve_request(request, self.facts, media)
-        if self.plan.sizes is not None:
-            geometry = resolved.geometry
-            tokens = prompt_token_counter(self.facts.tokenizer)(request.prompt)
-            shape = check_request_memory(
-                self.plan,
-                request,
-                (geometry.height, geometry.width),
-                tokens,
-                resolved.media,
-                duration_seconds=resolved.duration_seconds,
-            )
-            resolved = dataclasses.replace(resolved, memory_shape=shape)
-        self._last_resolved = resolved
-        return resolved
+        """Check a request against the rules, this checkpoint, its input files and the memory plan, and resolve it
+        (RequestError naming the field): `resolve_request` on `facts`. `media`: the facts of files already probed
+        for this request."""
+        return resolve_request(request, self.facts, media)
 
     def validate(self, request: GenerationRequest) -> list[str]:
-        """`resolve`'s warnings: check a request against the rules, this checkpoint and its input files (raises
-        RequestError naming the field)."""
+        """`resolve`'s warnings."""
         return list(self.resolve(request).warnings)
 
-    def _resolved(self, request: GenerationRequest | ResolvedRequest) -> ResolvedRequest:
-        """A resolved request as it is; the request `resolve` just resolved (the same object); else resolved now."""
-        if isinstance(request, ResolvedRequest):
-            return request
-        last = self._last_resolved
-        return last if last is not None and last.request is request else self.resolve(request)
+    def resolved(self, request: GenerationRequest | ResolvedRequest) -> ResolvedRequest:
+        """A resolved request with its memory shape under this engine's plan (added when it was resolved without
+        the plan, as the CLI does before the engine loads); a bare request is resolved now."""
+        if not isinstance(request, ResolvedRequest):
+            return self.resolve(request)
+        if request.memory_shape is None:
+            return with_memory_check(request, self.plan)
+        return request
 
     def geometry_for(self, request: GenerationRequest | ResolvedRequest) -> Geometry:
         """The canvas and frame counts of a request on this checkpoint (see `resolve_request`)."""
-        geometry = self._resolved(request).geometry
+        geometry = self.resolved(request).geometry
         assert geometry is not None  # resolved with this checkpoint's facts
         return geometry
 
@@ -211,8 +195,7 @@ class Engine:
         """Resolve the request (unless it is), read its input files and encode its conditioning (RequestError naming
         the field). Its LoRA files are read whole here (their values checked; the checks read headers only), so
         that a worker group's rank 0 refuses a broken one before the other ranks apply it."""
-        resolved = self._resolved(request)
-        self._last_resolved = None
+        resolved = self.resolved(request)
         self.adapters_for(resolved.request)
         models = self.store.models_for_task(resolved.request.task)
         return prepare_request(resolved, models, self.layout.canvas, should_cancel)
@@ -225,7 +208,7 @@ class Engine:
         mp4_path: Path | None = None,
     ) -> tuple[GenerationOutput, Geometry]:
         """The request's video and audio tensors; with `mp4_path`, also its MP4, written while the video decodes."""
-        resolved = self._resolved(request)
+        resolved = self.resolved(request)
         if resolved.request.remix is not None and resolved.request.remix.windows > 1:
             raise RequestError("remix.windows", "chained windows write files: use generate_to_file")
         prepared = self.prepare(resolved, should_cancel)
@@ -246,7 +229,7 @@ class Engine:
     ) -> OutputFiles:
         """`generate` into `out_path` (MP4), its sidecar and optionally `save_tensors_path`; all or nothing appears."""
         files = checked_output_files(out_path, save_tensors_path)
-        resolved = self._resolved(request)
+        resolved = self.resolved(request)
         request = resolved.request
         if request.remix is not None and request.remix.windows > 1:
             return chain_windows(self.generate_to_file, request, files, on_step, should_cancel)

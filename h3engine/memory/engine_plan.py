@@ -28,7 +28,7 @@ from h3engine.memory.disk import disk_read_rate, parse_gbps
 from h3engine.memory.placement import check_memory_profile, check_weights, profile_plan
 from h3engine.memory.plan import MemoryPlan, PlanContext, engine_shapes, plan_engine
 from h3engine.memory.request_plan import check_request_fits
-from h3engine.memory.shapes import ReferenceSpec, RequestShape, request_shape
+from h3engine.memory.shapes import DEFAULT_STEPS, ReferenceSpec, RequestShape, request_shape
 from h3engine.memory.sizes import RankShare, checkpoint_sizes, stored_weights
 from h3engine.memory.types import MemoryBudget
 
@@ -211,7 +211,7 @@ def check_request_memory(
         text_tokens=prompt_tokens,
         keyframes=tuple(keyframe.position for keyframe in request.keyframes),
         references=references,
-        steps=request.steps,
+        steps=DEFAULT_STEPS if request.steps is None else request.steps,
         step_cache=request.cache != "off",
     )
     check_request_fits(plan, shape)

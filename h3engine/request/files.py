@@ -59,6 +59,12 @@ class MediaFacts:
             self._facts[key] = self._probe(Reference(kind=kind, path=entry.path))
         return self._facts[key]
 
+    def moved(self, place: Callable[[str], str]) -> MediaFacts:
+        """These facts for the same files at the paths `place` gives (copies of the same bytes)."""
+        moved = MediaFacts(self._probe)
+        moved._facts = {(kind, place(path)): info for (kind, path), info in self._facts.items()}
+        return moved
+
     @classmethod
     def of(cls, probe: MediaProbe) -> MediaFacts:
         """`probe` itself when it already remembers, else a `MediaFacts` asking it."""

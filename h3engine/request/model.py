@@ -6,7 +6,6 @@ Payloads are read into it by h3engine.request.shapes.from_dict, which does not j
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -17,7 +16,7 @@ from h3engine.request.geometry import (
     RELEASED_SHORT_EDGE,
     RELEASED_VAE_SPATIAL_RATIO,
 )
-from h3engine.request.limits import DEFAULT_STEPS, MAX_SHORT_EDGE
+from h3engine.request.limits import MAX_SHORT_EDGE
 from h3engine.request.remix import Remix
 
 KEYFRAME_POSITIONS = ("first", "last")
@@ -46,7 +45,6 @@ DEFAULT_ASPECT = (16, 9)
 RESERVED_PROMPT_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 MAX_SEED = 2**63 - 1
 # The labels a prompt cites its inputs by (`reference_labels`); only these three forms are checked.
-_LABEL_PATTERN = re.compile(r"<(?:Picture|Video|Audio) \d+>")
 # Not a model limit: a guard so that a mistyped step count or canvas becomes a message, not an hours-long run
 # or an allocation failure inside a worker.
 MAX_STEPS = 1000
@@ -109,7 +107,8 @@ class GenerationRequest:
     width: int | None = None
     height: int | None = None
     seed: int = 0
-    steps: int = DEFAULT_STEPS
+    # None: the checkpoint's step-distilled count, else DEFAULT_STEPS (filled in by h3engine.request.resolved).
+    steps: int | None = None
     flow_shift: float = 12.0
     audio_flow_shift: float = 3.0
     recipe: RecipeName = "sglang"

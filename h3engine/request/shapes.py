@@ -175,7 +175,7 @@ def _from_sglang_shape(payload: Mapping[str, Any]) -> GenerationRequest:
         aspect_ratio=target.get("aspect_ratio", "auto"),
         short_edge=_integral_float_as_int(target.get("short_edge")),
         seed=_integral_float_as_int(payload.get("seed", SGLANG_DEFAULT_SEED)),
-        steps=_integral_float_as_int(payload.get("num_inference_steps", 50)),
+        steps=_integral_float_as_int(payload.get("num_inference_steps")),
         flow_shift=payload.get("flow_shift", 12.0),
         audio_flow_shift=payload.get("audio_flow_shift", 3.0),
         recipe="sglang",

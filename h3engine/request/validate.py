@@ -16,15 +16,13 @@ as well as ranges and must only ever raise `RequestError`.
 
 from __future__ import annotations
 
-import math
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
-from fractions import Fraction
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from h3engine.checkpoint.layout import distilled_step_count, valid_dmd_steps
-from h3engine.errors import RequestError, file_name
 from h3engine.request.checks import (
     check_finite_number,
     check_integer_range,
@@ -32,88 +30,64 @@ from h3engine.request.checks import (
     check_utf8,
     describe,
     fail,
-    is_integer,
-    is_number,
 )
-from h3engine.request.files import Keyframe, MediaFacts, MediaInfo, MediaProbe, Reference
+from h3engine.request.file_rules import (
+    _aspect_follows_keyframe,
+    _check_prompt_labels,
+    _check_reference_media,
+    _checked_keyframe_sizes,
+    check_duration_range,
+    resolve_aspect,
+)
+from h3engine.request.files import Keyframe, MediaFacts, MediaProbe, Reference
 from h3engine.request.geometry import (
-    MAX_ASPECT_RATIO,
-    MIN_ASPECT_RATIO,
     PRESET_ASPECT_RATIOS,
-    RELEASED_MAX_PIXELS,
-    RELEASED_PATCH,
-    RELEASED_SHORT_EDGE,
-    RELEASED_VAE_SPATIAL_RATIO,
-    parse_aspect_ratio,
 )
 from h3engine.request.limits import (
     MAX_CLIP_SECONDS,
-    MAX_DURATION_SECONDS,
     MAX_PROMPT_TOKENS,
     MAX_REFERENCES,
     MAX_REFERENCES_OF_KIND,
     MAX_SHORT_EDGE,
-    MAX_TOTAL_AUDIO_SECONDS,
-    MAX_TOTAL_VIDEO_SECONDS,
-    MIN_CLIP_SECONDS,
-    MIN_DURATION_SECONDS,
     TASKS,
 )
-from h3engine.request.model import EntryT, GenerationRequest, LoraChoice
+from h3engine.request.model import (
+    CACHE_PRESETS,
+    KEYFRAME_POSITIONS,
+    LORA_TARGET_OF_TASK,
+    LORA_TARGETS,
+    MAX_CANVAS_PIXELS,
+    MAX_CANVAS_SIDE,
+    MAX_FLOW_SHIFT,
+    MAX_LORA_STRENGTH,
+    MAX_LORAS,
+    MAX_PROMPT_CHARACTERS,
+    MAX_SEED,
+    MAX_STEPS,
+    MIN_FLOW_SHIFT,
+    RECIPES,
+    REFERENCE_KINDS,
+    RELEASED_CANVAS_MULTIPLE,
+    RESERVED_PROMPT_TOKENS,
+    VERIFIED_SHORT_EDGE,
+    EntryT,
+    GenerationRequest,
+    LoraChoice,
+)
 from h3engine.request.remix import check_remix
 
-KEYFRAME_POSITIONS = ("first", "last")
-REFERENCE_KINDS = ("image", "video", "audio")
-RECIPES = ("sglang", "diffusers")
-# Step-cache presets (h3engine.engine.sampling.step_cache.PRESETS holds the knobs of each but "off"): "off" runs every
-# block of every forward; "high" is the peers' conservative MiniMax-H3 setting, "fast" a more aggressive one.
-CACHE_PRESETS = ("off", "high", "fast")
-# The two DiTs a LoRA can target (diffusers' component names) and the one each task runs.
-LORA_TARGETS = ("transformer", "transformer_ref")
-LORA_TARGET_OF_TASK = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
-# peft takes any adapter weight; published adapters are used within about [-2, 2] (negative: the concept taken
-# away) and far beyond that a low-rank update swamps the base model, so wider values are a typo, not a choice.
-MAX_LORA_STRENGTH = 4.0
-MAX_LORAS = 8  # each adds a low-rank product to every adapted linear's forward
-
-# The only configuration MiniMax verified; other short edges run but warn.
-VERIFIED_SHORT_EDGE = RELEASED_SHORT_EDGE
-# Tiny test checkpoints have a smaller VAE factor and pass their own multiple to `validate`.
-RELEASED_CANVAS_MULTIPLE = RELEASED_VAE_SPATIAL_RATIO * RELEASED_PATCH
-# Aspect "auto" without a keyframe to follow: references never bind the target geometry.
-DEFAULT_ASPECT = (16, 9)
-
-# Qwen vision-block tokens: the engine inserts them around keyframe and reference pixels; typed into a prompt
-# they would be tagged as video rows and read as an empty vision block.
-RESERVED_PROMPT_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-MAX_SEED = 2**63 - 1
-# The labels a prompt cites its inputs by (`reference_labels`); only these three forms are checked.
 _LABEL_PATTERN = re.compile(r"<(?:Picture|Video|Audio) \d+>")
-# Not a model limit: a guard so that a mistyped step count or canvas becomes a message, not an hours-long run
-# or an allocation failure inside a worker.
-MAX_STEPS = 1000
-MAX_CANVAS_SIDE = 4096
-# The released area cap (768 x 1344) scaled to that short edge the way the canvas rule scales it (2048 x 3584,
-# 7,340,032 pixels): no canvas may be larger, explicit width x height included.
-MAX_CANVAS_PIXELS = RELEASED_MAX_PIXELS * MAX_SHORT_EDGE**2 // RELEASED_SHORT_EDGE**2
-# Sigma shifts (released: 12 video, 3 audio). Within this range every fp32 sigma grid of up to MAX_STEPS steps keeps
-# all its points (from ~8,300 on, a 1,000-step grid collapses near sigma 1 and the run fails after loading).
-MIN_FLOW_SHIFT = 0.001
-MAX_FLOW_SHIFT = 1000.0
-# The prompt. The reference pipelines truncate nothing; the official prompts run to ~4,400 characters (~1,000
-# tokens). 8,192 tokens keep the text encode short at the released size (Qwen3-VL-32B to layer 50: ~0.4
-# PFLOP) and the text rows under a quarter of the 768p / 5 s DiT sequence; 32,768 characters bound the
-# tokenizer's own work and, at ~4 characters a token, let English text reach the token bound. The bound counts the
-# prompt's own tokens: the labels the engine adds stay under 200 tokens (12 labels, at most 15 s of 2 fps video
-# timestamps), and the vision blocks follow from the reference limits (h3engine.request.limits).
-MAX_PROMPT_CHARACTERS = 32_768
-# Images (keyframes, image references), judged from the probed header before any pixel is decoded. Each side must
-# span one 16-pixel patch (the video VAE's spatial factor, Qwen's vision patch); the largest picture the model
-# works on is a 4:1 reference normalized to a 2048 short edge, 8192 x 2048, so no side may be longer and no image
-# may hold more pixels (16,777,216, also stock Qwen3-VL's image pixel limit). Video frames share the minimum.
-MIN_IMAGE_SIDE = 16
-MAX_IMAGE_SIDE = 8192
-MAX_IMAGE_PIXELS = 8192 * 2048
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What `checked_request` found on the way, so that nothing is worked out twice."""
+
+    warnings: list[str]
+    # The seconds a remix generates (None: no remix, or its files unread).
+    remix_seconds: float | None = None
+    # The canvas's (width, height) aspect (None: not resolved, FL2VA "auto" without its keyframe read).
+    aspect: tuple[float, float] | None = None
 
 
 def validate(
@@ -123,6 +97,19 @@ def validate(
     canvas_multiple: int = RELEASED_CANVAS_MULTIPLE,
     count_prompt_tokens: Callable[[str], int] | None = None,
 ) -> list[str]:
+    """`checked_request`'s warnings."""
+    return checked_request(
+        request, media_durations, canvas_multiple=canvas_multiple, count_prompt_tokens=count_prompt_tokens
+    ).warnings
+
+
+def checked_request(
+    request: GenerationRequest,
+    media_durations: MediaProbe | None = None,
+    *,
+    canvas_multiple: int = RELEASED_CANVAS_MULTIPLE,
+    count_prompt_tokens: Callable[[str], int] | None = None,
+) -> Checked:
     """Check `request` against the task rules; return warnings, raise `RequestError` naming the field.
 
     `media_durations` probes a reference (keyframes are probed as image references; a plain probe is wrapped in a
@@ -145,18 +132,20 @@ def validate(
     _check_conditions_for_task(request.task, keyframes, references)
     _check_duration_field(request.task, request.duration_seconds, references)
     _check_loras(request.task, request.loras)
-    first_keyframe_size = None
+    first_keyframe_size = remix_seconds = aspect = None
     if request.remix is not None:
         probe = None if media_durations is None else MediaFacts.of(media_durations)
-        warnings += check_remix(request.remix, request.task, request.duration_seconds, probe)[1]
+        seconds, remix_warnings = check_remix(request.remix, request.task, request.duration_seconds, probe)
+        warnings += remix_warnings
+        remix_seconds = None if probe is None else seconds
     if media_durations is not None:
         probe = MediaFacts.of(media_durations)
         _check_reference_media(request, probe)
         first_keyframe_size = _checked_keyframe_sizes(request, probe)
         _check_prompt_labels(request, probe)
     if first_keyframe_size is not None or not _aspect_follows_keyframe(request):
-        resolve_aspect(request, first_keyframe_size)
-    return warnings
+        aspect = resolve_aspect(request, first_keyframe_size)
+    return Checked(warnings, remix_seconds, aspect)
 
 
 def _check_scalars(request: GenerationRequest) -> None:
@@ -176,7 +165,8 @@ def _check_scalars(request: GenerationRequest) -> None:
     check_integer_range(request.seed, "seed", 0, MAX_SEED)
     # The diffusers scheduler spends N grid points on N-1 forwards, so one step would generate nothing.
     minimum_steps = 2 if request.recipe == "diffusers" else 1
-    check_integer_range(request.steps, "steps", minimum_steps, MAX_STEPS)
+    if request.steps is not None:  # None: filled in when the request is resolved (h3engine.request.resolved)
+        check_integer_range(request.steps, "steps", minimum_steps, MAX_STEPS)
     _check_rungs(request)
     _check_cache(request.cache, bool(request.rungs))
     for field in ("flow_shift", "audio_flow_shift"):
@@ -200,12 +190,23 @@ def _check_rungs(request: GenerationRequest) -> None:
         return
     if not valid_dmd_steps(list(rungs)):
         fail("rungs", f"must be strictly decreasing integers in (0, 1000], got {describe(list(rungs))}")
-    expected = distilled_step_count(rungs, request.recipe)
-    if request.steps != expected:
+    if request.steps is not None:
+        check_steps_for_rungs(request.steps, request.recipe, rungs, "its rungs run")
+
+
+def check_steps_for_rungs(steps: Any, recipe: str, rungs: tuple[int, ...], subject: str) -> None:
+    """RequestError (field `steps`) unless `steps` runs exactly `rungs`: one forward a rung, and the diffusers recipe
+    counts the terminal grid point too. `subject` starts the sentence ("its rungs run", or "this checkpoint is
+    step-distilled to")."""
+    expected = distilled_step_count(rungs, recipe)
+    if steps != expected:
         counted = (
-            "" if expected == len(rungs) else " (the diffusers recipe counts the terminal grid point too)"
+            "" if expected == len(rungs) else "; the diffusers recipe counts the terminal grid point too"
         )
-        fail("steps", f"{len(rungs)} rungs run {expected} steps{counted}, got {describe(request.steps)}")
+        fail(
+            "steps",
+            f"{subject} {expected} steps (rungs {', '.join(map(str, rungs))}{counted}), got {describe(steps)}",
+        )
 
 
 def _check_cache(cache: Any, distilled: bool) -> None:
@@ -409,7 +410,7 @@ def _check_reference_set(references: tuple[Reference, ...]) -> None:
 def _check_duration_field(task: str, duration_seconds: Any, references: tuple[Reference, ...]) -> None:
     if duration_seconds is not None:
         check_finite_number(duration_seconds, "duration_seconds")
-        _check_duration_range(duration_seconds, "duration_seconds", "")
+        check_duration_range(duration_seconds, "duration_seconds", "")
         return
     if task != "ref2va":
         fail("duration_seconds", f"is required for task {task!r}")
@@ -419,223 +420,3 @@ def _check_duration_field(task: str, duration_seconds: Any, references: tuple[Re
         fail("duration_seconds", "is required when several references carry audio")
     if kinds.count("audio") + kinds.count("video") == 0:
         fail("duration_seconds", "is required, or exactly one reference with audio to take the duration from")
-
-
-def _check_duration_range(seconds: float, field: str, origin: str) -> None:
-    if not MIN_DURATION_SECONDS <= seconds <= MAX_DURATION_SECONDS:
-        fail(
-            field,
-            f"must be within [{MIN_DURATION_SECONDS:g}, {MAX_DURATION_SECONDS:g}] s{origin}, got {describe(seconds)}",
-        )
-
-
-def _probed(probe: MediaProbe, reference: Reference, field: str) -> MediaInfo:
-    """The probe's facts; its RequestError (about the file) is filed under `field`."""
-    try:
-        return probe(reference)
-    except RequestError as error:
-        raise error.in_field(field) from None
-
-
-def _check_reference_media(request: GenerationRequest, probe: MediaProbe) -> None:
-    """The rules that need file facts: streams, clip lengths and totals, image ratios, derived duration."""
-    total_seconds = {"video": 0.0, "audio": 0.0}
-    for index, reference in enumerate(request.references):
-        field = f"references[{index}]"
-        info = _probed(probe, reference, field)
-        if reference.kind == "image":
-            size = _image_size(info, field, "reference image", reference.path)
-            _check_image_ratio(size, field, "reference image")
-            continue
-        if reference.kind == "video" and not _has_size(info):
-            fail(field, f"video file has no video stream: {describe(reference.path)}")
-        if reference.kind == "video" and min(info.width, info.height) < MIN_IMAGE_SIDE:
-            fail(
-                field,
-                f"video {file_name(reference.path)} frames are {info.width}x{info.height} pixels; each side must "
-                f"be at least {MIN_IMAGE_SIDE}",
-            )
-        if reference.kind == "audio" and not info.has_audio:
-            fail(field, f"audio file has no audio stream: {describe(reference.path)}")
-        seconds = _clip_seconds(info, field)
-        if not MIN_CLIP_SECONDS <= seconds <= MAX_CLIP_SECONDS:
-            fail(
-                field,
-                f"{reference.kind} clip must last {MIN_CLIP_SECONDS:g}-{MAX_CLIP_SECONDS:g} s, "
-                f"got {describe(seconds)} s",
-            )
-        if reference.start_seconds is not None and reference.start_seconds >= seconds:
-            fail(
-                f"{field}.start_seconds",
-                f"must be less than the clip duration {seconds:g} s, got {describe(reference.start_seconds)}",
-            )
-        total_seconds[reference.kind] += seconds
-    limits = {"video": MAX_TOTAL_VIDEO_SECONDS, "audio": MAX_TOTAL_AUDIO_SECONDS}
-    for kind, total in total_seconds.items():
-        if total > limits[kind]:
-            fail("references", f"{kind} references may last {limits[kind]:g} s in total, got {total:g} s")
-    if request.duration_seconds is None:
-        seconds = resolve_duration_seconds(request, probe)
-        _check_duration_range(seconds, "duration_seconds", " (taken from the reference with audio)")
-
-
-def reference_labels(kinds: Sequence[str], has_audio: Sequence[bool]) -> list[tuple[str, ...]]:
-    """The prompt labels of each Ref2VA reference, in reference order, numbered per modality as the model was
-    trained (h3engine.engine.conditioning.presentation.reference_presentation): `<Picture i>` for an image, `<Video k>` for a video,
-    `<Audio j>` for an audio clip, and a video carrying audio (`has_audio`) takes an `<Audio j>` before its
-    `<Video k>`."""
-    counters = {"Picture": 0, "Video": 0, "Audio": 0}
-
-    def next_label(modality: str) -> str:
-        counters[modality] += 1
-        return f"<{modality} {counters[modality]}>"
-
-    labels = []
-    for kind, carries_audio in zip(kinds, has_audio, strict=True):
-        if kind == "image":
-            labels.append((next_label("Picture"),))
-        elif kind == "video":
-            audio = (next_label("Audio"),) if carries_audio else ()
-            labels.append(audio + (next_label("Video"),))
-        else:
-            labels.append((next_label("Audio"),))
-    return labels
-
-
-def _defined_labels(request: GenerationRequest, probe: MediaProbe) -> tuple[str, tuple[str, ...]]:
-    """What defines the labels of `request`'s task, and those labels in order."""
-    if request.task == "fl2va":
-        return "the keyframes", tuple(
-            f"<Picture {number}>" for number in range(1, len(request.keyframes) + 1)
-        )
-    if request.task != "ref2va":
-        return f"task {request.task!r}", ()
-    kinds = [reference.kind for reference in request.references]
-    has_audio = [
-        kind == "audio" or (kind == "video" and probe(ref).has_audio)
-        for kind, ref in zip(kinds, request.references, strict=True)
-    ]
-    labels = reference_labels(kinds, has_audio)
-    return "the references", tuple(label for entry in labels for label in entry)
-
-
-def _check_prompt_labels(request: GenerationRequest, probe: MediaProbe) -> None:
-    """Refuse a prompt citing a `<Picture N>`, `<Video N>` or `<Audio N>` that no input defines (other tags, such
-    as `<Subject 1>` or `[Shot 1]`, are free text to the model)."""
-    source, defined = _defined_labels(request, probe)
-    cited = dict.fromkeys(match.group(0) for match in _LABEL_PATTERN.finditer(request.prompt))
-    undefined = [label for label in cited if label not in defined]
-    if not undefined:
-        return
-    defines = f"{source} define {', '.join(defined)}" if defined else f"{source} defines no labels"
-    if not defined and request.task == "t2va":
-        defines += " (labels cite fl2va keyframes or ref2va references)"
-    fail("prompt", f"cites {', '.join(undefined)}, which no input defines: {defines}")
-
-
-def resolve_duration_seconds(request: GenerationRequest, media_durations: MediaProbe | None) -> float:
-    """The duration to generate: the requested one, or (Ref2VA) that of its one reference carrying audio.
-
-    A video's soundtrack counts from the video's `start_seconds`. Expects a request that passed `validate`.
-    """
-    if request.duration_seconds is not None:
-        return request.duration_seconds
-    if media_durations is None:
-        fail("duration_seconds", "is required when the reference media cannot be probed")
-    with_audio = []
-    for index, reference in enumerate(request.references):
-        if reference.kind != "image" and media_durations(reference).has_audio:
-            with_audio.append((index, reference))
-    if len(with_audio) != 1:
-        fail(
-            "duration_seconds",
-            f"is required unless exactly one reference carries audio, got {len(with_audio)}",
-        )
-    index, reference = with_audio[0]
-    return _clip_seconds(media_durations(reference), f"references[{index}]") - (
-        reference.start_seconds or 0.0
-    )
-
-
-def _checked_keyframe_sizes(request: GenerationRequest, probe: MediaProbe) -> tuple[int, int] | None:
-    """Every keyframe must be a readable image; the first listed one's size is returned (it anchors 'auto')."""
-    sizes = [
-        _image_size(
-            _probed(probe, Reference(kind="image", path=keyframe.path), f"keyframes[{index}]"),
-            f"keyframes[{index}]",
-            "keyframe image",
-            keyframe.path,
-        )
-        for index, keyframe in enumerate(request.keyframes)
-    ]
-    return sizes[0] if sizes else None
-
-
-def _has_size(info: MediaInfo) -> bool:
-    return is_integer(info.width) and is_integer(info.height) and info.width > 0 and info.height > 0
-
-
-def _image_size(info: MediaInfo, field: str, what: str, path: str) -> tuple[int, int]:
-    if not _has_size(info):
-        fail(field, f"{what} has no usable size, got {describe(info.width)}x{describe(info.height)}")
-    width, height = info.width, info.height
-    size = f"{what} {file_name(path)} is {describe(width)}x{describe(height)} pixels"
-    if min(width, height) < MIN_IMAGE_SIDE:
-        fail(field, f"{size}; each side must be at least {MIN_IMAGE_SIDE}")
-    if max(width, height) > MAX_IMAGE_SIDE or width * height > MAX_IMAGE_PIXELS:
-        fail(
-            field,
-            f"{size}; at most {MAX_IMAGE_SIDE} pixels a side and {MAX_IMAGE_PIXELS:,} pixels in all are read "
-            f"(the model's largest picture is 8192x2048): downscale it",
-        )
-    return width, height
-
-
-def _check_image_ratio(size: tuple[int, int], field: str, what: str) -> None:
-    if not _ratio_is_supported(*size):
-        fail(field, f"{what} ratio must be within 1:4 to 4:1, got {size[0]}x{size[1]}")
-
-
-def _ratio_is_supported(width: float, height: float) -> bool:
-    # Exact rational comparison: a probe may report absurd sizes, and int / int overflows a float past 1e308.
-    ratio = Fraction(width) / Fraction(height)
-    return Fraction(MIN_ASPECT_RATIO) <= ratio <= Fraction(MAX_ASPECT_RATIO)
-
-
-def _clip_seconds(info: MediaInfo, field: str) -> float:
-    seconds = info.duration_seconds
-    if not is_number(seconds) or (isinstance(seconds, float) and not math.isfinite(seconds)) or seconds <= 0:
-        fail(field, f"clip duration is unknown, got {describe(seconds)}")
-    return seconds
-
-
-def _aspect_follows_keyframe(request: GenerationRequest) -> bool:
-    return request.task == "fl2va" and request.aspect_ratio == "auto" and request.width is None
-
-
-def resolve_aspect(
-    request: GenerationRequest, first_keyframe_size: tuple[int, int] | None
-) -> tuple[float, float]:
-    """The (width, height) aspect of the canvas, checked to lie within 1:4..4:1; pass it to the canvas resolver.
-
-    An explicit width/height wins; "auto" is 16:9 for T2VA and Ref2VA (references never bind the geometry) and
-    the first listed keyframe's own (width, height) for FL2VA. Expects a request that passed `validate`.
-    """
-    follows = ""
-    if request.width is not None and request.height is not None:
-        aspect, field = (request.width, request.height), "width, height"
-    elif request.aspect_ratio != "auto":
-        aspect, field = parse_aspect_ratio(request.aspect_ratio), "aspect_ratio"
-    elif request.task == "fl2va":
-        if first_keyframe_size is None:
-            fail("keyframes[0]", "its image size is needed to resolve aspect_ratio 'auto'")
-        aspect, field, follows = first_keyframe_size, "aspect_ratio", " ('auto' follows keyframes[0])"
-    else:
-        aspect, field = DEFAULT_ASPECT, "aspect_ratio"
-    width, height = aspect
-    if not _ratio_is_supported(width, height):
-        fail(
-            field,
-            f"resolved ratio{follows} must be within 1:4 to 4:1, got {describe(width)}:{describe(height)}",
-        )
-    return width, height

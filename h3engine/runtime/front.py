@@ -1,9 +1,9 @@
 """The in-process engine front: a job queue in front of one or more engine replicas, one worker thread each.
 
 A replica is an `Engine` (run here by `EngineReplica`) or anything with the `Replica` interface, such as a worker
-group (h3engine.runtime.workers.ProcessReplica). `EngineFront.submit(request)` returns a `JobHandle` at once that
-yields the job's messages (h3engine.runtime.messages); `cancel(handle)` stops a job, `shutdown()` everything.
-`check(request)` / `expected_geometry(request)` are the model-free checks to run before `submit`.
+group (h3engine.runtime.workers.ProcessReplica). `resolve(request)` is the one checker on the replicas' facts and
+memory plan; a door submits its `ResolvedRequest` (`submit`), which travels with the job, and reads the `JobHandle`'s
+messages (h3engine.runtime.messages). A chained extend runs a job a window. `cancel`, `shutdown` stop.
 
 Order: a replica that says which DiT partition is on its device (`Replica.partition_on_device`) takes the oldest
 waiting job of that partition's tasks, so a queue mixing t2va/fl2va and ref2va does not swap DiTs on every job; a
@@ -27,17 +27,21 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Protocol
 
 import torch
 
+from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.checkpoint.layout import PARTITION_OF_TASK
+from h3engine.engine.conditioning.remix import chain_windows
 from h3engine.engine.engine import Engine
+from h3engine.errors import RequestError
 from h3engine.media.leftovers import WARM_UP_FOLDER_PREFIX, owned_temp_folder
 from h3engine.media.outputs import checked_output_files
-from h3engine.request.geometry import Geometry
+from h3engine.request.files import MediaFacts
 from h3engine.request.model import GenerationRequest
-from h3engine.runtime.checks import CheckpointFacts, check_request, expected_geometry
+from h3engine.request.resolved import ResolvedRequest, resolve_request, with_memory_check
 from h3engine.runtime.messages import (
     ENGINE_FAILURE_MESSAGE,
     TERMINAL_EVENTS,
@@ -85,13 +89,16 @@ class JobHandle:
     def __init__(
         self,
         job_id: str,
-        request: GenerationRequest,
+        request: GenerationRequest | ResolvedRequest,
         out_path: Path,
         save_tensors_path: Path | None = None,
         capture: Any = None,
     ) -> None:
         self.job_id = job_id
-        self.request = request
+        # What the job runs: resolved once, at its door or by `EngineFront.submit` (None: a bare request, resolved
+        # where it runs, as a warm-up's on a Ray replica).
+        self.resolved = request if isinstance(request, ResolvedRequest) else None
+        self.request = request.request if isinstance(request, ResolvedRequest) else request
         self.out_path = out_path
         self.save_tensors_path = save_tensors_path
         self.capture = capture  # a CaptureSpec for a worker group's rank 0 (`generate --capture`), or None
@@ -101,6 +108,15 @@ class JobHandle:
         self._events: queue.Queue[JobEvent] = queue.Queue(maxsize=EVENT_BUFFER_SIZE)
         self._cancel_requested = threading.Event()
         self._done = threading.Event()
+
+    def window(self, resolved: ResolvedRequest, out_path: Path, save_tensors_path: Path | None) -> JobHandle:
+        """A handle for one window of this chained job: its own request and files, this job's id, messages and
+        cancel flag; the capture goes with the last window (the one writing this job's MP4)."""
+        capture = self.capture if out_path == self.out_path else None
+        window = JobHandle(self.job_id, resolved, out_path, save_tensors_path, capture)
+        window.submitted_at = self.submitted_at
+        window._events, window._cancel_requested = self._events, self._cancel_requested
+        return window
 
     @property
     def cancel_requested(self) -> bool:
@@ -190,11 +206,12 @@ class EngineReplica:
         if handle.cancel_requested:
             return JobFailed(job_id, "cancelled", CANCELLED_BEFORE_START_MESSAGE)
         try:
-            engine.validate(handle.request)
-            geometry = engine.geometry_for(handle.request)
+            resolved = engine.resolved(handle.resolved or handle.request)
+            geometry = resolved.geometry
+            assert geometry is not None  # resolved on the engine's checkpoint
             handle.publish(job_started(job_id, replica_index, handle.submitted_at, geometry))
             written = engine.generate_to_file(
-                handle.request,
+                resolved,
                 handle.out_path,
                 save_tensors_path=handle.save_tensors_path,
                 on_step=step_reporter(job_id, geometry, preview_every, handle.publish),
@@ -293,28 +310,34 @@ class EngineFront:
         with self._condition:
             return len(self._running)
 
-    # --- checks that need no engine ---------------------------------------------------------------------
+    # --- the one resolve, before a job queues ------------------------------------------------------------
 
-    def check(self, request: GenerationRequest) -> list[str]:
-        return check_request(request, self.facts)
-
-    def expected_geometry(self, request: GenerationRequest) -> Geometry:
-        return expected_geometry(request, self.facts)
+    def resolve(self, request: GenerationRequest, media: MediaFacts | None = None) -> ResolvedRequest:
+        """`resolve_request` on the replicas' checkpoint facts and memory plan (RequestError naming the field): every
+        rule the engine applies, without touching a model. A door resolves once and submits the result."""
+        return resolve_request(request, self.facts, media)
 
     # --- jobs -------------------------------------------------------------------------------------------
 
     def submit(
         self,
-        request: GenerationRequest,
+        request: GenerationRequest | ResolvedRequest,
         out_path: str | Path | None = None,
         save_tensors_path: str | Path | None = None,
         capture: Any = None,
     ) -> JobHandle:
+        """Queue a job; a bare request is resolved first (`resolve`). RequestError (naming the field: the request,
+        its memory, its output files) before the job takes a place."""
+        resolved = request if isinstance(request, ResolvedRequest) else self.resolve(request)
+        if resolved.memory_shape is None and self.facts is not None and self.facts.memory_plan is not None:
+            resolved = with_memory_check(
+                resolved, self.facts.memory_plan
+            )  # resolved before the plan was known
         job_id = secrets.token_hex(4)
         if out_path is None:
-            out_path = self.outputs_dir / stamped_output_name(request.task, job_id)
-        files = checked_output_files(out_path, save_tensors_path)  # RequestError before the job takes a place
-        handle = JobHandle(job_id, request, files.video, files.tensors, capture)
+            out_path = self.outputs_dir / stamped_output_name(resolved.request.task, job_id)
+        files = checked_output_files(out_path, save_tensors_path)
+        handle = JobHandle(job_id, resolved, files.video, files.tensors, capture)
         with self._condition:
             if self._stopping:
                 raise RuntimeError("the engine front is shut down")
@@ -445,7 +468,11 @@ class EngineFront:
             handle._finish(result)
 
     def _run_one(self, handle: JobHandle, index: int, replica: Replica) -> JobFinished | JobFailed:
-        """The job's terminal message from `replica`; whatever it raises (or returns instead) fails this job alone."""
+        """The job's terminal message from `replica`; whatever it raises (or returns instead) fails this job alone.
+        An extend chaining several windows runs as one job of the replica a window (`_run_windows`)."""
+        remix = handle.request.remix
+        if remix is not None and remix.windows > 1:
+            return self._run_windows(handle, index, replica)
         try:
             result = replica.run(handle, index, self.preview_every)
         except Exception as error:
@@ -457,6 +484,34 @@ class EngineFront:
             )
             return JobFailed(handle.job_id, "engine", ENGINE_FAILURE_MESSAGE)
         return result
+
+    def _run_windows(self, handle: JobHandle, index: int, replica: Replica) -> JobFinished | JobFailed:
+        """A chained extend: window k extends window k-1's MP4 (h3engine.engine.conditioning.remix.chain_windows),
+        each window resolved (its source is the last window's MP4) and run as its own job of `replica`, under this
+        job's id, messages and cancel flag. The first window that does not finish ends the job."""
+        ends: list[JobFinished | JobFailed] = []
+
+        def run_window(single: GenerationRequest, video: Path, tensors: Path | None, *_: object) -> Any:
+            try:
+                window = handle.window(self.resolve(single), video, tensors)
+            except RequestError as error:
+                ends.append(job_failed(handle.job_id, error, None, "", handle.out_path.parent))
+                raise _WindowEnded from None
+            ends.append(self._run_one(window, index, replica))
+            if isinstance(ends[-1], JobFailed):
+                raise _WindowEnded
+            return SimpleNamespace(video=Path(ends[-1].video_path))
+
+        files = SimpleNamespace(video=handle.out_path, tensors=handle.save_tensors_path)
+        try:
+            chain_windows(run_window, handle.request, files, None, None)
+        except _WindowEnded:
+            pass
+        return ends[-1]
+
+
+class _WindowEnded(Exception):
+    """A window of a chained job did not finish (its end is the job's)."""
 
 
 def next_job_index(pending: Sequence[JobHandle], partition: str | None) -> int:

@@ -14,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.engine.options import EngineOptions
 from h3engine.models.parallel.groups import EncoderLayout, ParallelLayout, VAELayout
 from h3engine.request.geometry import Geometry
 from h3engine.request.model import GenerationRequest
 from h3engine.runtime.channel import TensorChannel
-from h3engine.runtime.checks import CheckpointFacts
 
 if TYPE_CHECKING:
     from h3engine.runtime.front import JobHandle
@@ -94,6 +94,8 @@ class RunJob:
     preview_every: int
     # A CaptureSpec (h3engine.engine.trace): rank 0 records the job's boundaries there (`generate --capture`).
     capture: Any = None
+    # The request as its door resolved it (h3engine.request.resolved.ResolvedRequest; None: rank 0 resolves it).
+    resolved: Any = None
 
     @classmethod
     def of(cls, job_number: int, handle: JobHandle, replica_index: int, preview_every: int) -> RunJob:
@@ -109,6 +111,7 @@ class RunJob:
             replica_index,
             preview_every,
             handle.capture,
+            handle.resolved,
         )
 
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import torch
 
-from h3engine.errors import GenerationCancelled, H3Error
+from h3engine.errors import CheckpointError, GenerationCancelled, H3Error, public_text
 from h3engine.media.outputs import OutputFiles
 from h3engine.media.preview import latent_preview_rgb
 from h3engine.request.geometry import FPS, Geometry
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FailureKind = Literal["request", "cancelled", "engine"]
+FailureKind = Literal["request", "checkpoint", "cancelled", "engine"]
 ENGINE_FAILURE_MESSAGE = "The engine failed while generating this video; the details are in the server log."
 CANCELLED_MESSAGE = "Cancelled."
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
@@ -106,15 +106,18 @@ class JobFinished:
 
 @dataclass(frozen=True)
 class JobFailed:
-    """The job ended without a video. `message` is one human sentence, never a traceback.
+    """The job ended without a video. `message` is one human sentence without a server path, never a traceback.
 
-    kind "request": the request or an input file is invalid (the engine's RequestError message, naming the field);
-    "cancelled": the caller cancelled it; "engine": an internal failure (details are in the server log).
+    kind "request": the request or an input file is invalid (`error`: the RequestError, naming the field);
+    "checkpoint": a checkpoint file failed to load when the job needed it (`error`: the CheckpointError, naming the
+    file); "cancelled": the caller cancelled it; "engine": an internal failure (details are in the server log).
     """
 
     job_id: str
     kind: FailureKind
     message: str
+    # The error that ended it, typed (RequestError, CheckpointError), for a door to present; None for the others.
+    error: H3Error | None = field(default=None, compare=False)
 
 
 JobEvent = JobQueued | JobStarted | StepProgress | PreviewFrame | JobFinished | JobFailed
@@ -162,8 +165,11 @@ def job_failed(
     or an internal failure (logged with its traceback; `during` says where, e.g. "while preparing")."""
     if isinstance(error, GenerationCancelled):
         return JobFailed(job_id, "cancelled", CANCELLED_MESSAGE)
+    if isinstance(error, CheckpointError):
+        logger.error("job %s failed %s: %s", job_id, during, error)
+        return JobFailed(job_id, "checkpoint", public_text(error), error)
     if isinstance(error, H3Error):
-        return JobFailed(job_id, "request", str(error))
+        return JobFailed(job_id, "request", public_text(error), error)
     logger.error("job %s failed %s", job_id, during, exc_info=error)
     if isinstance(error, torch.OutOfMemoryError):
         return JobFailed(job_id, "engine", engine.placement.out_of_memory_message())

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.engine.engine import Engine
 from h3engine.engine.pipeline import (
     DenoisedLatents,
@@ -39,7 +40,6 @@ from h3engine.models.parallel.collectives import all_reduce_sum
 from h3engine.models.parallel.groups import DiTGroups, EncoderGroups, GroupMembership
 from h3engine.models.parallel.vae import AUDIO_DECODE_RANK
 from h3engine.request.geometry import Geometry
-from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.job_protocol import RankOutOfMemory, RankReady, RunJob
 from h3engine.runtime.messages import job_failed, job_finished, job_started, step_reporter
 from h3engine.runtime.rank_process import Outbox
@@ -110,17 +110,16 @@ class JobRank:
         when the job ended here (its end is reported)."""
         engine, request = self.engine, job.request
         try:
-            engine.validate(request)
             if request.remix is not None and request.remix.windows > 1:
-                # A job is one window: the CLI chains windows as jobs of the group (worker or split stage groups),
-                # the in-process engine itself.
+                # A job is one window: the engine front runs a chained extend as a job a window.
                 raise RequestError(
                     "remix.windows", "a worker group runs one window a job: submit one per window"
                 )
-            geometry = engine.geometry_for(request)
-            self.outbox.post(job_started(job.job_id, job.replica_index, job.submitted_at, geometry))
+            # Resolved at its door; the engine adds its memory check when the front knew no plan.
+            resolved = engine.resolved(job.resolved or request)
+            self.outbox.post(job_started(job.job_id, job.replica_index, job.submitted_at, resolved.geometry))
             inputs = input_records(request)
-            return engine.prepare(request, self.own_cancel_check(job)), inputs
+            return engine.prepare(resolved, self.own_cancel_check(job)), inputs
         except Exception as error:
             self.end_job(job, error, "while preparing", alone=True)
             return None

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.engine.options import EngineOptions
 from h3engine.errors import RequestError
 from h3engine.media.leftovers import owned_temp_folder, remove_dead_temp_folders
 from h3engine.media.outputs import OutputFiles
-from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.front import (
     CANCELLED_BEFORE_START_MESSAGE,
     JobHandle,

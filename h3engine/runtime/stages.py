@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
+from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.engine import trace
 from h3engine.engine.conditioning.remix import RemixPlan
 from h3engine.engine.pipeline import DenoisedLatents, encode_text
 from h3engine.models.parallel import groups as parallel_groups
 from h3engine.models.parallel.vae import latent_frame_shares
 from h3engine.runtime.channel import ChannelConsumer, ChannelProducer
-from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.job_protocol import (
     Decode,
     Denoise,

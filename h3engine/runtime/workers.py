@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.multiprocessing
 
+from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.checkpoint.layout import CheckpointLayout, detect_layout
 from h3engine.checkpoint.loader import dit_source
 from h3engine.checkpoint.text_encoder_files import open_text_encoder_files
@@ -38,7 +39,6 @@ from h3engine.errors import CheckpointError, RequestError
 from h3engine.media.leftovers import WORKER_FOLDER_PREFIX, owned_temp_folder, remove_staging_files_of
 from h3engine.memory.engine_plan import MemoryRequest
 from h3engine.models.parallel.groups import EncoderLayout, ParallelLayout, RuntimeLayout
-from h3engine.runtime.checks import CheckpointFacts
 from h3engine.runtime.front import CANCELLED_BEFORE_START_MESSAGE, SHUTTING_DOWN_MESSAGE, JobHandle
 from h3engine.runtime.job_protocol import NO_JOB, RankFailed, RankReady, RunJob, Stop, WorkerSpec
 from h3engine.runtime.messages import TERMINAL_EVENTS, JobFailed, JobFinished

@@ -30,7 +30,8 @@ from h3engine.request.shapes import from_dict
 from h3engine.serving.bodies import last_frame_png
 from h3engine.serving.errors import ApiError, error_response
 from h3engine.serving.inputs import QuotaExceeded, new_job_id, remove_folder, safe_file_name
-from h3engine.serving.jobs import Refused, job_files, write_spritesheet, write_thumbnail
+from h3engine.serving.job_images import write_spritesheet, write_thumbnail
+from h3engine.serving.jobs import Refused, job_files
 from h3engine.serving.metrics import CONTENT_TYPE
 from h3engine.serving.service import Serving
 from h3engine.serving.store import FileRecord, JobRecord
@@ -139,7 +140,7 @@ async def remix_video(request: Request, video_id: str) -> Response:
         except OSError as error:
             raise serving.outputs_error(owner, error) from None
         try:
-            await asyncio.to_thread(serving.jobs.front.check, generation)
+            resolved = await asyncio.to_thread(serving.jobs.front.resolve, generation)
         except RequestError as error:
             param = api_param(error, None, False)
             raise ApiError(400, api_message(error, param), param=param, code="invalid_value") from None
@@ -147,7 +148,7 @@ async def remix_video(request: Request, video_id: str) -> Response:
         meta["remixed_from_video_id"] = video_id
         if folder.is_dir():
             meta["inputs"] = str(folder)
-        return await serving.create(owner, generation, meta, None, job_id)
+        return await serving.create(owner, resolved, meta, None, job_id)
     except BaseException:
         remove_folder(folder)
         raise

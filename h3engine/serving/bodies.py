@@ -24,7 +24,8 @@ from h3engine.serving.errors import ApiError
 from h3engine.serving.inputs import FILE_ID, ClientFiles
 from h3engine.serving.videos import FILE_FIELDS, FILE_VALUE_RULE, Upload
 
-_LIST_FIELDS = ("references", "rungs", "loras")
+# Fields a repeated multipart file part appends to (curl's `-F input_reference=@a -F input_reference=@b`).
+_LIST_FIELDS = ("input_reference", "references", "rungs", "loras")
 _DATA_URL = re.compile(r"^data:([\w/+.-]+)?(;base64)?,(.*)$", re.DOTALL)
 
 
@@ -174,7 +175,7 @@ def _data_url_upload(value: str, name: str) -> Upload:
 def _place_form_value(fields: dict[str, Any], key: str, value: Any) -> None:
     """One multipart item into `fields`: `name[]` appends to a list, `name[][key]` sets a key of the list's last
     object (a new one when that key is already set), `name[key]` a key of an object, a repeated file field
-    (`references`) appends; anything else is a plain value (an unknown name is refused later, by name)."""
+    (`input_reference`, `references`) appends; anything else is a plain value (an unknown name is refused later, by name)."""
     match = re.match(r"^(\w+)(\[\])?(?:\[(\w+)\])?$", key)
     if match is None:
         fields[key] = value

@@ -14,12 +14,9 @@ Nothing stays in_progress.
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import json
 import logging
 import math
-import secrets
 import sqlite3
 import threading
 import time
@@ -27,12 +24,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from queue import Empty, SimpleQueue
 from typing import Any
 
 from h3engine.engine.options import cannot_write
 from h3engine.errors import RequestError
 from h3engine.media.outputs import output_paths
 from h3engine.request.model import GenerationRequest
+from h3engine.request.resolved import ResolvedRequest
 from h3engine.request.shapes import from_dict
 from h3engine.runtime.front import EngineFront, JobHandle, stamped_output_name
 from h3engine.runtime.messages import (
@@ -53,8 +52,14 @@ from h3engine.serving.inputs import (
     owner_key,
     remove_folder,
 )
+from h3engine.serving.job_images import (
+    SPRITESHEET_SUFFIX,
+    THUMBNAIL_SUFFIX,
+    preview_data_url,
+    write_thumbnail,
+)
 from h3engine.serving.store import JobRecord, JobStore, now
-from h3engine.serving.videos import DEFAULT_MODEL, video_object
+from h3engine.serving.videos import video_object
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +74,12 @@ LOCAL_OWNER = "local"
 FOLLOW_INTERVAL_S = 0.05
 PROGRESS_WRITE_INTERVAL_S = 1.0
 SUBSCRIBER_BUFFER = 64
-FAILURE_CODES = {"request": "invalid_request", "cancelled": "cancelled", "engine": "generation_failed"}
-THUMBNAIL_SUFFIX = ".jpg"
-SPRITESHEET_SUFFIX = ".sprites.jpg"
-SPRITESHEET_GRID = (5, 5)  # columns, rows: 25 frames evenly spread over the clip
-SPRITE_WIDTH = 256
+FAILURE_CODES = {
+    "request": "invalid_request",
+    "checkpoint": "checkpoint_error",
+    "cancelled": "cancelled",
+    "engine": "generation_failed",
+}
 
 
 class Refused(Exception):
@@ -90,11 +96,35 @@ class Limits:
     per_owner: int = 8  # an owner's jobs queued or running at once
 
 
+class JobView:
+    """A page's view of one job of the service: the front's messages of the job, in order, each passed on after the
+    service applied it to the job's row (what an SSE subscriber reads as JSON, the page reads as messages).
+    `job_id` is the job's id in the store; thread-safe."""
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request = request
+        self.job_id = ""
+        self._events: SimpleQueue[Any] = SimpleQueue()
+
+    def put(self, event: Any) -> None:
+        self._events.put(event)
+
+    def drain(self) -> list[Any]:
+        """Every message waiting now."""
+        events = []
+        while True:
+            try:
+                events.append(self._events.get_nowait())
+            except Empty:
+                return events
+
+
 @dataclass
 class _Active:
     record: JobRecord
     handle: JobHandle
     live: dict[str, Any] = field(default_factory=dict)
+    views: list[JobView] = field(default_factory=list)
     subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = field(default_factory=list)
     deleting: bool = False
     progress_written_at: float = 0.0
@@ -104,73 +134,6 @@ def job_files(record: JobRecord) -> list[Path]:
     """The MP4, sidecar, thumbnail and spritesheet of a job (the last two made when asked for)."""
     video, sidecar = output_paths(record.out_path)
     return [video, sidecar, video.with_suffix(THUMBNAIL_SUFFIX), video.with_suffix(SPRITESHEET_SUFFIX)]
-
-
-def write_thumbnail(video_path: Path) -> Path | None:
-    """A JPEG poster (the middle frame) beside the MP4; None when it cannot be made."""
-    import av
-
-    target = video_path.with_suffix(THUMBNAIL_SUFFIX)
-    try:
-        with av.open(str(video_path)) as container:
-            stream = container.streams.video[0]
-            middle, poster = (stream.frames or 0) // 2, None
-            for index, frame in enumerate(container.decode(stream)):  # one decoded frame held at a time
-                poster = frame
-                if index >= middle:
-                    break
-        if poster is None:
-            return None
-        image = poster.to_image()
-        partial = target.with_name(f".{target.name}.{secrets.token_hex(4)}.partial")
-        image.save(partial, format="JPEG", quality=85)
-        partial.replace(target)
-        return target
-    except Exception:
-        logger.exception("no thumbnail for %s", video_path)
-        return None
-
-
-def write_spritesheet(video_path: Path) -> Path | None:
-    """A JPEG grid of frames evenly spread over the clip, left to right then top to bottom (OpenAI's "spritesheet"
-    variant), beside the MP4; None when the clip has no frames."""
-    import av
-    from PIL import Image
-
-    columns, rows = SPRITESHEET_GRID
-    target = video_path.with_suffix(SPRITESHEET_SUFFIX)
-    with av.open(str(video_path)) as container:
-        stream = container.streams.video[0]
-        count = stream.frames or 0
-        wanted = {round(index * max(0, count - 1) / (columns * rows - 1)) for index in range(columns * rows)}
-        sprites = [
-            frame.to_image()
-            for index, frame in enumerate(container.decode(stream))
-            if index in wanted or not count
-        ]
-    if not sprites:
-        return None
-    sprites = sprites[: columns * rows]
-    width = min(SPRITE_WIDTH, sprites[0].width)
-    height = max(1, round(sprites[0].height * width / sprites[0].width))
-    sheet = Image.new("RGB", (columns * width, rows * height))
-    for index, sprite in enumerate(sprites):
-        sheet.paste(sprite.resize((width, height)), ((index % columns) * width, (index // columns) * height))
-    partial = target.with_name(f".{target.name}.{secrets.token_hex(4)}.partial")
-    try:
-        sheet.save(partial, format="JPEG", quality=85)
-        partial.replace(target)
-    finally:
-        partial.unlink(missing_ok=True)
-    return target
-
-
-def preview_data_url(rgb: Any) -> str:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(rgb).save(buffer, format="JPEG", quality=80)
-    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 class VideoJobs:
@@ -255,18 +218,21 @@ class VideoJobs:
     def create(
         self,
         owner: str,
-        request: GenerationRequest,
+        resolved: ResolvedRequest,
         meta: dict[str, Any],
         source: str = "api",
         idempotency: tuple[str, str] | None = None,
         out_path: Path | None = None,
         job_id: str | None = None,
+        view: JobView | None = None,
     ) -> tuple[JobRecord, bool]:
         """A new job (its row, then its place on the front), or with `idempotency` (key, body digest) the job that
         key made before (False: not new). Refused for a key reused with another body, a full queue, an owner at its
-        limit, or a results folder that refuses writes (503, the page's sentence). The request must have passed
-        the front's checks; `job_id` is the id its inputs folder was named by (`ClientFiles.job_folder`)."""
-        geometry = self.front.expected_geometry(request)  # may probe input files: outside the lock
+        limit, or a results folder that refuses writes (503, the page's sentence). `resolved`: the request as the
+        front resolved it (`front.resolve`), which the job runs; `job_id` is the id its inputs folder was named by
+        (`ClientFiles.job_folder`); `view` (the page's) receives the job's messages."""
+        request, geometry = resolved.request, resolved.geometry
+        assert geometry is not None  # resolved on the front's checkpoint facts
         with self._lock:
             if idempotency is not None:
                 existing = self.store.by_idempotency_key(owner, idempotency[0])
@@ -319,13 +285,17 @@ class VideoJobs:
             except (OSError, sqlite3.Error) as error:
                 logger.error("job store: cannot record a new job: %s", error)
                 raise Refused(503, "store_unavailable", "The job store cannot record the job now.") from None
-            self._submit(record, request)
+            if view is not None:
+                view.job_id = record.id
+            self._submit(record, resolved, view)
             return record, True
 
-    def _submit(self, record: JobRecord, request: GenerationRequest | None = None) -> None:
+    def _submit(
+        self, record: JobRecord, resolved: ResolvedRequest | None = None, view: JobView | None = None
+    ) -> None:
+        """Queue a recorded job: its resolved request, or (recovery after a restart) its row's, resolved again."""
         try:
-            request = request or from_dict(record.request)
-            handle = self.front.submit(request, out_path=record.out_path)
+            handle = self.front.submit(resolved or from_dict(record.request), out_path=record.out_path)
         except (RequestError, OSError, RuntimeError) as error:
             logger.warning("job %s cannot be queued: %s", record.id, error)
             if isinstance(error, RequestError) and error.field == "out_path" or isinstance(error, OSError):
@@ -335,7 +305,14 @@ class VideoJobs:
                 self._end(record, "failed", error_code="invalid_request", error_message=str(error))
             return
         with self._lock:
-            self._active[record.id] = _Active(record, handle, {"progress": 0})
+            self._active[record.id] = _Active(record, handle, {"progress": 0}, [] if view is None else [view])
+
+    def cancel(self, job_id: str) -> None:
+        """Stop a queued or running job (it ends failed, cancelled); nothing when it is not active."""
+        with self._lock:
+            active = self._active.get(job_id)
+        if active is not None:
+            self.front.cancel(active.handle)
 
     def delete(self, owner: str, job_id: str) -> bool:
         """Stop the job (queued or running) and remove its files; False when the owner has no such job."""
@@ -345,8 +322,8 @@ class VideoJobs:
                 return False
             active = self._active.get(job_id)
             if active is None and not record.terminal:
-                # A job the page runs (--shared-history): only its page can stop it.
-                raise Refused(409, "job_not_cancellable", "This job runs for the page; cancel it there.")
+                # Recorded but not on the front (refused when it was queued, or the server is stopping).
+                raise Refused(409, "job_not_cancellable", "This job cannot be cancelled now; try again.")
             self.store.update(job_id, deleted=True)
             if active is not None:
                 active.deleting = True
@@ -370,49 +347,6 @@ class VideoJobs:
             active = self._active.get(job_id)
             if active is not None:
                 active.subscribers = [item for item in active.subscribers if item[1] is not queue]
-
-    # --- the browser's jobs (ui.handlers follows them; the store records them) ------------------------------
-
-    def record_ui(self, owner: str, request: GenerationRequest, out_path: Path) -> str:
-        """A row for a job the UI is about to submit (before it is queued: a crash then re-runs it)."""
-        record = JobRecord(
-            id="video_" + secrets.token_hex(12),
-            owner=owner,
-            source="ui",
-            status="queued",
-            created_at=now(),
-            request=request.to_dict(),
-            out_path=str(out_path),
-            meta={"model": DEFAULT_MODEL, "seconds": f"{request.duration_seconds or 0:g}"},
-        )
-        self.store.insert(record)
-        return record.id
-
-    def ui_event(self, job_id: str, event: Any) -> None:
-        """A UI job's start or end, as its handler saw it."""
-        record = self.store.get(job_id)
-        if record is None or record.terminal:
-            return
-        if isinstance(event, JobStarted):
-            self.store.update(job_id, status="in_progress", started_at=now(), attempts=record.attempts + 1)
-        elif isinstance(event, JobFinished):
-            video, sidecar = Path(event.video_path), Path(event.sidecar_path)
-            self._complete(record, _result_from_sidecar(video, sidecar, thumbnail=False))
-        elif isinstance(event, JobFailed):
-            code = FAILURE_CODES.get(event.kind, "generation_failed")
-            self._end(record, "failed", error_code=code, error_message=event.message)
-
-    def ui_settle(self, job_id: str) -> None:
-        """The handler stopped following the job (it ended, was cancelled, or its page went away): a row still
-        open becomes completed (its files exist) or failed (cancelled), so a restart does not run it again."""
-        record = self.store.get(job_id)
-        if record is None or record.terminal:
-            return
-        video, sidecar = output_paths(record.out_path)
-        if video.is_file() and sidecar.is_file():
-            self._complete(record, _result_from_sidecar(video, sidecar, thumbnail=False))
-        else:
-            self._end(record, "failed", error_code="cancelled", error_message="Cancelled.")
 
     # --- recovery ------------------------------------------------------------------------------------------
 
@@ -462,6 +396,8 @@ class VideoJobs:
                         logger.exception(
                             "job %s: following %r failed", active.record.id, type(event).__name__
                         )
+                    for view in active.views:
+                        view.put(event)
             if self._closed.is_set() and all(active.handle.done for active in actives):
                 # Shutdown: what the front ended has been read; jobs it still holds stay queued in the store.
                 for active in actives:
@@ -532,7 +468,7 @@ class VideoJobs:
             self._deleted(active)
             return
         video = Path(event.video_path)
-        thumbnail = write_thumbnail(video)
+        thumbnail = write_thumbnail(video) if record.source == "api" else None  # the page shows the video
         result = {
             "video": event.video_path,
             "sidecar": event.sidecar_path,
@@ -633,3 +569,13 @@ def _result_from_sidecar(video: Path, sidecar_path: Path, thumbnail: bool = True
         "fps": geometry.get("fps", 24),
         "timings_s": sidecar.get("timings_s", {}),
     }
+
+
+PAGE_STORE_FOLDER = ".page-jobs"
+
+
+def page_jobs(front: EngineFront, outputs_dir: Path) -> VideoJobs:
+    """The job service of a page without the API: its store in the outputs folder (`PAGE_STORE_FOLDER`), started."""
+    jobs = VideoJobs(front, JobStore.open(Path(outputs_dir) / PAGE_STORE_FOLDER), outputs_dir)
+    jobs.start()
+    return jobs

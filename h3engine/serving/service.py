@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 
 from h3engine.engine.lora.library import LoraLibrary
 from h3engine.errors import RequestError
-from h3engine.request.model import GenerationRequest
+from h3engine.request.resolved import ResolvedRequest
 from h3engine.runtime.messages import outputs_refuse_writes
 from h3engine.serving.bodies import fields_digest, fields_of, upload_bytes
 from h3engine.serving.errors import ApiError
@@ -140,7 +140,7 @@ class Serving:
                 built = await asyncio.to_thread(
                     request_from_fields, fields, folder, self.jobs.front.facts, self.library
                 )
-                await asyncio.to_thread(self.jobs.front.check, built.request)
+                resolved = await asyncio.to_thread(self.jobs.front.resolve, built.request)
             except ApiFieldError as error:
                 raise ApiError(400, error.message, param=error.param, code="invalid_value") from None
             except RequestError as error:
@@ -153,7 +153,7 @@ class Serving:
             meta = {**built.meta, **(meta or {})}
             if folder.is_dir():
                 meta["inputs"] = str(folder)
-            return await self.create(owner, built.request, meta, idempotency, job_id)
+            return await self.create(owner, resolved, meta, idempotency, job_id)
         except BaseException:
             remove_folder(folder)  # a refused request keeps nothing
             raise
@@ -170,7 +170,7 @@ class Serving:
     async def create(
         self,
         owner: str,
-        request: GenerationRequest,
+        resolved: ResolvedRequest,
         meta: dict[str, Any],
         idempotency: tuple[str, str] | None = None,
         job_id: str | None = None,
@@ -180,7 +180,7 @@ class Serving:
             meta = {**meta, "callback_url": self.settings.webhook_url}
         try:
             record, _new = await asyncio.to_thread(
-                self.jobs.create, owner, request, meta, "api", idempotency, None, job_id
+                self.jobs.create, owner, resolved, meta, "api", idempotency, None, job_id
             )
         except Refused as refusal:
             headers = None if refusal.retry_after is None else {"Retry-After": str(refusal.retry_after)}

@@ -3,8 +3,8 @@
 `request_from_fields(fields, inputs_dir, facts, ...)` reads a POST /v1/videos body (JSON values, or multipart
 strings: numbers, lists and objects are read from their text) into a request that the one checker then judges; its
 `RequestError`s name API fields (`api_error_of`): `seconds` for the duration, `size` for the canvas,
-`input_reference` / `last_frame` / `references` for files. `size_fields`: `size` is `auto` or a "WxH" canvas the
-checkpoint's rule makes (`supported_sizes`, listed in the error otherwise). Several `input_reference` files (or one
+`input_reference` / `last_frame` / `references` for files. `size_fields`: `size` is `auto`, a "WxH" canvas the
+checkpoint's rule makes for a preset (`supported_sizes`), or an explicit canvas that the one checker judges. Several `input_reference` files (or one
 that is not an image) are Ref2VA's ordered references. `video_object(record, live)` is the Video object.
 
 Danger: every value here comes from a client; uploads reach the engine only as copies in the job's own inputs
@@ -16,14 +16,14 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.engine.lora.library import LoraLibrary, lora_choices
-from h3engine.errors import RequestError
+from h3engine.errors import RequestError, without_server_paths
 from h3engine.media.formats import kind_of_suffix
 from h3engine.request.checks import parse_rungs
 from h3engine.request.files import Keyframe, Reference
@@ -64,7 +64,6 @@ FILE_VALUE_RULE = (
 _INTEGER_FIELDS = ("seed", "steps", "short_edge")
 _NUMBER_FIELDS = ("flow_shift", "audio_flow_shift")
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX×]\s*(\d{1,5})\s*$")
-_QUOTED_PATH = re.compile(r"(['\"])/[^'\"]*/([^'\"/]+)\1")
 _INTEGER_TEXT = re.compile(r"^[+-]?\d{1,30}$")
 _NUMBER_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
@@ -112,8 +111,9 @@ def supported_sizes(facts: CheckpointFacts, short_edge: int | None = None) -> li
 
 def size_fields(size: Any, facts: CheckpointFacts) -> dict[str, Any]:
     """The request's canvas fields for a `size`: "auto" (the task's own canvas); a "WxH" the checkpoint's rule makes
-    for a preset aspect ratio at its own short edge, or at min(W, H) (aspect_ratio, short_edge); any other "WxH" the
-    rule reproduces exactly at min(W, H) (width, height). ApiFieldError listing the supported sizes otherwise."""
+    for a preset aspect ratio at its own short edge, or at min(W, H) (aspect_ratio, short_edge); any other "WxH" is
+    that explicit canvas (width, height), judged by the one checker as `--width/--height` are. ApiFieldError listing
+    the supported sizes for anything that is not "WxH"."""
     if isinstance(size, str) and size.strip().lower() == "auto":
         return {}
     supported = supported_sizes(facts)
@@ -122,25 +122,17 @@ def size_fields(size: Any, facts: CheckpointFacts) -> dict[str, Any]:
         width, height = int(match.group(1)), int(match.group(2))
         if f"{width}x{height}" in supported:
             return {"aspect_ratio": PRESET_ASPECT_RATIOS[supported.index(f"{width}x{height}")]}
-        edge = min(width, height)
-        if f"{width}x{height}" in supported_sizes(facts, edge):
+        at_edge = supported_sizes(facts, min(width, height))
+        if f"{width}x{height}" in at_edge:
             return {
-                "aspect_ratio": PRESET_ASPECT_RATIOS[supported_sizes(facts, edge).index(f"{width}x{height}")],
-                "short_edge": edge,
+                "aspect_ratio": PRESET_ASPECT_RATIOS[at_edge.index(f"{width}x{height}")],
+                "short_edge": min(width, height),
             }
-        _, max_pixels = canvas_rule(edge, facts.canvas.short_edge, facts.canvas.max_pixels)
-        try:
-            canvas = resolve_canvas(
-                width, height, multiple=facts.canvas_multiple, short_edge=edge, max_pixels=max_pixels
-            )
-        except ValueError:
-            canvas = None
-        if canvas == (height, width):
-            return {"width": width, "height": height}
+        return {"width": width, "height": height}
     raise ApiFieldError(
         "size",
-        f"size: {str(size)[:40]!r} is not a canvas this model makes; supported: auto, {', '.join(supported)} "
-        f"(or WxH where the canvas rule at that short edge gives exactly W x H; multiples of {facts.canvas_multiple})",
+        f"size: {str(size)[:40]!r} is not WxH; supported: auto, {', '.join(supported)}, or any W x H in multiples of "
+        f"{facts.canvas_multiple}",
     )
 
 
@@ -225,30 +217,17 @@ def request_from_fields(
 ) -> Built:
     """The request of a POST /v1/videos body (files already read into `Upload`s, written into `inputs_dir`, the
     job's own folder). Raises ApiFieldError or RequestError (whose field `api_error_of` maps to the API's name)."""
-    unknown = sorted(set(fields) - set(OPENAI_FIELDS) - set(H3_FIELDS))
-    if unknown:
-        raise ApiFieldError(
-            unknown[0], f"{unknown[0]}: unknown field; accepted: {', '.join(OPENAI_FIELDS + H3_FIELDS)}"
-        )
-    if not isinstance(fields.get("prompt"), str):
-        raise ApiFieldError(
-            "prompt", "prompt: is required" if "prompt" not in fields else "prompt: must be a string"
-        )
-    model = fields.get("model")
-    if model not in (None, "") and (not isinstance(model, str) or model.strip() != DEFAULT_MODEL):
-        raise ApiFieldError("model", f"model: this server serves {DEFAULT_MODEL!r}, got {model!r:.60}")
-    for name in FILE_FIELDS:
-        value = fields.get(name)
-        items = value if isinstance(value, list) else [] if value is None else [value]
-        for item in items:
-            if not isinstance(item, Upload):
-                raise ApiFieldError(name, f"{name}: {FILE_VALUE_RULE}, got {str(item)[:60]!r}")
+    _check_known_fields(fields)
     first = _as_uploads(fields.get("input_reference"))
-    last = _as_uploads(fields.get("last_frame"))
-    references = _as_uploads(fields.get("references"))
     # Several input_reference files, or one that is not an image, are Ref2VA's ordered references.
     several = len(first) > 1 or any(kind_of_suffix(upload.name) not in (None, "image") for upload in first)
-    task = fields.get("task") or ("ref2va" if references or several else "fl2va" if first or last else "t2va")
+    task = fields.get("task") or (
+        "ref2va"
+        if fields.get("references") or several
+        else "fl2va"
+        if first or fields.get("last_frame")
+        else "t2va"
+    )
     built = Built(GenerationRequest(task="t2va", prompt=""), {})
 
     def kept(upload: Upload, api_field: str) -> str:
@@ -258,34 +237,7 @@ def request_from_fields(
 
     remix = _remix_of(fields, task, kept)
     task = "t2va" if task in REMIX_MODES else task
-    keyframes: list[Keyframe] = []
-    reference_list: list[Reference] = []
-    if task == "ref2va":
-        for api_field, uploads in (("input_reference", first), ("references", references)):
-            for upload in uploads:
-                path = kept(upload, api_field)
-                kind = kind_of_suffix(path) or "image"
-                reference_list.append(Reference(kind=kind, path=path))  # type: ignore[arg-type]
-                built.reference_fields.append(api_field)
-        if last:
-            raise ApiFieldError("last_frame", "last_frame: only FL2VA takes a last frame; give task fl2va")
-    else:
-        for api_field, position, uploads in (
-            ("input_reference", "first", first),
-            ("last_frame", "last", last),
-        ):
-            for upload in uploads:
-                keyframes.append(Keyframe(path=kept(upload, api_field), position=position))  # type: ignore[arg-type]
-                built.keyframe_fields.append(api_field)
-        if references:
-            raise ApiFieldError("references", "references: only Ref2VA takes references; give task ref2va")
-    canvas: dict[str, Any] = {"short_edge": _number_from_text(fields.get("short_edge"), integer=True)}
-    if fields.get("size") not in (None, ""):
-        if "aspect_ratio" in fields or "short_edge" in fields:
-            raise ApiFieldError("size", "size: give either size or aspect_ratio / short_edge, not both")
-        canvas = size_fields(fields["size"], facts)
-    elif fields.get("aspect_ratio") not in (None, ""):
-        canvas["aspect_ratio"] = fields["aspect_ratio"]
+    keyframes, references = _placed_files(fields, task, built, kept)
     seconds = fields.get("seconds")
     duration = DEFAULT_SECONDS if seconds in (None, "") else _number_from_text(seconds, integer=False)
     seed = fields.get("seed")
@@ -301,10 +253,10 @@ def request_from_fields(
         task=task,
         prompt=fields["prompt"],
         duration_seconds=duration,
-        **canvas,
+        **_canvas_fields(fields, facts),
         seed=seed,
-        keyframes=tuple(keyframes),
-        references=tuple(reference_list),
+        keyframes=keyframes,
+        references=references,
         loras=_loras(fields.get("loras"), task, library or LoraLibrary(None))
         if task in LORA_TARGET_OF_TASK
         else (),
@@ -326,6 +278,73 @@ def request_from_fields(
             raise ApiFieldError("callback_url", "callback_url: must be an http:// or https:// URL")
         built.meta["callback_url"] = callback
     return built
+
+
+def _check_known_fields(fields: Mapping[str, Any]) -> None:
+    """ApiFieldError for an unknown field, a missing or non-text prompt, another model, or a file field that does
+    not hold uploaded files."""
+    unknown = sorted(set(fields) - set(OPENAI_FIELDS) - set(H3_FIELDS))
+    if unknown:
+        raise ApiFieldError(
+            unknown[0], f"{unknown[0]}: unknown field; accepted: {', '.join(OPENAI_FIELDS + H3_FIELDS)}"
+        )
+    if not isinstance(fields.get("prompt"), str):
+        raise ApiFieldError(
+            "prompt", "prompt: is required" if "prompt" not in fields else "prompt: must be a string"
+        )
+    model = fields.get("model")
+    if model not in (None, "") and (not isinstance(model, str) or model.strip() != DEFAULT_MODEL):
+        raise ApiFieldError("model", f"model: this server serves {DEFAULT_MODEL!r}, got {model!r:.60}")
+    for name in FILE_FIELDS:
+        value = fields.get(name)
+        items = value if isinstance(value, list) else [] if value is None else [value]
+        for item in items:
+            if not isinstance(item, Upload):
+                raise ApiFieldError(name, f"{name}: {FILE_VALUE_RULE}, got {str(item)[:60]!r}")
+
+
+def _placed_files(
+    fields: Mapping[str, Any], task: str, built: Built, kept: Callable[[Upload, str], str]
+) -> tuple[tuple[Keyframe, ...], tuple[Reference, ...]]:
+    """The task's keyframes (FL2VA's first and last frames) or references (Ref2VA's, in order), each written by
+    `kept`; `built` records the API field of each."""
+    first = _as_uploads(fields.get("input_reference"))
+    last = _as_uploads(fields.get("last_frame"))
+    references = _as_uploads(fields.get("references"))
+    keyframes: list[Keyframe] = []
+    reference_list: list[Reference] = []
+    if task == "ref2va":
+        for api_field, uploads in (("input_reference", first), ("references", references)):
+            for upload in uploads:
+                path = kept(upload, api_field)
+                kind = kind_of_suffix(path) or "image"
+                reference_list.append(Reference(kind=kind, path=path))  # type: ignore[arg-type]
+                built.reference_fields.append(api_field)
+        if last:
+            raise ApiFieldError("last_frame", "last_frame: only FL2VA takes a last frame; give task fl2va")
+    else:
+        for api_field, position, uploads in (
+            ("input_reference", "first", first),
+            ("last_frame", "last", last),
+        ):
+            for upload in uploads:
+                keyframes.append(Keyframe(path=kept(upload, api_field), position=position))  # type: ignore[arg-type]
+                built.keyframe_fields.append(api_field)
+        if references:
+            raise ApiFieldError("references", "references: only Ref2VA takes references; give task ref2va")
+    return tuple(keyframes), tuple(reference_list)
+
+
+def _canvas_fields(fields: Mapping[str, Any], facts: CheckpointFacts) -> dict[str, Any]:
+    """The request's canvas from `size`, or from `aspect_ratio` / `short_edge` (not both ways at once)."""
+    canvas: dict[str, Any] = {"short_edge": _number_from_text(fields.get("short_edge"), integer=True)}
+    if fields.get("size") not in (None, ""):
+        if "aspect_ratio" in fields or "short_edge" in fields:
+            raise ApiFieldError("size", "size: give either size or aspect_ratio / short_edge, not both")
+        return size_fields(fields["size"], facts)
+    if fields.get("aspect_ratio") not in (None, ""):
+        canvas["aspect_ratio"] = fields["aspect_ratio"]
+    return canvas
 
 
 def copy_inputs(request: GenerationRequest, folder: Path) -> GenerationRequest:
@@ -381,7 +400,7 @@ def api_param(error: RequestError, built: Built | None, size_given: bool) -> str
 
 def api_message(error: RequestError, param: str) -> str:
     """The checker's sentence under the API's field name, files by their base names (never a server path)."""
-    problem = _QUOTED_PATH.sub(r"\1\2\1", error.problem)
+    problem = without_server_paths(error.problem)
     parts = [param]
     if error.field and error.field != param and not error.field.startswith(param):
         inner = error.field

@@ -27,8 +27,8 @@ from h3engine.checkpoint.text_encoder_files import load_tokenizer
 from h3engine.engine.conditioning.encode import NormalizedReference
 from h3engine.errors import CheckpointError
 from h3engine.models.text_encoder import TEXT_ROW_TAG, VIDEO_ROW_TAG
+from h3engine.request.file_rules import reference_labels
 from h3engine.request.geometry import qwen_video_sampling
-from h3engine.request.validate import reference_labels
 
 # The rate the text encoder reads a reference video at (the normalized clip itself runs at 24 fps).
 

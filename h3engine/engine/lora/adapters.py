@@ -260,7 +260,7 @@ class LoraFiles:
 
 class LoraHeaders:
     """Reads LoRA files as `LoraFiles` does, but their headers only (`read_lora(shapes_only=True)`) and without a
-    sha256: what the checks before a job need to refuse a file that does not fit (h3engine.runtime.checks)."""
+    sha256: what the checks before a job need to refuse a file that does not fit (h3engine.runtime.front.EngineFront.resolve)."""
 
     def read(self, path: str | os.PathLike[str]) -> tuple[LoraFile, str]:
         return read_lora(path, name=Path(path).name, shapes_only=True), ""
