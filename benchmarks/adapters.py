@@ -29,7 +29,8 @@ from benchmarks._packed_request import relative_l2
 from benchmarks.dit_forward import build_ours, t2va_request, time_forward
 from h3engine.checkpoint.lora_format import LoraFile, LoraLayer
 from h3engine.engine.lora.adapters import Adapter, apply_adapters, remove_adapters
-from h3engine.models.dit import DiTConfig, H3DiT
+from h3engine.models.dit import H3DiT
+from h3engine.models.dit_config import DiTConfig
 
 BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 

@@ -32,7 +32,8 @@ from h3engine.checkpoint.dit_keys import random_native_tensor
 from h3engine.engine.sampling import modulation as modulation_module
 from h3engine.models import attention as attention_ops
 from h3engine.models import ops
-from h3engine.models.dit import DiTConfig, H3DiT
+from h3engine.models.dit import H3DiT
+from h3engine.models.dit_config import DiTConfig
 from h3engine.models.quantization import quantize_dit_linears
 
 VIDEO_SHIFT, AUDIO_SHIFT = 12.0, 3.0

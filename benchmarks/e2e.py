@@ -59,7 +59,8 @@ from h3engine.engine.sampling.modulation import clear_modulation_cache, offload_
 from h3engine.engine.sampling.schedule import RELEASED_AUDIO_SHIFT, RELEASED_VIDEO_SHIFT, Schedule
 from h3engine.media import mux
 from h3engine.models.audio_vae import AudioVAE, AudioVAEConfig
-from h3engine.models.dit import DiTConfig, H3DiT
+from h3engine.models.dit import H3DiT
+from h3engine.models.dit_config import DiTConfig
 from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.models.video_vae import VideoVAE, VideoVAEConfig
 from h3engine.request.geometry import Geometry

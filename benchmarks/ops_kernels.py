@@ -31,7 +31,7 @@ import triton.testing
 
 from benchmarks._common import RESULTS_DIR, device_label, package_version
 from h3engine.models import ops
-from h3engine.models.dit import DiTConfig
+from h3engine.models.dit_config import DiTConfig
 from h3engine.models.kernels import reference
 from h3engine.models.kernels import triton as triton_kernels
 from h3engine.models.kernels.triton.common import INTERPRETING

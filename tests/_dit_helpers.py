@@ -9,7 +9,7 @@ import torch
 from benchmarks._packed_request import PackedRequest, build_packed_request
 
 if TYPE_CHECKING:
-    from h3engine.models.dit import DiTConfig
+    from h3engine.models.dit_config import DiTConfig
 
 
 def tiny_fl2va_request(

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from h3engine.checkpoint.dit_format import module_to_diffusers, stacked_to_interleaved_qkv
 from h3engine.checkpoint.dit_keys import diffusers_keys, native_state_shapes, swap_halves
-from h3engine.models.dit import DiTConfig
+from h3engine.models.dit_config import DiTConfig
 
 # Layout name -> what the writer does (see write_lora).
 LAYOUTS = (

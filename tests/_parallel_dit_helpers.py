@@ -16,7 +16,7 @@ from _dit_helpers import tiny_fl2va_request
 
 from benchmarks._packed_request import PackedRequest
 from h3engine.checkpoint.safetensors_io import WeightFiles
-from h3engine.models.dit import DiTConfig
+from h3engine.models.dit_config import DiTConfig
 from h3engine.models.parallel.collectives import heads_to_sequence, sequence_to_heads
 from h3engine.models.parallel.dit import load_dit_shard
 from h3engine.models.parallel.groups import ParallelLayout, create_dit_groups, initialize_process_group

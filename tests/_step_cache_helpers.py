@@ -15,7 +15,8 @@ from _dit_helpers import tiny_fl2va_request
 
 from benchmarks._packed_request import PackedRequest
 from h3engine.engine.sampling.step_cache import CachePreset, ReduceGroups, StepCache
-from h3engine.models.dit import DiTConfig, H3DiT
+from h3engine.models.dit import H3DiT
+from h3engine.models.dit_config import DiTConfig
 from h3engine.models.parallel.dit import SequenceParallelDiT, modality_rows, worker_groups
 from h3engine.models.parallel.groups import ParallelLayout, create_dit_groups, initialize_process_group
 

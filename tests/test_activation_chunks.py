@@ -37,16 +37,9 @@ from h3engine.engine.sampling.step_cache import CachePreset, StepCache
 from h3engine.memory.layers import dit_layers
 from h3engine.memory.streaming import LayerStream
 from h3engine.models import dit_chunks, ops
-from h3engine.models.dit import (
-    LOW_RANK_ATTRIBUTE,
-    Attention,
-    DiTConfig,
-    FinalLayer,
-    H3DiT,
-    SwiGLU,
-    attention,
-    set_activation_chunks,
-)
+from h3engine.models.dit import H3DiT, set_activation_chunks
+from h3engine.models.dit_config import DiTConfig
+from h3engine.models.dit_layers import LOW_RANK_ATTRIBUTE, Attention, FinalLayer, SwiGLU, attention
 from h3engine.models.parallel.dit import SequenceParallelDiT, _apply_tensor_parallel
 from h3engine.models.parallel.groups import GroupMembership
 from h3engine.models.quantization import Fp8Linear, quantize_dit_linears

@@ -35,7 +35,8 @@ from h3engine.engine.lora.adapters import (
     remove_adapters,
 )
 from h3engine.errors import RequestError
-from h3engine.models.dit import DiTConfig, H3DiT
+from h3engine.models.dit import H3DiT
+from h3engine.models.dit_config import DiTConfig
 from h3engine.models.parallel.dit import _apply_tensor_parallel
 from h3engine.models.parallel.groups import GroupMembership
 from h3engine.models.quantization import Fp8Linear, quantize_dit_linears

@@ -30,7 +30,9 @@ from h3engine.checkpoint.dit_keys import (
 from h3engine.engine.sampling import modulation as modulation_module
 from h3engine.engine.sampling.modulation import clear_modulation_cache, offload_adaln, schedule_modulation
 from h3engine.errors import CheckpointError
-from h3engine.models.dit import FP32_PARAMETER_NAMES, DiTConfig, H3DiT, MultiAxisRope
+from h3engine.models.dit import FP32_PARAMETER_NAMES, H3DiT
+from h3engine.models.dit_config import DiTConfig
+from h3engine.models.dit_layers import MultiAxisRope
 from h3engine.models.kernels.reference.rope import rotate_first_channels
 
 SEED = 1234

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from benchmarks import dit_forward
-from h3engine.models.dit import DiTConfig, H3DiT
+from h3engine.models.dit import H3DiT
+from h3engine.models.dit_config import DiTConfig
 
 
 def relative_l2(value: torch.Tensor, expected: torch.Tensor) -> float:

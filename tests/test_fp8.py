@@ -20,7 +20,8 @@ from h3engine.checkpoint.dit_format import native_to_module
 from h3engine.checkpoint.dit_keys import random_native_state
 from h3engine.checkpoint.safetensors_io import WeightFiles
 from h3engine.checkpoint.tiny import save_sharded
-from h3engine.models.dit import DiTConfig, H3DiT
+from h3engine.models.dit import H3DiT
+from h3engine.models.dit_config import DiTConfig
 from h3engine.models.parallel.dit import load_dit_shard
 from h3engine.models.parallel.groups import ParallelLayout, create_dit_groups
 from h3engine.models.parallel.linear import RowParallelLinear

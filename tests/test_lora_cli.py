@@ -16,7 +16,7 @@ from _lora_helpers import random_lora, write_lora
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.checkpoint.loader import dit_source
 from h3engine.cli import main as cli
-from h3engine.models.dit import DiTConfig
+from h3engine.models.dit_config import DiTConfig
 
 
 def dit_config(checkpoint: Path) -> DiTConfig:

@@ -20,7 +20,7 @@ from _lora_helpers import (
 from safetensors.torch import load_file, save_file
 
 from h3engine.checkpoint.lora_format import LoraError, LoraFile, check_lora_fits, read_lora
-from h3engine.models.dit import DiTConfig
+from h3engine.models.dit_config import DiTConfig
 
 TINY = DiTConfig.tiny()
 # diffusers de-interleaves DiffSynth's QKV with a fixed 128-wide head: its parity runs on a tiny DiT that wide.

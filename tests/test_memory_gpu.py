@@ -25,7 +25,8 @@ from h3engine.memory.layers import dit_layers
 from h3engine.memory.placement import Placement
 from h3engine.memory.plan import RESIDENT, ModelPlacement, resident_plan
 from h3engine.memory.streaming import LayerStream
-from h3engine.models.dit import DiTConfig, H3DiT
+from h3engine.models.dit import H3DiT
+from h3engine.models.dit_config import DiTConfig
 from h3engine.models.quantization import quantize_rows
 
 pytestmark = pytest.mark.cuda

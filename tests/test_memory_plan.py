@@ -50,7 +50,7 @@ from h3engine.memory.request_plan import check_request_fits, request_peak_bytes
 from h3engine.memory.shapes import TYPICAL_PROMPT_TOKENS
 from h3engine.memory.sizes import RankShare, checkpoint_sizes
 from h3engine.memory.slabs import ALIGNMENT, aligned, packed_bytes, slab_plan
-from h3engine.models.dit import DiTConfig
+from h3engine.models.dit_config import DiTConfig
 
 # Sizes docs/MODEL.md states for the released DiT (§1.4) and text encoder (§4.1).
 RELEASED_ADALN_PARAMETERS = 13_039_369_728

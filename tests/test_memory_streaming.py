@@ -32,7 +32,8 @@ from h3engine.memory.placement import Placement
 from h3engine.memory.plan import RESIDENT, ModelPlacement, resident_plan
 from h3engine.memory.stream_layout import streamed_tensors
 from h3engine.memory.streaming import LayerStream
-from h3engine.models.dit import DiTConfig, H3DiT
+from h3engine.models.dit import H3DiT
+from h3engine.models.dit_config import DiTConfig
 from h3engine.request.model import LoraChoice
 from h3engine.runtime.front import EngineFront
 from h3engine.runtime.messages import JobFinished

@@ -27,12 +27,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from h3engine.models import ops
-from h3engine.models.dit import (
-    NUM_BLOCK_MODULATIONS,
+from h3engine.models.dit_config import NUM_BLOCK_MODULATIONS, DiTConfig
+from h3engine.models.dit_layers import (
     Attention,
     BlockModulation,
     DiTBlock,
-    DiTConfig,
     FinalLayer,
     MultiAxisRope,
     PackedLayout,

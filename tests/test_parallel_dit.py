@@ -32,7 +32,8 @@ from h3engine.checkpoint.loader import dit_source
 from h3engine.checkpoint.safetensors_io import WeightFiles
 from h3engine.checkpoint.tiny import save_sharded
 from h3engine.errors import CheckpointError
-from h3engine.models.dit import DiTConfig, H3DiT
+from h3engine.models.dit import H3DiT
+from h3engine.models.dit_config import DiTConfig
 from h3engine.models.parallel.dit import load_dit_shard
 from h3engine.models.parallel.groups import ParallelLayout, create_dit_groups
 

@@ -31,7 +31,7 @@ from h3engine.checkpoint.safetensors_io import (
 from h3engine.checkpoint.text_encoder_files import check_text_encoder_files, open_text_encoder_files
 from h3engine.cli.main import main as cli_main
 from h3engine.engine.engine import Engine
-from h3engine.models.dit import DiTConfig
+from h3engine.models.dit_config import DiTConfig
 from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.request.model import GenerationRequest
 

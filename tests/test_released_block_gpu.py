@@ -14,7 +14,8 @@ from benchmarks._packed_request import relative_l2
 from h3engine.checkpoint.dit_keys import random_native_tensor
 from h3engine.models import attention as attention_ops
 from h3engine.models import ops
-from h3engine.models.dit import DiTBlock, DiTConfig, MultiAxisRope, PackedLayout
+from h3engine.models.dit_config import DiTConfig
+from h3engine.models.dit_layers import DiTBlock, MultiAxisRope, PackedLayout
 
 pytestmark = pytest.mark.cuda
 

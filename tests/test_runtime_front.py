@@ -412,7 +412,7 @@ def test_a_lora_that_does_not_fit_is_refused_before_the_job_is_queued(front, tmp
     from safetensors.torch import save_file
 
     from h3engine.errors import RequestError
-    from h3engine.models.dit import DiTConfig
+    from h3engine.models.dit_config import DiTConfig
     from h3engine.request.files import Reference
     from h3engine.request.model import LoraChoice
 

@@ -38,7 +38,7 @@ from h3engine.engine.sampling.step_cache import (
 from h3engine.errors import RequestError
 from h3engine.memory.layers import dit_layers
 from h3engine.memory.streaming import LayerStream
-from h3engine.models.dit import run_blocks
+from h3engine.models.dit_layers import run_blocks
 from h3engine.request.model import CACHE_PRESETS, GenerationRequest
 from h3engine.request.resolved import _check_checkpoint_rules
 from h3engine.request.shapes import from_dict

@@ -33,7 +33,8 @@ from h3engine.checkpoint.dit_keys import (
 )
 from h3engine.checkpoint.safetensors_io import FileExtent, TensorInfo, WeightFiles, row_extents
 from h3engine.errors import CheckpointError
-from h3engine.models.dit import DiTConfig, rope_inverse_frequencies
+from h3engine.models.dit_config import DiTConfig
+from h3engine.models.dit_layers import rope_inverse_frequencies
 
 NATIVE_CLASS_NAME = "MiniMaxH3DiTModel"
 DIFFUSERS_CLASS_NAME = "MiniMaxH3Transformer3DModel"

@@ -24,7 +24,9 @@ import torch
 from torch import Tensor
 
 from h3engine.errors import CheckpointError
-from h3engine.models.dit import FP32_PARAMETER_NAMES, DiTConfig, H3DiT, rope_inverse_frequencies
+from h3engine.models.dit import FP32_PARAMETER_NAMES, H3DiT
+from h3engine.models.dit_config import DiTConfig
+from h3engine.models.dit_layers import rope_inverse_frequencies
 
 ROPE_KEY = "rope.inv_freq"
 

@@ -22,7 +22,7 @@ from h3engine.checkpoint.layout import (
     distilled_step_count,
 )
 from h3engine.checkpoint.loader import read_dit_config, read_video_vae_config_of
-from h3engine.models.dit import DiTConfig
+from h3engine.models.dit_config import DiTConfig
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,7 @@ def _materialize_computed_buffers(module: torch.nn.Module, device: torch.device)
 
 
 def read_dit_config(layout: CheckpointLayout, paths: PartitionPaths) -> Any:
-    """The DiT config of a partition (h3engine.models.dit.DiTConfig) from its config.json alone."""
+    """The DiT config of a partition (h3engine.models.dit_config.DiTConfig) from its config.json alone."""
     config_path = paths.dit / "config.json"
     raw = read_json(config_path)
     try:

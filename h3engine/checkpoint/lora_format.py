@@ -31,7 +31,7 @@ from torch import Tensor
 
 from h3engine.checkpoint.dit_keys import FC1_WEIGHT, QKV_WEIGHT, native_key, native_state_shapes, swap_halves
 from h3engine.errors import CheckpointError
-from h3engine.models.dit import DiTConfig
+from h3engine.models.dit_config import DiTConfig
 
 Partition = Literal["transformer", "transformer_ref"]
 PARTITIONS: tuple[Partition, ...] = ("transformer", "transformer_ref")

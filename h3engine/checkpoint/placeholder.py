@@ -57,7 +57,7 @@ from h3engine.checkpoint.tiny import (
     write_native_tree,
 )
 from h3engine.models.audio_vae import AudioVAE, AudioVAEConfig
-from h3engine.models.dit import DiTConfig
+from h3engine.models.dit_config import DiTConfig
 from h3engine.models.video_vae import VideoVAE, VideoVAEConfig
 
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]

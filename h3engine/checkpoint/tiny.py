@@ -44,7 +44,7 @@ from h3engine.checkpoint.text_encoder_files import (
     write_tiny_tokenizer,
 )
 from h3engine.models.audio_vae import AudioVAEConfig
-from h3engine.models.dit import DiTConfig
+from h3engine.models.dit_config import DiTConfig
 from h3engine.models.video_vae import VideoVAEConfig
 
 TINY_CANVAS = {"canvas_short_edge": 32, "canvas_max_pixels": 32 * 56, "reference_image_short_edge": 64}

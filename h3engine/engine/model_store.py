@@ -207,7 +207,7 @@ class ModelStore:
             raise error
 
     def dit_config(self, partition: str) -> Any:
-        """The DiT config of `partition` (h3engine.models.dit.DiTConfig), read at start: no model loads."""
+        """The DiT config of `partition` (h3engine.models.dit_config.DiTConfig), read at start: no model loads."""
         return self._sources[partition].dit.config
 
     def partition_for(self, task: str) -> str:

@@ -39,7 +39,7 @@ from h3engine.checkpoint.text_encoder_files import (
 from h3engine.memory.layers import dit_layers, text_encoder_layers, video_decoder_layers
 from h3engine.memory.types import WEIGHT_FORMATS
 from h3engine.models.audio_vae import AudioVAEConfig
-from h3engine.models.dit import DiTConfig
+from h3engine.models.dit_config import DiTConfig
 from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.models.video_vae import VideoVAE, VideoVAEConfig
 

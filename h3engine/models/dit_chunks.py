@@ -27,9 +27,9 @@ from torch import Tensor, nn
 from h3engine.models import ops
 from h3engine.models.attention import AttentionKernel
 
-# The modules come from h3engine.models.dit (Attention, FinalLayer, H3DiT), which calls in here: they are typed by
-# their base class, and the forward's layout (dit.PackedLayout: row indices, sequence length) as Any, so that this
-# module imports nothing of the DiT's.
+# The modules come from h3engine.models.dit_layers (Attention, FinalLayer) and h3engine.models.dit (H3DiT), which call
+# in here: they are typed by their base class, and the forward's layout (dit_layers.PackedLayout: row indices, sequence
+# length) as Any, so that this module imports nothing of the DiT's.
 
 
 def set_chunks(dit: nn.Module, chunks: int) -> None:

@@ -3,7 +3,7 @@
 `apply_adapters(dit, adapters, device)` gives every linear an adapter targets one `LowRankUpdate` (all adapters'
 A stacked, their B's side by side, strength * alpha / r folded into B) and `remove_adapters(dit)` drops them, so
 removing or switching restores the base exactly (its weights were never touched) and needs no copy of them. The
-update rides on the layer as `h3engine.models.dit.LOW_RANK_ATTRIBUTE`: a forward hook adds it wherever the layer is
+update rides on the layer as `h3engine.models.dit_layers.LOW_RANK_ATTRIBUTE`: a forward hook adds it wherever the layer is
 called, and the two places that read weights instead (the stacked QKV chunks, the AdaLN projection with streamed
 weights) add it themselves. The factors live on `device` in the linear's dtype (fp32 islands stay fp32; FP8 linears
 get the DiT's compute dtype), as peft holds a bf16 model's: no activation is cast. Every change forgets the DiT's
@@ -39,7 +39,9 @@ from h3engine.checkpoint.lora_format import (
 )
 from h3engine.engine.sampling.modulation import set_adapter_key
 from h3engine.errors import RequestError
-from h3engine.models.dit import LOW_RANK_ATTRIBUTE, DiTConfig, H3DiT
+from h3engine.models.dit import H3DiT
+from h3engine.models.dit_config import DiTConfig
+from h3engine.models.dit_layers import LOW_RANK_ATTRIBUTE
 from h3engine.models.parallel.linear import ColumnParallelLinear, ParallelLinear, RowParallelLinear
 from h3engine.request.model import GenerationRequest
 

@@ -30,7 +30,8 @@ from h3engine.checkpoint.safetensors_io import is_parked, parked
 from h3engine.engine.sampling.adaln_tables import AdalnTableCache, StepTables, TableKey, device_identity
 from h3engine.memory.homes import dequantize_into, dequantized, pin_in_place
 from h3engine.memory.types import MODULATION_CACHE_SCHEDULES
-from h3engine.models.dit import BlockModulation, H3DiT, StepModulation
+from h3engine.models.dit import H3DiT
+from h3engine.models.dit_layers import BlockModulation, StepModulation
 from h3engine.models.quantization import quantize_rows
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from h3engine.models.dit import BlockModulation, DiTBlock, PackedLayout, run_blocks
+from h3engine.models.dit_layers import BlockModulation, DiTBlock, PackedLayout, run_blocks
 from h3engine.models.parallel.collectives import all_reduce_max, all_reduce_sum
 from h3engine.models.parallel.groups import GroupMembership
 

@@ -27,7 +27,9 @@ from h3engine.checkpoint.dit_format import as_native_files
 from h3engine.checkpoint.dit_keys import native_state_shapes
 from h3engine.checkpoint.safetensors_io import DeferredReads, WeightFiles, parked, placed
 from h3engine.errors import CheckpointError
-from h3engine.models.dit import Attention, DiTConfig, H3DiT, PackedLayout, SwiGLU, attention, packed_rows
+from h3engine.models.dit import H3DiT
+from h3engine.models.dit_config import DiTConfig
+from h3engine.models.dit_layers import Attention, PackedLayout, SwiGLU, attention, packed_rows
 from h3engine.models.parallel.collectives import all_gather_rows, heads_to_sequence, sequence_to_heads
 from h3engine.models.parallel.groups import DiTGroups, GroupMembership
 from h3engine.models.parallel.linear import (

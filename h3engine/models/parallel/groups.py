@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from h3engine.models.dit import DiTConfig
+from h3engine.models.dit_config import DiTConfig
 
 if TYPE_CHECKING:  # transformers is imported only by the processes that build the text encoder
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from h3engine.checkpoint.dit_format import interleaved_to_stacked_qkv, stacked_to_interleaved_qkv
 from h3engine.checkpoint.safetensors_io import DeferredReads, WeightFiles, parked, placed
 from h3engine.errors import CheckpointError
-from h3engine.models.dit import LOW_RANK_ATTRIBUTE
+from h3engine.models.dit_layers import LOW_RANK_ATTRIBUTE
 from h3engine.models.parallel.collectives import all_reduce_sum
 from h3engine.models.parallel.groups import GroupMembership
 
