@@ -112,9 +112,8 @@ def media(tmp_path_factory) -> dict[str, Path]:
 def unchecked(engine: Engine, request: GenerationRequest) -> ResolvedRequest:
     """`request` resolved on the engine's checkpoint without the request rules (media the rules refuse)."""
     media = new_media_facts()
-    seconds = resolve_duration_seconds(request, media)
-    geometry = request_geometry(request, engine.facts, media, seconds)
-    return ResolvedRequest(request, (), media, seconds, geometry, None)
+    geometry = request_geometry(request, engine.facts, media)
+    return ResolvedRequest(request, (), media, resolve_duration_seconds(request, media), geometry, None)
 
 
 def our_run(engine: Engine, request: GenerationRequest, validated: bool = True):

@@ -200,7 +200,7 @@ def test_refused_requests_keep_nothing_and_inputs_go_with_their_job(app) -> None
     before = _tree(app.outputs_dir)
     refusals = [
         {"seconds": "3"},
-        {"size": "1280x720"},
+        {"size": "1000x10"},
         {"colour": "red"},
         {"steps": "5000"},
         {"task": "t2va", "last_frame": "data:image/png;base64,AAAA"},

@@ -198,14 +198,17 @@ def request_geometry(
     request: GenerationRequest,
     facts: CheckpointFacts,
     media: MediaFacts,
-    seconds: float,
+    seconds: float | None = None,
     aspect: tuple[float, float] | None = None,
 ) -> Geometry:
-    """The canvas and frame counts of a request that passed `validate`, `seconds` long, on the checkpoint of
+    """The canvas and frame counts of a request that passed `validate`, `seconds` long (None: its own duration, or
+    its reference's), on the checkpoint of
     `facts`: an explicit width x height, else its aspect (`aspect` when `validate` worked it out; FL2VA "auto": the
     first listed keyframe's upright size, from `media`) under the checkpoint's canvas rule at the request's short
     edge (None: the rule's own); a remix with a source video and aspect "auto" takes the source's."""
     factors = {"vae_spatial_ratio": facts.vae_spatial_ratio, "patch": facts.patch}
+    if seconds is None:
+        seconds = resolve_duration_seconds(request, media)
     if request.width is not None and request.height is not None:
         return Geometry.from_canvas(request.height, request.width, frames_for_duration(seconds), **factors)
     source_size = None if request.remix is None else remix_source_size(request, media)

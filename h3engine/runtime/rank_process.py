@@ -243,7 +243,7 @@ def run_rank(
 ) -> None:
     """The body of a rank process: start, report ready, serve commands until `Stop` (see the module docstring)."""
     # What the fork server imported is frozen first: the collections of the rank's start would otherwise walk all of
-    # it, writing into each object's header (copying the shared pages). A rank's start took 0.57 s of CPU, now 0.27.
+    # it, writing into each object's header (copying the shared pages), about half a rank's start-up CPU.
     gc.freeze()
     outbox = _begin_rank_process(messages, label)
     try:

@@ -1,2 +1,2 @@
-"""Sampling: sigma schedules and the Euler step, packing layouts, noise recipes, and the DiT's AdaLN tables of a
-request's steps (modulation)."""
+"""Sampling: sigma schedules and the Euler step, packing layouts, noise recipes, the DiT's AdaLN tables of a
+request's steps (modulation), the step cache, and the denoising loop with its holds (denoise_steps)."""
