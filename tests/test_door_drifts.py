@@ -13,13 +13,12 @@ the doors used to disagree, each checked at every door that can meet it.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
+from _api_helpers import InProcessApi
 from _remix_helpers import remix_request, write_sources
 
 from h3engine.checkpoint.facts import CheckpointFacts
@@ -147,33 +146,10 @@ def test_a_request_over_the_memory_plan_is_refused_before_it_queues(tmp_path) ->
             front.submit(GenerationRequest(task="t2va", prompt=PROMPT, duration_seconds=15))
         assert front.waiting == 0 and front.running == 0 and replica.runs == 0
         # The same refusal through the API: 400 naming `seconds`, nothing queued.
-        from starlette.applications import Starlette
-
-        from h3engine.serving.options import ServingOptions
-        from h3engine.serving.server import start_serving
-        from h3engine.serving.store import JobStore
-
-        runtime = start_serving(
-            front,
-            JobStore.open(tmp_path / "state"),
-            tmp_path / "outputs",
-            ServingOptions(),
-            "127.0.0.1",
-            2**20,
-            4,
-        )
-        try:
-            transport = httpx.ASGITransport(app=Starlette(routes=runtime.routes()))
-
-            async def create() -> httpx.Response:
-                async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
-                    return await client.post("/v1/videos", json={"prompt": PROMPT, "seconds": "15"})
-
-            refused = asyncio.run(create())
-            assert refused.status_code == 400 and refused.json()["error"]["param"] == "seconds", refused.text
-            assert front.waiting == 0 and replica.runs == 0
-        finally:
-            runtime.close()
+        with InProcessApi(front, tmp_path) as api:
+            refused = api.post(json={"prompt": PROMPT, "seconds": "15"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "seconds", refused.text
+        assert front.waiting == 0 and replica.runs == 0
     finally:
         front.shutdown()
 

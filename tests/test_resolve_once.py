@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import gradio as gr
-import httpx
 import pytest
+from _api_helpers import InProcessApi
 from _app_helpers import ASSETS
 
 from h3engine.cli.main import main as cli_main
@@ -127,44 +127,12 @@ def _api_body(task: str, tmp_path: Path) -> tuple[dict[str, str], list[tuple[str
 
 @pytest.mark.parametrize("task", ["fl2va", "ref2va"])
 def test_an_api_create_resolves_once(task, front, tmp_path, monkeypatch) -> None:
-    from starlette.applications import Starlette
-
-    from h3engine.serving.options import ServingOptions
-    from h3engine.serving.server import start_serving
-    from h3engine.serving.store import JobStore
-
-    runtime = start_serving(
-        front,
-        JobStore.open(tmp_path / "state"),
-        tmp_path / "outputs",
-        ServingOptions(),
-        "127.0.0.1",
-        2**26,
-        4,
-    )
-    try:
-        transport = httpx.ASGITransport(app=Starlette(routes=runtime.routes()))
-
-        async def create_and_wait() -> dict[str, Any]:
-            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
-                fields, files = _api_body(task, tmp_path)
-                created = await client.post("/v1/videos", data=fields, files=files)
-                assert created.status_code == 200, created.text
-                video = created.json()
-                for _ in range(600):
-                    video = (await client.get(f"/v1/videos/{video['id']}")).json()
-                    if video["status"] in ("completed", "failed"):
-                        return video
-                    await asyncio.sleep(0.1)
-                raise AssertionError("the job did not end in 60 s")
-
+    with InProcessApi(front, tmp_path) as api:
+        fields, files = _api_body(task, tmp_path)
         counted = Counted(monkeypatch)
-        video = asyncio.run(create_and_wait())
+        video = api.create_and_wait(data=fields, files=files)
         assert video["status"] == "completed", video
         counted.assert_once(list(FL2VA_FILES.values()) if task == "fl2va" else list(REF2VA_FILES))
-    finally:
-        runtime.stop_taking()
-        runtime.close()
 
 
 @pytest.mark.parametrize("task", ["fl2va", "ref2va"])

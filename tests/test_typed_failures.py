@@ -6,13 +6,12 @@ and the API reports a checkpoint that fails to load as `checkpoint_error`, not a
 
 from __future__ import annotations
 
-import asyncio
 import pickle
 import shutil
 from pathlib import Path
 
-import httpx
 import pytest
+from _api_helpers import InProcessApi
 from _app_helpers import ASSETS
 from _runtime_helpers import events_until_done
 
@@ -94,46 +93,17 @@ def test_a_failure_carries_its_error_object_from_the_engine(checkpoint, tmp_path
 
 
 def test_the_api_reports_a_checkpoint_that_fails_to_load_as_such(checkpoint, tmp_path) -> None:
-    from starlette.applications import Starlette
-
-    from h3engine.serving.options import ServingOptions
-    from h3engine.serving.server import start_serving
-    from h3engine.serving.store import JobStore
-
     front = EngineFront([Engine.from_checkpoint(checkpoint, device="cpu")], tmp_path / "outputs")
-    runtime = start_serving(
-        front,
-        JobStore.open(tmp_path / "state"),
-        tmp_path / "outputs",
-        ServingOptions(),
-        "127.0.0.1",
-        2**26,
-        4,
-    )
     try:
-        _break_the_ref2va_dit(checkpoint)
-        transport = httpx.ASGITransport(app=Starlette(routes=runtime.routes()))
-
-        async def create_and_wait() -> dict:
-            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
-                picture = (ASSETS / "ref2va" / "picture1.png").read_bytes()
-                files = [("references", ("picture1.png", picture))]
-                fields = {"prompt": "x", "seconds": "4", "steps": "1", "task": "ref2va"}
-                created = await client.post("/v1/videos", data=fields, files=files)
-                assert created.status_code == 200, created.text
-                video = created.json()
-                for _ in range(1200):
-                    video = (await client.get(f"/v1/videos/{video['id']}")).json()
-                    if video["status"] in ("completed", "failed"):
-                        return video
-                    await asyncio.sleep(0.1)
-                raise AssertionError("the job did not end in 120 s")
-
-        video = asyncio.run(create_and_wait())
+        with InProcessApi(front, tmp_path) as api:
+            _break_the_ref2va_dit(checkpoint)
+            picture = (ASSETS / "ref2va" / "picture1.png").read_bytes()
+            video = api.create_and_wait(
+                data={"prompt": "x", "seconds": "4", "steps": "1", "task": "ref2va"},
+                files=[("references", ("picture1.png", picture))],
+            )
         assert video["status"] == "failed" and video["error"]["code"] == "checkpoint_error", video
         assert str(tmp_path) not in video["error"]["message"]
         assert video["error"]["message"].startswith("model-0000"), video["error"]
     finally:
-        runtime.stop_taking()
-        runtime.close()
         front.shutdown()
