@@ -1,1 +1,2 @@
-"""media."""
+"""Media files: the accepted formats, the input readers and probes (Pillow, PyAV), MP4 muxing and sidecars, latent
+previews, and what a killed run leaves behind."""

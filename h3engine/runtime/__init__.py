@@ -1,3 +1,3 @@
-"""The runtime around the engine: the front (job queue, one worker per replica, cancel), the messages it sends
-about jobs, the model-free request checks run before queueing, the resident worker groups (one process per rank)
-a replica can be, and the tensor channel between workers."""
+"""The runtime around the engine: the front (one resolve, the job queue, one worker per replica, cancel, chained
+windows), the messages it sends about jobs, the resident worker groups and split stage groups a replica can be, Ray
+Serve replicas, and the tensor channel between workers."""

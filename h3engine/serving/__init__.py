@@ -2,8 +2,9 @@
 
 * `store`: every job (API and browser) with its request, owner, state, timings, files and error, in SQLite (WAL).
 * `videos`: API fields -> `GenerationRequest` (the one checker's messages), Video objects.
-* `jobs`: runs store jobs on the engine front, follows them, recovers them after a restart.
+* `jobs`: the one job service: runs the API's and the page's jobs on the engine front, follows them (SSE subscribers
+  and the page's `JobView`s), recovers them after a restart.
 * `api`: the FastAPI routes of /v1, /metrics, /healthz, /readyz; `options`: the flags; `webhooks`, `metrics`.
 
-The same `EngineFront` serves the UI and the API: one queue, one cancel, one outputs folder.
+The same `EngineFront` and job service serve the UI and the API: one queue, one cancel, one store, one outputs folder.
 """
