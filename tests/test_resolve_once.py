@@ -4,8 +4,8 @@ each input file once, on the tiny checkpoint, through to the finished MP4.
 Counted: calls of the one checker's rules inside `resolve_request` (h3engine.request.resolved.checked_request, called
 once a resolve) and calls of the media probe (h3engine.media.inputs.probe_media) by file. The requests carry two
 keyframes (FL2VA) and a video reference beside a picture (Ref2VA); the page copies its inputs into the outputs
-folder, and those copies are never probed (their facts travel with the resolved request). Before the change a press
-resolved 4 times, an API create 3 and a CLI run 3.
+folder, and those copies are never probed (their facts travel with the resolved request). The review that filed
+issue 48 counted 4 resolves a press, 3 an API create and 3 to 4 a CLI run.
 """
 
 from __future__ import annotations
