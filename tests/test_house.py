@@ -40,6 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "h3engine.request.*",
         "h3engine.engine.conditioning.*",
         "h3engine.engine.lora.*",
+        "h3engine.engine.preview",
         "h3engine.cli.validation.checkpoint_probe",
         "h3engine.cli.validation.reference",
     ),

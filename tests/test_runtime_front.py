@@ -28,8 +28,8 @@ from _runtime_helpers import events_until_done
 from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.checkpoint.layout import CanvasRules
 from h3engine.engine.engine import Engine
+from h3engine.engine.preview import PREVIEW_SHORT_EDGE, channel_to_rgb_weights, latent_preview_rgb
 from h3engine.errors import RequestError
-from h3engine.media.preview import PREVIEW_SHORT_EDGE, channel_to_rgb_weights, latent_preview_rgb
 from h3engine.request.files import Keyframe, Reference
 from h3engine.request.model import GenerationRequest
 from h3engine.runtime.front import WARM_UP_REQUEST, EngineFront, EngineReplica, JobHandle

@@ -1,1 +1,2 @@
-"""The engine: `engine.Engine` over its pipeline, conditioning, sampling, LoRA adapters and options."""
+"""The engine: `engine.Engine` over its pipeline, conditioning (with a request's input files read), sampling, LoRA
+adapters, options, latent previews and the boundary capture."""

@@ -35,6 +35,7 @@ from h3engine.engine.conditioning.encode import (
     encode_references,
     fit_keyframes,
 )
+from h3engine.engine.conditioning.inputs import read_keyframe, read_reference
 from h3engine.engine.conditioning.presentation import (
     Presentation,
     keyframe_presentation,
@@ -65,7 +66,6 @@ from h3engine.models.parallel.dit import worker_groups
 from h3engine.models.parallel.groups import GroupMembership
 from h3engine.models.parallel.vae import decode_video_and_audio
 from h3engine.request.geometry import FPS, Geometry
-from h3engine.request.inputs import read_keyframe, read_reference
 from h3engine.request.model import GenerationRequest
 from h3engine.request.resolved import ResolvedRequest
 

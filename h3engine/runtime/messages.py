@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 import torch
 
+from h3engine.engine.preview import latent_preview_rgb
 from h3engine.errors import CheckpointError, GenerationCancelled, H3Error, public_text
 from h3engine.media.outputs import OutputFiles
-from h3engine.media.preview import latent_preview_rgb
 from h3engine.request.geometry import FPS, Geometry
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ class StepProgress:
 
 @dataclass(frozen=True)
 class PreviewFrame:
-    """An approximate RGB view of the newest latent frame after `step` (see h3engine.media.preview)."""
+    """An approximate RGB view of the newest latent frame after `step` (see h3engine.engine.preview)."""
 
     job_id: str
     step: int
