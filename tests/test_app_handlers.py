@@ -23,10 +23,10 @@ import gradio as gr
 import pytest
 from _app_helpers import ASSETS
 
+from h3engine.engine.resolved import ResolvedRequest
 from h3engine.errors import RequestError
 from h3engine.request.files import MediaFacts
 from h3engine.request.geometry import Geometry
-from h3engine.request.resolved import ResolvedRequest
 from h3engine.runtime.front import JobHandle
 from h3engine.runtime.messages import JobFailed, JobFinished, JobStarted, size_text
 from ui.access import AccessPolicy

@@ -250,9 +250,9 @@ def test_prompt_token_counter_counts_what_the_text_encoder_reads(tokenizer_only_
 def test_check_request_applies_the_token_bound(tokenizer_only_checkpoint: Path) -> None:
     from h3engine.checkpoint.facts import CheckpointFacts
     from h3engine.checkpoint.layout import CanvasRules
+    from h3engine.engine.resolved import resolve_request
     from h3engine.errors import RequestError
     from h3engine.request.model import GenerationRequest
-    from h3engine.request.resolved import resolve_request
 
     facts = CheckpointFacts(
         tasks=("t2va", "fl2va"),

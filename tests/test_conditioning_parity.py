@@ -45,13 +45,13 @@ from h3engine.engine.conditioning.encode import (
 from h3engine.engine.conditioning.presentation import qwen_video_sampling
 from h3engine.engine.engine import Engine
 from h3engine.engine.pipeline import prepare_request, run_generation
+from h3engine.engine.resolved import ResolvedRequest, new_media_facts, request_geometry
 from h3engine.engine.sampling.schedule import Schedule
 from h3engine.errors import RequestError
 from h3engine.media.mux import write_mp4
 from h3engine.request.file_rules import resolve_duration_seconds
 from h3engine.request.files import Keyframe, Reference
 from h3engine.request.model import GenerationRequest
-from h3engine.request.resolved import ResolvedRequest, new_media_facts, request_geometry
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

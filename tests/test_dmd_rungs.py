@@ -21,10 +21,10 @@ from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.cli.main import main
 from h3engine.engine.engine import Engine
 from h3engine.engine.pipeline import prepare_request, run_generation
+from h3engine.engine.resolved import resolve_request
 from h3engine.engine.sampling.schedule import Schedule, rung_sigmas
 from h3engine.errors import CheckpointError, RequestError
 from h3engine.request.model import GenerationRequest
-from h3engine.request.resolved import resolve_request
 from h3engine.request.validate import check_steps_for_rungs
 from h3engine.runtime.front import WARM_UP_REQUEST, warm_up_request
 

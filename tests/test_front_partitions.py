@@ -20,9 +20,9 @@ import pytest
 
 from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.checkpoint.layout import CanvasRules
+from h3engine.engine.resolved import ResolvedRequest
 from h3engine.request.files import MediaFacts
 from h3engine.request.model import GenerationRequest
-from h3engine.request.resolved import ResolvedRequest
 from h3engine.runtime.front import (
     CANCELLED_BEFORE_START_MESSAGE,
     MAX_PASSED_OVER,

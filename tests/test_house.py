@@ -41,6 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "h3engine.engine.conditioning.*",
         "h3engine.engine.lora.*",
         "h3engine.engine.preview",
+        "h3engine.engine.resolved",
         "h3engine.cli.validation.checkpoint_probe",
         "h3engine.cli.validation.reference",
     ),

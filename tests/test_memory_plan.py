@@ -557,10 +557,10 @@ def test_the_planner_reads_the_rules_the_code_runs() -> None:
     place below both (h3engine.request.geometry, h3engine.request.limits, h3engine.memory.types), never copied."""
     from h3engine.engine.conditioning import encode as conditioning
     from h3engine.engine.conditioning import presentation
+    from h3engine.engine.resolved import resolve_request
     from h3engine.engine.sampling import modulation
     from h3engine.request import geometry
     from h3engine.request import model as request
-    from h3engine.request.resolved import resolve_request
 
     assert conditioning.reference_image_size is geometry.reference_image_size is shapes.reference_image_size
     assert conditioning.reference_video_encode_frames is shapes.reference_video_encode_frames

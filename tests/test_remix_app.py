@@ -10,11 +10,11 @@ from pathlib import Path
 import gradio as gr
 import pytest
 
+from h3engine.engine.resolved import ResolvedRequest
 from h3engine.errors import RequestError
 from h3engine.request.files import MediaFacts
 from h3engine.request.geometry import FPS, Geometry, frames_for_duration
 from h3engine.request.remix import Remix, remix_seconds
-from h3engine.request.resolved import ResolvedRequest
 from h3engine.runtime.front import JobHandle
 from h3engine.runtime.messages import JobFinished, JobStarted
 from ui.access import AccessPolicy

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from h3engine.cli.main import main
 from h3engine.engine.engine import Engine
 from h3engine.engine.pipeline import run_generation
+from h3engine.engine.resolved import resolve_request
 from h3engine.engine.sampling.hold import video_range_mask
 from h3engine.engine.sampling.packing import audio_latents_to_rows, patchify_video
 from h3engine.errors import RequestError
@@ -31,7 +32,6 @@ from h3engine.request.files import MediaFacts, MediaInfo
 from h3engine.request.geometry import FPS, Geometry, frames_for_duration
 from h3engine.request.model import GenerationRequest
 from h3engine.request.remix import Remix
-from h3engine.request.resolved import resolve_request
 
 GRID_FRAMES = 107
 

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from h3engine.engine.resolved import resolve_request
 from h3engine.errors import RequestError
 from h3engine.request.file_rules import reference_labels, resolve_aspect, resolve_duration_seconds
 from h3engine.request.files import Keyframe, MediaInfo, Reference
 from h3engine.request.geometry import frames_for_duration, resolve_canvas
 from h3engine.request.model import GenerationRequest
-from h3engine.request.resolved import resolve_request
 from h3engine.request.shapes import from_dict
 from h3engine.request.validate import validate
 

@@ -24,12 +24,12 @@ from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.checkpoint.layout import detect_layout
 from h3engine.cli.main import main
 from h3engine.engine.engine import Engine
+from h3engine.engine.resolved import resolve_request
 from h3engine.errors import RequestError
 from h3engine.media import inputs as media_inputs
 from h3engine.request.files import Keyframe, MediaFacts, MediaInfo, Reference
 from h3engine.request.geometry import Geometry, canvas_rule
 from h3engine.request.model import GenerationRequest, LoraChoice
-from h3engine.request.resolved import resolve_request
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 PICTURE = str(ASSETS / "ref2va" / "picture1.png")

@@ -1,7 +1,7 @@
 """One resolve a request: a Generate press, an API create and a CLI run each resolve their request once and probe
 each input file once, on the tiny checkpoint, through to the finished MP4.
 
-Counted: calls of the one checker's rules inside `resolve_request` (h3engine.request.resolved.checked_request, called
+Counted: calls of the one checker's rules inside `resolve_request` (h3engine.engine.resolved.checked_request, called
 once a resolve) and calls of the media probe (h3engine.media.inputs.probe_media) by file. The requests carry two
 keyframes (FL2VA) and a video reference beside a picture (Ref2VA); the page copies its inputs into the outputs
 folder, and those copies are never probed (their facts travel with the resolved request). The review that filed
@@ -22,9 +22,9 @@ from _api_helpers import InProcessApi
 from _app_helpers import ASSETS
 
 from h3engine.cli.main import main as cli_main
+from h3engine.engine import resolved as resolved_module
 from h3engine.engine.engine import Engine
 from h3engine.media import inputs as media_inputs
-from h3engine.request import resolved as resolved_module
 from h3engine.runtime.front import EngineFront
 from ui.access import AccessPolicy
 from ui.handlers import Handlers

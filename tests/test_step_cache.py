@@ -25,6 +25,7 @@ from h3engine.checkpoint.lora_format import read_lora
 from h3engine.cli.main import main
 from h3engine.engine.engine import Engine
 from h3engine.engine.lora.adapters import Adapter, apply_adapters
+from h3engine.engine.resolved import _check_checkpoint_rules
 from h3engine.engine.sampling import step_cache
 from h3engine.engine.sampling.step_cache import (
     PRESETS,
@@ -40,7 +41,6 @@ from h3engine.memory.layers import dit_layers
 from h3engine.memory.streaming import LayerStream
 from h3engine.models.dit_layers import run_blocks
 from h3engine.request.model import CACHE_PRESETS, GenerationRequest
-from h3engine.request.resolved import _check_checkpoint_rules
 from h3engine.request.shapes import from_dict
 from h3engine.request.validate import validate
 from ui.history import result_markdown, step_cache_line

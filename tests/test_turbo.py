@@ -17,10 +17,10 @@ from h3engine.checkpoint.tiny import make_tiny_checkpoint
 from h3engine.cli import main as cli
 from h3engine.engine.engine import Engine
 from h3engine.engine.lora.library import TURBO_TABLE, LoraLibrary, TurboSettings, file_turbo, turbo_settings
+from h3engine.engine.resolved import effective_rungs
 from h3engine.errors import RequestError
 from h3engine.models.dit_config import DiTConfig
 from h3engine.request.model import GenerationRequest
-from h3engine.request.resolved import effective_rungs
 from h3engine.request.shapes import from_dict
 from h3engine.request.validate import validate
 

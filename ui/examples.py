@@ -15,8 +15,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from h3engine.checkpoint.layout import TASKS
 from h3engine.errors import RequestError
-from h3engine.request.limits import TASKS
 from h3engine.request.model import GenerationRequest
 from h3engine.request.shapes import from_dict
 

@@ -31,9 +31,9 @@ import gradio as gr
 
 from h3engine.engine.lora.library import LoraLibrary
 from h3engine.engine.options import cannot_write
+from h3engine.engine.resolved import ResolvedRequest
 from h3engine.errors import RequestError
 from h3engine.request.model import GenerationRequest
-from h3engine.request.resolved import ResolvedRequest
 from h3engine.request.shapes import from_dict
 from h3engine.runtime.front import EngineFront, JobHandle, stamped_output_name
 from h3engine.runtime.messages import PreviewFrame, outputs_refuse_writes

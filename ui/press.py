@@ -9,9 +9,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from h3engine.engine.resolved import ResolvedRequest
 from h3engine.errors import RequestError
 from h3engine.request.model import GenerationRequest
-from h3engine.request.resolved import ResolvedRequest
 
 
 class PressResolutions:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from h3engine.request.limits import TASKS
+from h3engine.checkpoint.layout import TASKS
 
 # The builder panel's rows; `fit_rows` fits fields to them.
 SHOT_ROWS = 6

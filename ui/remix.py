@@ -18,10 +18,10 @@ from typing import Any
 
 import gradio as gr
 
+from h3engine.engine.resolved import ResolvedRequest
 from h3engine.errors import RequestError
 from h3engine.request.model import GenerationRequest
 from h3engine.request.remix import Remix, parse_ranges
-from h3engine.request.resolved import ResolvedRequest
 from ui.components import as_sent
 from ui.handlers import RANDOM_SEED_LIMIT, Handlers, result_update
 from ui.mask_timeline import timeline_html, video_seconds_of

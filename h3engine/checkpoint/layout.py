@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from h3engine.errors import CheckpointError
-from h3engine.request.limits import TASKS
 
+# The three tasks of MiniMax H3 and the DiT partition each runs on (remix modes ride on t2va: h3engine.request.remix).
 PARTITION_OF_TASK = {"t2va": "fl2va", "fl2va": "fl2va", "ref2va": "ref2va"}
+TASKS = tuple(PARTITION_OF_TASK)
 NATIVE_PARTITION_FOLDERS = {"fl2va": "FL2VA", "ref2va": "Ref2VA"}
 DIFFUSERS_DIT_FOLDERS = {"fl2va": "transformer", "ref2va": "transformer_ref"}
 DIFFUSERS_PIPELINE_CLASS = "MiniMaxH3ModularPipeline"

@@ -8,7 +8,7 @@ Devices: `--device` (default cuda when present) runs the engine here; `--gpus N`
 engine flags (layout, `--dtype`, the memory budget, `--fp8-linear`) are the app's too (h3engine.engine.options).
 
 Checks: the output flags, the request and its files (headers) and `--dtype` before torch is imported; the device,
-memory and layout flags; the request on the checkpoint's facts as the engine decides (h3engine.request.resolved;
+memory and layout flags; the request on the checkpoint's facts as the engine decides (h3engine.engine.resolved;
 `--steps` defaults to a step-distilled checkpoint's count); then models load.
 Exit codes: 0 success; 2 a bad request, input file, output, flag, LoRA or checkpoint (one line on stderr naming it);
 1 an internal error (one line; `--debug` adds the traceback); 130 Ctrl-C, 143 SIGTERM: a running generation is
@@ -57,8 +57,8 @@ from h3engine.request.shapes import from_dict
 if TYPE_CHECKING:  # torch is imported only once a generation really starts
     import torch
 
+    from h3engine.engine.resolved import ResolvedRequest
     from h3engine.models.parallel.groups import RuntimeLayout
-    from h3engine.request.resolved import ResolvedRequest
     from h3engine.runtime.supervision import StallPolicy
 
 EXIT_TERMINATED = 143
@@ -124,7 +124,7 @@ def _request_payload(args: argparse.Namespace) -> dict:
 
 def _generate(args: argparse.Namespace, progress: Progress) -> int:
     # PyAV and Pillow (which read the input files' headers) are imported by the first command that needs them.
-    from h3engine.request.resolved import new_media_facts, resolve_request
+    from h3engine.engine.resolved import new_media_facts, resolve_request
     from h3engine.request.validate import validate
 
     out_path, save_tensors_path = _checked_outputs(args.out, args.save_tensors)

@@ -22,6 +22,7 @@ import os
 import sys
 from typing import Any
 
+from h3engine.checkpoint.layout import TASKS
 from h3engine.errors import RequestError
 from h3engine.memory.budget import GPU_MEMORY_ENV, parse_gib, resolve_budget
 from h3engine.memory.plan import plan_for_shape
@@ -36,7 +37,6 @@ from h3engine.request.limits import (
     MAX_REFERENCES,
     MAX_SHORT_EDGE,
     MIN_DURATION_SECONDS,
-    TASKS,
 )
 
 

@@ -5,7 +5,7 @@ Contract:
   of every partition checked, the first partition loaded, so a broken checkpoint fails here naming the file and
   key. A worker group's rank passes its own loader (h3engine.runtime.rank) and holds only its shards. `on_load`
   (None by default) hears each component load (h3engine.engine.model_store.LoadEvent), now and on a later first use.
-* `resolve` is the one request checker (h3engine.request.resolved) on the checkpoint's `facts`, then the memory
+* `resolve` is the one request checker (h3engine.engine.resolved) on the checkpoint's `facts`, then the memory
   check: file headers, never the models (`validate`: its warnings). `generate` is `prepare` (read the resolved
   request's inputs, encode the conditioning) then the pipeline; each takes a request or its `ResolvedRequest` (which
   any door made once and is not resolved again: one probe a file; the engine adds only its memory check). `generate_to_file` checks its output
@@ -47,6 +47,7 @@ from h3engine.engine.pipeline import (
     run_generation,
     write_outputs,
 )
+from h3engine.engine.resolved import ResolvedRequest, resolve_request, with_memory_check
 from h3engine.engine.sampling.adaln_tables import ADALN_FOLDER_NAME, AdalnTableCache, open_table_cache
 from h3engine.errors import RequestError
 from h3engine.media.outputs import OutputFiles, checked_output_files, input_records, staged
@@ -57,7 +58,6 @@ from h3engine.memory.plan import MemoryPlan
 from h3engine.request.files import MediaFacts
 from h3engine.request.geometry import Geometry
 from h3engine.request.model import MAX_LORAS, GenerationRequest
-from h3engine.request.resolved import ResolvedRequest, resolve_request, with_memory_check
 
 logger = logging.getLogger(__name__)
 

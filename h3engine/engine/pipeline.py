@@ -1,6 +1,6 @@
 """One request from its input files to its MP4: inputs -> conditioning -> text -> denoise -> decode -> mux.
 
-Contract: `prepare_request` reads a resolved request's files (h3engine.request.resolved) and encodes its
+Contract: `prepare_request` reads a resolved request's files (h3engine.engine.resolved) and encodes its
 conditioning into a `PreparedRequest` (plain CPU data, which a worker group's rank 0 hands to the other ranks);
 `run_generation` is `denoise_request` (text encode, pack, denoise) then `decode` (which can write the MP4 while the
 video decodes) and returns float tensors; `write_outputs` writes the MP4, the tensors and the sidecar. A worker group runs the halves itself: every
@@ -44,6 +44,7 @@ from h3engine.engine.conditioning.presentation import (
 )
 from h3engine.engine.conditioning.remix import RemixPlan, plan_remix, splice_output
 from h3engine.engine.conditioning.text_states import TEXT_STATES, presentation_key
+from h3engine.engine.resolved import ResolvedRequest
 from h3engine.engine.sampling.denoise_steps import (
     check_cancelled,
     denoise,
@@ -67,7 +68,6 @@ from h3engine.models.parallel.groups import GroupMembership
 from h3engine.models.parallel.vae import decode_video_and_audio
 from h3engine.request.geometry import FPS, Geometry
 from h3engine.request.model import GenerationRequest
-from h3engine.request.resolved import ResolvedRequest
 
 
 @dataclass(frozen=True)

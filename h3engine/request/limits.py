@@ -1,10 +1,7 @@
-"""The tasks, and the limits a request is held to, that more than one layer needs: the request rules
-(h3engine.request) enforce them, the memory planner (h3engine.memory.shapes) plans for the largest request they
-allow, the checkpoint layout names its partitions' tasks. Plain values, no imports.
+"""The limits a request is held to that more than one layer needs: the request rules (h3engine.request) enforce
+them, the memory planner (h3engine.memory.shapes) plans for the largest request they allow. Plain values, no
+imports. The tasks themselves are the checkpoint layout's (h3engine.checkpoint.layout.TASKS).
 """
-
-# The three tasks of MiniMax H3 (remix modes ride on t2va: h3engine.request.remix).
-TASKS = ("t2va", "fl2va", "ref2va")
 
 # SGLang checks the *requested* duration, before the 17n+5 snap (so 15 s becomes 362 frames, 15.083 s).
 MIN_DURATION_SECONDS = 4.0

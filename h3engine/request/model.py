@@ -107,7 +107,7 @@ class GenerationRequest:
     width: int | None = None
     height: int | None = None
     seed: int = 0
-    # None: the checkpoint's step-distilled count, else DEFAULT_STEPS (filled in by h3engine.request.resolved).
+    # None: the checkpoint's step-distilled count, else DEFAULT_STEPS (filled in by h3engine.engine.resolved).
     steps: int | None = None
     flow_shift: float = 12.0
     audio_flow_shift: float = 3.0

@@ -5,7 +5,7 @@
 * `validate` judges values: it raises `RequestError` naming the offending field (`duration_seconds`: "must be
   within [4, 15] s, got 3") and returns warnings for requests that leave the verified configuration. Rules on the
   media files (durations, soundtracks, image sizes) use the caller's probe through `MediaFacts` (one probe a file);
-  without one they are skipped. The checkpoint's rules are h3engine.request.resolved's, which calls this.
+  without one they are skipped. The checkpoint's rules are h3engine.engine.resolved's, which calls this.
 * Every number and text has an upper bound from the model's limits (the constants below say why), the prompt in
   characters here and in tokens with the checkpoint's tokenizer (`check_prompt_tokens`). Texts must be UTF-8.
 
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from h3engine.checkpoint.layout import distilled_step_count, valid_dmd_steps
+from h3engine.checkpoint.layout import TASKS, distilled_step_count, valid_dmd_steps
 from h3engine.request.checks import (
     check_finite_number,
     check_integer_range,
@@ -49,7 +49,6 @@ from h3engine.request.limits import (
     MAX_REFERENCES,
     MAX_REFERENCES_OF_KIND,
     MAX_SHORT_EDGE,
-    TASKS,
 )
 from h3engine.request.model import (
     CACHE_PRESETS,
@@ -165,7 +164,7 @@ def _check_scalars(request: GenerationRequest) -> None:
     check_integer_range(request.seed, "seed", 0, MAX_SEED)
     # The diffusers scheduler spends N grid points on N-1 forwards, so one step would generate nothing.
     minimum_steps = 2 if request.recipe == "diffusers" else 1
-    if request.steps is not None:  # None: filled in when the request is resolved (h3engine.request.resolved)
+    if request.steps is not None:  # None: filled in when the request is resolved (h3engine.engine.resolved)
         check_integer_range(request.steps, "steps", minimum_steps, MAX_STEPS)
     _check_rungs(request)
     _check_cache(request.cache, bool(request.rungs))

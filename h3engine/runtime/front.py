@@ -36,12 +36,12 @@ from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.checkpoint.layout import PARTITION_OF_TASK
 from h3engine.engine.conditioning.remix import chain_windows
 from h3engine.engine.engine import Engine
+from h3engine.engine.resolved import ResolvedRequest, resolve_request, with_memory_check
 from h3engine.errors import RequestError
 from h3engine.media.leftovers import WARM_UP_FOLDER_PREFIX, owned_temp_folder
 from h3engine.media.outputs import checked_output_files
 from h3engine.request.files import MediaFacts
 from h3engine.request.model import GenerationRequest
-from h3engine.request.resolved import ResolvedRequest, resolve_request, with_memory_check
 from h3engine.runtime.messages import (
     ENGINE_FAILURE_MESSAGE,
     TERMINAL_EVENTS,

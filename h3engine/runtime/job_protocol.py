@@ -94,7 +94,7 @@ class RunJob:
     preview_every: int
     # A CaptureSpec (h3engine.engine.trace): rank 0 records the job's boundaries there (`generate --capture`).
     capture: Any = None
-    # The request as its door resolved it (h3engine.request.resolved.ResolvedRequest; None: rank 0 resolves it).
+    # The request as its door resolved it (h3engine.engine.resolved.ResolvedRequest; None: rank 0 resolves it).
     resolved: Any = None
 
     @classmethod

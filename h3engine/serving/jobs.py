@@ -28,10 +28,10 @@ from queue import Empty, SimpleQueue
 from typing import Any
 
 from h3engine.engine.options import cannot_write
+from h3engine.engine.resolved import ResolvedRequest
 from h3engine.errors import RequestError
 from h3engine.media.outputs import output_paths
 from h3engine.request.model import GenerationRequest
-from h3engine.request.resolved import ResolvedRequest
 from h3engine.request.shapes import from_dict
 from h3engine.runtime.front import EngineFront, JobHandle, stamped_output_name
 from h3engine.runtime.messages import (

@@ -19,8 +19,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from h3engine.engine.lora.library import LoraLibrary
+from h3engine.engine.resolved import ResolvedRequest
 from h3engine.errors import RequestError
-from h3engine.request.resolved import ResolvedRequest
 from h3engine.runtime.messages import outputs_refuse_writes
 from h3engine.serving.bodies import fields_digest, fields_of, upload_bytes
 from h3engine.serving.errors import ApiError

@@ -22,13 +22,13 @@ import torch
 
 from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.checkpoint.layout import detect_layout
+from h3engine.engine.resolved import resolve_request
 from h3engine.engine.sampling.noise import draw_initial_noise, sglang_condition_noise
 from h3engine.engine.sampling.packing import unpatchify_video
 from h3engine.engine.trace import Capture
 from h3engine.errors import RequestError
 from h3engine.request.geometry import Geometry
 from h3engine.request.model import GenerationRequest
-from h3engine.request.resolved import resolve_request
 
 # The layout fields of diffusers' DiT forward, in our capture's names.
 LAYOUT_FIELDS = {

@@ -2,7 +2,7 @@
 
 Contract:
 * `read_reference(resolved, index, canvas, multiple)` reads one Ref2VA reference of a resolved request
-  (h3engine.request.resolved) and normalizes it with h3engine.engine.conditioning; a video's canvas follows its probed
+  (h3engine.engine.resolved) and normalizes it with h3engine.engine.conditioning; a video's canvas follows its probed
   size (the resolved media facts: no second probe). RequestError naming `references[index]`.
 * `read_keyframe(request, index)` reads one keyframe image (RequestError naming `keyframes[index]`).
 """
@@ -19,11 +19,11 @@ from h3engine.engine.conditioning.encode import (
     normalize_reference_image,
     normalize_reference_video,
 )
+from h3engine.engine.resolved import ResolvedRequest
 from h3engine.errors import RequestError
 from h3engine.media import inputs as media_inputs
 from h3engine.request.geometry import AUDIO_SAMPLE_RATE, FPS, canvas_rule, resolve_canvas
 from h3engine.request.model import GenerationRequest
-from h3engine.request.resolved import ResolvedRequest
 
 
 def read_keyframe(request: GenerationRequest, index: int) -> Image.Image:

@@ -97,7 +97,7 @@ def resolve_request(
         if facts.tokenizer is not None:
             from h3engine.engine.conditioning.presentation import prompt_token_counter  # imports torch
 
-            counter = _counting(prompt_token_counter(facts.tokenizer))
+            counter = _CountingTokens(prompt_token_counter(facts.tokenizer))
         checked = checked_request(
             request, media, canvas_multiple=facts.canvas_multiple, count_prompt_tokens=counter
         )
@@ -139,7 +139,7 @@ def with_memory_check(resolved: ResolvedRequest, plan: Any) -> ResolvedRequest:
     return replace(resolved, memory_shape=shape)
 
 
-class _counting:
+class _CountingTokens:
     """A prompt token counter that remembers its last count (the bound's check counts once; the memory check
     reuses that count)."""
 
