@@ -1,8 +1,9 @@
 """Tests for h3engine.request: every validation rule, both payload shapes, round trips, and a fuzz run.
 
-The rule table drives each invalid request through `from_dict` + `validate` and checks that the message starts
-with the field it names and contains the rule's own wording; all messages of the table must differ, so no two
-rules collapse into one vague error. The fuzz run mutates valid payloads at random and requires that each one
+The rule table drives each invalid request through `from_dict` + `validate` and checks the RequestError's field
+and that its problem holds the rule's own wording: the one place where these messages' wording is checked (other
+tests check the class and the field). All messages of the table must differ, so no two rules collapse into one
+vague error. The fuzz run mutates valid payloads at random and requires that each one
 either validates (and then survives a JSON round trip) or raises `RequestError` naming a field.
 """
 
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _refusals import refused
 
 from h3engine.engine.resolved import resolve_request
 from h3engine.errors import RequestError
@@ -180,6 +182,7 @@ INVALID = [
         edit(T2VA, prompt="a cat <|image_pad|>"), False, "prompt", "reserved token", id="prompt-vision-token"
     ),
     # duration
+    # The README's example message (under the API's name for the field, seconds).
     pytest.param(edit(T2VA, duration_seconds=3), False, "duration_seconds", "must be within [4, 15] s, got 3", id="duration-short"),
     pytest.param(edit(T2VA, duration_seconds=15.5), False, "duration_seconds", "got 15.5", id="duration-long"),
     pytest.param(edit(T2VA, duration_seconds=float("nan")), False, "duration_seconds", "finite number, got nan", id="duration-nan"),
@@ -433,11 +436,8 @@ INVALID = [
 def test_each_invalid_request_names_its_field_and_rule(
     payload: object, media: bool, field: str, wording: str
 ) -> None:
-    with pytest.raises(RequestError) as caught:
+    with refused(RequestError, field=field, says=wording):
         run(payload, media)
-    message = str(caught.value)
-    assert message.startswith(f"{field}: "), message
-    assert wording in message, message
 
 
 # These restate a rule of our shape in the SGLang shape, so they share its message on purpose.
@@ -470,9 +470,10 @@ def test_prompt_labels_follow_the_inputs_and_other_tags_are_free_text() -> None:
         ("<Audio 1>", "<Video 1>"),
         ("<Audio 2>",),
     ]
-    with pytest.raises(RequestError, match=r"^prompt: cites <Audio 3>, which no input defines: the references "
-                       r"define <Picture 1>, <Audio 1>, <Video 1>, <Audio 2>$"):  # fmt: skip
+    with refused(RequestError, field="prompt") as caught:
         run(edit(sounding, prompt="<Audio 3>"), media=True)
+    # The labels a soundtrack defines, in the UI's order: the table checks this rule's wording, this its list.
+    assert caught.value.problem.endswith("the references define <Picture 1>, <Audio 1>, <Video 1>, <Audio 2>")
     assert (
         run(with_keyframes((PICTURE, "first"), (PORTRAIT, "last"), prompt="<Picture 1> to <Picture 2>"), True)
         == []
@@ -480,11 +481,6 @@ def test_prompt_labels_follow_the_inputs_and_other_tags_are_free_text() -> None:
     # Only the three label forms are checked; without a probe (no file facts) the rule waits for one.
     assert run(edit(T2VA, prompt="<picture 1> <Subject 2> <Picture>"), media=True) == []
     assert run(edit(T2VA, prompt="<Picture 1>")) == []
-
-
-def test_the_documented_example_message() -> None:
-    with pytest.raises(RequestError, match=r"^duration_seconds: must be within \[4, 15\] s, got 3$"):
-        run(edit(T2VA, duration_seconds=3))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -579,7 +575,7 @@ def test_warnings() -> None:
     assert canvas_warning.startswith("width, height: the explicit 32x64 canvas")
     # Tiny checkpoints have a smaller latent grid: 40 is a multiple of 8 but not of 32.
     assert len(validate(from_dict(edit(T2VA, width=40, height=32)), canvas_multiple=8)) == 1
-    with pytest.raises(RequestError, match="^width: must be a multiple of 32, got 40$"):
+    with refused(RequestError, field="width"):
         validate(from_dict(edit(T2VA, width=40, height=32)))
 
 
@@ -591,7 +587,7 @@ def test_resolve_aspect_and_duration() -> None:
     fl2va_last_only = from_dict(with_keyframes((PORTRAIT, "last")))
     assert resolve_aspect(fl2va_last_only, (1080, 1920)) == (1080, 1920)
     assert resolve_aspect(from_dict(edit(FL2VA, aspect_ratio="4:3")), (1080, 1920)) == (4.0, 3.0)
-    with pytest.raises(RequestError, match=r"^keyframes\[0\]: its image size is needed"):
+    with refused(RequestError, field="keyframes[0]", says="its image size is needed"):
         resolve_aspect(from_dict(FL2VA), None)
 
     derived = from_dict(
@@ -604,8 +600,8 @@ def test_resolve_aspect_and_duration() -> None:
     )
     assert resolve_duration_seconds(from_audio, probe_media) == 5.0
     assert resolve_duration_seconds(from_dict(T2VA), None) == 10
-    with pytest.raises(
-        RequestError, match="^duration_seconds: is required when the reference media cannot be probed"
+    with refused(
+        RequestError, field="duration_seconds", says="is required when the reference media cannot be probed"
     ):
         resolve_duration_seconds(from_audio, None)
 
@@ -880,8 +876,7 @@ def test_fuzz_malformed_payloads_raise_only_request_error() -> None:
             request = from_dict(payload)
             warnings = validate(request, probe)
         except RequestError as error:
-            field, separator, problem = str(error).partition(": ")
-            assert field and separator and problem, (case, log, str(error))
+            assert error.field and error.problem, (case, log, str(error))
             rejected += 1
             continue
         except Exception as error:  # noqa: BLE001 - any other exception type is the failure under test

@@ -1,6 +1,7 @@
 """Upper bounds of request fields (issue 17, "Hardening"): every number and every text a request carries is
 refused past a bound derived from the model's limits, by `validate`, before any model work, with a message that
-starts with the field and says what would be accepted.
+names the field (`RequestError.field`) and says what would be accepted: these bounds' messages are made in
+h3engine/request (validate.py, file_rules.py), and this is where their wording is checked.
 
 Bounds restated here on purpose (not imported), so that a changed constant shows up as a failing test.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from _refusals import refused
 
 from h3engine.errors import RequestError
 from h3engine.request.files import Keyframe, MediaInfo, Reference
@@ -25,10 +27,14 @@ def t2va(**changes: object) -> GenerationRequest:
     return GenerationRequest(**values)
 
 
-def refused(request: GenerationRequest, probe=None, **options: object) -> str:
+def refusal(request: GenerationRequest, probe=None, **options: object) -> RequestError:
     with pytest.raises(RequestError) as caught:
         validate(request, probe, **options)
-    return str(caught.value)
+    return caught.value
+
+
+def field_and_problem(error: RequestError) -> tuple[str, str]:
+    return error.field, error.problem
 
 
 def probe_sizes(sizes: dict[str, tuple[int, int]], seconds: float | None = None):
@@ -49,8 +55,8 @@ def test_prompt_character_bound() -> None:
     official_length = "For the target video, <Picture 1> is fully referenced. " * 80  # ~4,400 characters
     assert validate(t2va(prompt=official_length)) == []
     assert validate(t2va(prompt="x" * 32_768)) == []
-    message = refused(t2va(prompt="x" * 200_000))
-    assert message == "prompt: must be at most 32,768 characters, got 200,000"
+    error = refusal(t2va(prompt="x" * 200_000))
+    assert field_and_problem(error) == ("prompt", "must be at most 32,768 characters, got 200,000")
 
 
 def test_prompt_token_bound_counts_with_the_given_tokenizer() -> None:
@@ -62,12 +68,13 @@ def test_prompt_token_bound_counts_with_the_given_tokenizer() -> None:
         counted.append(text)
         return 8_193
 
-    message = refused(t2va(prompt="a fox"), count_prompt_tokens=count)
-    assert message.startswith("prompt: must be at most 8,192 tokens of the checkpoint's tokenizer, got 8,193")
+    error = refusal(t2va(prompt="a fox"), count_prompt_tokens=count)
+    assert error.field == "prompt"
+    assert error.problem.startswith("must be at most 8,192 tokens of the checkpoint's tokenizer, got 8,193")
     assert counted == ["a fox"]
     assert validate(t2va(prompt="a fox"), count_prompt_tokens=lambda text: 8_192) == []
     check_prompt_tokens("a fox", lambda text: 8_192)
-    with pytest.raises(RequestError, match="^prompt: must be at most 32,768 characters"):
+    with refused(RequestError, field="prompt"):
         # The character bound comes first: the tokenizer never sees an oversized prompt.
         check_prompt_tokens("x" * 40_000, count)
     assert counted == ["a fox"]
@@ -83,7 +90,7 @@ def test_the_token_count_runs_before_the_media_probe() -> None:
     request = GenerationRequest(
         task="fl2va", prompt="p", duration_seconds=5.0, keyframes=(Keyframe(PICTURE, "first"),)
     )
-    refused(request, probe, count_prompt_tokens=lambda text: 10**6)
+    assert refusal(request, probe, count_prompt_tokens=lambda text: 10**6).field == "prompt"
     assert probed == []
 
 
@@ -93,9 +100,9 @@ def test_the_token_count_runs_before_the_media_probe() -> None:
     ids=["undecodable-byte", "lone-high-surrogate", "only-surrogate"],
 )
 def test_prompt_must_be_valid_utf8(prompt: str) -> None:
-    message = refused(t2va(prompt=prompt))
-    assert message.startswith("prompt: must be valid UTF-8 text"), message
-    assert "lone surrogate" in message
+    error = refusal(t2va(prompt=prompt))
+    assert error.field == "prompt" and error.problem.startswith("must be valid UTF-8 text"), error
+    assert "lone surrogate" in error.problem
 
 
 def test_paths_must_be_valid_utf8() -> None:
@@ -105,11 +112,11 @@ def test_paths_must_be_valid_utf8() -> None:
         duration_seconds=5.0,
         keyframes=(Keyframe("/media/\udcffframe.png", "first"),),
     )
-    assert refused(request).startswith("keyframes[0].path: must be valid UTF-8 text")
+    assert refusal(request).field == "keyframes[0].path"
     request = GenerationRequest(
         task="ref2va", prompt="p", duration_seconds=5.0, references=(Reference("image", "/media/\udcff.png"),)
     )
-    assert refused(request).startswith("references[0].path: must be valid UTF-8 text")
+    assert refusal(request).field == "references[0].path"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -118,17 +125,22 @@ def test_paths_must_be_valid_utf8() -> None:
 
 def test_short_edge_bound() -> None:
     assert validate(t2va(short_edge=2048)) == ["short_edge: 2048 is outside the verified configuration (768)"]
-    assert refused(t2va(short_edge=100_000)) == "short_edge: must be <= 2048, got 100000"
-    assert refused(t2va(short_edge=2**70)) == "short_edge: must be <= 2048, got <71-bit integer>"
+    assert field_and_problem(refusal(t2va(short_edge=100_000))) == (
+        "short_edge",
+        "must be <= 2048, got 100000",
+    )
+    huge = refusal(t2va(short_edge=2**70))
+    assert field_and_problem(huge) == ("short_edge", "must be <= 2048, got <71-bit integer>")
 
 
 def test_explicit_canvas_area_bound() -> None:
     # 2048 x 3584 (7,340,032 pixels) is the released area cap scaled to the largest short edge.
     validate(t2va(width=3584, height=2048))
     validate(t2va(width=2048, height=3584))
-    message = refused(t2va(width=4096, height=2048))
-    assert message.startswith("width, height: the canvas may have at most 7,340,032 pixels"), message
-    assert "got 4096x2048 = 8,388,608" in message
+    error = refusal(t2va(width=4096, height=2048))
+    assert error.field == "width, height", error
+    assert error.problem.startswith("the canvas may have at most 7,340,032 pixels"), error
+    assert "got 4096x2048 = 8,388,608" in error.problem
 
 
 @pytest.mark.parametrize("field", ["flow_shift", "audio_flow_shift"])
@@ -136,9 +148,9 @@ def test_flow_shift_bounds(field: str) -> None:
     for accepted in (0.001, 0.5, 12.0, 1000):
         validate(t2va(**{field: accepted}))
     for value in (1e308, 1000.5, 0.0009):
-        message = refused(t2va(**{field: value}))
-        assert message.startswith(f"{field}: must be within [0.001, 1000]"), message
-    assert refused(t2va(**{field: 0})) == f"{field}: must be positive, got 0"
+        error = refusal(t2va(**{field: value}))
+        assert error.field == field and error.problem.startswith("must be within [0.001, 1000]"), error
+    assert field_and_problem(refusal(t2va(**{field: 0}))) == (field, "must be positive, got 0")
 
 
 def test_start_seconds_bound_without_a_probe() -> None:
@@ -152,8 +164,9 @@ def test_start_seconds_bound_without_a_probe() -> None:
 
     validate(ref2va(14.5))
     for start in (15.0, 1e300):
-        message = refused(ref2va(start))
-        assert message.startswith("references[0].start_seconds: must be less than 15 s"), message
+        error = refusal(ref2va(start))
+        assert error.field == "references[0].start_seconds", error
+        assert error.problem.startswith("must be less than 15 s"), error
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,9 +189,9 @@ def test_image_size_bounds_name_the_field_and_the_file(size: tuple[int, int], wo
     keyframe = GenerationRequest(
         task="fl2va", prompt="p", duration_seconds=5.0, keyframes=(Keyframe(PICTURE, "first"),)
     )
-    message = refused(keyframe, probe)
-    assert message.startswith(f"keyframes[0]: keyframe image '{PICTURE}' "), message
-    assert wording in message, message
+    error = refusal(keyframe, probe)
+    assert error.field == "keyframes[0]" and error.problem.startswith(f"keyframe image '{PICTURE}' "), error
+    assert wording in error.problem, error
     last = GenerationRequest(
         task="fl2va",
         prompt="p",
@@ -186,13 +199,13 @@ def test_image_size_bounds_name_the_field_and_the_file(size: tuple[int, int], wo
         aspect_ratio="16:9",
         keyframes=(Keyframe("/media/ok.png", "first"), Keyframe(PICTURE, "last")),
     )
-    assert refused(last, probe).startswith(f"keyframes[1]: keyframe image '{PICTURE}' ")
+    assert refusal(last, probe).field == "keyframes[1]"
     reference = GenerationRequest(
         task="ref2va", prompt="p", duration_seconds=5.0, references=(Reference("image", PICTURE),)
     )
-    message = refused(reference, probe)
-    assert message.startswith(f"references[0]: reference image '{PICTURE}' "), message
-    assert wording in message, message
+    error = refusal(reference, probe)
+    assert error.field == "references[0]" and error.problem.startswith(f"reference image '{PICTURE}' "), error
+    assert wording in error.problem, error
 
 
 def test_image_size_bounds_accept_the_extremes() -> None:
@@ -212,8 +225,8 @@ def test_video_reference_frames_need_the_minimum_side() -> None:
     request = GenerationRequest(
         task="ref2va", prompt="p", duration_seconds=5.0, references=(Reference("video", "/m/tiny.mp4"),)
     )
-    message = refused(request, probe)
-    assert (
-        message == "references[0]: video '/m/tiny.mp4' frames are 8x8 pixels; each side must be at least 16"
+    assert field_and_problem(refusal(request, probe)) == (
+        "references[0]",
+        "video '/m/tiny.mp4' frames are 8x8 pixels; each side must be at least 16",
     )
     assert validate(dataclasses.replace(request, references=(Reference("video", "/m/ok.mp4"),)), probe) == []
