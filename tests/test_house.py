@@ -30,8 +30,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "h3engine.cli.validation.compare",
     ),
     ("h3engine.models.*",),
-    # gguf_ops dispatches to the Triton kernels or to its twin, h3engine.checkpoint.gguf_blocks: a checkpoint reader.
-    ("h3engine.checkpoint.*", "h3engine.models.gguf_ops"),
+    # gguf_ops dispatches to the Triton kernels or to its twin, h3engine.checkpoint.gguf_blocks: a checkpoint reader;
+    # stored_linear computes with GGUF bytes through it.
+    ("h3engine.checkpoint.*", "h3engine.models.gguf_ops", "h3engine.models.stored_linear"),
     ("h3engine.models.parallel.*",),
     ("h3engine.models.quantization", "h3engine.memory.*"),
     (

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, Literal
@@ -50,6 +50,14 @@ class PartitionPaths:
     processor: Path
     # The DMD rungs of a step-distilled DiT (`_minimax_h3.dmd_denoising_steps`), None for an undistilled one.
     dmd_steps: tuple[int, ...] | None = None
+    # A single file (a community GGUF) whose weights replace those of `dit`; `dit`'s config.json still describes it.
+    dit_weights: Path | None = None
+
+    @property
+    def dit_home(self) -> Path:
+        """What holds this partition's DiT weights (the file that replaces the folder's, else the folder): what tells
+        one loaded DiT from another."""
+        return self.dit_weights or self.dit
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,21 @@ class CheckpointLayout:
     def dmd_steps_for(self, task: str) -> tuple[int, ...] | None:
         """The DMD rungs the DiT serving `task` was distilled on, None where it runs any step count."""
         return self.for_task(task).dmd_steps
+
+
+def with_dit_files(layout: CheckpointLayout, files: Mapping[str, Path]) -> CheckpointLayout:
+    """`layout` with the DiT weights of the partitions `files` names replaced by those files (each must exist)."""
+    partitions = dict(layout.partitions)
+    for partition, file in files.items():
+        if partition not in partitions:
+            raise CheckpointError(
+                f"{layout.root}: no {partition} partition to take the DiT file {file} (it has: "
+                f"{', '.join(partitions)})"
+            )
+        if not Path(file).is_file():
+            raise CheckpointError(f"{file}: file is missing")
+        partitions[partition] = replace(partitions[partition], dit_weights=Path(file))
+    return replace(layout, partitions=partitions)
 
 
 def valid_dmd_steps(rungs: Any) -> bool:
@@ -255,7 +278,8 @@ FINGERPRINT_SAMPLE_BYTES = 1 << 16
 def folder_fingerprint(folder: Path) -> str:
     """A digest that tells two component folders apart (the native layout's partitions each carry a copy of the text
     encoder, tokenizer, processor and VAEs, byte-identical in the release): every file's relative path and size;
-    small files whole; a safetensors file's header and `FINGERPRINT_SAMPLES` samples spread over its data, so that
+    small files whole; a safetensors file's header and `FINGERPRINT_SAMPLES` samples spread over its data (a GGUF
+    file's samples, the first of which holds its header), so that
     two 60 GB copies compare in milliseconds. Copies differing only between samples would compare equal: a risk
     taken knowingly, since the release ships identical copies and the alternative is reading both whole."""
     digest = hashlib.sha256()
@@ -264,11 +288,12 @@ def folder_fingerprint(folder: Path) -> str:
         size = path.stat().st_size
         digest.update(f"{path.relative_to(folder) if path != folder else path.name}:{size}\n".encode())
         with open(path, "rb") as handle:
-            if path.suffix != ".safetensors":
+            if path.suffix not in (".safetensors", ".gguf"):
                 digest.update(handle.read())
                 continue
-            header_length = int.from_bytes(handle.read(8), "little")
-            digest.update(handle.read(min(header_length, size)))
+            if path.suffix == ".safetensors":
+                header_length = int.from_bytes(handle.read(8), "little")
+                digest.update(handle.read(min(header_length, size)))
             for sample in range(FINGERPRINT_SAMPLES):
                 handle.seek(
                     sample * max(0, size - FINGERPRINT_SAMPLE_BYTES) // max(1, FINGERPRINT_SAMPLES - 1)

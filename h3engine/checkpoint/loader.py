@@ -24,6 +24,7 @@ import torch
 
 from h3engine.checkpoint import audio_vae_keys, dit_format, video_vae_keys
 from h3engine.checkpoint.audio_vae_format import read_audio_vae_config
+from h3engine.checkpoint.gguf_weights import GGUFWeightFiles
 from h3engine.checkpoint.layout import CheckpointLayout, PartitionPaths, read_json
 from h3engine.checkpoint.safetensors_io import (
     DeferredReads,
@@ -42,6 +43,7 @@ from h3engine.checkpoint.video_vae_format import read_video_vae_config
 from h3engine.errors import CheckpointError
 from h3engine.models.audio_vae import AudioVAE
 from h3engine.models.dit import H3DiT
+from h3engine.models.stored_linear import store_linears
 from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.models.video_vae import VideoVAE
 
@@ -147,15 +149,18 @@ def _materialize_computed_buffers(module: torch.nn.Module, device: torch.device)
 
 
 def read_dit_config(layout: CheckpointLayout, paths: PartitionPaths) -> Any:
-    """The DiT config of a partition (h3engine.models.dit_config.DiTConfig) from its config.json alone."""
+    """The DiT config of a partition (h3engine.models.dit_config.DiTConfig) from its config.json, with the AdaLN form
+    (exact or pruned) that its weight files' headers show (h3engine.checkpoint.dit_pruned)."""
     config_path = paths.dit / "config.json"
     raw = read_json(config_path)
     try:
         if layout.kind == "native":
-            return dit_format.config_from_native(raw)
-        return dit_format.config_from_diffusers(raw)
+            config = dit_format.config_from_native(raw)
+        else:
+            config = dit_format.config_from_diffusers(raw)
     except (KeyError, TypeError, ValueError) as error:
         raise CheckpointError(f"{config_path}: invalid DiT config ({error})") from None
+    return dit_format.adaln_form_of_files(WeightFiles.open(paths.dit), config, layout.kind == "native")
 
 
 def read_video_vae_config_of(layout: CheckpointLayout, paths: PartitionPaths) -> Any:
@@ -165,6 +170,8 @@ def read_video_vae_config_of(layout: CheckpointLayout, paths: PartitionPaths) ->
 
 def dit_source(layout: CheckpointLayout, paths: PartitionPaths, dtype: torch.dtype) -> ComponentSource:
     config = read_dit_config(layout, paths)
+    if paths.dit_weights is not None:
+        return dit_file_source(paths, config, dtype)
     native = layout.kind == "native"
     files = WeightFiles.open(paths.dit)
     return ComponentSource(
@@ -182,6 +189,32 @@ def dit_source(layout: CheckpointLayout, paths: PartitionPaths, dtype: torch.dty
             dit_format.as_native_files(files, config), config, key, dtype
         ),
         key_fp8=lambda key: dit_format.module_fp8(dit_format.as_native_files(files, config), config, key),
+    )
+
+
+def dit_file_source(paths: PartitionPaths, config: Any, dtype: torch.dtype) -> ComponentSource:
+    """The DiT of `paths` from the single file that replaces its weights (`--dit FILE`, a community GGUF): its
+    config from the partition's folder, its block-type linears kept as the file stores them (StoredLinear), its keys
+    and QKV row order the module's own, so nothing is renamed or reordered."""
+    file = paths.dit_weights
+    if file.suffix != ".gguf":
+        raise CheckpointError(f"{file}: a DiT file must be a GGUF file (.gguf)")
+    files = GGUFWeightFiles.open_file(file, config)
+
+    def build() -> torch.nn.Module:
+        dit = H3DiT(config, dtype=dtype)
+        store_linears(dit, files.stored_types)
+        return dit
+
+    return ComponentSource(
+        name=f"{paths.partition} transformer ({file.name})",
+        config=config,
+        build=build,
+        files=files,
+        to_file_names=_identity,
+        from_file_names=_identity,
+        read_key=lambda key, dtype: placed(files.tensor(key), "cpu", dtype),
+        key_extents=lambda key, dtype: row_extents(files.infos[key], dtype),
     )
 
 

@@ -98,7 +98,7 @@ class Engine:
     @classmethod
     def from_checkpoint(
         cls,
-        folder: str | Path,
+        folder: str | Path | CheckpointLayout,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.bfloat16,
         memory_profile: str = "auto",
@@ -120,7 +120,8 @@ class Engine:
             disk_read_gbps=disk_read_gbps,
             activation_chunks=activation_chunks,
         )
-        return cls(detect_layout(folder), torch.device(device), dtype, memory, fp8_linear, on_load=on_load)
+        layout = folder if isinstance(folder, CheckpointLayout) else detect_layout(folder)
+        return cls(layout, torch.device(device), dtype, memory, fp8_linear, on_load=on_load)
 
     def _open_adaln_cache(self) -> AdalnTableCache | None:
         """The disk cache of AdaLN tables the memory request names (RequestError for a named folder that cannot be

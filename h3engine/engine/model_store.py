@@ -180,18 +180,18 @@ class ModelStore:
     def _preload_dits(self, partitions: list[str]) -> None:
         for partition in partitions:
             sources = self._sources[partition]
-            key = ("dit", self._identity("dit", sources.paths.dit))
+            key = ("dit", self._identity("dit", sources.paths.dit_home))
             if key in self._modules:
                 continue
             started = time.perf_counter()
             logger.info("loading the %s DiT in the background into host memory", partition)
             try:
-                self._modules[key] = self._load_dit(sources.dit, sources.paths.dit, activate=False)
+                self._modules[key] = self._load_dit(sources.dit, sources.paths.dit_home, activate=False)
             except BaseException as error:  # reported to the request that needs it
                 self._preload_error = error
                 return
             seconds = time.perf_counter() - started
-            self.load_timings[f"dit:{sources.paths.dit.name}"] = seconds
+            self.load_timings[f"dit:{sources.paths.dit_home.name}"] = seconds
             logger.info("the %s DiT waits in host memory (%.1f s in the background)", partition, seconds)
 
     def _wait_for_preload(self, partition: str) -> None:
@@ -234,7 +234,7 @@ class ModelStore:
         )
         text_encoder.verify_tokenizer(tokenizer)
         processor = self._module("processor", paths.processor, lambda: load_processor(paths.processor))
-        dit = self._module("dit", paths.dit, lambda: self._load_dit(sources.dit, paths.dit))
+        dit = self._module("dit", paths.dit_home, lambda: self._load_dit(sources.dit, paths.dit_home))
         self.placement.activate(dit)
         self.partition_on_device = partition
         return Models(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,6 +36,7 @@ __all__ = [
 if TYPE_CHECKING:
     import torch
 
+    from h3engine.checkpoint.layout import CheckpointLayout
     from h3engine.engine.engine import Engine
     from h3engine.engine.model_store import LoadEvent
     from h3engine.models.parallel.groups import RuntimeLayout
@@ -74,11 +75,14 @@ class EngineOptions:
     stage_layout: str = "colocated"
     encoder_devices: str | None = None  # split layout: the text-encoder group's GPUs (e.g. "4,5")
     vae_devices: str | None = None  # split layout: the VAE group's GPUs
+    # --dit values as given: [PARTITION=]FILE, a single DiT file replacing a partition's weights
+    dit: tuple[str, ...] = ()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
         """The options of a command line parsed with `add_engine_flags`."""
-        return cls(**{option.name: getattr(args, option.name) for option in fields(cls)})
+        values = {option.name: getattr(args, option.name) for option in fields(cls)}
+        return cls(**{**values, "dit": tuple(values["dit"] or ())})
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
@@ -120,6 +124,16 @@ def _add_precision_and_memory_flags(
     parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
 ) -> None:
     """The compute dtype, the weight format, the memory profile and budgets, and the caches and rates they use."""
+    parser.add_argument(
+        "--dit",
+        action="append",
+        default=None,
+        metavar="[PARTITION=]FILE",
+        help="a community DiT file (GGUF: F16, BF16, Q8_0, Q6_K, Q5_K, Q5_0, Q4_K, Q4_0, Q3_K, Q2_K) that replaces "
+        "the weights of the checkpoint's DiT; its block-quantized layers stay quantized in memory and are "
+        "dequantized on the GPU as they compute. Name the partition (fl2va or ref2va) when the checkpoint has both; "
+        "repeat the flag for each",
+    )
     parser.add_argument("--dtype", default=None, help="bfloat16 (released precision, default) or float32")
     memory_profile_help = (
         "auto (default): the plan that fits the GPU and host budgets fastest; resident: every model stays on the "
@@ -199,6 +213,35 @@ def check_memory_options(options: EngineOptions) -> None:
     parse_activation_chunks(options.activation_chunks)
     if options.disk_read_gbps is not None:
         parse_gbps(options.disk_read_gbps)
+
+
+def dit_files(values: Sequence[str], partitions: Sequence[str]) -> dict[str, Path]:
+    """`--dit` values by partition: PARTITION=FILE, or a bare FILE for a checkpoint of one partition."""
+    files: dict[str, Path] = {}
+    for value in values:
+        partition, separator, file = value.partition("=")
+        if not separator or partition not in partitions:  # a bare FILE (which may hold a "=")
+            if len(partitions) != 1:
+                raise RequestError(
+                    "--dit",
+                    f"the checkpoint has partitions {' and '.join(partitions)}: name the one {value!r} replaces, "
+                    f"e.g. --dit {partitions[0]}={value}",
+                )
+            partition, file = partitions[0], value
+        if partition in files:
+            raise RequestError("--dit", f"partition {partition} is given two files")
+        if not Path(file).is_file():
+            raise RequestError("--dit", f"{file!r} is not a file")
+        files[partition] = Path(file)
+    return files
+
+
+def engine_layout(checkpoint: str | Path, options: EngineOptions) -> CheckpointLayout:
+    """The checkpoint an engine under `options` serves: the folder's layout, with the DiT files `--dit` gives."""
+    from h3engine.checkpoint.layout import detect_layout, with_dit_files
+
+    layout = detect_layout(checkpoint)
+    return with_dit_files(layout, dit_files(options.dit, tuple(layout.partitions))) if options.dit else layout
 
 
 def check_adaln_cache(setting: str | None) -> None:
@@ -347,7 +390,7 @@ def load_engine(
     from h3engine.engine.engine import Engine
 
     return Engine.from_checkpoint(
-        checkpoint,
+        engine_layout(checkpoint, options),
         device=device,
         dtype=resolve_dtype(options.dtype, device),
         memory_profile=options.memory_profile,

@@ -48,3 +48,13 @@ def dequantize(
         with torch.cuda.device(raw.device):
             return gguf_dequant.dequantize(raw, ggml_type, shape, out_dtype)
     return gguf_blocks.dequantize(raw, ggml_type, shape, name).to(out_dtype)
+
+
+def byte_count(ggml_type: int, shape: Sequence[int], name: str = "") -> int:
+    """Bytes a tensor of `shape` takes in `ggml_type` (its last dim whole blocks; CheckpointError naming `name`)."""
+    return gguf_blocks.byte_count(ggml_type, shape, name)
+
+
+def type_name(ggml_type: int) -> str:
+    """The ggml name of a type id ('Q4_K')."""
+    return gguf_blocks.ggml_type_name(ggml_type)

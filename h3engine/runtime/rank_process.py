@@ -33,10 +33,9 @@ from typing import Any, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
-from h3engine.checkpoint.layout import detect_layout
 from h3engine.engine.engine import Engine
 from h3engine.engine.model_store import ModelLoader
-from h3engine.engine.options import resolve_dtype
+from h3engine.engine.options import engine_layout, resolve_dtype
 from h3engine.errors import H3Error
 from h3engine.memory.engine_plan import MemoryRequest
 from h3engine.memory.sizes import RankShare
@@ -222,7 +221,7 @@ def rank_engine(
     if share is not None:
         memory = replace(memory, share=share)
     dtype = resolve_dtype(spec.options.dtype, device)
-    return Engine(detect_layout(spec.checkpoint), device, dtype, memory, loader=loader)
+    return Engine(engine_layout(spec.checkpoint, spec.options), device, dtype, memory, loader=loader)
 
 
 def _next_command(commands: Connection) -> JobCommand | None:

@@ -25,8 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from h3engine.checkpoint.layout import detect_layout
-from h3engine.engine.options import EngineOptions
+from h3engine.engine.options import EngineOptions, engine_layout
 from h3engine.memory.engine_plan import MemoryRequest
 from h3engine.models.parallel.groups import RuntimeLayout
 from h3engine.runtime.front import CANCELLED_BEFORE_START_MESSAGE, SHUTTING_DOWN_MESSAGE, JobHandle
@@ -54,7 +53,7 @@ def validated_stage_specs(
     the flag)."""
     if not layout.split:
         raise ValueError("validated_stage_specs is for the split layout")
-    checkpoint_layout = detect_layout(checkpoint)
+    checkpoint_layout = engine_layout(checkpoint, options)
     dit_layout, encoder_layout = checked_layouts(
         checkpoint_layout, devices, layout, MemoryRequest.from_options(options)
     )

@@ -31,10 +31,10 @@ import torch
 import torch.multiprocessing
 
 from h3engine.checkpoint.facts import CheckpointFacts
-from h3engine.checkpoint.layout import CheckpointLayout, detect_layout
+from h3engine.checkpoint.layout import CheckpointLayout
 from h3engine.checkpoint.loader import dit_source
 from h3engine.checkpoint.text_encoder_files import open_text_encoder_files
-from h3engine.engine.options import EngineOptions
+from h3engine.engine.options import EngineOptions, engine_layout
 from h3engine.errors import CheckpointError, RequestError
 from h3engine.media.leftovers import WORKER_FOLDER_PREFIX, owned_temp_folder, remove_staging_files_of
 from h3engine.memory.engine_plan import MemoryRequest
@@ -451,7 +451,7 @@ class ProcessReplica(RestartingReplica[WorkerGroup]):
     ) -> None:
         layout = layout if layout is not None else RuntimeLayout.choose(len(devices))
         self.layout = layout
-        self.spec = validated_spec(detect_layout(checkpoint), devices, layout, options)
+        self.spec = validated_spec(engine_layout(checkpoint, options), devices, layout, options)
         self._start_first(stall)
         logger.info("worker group ready on %s (%s)", ", ".join(devices), layout.describe())
 

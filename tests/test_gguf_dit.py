@@ -1,0 +1,227 @@
+"""A community GGUF DiT file in place of a partition's weights (`--dit FILE.gguf`): its block-quantized linears stay
+quantized (h3engine.models.stored_linear.StoredLinear, h3engine.checkpoint.gguf_weights) and compute exactly what
+the same model with the dequantized weights computes, resident, streamed from host memory or straight from the file,
+with or without a LoRA beside them.
+
+Reference: the same GGUF values stored as F32 (so the module holds plain linears with the dequantized weights, cast
+once to the compute dtype as StoredLinear casts its fp32 dequantization once). The two runs do the same ops on the
+same values, so outputs are compared for equality. How it breaks: a loader that dequantized in another row order or
+rounded twice, a stream that lost the quantized bytes, a LoRA merged into the weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from _dit_helpers import tiny_fl2va_request
+from _lora_helpers import small_lora, write_lora
+from _runtime_helpers import parity_requests
+from gguf import GGMLQuantizationType, GGUFWriter
+from test_gguf_blocks import QUANTIZED, random_raw
+
+from h3engine.checkpoint import dit_format, gguf_blocks
+from h3engine.checkpoint.gguf_blocks import GGMLType
+from h3engine.checkpoint.gguf_files import DIFFUSION_MODEL_PREFIX, GGUFFile
+from h3engine.checkpoint.gguf_write import write_gguf
+from h3engine.checkpoint.layout import detect_layout, with_dit_files
+from h3engine.checkpoint.loader import dit_source, read_dit_config
+from h3engine.checkpoint.lora_format import read_lora
+from h3engine.checkpoint.safetensors_io import WeightFiles
+from h3engine.engine.engine import Engine
+from h3engine.engine.lora.adapters import Adapter, apply_adapters
+from h3engine.engine.options import EngineOptions, dit_files, engine_layout
+from h3engine.errors import CheckpointError, RequestError
+from h3engine.models.stored_linear import StoredLinear
+
+OUTPUTS = ("video", "audio", "video_latents", "audio_latents")
+
+
+def module_state(checkpoint: Path, partition: str = "fl2va") -> dict[str, torch.Tensor]:
+    """A tiny checkpoint's DiT as the module holds it (QKV rows stacked, as community single files store them)."""
+    layout = detect_layout(checkpoint)
+    paths = layout.partitions[partition]
+    files = WeightFiles.open(paths.dit)
+    native = {key: files.tensor(key) for key in files.infos}
+    return dit_format.native_to_module(native, read_dit_config(layout, paths))
+
+
+def write_dit_gguf(path: Path, state: dict[str, torch.Tensor], kind: str) -> dict[str, str]:
+    """`state` as a community file: prefixed names, rope.inv_freq left out, linears in `kind` where whole blocks."""
+    tensors = {DIFFUSION_MODEL_PREFIX + key: value for key, value in state.items() if key != "rope.inv_freq"}
+    return write_gguf(path, tensors, kind)
+
+
+def dequantized_twin(source: Path, target: Path) -> None:
+    """The GGUF file `source` with every tensor dequantized and stored as F32: the reference."""
+    gguf = GGUFFile.open(source)
+    write_gguf(
+        target, {record.stored_name: gguf.tensor(name) for name, record in gguf.tensors.items()}, "F32"
+    )
+
+
+@pytest.fixture(scope="module")
+def files(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """The tiny checkpoint, its FL2VA DiT in Q8_0 and Q4_0 (the block types gguf-py writes), and their F32 twins."""
+    checkpoint = tiny_checkpoints("native", seed=7)
+    folder = tmp_path_factory.mktemp("gguf")
+    state = module_state(checkpoint)
+    made = {"checkpoint": checkpoint}
+    for kind in ("Q8_0", "Q4_0"):
+        made[kind] = folder / f"dit-{kind}.gguf"
+        stored = write_dit_gguf(made[kind], state, kind)
+        assert kind in stored.values()  # the tiny DiT has linears of whole blocks
+        made[f"{kind}-f32"] = folder / f"dit-{kind}-f32.gguf"
+        dequantized_twin(made[kind], made[f"{kind}-f32"])
+    return made
+
+
+def engine(files: dict[str, Path], dit: str, **memory) -> Engine:
+    layout = with_dit_files(detect_layout(files["checkpoint"]), {"fl2va": files[dit]})
+    return Engine.from_checkpoint(layout, device="cpu", adaln_cache="off", **memory)
+
+
+def equal_outputs(got, expected) -> bool:
+    return all(torch.equal(getattr(got, name), getattr(expected, name)) for name in OUTPUTS)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The layer
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", QUANTIZED, ids=lambda kind: kind.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_stored_linear_is_a_linear_of_its_dequantized_weight(kind: GGMLType, dtype: torch.dtype) -> None:
+    width = gguf_blocks.BLOCK_FORMATS[kind].block_size * 2
+    raw = torch.from_numpy(random_raw(kind, 6, width, seed=int(kind)))
+    layer = StoredLinear(width, 6, kind, dtype=dtype)
+    layer.quantized.copy_(raw)
+    torch.nn.init.normal_(layer.bias)
+    hidden = torch.randn(5, width, dtype=dtype)
+    weight = gguf_blocks.dequantize(raw, kind, (6, width)).to(dtype)
+    assert torch.equal(layer.weight, weight)
+    assert torch.equal(layer(hidden), F.linear(hidden, weight, layer.bias))
+    assert layer.state_dict()["quantized"].dtype == torch.uint8  # the bytes, not a dequantized copy
+
+
+def test_a_stored_linear_refuses_a_width_of_partial_blocks() -> None:
+    with pytest.raises(CheckpointError, match="Q4_K"):
+        StoredLinear(100, 4, GGMLType.Q4_K, name="blocks.0.mlp.fc2.weight")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The engine
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+def test_a_gguf_dit_computes_what_its_dequantized_weights_compute(files, kind) -> None:
+    quantized, reference = engine(files, kind), engine(files, f"{kind}-f32")
+    dit = quantized.store.models_for_task("t2va").dit
+    stored = [module for module in dit.modules() if isinstance(module, StoredLinear)]
+    assert stored and all(module.quantized.dtype == torch.uint8 for module in stored)
+    assert not any(isinstance(m, StoredLinear) for m in reference.store.models_for_task("t2va").dit.modules())
+    for task in ("t2va", "fl2va"):
+        request = parity_requests(steps=2, seed=5)[task]
+        got, _ = quantized.generate(request)
+        expected, _ = reference.generate(request)
+        assert equal_outputs(got, expected), task
+    # The other partition keeps the folder's DiT.
+    assert quantized.layout.partitions["ref2va"].dit_weights is None
+
+
+def test_a_gguf_dit_streams_its_quantized_bytes(files) -> None:
+    request = parity_requests(steps=2, seed=6)["t2va"]
+    expected, _ = engine(files, "Q8_0").generate(request)
+    for memory in ({"memory_profile": "streamed"}, {"memory_profile": "streamed", "host_memory": 1e-6}):
+        streamed = engine(files, "Q8_0", **memory)
+        got, _ = streamed.generate(request)
+        assert equal_outputs(got, expected), memory
+        dit = streamed.store.models_for_task("t2va").dit
+        stream = streamed.placement.stream_of(dit)
+        assert stream is not None and stream.layer_reads + len(stream.tensors) > 0
+        streamed_names = {placed.name for layer in stream.tensors for placed in layer}
+        assert "quantized" in streamed_names  # the ring carries the file's bytes
+
+
+def test_a_lora_beside_gguf_weights_equals_the_lora_on_the_dequantized_base(files, tmp_path) -> None:
+    layout = detect_layout(files["checkpoint"])
+    paths = layout.partitions["fl2va"]
+    config = read_dit_config(layout, paths)
+    lora_path = tmp_path / "style.safetensors"
+    write_lora(lora_path, small_lora(config, seed=3), "ours", config)
+    lora = read_lora(lora_path)
+    request = tiny_fl2va_request(config, torch.bfloat16, seed=9)
+    outputs = {}
+    for dit in ("Q8_0", "Q8_0-f32"):
+        replaced = with_dit_files(layout, {"fl2va": files[dit]})
+        model = dit_source(replaced, replaced.partitions["fl2va"], torch.bfloat16).load(torch.device("cpu"))
+        with torch.no_grad():
+            plain = model(*request.as_h3_arguments())
+            apply_adapters(model, [Adapter(lora)])
+            outputs[dit] = model(*request.as_h3_arguments())
+        assert not torch.equal(outputs[dit][0], plain[0])  # the LoRA changes the output
+        if dit == "Q8_0":
+            assert all(
+                m.quantized.dtype == torch.uint8 for m in model.modules() if isinstance(m, StoredLinear)
+            )
+    assert all(torch.equal(a, b) for a, b in zip(outputs["Q8_0"], outputs["Q8_0-f32"], strict=True))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Refusals
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_a_type_we_do_not_read_is_refused_naming_the_tensor_and_the_type(files, tmp_path) -> None:
+    state = module_state(files["checkpoint"])
+    path = tmp_path / "iq.gguf"
+    writer = GGUFWriter(path, "h3")
+    for key, value in state.items():
+        if key == "blocks.1.mlp.fc2.weight":  # 256-wide rows of IQ2_XXS (66 bytes per 256 values)
+            rows = value.shape[0]
+            raw = np.zeros((rows, 66), np.uint8)
+            writer.add_tensor(DIFFUSION_MODEL_PREFIX + key, raw, raw_dtype=GGMLQuantizationType.IQ2_XXS)
+        elif key != "rope.inv_freq":
+            writer.add_tensor(DIFFUSION_MODEL_PREFIX + key, value.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match=r"IQ2_XXS") as refused:
+        engine({**files, "iq": path}, "iq")
+    assert "blocks.1.mlp.fc2.weight" in str(refused.value)
+
+
+def test_another_models_file_and_a_missing_tensor_are_refused_before_loading(files, tmp_path) -> None:
+    other = tmp_path / "llm.gguf"
+    write_gguf(other, {"blk.0.attn_q.weight": torch.zeros(64, 64)}, "Q8_0", architecture="qwen3vl")
+    with pytest.raises(CheckpointError, match="qwen3vl") as refused:
+        engine({**files, "other": other}, "other")
+    assert "llm.gguf" in str(refused.value)
+    state = module_state(files["checkpoint"])
+    del state["blocks.1.mlp.fc1.weight"]
+    partial = tmp_path / "partial.gguf"
+    write_dit_gguf(partial, state, "Q8_0")
+    with pytest.raises(CheckpointError, match="blocks.1.mlp.fc1"):
+        engine({**files, "partial": partial}, "partial")
+
+
+def test_the_dit_flag_names_its_partition(files, tmp_path) -> None:
+    file = files["Q8_0"]
+    assert dit_files([f"ref2va={file}"], ("fl2va", "ref2va")) == {"ref2va": file}
+    assert dit_files([str(file)], ("fl2va",)) == {"fl2va": file}
+    for values, partitions in (
+        ([str(file)], ("fl2va", "ref2va")),  # which one?
+        ([f"fl2va={tmp_path / 'missing.gguf'}"], ("fl2va", "ref2va")),
+        ([f"fl2va={file}", f"fl2va={file}"], ("fl2va", "ref2va")),
+    ):
+        with pytest.raises(RequestError) as refused:
+            dit_files(values, partitions)
+        assert refused.value.field == "--dit"
+    layout = engine_layout(files["checkpoint"], EngineOptions(dit=(f"fl2va={file}",)))
+    assert layout.partitions["fl2va"].dit_weights == file
