@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _refusals import refused
 from _runtime_helpers import events_until_done, still_running
 
 from h3engine.engine import pipeline as pipeline_module
@@ -103,31 +104,46 @@ def counting_cancel(cancel_at: int | None) -> tuple[Callable[[], bool], list[int
 
 
 def test_output_names_are_refused_before_any_work(engine, tmp_path, monkeypatch) -> None:
+    """Each rule of the output names (h3engine.media.outputs), with its wording (the doors' tests check the field)."""
     monkeypatch.setattr(engine, "generate", lambda *args, **kwargs: pytest.fail("work started"))
     (tmp_path / "taken.mp4").mkdir()
+    (tmp_path / "side.json").mkdir()
+    (tmp_path / "t.safetensors").mkdir()
+    (tmp_path / "locked").mkdir()
     (tmp_path / "link.safetensors").symlink_to(tmp_path / "out.json")
+    # Root may write anywhere, so the folder's refusal is simulated where the check asks for it.
+    real_access = os.access
+    monkeypatch.setattr(
+        os, "access", lambda path, mode: Path(path).name != "locked" and real_access(path, mode)
+    )
+    out, tensors = "out_path", "save_tensors_path"
     cases = [
-        (tmp_path / "taken.mp4", None, "out_path: .*taken.mp4' is a folder"),
-        (tmp_path / "missing" / "out.mp4", None, "out_path: folder .*missing' does not exist"),
-        (tmp_path / "out.mp4", tmp_path / "missing" / "t.safetensors", "save_tensors_path: folder .*missing"),
-        (tmp_path / "out.mp4", tmp_path / "out.json", "save_tensors_path: must be a .safetensors path"),
-        (
-            tmp_path / "out.mp4",
-            tmp_path / "link.safetensors",
-            "save_tensors_path: .* is the video or its sidecar",
-        ),
-        (tmp_path / "out.mov", None, "out_path: .*must end in '.mp4'"),
-    ]
-    for out_path, tensors_path, message in cases:
-        with pytest.raises(RequestError, match=message):
+        (tmp_path / "taken.mp4", None, out, f"'{tmp_path / 'taken.mp4'}' is a folder; give the path of an .mp4 file"),
+        (tmp_path / "side.mp4", None, out, f"its sidecar '{tmp_path / 'side.json'}' is a folder; choose another name"),
+        (tmp_path / "missing" / "out.mp4", None, out, f"folder '{tmp_path / 'missing'}' does not exist"),
+        (tmp_path / "locked" / "out.mp4", None, out, f"folder '{tmp_path / 'locked'}' is not writable"),
+        (tmp_path / "out.mp4", tmp_path / "missing" / "t.safetensors", tensors, f"folder '{tmp_path / 'missing'}' does not exist"),
+        (tmp_path / "out.mp4", tmp_path / "out.json", tensors, f"must be a .safetensors path, got '{tmp_path / 'out.json'}'"),
+        (tmp_path / "out.mp4", tmp_path / "t.safetensors", tensors, f"'{tmp_path / 't.safetensors'}' is a folder; give the path of a file"),
+        (tmp_path / "out.mp4", tmp_path / "link.safetensors", tensors, f"'{tmp_path / 'link.safetensors'}' is the video or its sidecar; give a path of its own"),
+        (tmp_path / "out.mov", None, out, "must end in '.mp4'"),
+    ]  # fmt: skip
+    for out_path, tensors_path, field, wording in cases:
+        with refused(RequestError, field=field, says=wording):
             engine.generate_to_file(REQUESTS["t2va"], out_path, save_tensors_path=tensors_path)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["link.safetensors", "taken.mp4"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "link.safetensors",
+        "locked",
+        "side.json",
+        "t.safetensors",
+        "taken.mp4",
+    ]
 
 
 def test_the_front_refuses_output_names_before_queueing(engine, tmp_path) -> None:
     front = EngineFront([engine], tmp_path)
     try:
-        with pytest.raises(RequestError, match="save_tensors_path: folder"):
+        with refused(RequestError, field="save_tensors_path"):
             front.submit(REQUESTS["t2va"], tmp_path / "a.mp4", tmp_path / "missing" / "a.safetensors")
     finally:
         front.shutdown()
