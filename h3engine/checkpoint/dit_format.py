@@ -9,7 +9,8 @@ but `attn.qkv_proj.weight` is held stacked [q; k; v] (so q, k and v come from co
 native file interleaves its rows per head: `native_to_module` / `module_to_native` convert a state dict,
 `diffusers_to_module` / `module_to_diffusers` go through the diffusers key map of `dit_keys`.
 `as_native_files` shows a diffusers-layout DiT's weight files as a native one, row and column ranges included,
-so that tensor-parallel ranks read their shards from either layout with the same code.
+so that tensor-parallel ranks read their shards from either layout with the same code. `adaln_form_from_shapes`
+(h3engine.checkpoint.dit_pruned) sets the AdaLN form (exact or pruned) that the files' tensor shapes show.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ from h3engine.checkpoint.dit_keys import (
     native_state_shapes,
     native_to_diffusers,
 )
+from h3engine.checkpoint.dit_pruned import adaln_fields_from_json, adaln_fields_to_json
+
+# The AdaLN form a DiT's files hold (h3engine.checkpoint.dit_pruned), re-exported for the loaders of every layout.
+from h3engine.checkpoint.dit_pruned import adaln_form_from_shapes as adaln_form_from_shapes
+from h3engine.checkpoint.dit_pruned import adaln_form_of_files as adaln_form_of_files
 from h3engine.checkpoint.safetensors_io import FileExtent, TensorInfo, WeightFiles, row_extents
 from h3engine.errors import CheckpointError
 from h3engine.models.dit_config import DiTConfig
@@ -125,6 +131,7 @@ def _parse(
 def config_from_native(config: dict[str, Any], source: str = "transformer/config.json") -> DiTConfig:
     """Parse a native transformer/config.json; each field may appear under any of its aliases (all must agree)."""
     parsed = _parse(config, NATIVE_CLASS_NAME, _NATIVE_FIELD_ALIASES, native=True, source=source)
+    parsed = adaln_fields_from_json(config, parsed, source)
     derived = {
         "adaln_out_features": parsed.adaln_out_features,
         "final_adaln_out_features": parsed.final_adaln_out_features,
@@ -145,7 +152,7 @@ def _written(
 ) -> dict[str, Any]:
     written: dict[str, Any] = {"_class_name": class_name}
     for field_name, value in asdict(config).items():
-        for name in names_by_field[field_name]:
+        for name in names_by_field.get(field_name, ()):  # the AdaLN form's fields: `config_to_native`
             written[name] = list(value) if field_name == "patch_size" else value
     return written
 
@@ -155,11 +162,13 @@ def config_to_native(config: DiTConfig) -> dict[str, Any]:
     native = _written(config, NATIVE_CLASS_NAME, _NATIVE_FIELD_ALIASES)
     native["adaln_out_features"] = config.adaln_out_features
     native["final_adaln_out_features"] = config.final_adaln_out_features
-    return native
+    return {**native, **adaln_fields_to_json(config)}
 
 
 def config_to_diffusers(config: DiTConfig) -> dict[str, Any]:
-    """A dict accepted by diffusers `MiniMaxH3Transformer3DModel.from_config`."""
+    """A dict accepted by diffusers `MiniMaxH3Transformer3DModel.from_config` (the exact AdaLN form only)."""
+    if config.adaln_form != "exact":
+        raise CheckpointError(f"a pruned ({config.adaln_form}) AdaLN form has no diffusers config")
     return _written(config, DIFFUSERS_CLASS_NAME, _DIFFUSERS_FIELD_NAMES)
 
 

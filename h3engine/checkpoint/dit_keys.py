@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from h3engine.errors import CheckpointError
-from h3engine.models.dit import FP32_PARAMETER_NAMES, H3DiT
+from h3engine.models.dit import FP32_PARAMETER_NAMES, PRUNED_FP32_NAMES, H3DiT
 from h3engine.models.dit_config import DiTConfig
 from h3engine.models.dit_layers import rope_inverse_frequencies
 
@@ -202,8 +202,9 @@ def native_state_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
 
 
 def native_storage_dtype(key: str) -> torch.dtype:
-    """The dtype the release stores `key` in: fp32 for the twelve islands and rope.inv_freq, else bf16."""
-    return torch.float32 if key in FP32_PARAMETER_NAMES else torch.bfloat16
+    """The dtype the release stores `key` in: fp32 for the twelve islands and rope.inv_freq (and a pruned form's table,
+    mean and basis), else bf16."""
+    return torch.float32 if key in FP32_PARAMETER_NAMES | PRUNED_FP32_NAMES else torch.bfloat16
 
 
 def random_native_tensor(
@@ -218,6 +219,8 @@ def random_native_tensor(
         return rope_inverse_frequencies(config.rope_freq_dim, config.rope_theta, device)
     if key.endswith(("norm.weight", "norm1.weight", "norm2.weight")):
         values = 1.0 + _NORM_WEIGHT_SPREAD * torch.randn(shape, generator=generator, device=device)
+    elif key in PRUNED_FP32_NAMES:
+        values = torch.randn(shape, generator=generator, device=device)
     elif key.endswith(".bias"):
         std = _ADALN_BIAS_STD if "adaln_proj" in key else _OTHER_BIAS_STD
         values = std * torch.randn(shape, generator=generator, device=device)

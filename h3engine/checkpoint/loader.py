@@ -150,7 +150,8 @@ def _materialize_computed_buffers(module: torch.nn.Module, device: torch.device)
 
 def read_dit_config(layout: CheckpointLayout, paths: PartitionPaths) -> Any:
     """The DiT config of a partition (h3engine.models.dit_config.DiTConfig) from its config.json, with the AdaLN form
-    (exact or pruned) that its weight files' headers show (h3engine.checkpoint.dit_pruned)."""
+    (exact or pruned) that its weight files' headers show (h3engine.checkpoint.dit_pruned; a single file that
+    replaces the folder's weights, `paths.dit_weights`, is its reader's to inspect)."""
     config_path = paths.dit / "config.json"
     raw = read_json(config_path)
     try:
@@ -160,6 +161,8 @@ def read_dit_config(layout: CheckpointLayout, paths: PartitionPaths) -> Any:
             config = dit_format.config_from_diffusers(raw)
     except (KeyError, TypeError, ValueError) as error:
         raise CheckpointError(f"{config_path}: invalid DiT config ({error})") from None
+    if paths.dit_weights is not None:
+        return config
     return dit_format.adaln_form_of_files(WeightFiles.open(paths.dit), config, layout.kind == "native")
 
 

@@ -331,7 +331,8 @@ def dit_size(dit: nn.Module, weights: str, share: RankShare) -> ModelSize:
         _DIT_TP_SPLITS,
         share.dit_tp,
         adaln_modules=projections,
-        fp8_adaln=fp8,
+        # A pruned form's projections are not quantized (h3engine.engine.sampling.modulation.offload_adaln).
+        fp8_adaln=fp8 and dit.config.adaln_form == "exact",
     )
 
 

@@ -9,9 +9,10 @@ are the native checkpoint keys (docs/MODEL.md §1.2), `rope.inv_freq` included; 
 [q; k; v] where the file interleaves them per head (h3engine.checkpoint.dit_format converts).
 
 Danger: the checkpoint is mixed precision. `FP32_PARAMETER_NAMES` (patch projections, time MLP, output heads,
-`rope.inv_freq`) must stay fp32, the rest runs in the constructor's `dtype`: never `.to(torch.bfloat16)` /
-`.half()` the whole module (that rounds the fp32 islands), choose the dtype at construction. A module built on
-`meta` and materialized with `to_empty()` holds garbage, `rope.inv_freq` included, until a full state is loaded.
+`rope.inv_freq`; pruned: `PRUNED_FP32_NAMES`, AdaLN projections) stay fp32, the rest runs in the constructor's
+`dtype`: never `.to(torch.bfloat16)` / `.half()` the whole module (that rounds the fp32 islands), choose the dtype
+at construction. A module built on `meta` and materialized with `to_empty()` holds garbage, `rope.inv_freq`
+included, until a full state is loaded.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from h3engine.models import dit_chunks
+from h3engine.models.dit_adaln import TABLE_KEY, AdaLNCurve, interpolate_table
 from h3engine.models.dit_config import NUM_MODALITIES, DiTConfig
 from h3engine.models.dit_layers import (
     BlocksRunner,
@@ -52,6 +54,8 @@ FP32_PARAMETER_NAMES: frozenset[str] = frozenset(
         "rope.inv_freq",
     }
 )
+# The pruned forms' fp32 tensors (h3engine.models.dit_adaln): the published table and our basis form's mean and basis.
+PRUNED_FP32_NAMES: frozenset[str] = frozenset({TABLE_KEY, "adaln_curve.mean", "adaln_curve.basis"})
 
 
 class H3DiT(nn.Module):
@@ -69,7 +73,17 @@ class H3DiT(nn.Module):
             config.audio_in_channels, config.hidden_size, dtype=torch.float32, device=device
         )
         self.condition_proj = nn.Linear(config.text_dim, config.hidden_size, dtype=dtype, device=device)
-        self.time_embedder = TimestepEmbedder(config, device)
+        # The AdaLN input (`adaln_input`): the time embedder, and our basis form's curve; the published table form
+        # has no embedder, only its table (h3engine.models.dit_adaln).
+        if config.adaln_form == "table":
+            table = torch.zeros(
+                config.adaln_table_rows, config.adaln_rank, dtype=torch.float32, device=device
+            )
+            self.register_buffer(TABLE_KEY, table)
+        else:
+            self.time_embedder = TimestepEmbedder(config, device)
+        if config.adaln_form == "basis":
+            self.adaln_curve = AdaLNCurve(config, device)
         self.rope = MultiAxisRope(config, device)
         self.token_refiner = TokenRefiner(config, dtype, device)
         self.blocks = nn.ModuleList(DiTBlock(config, dtype, device) for _ in range(config.num_layers))
@@ -212,13 +226,21 @@ class H3DiT(nn.Module):
         """The blocks' output -> fp32 (video, audio) velocities in the order of the layout's row indices."""
         return self.final_layer(hidden, final_tables, layout)
 
+    def adaln_input(self, timesteps: Tensor) -> Tensor:
+        """What every AdaLN projection reads for these M timesteps (fp32 [M]): the fp32 temb [M, time_embed_dim]
+        (exact form: each projection applies SiLU and casts only after it), or the fp32 curve c(t) [M, adaln_rank]
+        of a pruned form (no SiLU follows; h3engine.models.dit_adaln)."""
+        if self.config.adaln_form == "table":
+            return interpolate_table(getattr(self, TABLE_KEY), timesteps)
+        temb = self.time_embedder(timesteps)
+        return self.adaln_curve(temb) if self.config.adaln_form == "basis" else temb
+
     def modulation(self, timesteps: Tensor) -> StepModulation:
         """Every AdaLN table of one forward with these M timesteps (fp32 [M], on the compute device)."""
-        # temb stays fp32 ([M, time_embed_dim]); each AdaLN projection casts only after its SiLU.
-        temb = self.time_embedder(timesteps)
+        adaln_input = self.adaln_input(timesteps)
         return StepModulation(
-            blocks=tuple(block.modulation(temb) for block in self.blocks),
-            final=self.final_layer.modulation(temb),
+            blocks=tuple(block.modulation(adaln_input) for block in self.blocks),
+            final=self.final_layer.modulation(adaln_input),
         )
 
 

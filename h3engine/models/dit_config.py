@@ -1,5 +1,10 @@
 """The H3 DiT's architecture, `DiTConfig`: its fields (h3engine.checkpoint.dit_format reads them from a checkpoint's
 config), the sizes derived from them, and the released and tiny configurations (docs/MODEL.md §1.1, §10).
+
+The AdaLN form (`adaln_form`): "exact" (the release: every AdaLN projection reads SiLU(temb), time_embed_dim wide),
+"table" (the community's pruned files: `adaln_t_table` [adaln_table_rows, adaln_rank] interpolated, no time embedder)
+or "basis" (ours, `convert --prune-adaln`: the time embedder kept, c(t) = (SiLU(temb) - mean) @ basis); the two
+pruned forms feed adaln_rank-wide projections with no SiLU (h3engine.models.dit_adaln).
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ class DiTConfig:
     rope_freq_dim: int
     rope_theta: float = 10000.0
     eps: float = 1e-5
+    # 0: the exact AdaLN input (SiLU(temb), time_embed_dim wide); > 0: the width of a pruned form's curve c(t).
+    adaln_rank: int = 0
+    # > 0: the published table form (adaln_t_table rows, no time embedder); 0 with adaln_rank > 0: our basis form.
+    adaln_table_rows: int = 0
 
     def __post_init__(self) -> None:
         # Config files carry patch_size as a JSON list; store the hashable tuple.
@@ -76,6 +85,24 @@ class DiTConfig:
             )
         if not self.rope_theta > 0 or not self.eps > 0:
             raise ValueError(f"DiTConfig.rope_theta and eps must be > 0, got {self.rope_theta}, {self.eps}")
+        self._check_adaln_form()
+
+    def _check_adaln_form(self) -> None:
+        for name in ("adaln_rank", "adaln_table_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"DiTConfig.{name} must be an integer >= 0, got {value!r}")
+        if self.adaln_table_rows and not self.adaln_rank:
+            raise ValueError(
+                f"DiTConfig.adaln_table_rows {self.adaln_table_rows} needs adaln_rank > 0 (the table's width)"
+            )
+        if self.adaln_table_rows == 1:
+            raise ValueError("DiTConfig.adaln_table_rows must be >= 2 (an interpolated table), got 1")
+        if self.adaln_form == "basis" and self.adaln_rank > self.time_embed_dim:
+            raise ValueError(
+                f"DiTConfig.adaln_rank {self.adaln_rank} exceeds time_embed_dim {self.time_embed_dim} (a basis of "
+                "the SiLU(temb) curve has at most that many directions)"
+            )
 
     # Derived sizes ------------------------------------------------------------------------------------------
 
@@ -100,6 +127,23 @@ class DiTConfig:
     @property
     def final_adaln_out_features(self) -> int:
         return 2 * self.hidden_size
+
+    @property
+    def adaln_form(self) -> str:
+        """ "exact" (the release), "table" (published pruned files) or "basis" (ours): see the module docstring."""
+        if not self.adaln_rank:
+            return "exact"
+        return "table" if self.adaln_table_rows else "basis"
+
+    @property
+    def adaln_in_features(self) -> int:
+        """Width of every AdaLN projection's input: time_embed_dim (exact) or adaln_rank (pruned)."""
+        return self.adaln_rank or self.time_embed_dim
+
+    @property
+    def has_time_embedder(self) -> bool:
+        """Whether the DiT holds the sinusoidal embedder and time MLP (all but the published table form)."""
+        return self.adaln_form != "table"
 
     # Known configurations ------------------------------------------------------------------------------------
 

@@ -200,20 +200,35 @@ class SwiGLU(nn.Module):
 
 
 class AdaLNProjection(nn.Module):
-    """SiLU(temb) -> Linear. SiLU runs on the fp32 temb; only its result is cast to the (bf16) linear's dtype."""
+    """The AdaLN input (`H3DiT.adaln_input`) -> Linear.
+
+    Exact form: SiLU runs on the fp32 temb; only its result is cast to the (bf16) linear's dtype. Pruned forms
+    (h3engine.models.dit_adaln): no SiLU, the adaln_rank-wide linear is held and computed in fp32 (as ComfyUI runs
+    the published files) and its tables are cast to the compute dtype.
+    """
 
     def __init__(
         self, config: DiTConfig, out_features: int, dtype: torch.dtype, device: torch.device | str | None
     ):
         super().__init__()
-        self.linear = nn.Linear(config.time_embed_dim, out_features, dtype=dtype, device=device)
+        self.pruned = config.adaln_form != "exact"
+        self.output_dtype = dtype
+        linear_dtype = torch.float32 if self.pruned else dtype
+        self.linear = nn.Linear(config.adaln_in_features, out_features, dtype=linear_dtype, device=device)
 
-    def forward(self, temb: Tensor, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
+    def forward(
+        self, adaln_input: Tensor, weight: Tensor | None = None, bias: Tensor | None = None
+    ) -> Tensor:
         """`weight` / `bias` stand in for the module's own (the same values on another device)."""
         weight = self.linear.weight if weight is None else weight
         bias = self.linear.bias if bias is None else bias
-        activated = F.silu(temb).to(weight.dtype)
         update = getattr(self.linear, LOW_RANK_ATTRIBUTE, None)
+        if self.pruned:
+            activated = adaln_input.to(torch.float32)
+            table = F.linear(activated, weight.to(torch.float32), bias.to(torch.float32))
+            table = table if update is None else table + update(activated).to(torch.float32)
+            return table.to(self.output_dtype)
+        activated = F.silu(adaln_input).to(weight.dtype)
         table = F.linear(activated, weight, bias)
         return table if update is None else table + update(activated)
 
@@ -260,13 +275,13 @@ class DiTBlock(nn.Module):
         self.adaln_proj = AdaLNProjection(config, config.adaln_out_features, dtype, device)
 
     def modulation(
-        self, temb: Tensor, weight: Tensor | None = None, bias: Tensor | None = None
+        self, adaln_input: Tensor, weight: Tensor | None = None, bias: Tensor | None = None
     ) -> BlockModulation:
-        """This block's AdaLN tables for the M timesteps of `temb` (optionally with the projection's weights given,
-        e.g. streamed from CPU memory)."""
+        """This block's AdaLN tables for the M timesteps of `adaln_input` (`H3DiT.adaln_input`; optionally with the
+        projection's weights given, e.g. streamed from CPU memory)."""
         # Output features are [modality][6 chunks][hidden], so a [M*3, 6, hidden] view puts the AdaLN table
         # row (timestep_index * 3 + tag) first.
-        table = self.adaln_proj(temb, weight, bias).view(-1, NUM_BLOCK_MODULATIONS, self.hidden_size)
+        table = self.adaln_proj(adaln_input, weight, bias).view(-1, NUM_BLOCK_MODULATIONS, self.hidden_size)
         shift_attn, scale_attn, gate_attn, shift_ffn, scale_ffn, gate_ffn = table.unbind(dim=1)
         # `1 + scale` is taken on the [M*3, hidden] table before the per-row gather: the same bf16 additions as
         # after it, but on a dozen rows instead of the whole sequence.
@@ -378,10 +393,10 @@ class FinalLayer(nn.Module):
         )
 
     def modulation(
-        self, temb: Tensor, weight: Tensor | None = None, bias: Tensor | None = None
+        self, adaln_input: Tensor, weight: Tensor | None = None, bias: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
-        """(1 + scale, shift) tables [M, hidden] for the M timesteps of `temb`."""
-        shift, scale = self.adaln_proj(temb, weight, bias).chunk(2, dim=-1)
+        """(1 + scale, shift) tables [M, hidden] for the M timesteps of `adaln_input` (`H3DiT.adaln_input`)."""
+        shift, scale = self.adaln_proj(adaln_input, weight, bias).chunk(2, dim=-1)
         return 1.0 + scale, shift.contiguous()
 
     def forward(

@@ -112,16 +112,19 @@ def offload_adaln(
     parameters = []
     for projection in projections:
         linear, key = projection.linear, f"{names[id(projection)]}.linear.weight"
+        # A pruned form's projections (adaln_rank inputs per row) stay as they are: FP8 rows of 8 would cost
+        # precision for a few MiB.
+        quantized = fp8 and not projection.pruned
         if key in readers:
             read = readers[key]
             # bf16 files under --weights fp8: the values FP8 storage stands for (FP8 files gave them already).
             _mapped_weights[linear] = (
-                (lambda read=read: dequantized(read())) if fp8 and key not in stored_fp8 else read
+                (lambda read=read: dequantized(read())) if quantized and key not in stored_fp8 else read
             )
             parameters.append(linear.bias)
             continue
         parameters += [linear.weight, linear.bias]
-        if fp8:
+        if quantized:
             values, scales = (
                 stored_fp8[key]() if key in stored_fp8 else quantize_rows(linear.weight.data.to("cpu"))
             )
@@ -141,7 +144,8 @@ def store_adaln_in_fp8(dit: H3DiT) -> None:
     """`--weights fp8` for AdaLN projections that stay with the module (the CPU): their weights become the values
     the FP8 copies give back."""
     for projection in _adaln_projections(dit):
-        projection.linear.weight.data = dequantized(projection.linear.weight.data)
+        if not projection.pruned:
+            projection.linear.weight.data = dequantized(projection.linear.weight.data)
     clear_modulation_cache(dit)
 
 
@@ -285,17 +289,17 @@ def build_modulation(dit: H3DiT, step_timesteps: list[Tensor]) -> list[StepModul
         for timesteps in step_timesteps:
             timesteps.record_stream(building_stream)
     with torch.cuda.stream(building_stream) if building_stream is not None else contextlib.nullcontext():
-        # temb stays fp32 ([M, time_embed_dim]); each AdaLN projection casts only after its SiLU.
-        step_tembs = [dit.time_embedder(timesteps) for timesteps in step_timesteps]
+        # The AdaLN input stays fp32: temb (each exact projection casts only after its SiLU) or a pruned form's c(t).
+        step_inputs = [dit.adaln_input(timesteps) for timesteps in step_timesteps]
         block_tables: list[list[BlockModulation]] = [[] for _ in step_timesteps]
         for block in dit.blocks:
             weight, bias = _on_device(block.adaln_proj.linear, device)
-            computed = [block.modulation(temb, weight, bias) for temb in step_tembs]
+            computed = [block.modulation(adaln_input, weight, bias) for adaln_input in step_inputs]
             ready = _handed_over([table for tables in computed for table in _tables(tables)], reading_stream)
             for tables, step_computed in zip(block_tables, computed, strict=True):
                 tables.append(InFlightBlockModulation(**vars(step_computed), ready=ready))
         weight, bias = _on_device(dit.final_layer.adaln_proj.linear, device)
-        finals = [dit.final_layer.modulation(temb, weight, bias) for temb in step_tembs]
+        finals = [dit.final_layer.modulation(adaln_input, weight, bias) for adaln_input in step_inputs]
         final_ready = _handed_over([table for final in finals for table in final], reading_stream)
     return [
         InFlightStepModulation(blocks=tuple(tables), final=final, final_ready=final_ready)
