@@ -271,7 +271,7 @@ def test_a_pickle_file_is_refused_without_unpickling(tmp_path: Path) -> None:
     path = tmp_path / "adapter.pt"
     torch.save({"blocks.0.mlp.fc2.lora_A.weight": torch.ones(1, 2)}, str(path))
     message = _error(path)
-    assert "'adapter.pt'" in message and "safetensors" in message
+    assert "'adapter.pt'" in message and "is not a readable .safetensors file" in message
 
 
 def test_a_truncated_file_is_refused(tmp_path: Path) -> None:
@@ -326,6 +326,7 @@ def test_a_shape_that_does_not_fit_is_refused_with_the_first_key(tmp_path: Path)
     message = _error(path)
     assert "'pruned.safetensors'" in message and "'blocks.1.mlp.fc2.lora_A.weight'" in message
     assert "[16, 24]" in message and "[16, 32]" in message
+    assert "(was the adapter trained on another, e.g. pruned, checkpoint?)" in message
 
 
 def test_a_factor_without_its_partner_is_refused(tmp_path: Path) -> None:
