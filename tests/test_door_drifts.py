@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from _api_helpers import InProcessApi
+from _refusals import api_refused, cli_refused, refused
 from _remix_helpers import remix_request, write_sources
 
 from h3engine.checkpoint.facts import CheckpointFacts
@@ -34,7 +35,7 @@ from h3engine.request.model import GenerationRequest
 from h3engine.request.remix import Remix
 from h3engine.runtime.front import EngineFront, EngineReplica
 from h3engine.runtime.messages import JobFailed, JobFinished
-from h3engine.serving.videos import api_message, api_param, request_from_fields
+from h3engine.serving.videos import api_param, request_from_fields
 
 RUNGS = (999, 750, 500, 250)
 PROMPT = "A kite over the dunes."
@@ -59,15 +60,14 @@ def _cli_resolved(checkpoint: Path, tmp_path: Path, monkeypatch, *flags: str) ->
 
 
 def _api_resolved(front: Any, tmp_path: Path, **fields: str) -> Any:
-    """What the API resolves for a body of `fields` (as POST /v1/videos does), or its (param, message)."""
+    """What the API resolves for a body of `fields` (as POST /v1/videos does), or (its param, the RequestError)."""
     body = {"prompt": PROMPT, "seconds": "4", **fields}
     built = None
     try:
         built = request_from_fields(body, tmp_path / "inputs", front.facts)
         return front.resolve(built.request)
     except RequestError as error:
-        param = api_param(error, built, "size" in fields)
-        return param, api_message(error, param)
+        return api_param(error, built, "size" in fields), error
 
 
 def test_a_distilled_checkpoint_runs_its_steps_from_every_door(
@@ -81,16 +81,20 @@ def test_a_distilled_checkpoint_runs_its_steps_from_every_door(
         assert front.resolve(bare).request.steps == 4
         assert _api_resolved(front, tmp_path).request.steps == 4
         assert _cli_resolved(distilled, tmp_path, monkeypatch).request.steps == 4
-        # An explicit other count: the same sentence everywhere.
-        sentence = "this checkpoint is step-distilled to 4 steps (rungs 999, 750, 500, 250), got 50"
-        for resolve in (engine.resolve, front.resolve):
-            with pytest.raises(RequestError) as refused:
-                resolve(GenerationRequest(task="t2va", prompt=PROMPT, duration_seconds=4.0, steps=50))
-            assert (refused.value.field, refused.value.problem) == ("steps", sentence)
-        assert _api_resolved(front, tmp_path, steps="50") == ("steps", f"steps: {sentence}")
+        # An explicit other count: the same field and sentence everywhere (its wording: tests/test_dmd_rungs.py).
+        too_many = GenerationRequest(task="t2va", prompt=PROMPT, duration_seconds=4.0, steps=50)
+        with refused(RequestError, field="steps") as caught:
+            engine.resolve(too_many)
+        sentence = caught.value.problem
+        assert sentence.endswith("got 50"), sentence
+        with refused(RequestError, field="steps") as caught:
+            front.resolve(too_many)
+        assert caught.value.problem == sentence
+        param, error = _api_resolved(front, tmp_path, steps="50")
+        assert (param, error.field, error.problem) == ("steps", "steps", sentence)
         capsys.readouterr()
         assert _cli_resolved(distilled, tmp_path, monkeypatch, "--steps", "50") == 2
-        assert capsys.readouterr().err == f"error: steps: {sentence}\n"
+        assert cli_refused(capsys.readouterr().err, "steps") == sentence
     finally:
         front.shutdown()
 
@@ -106,11 +110,17 @@ def test_an_explicit_canvas_gets_one_answer(tiny_native, tmp_path, monkeypatch, 
         )
         step = front.facts.canvas_multiple
         assert 68 % step  # not a multiple of the canvas step
+        # The checker's refusal (its wording: tests/test_request.py), the same at both doors.
+        with refused(RequestError, field="width") as caught:
+            front.resolve(
+                GenerationRequest(task="t2va", prompt=PROMPT, duration_seconds=4.0, width=68, height=32)
+            )
+        sentence = caught.value.problem
         capsys.readouterr()
         assert _cli_resolved(tiny_native, tmp_path, monkeypatch, "--width", "68", "--height", "32") == 2
-        sentence = f"must be a multiple of {step}, got 68"
-        assert capsys.readouterr().err == f"error: width: {sentence}\n"
-        assert _api_resolved(front, tmp_path, size="68x32") == ("size", f"size: width: {sentence}")
+        assert cli_refused(capsys.readouterr().err, "width") == sentence
+        param, error = _api_resolved(front, tmp_path, size="68x32")
+        assert (param, error.field, error.problem) == ("size", "width", sentence)
     finally:
         front.shutdown()
 
@@ -142,13 +152,14 @@ def test_a_request_over_the_memory_plan_is_refused_before_it_queues(tmp_path) ->
     replica = PlanOnly(make_placeholder_checkpoint(tmp_path / "released"))
     front = EngineFront([replica], tmp_path / "outputs")
     try:
-        with pytest.raises(RequestError, match=r"^duration_seconds: a 15 s request needs about .* or less"):
+        with refused(RequestError, field="duration_seconds"):
             front.submit(GenerationRequest(task="t2va", prompt=PROMPT, duration_seconds=15))
         assert front.waiting == 0 and front.running == 0 and replica.runs == 0
         # The same refusal through the API: 400 naming `seconds`, nothing queued.
         with InProcessApi(front, tmp_path) as api:
-            refused = api.post(json={"prompt": PROMPT, "seconds": "15"})
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == "seconds", refused.text
+            answer = api.post(json={"prompt": PROMPT, "seconds": "15"})
+        assert answer.status_code == 400, answer.text
+        api_refused(answer.json(), "seconds")
         assert front.waiting == 0 and replica.runs == 0
     finally:
         front.shutdown()
