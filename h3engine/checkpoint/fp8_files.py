@@ -83,7 +83,8 @@ def _weight_files_of(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.safetensors.index.json"))
 
 
-def _link_or_copy(source: Path, target: Path) -> None:
+def link_or_copy(source: Path, target: Path) -> None:
+    """`target` as a hard link to `source` where the filesystem allows, else a copy."""
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.link(source, target)
@@ -152,7 +153,7 @@ def _convert_component(
             weight_map.update(dict.fromkeys(keys, path.name))
             written += size
         elif path.is_file():
-            _link_or_copy(path, target)
+            link_or_copy(path, target)
     for index_path in index_paths:
         index = json.loads(index_path.read_text(encoding="utf-8"))
         index["weight_map"] = dict(sorted(weight_map.items()))
@@ -161,10 +162,17 @@ def _convert_component(
     return written
 
 
-def convert_checkpoint(source: str | os.PathLike[str], out: str | os.PathLike[str]) -> dict[str, int]:
+def convert_checkpoint(
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    dit_writer: Callable[[Path, Path], int] | None = None,
+) -> dict[str, int]:
     """Write `source` (a released checkpoint, either layout) into the empty or missing folder `out` in this format;
-    returns the bytes written per converted component ("dit:<folder>", "text_encoder:<folder>")."""
+    returns the bytes written per converted component ("dit:<folder>", "text_encoder:<folder>"). `dit_writer(folder,
+    target)` writes each DiT folder instead (h3engine.checkpoint.prune_adaln) and returns its weight bytes. A pruned
+    AdaLN form's projections (h3engine.checkpoint.dit_pruned) are not quantized: rows of a few inputs."""
     from h3engine.checkpoint.dit_keys import native_key
+    from h3engine.checkpoint.dit_pruned import holds_pruned_adaln
 
     source, out = Path(source), Path(out)
     layout = detect_layout(source)
@@ -173,19 +181,24 @@ def convert_checkpoint(source: str | os.PathLike[str], out: str | os.PathLike[st
     text_folders = {paths.text_encoder for paths in layout.partitions.values()}
     sizes: dict[str, int] = {}
 
-    def dit_key(key: str, shape: tuple[int, ...]) -> bool:
+    def dit_key(key: str, shape: tuple[int, ...], pruned: bool = False) -> bool:
         name = key if layout.kind == "native" else native_key(key)
-        return dit_quantized_key(name)
+        return dit_quantized_key(name) and not (pruned and "adaln_proj" in name)
 
     for path in sorted(source.rglob("*")):
         relative = path.relative_to(source)
         if any(folder == path or folder in path.parents for folder in dit_folders | text_folders):
             continue
         if path.is_file():
-            _link_or_copy(path, out / relative)
+            link_or_copy(path, out / relative)
     for folder in sorted(dit_folders):
+        target = out / folder.relative_to(source)
+        if dit_writer is not None:
+            sizes[f"dit:{folder.relative_to(source)}"] = dit_writer(folder, target)
+            continue
+        pruned = holds_pruned_adaln(WeightFiles.open(folder))
         sizes[f"dit:{folder.relative_to(source)}"] = _convert_component(
-            folder, out / folder.relative_to(source), dit_key
+            folder, target, lambda key, shape, pruned=pruned: dit_key(key, shape, pruned)
         )
     converted: dict[
         str, Path
@@ -195,7 +208,7 @@ def convert_checkpoint(source: str | os.PathLike[str], out: str | os.PathLike[st
         fingerprint = folder_fingerprint(folder)
         if fingerprint in converted:
             for path in sorted(converted[fingerprint].iterdir()):
-                _link_or_copy(path, target / path.name)
+                link_or_copy(path, target / path.name)
             continue
         sizes[f"text_encoder:{folder.relative_to(source)}"] = _convert_component(
             folder, target, text_encoder_quantized_key, text_encoder_unused_key

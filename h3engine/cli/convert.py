@@ -1,12 +1,17 @@
 """`python -m h3engine convert`: a released checkpoint written once as smaller files that load memory-mapped.
 
     python -m h3engine convert --checkpoint DIR --weights fp8 --out DIR2
+    python -m h3engine convert --checkpoint DIR --prune-adaln [--weights fp8] --out DIR2
 
 `--weights fp8` writes the large linears (DiT blocks and refiner, AdaLN projections, the text encoder's layers) as
 e4m3 values with one fp32 scale per output row, exactly what `--weights fp8` makes at load, in the released layout
 (h3engine.checkpoint.fp8_files): the DiT and the text encoder about halve, and an engine streams them from the files in
-FP8 without a bf16 copy in host memory. Prints each component's size and the total. Exit 2 with one line naming the
-flag or the file for a bad flag, a checkpoint that does not load, or an output folder that is not empty.
+FP8 without a bf16 copy in host memory. `--prune-adaln` (native layout) writes each DiT's AdaLN projections against a
+rank-`--adaln-rank` basis of its SiLU(temb) curve (h3engine.checkpoint.prune_adaln; ~13 B fewer parameters), and
+prints each DiT's size before and after and the error of its pruned AdaLN tables over a dense grid of t and at the
+timesteps of a default 50-step schedule. Exact AdaLN stays the default: only this command prunes. Prints each
+component's size and the total. Exit 2 with one line naming the flag or the file for a bad flag, a checkpoint that
+does not load, or an output folder that is not empty.
 """
 
 from __future__ import annotations
@@ -17,19 +22,30 @@ import time
 from h3engine.errors import RequestError
 
 CONVERT_FORMATS = ("fp8",)
+# The schedule whose timesteps the pruned tables are fitted and checked on: the default request's.
+CHECK_STEPS = 50
 
 
 def add_convert_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Declare the `convert` subcommand on the CLI's subparsers."""
     convert = commands.add_parser(
         "convert",
-        help="write a released checkpoint as smaller files once (--weights fp8: e4m3 with row scales)",
+        help="write a released checkpoint as smaller files once (--weights fp8: e4m3 with row scales; "
+        "--prune-adaln: low-rank AdaLN)",
     )
     convert.add_argument("--checkpoint", required=True, help="the released checkpoint folder (either layout)")
     convert.add_argument(
         "--weights",
-        required=True,
+        default=None,
         help="fp8: the large linears as e4m3 with one fp32 scale per output row (the values --weights fp8 makes)",
+    )
+    convert.add_argument(
+        "--prune-adaln",
+        action="store_true",
+        help="each DiT's AdaLN projections against a low-rank basis of its timestep curve (native layout)",
+    )
+    convert.add_argument(
+        "--adaln-rank", type=int, default=8, help="with --prune-adaln: the basis' rank (default 8)"
     )
     convert.add_argument(
         "--out", required=True, help="an empty or missing folder for the converted checkpoint"
@@ -37,15 +53,61 @@ def add_convert_parser(commands: argparse._SubParsersAction) -> argparse.Argumen
     return convert
 
 
+def _size(size: int) -> str:
+    return f"{size / (1 << 30):.2f} GiB" if size >= 1 << 30 else f"{size / (1 << 20):.2f} MiB"
+
+
+def schedule_timesteps(checkpoint: str) -> list[float]:
+    """The DiT timesteps of a default request's schedule on `checkpoint` (video, audio, the condition levels)."""
+    from h3engine.checkpoint.layout import detect_layout
+    from h3engine.engine.sampling.packing import VISUAL_CONDITION_LEVEL
+    from h3engine.engine.sampling.schedule import Schedule
+
+    layout = detect_layout(checkpoint)
+    schedule = Schedule.build(
+        CHECK_STEPS, recipe="sglang", video_shift=layout.video_shift, audio_shift=layout.audio_shift
+    )
+    timesteps = schedule.video_timesteps.tolist() + schedule.audio_timesteps.tolist()
+    return [*timesteps, VISUAL_CONDITION_LEVEL, 1.0]
+
+
+def _prune(args: argparse.Namespace) -> dict[str, int]:
+    from h3engine.checkpoint.prune_adaln import prune_checkpoint
+
+    if args.adaln_rank < 1:
+        raise RequestError("--adaln-rank", f"expected a positive integer, got {args.adaln_rank}")
+    reports, sizes = prune_checkpoint(
+        args.checkpoint,
+        args.out,
+        rank=args.adaln_rank,
+        timesteps=schedule_timesteps(args.checkpoint),
+        fp8=args.weights == "fp8",
+    )
+    for report in reports:
+        print(
+            f"{report.folder}: pruned AdaLN to rank {report.rank} ({report.captured:.8%} of the centred curve's "
+            f"energy over {report.samples} timesteps); DiT {_size(report.bytes_before)} -> "
+            f"{_size(report.bytes_after)}"
+        )
+        print(
+            f"{report.folder}: AdaLN table error (max relative L2 vs exact): {report.grid_error:.3e} over t in "
+            f"[0, 1], {report.check_error:.3e} at the {CHECK_STEPS}-step schedule's timesteps (the exact engine's "
+            f"own bf16 rounding: {report.bf16_error:.3e})"
+        )
+    return sizes
+
+
 def run_convert(args: argparse.Namespace) -> int:
     """Convert (RequestError / CheckpointError for what cannot be: exit 2 by the CLI)."""
-    if args.weights not in CONVERT_FORMATS:
+    if args.weights is not None and args.weights not in CONVERT_FORMATS:
         raise RequestError("--weights", f"expected one of {', '.join(CONVERT_FORMATS)}, got '{args.weights}'")
+    if args.weights is None and not args.prune_adaln:
+        raise RequestError("--weights", "give --weights fp8, --prune-adaln, or both")
     from h3engine.checkpoint.fp8_files import convert_checkpoint
 
     started = time.perf_counter()
     try:
-        sizes = convert_checkpoint(args.checkpoint, args.out)
+        sizes = _prune(args) if args.prune_adaln else convert_checkpoint(args.checkpoint, args.out)
     except FileExistsError as error:
         raise RequestError("--out", str(error)) from None
     for component, size in sizes.items():
