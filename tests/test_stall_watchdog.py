@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _refusals import cli_refused, refused
 from _runtime_helpers import events_until_done, parity_requests, process_exists, wait_for_step
 
 import app
@@ -121,14 +122,15 @@ def test_the_derived_limit_is_the_longest_of_the_floor_the_slowest_step_and_the_
 
 @pytest.mark.parametrize("value", [0.0, -5.0, float("inf"), float("nan")])
 def test_the_flag_wants_a_positive_number_of_seconds(value, tmp_path, capsys) -> None:
-    with pytest.raises(RequestError, match="^--stall-timeout: must be a positive number of seconds"):
+    # The rule's wording here, once; the CLI and the app name the flag.
+    with refused(RequestError, field="--stall-timeout", says="must be a positive number of seconds"):
         checked_stall_timeout(value)
     assert checked_stall_timeout(90.0) == 90.0 and checked_stall_timeout(None) is None
     arguments = ["generate", "--checkpoint", str(tmp_path), "--prompt", "x", "--out", str(tmp_path / "o.mp4")]
     assert main([*arguments, "--device", "cpu", "--world-size", "2", "--stall-timeout", str(value)]) == 2
-    assert "--stall-timeout: must be a positive number of seconds" in capsys.readouterr().err
+    cli_refused(capsys.readouterr().err, "--stall-timeout")
     config = app.parse_config(["--stall-timeout", str(value), "--outputs", str(tmp_path)], {})
-    with pytest.raises(app.ConfigError, match="^--stall-timeout: must be a positive number of seconds"):
+    with pytest.raises(app.ConfigError, match="^--stall-timeout: "):  # no field but its text's: the flag
         app.check_before_loading(config)
     with pytest.raises(app.ConfigError, match="^--stall-timeout: invalid float value: 'soon'"):
         app.parse_config(["--stall-timeout", "soon"], {})
