@@ -11,6 +11,7 @@ rounded twice, a stream that lost the quantized bytes, a LoRA merged into the we
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -93,16 +94,29 @@ def equal_outputs(got, expected) -> bool:
 # --------------------------------------------------------------------------------------------------------------
 
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernels)"
+        ),
+    ),
+]
+
+
 @pytest.mark.parametrize("kind", QUANTIZED, ids=lambda kind: kind.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_stored_linear_is_a_linear_of_its_dequantized_weight(kind: GGMLType, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_stored_linear_is_a_linear_of_its_dequantized_weight(kind: GGMLType, dtype, device) -> None:
+    """On CUDA the layer dequantizes with the Triton kernel: bit-identical to the twin by construction."""
     width = gguf_blocks.BLOCK_FORMATS[kind].block_size * 2
-    raw = torch.from_numpy(random_raw(kind, 6, width, seed=int(kind)))
-    layer = StoredLinear(width, 6, kind, dtype=dtype)
+    raw = torch.from_numpy(random_raw(kind, 6, width, seed=int(kind))).to(device)
+    layer = StoredLinear(width, 6, kind, dtype=dtype, device=device)
     layer.quantized.copy_(raw)
     torch.nn.init.normal_(layer.bias)
-    hidden = torch.randn(5, width, dtype=dtype)
-    weight = gguf_blocks.dequantize(raw, kind, (6, width)).to(dtype)
+    hidden = torch.randn(5, width, dtype=dtype, device=device)
+    weight = gguf_blocks.dequantize(raw.cpu(), kind, (6, width)).to(dtype).to(device)
     assert torch.equal(layer.weight, weight)
     assert torch.equal(layer(hidden), F.linear(hidden, weight, layer.bias))
     assert layer.state_dict()["quantized"].dtype == torch.uint8  # the bytes, not a dequantized copy
@@ -225,3 +239,46 @@ def test_the_dit_flag_names_its_partition(files, tmp_path) -> None:
         assert refused.value.field == "--dit"
     layout = engine_layout(files["checkpoint"], EngineOptions(dit=(f"fl2va={file}",)))
     assert layout.partitions["fl2va"].dit_weights == file
+
+
+def test_plan_memory_plans_a_gguf_dit_at_its_stored_size(tmp_path, capsys) -> None:
+    """A released-size placeholder checkpoint and a released-size GGUF placeholder (header only, its data a hole):
+    the plan's DiT is the file's Q4_K bytes, not bf16's."""
+    from h3engine.checkpoint.dit_keys import native_state_shapes
+    from h3engine.checkpoint.gguf_write import write_gguf_placeholder
+    from h3engine.checkpoint.placeholder import make_placeholder_checkpoint
+    from h3engine.cli.main import main
+    from h3engine.memory.sizes import checkpoint_sizes
+    from h3engine.models.dit_config import DiTConfig
+
+    released = make_placeholder_checkpoint(tmp_path / "released")
+    shapes = native_state_shapes(DiTConfig.released())
+    gguf = tmp_path / "dit-Q4_K.gguf"
+    types = write_gguf_placeholder(
+        gguf, {DIFFUSION_MODEL_PREFIX + k: v for k, v in shapes.items() if k != "rope.inv_freq"}, "Q4_K"
+    )
+    assert types[DIFFUSION_MODEL_PREFIX + "blocks.0.mlp.fc1.weight"] == "Q4_K"
+    assert gguf.stat().st_blocks * 512 < 1 << 20  # a hole, not 23 GiB of zeros
+    options = EngineOptions(dit=(f"fl2va={gguf}",))
+    bf16 = checkpoint_sizes(released).partitions["fl2va"].dit
+    stored = checkpoint_sizes(engine_layout(released, options)).partitions["fl2va"].dit
+    total = stored.layers_total + stored.other_bytes + stored.adaln_bytes
+    assert abs(total - gguf.stat().st_size) < 0.01 * gguf.stat().st_size  # the file's bytes, header aside
+    assert total < 0.4 * (bf16.layers_total + bf16.other_bytes + bf16.adaln_bytes)
+    flags = [
+        "plan-memory",
+        "--checkpoint",
+        str(released),
+        "--gpu-memory",
+        "24",
+        "--host-memory",
+        "32",
+        "--json",
+    ]
+    plans = {}
+    for name, extra in (("bf16", []), ("gguf", ["--dit", f"fl2va={gguf}"])):
+        assert main([*flags, *extra]) == 0
+        plans[name] = json.loads(capsys.readouterr().out)
+    # Under the same 24 / 32 GiB budget, a step moves and reads a fraction of the bf16 bytes.
+    assert plans["gguf"]["bytes_per_step"] < 0.3 * plans["bf16"]["bytes_per_step"]
+    assert plans["gguf"]["disk_bytes_per_step"] < plans["bf16"]["disk_bytes_per_step"]

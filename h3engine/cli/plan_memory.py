@@ -48,6 +48,13 @@ def add_plan_memory_parser(commands: argparse._SubParsersAction) -> argparse.Arg
     )
     plan.add_argument("--checkpoint", required=True, help="checkpoint folder (native or diffusers layout)")
     plan.add_argument(
+        "--dit",
+        action="append",
+        default=None,
+        metavar="[PARTITION=]FILE",
+        help="a community DiT file (GGUF) replacing a partition's DiT weights, planned at its stored size",
+    )
+    plan.add_argument(
         "--gpu-memory",
         default=None,
         metavar="GIB",
@@ -167,7 +174,10 @@ def run_plan_memory(args: argparse.Namespace) -> int:
     explicit_gpu = gpu_flag is not None or os.environ.get(GPU_MEMORY_ENV, "").strip()
     device = "cuda" if explicit_gpu else _default_device()
     budget = resolve_budget(device, args.gpu_memory, args.host_memory)
-    sizes = checkpoint_sizes(args.checkpoint, weights=args.weights)
+    from h3engine.engine.options import EngineOptions, engine_layout
+
+    layout = engine_layout(args.checkpoint, EngineOptions(dit=tuple(args.dit or ())))
+    sizes = checkpoint_sizes(layout, weights=args.weights)
     try:
         shape = request_shape(
             sizes,
