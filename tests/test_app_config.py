@@ -44,11 +44,14 @@ def test_engine_flags_are_the_clis_and_read_into_engine_options() -> None:
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        (["--devices", "cpu", "--fp8-linear"], "^--fp8-linear: FP8 linear layers need a CUDA GPU"),
-        (["--devices", "cpu", "--world-size", "2", "--fp8-linear"], "^--fp8-linear: .* one GPU only"),
-        (["--world-size", "1", "--dit-sp", "2"], "^--dit-sp 2 does not divide the 1 GPUs"),
-        (["--dtype", "half"], "^--dtype: expected bfloat16 or float32, got 'half'$"),
-        (["--devices", "mps"], "^--devices: only cpu and cuda are supported, got 'mps'$"),
+        # The engine's own refusals, named by their flag (a ConfigError has no field but its text's prefix; the
+        # sentences: tests/test_cli_hardening.py, tests/test_split_stages.py). Two rules on --fp8-linear: a
+        # fragment tells which.
+        (["--devices", "cpu", "--fp8-linear"], "^--fp8-linear: .*CUDA GPU"),
+        (["--devices", "cpu", "--world-size", "2", "--fp8-linear"], "^--fp8-linear: .*one GPU only"),
+        (["--world-size", "1", "--dit-sp", "2"], "^--dit-sp 2 "),
+        (["--dtype", "half"], "^--dtype: "),
+        (["--devices", "mps"], "^--devices: "),
     ],
     ids=["fp8-on-cpu", "fp8-in-a-group", "layout", "dtype", "device"],
 )

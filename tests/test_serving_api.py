@@ -32,6 +32,7 @@ import pytest
 from _api_helpers import openai_client, wait_for_video
 from _app_helpers import ASSETS, RunningApp, assert_browser_playable, start_app, stop_app
 from _browser_helpers import browser_page, needs_chromium
+from _refusals import api_refused
 
 from ui.access import BROWSER_COOKIE, owner_folder
 
@@ -189,25 +190,23 @@ def test_remix_and_extend(served, tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("arguments", "param", "message"),
+    ("arguments", "param"),
     [
-        (dict(seconds="3"), "seconds", r"seconds: must be within \[4, 15\]"),
-        (dict(size="1000x10"), "size", "size: height: must be a multiple of 8, got 10"),
-        (dict(size="big"), "size", "size: 'big' is not WxH; supported: "),
-        (dict(extra_body={"steps": 5000}), "steps", "steps: must be <= 1000, got 5000"),
-        (dict(extra_body={"flow_shift": "x"}), "flow_shift", "flow_shift: "),
-        (dict(extra_body={"task": "fl2va"}), "input_reference", "needs a first and/or a last keyframe"),
-        (dict(extra_body={"colour": "red"}), "colour", "colour: unknown field"),
+        (dict(seconds="3"), "seconds"),
+        (dict(size="1000x10"), "size"),
+        (dict(size="big"), "size"),
+        (dict(extra_body={"steps": 5000}), "steps"),
+        (dict(extra_body={"flow_shift": "x"}), "flow_shift"),
+        (dict(extra_body={"task": "fl2va"}), "input_reference"),
+        (dict(extra_body={"colour": "red"}), "colour"),
     ],
 )
-def test_bad_fields_are_400_naming_the_field(served, arguments, param, message) -> None:
+def test_bad_fields_are_400_naming_the_field(served, arguments, param) -> None:
+    """400 naming the API field (the sentences: the checker's tests and tests/test_serving_units.py's)."""
     with pytest.raises(openai.BadRequestError) as raised:
         _client(served.app).videos.create(prompt="x", **arguments)
-    error = raised.value.body
-    assert (error["type"], error["param"]) == ("invalid_request_error", param), error
-    import re
-
-    assert re.search(message, error["message"]), error
+    assert raised.value.status_code == 400
+    api_refused(raised.value.body, param)
 
 
 def test_keys_isolation_and_error_shapes(served) -> None:

@@ -17,6 +17,7 @@ from starlette.requests import Request
 import app
 from h3engine.checkpoint.facts import CheckpointFacts
 from h3engine.checkpoint.layout import CanvasRules
+from h3engine.errors import RequestError
 from h3engine.media.outputs import OutputFiles, StagedOutputs
 from h3engine.request.model import GenerationRequest
 from h3engine.runtime.front import EngineFront, JobHandle
@@ -28,7 +29,14 @@ from h3engine.serving.metrics import Metrics
 from h3engine.serving.retention import Retention
 from h3engine.serving.service import ApiSettings, Serving
 from h3engine.serving.store import STORE_NAME, JobRecord, JobStore, StoreError
-from h3engine.serving.videos import ApiFieldError, request_from_fields, size_fields, supported_sizes
+from h3engine.serving.videos import (
+    ApiFieldError,
+    api_message,
+    api_param,
+    request_from_fields,
+    size_fields,
+    supported_sizes,
+)
 from h3engine.serving.webhooks import Webhooks
 
 RELEASED = CheckpointFacts(
@@ -191,10 +199,31 @@ def test_fields_read_multipart_text_and_refuse_the_unknown(tmp_path) -> None:
     for fields, param in (
         ({"seconds": "4"}, "prompt"),
         ({"prompt": "x", "negative_prompt": "y"}, "negative_prompt"),
+        ({"prompt": "x", "colour": "red"}, "colour"),
     ):
         with pytest.raises(ApiFieldError) as raised:
             request_from_fields(fields, tmp_path, RELEASED)
         assert raised.value.param == param
+    assert raised.value.message.startswith("colour: unknown field; accepted: prompt, ")  # its wording, once
+
+
+@pytest.mark.parametrize(
+    ("error", "size_given", "param", "message"),
+    [
+        (RequestError("duration_seconds", "must be within [4, 15] s, got 3"), False, "seconds", "seconds: must be within [4, 15] s, got 3"),
+        (RequestError("height", "must be a multiple of 8, got 10"), True, "size", "size: height: must be a multiple of 8, got 10"),
+        (RequestError("width, height", "resolved ratio must be within 1:4 to 4:1"), True, "size", "size: width, height: resolved ratio must be within 1:4 to 4:1"),
+        (RequestError("keyframes", "task 'fl2va' needs a first and/or a last keyframe"), False, "input_reference", "input_reference: task 'fl2va' needs a first and/or a last keyframe"),
+        (RequestError("keyframes[0]", "cannot open the image file", "/srv/h3/inputs/job/first.png"), False, "input_reference", "input_reference: 'first.png': cannot open the image file"),
+        (RequestError("steps", "must be <= 1000, got 5000"), False, "steps", "steps: must be <= 1000, got 5000"),
+    ],
+    ids=["seconds", "size", "pair", "keyframes", "file", "same-name"],
+)  # fmt: skip
+def test_the_api_names_its_own_field_and_the_checkers_sentence(error, size_given, param, message) -> None:
+    """The one presenter of a RequestError to an API client: the API's field for the request's (`param`), the
+    checker's sentence under it, a file by its base name (never the server's path)."""
+    assert api_param(error, None, size_given) == param
+    assert api_message(error, param) == message
 
 
 def test_webhook_retries_are_bounded(tmp_path) -> None:
