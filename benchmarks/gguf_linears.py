@@ -25,7 +25,7 @@ from benchmarks._common import RESULTS_DIR, device_label, package_version
 from h3engine.checkpoint import gguf_blocks
 from h3engine.checkpoint.gguf_blocks import BLOCK_FORMATS, GGMLType
 from h3engine.models import gguf_ops, ops
-from h3engine.models.stored_linear import StoredLinear
+from h3engine.models.stored_linear import StoredLinear, WeightForm
 
 SEQUENCE_LENGTH = 38_222
 BLOCKS = 50
@@ -61,7 +61,9 @@ def median_ms(run) -> float:
 
 def measure(kind: GGMLType, name: str, shape: tuple[int, int], device: torch.device, hidden) -> dict:
     raw = random_blocks(kind, shape, device)
-    layer = StoredLinear(shape[1], shape[0], kind, bias=False, dtype=torch.bfloat16, device=device)
+    layer = StoredLinear(
+        shape[1], shape[0], WeightForm.gguf(kind), bias=False, dtype=torch.bfloat16, device=device
+    )
     layer.quantized.copy_(raw)
     weight = layer.weight
     assert gguf_ops.implementation(raw, kind, shape, torch.bfloat16) == "triton"

@@ -1,5 +1,5 @@
 """A community GGUF DiT file in place of a partition's weights (`--dit FILE.gguf`): its block-quantized linears stay
-quantized (h3engine.models.stored_linear.StoredLinear, h3engine.checkpoint.gguf_weights) and compute exactly what
+quantized (h3engine.models.stored_linear.StoredLinear, h3engine.checkpoint.dit_file_weights) and compute exactly what
 the same model with the dequantized weights computes, resident, streamed from host memory or straight from the file,
 with or without a LoRA beside them.
 
@@ -36,7 +36,7 @@ from h3engine.engine.engine import Engine
 from h3engine.engine.lora.adapters import Adapter, apply_adapters
 from h3engine.engine.options import EngineOptions, dit_files, engine_layout
 from h3engine.errors import CheckpointError, RequestError
-from h3engine.models.stored_linear import StoredLinear
+from h3engine.models.stored_linear import StoredLinear, WeightForm
 
 OUTPUTS = ("video", "audio", "video_latents", "audio_latents")
 
@@ -112,7 +112,7 @@ def test_a_stored_linear_is_a_linear_of_its_dequantized_weight(kind: GGMLType, d
     """On CUDA the layer dequantizes with the Triton kernel: bit-identical to the twin by construction."""
     width = gguf_blocks.BLOCK_FORMATS[kind].block_size * 2
     raw = torch.from_numpy(random_raw(kind, 6, width, seed=int(kind))).to(device)
-    layer = StoredLinear(width, 6, kind, dtype=dtype, device=device)
+    layer = StoredLinear(width, 6, WeightForm.gguf(kind), dtype=dtype, device=device)
     layer.quantized.copy_(raw)
     torch.nn.init.normal_(layer.bias)
     hidden = torch.randn(5, width, dtype=dtype, device=device)
@@ -124,7 +124,7 @@ def test_a_stored_linear_is_a_linear_of_its_dequantized_weight(kind: GGMLType, d
 
 def test_a_stored_linear_refuses_a_width_of_partial_blocks() -> None:
     with pytest.raises(CheckpointError, match="Q4_K"):
-        StoredLinear(100, 4, GGMLType.Q4_K, name="blocks.0.mlp.fc2.weight")
+        StoredLinear(100, 4, WeightForm.gguf(GGMLType.Q4_K), name="blocks.0.mlp.fc2.weight")
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch
 
 from h3engine.checkpoint import audio_vae_keys, dit_format, video_vae_keys
 from h3engine.checkpoint.audio_vae_format import read_audio_vae_config
-from h3engine.checkpoint.gguf_weights import GGUFWeightFiles
+from h3engine.checkpoint.dit_file_weights import DiTFileWeights
 from h3engine.checkpoint.layout import CheckpointLayout, PartitionPaths, read_json
 from h3engine.checkpoint.safetensors_io import (
     DeferredReads,
@@ -196,17 +196,18 @@ def dit_source(layout: CheckpointLayout, paths: PartitionPaths, dtype: torch.dty
 
 
 def dit_file_source(paths: PartitionPaths, config: Any, dtype: torch.dtype) -> ComponentSource:
-    """The DiT of `paths` from the single file that replaces its weights (`--dit FILE`, a community GGUF): its
-    config from the partition's folder, its block-type linears kept as the file stores them (StoredLinear), its keys
-    and QKV row order the module's own, so nothing is renamed or reordered."""
+    """The DiT of `paths` from the single file that replaces its weights (`--dit FILE`: a community GGUF or ComfyUI
+    single file): its config from the partition's folder with the AdaLN form the file's shapes show, its quantized
+    linears kept as the file stores them (StoredLinear), its keys and QKV row order the module's own, so nothing is
+    renamed or reordered."""
     file = paths.dit_weights
-    if file.suffix != ".gguf":
-        raise CheckpointError(f"{file}: a DiT file must be a GGUF file (.gguf)")
-    files = GGUFWeightFiles.open_file(file, config)
+    files = DiTFileWeights.open_file(file, config)
+    config = dit_format.adaln_form_from_shapes(files.logical_shapes, config, where=lambda key: str(file))
+    files.config = config
 
     def build() -> torch.nn.Module:
         dit = H3DiT(config, dtype=dtype)
-        store_linears(dit, files.stored_types)
+        store_linears(dit, files.stored_forms)
         return dit
 
     return ComponentSource(

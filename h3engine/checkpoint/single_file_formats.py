@@ -1,35 +1,7 @@
 """The weight formats of ComfyUI-style single safetensors files: their key names, their records, and their math in
 plain torch (the dequantization `dequantize_stored` and the quantizers our writer uses).
 
-The layouts, as ComfyUI (comfy/ops.py `_load_quantized_module`, comfy/utils.py `convert_old_quants`,
-comfy/quant_ops.py `QUANT_ALGOS`) and comfy-kitchen (comfy_kitchen/tensor/fp8.py, tensor/int8.py, tensor/int8_utils.py,
-backends/eager/quantization.py) define them; `L` is a layer (`blocks.0.attn.qkv_proj`):
-* plain ('f32', 'f16', 'bf16', 'f64'): the values. F8_E4M3 / F8_E5M2 with no scale ('fp8_e4m3', 'fp8_e5m2'): a cast
-  (ComfyUI casts such a weight to the compute dtype).
-* legacy scaled fp8 ('fp8_e4m3_scaled'): an e4m3 `L.weight`, a float32 `L.scale_weight` (one value; one per row
-  [rows, 1] broadcasts the same way), optionally `L.scale_input`, and a marker tensor `scaled_fp8` (empty, or two
-  elements; its dtype names the weights' fp8 dtype, float32 meaning e4m3). weight = values * scale_weight.
-* per-layer configs: `L.comfy_quant`, a uint8 tensor holding UTF-8 JSON {"format": ..., ...}, or the same configs
-  in the header's `__metadata__["_quantization_metadata"]` = '{"layers": {"L": {...}}}':
-  - "float8_e4m3fn" / "float8_e5m2" ('fp8_e4m3_scaled' / 'fp8_e5m2_scaled'): float32 `L.weight_scale`, one value;
-    weight = values * weight_scale.
-  - "int8_tensorwise": int8 `L.weight`, float32 `L.weight_scale`, one value ('int8_tensorwise') or one per row
-    [rows, 1] ('int8_rowwise'); weight = values * weight_scale.
-  - "int8_tensorwise" with "convrot": true and "convrot_groupsize": g (default 256; also accepted under "params")
-    ('int8_convrot', the "INT8 ConvRot" W8A8 files): the rows were rotated, then quantized per row:
-    W_rot[:, j*g:(j+1)*g] = W[:, j*g:(j+1)*g] @ H^T, scale = max|row of W_rot| / 127, values = round(W_rot / scale),
-    H the normalized regular Hadamard of size g (`regular_hadamard`: symmetric, orthogonal, its own inverse's
-    transpose). Dequantized: W[:, group] = (values * scale)[:, group] @ H^T. The matmul rotates the activations the
-    same way (x[:, group] @ H) and quantizes them per row: the W8A8 part, which changes nothing in the weight.
-  An optional float32 `L.input_scale` (legacy `L.scale_input`) only scales the activations of an fp8 x fp8 matmul:
-  records keep it (`input_scale`), no dequantization applies it.
-* refused (listed, never decoded): "nvfp4" (`weight_scale` e4m3 block scales, `weight_scale_2`), "mxfp8" (e8m0
-  block scales), "convrot_w4a4", "asym_w4a8_int8" (`weight_s_rel`, `weight_s_channel`, `weight_codebook`),
-  "awq_w4a16", and any format name not known.
-
-Our dequantization computes in float32 and rounds once to the dtype asked for. ComfyUI's own fp8 dequantization
-casts values and scale to the compute dtype and multiplies there (two roundings in bf16); the values agree wherever
-the scale is exact in that dtype.
+The formats, their key names and math are listed in the comment below the imports.
 """
 
 from __future__ import annotations
@@ -44,6 +16,36 @@ from torch import Tensor
 
 from h3engine.checkpoint.safetensors_io import FileExtent
 from h3engine.errors import CheckpointError
+
+# The layouts, as ComfyUI (comfy/ops.py `_load_quantized_module`, comfy/utils.py `convert_old_quants`,
+# comfy/quant_ops.py `QUANT_ALGOS`) and comfy-kitchen (comfy_kitchen/tensor/fp8.py, tensor/int8.py, tensor/int8_utils.py,
+# backends/eager/quantization.py) define them; `L` is a layer (`blocks.0.attn.qkv_proj`):
+# * plain ('f32', 'f16', 'bf16', 'f64'): the values. F8_E4M3 / F8_E5M2 with no scale ('fp8_e4m3', 'fp8_e5m2'): a cast
+#   (ComfyUI casts such a weight to the compute dtype).
+# * legacy scaled fp8 ('fp8_e4m3_scaled'): an e4m3 `L.weight`, a float32 `L.scale_weight` (one value; one per row
+#   [rows, 1] broadcasts the same way), optionally `L.scale_input`, and a marker tensor `scaled_fp8` (empty, or two
+#   elements; its dtype names the weights' fp8 dtype, float32 meaning e4m3). weight = values * scale_weight.
+# * per-layer configs: `L.comfy_quant`, a uint8 tensor holding UTF-8 JSON {"format": ..., ...}, or the same configs
+#   in the header's `__metadata__["_quantization_metadata"]` = '{"layers": {"L": {...}}}':
+#   - "float8_e4m3fn" / "float8_e5m2" ('fp8_e4m3_scaled' / 'fp8_e5m2_scaled'): float32 `L.weight_scale`, one value;
+#     weight = values * weight_scale.
+#   - "int8_tensorwise": int8 `L.weight`, float32 `L.weight_scale`, one value ('int8_tensorwise') or one per row
+#     [rows, 1] ('int8_rowwise'); weight = values * weight_scale.
+#   - "int8_tensorwise" with "convrot": true and "convrot_groupsize": g (default 256; also accepted under "params")
+#     ('int8_convrot', the "INT8 ConvRot" W8A8 files): the rows were rotated, then quantized per row:
+#     W_rot[:, j*g:(j+1)*g] = W[:, j*g:(j+1)*g] @ H^T, scale = max|row of W_rot| / 127, values = round(W_rot / scale),
+#     H the normalized regular Hadamard of size g (`regular_hadamard`: symmetric, orthogonal, its own inverse's
+#     transpose). Dequantized: W[:, group] = (values * scale)[:, group] @ H^T. The matmul rotates the activations the
+#     same way (x[:, group] @ H) and quantizes them per row: the W8A8 part, which changes nothing in the weight.
+#   An optional float32 `L.input_scale` (legacy `L.scale_input`) only scales the activations of an fp8 x fp8 matmul:
+#   records keep it (`input_scale`), no dequantization applies it.
+# * refused (listed, never decoded): "nvfp4" (`weight_scale` e4m3 block scales, `weight_scale_2`), "mxfp8" (e8m0
+#   block scales), "convrot_w4a4", "asym_w4a8_int8" (`weight_s_rel`, `weight_s_channel`, `weight_codebook`),
+#   "awq_w4a16", and any format name not known.
+#
+# Our dequantization computes in float32 and rounds once to the dtype asked for. ComfyUI's own fp8 dequantization
+# casts values and scale to the compute dtype and multiplies there (two roundings in bf16); the values agree wherever
+# the scale is exact in that dtype.
 
 DIFFUSION_MODEL_PREFIX = "model.diffusion_model."
 MARKER_NAME = "scaled_fp8"
@@ -237,11 +239,19 @@ def dequantize_stored(record: StoredTensor, out_dtype: torch.dtype = torch.float
     assert values is not None
     if record.format in ("f64", "f32", "f16", "bf16"):
         return values.to(out_dtype)
+    return dequantize_scaled(values, record.scale, record.convrot_group, out_dtype)
+
+
+def dequantize_scaled(
+    values: Tensor, scale: Tensor | None, convrot_group: int | None, out_dtype: torch.dtype
+) -> Tensor:
+    """fp8 / int8 `values` times `scale` (one value, or one per row), rotated back by ConvRot's Hadamard when
+    `convrot_group` is given: float32 math, one rounding to `out_dtype` (what a layer holding them computes with)."""
     result = values.to(torch.float32)
-    if record.scale is not None:
-        result = result * _scale_factor(record.scale, record.shape)
-    if record.convrot_group is not None:
-        result = rotate_groups(result, record.convrot_group)
+    if scale is not None:
+        result = result * _scale_factor(scale, tuple(values.shape))
+    if convrot_group is not None:
+        result = rotate_groups(result, convrot_group)
     return result.to(out_dtype)
 
 

@@ -11,15 +11,7 @@ h3engine.checkpoint.single_file_formats.dequantize_stored is the same math as a 
 to call on any device once a record's tensors are there (`StoredTensor.moved`). The formats, their key names and
 their math are listed in h3engine.checkpoint.single_file_formats.
 
-QKV: a DiT single file stores `qkv_proj` rows in the stacked [q; k; v] order, our module's order (H3_SPEC.md §1.3),
-not the release's per-head interleave. Nothing here reorders rows; the caller does what its source needs.
-
-Refusals are CheckpointErrors naming the file: a truncated or corrupt header (or a tensor past the end of the file),
-a tensor stored twice (with and without the prefix) or missing, an inconsistent layer (a config or scale with no
-weight, a weight of another dtype than its format stores, a scale of the wrong dtype or shape, a ConvRot group that
-is no power of 4 or does not divide the columns); and, when read (`tensor`, `check_supported`), a tensor whose format
-is not read here (NVFP4, MXFP8, W4A4 / W4A8 ConvRot, AWQ, an unknown format, an integer tensor with no config),
-named with its format.
+What is reordered (nothing) and what is refused: the comment below the imports.
 """
 
 from __future__ import annotations
@@ -57,6 +49,16 @@ from h3engine.checkpoint.single_file_formats import (
     is_convrot_group,
 )
 from h3engine.errors import CheckpointError
+
+# QKV: a DiT single file stores `qkv_proj` rows in the stacked [q; k; v] order, our module's order (H3_SPEC.md §1.3),
+# not the release's per-head interleave. Nothing here reorders rows; the caller does what its source needs.
+#
+# Refusals are CheckpointErrors naming the file: a truncated or corrupt header (or a tensor past the end of the file),
+# a tensor stored twice (with and without the prefix) or missing, an inconsistent layer (a config or scale with no
+# weight, a weight of another dtype than its format stores, a scale of the wrong dtype or shape, a ConvRot group that
+# is no power of 4 or does not divide the columns); and, when read (`tensor`, `check_supported`), a tensor whose format
+# is not read here (NVFP4, MXFP8, W4A4 / W4A8 ConvRot, AWQ, an unknown format, an integer tensor with no config),
+# named with its format.
 
 __all__ = ["DIFFUSION_MODEL_PREFIX", "SingleFile", "StoredPart", "StoredTensor", "dequantize_stored"]
 

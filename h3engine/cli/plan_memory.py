@@ -52,7 +52,8 @@ def add_plan_memory_parser(commands: argparse._SubParsersAction) -> argparse.Arg
         action="append",
         default=None,
         metavar="[PARTITION=]FILE",
-        help="a community DiT file (GGUF) replacing a partition's DiT weights, planned at its stored size",
+        help="a community DiT file (GGUF or ComfyUI single file) replacing a partition's DiT weights, planned at its "
+        "stored size",
     )
     plan.add_argument(
         "--gpu-memory",

@@ -129,8 +129,9 @@ def _add_precision_and_memory_flags(
         action="append",
         default=None,
         metavar="[PARTITION=]FILE",
-        help="a community DiT file (GGUF: F16, BF16, Q8_0, Q6_K, Q5_K, Q5_0, Q4_K, Q4_0, Q3_K, Q2_K) that replaces "
-        "the weights of the checkpoint's DiT; its block-quantized layers stay quantized in memory and are "
+        help="a community DiT file that replaces the weights of the checkpoint's DiT: GGUF (F32, F16, BF16, Q8_0, "
+        "Q6_K, Q5_K, Q5_0, Q4_K, Q4_0, Q3_K, Q2_K) or a ComfyUI single .safetensors file (bf16, fp16, FP8 scaled, "
+        "INT8, INT8 ConvRot, mixed; exact or pruned AdaLN); its quantized layers stay quantized in memory and are "
         "dequantized on the GPU as they compute. Name the partition (fl2va or ref2va) when the checkpoint has both; "
         "repeat the flag for each",
     )

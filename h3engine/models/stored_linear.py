@@ -1,46 +1,74 @@
-"""Linear layers whose weight stays in a file's quantized form (a GGUF block type) and is dequantized where it computes.
+"""Linear layers whose weight stays in a file's quantized form and is dequantized where it computes.
 
-A community GGUF DiT stores its big linears in ggml block types (Q4_K, Q8_0, ...). `StoredLinear` keeps such a
-weight as its file holds it: a uint8 buffer `quantized` of [out_features, row bytes] (a GGUF row is whole blocks, so
-rows are independent and a row range is a byte range). The module's state dict holds those bytes, so every home
-the memory plan gives a layer (resident on the GPU, pinned on the host, streamed through the ring, read from the
-mapped file) carries the quantized bytes, never a dequantized copy. `weight` dequantizes them on the buffer's
-device (`h3engine.models.gguf_ops`: a Triton kernel on CUDA, the plain-torch twin elsewhere) into the compute dtype,
-each call; `forward` is `F.linear(x, weight, bias)`. Code that reads a linear's `weight` (the stacked QKV chunks,
-the AdaLN projection) works unchanged, and a LoRA rides beside it as on an nn.Linear (its forward hook adds the
-update): the quantized bytes are never written.
-
-`store_linears(module, types)` swaps the named nn.Linear layers of a module built on the meta device for
-StoredLinear layers of the given ggml types (what a GGUF file stores them in), before the state is assigned.
+Community H3 files store their big linears quantized: GGUF block types (Q4_K, Q8_0, ...) or the ComfyUI single
+files' scaled forms (FP8 x a tensor scale, INT8 x a tensor or row scale, INT8 ConvRot: per-row INT8 of the weight
+rotated by a Hadamard in groups of columns). `StoredLinear` keeps such a weight as the file holds it: a uint8 buffer
+`quantized` of [out_features, row bytes] (rows are independent, so a row range is a byte range) and, for a scaled
+form, a float32 `scale` ([1] or [out_features, 1]). Every home the memory plan gives a layer (resident, pinned,
+streamed through the ring, mapped from the file) carries those bytes, never a dequantized copy. `weight` dequantizes
+them on their device into the compute dtype, each call (GGUF: h3engine.models.gguf_ops, a Triton kernel on CUDA and
+its plain-torch twin elsewhere; the scaled forms: single_file_formats.dequantize_scaled), so code that reads a
+linear's `weight` works unchanged and a LoRA rides beside it (its forward hook): the bytes are never written.
+`store_linears(module, forms)` swaps named nn.Linear layers of a meta-built module for StoredLinear ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from h3engine.checkpoint.single_file_formats import dequantize_scaled
 from h3engine.models import gguf_ops
 
-# The state-dict name of a StoredLinear's bytes (a file's `X.weight` is the module's `X.quantized`).
+# The state-dict names of a StoredLinear's bytes and scale (a file's `X.weight` is the module's `X.quantized`).
 QUANTIZED_BUFFER = "quantized"
+SCALE_BUFFER = "scale"
 
 
-def row_bytes(in_features: int, ggml_type: int, name: str = "") -> int:
-    """Bytes of one row of `in_features` values of a ggml block type (whole blocks; CheckpointError otherwise)."""
-    return gguf_ops.byte_count(ggml_type, (1, in_features), name)
+@dataclass(frozen=True)
+class WeightForm:
+    """How a StoredLinear's bytes hold its weight: a GGUF block type (`ggml_type`), or scaled values of
+    `values_dtype` (float8_e4m3fn, float8_e5m2, int8) with one scale (or one per row), ConvRot-rotated in groups of
+    `rotation_group` columns (0: not rotated)."""
+
+    ggml_type: int | None = None
+    values_dtype: torch.dtype | None = None
+    scale_per_row: bool = False
+    rotation_group: int = 0
+
+    @classmethod
+    def gguf(cls, ggml_type: int) -> WeightForm:
+        return cls(ggml_type=int(ggml_type))
+
+    @property
+    def name(self) -> str:
+        if self.ggml_type is not None:
+            return gguf_ops.type_name(self.ggml_type)
+        values = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}.get(
+            self.values_dtype, "int8"
+        )
+        rotated = f", ConvRot {self.rotation_group}" if self.rotation_group else ""
+        return f"{values} x {'row' if self.scale_per_row else 'tensor'} scale{rotated}"
+
+    def row_bytes(self, in_features: int, name: str = "") -> int:
+        """Bytes of one row of `in_features` values (GGUF: whole blocks, CheckpointError otherwise)."""
+        if self.ggml_type is not None:
+            return gguf_ops.byte_count(self.ggml_type, (1, in_features), name)
+        return in_features
 
 
 class StoredLinear(nn.Module):
-    """y = x W^T + b with W held as GGUF blocks of `ggml_type` and dequantized to `dtype` on use."""
+    """y = x W^T + b with W held in a file's quantized `form` and dequantized to `dtype` on use."""
 
     def __init__(
         self,
         in_features: int,
         out_features: int,
-        ggml_type: int,
+        form: WeightForm,
         bias: bool = True,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
@@ -48,34 +76,36 @@ class StoredLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.ggml_type = int(ggml_type)
-        self.dtype = dtype
-        self.name = name
-        width = row_bytes(in_features, ggml_type, name)
+        self.form, self.dtype, self.name = form, dtype, name
+        width = form.row_bytes(in_features, name)
         self.register_buffer(
             QUANTIZED_BUFFER, torch.empty(out_features, width, dtype=torch.uint8, device=device)
         )
+        if form.ggml_type is None:
+            scales = (out_features, 1) if form.scale_per_row else (1,)
+            self.register_buffer(SCALE_BUFFER, torch.empty(scales, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
 
     @property
     def weight(self) -> Tensor:
         """The weight [out, in] in `dtype`, dequantized from the bytes on their device (one rounding from fp32)."""
-        return gguf_ops.dequantize(
-            self.quantized, self.ggml_type, (self.out_features, self.in_features), self.name, self.dtype
-        )
+        if self.form.ggml_type is not None:
+            shape = (self.out_features, self.in_features)
+            return gguf_ops.dequantize(self.quantized, self.form.ggml_type, shape, self.name, self.dtype)
+        values = self.quantized.view(self.form.values_dtype)
+        return dequantize_scaled(values, self.scale, self.form.rotation_group or None, self.dtype)
 
     def forward(self, hidden: Tensor) -> Tensor:
         return F.linear(hidden, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        type_name = gguf_ops.type_name(self.ggml_type)
-        return f"in_features={self.in_features}, out_features={self.out_features}, type={type_name}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, form={self.form.name}"
 
 
-def store_linears(module: nn.Module, types: Mapping[str, int]) -> None:
-    """Replace each nn.Linear of `module` named in `types` (its module path) by a StoredLinear of that ggml type,
-    with the same shape, bias and dtype, on the same device (meta before a load)."""
-    for path, ggml_type in types.items():
+def store_linears(module: nn.Module, forms: Mapping[str, WeightForm]) -> None:
+    """Replace each nn.Linear of `module` named in `forms` (its module path) by a StoredLinear of that form, with
+    the same shape, bias and dtype, on the same device (meta before a load)."""
+    for path, form in forms.items():
         parent_path, _, attribute = path.rpartition(".")
         parent = module.get_submodule(parent_path) if parent_path else module
         linear = getattr(parent, attribute)
@@ -84,7 +114,7 @@ def store_linears(module: nn.Module, types: Mapping[str, int]) -> None:
         stored = StoredLinear(
             linear.in_features,
             linear.out_features,
-            ggml_type,
+            form,
             bias=linear.bias is not None,
             dtype=linear.weight.dtype,
             device=linear.weight.device,
