@@ -213,6 +213,7 @@ def test_a_file_that_is_not_its_kind_is_refused_naming_what_is_accepted(tmp_path
         tmp_path / "empty.wav",
         tmp_path / "notes.mp3",
     )
+    missing = tmp_path / "gone.png"
     empty_image.write_bytes(b"")
     empty_audio.write_bytes(b"")
     text_audio.write_bytes(b"not a sound\n" * 10)
@@ -225,6 +226,7 @@ def test_a_file_that_is_not_its_kind_is_refused_naming_what_is_accepted(tmp_path
         (lambda: probe_media(Reference(kind="audio", path=str(text_audio))), text_audio, "corrupt or truncated (InvalidDataError"),
         (lambda: probe_media(Reference(kind="audio", path=str(text_audio))), text_audio, audio),
         (lambda: probe_media(Reference(kind="video", path=str(tiff))), tiff, "not an MP4, QuickTime, WebM, Matroska or AVI video (.mp4, .mov"),
+        (lambda: probe_media(Reference(kind="image", path=str(missing))), missing, "cannot open the image file (No such file"),
     ]  # fmt: skip
     for read, path, wording in cases:
         # The readers know the file, not the request field (the caller files it: `in_field`).
