@@ -153,3 +153,31 @@ def test_a_format_we_do_not_read_is_refused_before_loading(made, tmp_path) -> No
     save_file({"decoder.conv_in.weight": torch.zeros(4, 4)}, str(other))
     with pytest.raises(CheckpointError, match="not an H3 DiT file"):
         engine({**made, "other": other}, "other")
+
+
+@pytest.mark.parametrize("home", ["pinned", "mapped"])
+def test_quantized_adaln_projections_offload_as_stored_bytes(made, home) -> None:
+    """A file's quantized AdaLN projections wait on the host as their bytes and scale (or in the mapped file) and
+    give the tables they give resident."""
+    from h3engine.checkpoint.loader import dit_source
+    from h3engine.engine.sampling.modulation import offload_adaln, schedule_modulation
+
+    layout = with_dit_files(detect_layout(made["checkpoint"]), {"fl2va": made["int8_convrot"]})
+    source = dit_source(layout, layout.partitions["fl2va"], torch.bfloat16)
+    dit = source.load(torch.device("cpu"))
+    projections = [block.adaln_proj.linear for block in dit.blocks] + [dit.final_layer.adaln_proj.linear]
+    assert all(isinstance(linear, StoredLinear) for linear in projections)
+    steps = [torch.tensor([0.999, 0.42, 0.67]), torch.tensor([0.999, 0.5, 0.7])]
+    with torch.no_grad():
+        resident = schedule_modulation(dit, steps, torch.device("cpu"))
+        readers = {}
+        if home == "mapped":
+            names = [name for name, _ in dit.named_buffers() if ".adaln_proj.linear." in name]
+            readers = {name: (lambda name=name: source.files.tensor(name)) for name in names}
+            assert any(name.endswith(".quantized") for name in readers)
+        offload_adaln(dit, readers=readers)
+        offloaded = schedule_modulation(dit, steps, torch.device("cpu"))
+    assert offloaded is not resident
+    for a, b in zip(resident, offloaded, strict=True):
+        assert all(torch.equal(x.gate_attn, y.gate_attn) for x, y in zip(a.blocks, b.blocks, strict=True))
+        assert all(torch.equal(x, y) for x, y in zip(a.final, b.final, strict=True))

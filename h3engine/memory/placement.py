@@ -207,7 +207,13 @@ class Placement:
                 elif model == "dit":
                     remember |= found
         if mapped_adaln:
-            keys |= {name for name in names.values() if name.endswith("adaln_proj.linear.weight")}
+            # A community file's quantized projection (StoredLinear) waits there as its bytes and scale.
+            adaln_tensors = (
+                "adaln_proj.linear.weight",
+                "adaln_proj.linear.quantized",
+                "adaln_proj.linear.scale",
+            )
+            keys |= {name for name in names.values() if name.endswith(adaln_tensors)}
         return DeferredReads(keys, remember)
 
     def adopt(

@@ -89,11 +89,20 @@ class StoredLinear(nn.Module):
     @property
     def weight(self) -> Tensor:
         """The weight [out, in] in `dtype`, dequantized from the bytes on their device (one rounding from fp32)."""
+        return self.weight_from(*self.stored())
+
+    def stored(self) -> tuple[Tensor, ...]:
+        """The tensors that hold the weight as stored: the bytes, and the scale of a scaled form."""
+        return (self.quantized,) if self.form.ggml_type is not None else (self.quantized, self.scale)
+
+    def weight_from(self, quantized: Tensor, scale: Tensor | None = None) -> Tensor:
+        """The weight that stored tensors of this layer's form hold (copies of `stored()` elsewhere, e.g. on the
+        device that builds AdaLN tables), dequantized where they are."""
         if self.form.ggml_type is not None:
             shape = (self.out_features, self.in_features)
-            return gguf_ops.dequantize(self.quantized, self.form.ggml_type, shape, self.name, self.dtype)
-        values = self.quantized.view(self.form.values_dtype)
-        return dequantize_scaled(values, self.scale, self.form.rotation_group or None, self.dtype)
+            return gguf_ops.dequantize(quantized, self.form.ggml_type, shape, self.name, self.dtype)
+        values = quantized.view(self.form.values_dtype)
+        return dequantize_scaled(values, scale, self.form.rotation_group or None, self.dtype)
 
     def forward(self, hidden: Tensor) -> Tensor:
         return F.linear(hidden, self.weight, self.bias)

@@ -33,6 +33,7 @@ from h3engine.memory.types import MODULATION_CACHE_SCHEDULES
 from h3engine.models.dit import H3DiT
 from h3engine.models.dit_layers import BlockModulation, StepModulation
 from h3engine.models.quantization import quantize_rows
+from h3engine.models.stored_linear import StoredLinear
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,11 @@ _caches: weakref.WeakKeyDictionary[H3DiT, OrderedDict[tuple, list[StepModulation
 _fp8_weights: weakref.WeakKeyDictionary[nn.Linear, tuple[Tensor, Tensor]] = weakref.WeakKeyDictionary()
 # An offloaded AdaLN linear whose weight stays in the mapped checkpoint file -> its reader.
 _mapped_weights: weakref.WeakKeyDictionary[nn.Linear, Callable[[], Tensor]] = weakref.WeakKeyDictionary()
+# An offloaded AdaLN projection a community file stores quantized, left in the mapped file -> readers of its stored
+# tensors (StoredLinear.stored's order).
+_mapped_stored: weakref.WeakKeyDictionary[StoredLinear, tuple[Callable[[], Tensor], ...]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @dataclass
@@ -112,6 +118,9 @@ def offload_adaln(
     parameters = []
     for projection in projections:
         linear, key = projection.linear, f"{names[id(projection)]}.linear.weight"
+        if isinstance(linear, StoredLinear):
+            parameters += _offload_stored(linear, f"{names[id(projection)]}.linear", readers)
+            continue
         # A pruned form's projections (adaln_rank inputs per row) stay as they are: FP8 rows of 8 would cost
         # precision for a few MiB.
         quantized = fp8 and not projection.pruned
@@ -140,11 +149,23 @@ def offload_adaln(
     clear_modulation_cache(dit)
 
 
+def _offload_stored(
+    linear: StoredLinear, prefix: str, readers: Mapping[str, Callable[[], Tensor]]
+) -> list[Tensor]:
+    """The tensors of a projection a community file stores quantized that wait in host memory: its bias, and its
+    stored bytes (and scale) unless the loader left them in the mapped file (then read again for each schedule)."""
+    keys = [f"{prefix}.{name}" for name, _ in linear.named_buffers()]
+    if all(key in readers for key in keys):
+        _mapped_stored[linear] = tuple(readers[key] for key in keys)
+        return [linear.bias]
+    return [*linear.stored(), linear.bias]
+
+
 def store_adaln_in_fp8(dit: H3DiT) -> None:
     """`--weights fp8` for AdaLN projections that stay with the module (the CPU): their weights become the values
     the FP8 copies give back."""
     for projection in _adaln_projections(dit):
-        if not projection.pruned:
+        if not projection.pruned and not isinstance(projection.linear, StoredLinear):
             projection.linear.weight.data = dequantized(projection.linear.weight.data)
     clear_modulation_cache(dit)
 
@@ -315,6 +336,10 @@ def _on_device(linear: nn.Linear, device: torch.device) -> tuple[Tensor, Tensor]
     """A linear's weight and bias on `device` (a copy when they live elsewhere, e.g. offloaded to pinned CPU; an FP8
     home dequantized there)."""
     bias = linear.bias.to(device, non_blocking=True)
+    if isinstance(linear, StoredLinear):
+        reads = _mapped_stored.get(linear)
+        stored = [read() for read in reads] if reads is not None else linear.stored()
+        return linear.weight_from(*(tensor.to(device, non_blocking=True) for tensor in stored)), bias
     if linear in _mapped_weights:
         return _mapped_weights[linear]().to(device), bias
     if linear in _fp8_weights:
