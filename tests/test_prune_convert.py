@@ -207,3 +207,36 @@ def test_prune_refuses_the_diffusers_layout_and_a_pruned_checkpoint(
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
         assert not out.exists() or not any(out.iterdir())
+
+
+def test_a_projection_split_over_two_shards_is_folded_once(tmp_path) -> None:
+    """Block 1's AdaLN bias in one shard and its weight in the other: each written once, where the index says, with
+    the values of the unsplit checkpoint's conversion."""
+    original = make_tiny_checkpoint(tmp_path / "original", seed=3)
+    folder = original / DIT
+    state = {}
+    for shard in folder.glob("*.safetensors"):
+        state.update(load_file(shard))
+        shard.unlink()
+    first = {key: value for key, value in state.items() if key != "blocks.1.adaln_proj.linear.weight"}
+    save_file(first, folder / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    save_file(
+        {"blocks.1.adaln_proj.linear.weight": state["blocks.1.adaln_proj.linear.weight"]},
+        folder / "model-00002-of-00002.safetensors",
+        metadata={"format": "pt"},
+    )
+    weight_map = {key: "model-00001-of-00002.safetensors" for key in first}
+    weight_map["blocks.1.adaln_proj.linear.weight"] = "model-00002-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    reports, _ = prune_checkpoint(original, tmp_path / "split", rank=2)
+    unsplit, _ = prune_checkpoint(
+        make_tiny_checkpoint(tmp_path / "plain", seed=3), tmp_path / "unsplit", rank=2
+    )
+    files, expected = WeightFiles.open(tmp_path / "split" / DIT), WeightFiles.open(tmp_path / "unsplit" / DIT)
+    assert files.infos["blocks.1.adaln_proj.linear.weight"].file.name == "model-00002-of-00002.safetensors"
+    assert set(files.infos) == set(expected.infos)
+    for key in files.infos:
+        assert torch.equal(files.tensor(key), expected.tensor(key)), key
+    assert reports[0].grid_error == unsplit[0].grid_error

@@ -387,3 +387,27 @@ def test_sequence_and_tensor_parallel_ranks_compute_the_single_process_model(tmp
         for layout, velocities in torch.load(tmp_path / f"rank{rank}.pt").items():
             for got, want in zip(velocities, expected, strict=True):
                 assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (rank, layout)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_pinned_projections_build_the_module_tables_and_the_engine_generates(
+    pruned_checkpoint,
+) -> None:
+    """The tables built on the side stream from pinned host projections are the module's own; an engine on the GPU
+    (AdaLN offloaded, as for the release) generates from the pruned checkpoint what it does on the CPU, roughly."""
+    root, config = pruned_checkpoint
+    model = H3DiT(config, dtype=torch.bfloat16, device="cuda")
+    model.load_state_dict(native_to_module(random_native_state(config, 9), config), strict=True)
+    timesteps = [torch.tensor([0.3, 0.999], device="cuda"), torch.tensor([0.67], device="cuda")]
+    expected = [model.modulation(step) for step in timesteps]
+    offload_adaln(model, fp8=True)
+    assert model.blocks[0].adaln_proj.linear.weight.is_pinned()
+    for got, want in zip(build_modulation(model, timesteps), expected, strict=True):
+        for block, block_expected in zip(got.blocks, want.blocks, strict=True):
+            assert torch.equal(block.wait().shift_attn, block_expected.shift_attn)
+        assert all(torch.equal(a, b) for a, b in zip(got.final_tables(), want.final, strict=True))
+    request = parity_requests(steps=2, seed=4)["t2va"]
+    on_gpu, _ = Engine.from_checkpoint(root, device="cuda", adaln_cache="off").generate(request)
+    on_cpu, _ = Engine.from_checkpoint(root, device="cpu", adaln_cache="off").generate(request)
+    scale = on_cpu.video_latents.abs().max()
+    assert (on_gpu.video_latents.cpu() - on_cpu.video_latents).abs().max() < 0.05 * scale

@@ -127,18 +127,16 @@ class _Curve:
 
     def fold(self, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
         """(W @ basis, b + W @ mean) in the stored weights' dtype; measures the tables they make on the way."""
-        dtype = (
-            weight.dtype if weight.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
-        )
+        dtype, bias_dtype = _stored_dtype(weight.dtype), _stored_dtype(bias.dtype)
         folded_weight = torch.empty(weight.shape[0], self.basis.shape[1], dtype=dtype)
-        folded_bias = torch.empty(weight.shape[0], dtype=dtype)
+        folded_bias = torch.empty(weight.shape[0], dtype=bias_dtype)
         engine_input = self.activated.to(torch.bfloat16).to(torch.float32)
         for start in range(0, weight.shape[0], _ROW_CHUNK):
             rows = slice(start, start + _ROW_CHUNK)
             chunk = weight[rows].to(device=self.device, dtype=torch.float32)
             chunk_bias = bias[rows].to(device=self.device, dtype=torch.float32)
             stored_weight = (chunk @ self.basis).to(dtype)
-            stored_bias = (chunk_bias + chunk @ self.mean).to(dtype)
+            stored_bias = (chunk_bias + chunk @ self.mean).to(bias_dtype)
             exact = self.activated @ chunk.T + chunk_bias
             pruned = self.curve @ stored_weight.to(torch.float32).T + stored_bias.to(torch.float32)
             engine = (engine_input @ chunk.T + chunk_bias).to(torch.bfloat16).to(torch.float32)
@@ -164,6 +162,11 @@ class _Curve:
         )
 
 
+def _stored_dtype(dtype: torch.dtype) -> torch.dtype:
+    """A folded projection's dtype: the source's (bf16 in the release), bf16 for anything but a float of 16 or 32."""
+    return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
+
+
 def _projection(key: str) -> tuple[str, str] | None:
     """(weight key, bias key) of the AdaLN projection a native key belongs to, or None."""
     for suffix in ("adaln_proj.linear.weight", "adaln_proj.linear.bias"):
@@ -181,7 +184,7 @@ def _file_specs(
     specs = []
     for key, info in infos.items():
         pair = _projection(key)
-        dtype = info.dtype if info.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
+        dtype = _stored_dtype(info.dtype)
         if pair is not None and key == pair[0]:
             specs.append((key, (info.shape[0], rank), dtype))
         elif pair is not None:
@@ -194,15 +197,15 @@ def _file_specs(
 
 
 def _write_dit_file(
-    source: Path, target: Path, files: WeightFiles, curve: _Curve, fp8: bool
+    source: Path, target: Path, files: WeightFiles, curve: _Curve, fp8: bool, made: dict[str, Tensor]
 ) -> tuple[list[str], int]:
-    """One DiT shard written pruned; returns (the keys written, its bytes)."""
+    """One DiT shard written pruned; returns (the keys written, its bytes). `made`: tensors made with another
+    (a projection's bias folded with its weight, in this shard or a later one) until their turn comes."""
     infos = read_header(source)
     specs = _file_specs(infos, curve.basis.shape[1], fp8, dit_quantized_key)
     if TIME_EMBEDDER_KEY in infos:
         width, rank = curve.basis.shape
         specs += [(MEAN_KEY, (width,), torch.float32), (BASIS_KEY, (width, rank), torch.float32)]
-    made: dict[str, Tensor] = {}
 
     def make(key: str) -> Tensor:
         if key in made:
@@ -275,12 +278,12 @@ def prune_dit_folder(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     curve = _Curve(files, config, rank, *_evaluation_points(grid_points, timesteps), device)
     target.mkdir(parents=True, exist_ok=True)
-    written, weight_map, index_paths = 0, {}, []
+    written, weight_map, index_paths, made = 0, {}, [], {}
     for path in sorted(folder.iterdir()):
         if path.name.endswith(".safetensors.index.json"):
             index_paths.append(path)
         elif path.suffix == ".safetensors":
-            keys, size = _write_dit_file(path, target / path.name, files, curve, fp8)
+            keys, size = _write_dit_file(path, target / path.name, files, curve, fp8, made)
             weight_map.update(dict.fromkeys(keys, path.name))
             written += size
         elif path.name == "config.json":
