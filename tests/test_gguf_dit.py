@@ -265,6 +265,8 @@ def test_plan_memory_plans_a_gguf_dit_at_its_stored_size(tmp_path, capsys) -> No
     total = stored.layers_total + stored.other_bytes + stored.adaln_bytes
     assert abs(total - gguf.stat().st_size) < 0.01 * gguf.stat().st_size  # the file's bytes, header aside
     assert total < 0.4 * (bf16.layers_total + bf16.other_bytes + bf16.adaln_bytes)
+    # The largest weight dequantized at a time: an AdaLN projection in bf16 (96768 x 2688), counted once.
+    assert stored.dequantized_bytes == 96768 * 2688 * 2 and bf16.dequantized_bytes == 0
     flags = [
         "plan-memory",
         "--checkpoint",

@@ -112,6 +112,7 @@ def phase_peaks(
         + resident
         + sum(phase_bytes(name, models[name], partition, phase) for name in models)
         + working[phase]
+        + (partition.dit.dequantized_bytes if phase == "denoise" else 0)
         for phase in working
     }
 

@@ -19,7 +19,7 @@ import itertools
 import json
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from h3engine.memory.layers import dit_layers, text_encoder_layers, video_decode
 from h3engine.memory.types import WEIGHT_FORMATS
 from h3engine.models.audio_vae import AudioVAEConfig
 from h3engine.models.dit_config import DiTConfig
+from h3engine.models.stored_linear import StoredLinear
 from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.models.video_vae import VideoVAE, VideoVAEConfig
 
@@ -88,6 +89,9 @@ class ModelSize:
     adaln_largest_bytes: int = 0  # the largest one as stored
     adaln_largest_compute_bytes: int = 0  # the largest one unquantized
     layer_parameters: int = 0  # parameters of the largest layer (whole, before any split): its FLOPs per row
+    # The largest weight a community file stores quantized (StoredLinear), dequantized: each is made where its layer
+    # computes and dropped after, one at a time.
+    dequantized_bytes: int = 0
 
     @property
     def layers_total(self) -> int:
@@ -323,7 +327,7 @@ def dit_size(dit: nn.Module, weights: str, share: RankShare) -> ModelSize:
     spec = dit_layers(dit)
     projections = [block.adaln_proj for block in dit.blocks] + [dit.final_layer.adaln_proj]
     fp8 = weights == "fp8"
-    return _layered_size(
+    size = _layered_size(
         dit,
         spec.layers,
         spec.streamed_parts,
@@ -334,6 +338,9 @@ def dit_size(dit: nn.Module, weights: str, share: RankShare) -> ModelSize:
         # A pruned form's projections are not quantized (h3engine.engine.sampling.modulation.offload_adaln).
         fp8_adaln=fp8 and dit.config.adaln_form == "exact",
     )
+    stored = [module for module in dit.modules() if isinstance(module, StoredLinear)]
+    largest = max((m.in_features * m.out_features * m.dtype.itemsize for m in stored), default=0)
+    return replace(size, dequantized_bytes=largest)
 
 
 def text_encoder_size(encoder: H3TextEncoder, weights: str, share: RankShare) -> ModelSize:
