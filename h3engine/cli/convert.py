@@ -58,16 +58,18 @@ def _size(size: int) -> str:
 
 
 def schedule_timesteps(checkpoint: str) -> list[float]:
-    """The DiT timesteps of a default request's schedule on `checkpoint` (video, audio, the condition levels)."""
+    """The DiT timesteps of a default request's schedule on `checkpoint` (video, audio, the condition levels; a
+    step-distilled partition's rungs too)."""
     from h3engine.checkpoint.layout import detect_layout
     from h3engine.engine.sampling.packing import VISUAL_CONDITION_LEVEL
     from h3engine.engine.sampling.schedule import Schedule
 
     layout = detect_layout(checkpoint)
-    schedule = Schedule.build(
-        CHECK_STEPS, recipe="sglang", video_shift=layout.video_shift, audio_shift=layout.audio_shift
-    )
-    timesteps = schedule.video_timesteps.tolist() + schedule.audio_timesteps.tolist()
+    shifts = {"video_shift": layout.video_shift, "audio_shift": layout.audio_shift}
+    schedules = [Schedule.build(CHECK_STEPS, recipe="sglang", **shifts)]
+    rungs = {paths.dmd_steps for paths in layout.partitions.values() if paths.dmd_steps is not None}
+    schedules += [Schedule.from_rungs(tuple(steps), **shifts) for steps in sorted(rungs)]
+    timesteps = [t for s in schedules for t in s.video_timesteps.tolist() + s.audio_timesteps.tolist()]
     return [*timesteps, VISUAL_CONDITION_LEVEL, 1.0]
 
 
