@@ -28,13 +28,13 @@ from h3engine.checkpoint import dit_format, gguf_blocks
 from h3engine.checkpoint.gguf_blocks import GGMLType
 from h3engine.checkpoint.gguf_files import DIFFUSION_MODEL_PREFIX, GGUFFile
 from h3engine.checkpoint.gguf_write import write_gguf
-from h3engine.checkpoint.layout import detect_layout, with_dit_files
+from h3engine.checkpoint.layout import detect_layout, parse_dit_files, with_dit_files
 from h3engine.checkpoint.loader import dit_source, read_dit_config
 from h3engine.checkpoint.lora_format import read_lora
 from h3engine.checkpoint.safetensors_io import WeightFiles
 from h3engine.engine.engine import Engine
 from h3engine.engine.lora.adapters import Adapter, apply_adapters
-from h3engine.engine.options import EngineOptions, dit_files, engine_layout
+from h3engine.engine.options import EngineOptions, engine_layout
 from h3engine.errors import CheckpointError, RequestError
 from h3engine.models.stored_linear import StoredLinear, WeightForm
 
@@ -227,15 +227,15 @@ def test_another_models_file_and_a_missing_tensor_are_refused_before_loading(fil
 
 def test_the_dit_flag_names_its_partition(files, tmp_path) -> None:
     file = files["Q8_0"]
-    assert dit_files([f"ref2va={file}"], ("fl2va", "ref2va")) == {"ref2va": file}
-    assert dit_files([str(file)], ("fl2va",)) == {"fl2va": file}
+    assert parse_dit_files([f"ref2va={file}"], ("fl2va", "ref2va")) == {"ref2va": file}
+    assert parse_dit_files([str(file)], ("fl2va",)) == {"fl2va": file}
     for values, partitions in (
         ([str(file)], ("fl2va", "ref2va")),  # which one?
         ([f"fl2va={tmp_path / 'missing.gguf'}"], ("fl2va", "ref2va")),
         ([f"fl2va={file}", f"fl2va={file}"], ("fl2va", "ref2va")),
     ):
         with pytest.raises(RequestError) as refused:
-            dit_files(values, partitions)
+            parse_dit_files(values, partitions)
         assert refused.value.field == "--dit"
     layout = engine_layout(files["checkpoint"], EngineOptions(dit=(f"fl2va={file}",)))
     assert layout.partitions["fl2va"].dit_weights == file
@@ -284,3 +284,15 @@ def test_plan_memory_plans_a_gguf_dit_at_its_stored_size(tmp_path, capsys) -> No
     # Under the same 24 / 32 GiB budget, a step moves and reads a fraction of the bf16 bytes.
     assert plans["gguf"]["bytes_per_step"] < 0.3 * plans["bf16"]["bytes_per_step"]
     assert plans["gguf"]["disk_bytes_per_step"] < plans["bf16"]["disk_bytes_per_step"]
+
+
+def test_check_checkpoint_reads_a_community_dit_file(files, capsys) -> None:
+    from h3engine.cli.main import main
+
+    checkpoint = str(files["checkpoint"])
+    assert main(["check-checkpoint", checkpoint, "--dit", f"fl2va={files['Q8_0']}", "--deep"]) == 0
+    report = capsys.readouterr().out
+    row = next(line for line in report.splitlines() if line.startswith("fl2va") and " dit " in line)
+    assert "Q8_0" in row and "floats" in row and "verdict: OK" in report
+    assert main(["check-checkpoint", checkpoint, "--dit", str(files["Q8_0"])]) == 2  # which partition?
+    assert "--dit" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any, Literal
 
-from h3engine.errors import CheckpointError
+from h3engine.errors import CheckpointError, RequestError
 
 # The three tasks of MiniMax H3 and the DiT partition each runs on (remix modes ride on t2va: h3engine.request.remix).
 PARTITION_OF_TASK = {"t2va": "fl2va", "fl2va": "fl2va", "ref2va": "ref2va"}
@@ -94,6 +94,27 @@ class CheckpointLayout:
     def dmd_steps_for(self, task: str) -> tuple[int, ...] | None:
         """The DMD rungs the DiT serving `task` was distilled on, None where it runs any step count."""
         return self.for_task(task).dmd_steps
+
+
+def parse_dit_files(values: Sequence[str], partitions: Sequence[str]) -> dict[str, Path]:
+    """`--dit` values by partition: PARTITION=FILE, or a bare FILE for a checkpoint of one partition."""
+    files: dict[str, Path] = {}
+    for value in values:
+        partition, separator, file = value.partition("=")
+        if not separator or partition not in partitions:  # a bare FILE (which may hold a "=")
+            if len(partitions) != 1:
+                raise RequestError(
+                    "--dit",
+                    f"the checkpoint has partitions {' and '.join(partitions)}: name the one {value!r} replaces, "
+                    f"e.g. --dit {partitions[0]}={value}",
+                )
+            partition, file = partitions[0], value
+        if partition in files:
+            raise RequestError("--dit", f"partition {partition} is given two files")
+        if not Path(file).is_file():
+            raise RequestError("--dit", f"{file!r} is not a file")
+        files[partition] = Path(file)
+    return files
 
 
 def with_dit_files(layout: CheckpointLayout, files: Mapping[str, Path]) -> CheckpointLayout:

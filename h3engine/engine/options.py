@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -216,33 +216,16 @@ def check_memory_options(options: EngineOptions) -> None:
         parse_gbps(options.disk_read_gbps)
 
 
-def dit_files(values: Sequence[str], partitions: Sequence[str]) -> dict[str, Path]:
-    """`--dit` values by partition: PARTITION=FILE, or a bare FILE for a checkpoint of one partition."""
-    files: dict[str, Path] = {}
-    for value in values:
-        partition, separator, file = value.partition("=")
-        if not separator or partition not in partitions:  # a bare FILE (which may hold a "=")
-            if len(partitions) != 1:
-                raise RequestError(
-                    "--dit",
-                    f"the checkpoint has partitions {' and '.join(partitions)}: name the one {value!r} replaces, "
-                    f"e.g. --dit {partitions[0]}={value}",
-                )
-            partition, file = partitions[0], value
-        if partition in files:
-            raise RequestError("--dit", f"partition {partition} is given two files")
-        if not Path(file).is_file():
-            raise RequestError("--dit", f"{file!r} is not a file")
-        files[partition] = Path(file)
-    return files
-
-
 def engine_layout(checkpoint: str | Path, options: EngineOptions) -> CheckpointLayout:
     """The checkpoint an engine under `options` serves: the folder's layout, with the DiT files `--dit` gives."""
-    from h3engine.checkpoint.layout import detect_layout, with_dit_files
+    from h3engine.checkpoint.layout import detect_layout, parse_dit_files, with_dit_files
 
     layout = detect_layout(checkpoint)
-    return with_dit_files(layout, dit_files(options.dit, tuple(layout.partitions))) if options.dit else layout
+    return (
+        with_dit_files(layout, parse_dit_files(options.dit, tuple(layout.partitions)))
+        if options.dit
+        else layout
+    )
 
 
 def check_adaln_cache(setting: str | None) -> None:

@@ -11,13 +11,19 @@ partitions is checked once. `format_report` renders one table and the verdict li
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from h3engine.checkpoint.layout import CheckpointLayout, PartitionPaths, detect_layout
+from h3engine.checkpoint.layout import (
+    CheckpointLayout,
+    PartitionPaths,
+    detect_layout,
+    parse_dit_files,
+    with_dit_files,
+)
 from h3engine.checkpoint.loader import ComponentSource, audio_vae_source, dit_source, video_vae_source
 from h3engine.checkpoint.safetensors_io import WeightFiles
 from h3engine.checkpoint.text_encoder_files import (
@@ -40,6 +46,7 @@ class ComponentReport:
     fp32: str = ""
     problem: str | None = None
     note: str = ""
+    stored: str = ""  # a community DiT file's forms ('Q4_K 213, floats 268')
     digests: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -84,7 +91,22 @@ def _dit(layout: CheckpointLayout, paths: PartitionPaths) -> tuple[WeightFiles, 
     source = dit_source(layout, paths, torch.bfloat16)
     expected = source.to_file_names(source.expected_state())
     _check_keys(source.files, expected)
+    if paths.dit_weights is not None:
+        # A community file keeps the islands in whatever it stores them (the loader casts): no check, nothing found.
+        return source.files, "-"
     return source.files, _dit_dtypes(source.files, expected)
+
+
+def _formats(files: WeightFiles) -> str:
+    """How many tensors a community DiT file stores in each form ('Q4_K 213, F32 268')."""
+    forms = getattr(files, "stored_forms", None)
+    if forms is None:
+        return ""
+    counts: dict[str, int] = {}
+    for form in forms.values():
+        counts[form.name] = counts.get(form.name, 0) + 1
+    plain = len(files.infos) - sum(1 for key in files.infos if key.endswith((".quantized", ".scale")))
+    return ", ".join([*(f"{name} {count}" for name, count in sorted(counts.items())), f"floats {plain}"])
 
 
 def _text_encoder(folder: Path, built: dict[str, H3TextEncoder]) -> tuple[WeightFiles, str]:
@@ -130,16 +152,20 @@ def _digest(files: WeightFiles) -> tuple[dict[str, str], str | None]:
     return digests, None
 
 
-def probe_checkpoint(folder: str | Path, deep: bool = False) -> tuple[str, list[ComponentReport]]:
-    """(the layout's kind, one report per component) of the checkpoint in `folder`; a folder that is no checkpoint
-    at all raises CheckpointError."""
+def probe_checkpoint(
+    folder: str | Path, deep: bool = False, dit: Sequence[str] = ()
+) -> tuple[str, list[ComponentReport]]:
+    """(the layout's kind, one report per component) of the checkpoint in `folder`, with the community DiT files
+    `dit` gives (`--dit` values) in place of their partitions' weights; a folder that is no checkpoint at all raises
+    CheckpointError."""
     layout = detect_layout(folder)
+    layout = with_dit_files(layout, parse_dit_files(dit, tuple(layout.partitions))) if dit else layout
     reports: list[ComponentReport] = []
     seen: set[str] = set()
     built: dict[str, H3TextEncoder] = {}
     for name, paths in layout.partitions.items():
         checks: list[tuple[str, Path, Callable[[], tuple[WeightFiles | None, str]]]] = [
-            ("dit", paths.dit, lambda paths=paths: _dit(layout, paths)),
+            ("dit", paths.dit_home, lambda paths=paths: _dit(layout, paths)),
             ("video_vae", paths.video_vae, lambda paths=paths: _component(video_vae_source(layout, paths))),
             ("audio_vae", paths.audio_vae, lambda paths=paths: _component(audio_vae_source(layout, paths))),
             (
@@ -164,6 +190,7 @@ def probe_checkpoint(folder: str | Path, deep: bool = False) -> tuple[str, list[
             if files is None:
                 continue
             report.tensors, report.bytes = len(files.infos), _nbytes(files)
+            report.stored = _formats(files)
             if deep:
                 if files.placeholder:
                     report.note = "placeholder: values drawn at load, nothing to read"
@@ -184,7 +211,8 @@ def format_report(folder: str | Path, kind: str, reports: list[ComponentReport],
     lines = [f"checkpoint {folder} ({kind} layout, {'deep: every tensor read' if deep else 'headers only'})"]
     lines.append(f"{'partition':<9} {'component':<13} {'tensors':>8} {'bytes':>10} {'fp32':>6}  status")
     for report in reports:
-        status = (f"ok ({report.note})" if report.note else "ok") if report.ok else f"FAIL: {report.problem}"
+        notes = "; ".join(note for note in (report.stored, report.note) if note)
+        status = (f"ok ({notes})" if notes else "ok") if report.ok else f"FAIL: {report.problem}"
         tensors = str(report.tensors) if report.tensors else "-"
         size = _size(report.bytes) if report.bytes else "-"
         lines.append(

@@ -49,6 +49,13 @@ def add_validation_parsers(commands: Any) -> None:
     check.add_argument(
         "--deep", action="store_true", help="also read every tensor once and print file digests"
     )
+    check.add_argument(
+        "--dit",
+        action="append",
+        default=None,
+        metavar="[PARTITION=]FILE",
+        help="check a community DiT file (GGUF or ComfyUI single file) in place of a partition's DiT weights",
+    )
 
     reference = commands.add_parser(
         "reference",
@@ -151,7 +158,7 @@ def _check_checkpoint(args: argparse.Namespace) -> int:
     from h3engine.cli.validation.checkpoint_probe import format_report, probe_checkpoint
 
     started = time.perf_counter()
-    kind, reports = probe_checkpoint(args.folder, deep=args.deep)
+    kind, reports = probe_checkpoint(args.folder, deep=args.deep, dit=args.dit or ())
     print(format_report(args.folder, kind, reports, args.deep))
     print(f"checked in {time.perf_counter() - started:.1f} s")
     return 0 if all(report.ok for report in reports) else 2
