@@ -2,7 +2,7 @@
 
 Task inputs: `--first-frame` / `--last-frame` (FL2VA) and repeatable `--ref KIND:PATH[@START_SECONDS]` (Ref2VA, in
 prompt label order); without `--task` the inputs pick it. Adapters: repeatable `--lora PATH[:STRENGTH]`, on the DiT
-`--lora-target` names (default: as diffusers); `--turbo` sets the steps, shifts and `--rungs` they run with.
+`--lora-target` names (default: as diffusers); `--turbo` / `--pdd` set the steps, shifts and `--rungs` they run with.
 Devices: `--device` (default cuda when present) runs the engine here; `--gpus N`, `--devices 0,1,...` or
 `--world-size N` (`--device cpu`: CPU ranks over gloo) run a resident worker group (h3engine.runtime.workers). The
 engine flags (layout, `--dtype`, the memory budget, `--fp8-linear`) are the app's too (h3engine.engine.options).
@@ -51,12 +51,13 @@ from h3engine.engine.options import (
     resolve_device,
 )
 from h3engine.errors import H3Error, RequestError
-from h3engine.request.model import GenerationRequest
+from h3engine.request.model import LORA_TARGET_OF_TASK, GenerationRequest
 from h3engine.request.shapes import from_dict
 
 if TYPE_CHECKING:  # torch is imported only once a generation really starts
     import torch
 
+    from h3engine.engine.lora.library import TurboSettings
     from h3engine.engine.resolved import ResolvedRequest
     from h3engine.models.parallel.groups import RuntimeLayout
     from h3engine.runtime.supervision import StallPolicy
@@ -106,7 +107,11 @@ def _request_payload(args: argparse.Namespace) -> dict:
         "references": [parse_reference_spec(spec) for spec in args.ref],
         "loras": [parse_lora_spec(spec, args.lora_target) for spec in args.lora],
     }
-    if args.lora_target is not None and not args.lora:
+    if args.pdd is not None:
+        # Its interval heads are trained for one DiT: the task's, unless --lora-target names another.
+        target = args.lora_target or LORA_TARGET_OF_TASK[payload["task"]]
+        payload["loras"].append({"path": args.pdd, "strength": 1.0, "target": target})
+    if args.lora_target is not None and not args.lora and args.pdd is None:
         raise RequestError("--lora-target", "given without --lora (it sets the target of each --lora)")
     optional = {
         "rungs": parse_dmd_steps(args.rungs, "--rungs"),
@@ -134,8 +139,11 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
     # request, its files, the output flags or the dtype is refused before torch is imported. The one resolve below
     # decides on the checkpoint with the files' facts read here.
     media = new_media_facts()
+    pdd = None if args.pdd is None else _pdd_preset(args.pdd)
     validate(request, media, canvas_multiple=1)
-    if args.turbo:
+    if pdd is not None:
+        request = _with_preset(args, request, [pdd])
+    elif args.turbo:
         request = _with_turbo(args, request)
     options = EngineOptions.from_args(args)
     check_dtype(options.dtype)
@@ -226,11 +234,39 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
 
 def _with_turbo(args: argparse.Namespace, request: GenerationRequest) -> GenerationRequest:
     """`--turbo`: the preset's steps, flow shifts and rungs (h3engine.engine.lora.library), except where a flag set one."""
-    from h3engine.engine.lora.library import file_turbo, turbo_settings
+    from h3engine.engine.lora.library import file_turbo
 
     if not request.loras:
         raise RequestError("--turbo", "needs a --lora (the preset is for step-distilled adapters)")
-    turbo = turbo_settings([file_turbo(lora.path) for lora in request.loras], request.recipe)
+    return _with_preset(args, request, [file_turbo(lora.path) for lora in request.loras])
+
+
+def _pdd_preset(path: str) -> TurboSettings:
+    """`--pdd`'s preset: the file's own (h3engine.engine.lora.library.pdd_settings); RequestError naming --pdd for a
+    file that cannot be read or is not a PDD adapter."""
+    from h3engine.engine.lora.library import file_turbo
+
+    try:
+        preset = file_turbo(path)
+    except RequestError as error:
+        raise RequestError("--pdd", error.problem) from None
+    if preset is None or not preset.pdd:
+        raise RequestError(
+            "--pdd",
+            f"{Path(path).name!r} is not a PDD adapter: it has no 'proj_out.weight' interval heads (alibaba-pai's "
+            "MiniMax-H3-*-Acc-8Step files); give an ordinary or Turbo adapter with --lora",
+        )
+    return preset
+
+
+def _with_preset(
+    args: argparse.Namespace, request: GenerationRequest, declared: Sequence[TurboSettings | None]
+) -> GenerationRequest:
+    """The preset of the `declared` settings (h3engine.engine.lora.library.turbo_settings: a PDD adapter's, or the
+    Turbo preset of the request's adapters): its steps, flow shifts and rungs, except where a flag set one."""
+    from h3engine.engine.lora.library import turbo_settings
+
+    turbo = turbo_settings(declared, request.recipe)
     rungs = request.rungs if args.rungs is not None else turbo.rungs
     preset = {
         "rungs": rungs,

@@ -109,18 +109,31 @@ def _add_request_flags(generate: argparse.ArgumentParser) -> None:
         help="step-distilled rungs, e.g. 999,750,500,250 (timesteps in (0, 1000], decreasing), one forward each "
         "instead of the grid of --steps (which then defaults to their count)",
     )
-    generate.add_argument(
-        "--turbo",
-        action="store_true",
-        help="the Turbo preset for step-distilled adapters: steps, flow shifts and rungs from the first --lora "
-        "whose metadata declares them, else 8 steps with shifts 6 / 3; flags given explicitly win",
-    )
+    _add_preset_flags(generate)
     generate.add_argument("--recipe", default="sglang", help="sglang (default) or diffusers")
     generate.add_argument(
         "--cache",
         default="off",
         help="step caching for full-step runs: off (default, every block of every step), high (the peers' "
         "conservative MiniMax-H3 setting) or fast (more aggressive); lossy, refused with --rungs / --turbo",
+    )
+
+
+def _add_preset_flags(generate: argparse.ArgumentParser) -> None:
+    """`generate`'s presets for few-step adapters: Turbo and PDD."""
+    generate.add_argument(
+        "--turbo",
+        action="store_true",
+        help="the Turbo preset for step-distilled adapters: steps, flow shifts and rungs from the first --lora "
+        "whose metadata declares them, else 8 steps with shifts 6 / 3; flags given explicitly win",
+    )
+    generate.add_argument(
+        "--pdd",
+        default=None,
+        metavar="PATH",
+        help="a PDD acceleration adapter (alibaba-pai's MiniMax-H3-*-Acc-8Step.safetensors) with its preset: the "
+        "adapter on the task's DiT, its backbone LoRA and interval heads, 8 Euler steps at flow shifts 12 / 3; "
+        "flags given explicitly win, a schedule off its grid is refused",
     )
 
 

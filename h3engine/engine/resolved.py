@@ -172,9 +172,12 @@ def _check_checkpoint_rules(request: GenerationRequest, facts: CheckpointFacts) 
             LoraHeaders,
             request_adapters,
         )
+        from h3engine.engine.sampling.pdd import check_pdd_request
 
         target, config = facts.lora_targets[request.task]
-        request_adapters(request, target, config, LoraHeaders())  # headers only: each file's fit and targets
+        adapters = request_adapters(request, target, config, LoraHeaders())  # headers only: fit and targets
+        # A PDD adapter's recipe: its strength, shifts, steps on its grid, no rungs or cache.
+        check_pdd_request(request, _steps(request, rungs), rungs, [(a.lora, a.strength) for a, _ in adapters])
     return rungs
 
 

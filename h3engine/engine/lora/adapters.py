@@ -10,7 +10,8 @@ get the DiT's compute dtype), as peft holds a bf16 model's: no activation is cas
 cached AdaLN tables (h3engine.engine.sampling.modulation). Strength 0 adds nothing. Everything is checked before anything changes.
 A tensor-parallel rank holds its slice of the factors (h3engine.models.parallel.linear: B's rows, A's columns; a
 row-parallel layer adds its partial update before its all-reduce). `request_adapters` turns a request's `loras`
-into adapters, reading files through a `LoraFiles` cache.
+into adapters, reading files through a `LoraFiles` cache. A PDD adapter's backbone applies as a LoRA; its interval
+heads are hooked onto the DiT's output heads (h3engine.engine.sampling.pdd).
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ from h3engine.checkpoint.lora_format import (
     Partition,
     check_lora_fits,
     read_lora,
+    read_lora_header,
 )
+from h3engine.checkpoint.pdd_format import PddAdapterFile, check_pdd_fits, is_pdd_header, read_pdd_adapter
 from h3engine.engine.sampling.modulation import set_adapter_key
+from h3engine.engine.sampling.pdd import install_heads, remove_heads
 from h3engine.errors import RequestError
 from h3engine.models.dit import H3DiT
 from h3engine.models.dit_config import DiTConfig
@@ -108,6 +112,8 @@ def check_adapter(adapter: Adapter, config: DiTConfig) -> None:
         )
     adapter_layers(adapter)
     check_lora_fits(adapter.lora, config)
+    if isinstance(adapter.lora, PddAdapterFile):
+        check_pdd_fits(adapter.lora, config)
 
 
 def apply_adapters(dit: H3DiT, adapters: Sequence[Adapter], device: torch.device | str | None = None) -> int:
@@ -117,6 +123,14 @@ def apply_adapters(dit: H3DiT, adapters: Sequence[Adapter], device: torch.device
     for adapter in adapters:
         check_adapter(adapter, dit.config)
     device = torch.device(device) if device is not None else dit.condition_proj.weight.device
+    # A PDD adapter's interval heads take the place of the DiT's output heads (h3engine.engine.sampling.pdd).
+    heads = [
+        a.lora.heads
+        for a in adapters
+        if isinstance(a.lora, PddAdapterFile) and a.lora.heads is not None and a.strength != 0
+    ]
+    if len(heads) > 1:
+        raise LoraError(f"LoRA files {[a.lora.name for a in adapters]}: more than one PDD adapter")
     modules = dict(dit.named_modules())
     per_module: dict[str, list[tuple[Tensor, Tensor]]] = {}
     for adapter in adapters:
@@ -138,6 +152,8 @@ def apply_adapters(dit: H3DiT, adapters: Sequence[Adapter], device: torch.device
         handles.append((linear, hook))
     _applied[dit] = _Applied(adapters, handles)
     set_adapter_key(dit, adaln_adapter_key(adapters))
+    if heads:
+        install_heads(dit, heads[0], device)
     return len(handles)
 
 
@@ -178,6 +194,7 @@ def remove_adapters(dit: H3DiT) -> None:
         if handle is not None:
             handle.remove()
         delattr(linear, LOW_RANK_ATTRIBUTE)
+    remove_heads(dit)
     set_adapter_key(dit, "")
 
 
@@ -240,7 +257,8 @@ class LoraFiles:
         self._files: OrderedDict[tuple[str, str, int, int], tuple[LoraFile, str]] = OrderedDict()
 
     def read(self, path: str | os.PathLike[str]) -> tuple[LoraFile, str]:
-        """(the file as `read_lora` gives it, named by its own file name; its sha256); LoraError like read_lora's."""
+        """(the file as `read_adapter` gives it (a LoRA, or a PDD adapter), named by its own file name; its sha256);
+        LoraError like read_lora's."""
         name = Path(path).name
         try:
             stat = os.stat(path)
@@ -254,18 +272,26 @@ class LoraFiles:
         with open(path, "rb") as handle:
             for chunk in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(chunk)
-        self._files[key] = (read_lora(path, name=name), digest.hexdigest())
+        self._files[key] = (read_adapter(path, name), digest.hexdigest())
         while len(self._files) > self.capacity:
             self._files.popitem(last=False)
         return self._files[key]
 
 
 class LoraHeaders:
-    """Reads LoRA files as `LoraFiles` does, but their headers only (`read_lora(shapes_only=True)`) and without a
+    """Reads LoRA files as `LoraFiles` does, but their headers only (`read_adapter(shapes_only=True)`) and without a
     sha256: what the checks before a job need to refuse a file that does not fit (h3engine.runtime.front.EngineFront.resolve)."""
 
     def read(self, path: str | os.PathLike[str]) -> tuple[LoraFile, str]:
-        return read_lora(path, name=Path(path).name, shapes_only=True), ""
+        return read_adapter(path, Path(path).name, shapes_only=True), ""
+
+
+def read_adapter(path: str | os.PathLike[str], name: str, shapes_only: bool = False) -> LoraFile:
+    """An adapter file as `read_lora` reads it, or a PDD adapter as `read_pdd_adapter` does (told apart by the
+    header); LoraError naming the file."""
+    keys, _ = read_lora_header(path, name)
+    reader = read_pdd_adapter if is_pdd_header(keys) else read_lora
+    return reader(path, name=name, shapes_only=shapes_only)
 
 
 def request_adapters(

@@ -7,7 +7,8 @@
   listed with its problem instead. `entry(name)` looks a name up (RequestError naming `field` if there is none).
 * `turbo_settings(entries)` is the Turbo preset: the first adapter whose `__metadata__` has a `minimax_h3` JSON object
   (`num_inference_steps`, `flow_shift`, `audio_flow_shift`, `dmd_denoising_steps` rungs) gives what it says, and
-  `TURBO_TABLE` the rest (8 steps, shifts 6 / 3: how published H3 Turbo LoRAs are used).
+  `TURBO_TABLE` the rest (8 steps, shifts 6 / 3: how published H3 Turbo LoRAs are used); a PDD adapter's preset is
+  its own grid (`pdd_settings`: N / L forwards, shifts 12 / 3; h3engine.engine.sampling.pdd).
 
 Danger: names come from API clients; only names found by the scan resolve to files, so no client text becomes a path.
 """
@@ -24,6 +25,8 @@ from typing import Any
 
 from h3engine.checkpoint.layout import distilled_step_count, valid_dmd_steps
 from h3engine.checkpoint.lora_format import PARTITIONS, LoraError, Partition, read_lora_header
+from h3engine.checkpoint.pdd_format import is_pdd_header, read_grid
+from h3engine.engine.sampling.pdd import PDD_AUDIO_SHIFT, PDD_VIDEO_SHIFT
 from h3engine.errors import RequestError
 from h3engine.request.model import LORA_TARGET_OF_TASK, MAX_STEPS, LoraChoice
 
@@ -42,6 +45,8 @@ class TurboSettings:
     audio_flow_shift: float
     rungs: tuple[int, ...] = ()
     source: str = "the Turbo table"
+    # A PDD adapter's own recipe: `steps` are its forwards (h3engine.engine.sampling.pdd holds a request to them).
+    pdd: bool = False
 
     def describe(self) -> str:
         rungs = f", rungs {', '.join(map(str, self.rungs))}" if self.rungs else ""
@@ -71,7 +76,7 @@ class LibraryEntry:
     def label(self) -> str:
         if self.problem is not None:
             return f"{self.name} (unusable: {self.problem})"
-        turbo = " · Turbo" if self.turbo is not None else ""
+        turbo = "" if self.turbo is None else " · PDD" if self.turbo.pdd else " · Turbo"
         size = (
             f"{self.size_bytes / 2**20:.1f} MiB"
             if self.size_bytes >= 2**20
@@ -129,6 +134,7 @@ def _entry(folder: Path, path: Path) -> LibraryEntry:
                 name, path, size, problem=f"{size / 2**30:.0f} GiB is too large for an adapter"
             )
         keys, metadata = read_lora_header(path, name)
+        pdd = pdd_settings(keys, metadata, name)
     except (OSError, LoraError) as error:
         return LibraryEntry(name, path, 0, problem=_problem(error, name))
     if not keys:
@@ -139,7 +145,7 @@ def _entry(folder: Path, path: Path) -> LibraryEntry:
     # all names no DiT (targets empty) and runs on either.
     targets = named | {"transformer"} if named and prefixes - named else named
     try:
-        turbo = read_turbo_metadata(metadata, name)
+        turbo = pdd or read_turbo_metadata(metadata, name)
     except RequestError as error:
         return LibraryEntry(name, path, size, problem=str(error).split(": ", 1)[-1])
     return LibraryEntry(name, path, size, tuple(sorted(targets)), turbo)
@@ -191,22 +197,37 @@ def read_turbo_metadata(metadata: dict[str, str], name: str) -> TurboSettings | 
     return settings
 
 
+def pdd_settings(keys: Sequence[str], metadata: dict[str, str], name: str) -> TurboSettings | None:
+    """A PDD adapter's preset from its header (None: not one): N / L forwards on its grid, flow shifts 12 / 3."""
+    if not is_pdd_header(keys):
+        return None
+    num_intervals, block_size, _ = read_grid(metadata, name)
+    forwards = num_intervals // block_size
+    source = f"{name}, a PDD adapter"
+    return TurboSettings(forwards, PDD_VIDEO_SHIFT, PDD_AUDIO_SHIFT, source=source, pdd=True)
+
+
 def file_turbo(path: str | os.PathLike[str]) -> TurboSettings | None:
-    """What an adapter file's metadata says of its Turbo settings (header only; RequestError naming the file)."""
+    """What an adapter file says of its Turbo settings: a PDD adapter's preset, else its metadata's (header only;
+    RequestError naming the file)."""
     name = Path(path).name
     try:
-        _, metadata = read_lora_header(path, name)
+        keys, metadata = read_lora_header(path, name)
+        pdd = pdd_settings(keys, metadata, name)
     except LoraError as error:
         raise RequestError("loras", str(error)) from None
-    return read_turbo_metadata(metadata, name)
+    return pdd or read_turbo_metadata(metadata, name)
 
 
 def turbo_settings(declared: Sequence[TurboSettings | None], recipe: str = "sglang") -> TurboSettings:
     """The Turbo preset for the chosen adapters (what each one's metadata declares, in order): the first
-    declaration, else `TURBO_TABLE`; with rungs, the step count they need under `recipe`."""
+    declaration, else `TURBO_TABLE`; with rungs, the step count they need under `recipe`; a PDD adapter's forwards
+    as `recipe` counts them (the diffusers recipe counts the terminal grid point too)."""
     settings = next((turbo for turbo in declared if turbo is not None), TURBO_TABLE)
     if settings.rungs:
         settings = replace(settings, steps=distilled_step_count(settings.rungs, recipe))
+    if settings.pdd and recipe == "diffusers":
+        settings = replace(settings, steps=settings.steps + 1)
     return settings
 
 

@@ -29,6 +29,7 @@ from h3engine.engine.sampling.packing import (
     rows_to_audio_latents,
     unpatchify_video,
 )
+from h3engine.engine.sampling.pdd import StepHeads
 from h3engine.engine.sampling.schedule import Schedule, euler_step
 from h3engine.engine.sampling.step_cache import StepCache
 from h3engine.errors import GenerationCancelled
@@ -199,6 +200,8 @@ class DenoiseSteps:
             for step in range(schedule.num_steps)
         ]
         self.modulation = schedule_modulation(dit, [timesteps for timesteps, _ in self.step_rows], device)
+        # A PDD adapter's blended interval heads, one set a step (none without one).
+        self.heads = StepHeads(dit, schedule)
         # Per-row timestep index (CPU bytes) -> (that index on the device, its prepared DiT layout).
         self.packed_layouts: dict[bytes, tuple[torch.Tensor, object]] = {}
         # What the DiT reads of the request's rows besides the timestep index, in its argument order.
@@ -232,17 +235,18 @@ class DenoiseSteps:
             self.step_cache.use_rows(*modality_rows(packed_layout))
             cached = {"blocks_runner": self.step_cache.run}
         video_input, audio_input = self.hold.inputs(video_rows, audio_rows, first_video, first_audio)
-        video_velocity, audio_velocity = self.dit(
-            video_input,
-            audio_input,
-            self.text_states,
-            timesteps.to(self.device, non_blocking=True),
-            timestep_index,
-            *self.row_layout,
-            layout=packed_layout,
-            modulation=self.modulation[step],
-            **cached,
-        )
+        with self.heads.armed(step):
+            video_velocity, audio_velocity = self.dit(
+                video_input,
+                audio_input,
+                self.text_states,
+                timesteps.to(self.device, non_blocking=True),
+                timestep_index,
+                *self.row_layout,
+                layout=packed_layout,
+                modulation=self.modulation[step],
+                **cached,
+            )
         # The DiT's velocities are fp32, so `float()` hands back the same tensors.
         video_velocity, audio_velocity = self.hold.velocities(
             video_velocity[first_video:].float(), audio_velocity[first_audio:].float()
