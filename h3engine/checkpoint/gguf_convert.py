@@ -1,0 +1,232 @@
+"""A released checkpoint's DiT written as a community-style GGUF file (`--dit FILE.gguf` reads it), a tensor at a time.
+
+`convert_dit_to_gguf(layout, paths, out, kind)` writes one partition's DiT (native or diffusers layout, read as native
+through `dit_format.as_native_files`): names `model.diffusion_model.` + native key, QKV rows stacked [q; k; v] as our
+module holds them, `rope.inv_freq` left out, `general.architecture` "h3". A linear layer's 2-D weight is stored in
+`kind` where its rows are whole blocks of it, else Q8_0, else F16 (gguf_write.placeholder_type; F32 where a value is
+beyond fp16's range); the fp32 islands (what our module holds in fp32 whatever its dtype: h3engine.models.dit
+FP32_PARAMETER_NAMES, PRUNED_FP32_NAMES, a pruned form's AdaLN projections), 1-D tensors and anything else in F32. The K-quants are ours (h3engine.checkpoint.gguf_quantize), the rest gguf-py's. The header is
+written from the shapes first, then each tensor is read, quantized and appended, so the host holds one tensor at a
+time; the file is written as `OUT.partial` and renamed once whole (removed on failure). Returns a `GGUFConversion`.
+
+`convert_checkpoint_to_gguf(source, out, kind)` writes a folder: the released layout with every file hard-linked
+(else copied, h3engine.checkpoint.fp8_files.link_or_copy) but the DiT folders' weight files, each partition's DiT as
+`<partition>-dit-<kind>.gguf` beside them and, last, `gguf_files.json` ({partition: file name}); on failure what it
+wrote is removed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from h3engine.checkpoint import dit_format, gguf_blocks, gguf_quantize
+from h3engine.checkpoint.dit_keys import ROPE_KEY
+from h3engine.checkpoint.fp8_files import link_or_copy
+from h3engine.checkpoint.gguf_files import DIFFUSION_MODEL_PREFIX
+from h3engine.checkpoint.gguf_write import KEPT_TYPE, placeholder_type
+from h3engine.checkpoint.layout import CheckpointLayout, PartitionPaths, detect_layout, require_empty_folder
+from h3engine.checkpoint.loader import dit_source
+from h3engine.checkpoint.safetensors_io import WeightFiles
+from h3engine.errors import CheckpointError
+from h3engine.models.dit import FP32_PARAMETER_NAMES, PRUNED_FP32_NAMES
+from h3engine.models.dit_config import DiTConfig
+
+ARCHITECTURE = "h3"
+GGUF_FILES_JSON = "gguf_files.json"
+FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class GGUFConversion:
+    """One DiT written as GGUF: its file, the source tensors' bytes as stored (rope.inv_freq aside) and the file's
+    size, and per native key the type it is stored in and its error (RMS error / RMS value of the stored values)."""
+
+    path: Path
+    bytes_before: int
+    bytes_after: int
+    types: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, float] = field(default_factory=dict)
+
+
+def gguf_file_name(partition: str, kind: str) -> str:
+    """`<partition>-dit-<kind>.gguf`, the kind in lower case ('fl2va-dit-q4_k.gguf')."""
+    return f"{partition}-dit-{gguf_quantize.ggml_type(kind).name.lower()}.gguf"
+
+
+def tensor_type(key: str, shape: tuple[int, ...], kind: str, linear: bool, fp32: bool = False) -> str:
+    """The type a DiT tensor is stored in when `kind` is asked for: `kind` (or the 32-block / F16 fallback of
+    gguf_write.placeholder_type) for a linear layer's 2-D weight, F32 for the rest and for an fp32 island (named,
+    or `fp32`: the module holds it in fp32)."""
+    island = fp32 or key in FP32_PARAMETER_NAMES or key in PRUNED_FP32_NAMES
+    if island or len(shape) != 2 or not linear:
+        return KEPT_TYPE
+    return placeholder_type(shape, gguf_quantize.ggml_type(kind).name)
+
+
+def convert_dit_to_gguf(
+    layout: CheckpointLayout,
+    paths: PartitionPaths,
+    out: str | os.PathLike[str],
+    kind: str,
+    device: str | torch.device = "cpu",
+) -> GGUFConversion:
+    """Write the DiT of partition `paths` of `layout` to the GGUF file `out` with its linears in `kind` (any type
+    gguf_quantize writes: 'q8_0', 'q6_k', 'q4_k', ...); the K-quants compute on `device`."""
+    out = Path(out)
+    gguf_quantize.ggml_type(kind)  # refuse an unknown kind before reading anything
+    if paths.dit_weights is not None:
+        raise CheckpointError(f"{paths.dit_weights}: this partition's DiT is already a single file")
+    source = dit_source(layout, paths, torch.bfloat16)
+    files = dit_format.as_native_files(source.files, source.config)
+    with torch.device("meta"):
+        module = source.build()  # in bf16: what it holds in fp32 is an island
+    keys = sorted(key for key in files.infos if key != ROPE_KEY)
+    plan = {key: _planned_type(files, module, key, kind) for key in keys}
+    partial = out.with_name(out.name + ".partial")
+    errors: dict[str, float] = {}
+    try:
+        writer = _header(partial, {key: (files.infos[key].shape, plan[key]) for key in keys})
+        try:
+            for key in keys:
+                values = _module_tensor(files, source.config, key)
+                raw = gguf_quantize.quantize(values.to(device), plan[key])
+                errors[key] = _relative_error(raw, plan[key], values)
+                writer.write_tensor_data(raw.reshape(-1).numpy())
+        finally:
+            writer.close()
+        os.replace(partial, out)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    finally:
+        files.close()
+        source.files.close()
+    before = sum(files.infos[key].nbytes for key in keys)
+    return GGUFConversion(out, before, out.stat().st_size, plan, errors)
+
+
+def _module_tensor(files: WeightFiles, config: DiTConfig, key: str) -> Tensor:
+    """A native key's tensor as the module holds it (QKV rows stacked), as stored."""
+    return dit_format.native_to_module({key: files.tensor(key)}, config)[key]
+
+
+def _planned_type(files: WeightFiles, module: nn.Module, key: str, kind: str) -> str:
+    """`tensor_type` of a key, its module path looked up for a linear layer and its dtype there; an F16 fallback
+    holding values beyond fp16's range is stored in F32 instead (read here, before the header: a fallback row is a
+    narrow one)."""
+    shape = tuple(files.infos[key].shape)
+    path, _, leaf = key.rpartition(".")
+    try:
+        layer = module.get_submodule(path)
+    except AttributeError:
+        layer = None
+    linear = leaf == "weight" and isinstance(layer, nn.Linear)
+    fp32 = linear and layer.weight.dtype == torch.float32
+    chosen = tensor_type(key, shape, kind, linear, fp32)
+    if chosen == "F16" and float(files.tensor(key).float().abs().max()) > FP16_MAX:
+        return KEPT_TYPE
+    return chosen
+
+
+def _header(path: Path, tensors: dict[str, tuple[tuple[int, ...], str]]):  # noqa: ANN202 (gguf.GGUFWriter)
+    """A GGUFWriter on `path` with the header, metadata and tensor records written, ready for the tensor data."""
+    from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter
+
+    writer = GGUFWriter(path, ARCHITECTURE)
+    writer.add_quantization_version(GGML_QUANT_VERSION)
+    for key, (shape, type_name) in tensors.items():
+        qtype = GGMLQuantizationType[type_name]
+        shape = tuple(shape) or (1,)
+        nbytes = gguf_blocks.byte_count(qtype, shape, key)
+        byte_shape = (*shape[:-1], nbytes // max(1, math.prod(shape[:-1])))
+        writer.add_tensor_info(
+            DIFFUSION_MODEL_PREFIX + key, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=qtype
+        )
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+    except BaseException:
+        writer.close()
+        raise
+    return writer
+
+
+def _relative_error(raw: Tensor, type_name: str, values: Tensor) -> float:
+    """RMS error over RMS value of the stored values against `values` (0 for an all-zero tensor stored exactly),
+    decoded a few rows at a time (the host holds no float copy of a whole large tensor)."""
+    kind = gguf_blocks.GGMLType[type_name]
+    width = values.shape[-1] if values.dim() else 1
+    rows, raw_rows = (
+        values.reshape(-1, width),
+        raw.reshape(-1, raw.numel() // max(1, values.numel() // width)),
+    )
+    step = max(1, gguf_quantize.CHUNK_VALUES // width)
+    error = energy = 0.0
+    for start in range(0, rows.shape[0], step):
+        reference = rows[start : start + step].float()
+        stored = gguf_blocks.dequantize(raw_rows[start : start + step], kind, tuple(reference.shape))
+        error += float((stored - reference).square().sum(dtype=torch.float64))
+        energy += float(reference.square().sum(dtype=torch.float64))
+    return math.sqrt(error / energy) if energy > 0 else math.sqrt(error)
+
+
+def _is_weight_file(path: Path) -> bool:
+    return path.name.endswith((".safetensors", ".safetensors.index.json"))
+
+
+def convert_checkpoint_to_gguf(
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    kind: str,
+    device: str | torch.device = "cpu",
+) -> dict[str, GGUFConversion]:
+    """Write `source` (a released checkpoint, either layout) into the empty or missing folder `out` with each
+    partition's DiT as a GGUF file of `kind` (see the module doc); returns each partition's conversion."""
+    source, out = Path(source), Path(out)
+    gguf_quantize.ggml_type(kind)
+    layout = detect_layout(source)
+    require_empty_folder(out)
+    created = out  # the outermost folder made here, removed on failure (None: `out` was there)
+    while not created.parent.exists():
+        created = created.parent
+    created = None if out.exists() else created
+    dit_folders = {paths.dit for paths in layout.partitions.values()}
+    conversions: dict[str, GGUFConversion] = {}
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for path in sorted(source.rglob("*")):
+            in_dit = any(folder in path.parents for folder in dit_folders)
+            if path.is_file() and not (in_dit and _is_weight_file(path)):
+                link_or_copy(path, out / path.relative_to(source))
+        names: dict[str, str] = {}
+        for partition, paths in sorted(layout.partitions.items()):
+            names[partition] = gguf_file_name(partition, kind)
+            conversions[partition] = convert_dit_to_gguf(layout, paths, out / names[partition], kind, device)
+        # Written last: a folder without it is an unfinished conversion.
+        (out / GGUF_FILES_JSON).write_text(json.dumps(names, indent=2) + "\n", encoding="utf-8")
+    except BaseException:
+        _remove_written(out, created)
+        raise
+    return conversions
+
+
+def _remove_written(out: Path, created: Path | None) -> None:
+    """Undo a failed conversion: the folders made here, else everything in `out` (it was empty)."""
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
+    elif out.is_dir():
+        for child in out.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
