@@ -296,3 +296,15 @@ def test_check_checkpoint_reads_a_community_dit_file(files, capsys) -> None:
     assert "Q8_0" in row and "floats" in row and "verdict: OK" in report
     assert main(["check-checkpoint", checkpoint, "--dit", str(files["Q8_0"])]) == 2  # which partition?
     assert "--dit" in capsys.readouterr().err
+
+
+def test_a_file_larger_than_this_machines_memory_opens(tmp_path) -> None:
+    """A 64 GiB file (a hole) maps read-only: a copy-on-write map that large is refused on a machine with less
+    memory (Linux's overcommit heuristic), a read-only one commits nothing."""
+    from h3engine.checkpoint.gguf_write import write_gguf_placeholder
+
+    path = tmp_path / "large.gguf"
+    write_gguf_placeholder(path, {"blocks.0.mlp.fc1.weight": (1 << 20, 1 << 16)}, "Q8_0")
+    assert path.stat().st_size > 64 * 10**9
+    record = GGUFFile.open(path).record("blocks.0.mlp.fc1.weight")
+    assert record.nbytes == (1 << 36) // 32 * 34 and int(record.raw[-1]) == 0

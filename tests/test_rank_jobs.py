@@ -349,12 +349,16 @@ def test_a_rank_engine_plans_under_the_options_its_spec_carries_whole(monkeypatc
     )
     spec = pickle.loads(pickle.dumps(spec))  # what a spawned rank receives
     built: list[tuple[Any, ...]] = []
-    monkeypatch.setattr(rank_process, "detect_layout", lambda checkpoint: f"layout of {checkpoint}")
+    monkeypatch.setattr(
+        rank_process,
+        "engine_layout",
+        lambda checkpoint, options: f"layout of {checkpoint} under {options.dtype}",
+    )
     monkeypatch.setattr(rank_process, "Engine", lambda *args, loader: built.append(args))
     share = RankShare(dit_sp=2)
     rank_process.rank_engine(spec, torch.device("cpu"), loader=None, share=share)  # type: ignore[arg-type]
     memory = MemoryRequest("low-memory", None, "12", "fp8", share)
-    assert built == [("layout of /checkpoint", torch.device("cpu"), torch.float32, memory)]
+    assert built == [("layout of /checkpoint under float32", torch.device("cpu"), torch.float32, memory)]
 
 
 def test_the_outbox_delivers_what_was_posted_in_order_when_closed() -> None:

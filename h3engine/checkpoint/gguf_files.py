@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 from torch import Tensor
 
 from h3engine.checkpoint import gguf_blocks
+from h3engine.checkpoint.safetensors_io import read_only_tensor
 from h3engine.errors import CheckpointError
 
 if TYPE_CHECKING:  # gguf-py is imported when a file is opened
@@ -132,8 +132,8 @@ def _reader(path: Path, size: int) -> GGUFReader:
     from gguf import GGUFReader
 
     try:
-        # Copy-on-write map: the tensors handed out are writable without a copy, and a write never reaches the file.
-        return GGUFReader(path, mode="c")
+        # A read-only map commits no memory (a copy-on-write map larger than RAM is refused); loaders copy.
+        return GGUFReader(path, mode="r")
     except (ValueError, IndexError, KeyError, OverflowError, TypeError, UnicodeDecodeError) as error:
         # gguf-py reads past the end as short arrays, which fail to parse or to take their tensor's shape.
         raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({size} bytes; {error})") from None
@@ -150,7 +150,7 @@ def _record(path: Path, reader: GGUFReader, entry: ReaderTensor) -> GGUFTensor:
             f"{path}: truncated GGUF file: tensor {stored_name!r} ends at byte {offset + nbytes}, the file has "
             f"{reader.data.shape[0]}"
         )
-    raw = torch.from_numpy(reader.data[offset : offset + nbytes])
+    raw = read_only_tensor(reader.data[offset : offset + nbytes])
     return GGUFTensor(
         name=stored_name.removeprefix(DIFFUSION_MODEL_PREFIX),
         stored_name=stored_name,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import warnings
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,14 @@ _DTYPES = {
 FP8_SCALE_SUFFIX = "_scale"
 # A header larger than this is not a safetensors header (the format caps it at 100 MB).
 _MAX_HEADER_BYTES = 100_000_000
+
+
+def read_only_tensor(array: Any) -> torch.Tensor:
+    """A torch view of a read-only numpy array (a file mapped read-only, which commits no memory however large the
+    file: a copy-on-write map of a file larger than RAM is refused). Nothing may write to it: loaders copy."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
 
 
 def placed(tensor: torch.Tensor, device: torch.device | str | None, dtype: torch.dtype) -> torch.Tensor:

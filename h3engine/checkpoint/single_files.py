@@ -1,7 +1,7 @@
 """Reading one ComfyUI-style single safetensors file (the community's H3 DiT, VAE and text-encoder files), in every
 weight format those files come in, memory-mapped.
 
-Contract: `SingleFile.open(path)` parses only the safetensors header and maps the file (copy-on-write, as
+Contract: `SingleFile.open(path)` parses only the safetensors header and maps the file (read-only, as
 h3engine.checkpoint.gguf_files does; of the data it reads only the few bytes of each layer's `comfy_quant` config).
 Each logical tensor is a `StoredTensor` record under its name without the DiT prefix `model.diffusion_model.` (a file
 without the prefix reads the same): its format, logical shape, stored values and scales as zero-copy views of the
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from h3engine.checkpoint.safetensors_io import read_only_tensor
 from h3engine.checkpoint.single_file_formats import (
     COMFY_FP8,
     COMFY_INT8,
@@ -198,8 +199,8 @@ def _read_header(path: Path) -> tuple[dict[str, _Entry], dict[str, str], int]:
 
 def _map(path: Path, size: int) -> Tensor:
     try:
-        # Copy-on-write: the views handed out are writable without a copy, and a write never reaches the file.
-        return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c", shape=(size,)))
+        # A read-only map commits no memory (a copy-on-write map larger than RAM is refused); loaders copy.
+        return read_only_tensor(np.memmap(path, dtype=np.uint8, mode="r", shape=(size,)))
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path}: cannot map the file ({error})") from None
 
