@@ -267,6 +267,7 @@ def test_plan_memory_plans_a_gguf_dit_at_its_stored_size(tmp_path, capsys) -> No
     assert total < 0.4 * (bf16.layers_total + bf16.other_bytes + bf16.adaln_bytes)
     # The largest weight dequantized at a time: an AdaLN projection in bf16 (96768 x 2688), counted once.
     assert stored.dequantized_bytes == 96768 * 2688 * 2 and bf16.dequantized_bytes == 0
+    assert stored.layer_parameters == bf16.layer_parameters  # the same multiply-adds, whatever the storage
     flags = [
         "plan-memory",
         "--checkpoint",

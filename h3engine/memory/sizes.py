@@ -40,7 +40,7 @@ from h3engine.memory.layers import dit_layers, text_encoder_layers, video_decode
 from h3engine.memory.types import WEIGHT_FORMATS
 from h3engine.models.audio_vae import AudioVAEConfig
 from h3engine.models.dit_config import DiTConfig
-from h3engine.models.stored_linear import StoredLinear
+from h3engine.models.stored_linear import QUANTIZED_BUFFER, StoredLinear
 from h3engine.models.text_encoder import H3TextEncoder
 from h3engine.models.video_vae import VideoVAE, VideoVAEConfig
 
@@ -275,6 +275,20 @@ def _parts_tensors(module: nn.Module, parts: Sequence[str]) -> list[tuple[str, t
     return named
 
 
+def _parameters(layer: nn.Module, named: Sequence[tuple[str, torch.Tensor]]) -> int:
+    """The parameters (multiply-adds per row) of a layer's tensors: a StoredLinear's bytes and scale stand for its
+    in x out weight."""
+    count = 0
+    for name, tensor in named:
+        owner_path, _, leaf = name.rpartition(".")
+        owner = layer.get_submodule(owner_path) if owner_path else layer
+        if isinstance(owner, StoredLinear) and leaf in StoredLinear.STORED_TENSORS:
+            count += owner.in_features * owner.out_features if leaf == QUANTIZED_BUFFER else 0
+        else:
+            count += tensor.numel()
+    return count
+
+
 def _layered_size(
     module: nn.Module,
     spec_layers: Sequence[nn.Module],
@@ -297,7 +311,7 @@ def _layered_size(
         stored, unquantized = _group_bytes(named, fp8_layers, splits, degree, kv_degree)
         layer_bytes.append(stored)
         layer_compute_bytes.append(unquantized)
-        largest_parameters = max(largest_parameters, sum(tensor.numel() for _, tensor in named))
+        largest_parameters = max(largest_parameters, _parameters(layer, named))
     adaln_stored, largest_stored, largest_unquantized = 0, 0, 0
     for projection in adaln_modules:
         named = _tensors(projection)

@@ -64,6 +64,8 @@ class WeightForm:
 class StoredLinear(nn.Module):
     """y = x W^T + b with W held in a file's quantized `form` and dequantized to `dtype` on use."""
 
+    STORED_TENSORS = (QUANTIZED_BUFFER, SCALE_BUFFER)
+
     def __init__(
         self,
         in_features: int,
