@@ -10,7 +10,8 @@ against the same DiT in bf16, and the bits each weight takes on disk.
 
 Memory: a released-size placeholder checkpoint, and GGUF placeholders (real headers, data a hole) of the released
 DiT (exact AdaLN) and of the pruned one (an `adaln_t_table` of 1,025 x 8, 8-wide projections), each planned by
-`plan-memory` for a 5 s 768p T2VA at --disk-read-gbps 2 under each GPU budget with 32 and 64 GiB of host memory.
+`plan-memory` for a 5 s 768p T2VA with a 1,536-token prompt, AdaLN tables cached, at --disk-read-gbps 2, under each
+GPU budget with 32 and 64 GiB of host memory (the settings of README's "Which PC runs what").
 
     python -m benchmarks.community_files                   # JSON to benchmarks/results/
 """
@@ -188,9 +189,9 @@ def plans(folder: Path) -> list[dict]:
                     str(host),
                     "--disk-read-gbps",
                     "2",
+                    "--prompt-tokens",
+                    "1536",
                     "--json",
-                    "--adaln-cache",
-                    "off",
                 ]
                 flags += ["--dit", f"fl2va={path}"] if path is not None else []
                 out, err = io.StringIO(), io.StringIO()
@@ -204,6 +205,7 @@ def plans(folder: Path) -> list[dict]:
                     "host_gib": host,
                     "fits": code == 0,
                     "predicted_step_seconds": plan.get("predicted_step_seconds"),
+                    "disk_gb_per_step": round(plan["disk_bytes_per_step"] / 1e9, 1) if plan else None,
                     "peak_gpu_gib": round(plan["peak_gpu_bytes"] / 2**30, 1) if plan else None,
                     "refusal": err.getvalue().strip().splitlines()[-1] if code else None,
                 }
