@@ -174,6 +174,22 @@ def read_lora(
     return LoraFile(path, name, layout, merged, metadata, head_dim if diffsynth_qkv else None)
 
 
+def adaln_update_on_a_pruned_dit(module: str, layer: LoraLayer, config: DiTConfig) -> bool:
+    """Whether `layer` updates an AdaLN projection as the released DiT has it (on the time_embed_dim-wide SiLU(temb))
+    while `config`'s DiT is pruned (its projections read the rank-wide curve)."""
+    return (
+        config.adaln_form != "exact"
+        and module.endswith("adaln_proj.linear")
+        and layer.down.shape[1] == config.time_embed_dim
+        and layer.up.shape[0]
+        == (
+            config.final_adaln_out_features
+            if module.startswith("final_layer.")
+            else config.adaln_out_features
+        )
+    )
+
+
 def check_lora_fits(lora: LoraFile, config: DiTConfig) -> None:
     """Raise `LoraError` naming the file and the first key whose module is not a linear of `config`'s DiT or whose
     shape does not fit it."""
@@ -189,6 +205,15 @@ def check_lora_fits(lora: LoraFile, config: DiTConfig) -> None:
     for layers in lora.partitions.values():
         for module, layer in layers.items():
             shape = shapes.get(f"{module}.weight")
+            if adaln_update_on_a_pruned_dit(module, layer, config):
+                if config.adaln_form == "table":
+                    raise LoraError(
+                        f"LoRA file {lora.name!r}: key {layer.source_key!r} updates an AdaLN projection on the "
+                        f"{config.time_embed_dim}-wide time embedding, and this DiT is pruned to the published AdaLN "
+                        "table, which keeps no basis to refit the update onto: use the adapter on the released DiT "
+                        "or on one pruned by `convert --prune-adaln`"
+                    )
+                continue  # refit onto the DiT's basis when applied (h3engine.engine.lora.adapters)
             if shape is None or len(shape) != 2:
                 raise LoraError(
                     f"LoRA file {lora.name!r}: key {layer.source_key!r} names no linear layer of the DiT "

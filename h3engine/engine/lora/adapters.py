@@ -16,7 +16,9 @@ heads are hooked onto the DiT's output heads (h3engine.engine.sampling.pdd).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import logging
 import math
 import os
 import weakref
@@ -35,6 +37,7 @@ from h3engine.checkpoint.lora_format import (
     LoraFile,
     LoraLayer,
     Partition,
+    adaln_update_on_a_pruned_dit,
     check_lora_fits,
     read_lora,
     read_lora_header,
@@ -46,8 +49,11 @@ from h3engine.errors import RequestError
 from h3engine.models.dit import H3DiT
 from h3engine.models.dit_config import DiTConfig
 from h3engine.models.dit_layers import LOW_RANK_ATTRIBUTE
-from h3engine.models.parallel.linear import ColumnParallelLinear, ParallelLinear, RowParallelLinear
+from h3engine.models.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from h3engine.models.stored_linear import StoredLinear
 from h3engine.request.model import GenerationRequest
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,18 +68,25 @@ class Adapter:
 
 @dataclass(frozen=True)
 class LowRankUpdate:
-    """The summed update of one linear's adapters: `up @ (down @ x)` with down [R, in], up [out, R] (scales folded)."""
+    """The summed update of one linear's adapters: `up @ (down @ x)` with down [R, in], up [out, R] (scales folded),
+    plus `offset` [out] where an AdaLN update was refit onto a pruned DiT's basis (its part along the curve's mean)."""
 
     down: Tensor
     up: Tensor
+    offset: Tensor | None = None
 
     def __call__(self, hidden: Tensor) -> Tensor:
-        return F.linear(F.linear(hidden.to(self.down.dtype), self.down), self.up).to(hidden.dtype)
+        update = F.linear(F.linear(hidden.to(self.down.dtype), self.down), self.up, self.offset)
+        return update.to(hidden.dtype)
 
     def chunks(self, hidden: Tensor, parts: int) -> tuple[Tensor, ...]:
         """The update split into `parts` equal row blocks of the output (q, k, v), from one `down @ x`."""
         low = F.linear(hidden.to(self.down.dtype), self.down)
-        return tuple(F.linear(low, up).to(hidden.dtype) for up in self.up.chunk(parts))
+        offsets = self.offset.chunk(parts) if self.offset is not None else (None,) * parts
+        return tuple(
+            F.linear(low, up, offset).to(hidden.dtype)
+            for up, offset in zip(self.up.chunk(parts), offsets, strict=True)
+        )
 
 
 @dataclass
@@ -132,21 +145,41 @@ def apply_adapters(dit: H3DiT, adapters: Sequence[Adapter], device: torch.device
     if len(heads) > 1:
         raise LoraError(f"LoRA files {[a.lora.name for a in adapters]}: more than one PDD adapter")
     modules = dict(dit.named_modules())
-    per_module: dict[str, list[tuple[Tensor, Tensor]]] = {}
+    per_module: dict[str, list[tuple[Tensor, Tensor, Tensor | None]]] = {}
     for adapter in adapters:
         if adapter.strength == 0:
             continue
+        refits = []
         for module, layer in adapter_layers(adapter).items():
+            if adaln_update_on_a_pruned_dit(module, layer, dit.config):
+                layer, offset, residual = refit_onto_basis(layer, dit.adaln_curve.mean, dit.adaln_curve.basis)
+                refits.append(residual)
+            else:
+                offset = None
             down, up = _local_factors(modules[module], module, layer)
-            per_module.setdefault(module, []).append((down, up * (layer.scale * float(adapter.strength))))
+            scale = layer.scale * float(adapter.strength)
+            per_module.setdefault(module, []).append(
+                (down, up * scale, offset * scale if offset is not None else None)
+            )
+        if refits:
+            logger.warning(
+                "LoRA %s: %d AdaLN updates refit onto the pruned DiT's rank-%d basis; their largest part off the "
+                "basis, dropped: %.3g (relative)",
+                adapter.lora.name,
+                len(refits),
+                dit.config.adaln_rank,
+                max(refits),
+            )
     remove_adapters(dit)
     handles = []
     for module, factors in per_module.items():
         linear = modules[module]
         dtype = _factor_dtype(linear, dit)
-        down = torch.cat([down for down, _ in factors]).to(device, dtype)
-        up = torch.cat([up for _, up in factors], dim=1).to(device, dtype)
-        setattr(linear, LOW_RANK_ATTRIBUTE, LowRankUpdate(down, up))
+        down = torch.cat([down for down, _, _ in factors]).to(device, dtype)
+        up = torch.cat([up for _, up, _ in factors], dim=1).to(device, dtype)
+        offsets = [offset for _, _, offset in factors if offset is not None]
+        offset = torch.stack(offsets).sum(dim=0).to(device, dtype) if offsets else None
+        setattr(linear, LOW_RANK_ATTRIBUTE, LowRankUpdate(down, up, offset))
         # A row-parallel layer adds its partial update itself, before the sum over its group.
         hook = None if isinstance(linear, RowParallelLinear) else linear.register_forward_hook(_add_update)
         handles.append((linear, hook))
@@ -210,16 +243,25 @@ def adapted_layers(dit: H3DiT) -> int:
     return 0 if applied is None else len(applied.handles)
 
 
+def refit_onto_basis(layer: LoraLayer, mean: Tensor, basis: Tensor) -> tuple[LoraLayer, Tensor, float]:
+    """An AdaLN update B A s made for the released DiT's input s = SiLU(temb), on a DiT pruned to our basis form,
+    whose projection reads c = (s - mean) @ basis: where s = mean + basis c (the pruning's premise), B A s =
+    B (A basis) c + B A mean. Returns the layer with down A @ basis, the offset B A mean (unscaled, as up), and the
+    relative part of A off the basis, ||A - A basis basisᵀ|| / ||A|| (what the refit drops; 0 where the update lies
+    in the basis' span). fp32."""
+    down, up = layer.down.float(), layer.up.float()
+    basis, mean = basis.float().to(down.device), mean.float().to(down.device)
+    fitted = down @ basis
+    residual = float(torch.linalg.norm(down - fitted @ basis.T) / torch.linalg.norm(down).clamp_min(1e-30))
+    return dataclasses.replace(layer, down=fitted), up @ (down @ mean), residual
+
+
 def _local_factors(linear: nn.Module, module: str, layer: LoraLayer) -> tuple[Tensor, Tensor]:
     """(A, B) of `layer` for `linear`: whole, or a tensor-parallel rank's slice (B's rows for a column-parallel
     layer, A's columns for a row-parallel one, as the layer slices its weight); ValueError if the shapes differ."""
-    if isinstance(linear, ParallelLinear):
-        shape = (linear.out_features, linear.in_features)
-    else:
-        weight = getattr(linear, "weight", None)
-        shape = (
-            tuple(weight.shape) if isinstance(weight, Tensor) else (linear.out_features, linear.in_features)
-        )
+    # Every linear here (nn.Linear, the parallel ones, StoredLinear) says its shape; a StoredLinear's `weight` would
+    # dequantize the whole weight to tell it.
+    shape = (linear.out_features, linear.in_features)
     if shape != (layer.up.shape[0], layer.down.shape[1]):
         raise ValueError(
             f"{module} is a {list(shape)} linear, the adapter updates [{layer.up.shape[0]}, {layer.down.shape[1]}]"
@@ -232,6 +274,8 @@ def _local_factors(linear: nn.Module, module: str, layer: LoraLayer) -> tuple[Te
 
 
 def _factor_dtype(linear: nn.Module, dit: H3DiT) -> torch.dtype:
+    if isinstance(linear, StoredLinear):
+        return linear.dtype  # what its weight is dequantized to
     weight = getattr(linear, "weight", None)
     if isinstance(weight, Tensor) and weight.is_floating_point() and weight.element_size() > 1:
         return weight.dtype
