@@ -1,17 +1,15 @@
 """The community's H3 DiT files: their error against bf16 on a small model, and the memory plan each gets on 24 / 16 /
 12 / 8 GiB cards (predicted by the planner, not measured), on the CPU.
 
-Error: a DiT of the tiny checkpoint's shape but 256-wide (hidden 256, 2 heads of 128, FFN 512, time embedding 256,
-so every linear's rows are whole K-quant super-blocks and ConvRot groups of 256), random weights (N(0, 1/fan_in)),
-written in each format by our writers (GGUF: gguf-py's quantizers for Q8_0 / Q5_0 / Q4_0, ours for the K-quants,
-h3engine.checkpoint.gguf_quantize; single files: h3engine.checkpoint.single_files_write), loaded through `--dit`'s
-loader and run on a packed FL2VA-like request (1,362 rows); the relative L2 error of the video and audio velocities
-against the same DiT in bf16, and the bits each weight takes on disk.
+Error: a DiT of the tiny checkpoint's shape but 256-wide (every linear's rows whole K-quant super-blocks and ConvRot
+groups), random weights, written in each format by our writers (GGUF: gguf-py's quantizers for Q8_0 / Q5_0 / Q4_0,
+ours for the K-quants; single files: h3engine.checkpoint.single_files_write), loaded through `--dit`'s loader and run
+on a packed FL2VA-like request: the relative L2 error of the video and audio velocities against the same DiT in
+bf16, and the bits each weight takes on disk.
 
-Memory: a released-size placeholder checkpoint, and GGUF placeholders (real headers, data a hole) of the released
-DiT (exact AdaLN) and of the pruned one (an `adaln_t_table` of 1,025 x 8, 8-wide projections), each planned by
-`plan-memory` for a 5 s 768p T2VA with a 1,536-token prompt, AdaLN tables cached, at --disk-read-gbps 2, under each
-GPU budget with 32 and 64 GiB of host memory (the settings of README's "Which PC runs what").
+Memory: a released-size placeholder checkpoint and GGUF placeholders (real headers, data a hole) of the released DiT
+and of the pruned one, planned by `plan-memory` for a 5 s 768p T2VA with a 1,536-token prompt, AdaLN tables cached,
+a 2 GB/s disk, under each GPU budget with 32 and 64 GiB of host memory (README's "Which PC runs what" settings).
 
     python -m benchmarks.community_files                   # JSON to benchmarks/results/
 """

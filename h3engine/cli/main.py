@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from h3engine.checkpoint.layout import detect_layout, require_empty_folder
+from h3engine.checkpoint.layout import require_empty_folder
 from h3engine.cli.convert import run_convert
 from h3engine.cli.parser import build_parser
 from h3engine.cli.plan_memory import run_plan_memory
@@ -47,6 +47,7 @@ from h3engine.engine.options import (
     check_dtype,
     check_engine_options,
     check_fp8_device,
+    engine_layout,
     load_engine,
     resolve_device,
 )
@@ -169,7 +170,7 @@ def _generate(args: argparse.Namespace, progress: Progress) -> int:
         check_fp8_device(device)
     # The checkpoint's own rules, from its headers (the engine and its front decide with the same function and
     # facts); the models load after this.
-    facts = CheckpointFacts.from_layout(detect_layout(args.checkpoint))
+    facts = CheckpointFacts.from_layout(engine_layout(args.checkpoint, options))
     resolved = resolve_request(request, facts, media)
     for warning in resolved.warnings:
         progress.warning(warning)
