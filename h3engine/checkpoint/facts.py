@@ -1,8 +1,8 @@
 """What a checkpoint decides about requests, read from its headers: `CheckpointFacts`.
 
-`CheckpointFacts.from_layout(layout)` reads the config files, never a weight file: the tasks served, the canvas
-rule, the video VAE's spatial ratio and the DiT's patch, the tokenizer folder, each task's DMD rungs and each task's
-DiT as LoRA files name it. The CLI reads them before any model loads; an engine reads the same (`Engine.facts`) and
+`CheckpointFacts.from_layout(layout)` reads the config files and the DiTs' headers (their AdaLN form), never weight
+data: the tasks served, the canvas rule, the video VAE's spatial ratio and the DiT's patch, the tokenizer folder, each
+task's DMD rungs and each task's DiT as LoRA files name it (a pruned one decides which AdaLN updates fit). The CLI reads them before any model loads; an engine reads the same (`Engine.facts`) and
 a worker group's rank 0 sends them to the front. The one request checker (h3engine.engine.resolved) takes them.
 MiniMax H3's partitions share the video VAE, the patch and the tokenizer, so the first partition's hold for all.
 Picklable: plain data.
