@@ -1,13 +1,13 @@
-"""A released checkpoint's DiT written as a community-style GGUF file (`--dit FILE.gguf` reads it), a tensor at a time.
+"""A released checkpoint's DiT as a community-style GGUF file (`--dit FILE.gguf` reads it), a tensor at a time.
 
-`convert_dit_to_gguf(layout, paths, out, kind)` writes one partition's DiT (native or diffusers layout, read as native
-through `dit_format.as_native_files`): names `model.diffusion_model.` + native key, QKV rows stacked [q; k; v] as our
-module holds them, `rope.inv_freq` left out, `general.architecture` "h3". A linear layer's 2-D weight is stored in
-`kind` where its rows are whole blocks of it, else Q8_0, else F16 (gguf_write.placeholder_type; F32 where a value is
-beyond fp16's range); the fp32 islands (what our module holds in fp32 whatever its dtype: h3engine.models.dit
-FP32_PARAMETER_NAMES, PRUNED_FP32_NAMES, a pruned form's AdaLN projections), 1-D tensors and anything else in F32. The K-quants are ours (h3engine.checkpoint.gguf_quantize), the rest gguf-py's. The header is
-written from the shapes first, then each tensor is read, quantized and appended, so the host holds one tensor at a
-time; the file is written as `OUT.partial` and renamed once whole (removed on failure). Returns a `GGUFConversion`.
+`convert_dit_to_gguf(layout, paths, out, kind)` writes one partition's DiT (either layout, read as native through
+`dit_format.as_native_files`): names `model.diffusion_model.` + native key, QKV rows stacked [q; k; v] as our module
+holds them, `rope.inv_freq` left out, `general.architecture` "h3". A linear's 2-D weight is stored in `kind` where its
+rows are whole blocks of it, else Q8_0, else F16 (gguf_write.placeholder_type; F32 where a value is beyond fp16's
+range); the fp32 islands (what our module holds in fp32 whatever its dtype: FP32_PARAMETER_NAMES, PRUNED_FP32_NAMES,
+a pruned form's AdaLN projections), 1-D tensors and anything else in F32. K-quants are ours (gguf_quantize), the rest
+gguf-py's. The header is written from the shapes first, then each tensor is read, quantized and appended: the host
+holds one tensor at a time. The file is written as `OUT.partial`, renamed once whole (removed on failure).
 
 `convert_checkpoint_to_gguf(source, out, kind)` writes a folder: the released layout with every file hard-linked
 (else copied, h3engine.checkpoint.fp8_files.link_or_copy) but the DiT folders' weight files, each partition's DiT as
