@@ -170,20 +170,39 @@ def test_an_engine_on_the_converted_dit_computes_what_its_values_compute(convert
     assert all(torch.equal(getattr(got, name), getattr(expected, name)) for name in OUTPUTS)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CheckpointError,
-    reason="h3engine.memory.sizes.stored_weights opens the first partition's DiT folder weights even where a file "
-    "replaces them (the converted folder holds none); remove this mark once it looks past such partitions",
-)
-def test_an_engine_runs_on_the_converted_folder_with_its_gguf_files(converted) -> None:
+def test_the_converted_folder_loads_as_it_is(converted, capsys) -> None:
+    """Its gguf_files.json puts each partition's GGUF file in place (no --dit needed): the engine on the folder alone
+    computes what the source checkpoint computes with those files; the CLI writes the same folder."""
     out, _ = converted["q8_0"]
-    files = {
-        partition: out / name for partition, name in json.loads((out / GGUF_FILES_JSON).read_text()).items()
+    listed = json.loads((out / GGUF_FILES_JSON).read_text())
+    layout = detect_layout(out)
+    assert {partition: paths.dit_weights for partition, paths in layout.partitions.items()} == {
+        partition: out / name for partition, name in listed.items()
     }
-    _, got = generate(out, files)
-    _, expected = generate(converted["checkpoint"], files)
+    engine = Engine.from_checkpoint(out, device="cpu", adaln_cache="off")
+    got, _ = engine.generate(parity_requests(steps=2, seed=5)["t2va"])
+    _, expected = generate(converted["checkpoint"], {p: out / name for p, name in listed.items()})
     assert all(torch.equal(getattr(got, name), getattr(expected, name)) for name in OUTPUTS)
+    from h3engine.cli.main import main
+
+    again = out.parent / "q8_0-cli"
+    assert (
+        main(
+            [
+                "convert",
+                "--checkpoint",
+                str(converted["checkpoint"]),
+                "--weights",
+                "q8_0",
+                "--out",
+                str(again),
+            ]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "fl2va DiT:" in printed and "ref2va DiT:" in printed
+    assert all((again / name).read_bytes() == (out / name).read_bytes() for name in listed.values())
 
 
 def test_both_layouts_convert_to_the_same_bytes(tiny_checkpoints, tmp_path) -> None:

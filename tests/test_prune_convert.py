@@ -184,7 +184,10 @@ def test_fp8_conversion_of_a_pruned_checkpoint_leaves_its_projections_unquantize
         ([], "error: --weights: give --weights fp8, --prune-adaln, or both"),
         (["--prune-adaln", "--adaln-rank", "0"], "error: --adaln-rank: expected a positive integer, got 0"),
         (["--prune-adaln", "--adaln-rank", "9"], "error: "),
-        (["--prune-adaln", "--weights", "int4"], "error: --weights: expected one of fp8, got 'int4'"),
+        (
+            ["--prune-adaln", "--weights", "int4"],
+            "error: --weights: expected one of fp8, q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, got 'int4'",
+        ),
     ],
 )
 def test_convert_refuses_in_one_line(capsys, tiny_checkpoints, tmp_path, extra, starts) -> None:

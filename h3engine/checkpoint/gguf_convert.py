@@ -33,7 +33,13 @@ from h3engine.checkpoint.dit_keys import ROPE_KEY
 from h3engine.checkpoint.fp8_files import link_or_copy
 from h3engine.checkpoint.gguf_files import DIFFUSION_MODEL_PREFIX
 from h3engine.checkpoint.gguf_write import KEPT_TYPE, placeholder_type
-from h3engine.checkpoint.layout import CheckpointLayout, PartitionPaths, detect_layout, require_empty_folder
+from h3engine.checkpoint.layout import (
+    DIT_FILES_JSON,
+    CheckpointLayout,
+    PartitionPaths,
+    detect_layout,
+    require_empty_folder,
+)
 from h3engine.checkpoint.loader import dit_source
 from h3engine.checkpoint.safetensors_io import WeightFiles
 from h3engine.errors import CheckpointError
@@ -41,7 +47,7 @@ from h3engine.models.dit import FP32_PARAMETER_NAMES, PRUNED_FP32_NAMES
 from h3engine.models.dit_config import DiTConfig
 
 ARCHITECTURE = "h3"
-GGUF_FILES_JSON = "gguf_files.json"
+GGUF_FILES_JSON = DIT_FILES_JSON  # read back by h3engine.checkpoint.layout.detect_layout
 FP16_MAX = 65504.0
 
 

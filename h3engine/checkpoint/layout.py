@@ -30,6 +30,8 @@ TASKS = tuple(PARTITION_OF_TASK)
 NATIVE_PARTITION_FOLDERS = {"fl2va": "FL2VA", "ref2va": "Ref2VA"}
 DIFFUSERS_DIT_FOLDERS = {"fl2va": "transformer", "ref2va": "transformer_ref"}
 DIFFUSERS_PIPELINE_CLASS = "MiniMaxH3ModularPipeline"
+# A converted checkpoint's list of the DiT files that replace its partitions' weights ({partition: file name}).
+DIT_FILES_JSON = "gguf_files.json"
 
 DEFAULT_CANVAS_SHORT_EDGE = 768
 DEFAULT_CANVAS_MAX_PIXELS = 768 * 1344
@@ -193,8 +195,21 @@ def require_empty_folder(folder: Path) -> None:
 
 
 def detect_layout(path: str | Path) -> CheckpointLayout:
-    """Detect the layout of a checkpoint folder (a native repo root, one native partition, or a diffusers root)."""
-    root = Path(path).expanduser()
+    """Detect the layout of a checkpoint folder (a native repo root, one native partition, or a diffusers root),
+    with the DiT files its `DIT_FILES_JSON` names (a folder `convert --weights q4_k` wrote) in their partitions."""
+    layout = _folder_layout(Path(path).expanduser())
+    listed = layout.root / DIT_FILES_JSON
+    if not listed.is_file():
+        return layout
+    names = read_json(listed)
+    if not all(isinstance(name, str) and Path(name).name == name for name in names.values()):
+        raise CheckpointError(
+            f"{listed}: expected {{partition: file name beside it}}, got {json.dumps(names)}"
+        )
+    return with_dit_files(layout, {partition: layout.root / name for partition, name in names.items()})
+
+
+def _folder_layout(root: Path) -> CheckpointLayout:
     if not root.is_dir():
         raise CheckpointError(f"{root}: checkpoint folder does not exist")
     native_partitions = [root / name for name in NATIVE_PARTITION_FOLDERS.values() if (root / name).is_dir()]

@@ -2,6 +2,7 @@
 
     python -m h3engine convert --checkpoint DIR --weights fp8 --out DIR2
     python -m h3engine convert --checkpoint DIR --prune-adaln [--weights fp8] --out DIR2
+    python -m h3engine convert --checkpoint DIR --weights q4_k --out DIR2     (q8_0, q6_k, q5_k, q4_k, q3_k, q2_k)
 
 `--weights fp8` writes the large linears (DiT blocks and refiner, AdaLN projections, the text encoder's layers) as
 e4m3 values with one fp32 scale per output row, exactly what `--weights fp8` makes at load, in the released layout
@@ -9,7 +10,9 @@ e4m3 values with one fp32 scale per output row, exactly what `--weights fp8` mak
 FP8 without a bf16 copy in host memory. `--prune-adaln` (native layout) writes each DiT's AdaLN projections against a
 rank-`--adaln-rank` basis of its SiLU(temb) curve (h3engine.checkpoint.prune_adaln; ~13 B fewer parameters), and
 prints each DiT's size before and after and the error of its pruned AdaLN tables over a dense grid of t and at the
-timesteps of a default 50-step schedule. Exact AdaLN stays the default: only this command prunes. Prints each
+timesteps of a default 50-step schedule. Exact AdaLN stays the default: only this command prunes. A GGUF type writes
+each DiT as a community-style GGUF file beside the rest (h3engine.checkpoint.gguf_convert), listed in the folder's
+gguf_files.json, so that the folder loads as it is. Prints each
 component's size and the total. Exit 2 with one line naming the flag or the file for a bad flag, a checkpoint that
 does not load, or an output folder that is not empty.
 """
@@ -21,7 +24,9 @@ import time
 
 from h3engine.errors import RequestError
 
-CONVERT_FORMATS = ("fp8",)
+# fp8: our row-scaled e4m3 files; the GGUF types: each DiT as a community-style GGUF file (the rest linked).
+GGUF_FORMATS = ("q8_0", "q6_k", "q5_k", "q4_k", "q3_k", "q2_k")
+CONVERT_FORMATS = ("fp8", *GGUF_FORMATS)
 # The schedule whose timesteps the pruned tables are fitted and checked on: the default request's.
 CHECK_STEPS = 50
 
@@ -37,7 +42,9 @@ def add_convert_parser(commands: argparse._SubParsersAction) -> argparse.Argumen
     convert.add_argument(
         "--weights",
         default=None,
-        help="fp8: the large linears as e4m3 with one fp32 scale per output row (the values --weights fp8 makes)",
+        help="fp8: the large linears as e4m3 with one fp32 scale per output row (the values --weights fp8 makes); "
+        f"{', '.join(GGUF_FORMATS)}: each DiT as a GGUF file of that type (the community's format; the folder "
+        "loads as it is, its DiTs quantized in memory too)",
     )
     convert.add_argument(
         "--prune-adaln",
@@ -99,17 +106,39 @@ def _prune(args: argparse.Namespace) -> dict[str, int]:
     return sizes
 
 
+def _to_gguf(args: argparse.Namespace) -> dict[str, int]:
+    from h3engine.checkpoint.gguf_convert import convert_checkpoint_to_gguf
+
+    conversions = convert_checkpoint_to_gguf(args.checkpoint, args.out, args.weights)
+    for partition, conversion in conversions.items():
+        worst = max(conversion.errors.values(), default=0.0)
+        print(
+            f"{partition} DiT: {_size(conversion.bytes_before)} -> {_size(conversion.bytes_after)} "
+            f"({conversion.path.name}; largest relative RMS error of a tensor {worst:.2e})"
+        )
+    return {f"{partition} DiT": conversion.bytes_after for partition, conversion in conversions.items()}
+
+
 def run_convert(args: argparse.Namespace) -> int:
     """Convert (RequestError / CheckpointError for what cannot be: exit 2 by the CLI)."""
     if args.weights is not None and args.weights not in CONVERT_FORMATS:
         raise RequestError("--weights", f"expected one of {', '.join(CONVERT_FORMATS)}, got '{args.weights}'")
     if args.weights is None and not args.prune_adaln:
         raise RequestError("--weights", "give --weights fp8, --prune-adaln, or both")
+    if args.weights in GGUF_FORMATS and args.prune_adaln:
+        raise RequestError(
+            "--weights",
+            "--prune-adaln writes fp8 or bf16 files: prune first, then convert the "
+            f"pruned folder with --weights {args.weights}",
+        )
     from h3engine.checkpoint.fp8_files import convert_checkpoint
 
     started = time.perf_counter()
     try:
-        sizes = _prune(args) if args.prune_adaln else convert_checkpoint(args.checkpoint, args.out)
+        if args.weights in GGUF_FORMATS:
+            sizes = _to_gguf(args)
+        else:
+            sizes = _prune(args) if args.prune_adaln else convert_checkpoint(args.checkpoint, args.out)
     except FileExistsError as error:
         raise RequestError("--out", str(error)) from None
     for component, size in sizes.items():

@@ -524,8 +524,9 @@ def checkpoint_sizes(
 def stored_weights(layout: CheckpointLayout) -> str:
     """What a checkpoint's files store the large linears as: "fp8" for a converted one (h3engine.checkpoint.fp8_files,
     its DiT files read by their headers), else "bf16"."""
-    paths = next(iter(layout.partitions.values()))
-    return "fp8" if WeightFiles.open(paths.dit).stores_fp8 else "bf16"
+    folders = [paths.dit for paths in layout.partitions.values() if paths.dit_weights is None]
+    # A partition whose DiT is a community file (`--dit`) says nothing of the folders' format.
+    return "fp8" if folders and WeightFiles.open(folders[0]).stores_fp8 else "bf16"
 
 
 # ----------------------------------------------------------------------------------------------------------------
