@@ -309,3 +309,48 @@ def test_a_file_larger_than_this_machines_memory_opens(tmp_path) -> None:
     assert path.stat().st_size > 64 * 10**9
     record = GGUFFile.open(path).record("blocks.0.mlp.fc1.weight")
     assert record.nbytes == (1 << 36) // 32 * 34 and int(record.raw[-1]) == 0
+
+
+def test_a_gguf_placeholder_checkpoint_plans_and_loads_its_files(tmp_path, capsys) -> None:
+    """`make-placeholder-checkpoint --weights q4_k --pruned-adaln`: GGUF DiT holes listed in gguf_files.json, which
+    the folder's layout applies by itself; plan-memory plans it without --dit; at the tiny size an engine loads it."""
+    from h3engine.cli.main import main
+    from h3engine.memory.sizes import checkpoint_sizes
+
+    released = tmp_path / "released"
+    assert main(["make-placeholder-checkpoint", str(released), "--weights", "q4_k", "--pruned-adaln"]) == 0
+    listed = json.loads((released / "gguf_files.json").read_text())
+    assert set(listed) == {"fl2va", "ref2va"} and all(
+        (released / name).stat().st_blocks < 4096 for name in listed.values()
+    )
+    capsys.readouterr()  # the folder's name
+    layout = detect_layout(released)
+    sizes = checkpoint_sizes(layout).partitions["fl2va"]
+    assert (
+        sizes.dit_config.adaln_form == "table" and sizes.dit.adaln_bytes < 1 << 30
+    )  # pruned: ~40 M parameters
+    assert (
+        main(
+            [
+                "plan-memory",
+                "--checkpoint",
+                str(released),
+                "--gpu-memory",
+                "12",
+                "--host-memory",
+                "32",
+                "--prompt-tokens",
+                "1536",
+                "--disk-read-gbps",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["fits"]
+    tiny = tmp_path / "tiny"
+    assert main(["make-placeholder-checkpoint", str(tiny), "--tiny", "--weights", "q8_0"]) == 0
+    engine = Engine.from_checkpoint(tiny, device="cpu", adaln_cache="off")
+    dit = engine.store.models_for_task("t2va").dit
+    assert any(isinstance(module, StoredLinear) for module in dit.modules())

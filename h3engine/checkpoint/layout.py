@@ -32,6 +32,8 @@ DIFFUSERS_DIT_FOLDERS = {"fl2va": "transformer", "ref2va": "transformer_ref"}
 DIFFUSERS_PIPELINE_CLASS = "MiniMaxH3ModularPipeline"
 # A converted checkpoint's list of the DiT files that replace its partitions' weights ({partition: file name}).
 DIT_FILES_JSON = "gguf_files.json"
+# The GGUF types `convert --weights` and `make-placeholder-checkpoint --weights` write DiT files in.
+GGUF_KINDS = ("q8_0", "q6_k", "q5_k", "q4_k", "q3_k", "q2_k")
 
 DEFAULT_CANVAS_SHORT_EDGE = 768
 DEFAULT_CANVAS_MAX_PIXELS = 768 * 1344

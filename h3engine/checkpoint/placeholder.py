@@ -9,13 +9,15 @@ text side keeps the released encoder shapes with the tiny tokenizer and processo
 encoder config). Loading one says so: a warning, `is_placeholder(folder)`, and `"weights": "placeholder"` in sidecars.
 `real_bytes` names components (PLACEHOLDER_COMPONENTS) whose files hold those same drawn values as real bytes, written
 a tensor at a time, so that reading their layers from the files measures the disk (the second partition's copies of the
-text encoder and VAEs are hard links to the first's where the file system allows).
+text encoder and VAEs are hard links to the first's where the file system allows). `weights` a GGUF type writes each DiT
+as a GGUF file whose data is a hole (zeros), listed in gguf_files.json as a converted folder lists its files.
 
-    python -m h3engine make-placeholder-checkpoint /tmp/h3-placeholder [--seed 0] [--tiny] [--real-bytes dit,...]
+    python -m h3engine make-placeholder-checkpoint DIR [--seed 0] [--tiny] [--real-bytes dit,...] [--weights q4_k]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterable
@@ -26,6 +28,7 @@ import torch
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from h3engine.checkpoint import dit_keys
+from h3engine.checkpoint.dit_keys import ROPE_KEY
 from h3engine.checkpoint.fp8_files import (
     SCALE_SUFFIX,
     dit_quantized_key,
@@ -33,7 +36,15 @@ from h3engine.checkpoint.fp8_files import (
     text_encoder_unused_key,
 )
 from h3engine.checkpoint.fp8_rows import FP8_DTYPE, quantize_rows
-from h3engine.checkpoint.layout import NATIVE_PARTITION_FOLDERS, require_empty_folder
+from h3engine.checkpoint.gguf_convert import gguf_file_name
+from h3engine.checkpoint.gguf_files import DIFFUSION_MODEL_PREFIX
+from h3engine.checkpoint.gguf_write import write_gguf_placeholder
+from h3engine.checkpoint.layout import (
+    DIT_FILES_JSON,
+    GGUF_KINDS,
+    NATIVE_PARTITION_FOLDERS,
+    require_empty_folder,
+)
 from h3engine.checkpoint.safetensors_io import (
     PLACEHOLDER_DRAWN,
     PLACEHOLDER_VALUES_KEY,
@@ -107,6 +118,11 @@ RELEASED_TEXT_ENCODER_CONFIG: dict[str, Any] = {
         "in_channels": 3,
     },
 }
+
+# `--weights` of a placeholder whose DiTs are GGUF files (the types `convert --weights` writes).
+GGUF_WEIGHTS = GGUF_KINDS
+# The published pruned form's table (`--pruned-adaln`): 1,025 rows of the 8-wide curve.
+PRUNED_RANK, PRUNED_TABLE_ROWS = 8, 1025
 
 
 def placeholder_text_encoder_config(tiny: bool, text_dim: int) -> dict[str, Any]:
@@ -211,25 +227,38 @@ def make_placeholder_checkpoint(
     real_bytes: Iterable[str] = (),
     weights: str = "bf16",
     partitions: Iterable[str] | None = None,
+    pruned_adaln: bool = False,
 ) -> Path:
     """Write a native placeholder checkpoint (both partitions, or those `partitions` names) into an empty or missing
     `folder`; the components named in `real_bytes` get files holding their drawn values (ValueError for a name not in
-    PLACEHOLDER_COMPONENTS); `weights` "fp8": the large linears stored as a converted checkpoint stores them."""
+    PLACEHOLDER_COMPONENTS); `weights` "fp8": the large linears stored as a converted checkpoint stores them; a GGUF
+    type (GGUF_WEIGHTS): each DiT a GGUF file of that type whose data is a hole (zeros), listed in the folder's
+    gguf_files.json as `convert --weights q4_k` lists its files; `pruned_adaln`: the DiTs in the published pruned
+    form (an `adaln_t_table` of PRUNED_TABLE_ROWS x PRUNED_RANK)."""
     folder = Path(folder)
-    if weights not in ("bf16", "fp8"):
-        raise ValueError(f"weights must be bf16 or fp8, got {weights!r}")
-    write = _WeightWriter(parse_components(",".join(real_bytes)), weights)
+    if weights not in ("bf16", "fp8", *GGUF_WEIGHTS):
+        raise ValueError(f"weights must be one of bf16, fp8, {', '.join(GGUF_WEIGHTS)}; got {weights!r}")
+    write = _WeightWriter(parse_components(",".join(real_bytes)), weights if weights == "fp8" else "bf16")
     require_empty_folder(folder)
     if tiny:
         configs = (DiTConfig.tiny(), VideoVAEConfig.tiny(), AudioVAEConfig.tiny())
     else:
         configs = (DiTConfig.released(), VideoVAEConfig.released(), AudioVAEConfig.released())
+    if pruned_adaln:
+        pruned = dataclasses.replace(configs[0], adaln_rank=PRUNED_RANK, adaln_table_rows=PRUNED_TABLE_ROWS)
+        configs = (pruned, *configs[1:])
+    gguf_files: dict[str, str] = {}
 
     def dit(partition: str, config: DiTConfig, transformer: Path) -> None:
         shapes = {
             key: (shape, dit_keys.native_storage_dtype(key))
             for key, shape in dit_keys.native_state_shapes(config).items()
         }
+        if weights in GGUF_WEIGHTS:
+            gguf_files[partition] = gguf_file_name(partition, weights)
+            tensors = {DIFFUSION_MODEL_PREFIX + k: shape for k, (shape, _) in shapes.items() if k != ROPE_KEY}
+            write_gguf_placeholder(folder / gguf_files[partition], tensors, weights.upper())
+            return
         write("dit", transformer / "model.safetensors", shapes, component_seed(seed, partition))
 
     def video_vae(config: VideoVAEConfig, path: Path) -> None:
@@ -256,6 +285,8 @@ def make_placeholder_checkpoint(
     writers = NativeWeightWriters(dit=dit, video_vae=video_vae, audio_vae=audio_vae, text_side=text_side)
     folder.mkdir(parents=True, exist_ok=True)
     write_native_tree(folder, configs, TINY_CANVAS if tiny else {}, writers, partitions=partitions)
+    if gguf_files:
+        write_json(folder / DIT_FILES_JSON, gguf_files)
     return folder
 
 

@@ -4,17 +4,14 @@
     python -m h3engine convert --checkpoint DIR --prune-adaln [--weights fp8] --out DIR2
     python -m h3engine convert --checkpoint DIR --weights q4_k --out DIR2     (q8_0, q6_k, q5_k, q4_k, q3_k, q2_k)
 
-`--weights fp8` writes the large linears (DiT blocks and refiner, AdaLN projections, the text encoder's layers) as
-e4m3 values with one fp32 scale per output row, exactly what `--weights fp8` makes at load, in the released layout
-(h3engine.checkpoint.fp8_files): the DiT and the text encoder about halve, and an engine streams them from the files in
-FP8 without a bf16 copy in host memory. `--prune-adaln` (native layout) writes each DiT's AdaLN projections against a
-rank-`--adaln-rank` basis of its SiLU(temb) curve (h3engine.checkpoint.prune_adaln; ~13 B fewer parameters), and
-prints each DiT's size before and after and the error of its pruned AdaLN tables over a dense grid of t and at the
-timesteps of a default 50-step schedule. Exact AdaLN stays the default: only this command prunes. A GGUF type writes
-each DiT as a community-style GGUF file beside the rest (h3engine.checkpoint.gguf_convert), listed in the folder's
-gguf_files.json, so that the folder loads as it is. Prints each
-component's size and the total. Exit 2 with one line naming the flag or the file for a bad flag, a checkpoint that
-does not load, or an output folder that is not empty.
+`--weights fp8`: the large linears as e4m3 with one fp32 scale per output row, what `--weights fp8` makes at load, in
+the released layout (h3engine.checkpoint.fp8_files); an engine streams them from the files in FP8. `--prune-adaln`
+(native layout): each DiT's AdaLN projections against a rank-`--adaln-rank` basis of its SiLU(temb) curve
+(h3engine.checkpoint.prune_adaln), printing each DiT's size before and after and the error of its pruned tables over a
+dense grid of t and at a default 50-step schedule's timesteps; exact AdaLN stays the default. A GGUF type: each DiT as
+a community-style GGUF file beside the linked rest (h3engine.checkpoint.gguf_convert), listed in gguf_files.json, so
+the folder loads as it is. Prints each component's size and the total. Exit 2 with one line naming the flag or the
+file for a bad flag, a checkpoint that does not load, or an output folder that is not empty.
 """
 
 from __future__ import annotations
@@ -22,10 +19,11 @@ from __future__ import annotations
 import argparse
 import time
 
+from h3engine.checkpoint.layout import GGUF_KINDS
 from h3engine.errors import RequestError
 
 # fp8: our row-scaled e4m3 files; the GGUF types: each DiT as a community-style GGUF file (the rest linked).
-GGUF_FORMATS = ("q8_0", "q6_k", "q5_k", "q4_k", "q3_k", "q2_k")
+GGUF_FORMATS = GGUF_KINDS
 CONVERT_FORMATS = ("fp8", *GGUF_FORMATS)
 # The schedule whose timesteps the pruned tables are fitted and checked on: the default request's.
 CHECK_STEPS = 50

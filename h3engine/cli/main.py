@@ -224,6 +224,7 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
                     real_bytes=real_bytes,
                     weights=args.weights,
                     partitions=partitions,
+                    pruned_adaln=args.pruned_adaln,
                 )
             except ValueError as error:
                 raise RequestError("--partitions", str(error)) from None

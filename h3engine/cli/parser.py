@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, NoReturn
 
+from h3engine.checkpoint.layout import GGUF_KINDS
 from h3engine.cli.convert import add_convert_parser
 from h3engine.cli.plan_memory import add_plan_memory_parser
 from h3engine.cli.progress import PROGRESS_MODES
@@ -209,9 +210,15 @@ def _add_checkpoint_makers(commands: Any) -> None:
     )
     placeholder.add_argument(
         "--weights",
-        choices=("bf16", "fp8"),
+        choices=("bf16", "fp8", *GGUF_KINDS),
         default="bf16",
-        help="fp8: the large linears as a converted checkpoint stores them (python -m h3engine convert --weights fp8)",
+        help="fp8: the large linears as a converted checkpoint stores them (python -m h3engine convert --weights fp8); "
+        "a GGUF type: each DiT a GGUF file of that type, its data a hole of zeros (planning and layout checks)",
+    )
+    placeholder.add_argument(
+        "--pruned-adaln",
+        action="store_true",
+        help="the DiTs in the community's pruned form (an adaln_t_table of 1025 x 8 and 8-wide AdaLN projections)",
     )
     placeholder.add_argument(
         "--partitions",
