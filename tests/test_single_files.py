@@ -584,7 +584,7 @@ def test_truncated_and_corrupt_files_are_refused(tmp_path: Path, dit_tensors: di
             SingleFile.open(cut)
     corrupt = tmp_path / "corrupt.safetensors"
     corrupt.write_bytes(struct.pack("<Q", 10) + b"{not json}" + b"\0" * 16)
-    with pytest.raises(CheckpointError, match=r"corrupt\.safetensors: unreadable safetensors header"):
+    with pytest.raises(CheckpointError, match=r"corrupt\.safetensors: unreadable safetensors file"):
         SingleFile.open(corrupt)
     sized = json.dumps({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}).encode()
     corrupt.write_bytes(struct.pack("<Q", len(sized)) + sized + b"\0" * 8)

@@ -30,12 +30,14 @@ from safetensors import safe_open
 from h3engine.checkpoint.fp8_rows import dequantize_rows, quantize_rows
 from h3engine.errors import CheckpointError
 
-_DTYPES = {
+# safetensors' dtype names and the torch dtypes they are (DTYPE_NAMES: the other way).
+DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
     "I64": torch.int64,
     "I32": torch.int32,
     "I16": torch.int16,
@@ -43,6 +45,7 @@ _DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # The key of a weight's FP8 row scales beside it (h3engine.checkpoint.fp8_files.SCALE_SUFFIX).
 FP8_SCALE_SUFFIX = "_scale"
 # A header larger than this is not a safetensors header (the format caps it at 100 MB).
@@ -167,24 +170,55 @@ def row_extents(
     )
 
 
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse one safetensors header and check the file holds all the bytes it promises."""
+def read_raw_header(path: Path) -> tuple[dict[str, Any], int, int]:
+    """(the header as parsed, the byte where the data starts, the file's size) of one safetensors file; the header
+    bytes checked against the file (CheckpointError naming it), the entries not."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as handle:
             prefix = handle.read(8)
             if len(prefix) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file (no header)")
+                raise CheckpointError(f"{path}: truncated safetensors file (no header; {size} bytes)")
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
-                raise CheckpointError(f"{path}: truncated or corrupt safetensors header")
+                raise CheckpointError(
+                    f"{path}: truncated or corrupt safetensors header ({header_len} bytes announced, the file "
+                    f"has {size})"
+                )
             header = json.loads(handle.read(header_len))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file is missing") from None
     except (OSError, ValueError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{path}: unreadable safetensors file ({error})") from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header")
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    return header, 8 + header_len, size
+
+
+def encoded_header(
+    ordered: Sequence[tuple[str, tuple[int, ...], torch.dtype]], metadata: Mapping[str, str]
+) -> tuple[bytes, int]:
+    """(the length prefix and header of a safetensors file holding `ordered` (key, shape, dtype) in that order,
+    padded to 8 bytes; the bytes of its data)."""
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for key, shape, dtype in ordered:
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[key] = {
+            "dtype": DTYPE_NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded, offset
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse one safetensors header and check the file holds all the bytes it promises."""
+    header, base, size = read_raw_header(path)
+    header_len = base - 8
 
     infos: dict[str, TensorInfo] = {}
     placeholder_seed = _placeholder_seed(path, header.get("__metadata__"))
@@ -194,7 +228,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         if key == "__metadata__":
             continue
         try:
-            dtype = _DTYPES[entry["dtype"]]
+            dtype = DTYPES[entry["dtype"]]
             shape = tuple(int(d) for d in entry["shape"])
             begin, end = (int(o) for o in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
@@ -390,7 +424,6 @@ class WeightFiles:
 PLACEHOLDER_KEY = "h3_placeholder_seed"
 PLACEHOLDER_VALUES_KEY = "h3_placeholder_values"
 PLACEHOLDER_DRAWN = "drawn"
-_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 # Drawing 60 GB of normal values on the host would take minutes: each tensor repeats one draw of this (prime) length.
 _PLACEHOLDER_PERIOD = 1_000_003
 
@@ -418,24 +451,13 @@ def write_tensor_file(
     tensor's bytes as `values(key)` makes it (on the host, that shape and dtype), so that a file of any size is written
     holding one tensor. `values` None leaves the data a hole (a placeholder: h3engine.checkpoint.placeholder). Keys go
     in sorted order, as safetensors writes them."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-    offset = 0
     ordered = sorted(specs)
-    for key, shape, dtype in ordered:
-        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        header[key] = {
-            "dtype": _DTYPE_NAMES[dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
+    encoded, data_bytes = encoded_header(ordered, {"format": "pt", **(metadata or {})})
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as handle:
-        handle.write(struct.pack("<Q", len(encoded)) + encoded)
+        handle.write(encoded)
         if values is None:
-            handle.truncate(8 + len(encoded) + offset)
+            handle.truncate(len(encoded) + data_bytes)
             return
         for key, shape, dtype in ordered:
             tensor = values(key)

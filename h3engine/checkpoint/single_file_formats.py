@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from h3engine.checkpoint.safetensors_io import DTYPE_NAMES as DTYPE_NAMES
+from h3engine.checkpoint.safetensors_io import DTYPES as DTYPES
 from h3engine.checkpoint.safetensors_io import FileExtent
 from h3engine.errors import CheckpointError
 
@@ -54,20 +56,6 @@ QUANT_METADATA_KEY = "_quantization_metadata"
 DEFAULT_CONVROT_GROUP = 256
 
 # safetensors dtype names -> torch dtypes viewed here, and the bits per element of the others (for the size check).
-DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 OTHER_DTYPE_BITS = {
     "U64": 64,
     "U32": 32,
@@ -78,7 +66,6 @@ OTHER_DTYPE_BITS = {
     "F6_E3M2": 6,
     "F4": 4,
 }
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 # Stored dtype -> format name, without a scale and with one.
 PLAIN_FORMATS = {

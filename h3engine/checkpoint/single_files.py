@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from h3engine.checkpoint.safetensors_io import read_only_tensor
+from h3engine.checkpoint.safetensors_io import read_only_tensor, read_raw_header
 from h3engine.checkpoint.single_file_formats import (
     COMFY_FP8,
     COMFY_INT8,
@@ -150,30 +149,11 @@ class SingleFile:
 
 
 def _read_header(path: Path) -> tuple[dict[str, _Entry], dict[str, str], int]:
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file (no header; {size} bytes)")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
-                raise CheckpointError(
-                    f"{path}: truncated or corrupt safetensors header ({header_len} bytes announced, the file "
-                    f"has {size})"
-                )
-            header = json.loads(handle.read(header_len))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file is missing") from None
-    except (OSError, ValueError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{path}: unreadable safetensors header ({error})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    header, base, size = read_raw_header(path)
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (__metadata__ is not an object)")
     entries: dict[str, _Entry] = {}
-    base = 8 + header_len
     for key, entry in header.items():
         try:
             dtype = str(entry["dtype"])

@@ -17,15 +17,14 @@ or not at all (written beside it, then renamed).
 from __future__ import annotations
 
 import json
-import math
 import os
-import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from h3engine.checkpoint.safetensors_io import encoded_header
 from h3engine.checkpoint.single_file_formats import (
     CONFIG_SUFFIX,
     DEFAULT_CONVROT_GROUP,
@@ -194,23 +193,12 @@ def write_single_file(
 def _write(path: Path, plan: _Plan, metadata: Mapping[str, str]) -> None:
     # safetensors' order: larger elements first, then by key, so each tensor's offset is a multiple of its size.
     ordered = sorted(plan.specs, key=lambda spec: (-torch.empty((), dtype=spec[2]).element_size(), spec[0]))
-    header: dict[str, object] = {"__metadata__": dict(metadata)}
-    offset = 0
-    for key, shape, dtype in ordered:
-        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        header[key] = {
-            "dtype": DTYPE_NAMES[dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
+    encoded, _ = encoded_header(ordered, metadata)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     try:
         with open(partial, "wb") as handle:
-            handle.write(struct.pack("<Q", len(encoded)) + encoded)
+            handle.write(encoded)
             for key, shape, dtype in ordered:
                 tensor = plan.makers[key]().detach().to("cpu")
                 if tuple(tensor.shape) != shape or tensor.dtype != dtype:
