@@ -56,12 +56,32 @@ class PartitionPaths:
     dmd_steps: tuple[int, ...] | None = None
     # A single file (a community GGUF) whose weights replace those of `dit`; `dit`'s config.json still describes it.
     dit_weights: Path | None = None
+    # Single files (community ComfyUI files) whose weights replace those of the shared components' folders (the
+    # folders' configs still describe them): `--video-vae`, `--audio-vae`, `--text-encoder`.
+    video_vae_weights: Path | None = None
+    audio_vae_weights: Path | None = None
+    text_encoder_weights: Path | None = None
 
     @property
     def dit_home(self) -> Path:
         """What holds this partition's DiT weights (the file that replaces the folder's, else the folder): what tells
         one loaded DiT from another."""
         return self.dit_weights or self.dit
+
+    @property
+    def video_vae_home(self) -> Path:
+        """What holds the video VAE's weights (the replacing file, else the folder)."""
+        return self.video_vae_weights or self.video_vae
+
+    @property
+    def audio_vae_home(self) -> Path:
+        """What holds the audio VAE's weights (the replacing file, else the folder)."""
+        return self.audio_vae_weights or self.audio_vae
+
+    @property
+    def text_encoder_home(self) -> Path:
+        """What holds the text encoder's weights (the replacing file, else the folder)."""
+        return self.text_encoder_weights or self.text_encoder
 
 
 @dataclass(frozen=True)
@@ -133,6 +153,30 @@ def with_dit_files(layout: CheckpointLayout, files: Mapping[str, Path]) -> Check
         if not Path(file).is_file():
             raise CheckpointError(f"{file}: file is missing")
         partitions[partition] = replace(partitions[partition], dit_weights=Path(file))
+    return replace(layout, partitions=partitions)
+
+
+# The shared components a single file may replace: the flag that gives it and the PartitionPaths field it fills.
+COMPONENT_FILE_FLAGS = {
+    "video_vae": "--video-vae",
+    "audio_vae": "--audio-vae",
+    "text_encoder": "--text-encoder",
+}
+
+
+def with_component_files(layout: CheckpointLayout, files: Mapping[str, Path | None]) -> CheckpointLayout:
+    """`layout` with the weights of the shared components `files` names ({video_vae, audio_vae, text_encoder: file})
+    replaced, in every partition, by those files (each must be a file)."""
+    replaced = {}
+    for component, file in files.items():
+        if file is None:
+            continue
+        if component not in COMPONENT_FILE_FLAGS:
+            raise ValueError(f"{component!r} is no component a single file replaces")
+        if not Path(file).is_file():
+            raise RequestError(COMPONENT_FILE_FLAGS[component], f"{str(file)!r} is not a file")
+        replaced[f"{component}_weights"] = Path(file)
+    partitions = {name: replace(paths, **replaced) for name, paths in layout.partitions.items()}
     return replace(layout, partitions=partitions)
 
 

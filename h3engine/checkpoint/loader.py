@@ -24,6 +24,7 @@ import torch
 
 from h3engine.checkpoint import audio_vae_keys, dit_format, video_vae_keys
 from h3engine.checkpoint.audio_vae_format import read_audio_vae_config
+from h3engine.checkpoint.component_files import VAE_PREFIXES, open_component_file
 from h3engine.checkpoint.dit_file_weights import DiTFileWeights
 from h3engine.checkpoint.layout import CheckpointLayout, PartitionPaths, read_json
 from h3engine.checkpoint.safetensors_io import (
@@ -230,6 +231,8 @@ def _read_dit_key(files: WeightFiles, config: Any, key: str, dtype: torch.dtype)
 
 def video_vae_source(layout: CheckpointLayout, paths: PartitionPaths) -> ComponentSource:
     config, weights = _read_config("video VAE", read_video_vae_config, paths.video_vae, layout)
+    if paths.video_vae_weights is not None:
+        return component_file_source("video VAE", config, lambda: VideoVAE(config), paths.video_vae_weights)
     key_maps = (
         partial(video_vae_keys.native_to_diffusers, config=config),
         partial(video_vae_keys.diffusers_to_native, config=config),
@@ -239,8 +242,31 @@ def video_vae_source(layout: CheckpointLayout, paths: PartitionPaths) -> Compone
 
 def audio_vae_source(layout: CheckpointLayout, paths: PartitionPaths) -> ComponentSource:
     config, weights = _read_config("audio VAE", read_audio_vae_config, paths.audio_vae, layout)
+    if paths.audio_vae_weights is not None:
+        return component_file_source("audio VAE", config, lambda: AudioVAE(config), paths.audio_vae_weights)
     key_maps = (audio_vae_keys.native_to_diffusers, audio_vae_keys.diffusers_to_native)
     return _component_source("audio VAE", layout, config, lambda: AudioVAE(config), weights, key_maps)
+
+
+def component_file_source(
+    name: str, config: Any, build: Callable[[], torch.nn.Module], file: Path
+) -> ComponentSource:
+    """A VAE whose weights are the single file `file` (`--video-vae` / `--audio-vae`), its config its folder's: the
+    file's names are the module's (behind a prefix, h3engine.checkpoint.component_files), so nothing is renamed;
+    each tensor is cast (a quantized one dequantized) to the dtype the module declares for it."""
+    with torch.device("meta"):
+        expected = build().state_dict()
+    files = open_component_file(file, name, expected, VAE_PREFIXES)
+    return ComponentSource(
+        name=f"{name} ({file.name})",
+        config=config,
+        build=build,
+        files=files,
+        to_file_names=_identity,
+        from_file_names=_identity,
+        read_key=lambda key, dtype: placed(files.tensor(key), "cpu", dtype),
+        key_extents=lambda key, dtype: row_extents(files.infos[key], dtype),
+    )
 
 
 def _read_config(
@@ -279,16 +305,26 @@ def _component_source(
     )
 
 
+def check_text_encoder(folder: Path, weights: Path | None = None) -> None:
+    """Check the text encoder of `folder` (its weights those of `weights` where given) by headers alone: every tensor
+    H3 needs at its shape, nothing unknown (CheckpointError naming the file and the tensor)."""
+    config, weight_files = open_text_encoder_files(folder, weights)
+    with torch.device("meta"):
+        encoder = H3TextEncoder(config)
+    check_text_encoder_files(encoder, weight_files)
+
+
 def load_text_encoder(
     folder: Path,
     device: torch.device | str,
     dtype: torch.dtype = torch.bfloat16,
     deferred: DeferredReads | None = None,
+    weights: Path | None = None,
 ) -> H3TextEncoder:
     """H3's text encoder from a stock Qwen3-VL `text_encoder/` folder, reading only the tensors H3 needs (see
     `text_encoder_files`): our module's keys are the stock keys, so nothing is renamed. The keys `deferred` wants are
-    left unread (a parked tensor and a reader each)."""
-    config, weight_files = open_text_encoder_files(folder)
+    left unread (a parked tensor and a reader each). `weights`: a single file replacing the folder's weights."""
+    config, weight_files = open_text_encoder_files(folder, weights)
     device = torch.device(device)
     with torch.device("meta"):
         encoder = H3TextEncoder(config)

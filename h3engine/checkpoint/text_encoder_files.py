@@ -31,6 +31,11 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLForConditionalGeneration
 
+from h3engine.checkpoint.component_files import (
+    TEXT_ENCODER_PREFIXES,
+    open_component_file,
+    text_encoder_key,
+)
 from h3engine.checkpoint.safetensors_io import DeferredReads, WeightFiles, parked, placed, row_extents
 from h3engine.errors import CheckpointError
 from h3engine.models.text_encoder import (
@@ -113,10 +118,18 @@ VIDEO_MAX_PIXELS = 25165824
 # ---------------------------------------------------------------------------------------------------- reading
 
 
-def open_text_encoder_files(folder: Path) -> tuple[Qwen3VLConfig, WeightFiles]:
-    """The stock Qwen3-VL config of a `text_encoder/` folder and its weight files (headers only)."""
+def open_text_encoder_files(folder: Path, weights: Path | None = None) -> tuple[Qwen3VLConfig, WeightFiles]:
+    """The stock Qwen3-VL config of a `text_encoder/` folder and its weight files (headers only); `weights`: a single
+    file (`--text-encoder`, h3engine.checkpoint.component_files) replacing the folder's weights."""
     folder = Path(folder)
-    return _read_qwen3_vl_config(folder / CONFIG_FILE_NAME), WeightFiles.open(_weights_path(folder))
+    config = _read_qwen3_vl_config(folder / CONFIG_FILE_NAME)
+    if weights is None:
+        return config, WeightFiles.open(_weights_path(folder))
+    with torch.device("meta"):
+        expected = H3TextEncoder(config).state_dict()
+    return config, open_component_file(
+        Path(weights), "text encoder", expected, TEXT_ENCODER_PREFIXES, text_encoder_key
+    )
 
 
 def _read_qwen3_vl_config(config_path: Path) -> Qwen3VLConfig:

@@ -32,6 +32,7 @@ from h3engine.checkpoint.layout import PARTITION_OF_TASK, CheckpointLayout, Part
 from h3engine.checkpoint.loader import (
     ComponentSource,
     audio_vae_source,
+    check_text_encoder,
     dit_source,
     load_text_encoder,
     video_vae_source,
@@ -61,9 +62,14 @@ class ModelLoader:
     left unread (h3engine.checkpoint.safetensors_io.DeferredReads: a layer streamed from the mapped files)."""
 
     def text_encoder(
-        self, folder: Path, device: torch.device, dtype: torch.dtype, deferred: DeferredReads | None = None
+        self,
+        folder: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        deferred: DeferredReads | None = None,
+        weights: Path | None = None,
     ) -> H3TextEncoder:
-        return load_text_encoder(folder, device=device, dtype=dtype, deferred=deferred)
+        return load_text_encoder(folder, device=device, dtype=dtype, deferred=deferred, weights=weights)
 
     def dit(
         self,
@@ -142,6 +148,8 @@ class ModelStore:
             sources.dit.check()
             sources.video_vae.check()
             sources.audio_vae.check()
+            if sources.paths.text_encoder_weights is not None:
+                check_text_encoder(sources.paths.text_encoder, sources.paths.text_encoder_weights)
         # A placeholder checkpoint (h3engine.checkpoint.placeholder) loads like any other; its outputs are noise.
         self.placeholder = any(sources.dit.files.placeholder for sources in self._sources.values())
         if self.placeholder:
@@ -221,7 +229,7 @@ class ModelStore:
         self._wait_for_preload(partition)
         sources = self._sources[partition]
         paths = sources.paths
-        folders = [getattr(paths, kind) for kind in COMPONENTS]
+        folders = [getattr(paths, f"{kind}_home", getattr(paths, kind)) for kind in COMPONENTS]
         pending = [
             kind
             for kind, folder in zip(COMPONENTS, folders, strict=True)
@@ -230,7 +238,7 @@ class ModelStore:
         self._loading = (partition, pending)
         tokenizer = self._module("tokenizer", paths.tokenizer, lambda: load_tokenizer(paths.tokenizer))
         text_encoder = self._module(
-            "text_encoder", paths.text_encoder, lambda: self._load_text_encoder(paths.text_encoder)
+            "text_encoder", paths.text_encoder_home, lambda: self._load_text_encoder(paths)
         )
         text_encoder.verify_tokenizer(tokenizer)
         processor = self._module("processor", paths.processor, lambda: load_processor(paths.processor))
@@ -240,10 +248,10 @@ class ModelStore:
         return Models(
             dit=dit,
             video_vae=self._module(
-                "video_vae", paths.video_vae, lambda: self._load_video_vae(sources.video_vae)
+                "video_vae", paths.video_vae_home, lambda: self._load_video_vae(sources.video_vae)
             ),
             audio_vae=self._module(
-                "audio_vae", paths.audio_vae, lambda: self._load_audio_vae(sources.audio_vae)
+                "audio_vae", paths.audio_vae_home, lambda: self._load_audio_vae(sources.audio_vae)
             ),
             text_encoder=text_encoder,
             tokenizer=tokenizer,
@@ -282,12 +290,13 @@ class ModelStore:
     ) -> DeferredReads | None:
         return self.placement.deferred_reads(model, meta_module, layers)
 
-    def _load_text_encoder(self, folder: Path) -> H3TextEncoder:
+    def _load_text_encoder(self, paths: PartitionPaths) -> H3TextEncoder:
+        folder, weights = paths.text_encoder, paths.text_encoder_weights
         deferred = self._deferred("text_encoder", lambda: H3TextEncoder(open_text_encoder_files(folder)[0]))
         encoder = self.loader.text_encoder(
-            folder, self.placement.load_device("text_encoder"), self.dtype, deferred
+            folder, self.placement.load_device("text_encoder"), self.dtype, deferred, weights
         )
-        files_fp8 = open_text_encoder_files(folder)[1].stores_fp8
+        files_fp8 = open_text_encoder_files(folder, weights)[1].stores_fp8
         return self.placement.adopt(encoder, "text_encoder", deferred, files_fp8)
 
     def _load_dit(self, source: ComponentSource, folder: Path, activate: bool = True) -> torch.nn.Module:

@@ -77,6 +77,10 @@ class EngineOptions:
     vae_devices: str | None = None  # split layout: the VAE group's GPUs
     # --dit values as given: [PARTITION=]FILE, a single DiT file replacing a partition's weights
     dit: tuple[str, ...] = ()
+    # Single files replacing the shared components' weights (every partition's): --video-vae, --audio-vae, --text-encoder
+    video_vae: str | None = None
+    audio_vae: str | None = None
+    text_encoder: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineOptions:
@@ -90,6 +94,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]
     H3_GPU_MEMORY and H3_HOST_MEMORY (without it, the budgets read those two when the engine plans)."""
     _add_layout_flags(parser, environ)
     _add_precision_and_memory_flags(parser, environ)
+    _add_component_file_flags(parser)
 
 
 def _add_layout_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None) -> None:
@@ -117,6 +122,25 @@ def _add_layout_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str
         "--vae-devices",
         default=None,
         help="split layout: the VAE's GPUs, e.g. 6,7 (default: the first --vae-ranks of the DiT's)",
+    )
+
+
+def _add_component_file_flags(parser: argparse.ArgumentParser) -> None:
+    """`--video-vae`, `--audio-vae`, `--text-encoder FILE`: single files replacing the shared components' weights."""
+    for flag, component in (("--video-vae", "video VAE"), ("--audio-vae", "audio VAE")):
+        parser.add_argument(
+            flag,
+            default=None,
+            metavar="FILE",
+            help=f"a ComfyUI single .safetensors {component} file (fp32, fp16, bf16; FP8 scaled, INT8, INT8 ConvRot "
+            "dequantized at load) that replaces the checkpoint's, in every partition",
+        )
+    parser.add_argument(
+        "--text-encoder",
+        default=None,
+        metavar="FILE",
+        help="a ComfyUI single .safetensors Qwen3-VL text encoder file (bf16, fp16, FP8 scaled, INT8, INT8 ConvRot; "
+        "quantized weights dequantized at load; GGUF not read) that replaces the checkpoint's, in every partition",
     )
 
 
@@ -217,14 +241,27 @@ def check_memory_options(options: EngineOptions) -> None:
 
 
 def engine_layout(checkpoint: str | Path, options: EngineOptions) -> CheckpointLayout:
-    """The checkpoint an engine under `options` serves: the folder's layout, with the DiT files `--dit` gives."""
-    from h3engine.checkpoint.layout import detect_layout, parse_dit_files, with_dit_files
+    """The checkpoint an engine under `options` serves: the folder's layout, with the DiT files `--dit` gives and
+    the component files `--video-vae`, `--audio-vae`, `--text-encoder` give."""
+    from h3engine.checkpoint.layout import (
+        detect_layout,
+        parse_dit_files,
+        with_component_files,
+        with_dit_files,
+    )
 
     layout = detect_layout(checkpoint)
-    return (
-        with_dit_files(layout, parse_dit_files(options.dit, tuple(layout.partitions)))
-        if options.dit
-        else layout
+    if options.dit:
+        layout = with_dit_files(layout, parse_dit_files(options.dit, tuple(layout.partitions)))
+    components = {
+        "video_vae": options.video_vae,
+        "audio_vae": options.audio_vae,
+        "text_encoder": options.text_encoder,
+    }
+    if not any(components.values()):
+        return layout
+    return with_component_files(
+        layout, {name: Path(file) for name, file in components.items() if file is not None}
     )
 
 

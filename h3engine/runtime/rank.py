@@ -68,11 +68,16 @@ class ShardedLoader(ModelLoader):
         self.groups = groups
 
     def text_encoder(
-        self, folder: Path, device: torch.device, dtype: torch.dtype, deferred: DeferredReads | None = None
+        self,
+        folder: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        deferred: DeferredReads | None = None,
+        weights: Path | None = None,
     ) -> H3TextEncoder:
         if self.groups.encoder.tp.size == 1:
-            return super().text_encoder(folder, device, dtype, deferred)
-        config, weight_files = open_text_encoder_files(folder)
+            return super().text_encoder(folder, device, dtype, deferred, weights)
+        config, weight_files = open_text_encoder_files(folder, weights)
         return load_text_encoder_shard(weight_files, config, self.groups.encoder, dtype, device, deferred)
 
     def dit(

@@ -153,11 +153,11 @@ class StageLoader(ShardedLoader):
         self.stage = stage
 
     def text_encoder(
-        self, folder: Any, device: torch.device, dtype: torch.dtype, deferred: Any = None
+        self, folder: Any, device: torch.device, dtype: torch.dtype, deferred: Any = None, weights: Any = None
     ) -> Any:
         if self.stage != "encoder":
             return AbsentComponent()
-        return super().text_encoder(folder, device, dtype, deferred)
+        return super().text_encoder(folder, device, dtype, deferred, weights)
 
     def dit(
         self, source: Any, device: torch.device, dtype: torch.dtype, deferred: Any = None

@@ -1,0 +1,205 @@
+"""Community single files in place of the shared components' weights (`--video-vae`, `--audio-vae`,
+`--text-encoder FILE`): ComfyUI-style safetensors files in bf16 / fp16 / FP8 scaled / INT8 / INT8 ConvRot, under our
+module's names behind a prefix (a text encoder's also in the spellings re-packs use), dequantized at load.
+
+Reference: the same file's values as the reader dequantizes them (float32), stored as f32: the engine then casts
+each tensor once to the module's dtype either way, so the outputs are compared for equality; a file holding the
+folder's own values (any prefix or spelling) gives what the folder gives. How it breaks: a prefix or spelling not
+mapped, a quantized tensor read as its raw values, the store keying the component by its folder (the folder's
+weights served), another component's file accepted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _runtime_helpers import parity_requests
+from safetensors.torch import save_file
+
+from h3engine.checkpoint.component_files import text_encoder_key
+from h3engine.checkpoint.layout import detect_layout, with_component_files
+from h3engine.checkpoint.loader import audio_vae_source, video_vae_source
+from h3engine.checkpoint.single_files import SingleFile
+from h3engine.checkpoint.single_files_write import write_single_file
+from h3engine.checkpoint.text_encoder_files import open_text_encoder_files
+from h3engine.engine.engine import Engine
+from h3engine.engine.options import EngineOptions, engine_layout
+from h3engine.errors import CheckpointError, RequestError
+
+OUTPUTS = ("video", "audio", "video_latents", "audio_latents")
+COMPONENTS = ("video_vae", "audio_vae", "text_encoder")
+
+
+def every_weight(name: str, tensor: torch.Tensor) -> bool:
+    """The convolutions' weights too (the VAEs are mostly convolutions; a scale per tensor fits any shape)."""
+    return name.endswith(".weight") and tensor.dim() >= 2 and tensor.is_floating_point()
+
+
+# The tiny components' rows are 4 to 32 wide, so ConvRot runs in groups of 4.
+FORMATS = {
+    "bf16": ("bf16", {}),
+    "fp16": ("f16", {}),
+    "fp8_scaled": ("fp8_e4m3_scaled", {"quantized": every_weight}),
+    "int8_tensorwise": ("int8_tensorwise", {"quantized": every_weight}),
+    "int8_rowwise": ("int8_rowwise", {}),
+    "int8_convrot": ("int8_convrot", {"convrot_group": 4}),
+}
+# How each component's community files name its tensors (a text encoder: Comfy's Qwen spelling).
+PREFIXES = {"video_vae": "vae.", "audio_vae": "first_stage_model.", "text_encoder": ""}
+
+
+def component_state(checkpoint: Path, component: str) -> dict[str, torch.Tensor]:
+    """A tiny checkpoint's component, every tensor its files hold, under the module's (native) names."""
+    layout = detect_layout(checkpoint)
+    paths = layout.partitions["fl2va"]
+    if component == "text_encoder":
+        files = open_text_encoder_files(paths.text_encoder)[1]
+    else:
+        source = (video_vae_source if component == "video_vae" else audio_vae_source)(layout, paths)
+        files = source.files
+    return {key: files.tensor(key) for key in files.infos}
+
+
+def comfy_spelling(name: str) -> str:
+    """A stock Qwen3-VL name as ComfyUI's Qwen text-encoder files spell it (`model.layers.*`, `visual.*`)."""
+    return name.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1)
+
+
+def write_component(path: Path, state: dict[str, torch.Tensor], component: str, fmt: str, **options) -> None:
+    if component == "text_encoder":
+        state = {comfy_spelling(key): value for key, value in state.items()}
+    write_single_file(path, state, fmt, prefix=PREFIXES[component], **options)
+
+
+@pytest.fixture(scope="module")
+def made(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
+    checkpoint = tiny_checkpoints("native", seed=5)
+    folder = tmp_path_factory.mktemp("components")
+    files = {"checkpoint": checkpoint}
+    for component in COMPONENTS:
+        state = component_state(checkpoint, component)
+        files[f"{component}-keep"] = folder / f"{component}-keep.safetensors"
+        write_component(files[f"{component}-keep"], state, component, "keep")
+        for name, (fmt, options) in FORMATS.items():
+            path = files[f"{component}-{name}"] = folder / f"{component}-{name}.safetensors"
+            write_component(path, state, component, fmt, **options)
+            single = SingleFile.open(path)
+            twin = files[f"{component}-{name}-f32"] = folder / f"{component}-{name}-f32.safetensors"
+            write_single_file(twin, {key: single.tensor(key) for key in single.records}, "f32", prefix="")
+    return files
+
+
+def engine(files: dict[str, Path], **replaced: str) -> Engine:
+    layout = with_component_files(
+        detect_layout(files["checkpoint"]), {component: files[name] for component, name in replaced.items()}
+    )
+    return Engine.from_checkpoint(layout, device="cpu", adaln_cache="off")
+
+
+def outputs(engine_: Engine, task: str = "t2va"):  # noqa: ANN201
+    return engine_.generate(parity_requests(steps=2, seed=3)[task])[0]
+
+
+def equal_outputs(got, expected) -> bool:
+    return all(torch.equal(getattr(got, name), getattr(expected, name)) for name in OUTPUTS)
+
+
+@pytest.fixture(scope="module")
+def folder_outputs(made):  # noqa: ANN201
+    folder = engine(made)
+    return {task: outputs(folder, task) for task in ("t2va", "ref2va")}
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_a_file_of_the_folders_values_gives_what_the_folder_gives(made, folder_outputs, component) -> None:
+    replaced = engine(made, **{component: f"{component}-keep"})
+    assert equal_outputs(outputs(replaced), folder_outputs["t2va"])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_a_component_file_computes_what_its_dequantized_values_compute(
+    made, folder_outputs, component, fmt
+) -> None:
+    # The audio VAE's linears (its pre-block) encode the Ref2VA audio reference: the ref2va partition, replaced too.
+    task = "ref2va" if component == "audio_vae" else "t2va"
+    got = outputs(engine(made, **{component: f"{component}-{fmt}"}), task)
+    expected = outputs(engine(made, **{component: f"{component}-{fmt}-f32"}), task)
+    assert equal_outputs(got, expected)
+    # Quantized values are not the folder's: the outputs show that the file's were served.
+    if set(SingleFile.open(made[f"{component}-{fmt}"]).formats()) - {"f32", "f16", "bf16"}:
+        assert not equal_outputs(got, folder_outputs[task])
+
+
+def test_the_video_vae_file_encodes_a_keyframe(made) -> None:
+    """fl2va encodes its keyframe with the video VAE: the file's weights do it."""
+    got = outputs(engine(made, video_vae="video_vae-int8_convrot"), "fl2va")
+    expected = outputs(engine(made, video_vae="video_vae-int8_convrot-f32"), "fl2va")
+    assert equal_outputs(got, expected)
+
+
+def test_the_store_loads_the_file_not_the_folder(made, folder_outputs) -> None:
+    """The store keys a replaced component by its file: the folder's weights are neither loaded nor served."""
+    replaced = engine(made, audio_vae="audio_vae-fp8_scaled")
+    replaced.store.models_for_task("t2va")
+    assert "audio_vae:audio_vae-fp8_scaled.safetensors" in replaced.store.load_timings
+    assert "audio_vae:audio_vae" not in replaced.store.load_timings
+    assert not equal_outputs(outputs(replaced), folder_outputs["t2va"])
+
+
+def test_text_encoder_spellings() -> None:
+    assert (
+        text_encoder_key("model.layers.3.mlp.up_proj.weight")
+        == "model.language_model.layers.3.mlp.up_proj.weight"
+    )
+    assert (
+        text_encoder_key("language_model.embed_tokens.weight") == "model.language_model.embed_tokens.weight"
+    )
+    assert text_encoder_key("visual.blocks.0.attn.qkv.weight") == "model.visual.blocks.0.attn.qkv.weight"
+    assert text_encoder_key("model.visual.merger.norm.weight") == "model.visual.merger.norm.weight"
+    assert text_encoder_key("lm_head.weight") == "lm_head.weight"
+
+
+def test_another_components_file_is_refused_naming_it(made, tmp_path) -> None:
+    with pytest.raises(CheckpointError, match="not an H3 audio VAE file") as refused:
+        engine(made, audio_vae="video_vae-bf16")
+    assert "video_vae-bf16.safetensors" in str(refused.value)
+    dit = tmp_path / "dit.safetensors"
+    write_single_file(dit, {"blocks.0.attn.qkv_proj.weight": torch.zeros(8, 4)}, "bf16")
+    with pytest.raises(CheckpointError, match="a DiT file"):
+        engine({**made, "dit": dit}, video_vae="dit")
+    with pytest.raises(CheckpointError, match="not an H3 text encoder file"):
+        engine(made, text_encoder="audio_vae-bf16")
+
+
+def test_a_missing_or_unread_tensor_is_refused_naming_it(made, tmp_path) -> None:
+    state = component_state(made["checkpoint"], "video_vae")
+    dropped = sorted(state)[0]
+    partial = tmp_path / "partial.safetensors"
+    write_single_file(partial, {k: v for k, v in state.items() if k != dropped}, "keep", prefix="")
+    with pytest.raises(CheckpointError, match=f"missing tensor '{dropped}'"):
+        engine({**made, "partial": partial}, video_vae="partial")
+    nvfp4 = tmp_path / "nvfp4.safetensors"
+    tensors = {f"vae.{key}": value for key, value in state.items()}
+    layer = next(key for key, value in state.items() if key.endswith(".weight") and value.dim() == 2)
+    tensors[f"vae.{layer.removesuffix('.weight')}.comfy_quant"] = torch.tensor(
+        list(b'{"format": "nvfp4"}'), dtype=torch.uint8
+    )
+    tensors[f"vae.{layer}"] = torch.zeros(state[layer].shape[0], 8, dtype=torch.uint8)
+    save_file(tensors, str(nvfp4))
+    with pytest.raises(CheckpointError, match="nvfp4") as refused:
+        engine({**made, "nvfp4": nvfp4}, video_vae="nvfp4")
+    assert layer.removesuffix(".weight") in str(refused.value)
+
+
+def test_gguf_text_encoders_and_missing_files_are_refused(made, tmp_path) -> None:
+    gguf = tmp_path / "qwen3vl-Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(CheckpointError, match="blk.0.attn_q.weight"):
+        engine({**made, "gguf": gguf}, text_encoder="gguf")
+    with pytest.raises(RequestError, match="--video-vae"):
+        engine_layout(made["checkpoint"], EngineOptions(video_vae=str(tmp_path / "absent.safetensors")))
+    layout = engine_layout(made["checkpoint"], EngineOptions(text_encoder=str(made["text_encoder-bf16"])))
+    assert all(paths.text_encoder_home == made["text_encoder-bf16"] for paths in layout.partitions.values())
