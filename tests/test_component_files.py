@@ -28,6 +28,7 @@ from h3engine.checkpoint.text_encoder_files import open_text_encoder_files
 from h3engine.engine.engine import Engine
 from h3engine.engine.options import EngineOptions, engine_layout
 from h3engine.errors import CheckpointError, RequestError
+from h3engine.models.stored_linear import StoredLinear
 
 OUTPUTS = ("video", "audio", "video_latents", "audio_latents")
 COMPONENTS = ("video_vae", "audio_vae", "text_encoder")
@@ -92,11 +93,11 @@ def made(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
     return files
 
 
-def engine(files: dict[str, Path], **replaced: str) -> Engine:
+def engine(files: dict[str, Path], memory: dict | None = None, **replaced: str) -> Engine:
     layout = with_component_files(
         detect_layout(files["checkpoint"]), {component: files[name] for component, name in replaced.items()}
     )
-    return Engine.from_checkpoint(layout, device="cpu", adaln_cache="off")
+    return Engine.from_checkpoint(layout, device="cpu", adaln_cache="off", **(memory or {}))
 
 
 def outputs(engine_: Engine, task: str = "t2va"):  # noqa: ANN201
@@ -204,3 +205,38 @@ def test_gguf_text_encoders_and_missing_files_are_refused(made, tmp_path) -> Non
         engine_layout(made["checkpoint"], EngineOptions(video_vae=str(tmp_path / "absent.safetensors")))
     layout = engine_layout(made["checkpoint"], EngineOptions(text_encoder=str(made["text_encoder-bf16"])))
     assert all(paths.text_encoder_home == made["text_encoder-bf16"] for paths in layout.partitions.values())
+
+
+@pytest.mark.parametrize(
+    "memory", [{}, {"memory_profile": "streamed", "host_memory": 1e-6}], ids=["resident", "streamed"]
+)
+def test_a_text_encoder_file_keeps_its_quantized_linears(made, memory) -> None:
+    """On one rank the INT8 ConvRot text encoder's linears stay its bytes and scales (StoredLinear), resident or
+    streamed from the file, and compute what the dequantized file computes."""
+    quantized = engine(made, memory, text_encoder="text_encoder-int8_convrot")
+    encoder = quantized.store.models_for_task("t2va").text_encoder
+    stored = [module for module in encoder.modules() if isinstance(module, StoredLinear)]
+    assert stored and all(module.quantized.dtype == torch.uint8 for module in stored)
+    twin = engine(made, memory, text_encoder="text_encoder-int8_convrot-f32")
+    assert not any(
+        isinstance(module, StoredLinear)
+        for module in twin.store.models_for_task("t2va").text_encoder.modules()
+    )
+    assert equal_outputs(outputs(quantized), outputs(twin))
+
+
+def test_plan_memory_plans_a_text_encoder_file_at_its_stored_size(made, capsys) -> None:
+    from h3engine.cli.main import main
+    from h3engine.memory.sizes import checkpoint_sizes
+
+    folder = checkpoint_sizes(detect_layout(made["checkpoint"])).partitions["fl2va"].text_encoder
+    layout = with_component_files(
+        detect_layout(made["checkpoint"]), {"text_encoder": made["text_encoder-int8_rowwise"]}
+    )
+    stored = checkpoint_sizes(layout).partitions["fl2va"].text_encoder
+    assert (
+        stored.layers_total < folder.layers_total and stored.dequantized_bytes > 0 == folder.dequantized_bytes
+    )
+    flags = ["plan-memory", "--checkpoint", str(made["checkpoint"]), "--gpu-memory", "4", "--json"]
+    assert main([*flags, "--text-encoder", str(made["text_encoder-int8_rowwise"])]) == 0
+    assert '"fits": true' in capsys.readouterr().out

@@ -6,7 +6,7 @@ scaled, INT8, INT8 ConvRot, mixed). Their names are the native ones (our module'
 as the one under which most names are the module's (`VAE_PREFIXES`, `TEXT_ENCODER_PREFIXES`); a text encoder's names
 may also take the alternative spellings of Qwen3-VL re-packs (`text_encoder_key`). A float tensor is read as stored
 (the loader casts it to the module's dtype); a quantized one is dequantized at load (float32, one rounding to the
-module's dtype then): these components are not kept quantized in memory. The component's config stays its folder's.
+module's dtype then), except a text encoder's linears on one rank, which stay quantized (`keep_quantized`).
 
 Refusals (CheckpointError naming the file, and the tensor where one is at fault): a GGUF file (llama.cpp names are
 not mapped), a file that is no safetensors file, a tensor in a format not read here, another component's file (none
@@ -22,10 +22,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from h3engine.checkpoint.dit_file_weights import SCALED_FORMATS, scaled_parts
 from h3engine.checkpoint.safetensors_io import TensorInfo, WeightFiles
 from h3engine.checkpoint.single_file_formats import DIFFUSION_MODEL_PREFIX, PLAIN_FORMATS
 from h3engine.checkpoint.single_files import SingleFile
 from h3engine.errors import CheckpointError
+from h3engine.models.stored_linear import WeightForm
 
 # The prefixes a VAE single file may put before the native names (ComfyUI's VAE loader reads bare names; whole
 # checkpoints put `first_stage_model.` or `vae.`); "" is tried too.
@@ -60,16 +62,31 @@ def text_encoder_key(name: str) -> str:
 
 
 class ComponentFileWeights(WeightFiles):
-    """The tensors of one component single file under the module's keys (see the module doc)."""
+    """The tensors of one component single file under the module's keys (see the module doc). Of the keys in
+    `keep_quantized`, a linear's scaled weight `X.weight` is the keys of a StoredLinear instead (`X.quantized`, `X.scale`: the file's
+    bytes; `stored_forms` lists them for `store_linears`), as h3engine.checkpoint.dit_file_weights presents a DiT's."""
 
-    def __init__(self, single: SingleFile, names: dict[str, str]) -> None:
+    def __init__(
+        self, single: SingleFile, names: dict[str, str], keep_quantized: Collection[str] = ()
+    ) -> None:
         # names: module key -> the file's record name
         self.single = single
         self.path = single.path
         self.names = names
+        self.stored_forms: dict[str, WeightForm] = {}
+        self.stored: dict[str, Tensor] = {}  # a StoredLinear's key -> its view of the map
         infos = {}
         for key, name in names.items():
             record = single.records[name]
+            if key in keep_quantized and record.format in SCALED_FORMATS and key.endswith(".weight"):
+                layer = key.removesuffix(".weight")
+                self.stored_forms[layer], parts = scaled_parts(record)
+                for leaf, view, offset in parts:
+                    self.stored[f"{layer}.{leaf}"] = view
+                    infos[f"{layer}.{leaf}"] = TensorInfo(
+                        single.path, view.dtype, tuple(view.shape), offset=offset
+                    )
+                continue
             if record.format in PLAIN_FORMATS.values():
                 dtype, offset = record.values.dtype, record.part("values").offset
             else:
@@ -78,6 +95,13 @@ class ComponentFileWeights(WeightFiles):
         super().__init__(infos, str(single.path))
 
     def _read(self, key: str, rows: slice | None = None, columns: slice | None = None) -> Tensor:
+        if key in self.stored:
+            tensor = self.stored[key]
+            if columns is not None:
+                raise CheckpointError(
+                    f"{self.path}: {key!r} is quantized by rows; its columns are not read apart"
+                )
+            return tensor[rows] if rows is not None else tensor
         record = self.single.records[self.names[key]]
         if record.format in PLAIN_FORMATS.values():
             tensor = record.values.view(record.shape)
@@ -94,6 +118,7 @@ def open_component_file(
     expected: Collection[str],
     prefixes: tuple[str, ...],
     rename: Callable[[str], str] = lambda name: name,
+    keep_quantized: Collection[str] = (),
 ) -> ComponentFileWeights:
     """The single file `path` of component `what` as WeightFiles keyed by the module's keys `expected`: its names
     renamed by `rename` behind the prefix of `prefixes` (or none) under which most of them are expected keys."""
@@ -134,4 +159,4 @@ def open_component_file(
     if len(names) != len(single.records):
         twice = sorted(set(single.records) - set(names.values()))[0]
         raise CheckpointError(f"{path}: tensor {twice!r} names a {what} tensor that the file holds twice")
-    return ComponentFileWeights(single, names)
+    return ComponentFileWeights(single, names, keep_quantized)

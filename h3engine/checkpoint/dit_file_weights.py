@@ -57,6 +57,20 @@ def layer_of(name: str, path: Path, what: str, shape: tuple[int, ...]) -> str:
     return name.removesuffix(WEIGHT_SUFFIX)
 
 
+def scaled_parts(record: StoredTensor) -> tuple[WeightForm, list[tuple[str, Tensor, int]]]:
+    """A single file's scaled weight (SCALED_FORMATS) as a StoredLinear holds it: its form, and (buffer name, view of
+    the file's map, byte offset in the file or -1) for its bytes [rows, columns] and its float32 scale."""
+    values_dtype, per_row = SCALED_FORMATS[record.format]
+    form = WeightForm(None, values_dtype, per_row, record.convrot_group or 0)
+    values = record.values.view(torch.uint8).view(record.shape[0], -1)
+    scale = record.scale.to(torch.float32).reshape((record.shape[0], 1) if per_row else (1,))
+    scale_offset = record.part("scale").offset if record.scale.dtype == torch.float32 else -1
+    return form, [
+        (QUANTIZED_BUFFER, values, record.part("values").offset),
+        (SCALE_BUFFER, scale, scale_offset),
+    ]
+
+
 class DiTFileWeights(WeightFiles):
     """The tensors of one community DiT file under the module's keys (see the module doc)."""
 
@@ -105,14 +119,9 @@ class DiTFileWeights(WeightFiles):
                 files._add(name, _plain_values(record), record.part("values").offset)
                 continue
             layer = layer_of(name, single.path, record.format, record.shape)
-            values_dtype, per_row = SCALED_FORMATS[record.format]
-            group = record.convrot_group or 0
-            files.stored_forms[layer] = WeightForm(None, values_dtype, per_row, group)
-            values = record.values.view(torch.uint8).view(record.shape[0], -1)
-            files._add(f"{layer}.{QUANTIZED_BUFFER}", values, record.part("values").offset)
-            scale = record.scale.to(torch.float32).reshape((record.shape[0], 1) if per_row else (1,))
-            scale_offset = record.part("scale").offset if record.scale.dtype == torch.float32 else -1
-            files._add(f"{layer}.{SCALE_BUFFER}", scale, scale_offset)
+            files.stored_forms[layer], parts = scaled_parts(record)
+            for leaf, view, offset in parts:
+                files._add(f"{layer}.{leaf}", view, offset)
         return files.checked()
 
     def _add(self, key: str, view: Tensor, offset: int) -> None:

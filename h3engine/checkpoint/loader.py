@@ -314,6 +314,21 @@ def check_text_encoder(folder: Path, weights: Path | None = None) -> None:
     check_text_encoder_files(encoder, weight_files)
 
 
+def text_encoder_skeleton(
+    folder: Path, weights: Path | None = None
+) -> tuple[WeightFiles, Callable[[], H3TextEncoder]]:
+    """The text encoder's weight files (headers) and a builder of the module they fill, a community file's quantized
+    linears as StoredLinear layers (build it on meta to name its tensors)."""
+    config, weight_files = open_text_encoder_files(folder, weights, keep_quantized=True)
+
+    def build() -> H3TextEncoder:
+        encoder = H3TextEncoder(config)
+        store_linears(encoder, getattr(weight_files, "stored_forms", {}))
+        return encoder
+
+    return weight_files, build
+
+
 def load_text_encoder(
     folder: Path,
     device: torch.device | str,
@@ -323,11 +338,12 @@ def load_text_encoder(
 ) -> H3TextEncoder:
     """H3's text encoder from a stock Qwen3-VL `text_encoder/` folder, reading only the tensors H3 needs (see
     `text_encoder_files`): our module's keys are the stock keys, so nothing is renamed. The keys `deferred` wants are
-    left unread (a parked tensor and a reader each). `weights`: a single file replacing the folder's weights."""
-    config, weight_files = open_text_encoder_files(folder, weights)
+    left unread (a parked tensor and a reader each). `weights`: a single file replacing the folder's weights, its
+    quantized linears kept so (StoredLinear)."""
+    weight_files, skeleton = text_encoder_skeleton(folder, weights)
     device = torch.device(device)
     with torch.device("meta"):
-        encoder = H3TextEncoder(config)
+        encoder = skeleton()
     needed_shapes = check_text_encoder_files(encoder, weight_files)
     read_text_encoder_tensors(encoder, weight_files, needed_shapes, device, dtype, deferred)
     encoder.rebuild_computed_buffers(device)

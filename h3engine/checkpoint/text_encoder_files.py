@@ -38,6 +38,7 @@ from h3engine.checkpoint.component_files import (
 )
 from h3engine.checkpoint.safetensors_io import DeferredReads, WeightFiles, parked, placed, row_extents
 from h3engine.errors import CheckpointError
+from h3engine.models.stored_linear import StoredLinear
 from h3engine.models.text_encoder import (
     H3_DIALOGUE_TOKENS,
     H3_TEXT_ENCODER_LAYERS,
@@ -118,17 +119,26 @@ VIDEO_MAX_PIXELS = 25165824
 # ---------------------------------------------------------------------------------------------------- reading
 
 
-def open_text_encoder_files(folder: Path, weights: Path | None = None) -> tuple[Qwen3VLConfig, WeightFiles]:
+def open_text_encoder_files(
+    folder: Path, weights: Path | None = None, keep_quantized: bool = False
+) -> tuple[Qwen3VLConfig, WeightFiles]:
     """The stock Qwen3-VL config of a `text_encoder/` folder and its weight files (headers only); `weights`: a single
-    file (`--text-encoder`, h3engine.checkpoint.component_files) replacing the folder's weights."""
+    file (`--text-encoder`, h3engine.checkpoint.component_files) replacing the folder's weights, its quantized linears
+    kept so with `keep_quantized` (their `stored_forms` for `store_linears`), else dequantized when read."""
     folder = Path(folder)
     config = _read_qwen3_vl_config(folder / CONFIG_FILE_NAME)
     if weights is None:
         return config, WeightFiles.open(_weights_path(folder))
     with torch.device("meta"):
-        expected = H3TextEncoder(config).state_dict()
+        encoder = H3TextEncoder(config)
+    linears = {f"{name}.weight" for name, module in encoder.named_modules() if type(module) is nn.Linear}
     return config, open_component_file(
-        Path(weights), "text encoder", expected, TEXT_ENCODER_PREFIXES, text_encoder_key
+        Path(weights),
+        "text encoder",
+        encoder.state_dict(),
+        TEXT_ENCODER_PREFIXES,
+        text_encoder_key,
+        keep_quantized=linears if keep_quantized else (),
     )
 
 
@@ -173,10 +183,11 @@ def check_text_encoder_files(encoder: H3TextEncoder, weight_files: WeightFiles) 
 
 def _unused_checkpoint_keys(encoder: H3TextEncoder) -> set[str]:
     """Keys a full checkpoint carries that H3 never needs: layers >= 50, the final norm and lm_head."""
+    # A StoredLinear's bytes stand for its weight (a layer H3 does not build is never kept quantized).
     layer_suffixes = [
-        name.removeprefix("language_model.layers.0.")
+        name.removeprefix("language_model.layers.0.").replace(".quantized", ".weight")
         for name in encoder.model.state_dict()
-        if name.startswith("language_model.layers.0.")
+        if name.startswith("language_model.layers.0.") and not name.endswith(".scale")
     ]
     unused = set(_UNUSED_TOP_KEYS)
     for layer_index in range(H3_TEXT_ENCODER_LAYERS, encoder.checkpoint_num_hidden_layers):
@@ -201,20 +212,24 @@ def read_text_encoder_tensors(
     """Read the tensors `keys` whole, cast to `dtype` on `device`, into `encoder`'s parameters and buffers; the ones
     `deferred` wants get a parked tensor and a reader instead."""
     for key in sorted(keys):
-        require_float_tensor(weight_files, key)
         owner_name, _, leaf_name = key.rpartition(".")
         owner = encoder.get_submodule(owner_name)
+        # A StoredLinear's bytes and scale keep their own dtypes (h3engine.models.stored_linear).
+        stored = isinstance(owner, StoredLinear) and leaf_name in StoredLinear.STORED_TENSORS
+        if not stored:
+            require_float_tensor(weight_files, key)
+        key_dtype = getattr(owner, leaf_name).dtype if stored else dtype
         if deferred is not None and deferred.wants(key):
             shape = getattr(owner, leaf_name).shape
-            tensor = parked(shape, dtype)
+            tensor = parked(shape, key_dtype)
             deferred.add(
                 key,
-                partial(_read_whole, weight_files, key, dtype),
-                row_extents(weight_files.infos[key], dtype),
+                partial(_read_whole, weight_files, key, key_dtype),
+                row_extents(weight_files.infos[key], key_dtype),
                 _fp8_reads(weight_files, key),
             )
         else:
-            tensor = placed(weight_files.tensor(key), device, dtype)
+            tensor = placed(weight_files.tensor(key), device, key_dtype)
         if leaf_name in owner._parameters:
             setattr(owner, leaf_name, nn.Parameter(tensor, requires_grad=False))
         else:

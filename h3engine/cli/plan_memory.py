@@ -55,6 +55,13 @@ def add_plan_memory_parser(commands: argparse._SubParsersAction) -> argparse.Arg
         help="a community DiT file (GGUF or ComfyUI single file) replacing a partition's DiT weights, planned at its "
         "stored size",
     )
+    for component in ("text-encoder", "video-vae", "audio-vae"):
+        plan.add_argument(
+            f"--{component}",
+            default=None,
+            metavar="FILE",
+            help=f"a ComfyUI single file replacing the {component}",
+        )
     plan.add_argument(
         "--gpu-memory",
         default=None,
@@ -177,7 +184,8 @@ def run_plan_memory(args: argparse.Namespace) -> int:
     budget = resolve_budget(device, args.gpu_memory, args.host_memory)
     from h3engine.engine.options import EngineOptions, engine_layout
 
-    layout = engine_layout(args.checkpoint, EngineOptions(dit=tuple(args.dit or ())))
+    files = {name: getattr(args, name) for name in ("text_encoder", "video_vae", "audio_vae")}
+    layout = engine_layout(args.checkpoint, EngineOptions(dit=tuple(args.dit or ()), **files))
     sizes = checkpoint_sizes(layout, weights=args.weights)
     try:
         shape = request_shape(

@@ -35,6 +35,7 @@ from h3engine.checkpoint.loader import (
     check_text_encoder,
     dit_source,
     load_text_encoder,
+    text_encoder_skeleton,
     video_vae_source,
 )
 from h3engine.checkpoint.safetensors_io import DeferredReads
@@ -70,6 +71,10 @@ class ModelLoader:
         weights: Path | None = None,
     ) -> H3TextEncoder:
         return load_text_encoder(folder, device=device, dtype=dtype, deferred=deferred, weights=weights)
+
+    def text_encoder_skeleton(self, folder: Path, weights: Path | None = None) -> H3TextEncoder:
+        """The text encoder `text_encoder` fills, unloaded (build it on meta to name its tensors)."""
+        return text_encoder_skeleton(folder, weights)[1]()
 
     def dit(
         self,
@@ -292,7 +297,7 @@ class ModelStore:
 
     def _load_text_encoder(self, paths: PartitionPaths) -> H3TextEncoder:
         folder, weights = paths.text_encoder, paths.text_encoder_weights
-        deferred = self._deferred("text_encoder", lambda: H3TextEncoder(open_text_encoder_files(folder)[0]))
+        deferred = self._deferred("text_encoder", lambda: self.loader.text_encoder_skeleton(folder, weights))
         encoder = self.loader.text_encoder(
             folder, self.placement.load_device("text_encoder"), self.dtype, deferred, weights
         )

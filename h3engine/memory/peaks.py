@@ -112,7 +112,10 @@ def phase_peaks(
         + resident
         + sum(phase_bytes(name, models[name], partition, phase) for name in models)
         + working[phase]
-        + (partition.dit.dequantized_bytes if phase == "denoise" else 0)
+        + {
+            "denoise": partition.dit.dequantized_bytes,
+            "text_encode": partition.text_encoder.dequantized_bytes,
+        }.get(phase, 0)
         for phase in working
     }
 

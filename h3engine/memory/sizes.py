@@ -27,14 +27,13 @@ import torch
 from torch import nn
 
 from h3engine.checkpoint.layout import CanvasRules, CheckpointLayout, PartitionPaths, detect_layout
-from h3engine.checkpoint.loader import audio_vae_source, dit_source, video_vae_source
+from h3engine.checkpoint.loader import audio_vae_source, dit_source, text_encoder_skeleton, video_vae_source
 from h3engine.checkpoint.safetensors_io import WeightFiles
 from h3engine.checkpoint.text_encoder_files import (
     IMAGE_MAX_PIXELS,
     IMAGE_MIN_PIXELS,
     VIDEO_MAX_PIXELS,
     VIDEO_MIN_PIXELS,
-    open_text_encoder_files,
 )
 from h3engine.memory.layers import dit_layers, text_encoder_layers, video_decoder_layers
 from h3engine.memory.types import WEIGHT_FORMATS
@@ -352,16 +351,20 @@ def dit_size(dit: nn.Module, weights: str, share: RankShare) -> ModelSize:
         # A pruned form's projections are not quantized (h3engine.engine.sampling.modulation.offload_adaln).
         fp8_adaln=fp8 and dit.config.adaln_form == "exact",
     )
-    stored = [module for module in dit.modules() if isinstance(module, StoredLinear)]
-    largest = max((m.in_features * m.out_features * m.dtype.itemsize for m in stored), default=0)
-    return replace(size, dequantized_bytes=largest)
+    return replace(size, dequantized_bytes=_largest_dequantized(dit))
+
+
+def _largest_dequantized(model: nn.Module) -> int:
+    """Bytes of the largest weight a community file stores quantized in `model`, dequantized (0: none)."""
+    stored = [module for module in model.modules() if isinstance(module, StoredLinear)]
+    return max((m.in_features * m.out_features * m.dtype.itemsize for m in stored), default=0)
 
 
 def text_encoder_size(encoder: H3TextEncoder, weights: str, share: RankShare) -> ModelSize:
     text_config = encoder.config.text_config
     kv_degree = min(share.encoder_tp, text_config.num_key_value_heads)
     spec = text_encoder_layers(encoder)
-    return _layered_size(
+    size = _layered_size(
         encoder,
         spec.layers,
         spec.streamed_parts,
@@ -370,6 +373,7 @@ def text_encoder_size(encoder: H3TextEncoder, weights: str, share: RankShare) ->
         share.encoder_tp,
         kv_degree=kv_degree,
     )
+    return replace(size, dequantized_bytes=_largest_dequantized(encoder))
 
 
 def _as_loaded(encoder: H3TextEncoder, dtype: torch.dtype) -> H3TextEncoder:
@@ -378,6 +382,8 @@ def _as_loaded(encoder: H3TextEncoder, dtype: torch.dtype) -> H3TextEncoder:
     for key, tensor in encoder.state_dict().items():
         owner_name, _, leaf = key.rpartition(".")
         owner = encoder.get_submodule(owner_name)
+        if isinstance(owner, StoredLinear) and leaf in StoredLinear.STORED_TENSORS:
+            continue  # a community file's quantized linear keeps its bytes and scale
         loaded = torch.empty(tensor.shape, dtype=dtype, device="meta")
         if leaf in owner._parameters:
             owner._parameters[leaf] = nn.Parameter(loaded, requires_grad=False)
@@ -452,9 +458,9 @@ def _partition_sizes(
         dit = dit_size(dit_source_.build(), weights, share)
 
     def text_side() -> tuple[ModelSize, TextEncoderDims]:
-        config, _ = open_text_encoder_files(paths.text_encoder)
+        _, build = text_encoder_skeleton(paths.text_encoder, paths.text_encoder_weights)
         with torch.device("meta"):
-            encoder = _as_loaded(H3TextEncoder(config), dtype)
+            encoder = _as_loaded(build(), dtype)
         return text_encoder_size(encoder, weights, share), _text_dims(encoder, paths.processor)
 
     def video_side() -> tuple[ModelSize, VideoVAEConfig]:
@@ -469,9 +475,9 @@ def _partition_sizes(
             vae = source.build()
         return ModelSize(other_bytes=sum(_plain_bytes(tensor) for _, tensor in _tensors(vae))), source.config
 
-    text_encoder, text_dims = cached("text_encoder", paths.text_encoder, text_side)
-    video_vae, video_config = cached("video_vae", paths.video_vae, video_side)
-    audio_vae, audio_config = cached("audio_vae", paths.audio_vae, audio_side)
+    text_encoder, text_dims = cached("text_encoder", paths.text_encoder_home, text_side)
+    video_vae, video_config = cached("video_vae", paths.video_vae_home, video_side)
+    audio_vae, audio_config = cached("audio_vae", paths.audio_vae_home, audio_side)
     return PartitionSizes(
         partition=paths.partition,
         dit=dit,

@@ -80,6 +80,12 @@ class ShardedLoader(ModelLoader):
         config, weight_files = open_text_encoder_files(folder, weights)
         return load_text_encoder_shard(weight_files, config, self.groups.encoder, dtype, device, deferred)
 
+    def text_encoder_skeleton(self, folder: Path, weights: Path | None = None) -> H3TextEncoder:
+        if self.groups.encoder.tp.size == 1:
+            return super().text_encoder_skeleton(folder, weights)
+        # Tensor-parallel ranks read a community file's quantized linears dequantized (`text_encoder`).
+        return H3TextEncoder(open_text_encoder_files(folder, weights)[0])
+
     def dit(
         self,
         source: ComponentSource,
