@@ -211,8 +211,15 @@ def dit_file_source(paths: PartitionPaths, config: Any, dtype: torch.dtype) -> C
         store_linears(dit, files.stored_forms)
         return dit
 
+    return _file_source(f"{paths.partition} transformer ({file.name})", config, build, files)
+
+
+def _file_source(
+    name: str, config: Any, build: Callable[[], torch.nn.Module], files: WeightFiles
+) -> ComponentSource:
+    """A component whose weight files (a community file's view) hold the module's own keys: nothing is renamed."""
     return ComponentSource(
-        name=f"{paths.partition} transformer ({file.name})",
+        name=name,
         config=config,
         build=build,
         files=files,
@@ -257,16 +264,7 @@ def component_file_source(
     with torch.device("meta"):
         expected = build().state_dict()
     files = open_component_file(file, name, expected, VAE_PREFIXES)
-    return ComponentSource(
-        name=f"{name} ({file.name})",
-        config=config,
-        build=build,
-        files=files,
-        to_file_names=_identity,
-        from_file_names=_identity,
-        read_key=lambda key, dtype: placed(files.tensor(key), "cpu", dtype),
-        key_extents=lambda key, dtype: row_extents(files.infos[key], dtype),
-    )
+    return _file_source(f"{name} ({file.name})", config, build, files)
 
 
 def _read_config(
