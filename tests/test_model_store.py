@@ -20,9 +20,11 @@ class RecordingLoader(ModelLoader):
     def __init__(self) -> None:
         self.calls: list[str] = []
 
-    def text_encoder(self, folder: Path, device: torch.device, dtype: torch.dtype, deferred=None):
+    def text_encoder(
+        self, folder: Path, device: torch.device, dtype: torch.dtype, deferred=None, weights=None
+    ):
         self.calls.append("text_encoder")
-        return super().text_encoder(folder, device, dtype, deferred)
+        return super().text_encoder(folder, device, dtype, deferred, weights)
 
     def dit(self, source: ComponentSource, device: torch.device, dtype: torch.dtype, deferred=None):
         self.calls.append("dit")
