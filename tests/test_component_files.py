@@ -240,3 +240,18 @@ def test_plan_memory_plans_a_text_encoder_file_at_its_stored_size(made, capsys) 
     flags = ["plan-memory", "--checkpoint", str(made["checkpoint"]), "--gpu-memory", "4", "--json"]
     assert main([*flags, "--text-encoder", str(made["text_encoder-int8_rowwise"])]) == 0
     assert '"fits": true' in capsys.readouterr().out
+
+
+def test_check_checkpoint_checks_a_component_file(made, capsys) -> None:
+    from h3engine.cli.main import main
+
+    checkpoint = str(made["checkpoint"])
+    assert (
+        main(["check-checkpoint", checkpoint, "--text-encoder", str(made["text_encoder-int8_rowwise"])]) == 0
+    )
+    report = capsys.readouterr().out
+    row = next(line for line in report.splitlines() if " text_encoder " in line)
+    assert "int8 x row scale" in row and "verdict: OK" in report  # the file's quantized linears, kept
+    # A text encoder file given as the video VAE: that component fails, naming the file.
+    assert main(["check-checkpoint", checkpoint, "--video-vae", str(made["text_encoder-bf16"])]) == 2
+    assert "text_encoder-bf16.safetensors" in capsys.readouterr().out

@@ -354,3 +354,4 @@ def test_a_gguf_placeholder_checkpoint_plans_and_loads_its_files(tmp_path, capsy
     engine = Engine.from_checkpoint(tiny, device="cpu", adaln_cache="off")
     dit = engine.store.models_for_task("t2va").dit
     assert any(isinstance(module, StoredLinear) for module in dit.modules())
+    assert engine.store.placeholder  # said at load and in the sidecars, as a safetensors placeholder is

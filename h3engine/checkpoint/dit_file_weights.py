@@ -84,6 +84,7 @@ class DiTFileWeights(WeightFiles):
         self.logical_shapes: dict[str, tuple[int, ...]] = {}
         self._infos: dict[str, TensorInfo] = {}
         self.architecture = architecture
+        self.is_placeholder = False  # a GGUF placeholder's hole (h3engine.checkpoint.gguf_write)
 
     @classmethod
     def open_file(cls, path: Path, config: DiTConfig) -> DiTFileWeights:
@@ -98,6 +99,7 @@ class DiTFileWeights(WeightFiles):
     def from_gguf(cls, gguf: GGUFFile, config: DiTConfig) -> DiTFileWeights:
         gguf.check_supported()
         files = cls(gguf.path, config, gguf.architecture)
+        files.is_placeholder = gguf.placeholder
         for name, record in gguf.tensors.items():
             files.logical_shapes[name] = record.shape
             if record.ggml_type in GGUF_FLOATS:
@@ -142,6 +144,10 @@ class DiTFileWeights(WeightFiles):
             self._infos[ROPE_KEY] = TensorInfo(self.path, torch.float32, (self.config.rope_freq_dim,))
         super().__init__(self._infos, str(self.path))
         return self
+
+    @property
+    def placeholder(self) -> bool:
+        return self.is_placeholder
 
     def _read(self, key: str, rows: slice | None = None, columns: slice | None = None) -> Tensor:
         tensor = self.views[key]

@@ -31,6 +31,8 @@ if TYPE_CHECKING:  # gguf-py is imported when a file is opened
 # The key prefix of the single-file (ComfyUI) layout, stripped from tensor names.
 DIFFUSION_MODEL_PREFIX = "model.diffusion_model."
 ARCHITECTURE_KEY = "general.architecture"
+# Set (to "hole") in a placeholder's header (h3engine.checkpoint.gguf_write.write_gguf_placeholder): its data reads as zeros.
+PLACEHOLDER_KEY = "h3.placeholder"
 GGUF_MAGIC = b"GGUF"
 
 
@@ -56,10 +58,13 @@ class GGUFTensor:
 class GGUFFile:
     """The tensors of one GGUF file, read lazily from its memory map."""
 
-    def __init__(self, path: Path, tensors: dict[str, GGUFTensor], architecture: str | None) -> None:
+    def __init__(
+        self, path: Path, tensors: dict[str, GGUFTensor], architecture: str | None, placeholder: bool = False
+    ) -> None:
         self.path = path
         self.tensors = tensors
         self.architecture = architecture
+        self.placeholder = placeholder  # a placeholder's hole of zeros, not weights
 
     @classmethod
     def open(cls, path: str | Path) -> GGUFFile:
@@ -78,7 +83,12 @@ class GGUFFile:
                     f"{record.stored_name!r})"
                 )
             tensors[record.name] = record
-        return cls(path, tensors, _architecture(reader))
+        return cls(
+            path,
+            tensors,
+            _string_field(reader, ARCHITECTURE_KEY),
+            _string_field(reader, PLACEHOLDER_KEY) is not None,
+        )
 
     def __contains__(self, name: object) -> bool:
         return name in self.tensors
@@ -163,8 +173,8 @@ def _record(path: Path, reader: GGUFReader, entry: ReaderTensor) -> GGUFTensor:
     )
 
 
-def _architecture(reader: GGUFReader) -> str | None:
-    field = reader.get_field(ARCHITECTURE_KEY)
+def _string_field(reader: GGUFReader, key: str) -> str | None:
+    field = reader.get_field(key)
     if field is None:
         return None
     try:

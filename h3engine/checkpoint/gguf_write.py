@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from h3engine.checkpoint import gguf_blocks
+from h3engine.checkpoint.gguf_files import PLACEHOLDER_KEY
 
 # Types gguf-py 0.19 quantizes in numpy (it also quantizes TQ1_0, TQ2_0 and MXFP4, which H3 files do not use).
 WRITABLE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
@@ -105,6 +106,7 @@ def write_gguf_placeholder(
     partial = path.with_name(path.name + ".partial")
     writer = GGUFWriter(partial, architecture)
     writer.add_quantization_version(GGML_QUANT_VERSION)
+    writer.add_string(PLACEHOLDER_KEY, "hole")
     stored: dict[str, str] = {}
     data_bytes = 0
     for name, shape in shapes.items():

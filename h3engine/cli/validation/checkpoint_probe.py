@@ -11,7 +11,7 @@ partitions is checked once. `format_report` renders one table and the verdict li
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,14 +22,20 @@ from h3engine.checkpoint.layout import (
     PartitionPaths,
     detect_layout,
     parse_dit_files,
+    with_component_files,
     with_dit_files,
 )
-from h3engine.checkpoint.loader import ComponentSource, audio_vae_source, dit_source, video_vae_source
+from h3engine.checkpoint.loader import (
+    ComponentSource,
+    audio_vae_source,
+    dit_source,
+    text_encoder_skeleton,
+    video_vae_source,
+)
 from h3engine.checkpoint.safetensors_io import WeightFiles
 from h3engine.checkpoint.text_encoder_files import (
     check_text_encoder_files,
     load_tokenizer,
-    open_text_encoder_files,
 )
 from h3engine.engine.conditioning.presentation import load_processor
 from h3engine.errors import CheckpointError
@@ -109,13 +115,14 @@ def _formats(files: WeightFiles) -> str:
     return ", ".join([*(f"{name} {count}" for name, count in sorted(counts.items())), f"floats {plain}"])
 
 
-def _text_encoder(folder: Path, built: dict[str, H3TextEncoder]) -> tuple[WeightFiles, str]:
-    """The tensors H3 reads of a stock Qwen3-VL folder; the encoder (on meta) is kept in `built` for the tokenizer."""
-    config, files = open_text_encoder_files(folder)
+def _text_encoder(paths: PartitionPaths, built: dict[str, H3TextEncoder]) -> tuple[WeightFiles, str]:
+    """The tensors H3 reads of a stock Qwen3-VL folder (or of the file replacing its weights); the encoder (on meta)
+    is kept in `built`, by folder, for the tokenizer."""
+    files, build = text_encoder_skeleton(paths.text_encoder, paths.text_encoder_weights)
     with torch.device("meta"):
-        encoder = H3TextEncoder(config)
+        encoder = build()
     check_text_encoder_files(encoder, files)
-    built[str(folder)] = encoder
+    built[str(paths.text_encoder)] = encoder
     return files, ""
 
 
@@ -153,26 +160,35 @@ def _digest(files: WeightFiles) -> tuple[dict[str, str], str | None]:
 
 
 def probe_checkpoint(
-    folder: str | Path, deep: bool = False, dit: Sequence[str] = ()
+    folder: str | Path,
+    deep: bool = False,
+    dit: Sequence[str] = (),
+    components: Mapping[str, str | None] | None = None,
 ) -> tuple[str, list[ComponentReport]]:
     """(the layout's kind, one report per component) of the checkpoint in `folder`, with the community DiT files
-    `dit` gives (`--dit` values) in place of their partitions' weights; a folder that is no checkpoint at all raises
+    `dit` gives (`--dit` values) in place of their partitions' weights and the files `components` names
+    ({video_vae, audio_vae, text_encoder: file}) in place of those; a folder that is no checkpoint at all raises
     CheckpointError."""
     layout = detect_layout(folder)
     layout = with_dit_files(layout, parse_dit_files(dit, tuple(layout.partitions))) if dit else layout
+    layout = with_component_files(layout, {name: file for name, file in (components or {}).items() if file})
     reports: list[ComponentReport] = []
     seen: set[str] = set()
     built: dict[str, H3TextEncoder] = {}
     for name, paths in layout.partitions.items():
         checks: list[tuple[str, Path, Callable[[], tuple[WeightFiles | None, str]]]] = [
             ("dit", paths.dit_home, lambda paths=paths: _dit(layout, paths)),
-            ("video_vae", paths.video_vae, lambda paths=paths: _component(video_vae_source(layout, paths))),
-            ("audio_vae", paths.audio_vae, lambda paths=paths: _component(audio_vae_source(layout, paths))),
             (
-                "text_encoder",
-                paths.text_encoder,
-                lambda paths=paths: _text_encoder(paths.text_encoder, built),
+                "video_vae",
+                paths.video_vae_home,
+                lambda paths=paths: _component(video_vae_source(layout, paths)),
             ),
+            (
+                "audio_vae",
+                paths.audio_vae_home,
+                lambda paths=paths: _component(audio_vae_source(layout, paths)),
+            ),
+            ("text_encoder", paths.text_encoder_home, lambda paths=paths: _text_encoder(paths, built)),
             ("tokenizer", paths.tokenizer, lambda paths=paths: _tokenizer(paths, built)),
             ("processor", paths.processor, lambda paths=paths: _processor(paths)),
         ]

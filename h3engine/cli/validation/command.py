@@ -56,6 +56,13 @@ def add_validation_parsers(commands: Any) -> None:
         metavar="[PARTITION=]FILE",
         help="check a community DiT file (GGUF or ComfyUI single file) in place of a partition's DiT weights",
     )
+    for component in ("text-encoder", "video-vae", "audio-vae"):
+        check.add_argument(
+            f"--{component}",
+            default=None,
+            metavar="FILE",
+            help=f"check a ComfyUI single file as the {component}",
+        )
 
     reference = commands.add_parser(
         "reference",
@@ -158,7 +165,8 @@ def _check_checkpoint(args: argparse.Namespace) -> int:
     from h3engine.cli.validation.checkpoint_probe import format_report, probe_checkpoint
 
     started = time.perf_counter()
-    kind, reports = probe_checkpoint(args.folder, deep=args.deep, dit=args.dit or ())
+    components = {name: getattr(args, name) for name in ("text_encoder", "video_vae", "audio_vae")}
+    kind, reports = probe_checkpoint(args.folder, deep=args.deep, dit=args.dit or (), components=components)
     print(format_report(args.folder, kind, reports, args.deep))
     print(f"checked in {time.perf_counter() - started:.1f} s")
     return 0 if all(report.ok for report in reports) else 2
