@@ -181,3 +181,33 @@ def test_quantized_adaln_projections_offload_as_stored_bytes(made, home) -> None
     for a, b in zip(resident, offloaded, strict=True):
         assert all(torch.equal(x.gate_attn, y.gate_attn) for x, y in zip(a.blocks, b.blocks, strict=True))
         assert all(torch.equal(x, y) for x, y in zip(a.final, b.final, strict=True))
+
+
+def test_a_lora_beside_fp8_scaled_weights_equals_the_lora_on_the_dequantized_base(made, tmp_path) -> None:
+    from _dit_helpers import tiny_fl2va_request
+    from _lora_helpers import small_lora, write_lora
+
+    from h3engine.checkpoint.loader import dit_source
+    from h3engine.checkpoint.lora_format import read_lora
+    from h3engine.engine.lora.adapters import Adapter, apply_adapters
+
+    config = DiTConfig.tiny()
+    path = tmp_path / "style.safetensors"
+    write_lora(path, small_lora(config, seed=5), "ours", config)
+    adapter = Adapter(read_lora(path))
+    request = tiny_fl2va_request(config, torch.bfloat16, seed=9).as_h3_arguments()
+    outputs = {}
+    for name in ("fp8_comfy_quant", "fp8_comfy_quant-f32"):
+        layout = with_dit_files(detect_layout(made["checkpoint"]), {"fl2va": made[name]})
+        model = dit_source(layout, layout.partitions["fl2va"], torch.bfloat16).load(torch.device("cpu"))
+        with torch.no_grad():
+            plain = model(*request)
+            apply_adapters(model, [adapter])
+            outputs[name] = model(*request)
+        assert not torch.equal(outputs[name][0], plain[0])  # the adapter changes the output
+        # FP8 bytes and scales beside the adapter; the twin holds plain linears.
+        assert any(isinstance(m, StoredLinear) for m in model.modules()) == (name == "fp8_comfy_quant")
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(outputs["fp8_comfy_quant"], outputs["fp8_comfy_quant-f32"], strict=True)
+    )
