@@ -23,6 +23,7 @@ import sys
 from typing import Any
 
 from h3engine.checkpoint.layout import TASKS
+from h3engine.engine.options import add_component_file_flags, component_file_options, engine_layout
 from h3engine.errors import RequestError
 from h3engine.memory.budget import GPU_MEMORY_ENV, parse_gib, resolve_budget
 from h3engine.memory.plan import plan_for_shape
@@ -47,21 +48,7 @@ def add_plan_memory_parser(commands: argparse._SubParsersAction) -> argparse.Arg
         help="show where each model would live under a GPU / host memory budget (reads headers only)",
     )
     plan.add_argument("--checkpoint", required=True, help="checkpoint folder (native or diffusers layout)")
-    plan.add_argument(
-        "--dit",
-        action="append",
-        default=None,
-        metavar="[PARTITION=]FILE",
-        help="a community DiT file (GGUF or ComfyUI single file) replacing a partition's DiT weights, planned at its "
-        "stored size",
-    )
-    for component in ("text-encoder", "video-vae", "audio-vae"):
-        plan.add_argument(
-            f"--{component}",
-            default=None,
-            metavar="FILE",
-            help=f"a ComfyUI single file replacing the {component}",
-        )
+    add_component_file_flags(plan)
     plan.add_argument(
         "--gpu-memory",
         default=None,
@@ -182,10 +169,7 @@ def run_plan_memory(args: argparse.Namespace) -> int:
     explicit_gpu = gpu_flag is not None or os.environ.get(GPU_MEMORY_ENV, "").strip()
     device = "cuda" if explicit_gpu else _default_device()
     budget = resolve_budget(device, args.gpu_memory, args.host_memory)
-    from h3engine.engine.options import EngineOptions, engine_layout
-
-    files = {name: getattr(args, name) for name in ("text_encoder", "video_vae", "audio_vae")}
-    layout = engine_layout(args.checkpoint, EngineOptions(dit=tuple(args.dit or ()), **files))
+    layout = engine_layout(args.checkpoint, component_file_options(args))
     sizes = checkpoint_sizes(layout, weights=args.weights)
     try:
         shape = request_shape(

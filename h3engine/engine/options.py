@@ -94,7 +94,7 @@ def add_engine_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]
     H3_GPU_MEMORY and H3_HOST_MEMORY (without it, the budgets read those two when the engine plans)."""
     _add_layout_flags(parser, environ)
     _add_precision_and_memory_flags(parser, environ)
-    _add_component_file_flags(parser)
+    add_component_file_flags(parser)
 
 
 def _add_layout_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None) -> None:
@@ -125,8 +125,21 @@ def _add_layout_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str
     )
 
 
-def _add_component_file_flags(parser: argparse.ArgumentParser) -> None:
-    """`--video-vae`, `--audio-vae`, `--text-encoder FILE`: single files replacing the shared components' weights."""
+def add_component_file_flags(parser: argparse.ArgumentParser) -> None:
+    """`--dit [PARTITION=]FILE`, `--video-vae`, `--audio-vae`, `--text-encoder FILE`: community files replacing a
+    partition's DiT weights or the shared components' (the engines, `plan-memory` and `check-checkpoint` take them;
+    `component_file_options` reads them back)."""
+    parser.add_argument(
+        "--dit",
+        action="append",
+        default=None,
+        metavar="[PARTITION=]FILE",
+        help="a community DiT file that replaces the weights of the checkpoint's DiT: GGUF (F32, F16, BF16, Q8_0, "
+        "Q6_K, Q5_K, Q5_0, Q4_K, Q4_0, Q3_K, Q2_K) or a ComfyUI single .safetensors file (bf16, fp16, FP8 scaled, "
+        "INT8, INT8 ConvRot, mixed; exact or pruned AdaLN); its quantized layers stay quantized in memory and are "
+        "dequantized on the GPU as they compute. Name the partition (fl2va or ref2va) when the checkpoint has both; "
+        "repeat the flag for each",
+    )
     for flag, component in (("--video-vae", "video VAE"), ("--audio-vae", "audio VAE")):
         parser.add_argument(
             flag,
@@ -140,7 +153,8 @@ def _add_component_file_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="a ComfyUI single .safetensors Qwen3-VL text encoder file (bf16, fp16, FP8 scaled, INT8, INT8 ConvRot; "
-        "quantized weights dequantized at load; GGUF not read) that replaces the checkpoint's, in every partition",
+        "its quantized linears kept so on one rank, dequantized at load under --encoder-tp; GGUF not read) that "
+        "replaces the checkpoint's, in every partition",
     )
 
 
@@ -148,17 +162,6 @@ def _add_precision_and_memory_flags(
     parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
 ) -> None:
     """The compute dtype, the weight format, the memory profile and budgets, and the caches and rates they use."""
-    parser.add_argument(
-        "--dit",
-        action="append",
-        default=None,
-        metavar="[PARTITION=]FILE",
-        help="a community DiT file that replaces the weights of the checkpoint's DiT: GGUF (F32, F16, BF16, Q8_0, "
-        "Q6_K, Q5_K, Q5_0, Q4_K, Q4_0, Q3_K, Q2_K) or a ComfyUI single .safetensors file (bf16, fp16, FP8 scaled, "
-        "INT8, INT8 ConvRot, mixed; exact or pruned AdaLN); its quantized layers stay quantized in memory and are "
-        "dequantized on the GPU as they compute. Name the partition (fl2va or ref2va) when the checkpoint has both; "
-        "repeat the flag for each",
-    )
     parser.add_argument("--dtype", default=None, help="bfloat16 (released precision, default) or float32")
     memory_profile_help = (
         "auto (default): the plan that fits the GPU and host budgets fastest; resident: every model stays on the "
@@ -238,6 +241,12 @@ def check_memory_options(options: EngineOptions) -> None:
     parse_activation_chunks(options.activation_chunks)
     if options.disk_read_gbps is not None:
         parse_gbps(options.disk_read_gbps)
+
+
+def component_file_options(args: argparse.Namespace) -> EngineOptions:
+    """The options of a command line's `add_component_file_flags` (the rest left at their defaults)."""
+    files = {name: getattr(args, name) for name in ("video_vae", "audio_vae", "text_encoder")}
+    return EngineOptions(dit=tuple(args.dit or ()), **files)
 
 
 def engine_layout(checkpoint: str | Path, options: EngineOptions) -> CheckpointLayout:

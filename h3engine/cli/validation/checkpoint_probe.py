@@ -1,6 +1,6 @@
 """`check-checkpoint DIR [--deep]`: is this folder the released MiniMax H3, every file, key, shape and dtype?
 
-`probe_checkpoint(folder, deep)` checks each partition (FL2VA, Ref2VA) in either layout: the configs, the DiT (every
+`probe_checkpoint(folder or layout, deep)` checks each partition (FL2VA, Ref2VA) in either layout: the configs, the DiT (every
 key and shape, the fp32 islands stored fp32), the video and audio VAEs, the text encoder (the tensors H3 reads), the
 tokenizer (H3's tokens, matching the encoder's ids) and the processor. Headers only by default: seconds at the
 released size. `deep` reads every tensor once (none NaN or infinite) and digests each weight file: SHA-256 over its
@@ -11,7 +11,7 @@ partitions is checked once. `format_report` renders one table and the verdict li
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,9 +21,6 @@ from h3engine.checkpoint.layout import (
     CheckpointLayout,
     PartitionPaths,
     detect_layout,
-    parse_dit_files,
-    with_component_files,
-    with_dit_files,
 )
 from h3engine.checkpoint.loader import (
     ComponentSource,
@@ -160,18 +157,12 @@ def _digest(files: WeightFiles) -> tuple[dict[str, str], str | None]:
 
 
 def probe_checkpoint(
-    folder: str | Path,
-    deep: bool = False,
-    dit: Sequence[str] = (),
-    components: Mapping[str, str | None] | None = None,
+    checkpoint: str | Path | CheckpointLayout, deep: bool = False
 ) -> tuple[str, list[ComponentReport]]:
-    """(the layout's kind, one report per component) of the checkpoint in `folder`, with the community DiT files
-    `dit` gives (`--dit` values) in place of their partitions' weights and the files `components` names
-    ({video_vae, audio_vae, text_encoder: file}) in place of those; a folder that is no checkpoint at all raises
-    CheckpointError."""
-    layout = detect_layout(folder)
-    layout = with_dit_files(layout, parse_dit_files(dit, tuple(layout.partitions))) if dit else layout
-    layout = with_component_files(layout, {name: file for name, file in (components or {}).items() if file})
+    """(the layout's kind, one report per component) of a checkpoint: a folder, or its layout with the community
+    files that replace some of its weights (h3engine.engine.options.engine_layout); a folder that is no checkpoint at
+    all raises CheckpointError."""
+    layout = checkpoint if isinstance(checkpoint, CheckpointLayout) else detect_layout(checkpoint)
     reports: list[ComponentReport] = []
     seen: set[str] = set()
     built: dict[str, H3TextEncoder] = {}

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from h3engine.engine.options import add_component_file_flags, component_file_options, engine_layout
 from h3engine.errors import CheckpointError, RequestError
 
 VALIDATION_COMMANDS = ("check-checkpoint", "reference", "compare")
@@ -49,20 +50,7 @@ def add_validation_parsers(commands: Any) -> None:
     check.add_argument(
         "--deep", action="store_true", help="also read every tensor once and print file digests"
     )
-    check.add_argument(
-        "--dit",
-        action="append",
-        default=None,
-        metavar="[PARTITION=]FILE",
-        help="check a community DiT file (GGUF or ComfyUI single file) in place of a partition's DiT weights",
-    )
-    for component in ("text-encoder", "video-vae", "audio-vae"):
-        check.add_argument(
-            f"--{component}",
-            default=None,
-            metavar="FILE",
-            help=f"check a ComfyUI single file as the {component}",
-        )
+    add_component_file_flags(check)
 
     reference = commands.add_parser(
         "reference",
@@ -165,8 +153,8 @@ def _check_checkpoint(args: argparse.Namespace) -> int:
     from h3engine.cli.validation.checkpoint_probe import format_report, probe_checkpoint
 
     started = time.perf_counter()
-    components = {name: getattr(args, name) for name in ("text_encoder", "video_vae", "audio_vae")}
-    kind, reports = probe_checkpoint(args.folder, deep=args.deep, dit=args.dit or (), components=components)
+    layout = engine_layout(args.folder, component_file_options(args))
+    kind, reports = probe_checkpoint(layout, deep=args.deep)
     print(format_report(args.folder, kind, reports, args.deep))
     print(f"checked in {time.perf_counter() - started:.1f} s")
     return 0 if all(report.ok for report in reports) else 2
