@@ -355,3 +355,24 @@ def test_a_gguf_placeholder_checkpoint_plans_and_loads_its_files(tmp_path, capsy
     dit = engine.store.models_for_task("t2va").dit
     assert any(isinstance(module, StoredLinear) for module in dit.modules())
     assert engine.store.placeholder  # said at load and in the sidecars, as a safetensors placeholder is
+
+
+def test_a_gguf_dit_chunks_its_activations_as_the_plan_asks(files) -> None:
+    """Stored linears are row-wise as nn.Linear is: a chunked forward (head groups, row chunks) runs chunked and
+    equals the chunked forward of the dequantized model."""
+    from h3engine.models.dit import set_activation_chunks
+    from h3engine.models.dit_chunks import plain_linears
+
+    layout = detect_layout(files["checkpoint"])
+    config = read_dit_config(layout, layout.partitions["fl2va"])
+    request = tiny_fl2va_request(config, torch.bfloat16, seed=9).as_h3_arguments()
+    outputs = {}
+    for name in ("Q8_0", "Q8_0-f32"):
+        replaced = with_dit_files(layout, {"fl2va": files[name]})
+        model = dit_source(replaced, replaced.partitions["fl2va"], torch.bfloat16).load(torch.device("cpu"))
+        assert plain_linears(model.blocks[0].mlp.fc1, model.blocks[0].mlp.fc2, model.blocks[0].attn.qkv_proj)
+        set_activation_chunks(model, 2)
+        with torch.no_grad():
+            outputs[name] = model(*request)
+    assert isinstance(model.blocks[0].mlp.fc2, torch.nn.Linear)  # the twin: plain linears
+    assert all(torch.equal(a, b) for a, b in zip(outputs["Q8_0"], outputs["Q8_0-f32"], strict=True))

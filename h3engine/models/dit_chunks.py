@@ -60,11 +60,14 @@ def head_groups(heads: int, groups: int) -> list[slice]:
 
 
 def plain_linears(*layers: nn.Module) -> bool:
-    """Whether every layer is a plain nn.Linear: row-wise and local, so calling it per row chunk computes its rows.
+    """Whether every layer is a plain linear: row-wise and local, so calling it per row chunk computes its rows. An
+    nn.Linear is, and so is a layer that says so (`ROW_WISE`: h3engine.models.stored_linear.StoredLinear, the same
+    F.linear on its dequantized weight, made again per call).
 
-    Tensor-parallel layers (which sum over their group in every call) and FP8 layers are not; their callers do not
-    chunk. A LoRA's forward hook adds update(input) to the output, also row-wise: chunked calls add it per chunk."""
-    return all(type(layer) is nn.Linear for layer in layers)
+    Tensor-parallel layers (which sum over their group in every call) and FP8 layers (which quantize their input per
+    call) are not; their callers do not chunk. A LoRA's forward hook adds update(input) to the output, also row-wise:
+    chunked calls add it per chunk."""
+    return all(type(layer) is nn.Linear or getattr(layer, "ROW_WISE", False) for layer in layers)
 
 
 def map_rows(function: Callable[[Tensor], Tensor], rows: Tensor, chunks: int) -> Tensor:
@@ -89,7 +92,7 @@ def attention_by_head_groups(
     attend: AttentionKernel,
     low_rank_update: Any | None,
 ) -> Tensor:
-    """`Attention.forward` over `head_groups(num_heads, attn.activation_chunks)`, for a plain nn.Linear qkv_proj and
+    """`Attention.forward` over `head_groups(num_heads, attn.activation_chunks)`, for a plain (row-wise) qkv_proj and
     a kernel that attends each head alone (the local one). `low_rank_update`: the qkv_proj's LoRA update
     (`LowRankUpdate`: `down` [R, in], `up` [3 * inner, R]) or None; its `down @ x` is computed once for all groups."""
     sequence_length = hidden.shape[0]
@@ -97,8 +100,9 @@ def attention_by_head_groups(
     low_rank = None
     if low_rank_update is not None:
         low_rank = (F.linear(hidden.to(low_rank_update.down.dtype), low_rank_update.down), low_rank_update.up)
+    weight = attn.qkv_proj.weight  # once for every group (a stored layer dequantizes it here)
     for heads in head_groups(attn.num_heads, attn.activation_chunks):
-        output[:, heads] = attend_head_group(attn, hidden, heads, rope_cos_sin, attend, low_rank)
+        output[:, heads] = attend_head_group(attn, hidden, heads, rope_cos_sin, attend, low_rank, weight)
     return attn.out_proj(output.view(sequence_length, attn.num_heads * attn.head_dim))
 
 
@@ -109,16 +113,18 @@ def attend_head_group(
     rope_cos_sin: tuple[Tensor, Tensor] | None,
     attend: AttentionKernel,
     low_rank: tuple[Tensor, Tensor] | None,
+    weight: Tensor,
 ) -> Tensor:
     """The attention output [S, len(heads), head_dim] of the heads `heads`: `Attention._project_qkv`'s three GEMMs
-    on the group's rows of each of the q, k and v blocks (plus the LoRA's `up` rows of them on `low_rank`'s
-    (down @ x, up)), the fused QK-norm + RoPE (its weights are per channel, shared by every head) and the kernel."""
+    on the group's rows of each of the q, k and v blocks of qkv_proj's `weight` (plus the LoRA's `up` rows of them on
+    `low_rank`'s (down @ x, up)), the fused QK-norm + RoPE (its weights are per channel, shared by every head) and
+    the kernel."""
     inner, head_dim = attn.num_heads * attn.head_dim, attn.head_dim
     shape = (hidden.shape[0], heads.stop - heads.start, head_dim)
 
     def projection(block: int) -> Tensor:
         rows = slice(block * inner + heads.start * head_dim, block * inner + heads.stop * head_dim)
-        projected = F.linear(hidden, attn.qkv_proj.weight[rows])
+        projected = F.linear(hidden, weight[rows])
         if low_rank is not None:
             low, up = low_rank
             # As `LowRankUpdate.chunks`: up's rows on the shared down @ x, cast back to the activations' dtype.

@@ -65,6 +65,8 @@ class StoredLinear(nn.Module):
     """y = x W^T + b with W held in a file's quantized `form` and dequantized to `dtype` on use."""
 
     STORED_TENSORS = (QUANTIZED_BUFFER, SCALE_BUFFER)
+    # Row-wise and local, as an nn.Linear: the DiT may call it per row chunk (h3engine.models.dit_chunks).
+    ROW_WISE = True
 
     def __init__(
         self,
