@@ -96,8 +96,9 @@ class H3DiT(nn.Module):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype of the packed sequence: that of the (bf16 in the release) non-island weights."""
-        return self.condition_proj.weight.dtype
+        """The dtype of the packed sequence: that of the (bf16 in the release) non-island weights, read off a bias (a
+        community file's quantized condition_proj would dequantize its weight to tell)."""
+        return self.condition_proj.bias.dtype
 
     def prepare_layout(
         self,

@@ -135,7 +135,7 @@ def apply_adapters(dit: H3DiT, adapters: Sequence[Adapter], device: torch.device
     adapters = tuple(adapters)
     for adapter in adapters:
         check_adapter(adapter, dit.config)
-    device = torch.device(device) if device is not None else dit.condition_proj.weight.device
+    device = torch.device(device) if device is not None else dit.condition_proj.bias.device
     # A PDD adapter's interval heads take the place of the DiT's output heads (h3engine.engine.sampling.pdd).
     heads = [
         a.lora.heads
