@@ -301,7 +301,8 @@ class ModelStore:
         encoder = self.loader.text_encoder(
             folder, self.placement.load_device("text_encoder"), self.dtype, deferred, weights
         )
-        files_fp8 = open_text_encoder_files(folder, weights)[1].stores_fp8
+        # Only our converted folders store FP8 row scales (a community file's FP8 is its own form, not reopened here).
+        files_fp8 = weights is None and open_text_encoder_files(folder)[1].stores_fp8
         return self.placement.adopt(encoder, "text_encoder", deferred, files_fp8)
 
     def _load_dit(self, source: ComponentSource, folder: Path, activate: bool = True) -> torch.nn.Module:
