@@ -30,9 +30,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "h3engine.cli.validation.compare",
     ),
     ("h3engine.models.*",),
-    # gguf_ops dispatches to the Triton kernels or to its twin, h3engine.checkpoint.gguf_blocks: a checkpoint reader;
-    # stored_linear computes with GGUF bytes through it.
-    ("h3engine.checkpoint.*", "h3engine.models.gguf_ops", "h3engine.models.stored_linear"),
+    # gguf_ops and scaled_ops dispatch to the Triton kernels or to their twins, checkpoint readers
+    # (h3engine.checkpoint.gguf_blocks, .single_file_formats); stored_linear computes with stored bytes through them.
+    (
+        "h3engine.checkpoint.*",
+        "h3engine.models.gguf_ops",
+        "h3engine.models.scaled_ops",
+        "h3engine.models.stored_linear",
+    ),
     ("h3engine.models.parallel.*",),
     ("h3engine.models.quantization", "h3engine.memory.*"),
     (

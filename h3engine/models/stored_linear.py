@@ -7,7 +7,7 @@ rotated by a Hadamard in groups of columns). `StoredLinear` keeps such a weight 
 form, a float32 `scale` ([1] or [out_features, 1]). Every home the memory plan gives a layer (resident, pinned,
 streamed through the ring, mapped from the file) carries those bytes, never a dequantized copy. `weight` dequantizes
 them on their device into the compute dtype, each call (GGUF: h3engine.models.gguf_ops, a Triton kernel on CUDA and
-its plain-torch twin elsewhere; the scaled forms: single_file_formats.dequantize_scaled), so code that reads a
+its plain-torch twin elsewhere; the scaled forms: h3engine.models.scaled_ops, likewise), so code that reads a
 linear's `weight` works unchanged and a LoRA rides beside it (its forward hook): the bytes are never written.
 `store_linears(module, forms)` swaps named nn.Linear layers of a meta-built module for StoredLinear ones.
 """
@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from h3engine.checkpoint.single_file_formats import dequantize_scaled
-from h3engine.models import gguf_ops
+from h3engine.models import gguf_ops, scaled_ops
 
 # The state-dict names of a StoredLinear's bytes and scale (a file's `X.weight` is the module's `X.quantized`).
 QUANTIZED_BUFFER = "quantized"
@@ -106,7 +105,7 @@ class StoredLinear(nn.Module):
             shape = (self.out_features, self.in_features)
             return gguf_ops.dequantize(quantized, self.form.ggml_type, shape, self.name, self.dtype)
         values = quantized.view(self.form.values_dtype)
-        return dequantize_scaled(values, scale, self.form.rotation_group or None, self.dtype)
+        return scaled_ops.dequantize(values, scale, self.form.rotation_group or None, self.dtype)
 
     def forward(self, hidden: Tensor) -> Tensor:
         return F.linear(hidden, self.weight, self.bias)
