@@ -8,10 +8,11 @@ may also take the alternative spellings of Qwen3-VL re-packs (`text_encoder_key`
 (the loader casts it to the module's dtype); a quantized one is dequantized at load (float32, one rounding to the
 module's dtype then), except a text encoder's linears on one rank, which stay quantized (`keep_quantized`).
 
-Refusals (CheckpointError naming the file, and the tensor where one is at fault): a GGUF file (llama.cpp names are
-not mapped), a file that is no safetensors file, a tensor in a format not read here, another component's file (none
-of its names is the module's: a DiT file given as `--video-vae`), and, at `check`, a tensor missing, extra or of
-another shape.
+A GGUF text encoder is h3engine.checkpoint.text_encoder_gguf's.
+
+Refusals (CheckpointError naming the file, and the tensor where one is at fault): a GGUF VAE file, a file that is
+no safetensors file, a tensor in a format not read here, another component's file (none of its names is the
+module's: a DiT file given as `--video-vae`), and, at `check`, a tensor missing, extra or of another shape.
 """
 
 from __future__ import annotations
@@ -125,8 +126,8 @@ def open_component_file(
     path = Path(path)
     if path.suffix == ".gguf":
         raise CheckpointError(
-            f"{path}: a GGUF {what} file is not read (its llama.cpp names, e.g. 'blk.0.attn_q.weight', are not "
-            "mapped); give a ComfyUI single .safetensors file"
+            f"{path}: a GGUF {what} file is not read (no GGUF layout of it is published); give a ComfyUI single "
+            ".safetensors file"
         )
     if path.suffix != ".safetensors":
         raise CheckpointError(f"{path}: a {what} file must be a single safetensors (.safetensors) file")

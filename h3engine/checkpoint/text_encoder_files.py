@@ -37,6 +37,7 @@ from h3engine.checkpoint.component_files import (
     text_encoder_key,
 )
 from h3engine.checkpoint.safetensors_io import DeferredReads, WeightFiles, parked, placed, row_extents
+from h3engine.checkpoint.text_encoder_gguf import open_gguf_text_encoder
 from h3engine.errors import CheckpointError
 from h3engine.models.stored_linear import StoredLinear
 from h3engine.models.text_encoder import (
@@ -132,6 +133,15 @@ def open_text_encoder_files(
     with torch.device("meta"):
         encoder = H3TextEncoder(config)
     linears = {f"{name}.weight" for name, module in encoder.named_modules() if type(module) is nn.Linear}
+    if Path(weights).suffix == ".gguf":
+        expected = {key: tuple(tensor.shape) for key, tensor in encoder.state_dict().items()}
+        return config, open_gguf_text_encoder(
+            Path(weights),
+            expected,
+            config.text_config,
+            config.vision_config,
+            keep_quantized=linears if keep_quantized else (),
+        )
     return config, open_component_file(
         Path(weights),
         "text encoder",
@@ -219,6 +229,10 @@ def read_text_encoder_tensors(
         if not stored:
             require_float_tensor(weight_files, key)
         key_dtype = getattr(owner, leaf_name).dtype if stored else dtype
+        if (
+            stored
+        ):  # it computes in the dtype the rest of the encoder is read in (it was built in the config's)
+            owner.dtype = dtype
         if deferred is not None and deferred.wants(key):
             shape = getattr(owner, leaf_name).shape
             tensor = parked(shape, key_dtype)

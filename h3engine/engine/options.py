@@ -152,9 +152,10 @@ def add_component_file_flags(parser: argparse.ArgumentParser) -> None:
         "--text-encoder",
         default=None,
         metavar="FILE",
-        help="a ComfyUI single .safetensors Qwen3-VL text encoder file (bf16, fp16, FP8 scaled, INT8, INT8 ConvRot; "
-        "its quantized linears kept so on one rank, dequantized at load under --encoder-tp; GGUF not read) that "
-        "replaces the checkpoint's, in every partition",
+        help="a Qwen3-VL text encoder file that replaces the checkpoint's, in every partition: a ComfyUI single "
+        ".safetensors file (bf16, fp16, FP8 scaled, INT8, INT8 ConvRot) or a llama.cpp GGUF (F32, F16, BF16, Q8_0, "
+        "Q6_K, Q5_K, Q5_0, Q4_K, Q4_0, Q3_K, Q2_K) with its mmproj GGUF beside it; its quantized linears stay so on "
+        "one rank (dequantized at load under --encoder-tp)",
     )
 
 
