@@ -255,3 +255,19 @@ def test_check_checkpoint_checks_a_component_file(made, capsys) -> None:
     # A text encoder file given as the video VAE: that component fails, naming the file.
     assert main(["check-checkpoint", checkpoint, "--video-vae", str(made["text_encoder-bf16"])]) == 2
     assert "text_encoder-bf16.safetensors" in capsys.readouterr().out
+
+
+def test_a_mixed_fp8_video_vae_reads_its_plain_fp8_weights_cast(made, tmp_path) -> None:
+    """An 'fp8mix' VAE: the convolutions' weights stored as plain float8_e4m3fn (no scale), the rest fp16. The
+    reference: the same values widened to f32 in a file (the loader casts either to the module's dtype once)."""
+    state = component_state(made["checkpoint"], "video_vae")
+    formats = {key: "fp8_e4m3" if every_weight(key, value) else "f16" for key, value in state.items()}
+    assert "fp8_e4m3" in formats.values() and "f16" in formats.values()
+    mixed = tmp_path / "video_vae-fp8mix.safetensors"
+    write_single_file(mixed, state, formats, prefix="")
+    single = SingleFile.open(mixed)
+    assert {single.records[key].format for key in single.records} == {"fp8_e4m3", "f16"}
+    twin = tmp_path / "video_vae-fp8mix-f32.safetensors"
+    write_single_file(twin, {key: single.tensor(key) for key in single.records}, "f32", prefix="")
+    files = {**made, "mixed": mixed, "twin": twin}
+    assert equal_outputs(outputs(engine(files, video_vae="mixed")), outputs(engine(files, video_vae="twin")))
