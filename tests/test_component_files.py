@@ -196,11 +196,13 @@ def test_a_missing_or_unread_tensor_is_refused_naming_it(made, tmp_path) -> None
     assert layer.removesuffix(".weight") in str(refused.value)
 
 
-def test_gguf_text_encoders_and_missing_files_are_refused(made, tmp_path) -> None:
-    gguf = tmp_path / "qwen3vl-Q4_K_M.gguf"
+def test_gguf_vaes_and_missing_files_are_refused(made, tmp_path) -> None:
+    """(A GGUF text encoder is read: tests/test_text_encoder_gguf.py.)"""
+    gguf = tmp_path / "video_vae-Q8_0.gguf"
     gguf.write_bytes(b"GGUF")
-    with pytest.raises(CheckpointError, match="blk.0.attn_q.weight"):
-        engine({**made, "gguf": gguf}, text_encoder="gguf")
+    with pytest.raises(CheckpointError, match="a GGUF video VAE file is not read") as error:
+        engine({**made, "gguf": gguf}, video_vae="gguf")
+    assert gguf.name in str(error.value)
     with refused(RequestError, field="--video-vae"):
         engine_layout(made["checkpoint"], EngineOptions(video_vae=str(tmp_path / "absent.safetensors")))
     layout = engine_layout(made["checkpoint"], EngineOptions(text_encoder=str(made["text_encoder-bf16"])))
