@@ -134,7 +134,7 @@ def test_the_text_encoder_keeps_only_what_h3_reads_and_its_copies_are_linked(tin
     [
         (
             ["--weights", "int4"],
-            "error: --weights: expected one of fp8, q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, got 'int4'",
+            "error: --weights: expected one of fp8, int8, q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, got 'int4'",
         ),
         (["--weights", "fp8", "--out", "OCCUPIED"], "error: --out: "),
     ],

@@ -186,7 +186,7 @@ def test_fp8_conversion_of_a_pruned_checkpoint_leaves_its_projections_unquantize
         (["--prune-adaln", "--adaln-rank", "9"], "error: "),
         (
             ["--prune-adaln", "--weights", "int4"],
-            "error: --weights: expected one of fp8, q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, got 'int4'",
+            "error: --weights: expected one of fp8, int8, q8_0, q6_k, q5_k, q4_k, q3_k, q2_k, got 'int4'",
         ),
     ],
 )

@@ -9,19 +9,14 @@ a pruned form's AdaLN projections), 1-D tensors and anything else in F32. K-quan
 gguf-py's. The header is written from the shapes first, then each tensor is read, quantized and appended: the host
 holds one tensor at a time. The file is written as `OUT.partial`, renamed once whole (removed on failure).
 
-`convert_checkpoint_to_gguf(source, out, kind)` writes a folder: the released layout with every file hard-linked
-(else copied, h3engine.checkpoint.fp8_files.link_or_copy) but the DiT folders' weight files, each partition's DiT as
-`<partition>-dit-<kind>.gguf` beside them and, last, `gguf_files.json` ({partition: file name}); on failure what it
-wrote is removed.
+`convert_checkpoint_to_gguf(source, out, kind)` writes a folder (h3engine.checkpoint.dit_convert: the rest linked,
+`gguf_files.json` last, removed on failure) with each partition's DiT as `<partition>-dit-<kind>.gguf`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,38 +24,28 @@ import torch
 from torch import Tensor, nn
 
 from h3engine.checkpoint import dit_format, gguf_blocks, gguf_quantize
+from h3engine.checkpoint.dit_convert import (
+    DiTConversion,
+    convert_checkpoint_dits,
+    is_fp32_island,
+    linear_weight,
+    module_tensor,
+)
 from h3engine.checkpoint.dit_keys import ROPE_KEY
-from h3engine.checkpoint.fp8_files import link_or_copy
 from h3engine.checkpoint.gguf_files import DIFFUSION_MODEL_PREFIX
 from h3engine.checkpoint.gguf_write import KEPT_TYPE, placeholder_type
-from h3engine.checkpoint.layout import (
-    DIT_FILES_JSON,
-    CheckpointLayout,
-    PartitionPaths,
-    detect_layout,
-    require_empty_folder,
-)
+from h3engine.checkpoint.layout import DIT_FILES_JSON, CheckpointLayout, PartitionPaths
 from h3engine.checkpoint.loader import dit_source
 from h3engine.checkpoint.safetensors_io import WeightFiles
 from h3engine.errors import CheckpointError
-from h3engine.models.dit import FP32_PARAMETER_NAMES, PRUNED_FP32_NAMES
-from h3engine.models.dit_config import DiTConfig
 
 ARCHITECTURE = "h3"
 GGUF_FILES_JSON = DIT_FILES_JSON  # read back by h3engine.checkpoint.layout.detect_layout
 FP16_MAX = 65504.0
 
 
-@dataclass(frozen=True)
-class GGUFConversion:
-    """One DiT written as GGUF: its file, the source tensors' bytes as stored (rope.inv_freq aside) and the file's
-    size, and per native key the type it is stored in and its error (RMS error / RMS value of the stored values)."""
-
-    path: Path
-    bytes_before: int
-    bytes_after: int
-    types: dict[str, str] = field(default_factory=dict)
-    errors: dict[str, float] = field(default_factory=dict)
+# One DiT written as GGUF (its types: GGML type names).
+GGUFConversion = DiTConversion
 
 
 def gguf_file_name(partition: str, kind: str) -> str:
@@ -72,8 +57,7 @@ def tensor_type(key: str, shape: tuple[int, ...], kind: str, linear: bool, fp32:
     """The type a DiT tensor is stored in when `kind` is asked for: `kind` (or the 32-block / F16 fallback of
     gguf_write.placeholder_type) for a linear layer's 2-D weight, F32 for the rest and for an fp32 island (named,
     or `fp32`: the module holds it in fp32)."""
-    island = fp32 or key in FP32_PARAMETER_NAMES or key in PRUNED_FP32_NAMES
-    if island or len(shape) != 2 or not linear:
+    if is_fp32_island(key, fp32) or len(shape) != 2 or not linear:
         return KEPT_TYPE
     return placeholder_type(shape, gguf_quantize.ggml_type(kind).name)
 
@@ -103,7 +87,7 @@ def convert_dit_to_gguf(
         writer = _header(partial, {key: (files.infos[key].shape, plan[key]) for key in keys})
         try:
             for key in keys:
-                values = _module_tensor(files, source.config, key)
+                values = module_tensor(files, source.config, key)
                 raw = gguf_quantize.quantize(values.to(device), plan[key])
                 errors[key] = _relative_error(raw, plan[key], values)
                 writer.write_tensor_data(raw.reshape(-1).numpy())
@@ -120,23 +104,12 @@ def convert_dit_to_gguf(
     return GGUFConversion(out, before, out.stat().st_size, plan, errors)
 
 
-def _module_tensor(files: WeightFiles, config: DiTConfig, key: str) -> Tensor:
-    """A native key's tensor as the module holds it (QKV rows stacked), as stored."""
-    return dit_format.native_to_module({key: files.tensor(key)}, config)[key]
-
-
 def _planned_type(files: WeightFiles, module: nn.Module, key: str, kind: str) -> str:
     """`tensor_type` of a key, its module path looked up for a linear layer and its dtype there; an F16 fallback
     holding values beyond fp16's range is stored in F32 instead (read here, before the header: a fallback row is a
     narrow one)."""
     shape = tuple(files.infos[key].shape)
-    path, _, leaf = key.rpartition(".")
-    try:
-        layer = module.get_submodule(path)
-    except AttributeError:
-        layer = None
-    linear = leaf == "weight" and isinstance(layer, nn.Linear)
-    fp32 = linear and layer.weight.dtype == torch.float32
+    linear, fp32 = linear_weight(module, key)
     chosen = tensor_type(key, shape, kind, linear, fp32)
     if chosen == "F16" and float(files.tensor(key).float().abs().max()) > FP16_MAX:
         return KEPT_TYPE
@@ -186,10 +159,6 @@ def _relative_error(raw: Tensor, type_name: str, values: Tensor) -> float:
     return math.sqrt(error / energy) if energy > 0 else math.sqrt(error)
 
 
-def _is_weight_file(path: Path) -> bool:
-    return path.name.endswith((".safetensors", ".safetensors.index.json"))
-
-
 def convert_checkpoint_to_gguf(
     source: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -198,41 +167,9 @@ def convert_checkpoint_to_gguf(
 ) -> dict[str, GGUFConversion]:
     """Write `source` (a released checkpoint, either layout) into the empty or missing folder `out` with each
     partition's DiT as a GGUF file of `kind` (see the module doc); returns each partition's conversion."""
-    source, out = Path(source), Path(out)
     gguf_quantize.ggml_type(kind)
-    layout = detect_layout(source)
-    require_empty_folder(out)
-    created = out  # the outermost folder made here, removed on failure (None: `out` was there)
-    while not created.parent.exists():
-        created = created.parent
-    created = None if out.exists() else created
-    dit_folders = {paths.dit for paths in layout.partitions.values()}
-    conversions: dict[str, GGUFConversion] = {}
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        for path in sorted(source.rglob("*")):
-            in_dit = any(folder in path.parents for folder in dit_folders)
-            if path.is_file() and not (in_dit and _is_weight_file(path)):
-                link_or_copy(path, out / path.relative_to(source))
-        names: dict[str, str] = {}
-        for partition, paths in sorted(layout.partitions.items()):
-            names[partition] = gguf_file_name(partition, kind)
-            conversions[partition] = convert_dit_to_gguf(layout, paths, out / names[partition], kind, device)
-        # Written last: a folder without it is an unfinished conversion.
-        (out / GGUF_FILES_JSON).write_text(json.dumps(names, indent=2) + "\n", encoding="utf-8")
-    except BaseException:
-        _remove_written(out, created)
-        raise
-    return conversions
 
+    def write(layout: CheckpointLayout, paths: PartitionPaths, path: Path) -> GGUFConversion:
+        return convert_dit_to_gguf(layout, paths, path, kind, device)
 
-def _remove_written(out: Path, created: Path | None) -> None:
-    """Undo a failed conversion: the folders made here, else everything in `out` (it was empty)."""
-    if created is not None:
-        shutil.rmtree(created, ignore_errors=True)
-    elif out.is_dir():
-        for child in out.iterdir():
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child, ignore_errors=True)
-            else:
-                child.unlink(missing_ok=True)
+    return convert_checkpoint_dits(source, out, lambda partition: gguf_file_name(partition, kind), write)

@@ -11,7 +11,8 @@ ConvRot rotating first). A file-wide quantized format applies to the tensors `qu
 format asked ('f32', 'f16', 'bf16': every floating tensor). Names get `prefix` (the DiT's `model.diffusion_model.`
 by default; '' for none). The header and data are written a tensor at a time, in safetensors' own order (larger
 elements first, then by name, so every tensor sits at an offset aligned to its element size); the file appears whole
-or not at all (written beside it, then renamed).
+or not at all (written beside it, then renamed). With `read`, `tensors` only give shapes and dtypes (meta tensors) and
+each tensor is read when written, so a file larger than memory is written holding one tensor's values at a time.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from h3engine.checkpoint.safetensors_io import encoded_header
+from h3engine.checkpoint.safetensors_io import encoded_header, placed
 from h3engine.checkpoint.single_file_formats import (
     CONFIG_SUFFIX,
     DEFAULT_CONVROT_GROUP,
@@ -96,19 +97,22 @@ class _Plan:
         self.makers[key] = maker
 
 
-def _quantizer(tensor: Tensor, fmt: str, group: int) -> Callable[[str], Tensor]:
-    """The parts of one quantized tensor ('values', 'scale'), made by one quantization when the first is asked."""
-    pair: dict[str, Tensor] = {}
+def _quantizer(source: Callable[[], Tensor], fmt: str, group: int) -> Callable[[str], Tensor]:
+    """The parts of one quantized tensor ('values', 'scale'), each made by quantizing `source()` again: nothing is
+    held between the two parts (safetensors' order writes every scale before any values). Quantization is
+    deterministic (the same values give the same bits), so the two parts agree: the values are quantized from a
+    float32 copy of their own, as CPU GEMM kernels (ConvRot's rotation) may round differently by where a tensor lies
+    (a view into a mapped file), so a tensor read from a file gives the bytes the same tensor in memory gives."""
 
     def part(which: str) -> Tensor:
-        if not pair:
-            if fmt in FP8_SCALED_FORMATS:
-                pair["values"], pair["scale"] = quantize_fp8_tensor(tensor, FP8_SCALED_FORMATS[fmt])
-            elif fmt == "int8_convrot":
-                pair["values"], pair["scale"] = quantize_int8_convrot(tensor, group)
-            else:
-                pair["values"], pair["scale"] = quantize_int8(tensor, per_row=fmt == "int8_rowwise")
-        return pair.pop(which)
+        tensor = placed(source(), "cpu", torch.float32)
+        if fmt in FP8_SCALED_FORMATS:
+            values, scale = quantize_fp8_tensor(tensor, FP8_SCALED_FORMATS[fmt])
+        elif fmt == "int8_convrot":
+            values, scale = quantize_int8_convrot(tensor, group)
+        else:
+            values, scale = quantize_int8(tensor, per_row=fmt == "int8_rowwise")
+        return values if which == "values" else scale
 
     return part
 
@@ -125,13 +129,16 @@ def write_single_file(
     input_scale: float | None = None,
     quantized: Callable[[str, Tensor], bool] = default_quantized,
     metadata: Mapping[str, str] | None = None,
+    read: Callable[[str], Tensor] | None = None,
 ) -> dict[str, str]:
     """Write `tensors` (name -> tensor on the host) to the single file `path`, each in `format` (one WRITABLE_FORMATS
     name for the file, or name -> format, absent names kept as given); returns the format each tensor was stored in.
 
     `fp8_layout`: 'comfy_quant' (`L.weight_scale` + the layer's config) or 'legacy' (`L.scale_weight` + the
     `scaled_fp8` marker); `configs_in`: 'tensors' (`L.comfy_quant`) or 'metadata' (`_quantization_metadata`);
-    `input_scale`: a value stored as every fp8-scaled layer's input scale (read back, never applied)."""
+    `input_scale`: a value stored as every fp8-scaled layer's input scale (read back, never applied); `read`: name ->
+    the tensor, called when that tensor is written (each quantized one twice), the values of `tensors` then standing
+    only for its shape and dtype."""
     path = Path(path)
     if fp8_layout not in ("comfy_quant", "legacy") or configs_in not in ("tensors", "metadata"):
         raise ValueError(
@@ -148,6 +155,7 @@ def write_single_file(
         fmt = _stored_format(name, tensor, requested, not isinstance(format, str), quantized, convrot_group)
         stored[name] = fmt
         key = prefix + name
+        source = (lambda tensor=tensor: tensor) if read is None else (lambda name=name: read(name))
         if fmt == "keep" or fmt in CAST_FORMATS or fmt == "fp8_e4m3":
             if fmt == "keep":
                 dtype = tensor.dtype
@@ -155,10 +163,10 @@ def write_single_file(
                 dtype = torch.float8_e4m3fn if fmt == "fp8_e4m3" else CAST_FORMATS[fmt]
             if dtype not in DTYPE_NAMES:
                 raise ValueError(f"tensor {name!r}: dtype {dtype} has no safetensors name here")
-            plan.add(key, tuple(tensor.shape), dtype, lambda tensor=tensor, dtype=dtype: tensor.to(dtype))
+            plan.add(key, tuple(tensor.shape), dtype, lambda source=source, dtype=dtype: source().to(dtype))
             continue
         layer = key.removesuffix(".weight")
-        part = _quantizer(tensor, fmt, convrot_group)
+        part = _quantizer(source, fmt, convrot_group)
         values_dtype = FP8_SCALED_FORMATS.get(fmt, torch.int8)
         plan.add(key, tuple(tensor.shape), values_dtype, lambda part=part: part("values"))
         scale_shape = (tensor.shape[0], 1) if fmt in ("int8_rowwise", "int8_convrot") else ()
