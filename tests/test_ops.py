@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _interpreter import assert_kernel_tests_pass_interpreted
 from torch import Tensor
 
 from h3engine.models import ops
@@ -45,7 +43,6 @@ from h3engine.models.kernels.reference.rope import rotate_first_channels
 from h3engine.models.parallel import collectives
 from h3engine.models.parallel.groups import GroupMembership
 
-REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HAS_CUDA = torch.cuda.is_available() and not INTERPRETING
 EPS = 1e-5
@@ -584,31 +581,7 @@ def test_triton_kernel_support_checks_reject_what_they_cannot_run() -> None:
 @pytest.mark.skipif(INTERPRETING, reason="this test starts the interpreter run itself")
 def test_triton_kernels_under_the_interpreter() -> None:
     pytest.importorskip("triton")
-    environment = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            # These tests take no fixture of conftest.py, whose start-up imports the engine (seconds); the run's
-            # temp folder and thread count come with the environment.
-            "--noconftest",
-            __file__,
-            "-k",
-            "test_triton_kernel_",
-        ],
-        cwd=REPOSITORY_ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "passed" in summary and "skipped" not in summary, summary
+    assert_kernel_tests_pass_interpreted(__file__)
 
 
 # --------------------------------------------------------------------------------------------------------------

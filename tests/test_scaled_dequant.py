@@ -14,12 +14,10 @@ subprocess under TRITON_INTERPRET=1 in fp32 only (the interpreter converts to bf
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from _interpreter import assert_kernel_tests_pass_interpreted
 from torch import Tensor
 
 from h3engine.checkpoint.single_file_formats import (
@@ -31,7 +29,6 @@ from h3engine.checkpoint.single_file_formats import (
 from h3engine.models import ops, scaled_ops
 from h3engine.models.stored_linear import StoredLinear, WeightForm
 
-REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HAS_CUDA = torch.cuda.is_available() and not INTERPRETING
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -203,18 +200,7 @@ def test_triton_kernel_support_checks() -> None:
 @pytest.mark.skipif(INTERPRETING, reason="this test starts the interpreter run itself")
 def test_triton_kernels_under_the_interpreter() -> None:
     pytest.importorskip("triton")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", __file__]
-        + ["-k", "test_triton_kernel_"],
-        cwd=REPOSITORY_ROOT,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert "passed" in summary and "skipped" not in summary, summary
+    assert_kernel_tests_pass_interpreted(__file__)
 
 
 # --------------------------------------------------------------------------------------------------------------
