@@ -11,22 +11,20 @@ The native and diffusers layouts of one seed hold the same weights, so they conv
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from _runtime_helpers import parity_requests
+from _wide_dit import write_wide_checkpoint
 from gguf import GGUFReader, quants
-from safetensors.torch import save_file
 from test_gguf_quantize import BOUNDS
 
 from h3engine.checkpoint import dit_format, gguf_convert, gguf_quantize
-from h3engine.checkpoint.dit_keys import ROPE_KEY, random_native_state
+from h3engine.checkpoint.dit_keys import ROPE_KEY
 from h3engine.checkpoint.gguf_blocks import BLOCK_FORMATS, GGMLType
 from h3engine.checkpoint.gguf_convert import (
     GGUF_FILES_JSON,
@@ -41,7 +39,6 @@ from h3engine.checkpoint.safetensors_io import WeightFiles
 from h3engine.engine.engine import Engine
 from h3engine.errors import CheckpointError
 from h3engine.models.dit import FP32_PARAMETER_NAMES
-from h3engine.models.dit_config import DiTConfig
 from h3engine.models.stored_linear import StoredLinear
 
 KINDS = ("q8_0", "q6_k", "q4_k")
@@ -220,23 +217,11 @@ def test_both_layouts_convert_to_the_same_bytes(tiny_checkpoints, tmp_path) -> N
 # --------------------------------------------------------------------------------------------------------------
 
 
-WIDE = {"hidden_size": 512, "num_heads": 2, "head_dim": 128, "ffn_dim": 288, "time_embed_dim": 256}
-
-
 @pytest.fixture(scope="module")
 def wide_checkpoint(tiny_checkpoints, tmp_path_factory) -> Path:
     """The tiny checkpoint with an FL2VA DiT of 256- and 512-wide linears (fc2 288 wide, condition_proj 8)."""
-    checkpoint = tmp_path_factory.mktemp("wide") / "checkpoint"
-    shutil.copytree(tiny_checkpoints("native", seed=7), checkpoint)
-    folder = checkpoint / "FL2VA" / "transformer"
-    shutil.rmtree(folder)
-    folder.mkdir()
-    config = dataclasses.replace(DiTConfig.tiny(), **WIDE)
-    (folder / "config.json").write_text(json.dumps(dit_format.config_to_native(config)))
-    save_file(
-        random_native_state(config, seed=11), str(folder / "model.safetensors"), metadata={"format": "pt"}
-    )
-    return checkpoint
+    target = tmp_path_factory.mktemp("wide") / "checkpoint"
+    return write_wide_checkpoint(tiny_checkpoints("native", seed=7), target)
 
 
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k"])

@@ -14,19 +14,16 @@ gguf_files.json missing, the staging folder or a half-written --out left behind.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from _runtime_helpers import parity_requests
-from safetensors.torch import save_file
-from test_gguf_convert import WIDE
+from _wide_dit import write_wide_checkpoint
 
 from h3engine.checkpoint import dit_format, gguf_quantize, int8_convert
-from h3engine.checkpoint.dit_keys import ROPE_KEY, random_native_state
+from h3engine.checkpoint.dit_keys import ROPE_KEY
 from h3engine.checkpoint.gguf_convert import GGUF_FILES_JSON
 from h3engine.checkpoint.layout import detect_layout, with_dit_files
 from h3engine.checkpoint.safetensors_io import WeightFiles
@@ -35,7 +32,6 @@ from h3engine.checkpoint.single_files_write import write_single_file
 from h3engine.cli.convert import STAGING_SUFFIX
 from h3engine.cli.main import main
 from h3engine.engine.engine import Engine
-from h3engine.models.dit_config import DiTConfig
 from h3engine.models.stored_linear import StoredLinear
 
 OUTPUTS = ("video", "audio", "video_latents", "audio_latents")
@@ -69,17 +65,8 @@ def stored_linears(engine: Engine) -> dict[str, StoredLinear]:
 @pytest.fixture(scope="module")
 def wide_checkpoint(tiny_checkpoints, tmp_path_factory) -> Path:
     """The tiny checkpoint with an FL2VA DiT of 256- and 512-wide linears (fc2 288 wide, condition_proj 8)."""
-    checkpoint = tmp_path_factory.mktemp("wide") / "checkpoint"
-    shutil.copytree(tiny_checkpoints("native", seed=7), checkpoint)
-    folder = checkpoint / "FL2VA" / "transformer"
-    shutil.rmtree(folder)
-    folder.mkdir()
-    config = dataclasses.replace(DiTConfig.tiny(), **WIDE)
-    (folder / "config.json").write_text(json.dumps(dit_format.config_to_native(config)))
-    save_file(
-        random_native_state(config, seed=11), str(folder / "model.safetensors"), metadata={"format": "pt"}
-    )
-    return checkpoint
+    target = tmp_path_factory.mktemp("wide") / "checkpoint"
+    return write_wide_checkpoint(tiny_checkpoints("native", seed=7), target)
 
 
 @pytest.fixture(scope="module")
