@@ -84,7 +84,8 @@ class DiTFileWeights(WeightFiles):
         self.logical_shapes: dict[str, tuple[int, ...]] = {}
         self._infos: dict[str, TensorInfo] = {}
         self.architecture = architecture
-        self.is_placeholder = False  # a GGUF placeholder's hole (h3engine.checkpoint.gguf_write)
+        # A placeholder's hole of zeros (h3engine.checkpoint.gguf_write, h3engine.checkpoint.single_file_placeholder).
+        self.is_placeholder = False
 
     @classmethod
     def open_file(cls, path: Path, config: DiTConfig) -> DiTFileWeights:
@@ -115,6 +116,7 @@ class DiTFileWeights(WeightFiles):
     def from_single_file(cls, single: SingleFile, config: DiTConfig) -> DiTFileWeights:
         single.check_supported()
         files = cls(single.path, config, single.metadata.get("modelspec.architecture"))
+        files.is_placeholder = single.placeholder
         for name, record in single.records.items():
             files.logical_shapes[name] = record.shape
             if record.format not in SCALED_FORMATS:

@@ -9,9 +9,9 @@ text side keeps the released encoder shapes with the tiny tokenizer and processo
 encoder config). Loading one says so: a warning, `is_placeholder(folder)`, and `"weights": "placeholder"` in sidecars.
 `real_bytes` names components (PLACEHOLDER_COMPONENTS) whose files hold those same drawn values as real bytes, written
 a tensor at a time, so that reading their layers from the files measures the disk (the second partition's copies of the
-text encoder and VAEs are hard links to the first's where the file system allows). `weights` a GGUF type writes each DiT
-as a GGUF file whose data is a hole (zeros), listed in gguf_files.json as a converted folder lists its files.
-
+text encoder and VAEs are hard links to the first's where the file system allows). `weights` a GGUF type (or `int8` /
+`fp8_scaled`: h3engine.checkpoint.single_file_placeholder) writes each DiT as a GGUF (ComfyUI single safetensors)
+file whose data is a hole (zeros), listed in gguf_files.json as a converted folder lists its files:
     python -m h3engine make-placeholder-checkpoint DIR [--seed 0] [--tiny] [--real-bytes dit,...] [--weights q4_k]
 """
 
@@ -53,6 +53,11 @@ from h3engine.checkpoint.safetensors_io import (
     placeholder_values,
     write_placeholder_file,
     write_tensor_file,
+)
+from h3engine.checkpoint.single_file_placeholder import (
+    SINGLE_FILE_WEIGHTS,
+    single_file_name,
+    write_single_file_placeholder,
 )
 from h3engine.checkpoint.text_encoder_files import (
     TINY_TOKEN_IDS,
@@ -233,11 +238,13 @@ def make_placeholder_checkpoint(
     `folder`; the components named in `real_bytes` get files holding their drawn values (ValueError for a name not in
     PLACEHOLDER_COMPONENTS); `weights` "fp8": the large linears stored as a converted checkpoint stores them; a GGUF
     type (GGUF_WEIGHTS): each DiT a GGUF file of that type whose data is a hole (zeros), listed in the folder's
-    gguf_files.json as `convert --weights q4_k` lists its files; `pruned_adaln`: the DiTs in the published pruned
-    form (an `adaln_t_table` of PRUNED_TABLE_ROWS x PRUNED_RANK)."""
+    gguf_files.json as `convert --weights q4_k` lists its files; "int8" / "fp8_scaled" (SINGLE_FILE_WEIGHTS): the
+    same with a ComfyUI single safetensors file (the header `convert --weights int8` writes); `pruned_adaln`: the
+    DiTs in the published pruned form (an `adaln_t_table` of PRUNED_TABLE_ROWS x PRUNED_RANK)."""
     folder = Path(folder)
-    if weights not in ("bf16", "fp8", *GGUF_WEIGHTS):
-        raise ValueError(f"weights must be one of bf16, fp8, {', '.join(GGUF_WEIGHTS)}; got {weights!r}")
+    if weights not in ("bf16", "fp8", *GGUF_WEIGHTS, *SINGLE_FILE_WEIGHTS):
+        choices = ", ".join(("bf16", "fp8", *GGUF_WEIGHTS, *SINGLE_FILE_WEIGHTS))
+        raise ValueError(f"weights must be one of {choices}; got {weights!r}")
     write = _WeightWriter(parse_components(",".join(real_bytes)), weights if weights == "fp8" else "bf16")
     require_empty_folder(folder)
     if tiny:
@@ -258,6 +265,10 @@ def make_placeholder_checkpoint(
             gguf_files[partition] = gguf_file_name(partition, weights)
             tensors = {DIFFUSION_MODEL_PREFIX + k: shape for k, (shape, _) in shapes.items() if k != ROPE_KEY}
             write_gguf_placeholder(folder / gguf_files[partition], tensors, weights.upper())
+            return
+        if weights in SINGLE_FILE_WEIGHTS:
+            gguf_files[partition] = single_file_name(partition, weights)
+            write_single_file_placeholder(folder / gguf_files[partition], config, weights)
             return
         write("dit", transformer / "model.safetensors", shapes, component_seed(seed, partition))
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from h3engine.checkpoint.gguf_files import PLACEHOLDER_KEY
 from h3engine.checkpoint.safetensors_io import read_only_tensor, read_raw_header
 from h3engine.checkpoint.single_file_formats import (
     COMFY_FP8,
@@ -120,6 +121,12 @@ class SingleFile:
                 f"{self.path}: missing tensor {name!r} (the file holds {len(self.records)})"
             )
         return record
+
+    @property
+    def placeholder(self) -> bool:
+        """Whether the file is a placeholder whose data is a hole of zeros (`__metadata__[PLACEHOLDER_KEY]` "hole":
+        h3engine.checkpoint.single_file_placeholder), as a GGUF placeholder is."""
+        return self.metadata.get(PLACEHOLDER_KEY) == "hole"
 
     def formats(self) -> dict[str, int]:
         """How many tensors the file stores in each format."""

@@ -1,23 +1,23 @@
-"""Writing ComfyUI-style single safetensors files in the layouts h3engine.checkpoint.single_files reads (for tests and
-for our converter, not for serving).
-
-`write_single_file(path, tensors, format)` stores each tensor in a format (one for the file, or one per tensor for a
-mixed file) under the published key names (h3engine.checkpoint.single_file_formats): the fp8 formats as ComfyUI's
-per-layer `comfy_quant` layout or its legacy scaled-fp8 layout (`fp8_layout`), the int8 ones (ConvRot included) as
-`comfy_quant` layers, whose configs go in `L.comfy_quant` tensors or in the header's `_quantization_metadata`
-(`configs_in`). Quantization is single_file_formats' (per-tensor amax / 448 for fp8, per-row amax / 127 for int8,
-ConvRot rotating first). A file-wide quantized format applies to the tensors `quantized` picks (by default the
-2-D `.weight`s; for ConvRot only those whose columns are whole groups); the others keep their dtype, or take the cast
-format asked ('f32', 'f16', 'bf16': every floating tensor). Names get `prefix` (the DiT's `model.diffusion_model.`
-by default; '' for none). The header and data are written a tensor at a time, in safetensors' own order (larger
-elements first, then by name, so every tensor sits at an offset aligned to its element size); the file appears whole
-or not at all (written beside it, then renamed). With `read`, `tensors` only give shapes and dtypes (meta tensors) and
-each tensor is read when written, so a file larger than memory is written holding one tensor's values at a time.
+"""Writing ComfyUI-style single safetensors files in the layouts h3engine.checkpoint.single_files reads (for tests, our
+converter and placeholders, not for serving). `write_single_file(path, tensors, format)` stores each tensor in a
+format (one for the file, or one per tensor for a mixed file) under the published key names (h3engine.checkpoint.
+single_file_formats): the fp8 formats as ComfyUI's per-layer `comfy_quant` layout or its legacy scaled-fp8 layout
+(`fp8_layout`), the int8 ones (ConvRot included) as `comfy_quant` layers, whose configs go in `L.comfy_quant` tensors
+or in the header's `_quantization_metadata` (`configs_in`). Quantization is single_file_formats' (per-tensor amax /
+448 for fp8, per-row amax / 127 for int8, ConvRot rotating first). A file-wide quantized format applies to the
+tensors `quantized` picks (by default the 2-D `.weight`s; for ConvRot only those whose columns are whole groups); the
+others keep their dtype, or take the cast format asked ('f32', 'f16', 'bf16': every floating tensor). Names get
+`prefix` (the DiT's `model.diffusion_model.` by default; '' for none). The header and data are written a tensor at a
+time, in safetensors' own order (larger elements first, then by name, so every tensor sits at an offset aligned to
+its element size); the file appears whole or not at all (written beside it, then renamed). With `read`, `tensors`
+only give shapes and dtypes (meta tensors) and each tensor is read when written (a file larger than memory holds one
+tensor at a time); with `hole` only the header and the configs are written, the rest a hole (placeholders).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -130,6 +130,7 @@ def write_single_file(
     quantized: Callable[[str, Tensor], bool] = default_quantized,
     metadata: Mapping[str, str] | None = None,
     read: Callable[[str], Tensor] | None = None,
+    hole: bool = False,
 ) -> dict[str, str]:
     """Write `tensors` (name -> tensor on the host) to the single file `path`, each in `format` (one WRITABLE_FORMATS
     name for the file, or name -> format, absent names kept as given); returns the format each tensor was stored in.
@@ -138,7 +139,7 @@ def write_single_file(
     `scaled_fp8` marker); `configs_in`: 'tensors' (`L.comfy_quant`) or 'metadata' (`_quantization_metadata`);
     `input_scale`: a value stored as every fp8-scaled layer's input scale (read back, never applied); `read`: name ->
     the tensor, called when that tensor is written (each quantized one twice), the values of `tensors` then standing
-    only for its shape and dtype."""
+    only for its shape and dtype; `hole`: the data a hole of zeros (a sparse file) but the configs' bytes."""
     path = Path(path)
     if fp8_layout not in ("comfy_quant", "legacy") or configs_in not in ("tensors", "metadata"):
         raise ValueError(
@@ -194,20 +195,26 @@ def write_single_file(
     header_metadata = {"format": "pt", **(metadata or {})}
     if configs_in == "metadata" and plan.configs:
         header_metadata[QUANT_METADATA_KEY] = json.dumps({"format_version": "1.0", "layers": plan.configs})
-    _write(path, plan, header_metadata)
+    _write(path, plan, header_metadata, hole)
     return stored
 
 
-def _write(path: Path, plan: _Plan, metadata: Mapping[str, str]) -> None:
+def _write(path: Path, plan: _Plan, metadata: Mapping[str, str], hole: bool = False) -> None:
     # safetensors' order: larger elements first, then by key, so each tensor's offset is a multiple of its size.
     ordered = sorted(plan.specs, key=lambda spec: (-torch.empty((), dtype=spec[2]).element_size(), spec[0]))
-    encoded, _ = encoded_header(ordered, metadata)
+    encoded, data_bytes = encoded_header(ordered, metadata)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     try:
         with open(partial, "wb") as handle:
             handle.write(encoded)
+            if hole:  # the data's length, nothing of it written (a hole), but the configs (a few bytes)
+                handle.truncate(len(encoded) + data_bytes)
             for key, shape, dtype in ordered:
+                nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                if hole and not key.endswith("." + CONFIG_SUFFIX):
+                    handle.seek(nbytes, os.SEEK_CUR)
+                    continue
                 tensor = plan.makers[key]().detach().to("cpu")
                 if tuple(tensor.shape) != shape or tensor.dtype != dtype:
                     raise ValueError(

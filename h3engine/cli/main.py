@@ -215,6 +215,11 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
                 real_bytes = parse_components(args.real_bytes)
             except ValueError as error:
                 raise RequestError("--real-bytes", str(error)) from None
+            if "dit" in real_bytes and args.weights not in ("bf16", "fp8"):
+                raise RequestError(
+                    "--real-bytes",
+                    f"the DiT files of --weights {args.weights} are holes; dit takes bf16 or fp8",
+                )
             partitions = [name.strip() for name in args.partitions.split(",") if name.strip()]
             try:
                 folder = make_placeholder_checkpoint(
