@@ -5,9 +5,9 @@ reads it), a tensor at a time.
 `dit_format.as_native_files`) with h3engine.checkpoint.single_files_write: names `model.diffusion_model.` + native
 key, QKV rows stacked [q; k; v] as our module holds them (the keys of h3engine.checkpoint.gguf_convert),
 `rope.inv_freq` left out. A linear's 2-D weight whose columns are whole ConvRot groups of `group` is stored in
-'int8_convrot' (rotated, int8 with one fp32 scale per row, the layer's `comfy_quant` config beside it); the fp32
-islands (FP32_PARAMETER_NAMES, PRUNED_FP32_NAMES, a linear the module holds in fp32) and everything else as stored.
-The writer reads each tensor when it writes it (`read=`): the host holds one tensor at a time, the file appears whole
+'int8_convrot' (rotated, int8 with one fp32 scale per row, the layer's `comfy_quant` config beside it), any other
+linear's in 'int8_rowwise' (not rotated); the fp32 islands (FP32_PARAMETER_NAMES, PRUNED_FP32_NAMES, a linear the
+module holds in fp32) and everything else as stored. The writer reads each tensor when it writes it (`read=`): the host holds one tensor at a time, the file appears whole
 or not at all; each quantized tensor's error is then measured on the file, a few rows at a time.
 
 `convert_checkpoint_to_int8(source, out, group)` writes a folder (h3engine.checkpoint.dit_convert: the rest linked,
@@ -42,6 +42,8 @@ from h3engine.errors import CheckpointError
 from h3engine.models.dit_config import DiTConfig
 
 INT8_FORMAT = "int8_convrot"
+# Linears whose columns are not whole ConvRot groups: INT8 with one scale per row, not rotated.
+INT8_ROWWISE = "int8_rowwise"
 
 
 def int8_file_name(partition: str) -> str:
@@ -50,11 +52,13 @@ def int8_file_name(partition: str) -> str:
 
 
 def stored_format(module: nn.Module, key: str, shape: tuple[int, ...], group: int) -> str:
-    """'int8_convrot' for a linear layer's 2-D weight of whole `group`-column groups that is no fp32 island of
-    `module` (built in bf16), else 'keep'."""
+    """For a linear layer's 2-D weight that is no fp32 island of `module` (built in bf16): 'int8_convrot' where its
+    columns are whole `group`-column groups, else 'int8_rowwise' (the exact AdaLN projections' 2688 columns: kept in
+    bf16 they would be 24 GiB of a 43 GiB file, the community's unpruned INT8 file is 31.7); anything else 'keep'."""
     linear, fp32 = linear_weight(module, key)
-    quantized = linear and len(shape) == 2 and shape[1] % group == 0 and not is_fp32_island(key, fp32)
-    return INT8_FORMAT if quantized else "keep"
+    if not linear or len(shape) != 2 or is_fp32_island(key, fp32):
+        return "keep"
+    return INT8_FORMAT if shape[1] % group == 0 else INT8_ROWWISE
 
 
 def convert_dit_to_int8(
@@ -107,7 +111,7 @@ def _stand_in(files: WeightFiles, key: str) -> torch.Tensor:
 def _errors(path: Path, files: WeightFiles, config: DiTConfig, types: dict[str, str]) -> dict[str, float]:
     """Per key, RMS error over RMS value of the file's values against the source's (0 for a tensor kept as stored),
     the quantized ones dequantized from the written file a few rows at a time."""
-    errors = {key: 0.0 for key, fmt in types.items() if fmt != INT8_FORMAT}
+    errors = {key: 0.0 for key, fmt in types.items() if fmt not in (INT8_FORMAT, INT8_ROWWISE)}
     single = SingleFile.open(path)
     try:
         for key in sorted(set(types) - set(errors)):
