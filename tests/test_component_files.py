@@ -183,16 +183,16 @@ def test_a_missing_or_unread_tensor_is_refused_naming_it(made, tmp_path) -> None
     write_single_file(partial, {k: v for k, v in state.items() if k != dropped}, "keep", prefix="")
     with pytest.raises(CheckpointError, match=f"missing tensor '{dropped}'"):
         engine({**made, "partial": partial}, video_vae="partial")
-    nvfp4 = tmp_path / "nvfp4.safetensors"
+    mxfp8 = tmp_path / "mxfp8.safetensors"
     tensors = {f"vae.{key}": value for key, value in state.items()}
     layer = next(key for key, value in state.items() if key.endswith(".weight") and value.dim() == 2)
     tensors[f"vae.{layer.removesuffix('.weight')}.comfy_quant"] = torch.tensor(
-        list(b'{"format": "nvfp4"}'), dtype=torch.uint8
+        list(b'{"format": "mxfp8"}'), dtype=torch.uint8
     )
-    tensors[f"vae.{layer}"] = torch.zeros(state[layer].shape[0], 8, dtype=torch.uint8)
-    save_file(tensors, str(nvfp4))
-    with pytest.raises(CheckpointError, match="nvfp4") as refused:
-        engine({**made, "nvfp4": nvfp4}, video_vae="nvfp4")
+    tensors[f"vae.{layer}"] = torch.zeros(state[layer].shape, dtype=torch.float8_e4m3fn)
+    save_file(tensors, str(mxfp8))
+    with pytest.raises(CheckpointError, match="mxfp8") as refused:
+        engine({**made, "mxfp8": mxfp8}, video_vae="mxfp8")
     assert layer.removesuffix(".weight") in str(refused.value)
 
 

@@ -138,17 +138,17 @@ def test_the_published_pruned_form_loads_from_a_single_file(made, tmp_path) -> N
 
 def test_a_format_we_do_not_read_is_refused_before_loading(made, tmp_path) -> None:
     state = without_rope(module_state(made["checkpoint"]))
-    path = tmp_path / "nvfp4.safetensors"
+    path = tmp_path / "mxfp8.safetensors"
     from safetensors.torch import save_file
 
     tensors = {f"model.diffusion_model.{key}": value for key, value in state.items()}
     layer = "model.diffusion_model.blocks.0.mlp.fc1"
-    tensors[f"{layer}.comfy_quant"] = torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)
-    tensors[f"{layer}.weight"] = torch.zeros(tensors[f"{layer}.weight"].shape[0], 8, dtype=torch.uint8)
+    tensors[f"{layer}.comfy_quant"] = torch.tensor(list(b'{"format": "mxfp8"}'), dtype=torch.uint8)
+    tensors[f"{layer}.weight"] = tensors[f"{layer}.weight"].to(torch.float8_e4m3fn)
     save_file(tensors, str(path))
-    with pytest.raises(CheckpointError, match="nvfp4") as refused:
-        engine({**made, "nvfp4": path}, "nvfp4")
-    assert "blocks.0.mlp.fc1" in str(refused.value) and "nvfp4.safetensors" in str(refused.value)
+    with pytest.raises(CheckpointError, match="mxfp8") as refused:
+        engine({**made, "mxfp8": path}, "mxfp8")
+    assert "blocks.0.mlp.fc1" in str(refused.value) and "mxfp8.safetensors" in str(refused.value)
     other = tmp_path / "vae.safetensors"
     save_file({"decoder.conv_in.weight": torch.zeros(4, 4)}, str(other))
     with pytest.raises(CheckpointError, match="not an H3 DiT file"):

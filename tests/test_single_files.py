@@ -330,7 +330,7 @@ def test_unsupported_formats_are_refused_by_name(tmp_path: Path) -> None:
         **_layer(
             p,
             "blocks.0.attn.qkv_proj",
-            {"format": "nvfp4"},
+            {"format": "convrot_w4a4"},
             weight=torch.zeros(8, 16, dtype=torch.uint8),
             weight_scale=torch.zeros(8, 2, dtype=torch.float8_e4m3fn),
             weight_scale_2=torch.tensor(1.0),
@@ -357,7 +357,7 @@ def test_unsupported_formats_are_refused_by_name(tmp_path: Path) -> None:
         f"{p}blocks.1.mlp.fc2.weight": torch.zeros(8, 16, dtype=torch.int8),  # int8 with no config
         f"{p}blocks.0.norm1.weight": torch.ones(16, dtype=torch.bfloat16),
     }
-    path = tmp_path / "nvfp4.safetensors"
+    path = tmp_path / "refused.safetensors"
     save_file(tensors, path)
     single = SingleFile.open(path)
     # Each layer's parts belong to its weight's record: no scale is listed as a tensor of its own.
@@ -370,10 +370,10 @@ def test_unsupported_formats_are_refused_by_name(tmp_path: Path) -> None:
         "blocks.1.mlp.fc2.weight",
     ]
     record = single.record("blocks.0.attn.qkv_proj.weight")
-    assert not record.supported and record.format == "nvfp4"
+    assert not record.supported and record.format == "convrot_w4a4"
     assert {part.role for part in record.parts} >= {"values", "config", "weight_scale_2"}
     refusals = {
-        "blocks.0.attn.qkv_proj.weight": "nvfp4",
+        "blocks.0.attn.qkv_proj.weight": "convrot_w4a4",
         "blocks.0.mlp.fc1.weight": "mxfp8",
         "blocks.0.mlp.fc2.weight": "asym_w4a8_int8",
         "blocks.1.mlp.fc1.weight": "int5_magic",
@@ -382,13 +382,13 @@ def test_unsupported_formats_are_refused_by_name(tmp_path: Path) -> None:
     for name, fmt in refusals.items():
         with pytest.raises(
             CheckpointError,
-            match=rf"nvfp4\.safetensors: tensor '{re.escape(p + name)}' is stored as {fmt}: .*; not read",
+            match=rf"refused\.safetensors: tensor '{re.escape(p + name)}' is stored as {fmt}: .*; not read",
         ):
             single.tensor(name)
         assert single.record(name).format == fmt
     # The first refused tensor in the file's order.
     with pytest.raises(
-        CheckpointError, match=r"nvfp4\.safetensors: tensor '.*' is stored as \w+: .*; not read"
+        CheckpointError, match=r"refused\.safetensors: tensor '.*' is stored as \w+: .*; not read"
     ):
         single.check_supported()
     assert torch.equal(single.tensor("blocks.0.norm1.weight"), torch.ones(16))
@@ -610,7 +610,7 @@ def test_writer_refusals_leave_nothing(
     weight = torch.zeros(4, 32)
     path = tmp_path / "w.safetensors"
     refusals = [
-        (lambda: write_single_file(path, {"w.weight": weight}, "nvfp4"), "'nvfp4' cannot be written"),
+        (lambda: write_single_file(path, {"w.weight": weight}, "mxfp8"), "'mxfp8' cannot be written"),
         (lambda: write_single_file(path, {"w.weight": weight}, {"v": "bf16"}), r"tensors not given: \['v'\]"),
         (
             lambda: write_single_file(path, {"w.weight": weight}, {"w.weight": "int8_convrot"}),

@@ -1,14 +1,14 @@
 """A community DiT file read as a component's weight files, under our module's keys (`--dit FILE`).
 
-Community H3 DiT files (GGUF, or ComfyUI single safetensors files in bf16 / fp16 / FP8 scaled / INT8 / INT8 ConvRot or
-mixed) hold the native key names behind the single-file prefix (stripped by their readers), QKV rows stacked as our
-module computes them (H3_SPEC.md §1.3), their large linears quantized and the rest as floats. `DiTFileWeights`
-presents one as `WeightFiles`: a float tensor under its own name, dtype and shape, its place in the file known (a
-loader casts it; a stream reads it from the file where no cast is needed); a quantized weight `X.weight` as the keys
-of a `StoredLinear` (h3engine.models.stored_linear): `X.quantized`, uint8 [rows, row bytes], the file's bytes as they
-are, and for a scaled form `X.scale`, float32; the layer dequantizes them where it computes (`stored_forms` lists
-them for `store_linears`); `rope.inv_freq`, which community files leave out, computed from the config. Nothing is
-read at open beyond the headers; every tensor is a view of the file's map.
+Community H3 DiT files (GGUF, or ComfyUI single safetensors files in bf16 / fp16 / FP8 scaled / INT8 / INT8 ConvRot /
+NVFP4 or mixed) hold the native key names behind the single-file prefix (stripped by their readers), QKV rows stacked
+as our module computes them (H3_SPEC.md §1.3), their large linears quantized and the rest as floats. `DiTFileWeights`
+presents one as `WeightFiles`: a float tensor under its own name, dtype and shape, its place in the file known; a
+quantized weight `X.weight` as the keys of a `StoredLinear` (h3engine.models.stored_linear): `X.quantized`, uint8
+[rows, row bytes], the file's bytes as they are, and for a scaled form `X.scale`, float32 (NVFP4: the global scale,
+and `X.block_scale`, its block scales unswizzled when read to row-major e4m3 [rows, columns / 16], a small copy); the
+layer dequantizes them where it computes (`stored_forms` lists them for `store_linears`); `rope.inv_freq`, which
+community files leave out, computed from the config. Nothing is read at open beyond the headers (views of the map).
 
 Refusals (CheckpointError naming the file and the tensor), before anything loads: another model's file (its
 architecture named), a type or format not read here, a quantized tensor that is not a 2-D linear weight, a tensor
@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from h3engine.checkpoint import nvfp4
 from h3engine.checkpoint.dit_keys import ROPE_KEY
 from h3engine.checkpoint.gguf_blocks import GGMLType
 from h3engine.checkpoint.gguf_files import GGUFFile
@@ -31,7 +32,7 @@ from h3engine.checkpoint.single_files import SingleFile
 from h3engine.errors import CheckpointError
 from h3engine.models.dit_config import DiTConfig
 from h3engine.models.dit_layers import rope_inverse_frequencies
-from h3engine.models.stored_linear import QUANTIZED_BUFFER, SCALE_BUFFER, WeightForm
+from h3engine.models.stored_linear import BLOCK_SCALE_BUFFER, QUANTIZED_BUFFER, SCALE_BUFFER, WeightForm
 
 # The GGUF float types and the torch dtype their bytes are.
 GGUF_FLOATS = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
@@ -71,6 +72,27 @@ def scaled_parts(record: StoredTensor) -> tuple[WeightForm, list[tuple[str, Tens
     ]
 
 
+def nvfp4_parts(record: StoredTensor) -> tuple[list[tuple[str, Tensor, int]], Tensor]:
+    """A single file's NVFP4 weight as a StoredLinear holds it: (buffer name, view of the map, byte offset) for its
+    bytes [rows, columns / 2] and its float32 global scale [1], and the block scales as stored (swizzled), which
+    `unswizzled_block_scales` turns into the layer's row-major `block_scale`."""
+    assert record.scale is not None and record.block_scale is not None
+    scale = record.scale.to(torch.float32).reshape(1)
+    scale_offset = record.part("scale").offset if record.scale.dtype == torch.float32 else -1
+    parts = [
+        (QUANTIZED_BUFFER, record.values.view(record.shape[0], -1), record.part("values").offset),
+        (SCALE_BUFFER, scale, scale_offset),
+    ]
+    return parts, record.block_scale
+
+
+def unswizzled_block_scales(record: StoredTensor) -> Tensor:
+    """An NVFP4 record's block scales, row-major [rows, columns / 16] float8_e4m3fn (a copy)."""
+    rows, columns = record.shape
+    assert record.block_scale is not None
+    return nvfp4.unswizzle_block_scales(record.block_scale, rows, columns // nvfp4.BLOCK)
+
+
 class DiTFileWeights(WeightFiles):
     """The tensors of one community DiT file under the module's keys (see the module doc)."""
 
@@ -81,6 +103,8 @@ class DiTFileWeights(WeightFiles):
             str, Tensor
         ] = {}  # module key -> its bytes as the module holds them (a view of the map)
         self.stored_forms: dict[str, WeightForm] = {}
+        # module key -> the NVFP4 record whose block scales it is (unswizzled when read).
+        self.block_scales: dict[str, StoredTensor] = {}
         self.logical_shapes: dict[str, tuple[int, ...]] = {}
         self._infos: dict[str, TensorInfo] = {}
         self.architecture = architecture
@@ -119,6 +143,19 @@ class DiTFileWeights(WeightFiles):
         files.is_placeholder = single.placeholder
         for name, record in single.records.items():
             files.logical_shapes[name] = record.shape
+            if record.format == "nvfp4":
+                layer = layer_of(name, single.path, record.format, record.shape)
+                files.stored_forms[layer] = WeightForm.nvfp4_form()
+                parts, _ = nvfp4_parts(record)
+                for leaf, view, offset in parts:
+                    files._add(f"{layer}.{leaf}", view, offset)
+                key = f"{layer}.{BLOCK_SCALE_BUFFER}"
+                files.block_scales[key] = record
+                rows, columns = record.shape
+                files._infos[key] = TensorInfo(
+                    single.path, torch.float8_e4m3fn, (rows, columns // nvfp4.BLOCK)
+                )
+                continue
             if record.format not in SCALED_FORMATS:
                 files._add(name, _plain_values(record), record.part("values").offset)
                 continue
@@ -152,6 +189,13 @@ class DiTFileWeights(WeightFiles):
         return self.is_placeholder
 
     def _read(self, key: str, rows: slice | None = None, columns: slice | None = None) -> Tensor:
+        if key in self.block_scales:
+            tensor = unswizzled_block_scales(self.block_scales[key])
+            if columns is not None:
+                raise CheckpointError(
+                    f"{self.path}: {key!r} belongs to rows quantized; its columns are not read apart"
+                )
+            return tensor[rows] if rows is not None else tensor
         tensor = self.views[key]
         if rows is not None:
             tensor = tensor[rows]

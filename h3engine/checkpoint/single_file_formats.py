@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from h3engine.checkpoint import nvfp4
 from h3engine.checkpoint.safetensors_io import DTYPE_NAMES as DTYPE_NAMES
 from h3engine.checkpoint.safetensors_io import DTYPES as DTYPES
 from h3engine.checkpoint.safetensors_io import FileExtent
@@ -39,10 +40,12 @@ from h3engine.errors import CheckpointError
 #     H the normalized regular Hadamard of size g (`regular_hadamard`: symmetric, orthogonal, its own inverse's
 #     transpose). Dequantized: W[:, group] = (values * scale)[:, group] @ H^T. The matmul rotates the activations the
 #     same way (x[:, group] @ H) and quantizes them per row: the W8A8 part, which changes nothing in the weight.
+#   - "nvfp4" ('nvfp4'): uint8 `L.weight` [R, K/2] (two e2m1 codes a byte), swizzled float8_e4m3fn block scales
+#     `L.weight_scale` (one per 16 values), a float32 global scale `L.weight_scale_2`; the record's `block_scale`,
+#     `scale`; its layout and math: h3engine.checkpoint.nvfp4 (`dequantize_nvfp4`).
 #   An optional float32 `L.input_scale` (legacy `L.scale_input`) only scales the activations of an fp8 x fp8 matmul:
 #   records keep it (`input_scale`), no dequantization applies it.
-# * refused (listed, never decoded): "nvfp4" (`weight_scale` e4m3 block scales, `weight_scale_2`), "mxfp8" (e8m0
-#   block scales), "convrot_w4a4", "asym_w4a8_int8" (`weight_s_rel`, `weight_s_channel`, `weight_codebook`),
+# * refused (listed, never decoded): "mxfp8" (e8m0 block scales), "convrot_w4a4", "asym_w4a8_int8" (`weight_s_rel`, `weight_s_channel`, `weight_codebook`),
 #   "awq_w4a16", and any format name not known.
 #
 # Our dequantization computes in float32 and rounds once to the dtype asked for. ComfyUI's own fp8 dequantization
@@ -80,7 +83,8 @@ SCALED_FP8 = {"F8_E4M3": "fp8_e4m3_scaled", "F8_E5M2": "fp8_e5m2_scaled"}
 # comfy_quant format names -> the stored dtype of their weight.
 COMFY_FP8 = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
 COMFY_INT8 = "int8_tensorwise"
-COMFY_REFUSED = ("nvfp4", "mxfp8", "convrot_w4a4", "asym_w4a8_int8", "awq_w4a16")
+COMFY_NVFP4 = "nvfp4"
+COMFY_REFUSED = ("mxfp8", "convrot_w4a4", "asym_w4a8_int8", "awq_w4a16")
 # The tensors a configured layer may carry beside its weight (every format ComfyUI reads), and the legacy ones.
 LAYER_PARTS = (
     "weight_scale",
@@ -93,7 +97,14 @@ LAYER_PARTS = (
 )
 LEGACY_PARTS = ("scale_weight", "scale_input")
 SUPPORTED_FORMATS = frozenset(
-    [*PLAIN_FORMATS.values(), *SCALED_FP8.values(), "int8_tensorwise", "int8_rowwise", "int8_convrot"]
+    [
+        *PLAIN_FORMATS.values(),
+        *SCALED_FP8.values(),
+        "int8_tensorwise",
+        "int8_rowwise",
+        "int8_convrot",
+        "nvfp4",
+    ]
 )
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -119,10 +130,10 @@ class StoredPart:
 class StoredTensor:
     """One logical tensor of a single file, as stored.
 
-    `values`, `scale` and `input_scale` are views of the file's map (a copy only where the file places a tensor at an
-    offset that is not a multiple of its element size); `values` is None for a dtype torch cannot view. `format` is a
-    SUPPORTED_FORMATS name, else the format or dtype found, with `reason` saying why it is not read. `shape` is the
-    logical shape (the stored one for every format read here)."""
+    `values`, `scale`, `input_scale` and `block_scale` are views of the file's map (a copy only where the file places
+    a tensor at an offset that is not a multiple of its element size); `values` is None for a dtype torch cannot
+    view. `format` is a SUPPORTED_FORMATS name, else the format or dtype found, with `reason` saying why it is not
+    read. `shape` is the logical shape (the stored one for every format read here but nvfp4: [R, K] of [R, K/2])."""
 
     name: str
     stored_name: str
@@ -131,6 +142,7 @@ class StoredTensor:
     values: Tensor | None
     scale: Tensor | None = None
     input_scale: Tensor | None = None
+    block_scale: Tensor | None = None  # nvfp4: the block scales as stored (swizzled, padded)
     convrot_group: int | None = None
     config: dict[str, Any] | None = None
     parts: tuple[StoredPart, ...] = ()
@@ -160,7 +172,11 @@ class StoredTensor:
             return None if tensor is None else tensor.to(device, non_blocking=non_blocking)
 
         return replace(
-            self, values=move(self.values), scale=move(self.scale), input_scale=move(self.input_scale)
+            self,
+            values=move(self.values),
+            scale=move(self.scale),
+            input_scale=move(self.input_scale),
+            block_scale=move(self.block_scale),
         )
 
 
@@ -226,6 +242,11 @@ def dequantize_stored(record: StoredTensor, out_dtype: torch.dtype = torch.float
     assert values is not None
     if record.format in ("f64", "f32", "f16", "bf16"):
         return values.to(out_dtype)
+    if record.format == "nvfp4":
+        assert record.block_scale is not None and record.scale is not None
+        rows, columns = record.shape
+        block_scales = nvfp4.unswizzle_block_scales(record.block_scale, rows, columns // nvfp4.BLOCK)
+        return nvfp4.dequantize_nvfp4(values, block_scales, record.scale, out_dtype)
     return dequantize_scaled(values, record.scale, record.convrot_group, out_dtype)
 
 
@@ -277,7 +298,7 @@ def quantize_int8_convrot(matrix: Tensor, group: int) -> tuple[Tensor, Tensor]:
 
 
 def check_refused(fmt: object) -> str:
-    """Why a comfy_quant format other than the fp8 and int8 ones is not read."""
+    """Why a comfy_quant format other than the fp8, int8 and nvfp4 ones is not read."""
     known = (
         "a format this reader does not decode" if fmt in COMFY_REFUSED else "an unknown quantization format"
     )

@@ -27,11 +27,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from h3engine.checkpoint import nvfp4
 from h3engine.checkpoint.gguf_files import PLACEHOLDER_KEY
 from h3engine.checkpoint.safetensors_io import read_only_tensor, read_raw_header
 from h3engine.checkpoint.single_file_formats import (
     COMFY_FP8,
     COMFY_INT8,
+    COMFY_NVFP4,
     CONFIG_SUFFIX,
     DEFAULT_CONVROT_GROUP,
     DIFFUSION_MODEL_PREFIX,
@@ -58,8 +60,9 @@ from h3engine.errors import CheckpointError
 # a tensor stored twice (with and without the prefix) or missing, an inconsistent layer (a config or scale with no
 # weight, a weight of another dtype than its format stores, a scale of the wrong dtype or shape, a ConvRot group that
 # is no power of 4 or does not divide the columns); and, when read (`tensor`, `check_supported`), a tensor whose format
-# is not read here (NVFP4, MXFP8, W4A4 / W4A8 ConvRot, AWQ, an unknown format, an integer tensor with no config),
-# named with its format.
+# is not read here (MXFP8, W4A4 / W4A8 ConvRot, AWQ, an unknown format, an integer tensor with no config), named
+# with its format. An NVFP4 layer's parts are checked at open (uint8 values of whole 16-value blocks, e4m3 block scales
+# of the padded swizzled size, one float global scale).
 
 __all__ = ["DIFFUSION_MODEL_PREFIX", "SingleFile", "StoredPart", "StoredTensor", "dequantize_stored"]
 
@@ -398,6 +401,8 @@ class _Layers:
         fmt = config.get("format")
         params = config.get("params") if isinstance(config.get("params"), dict) else {}
         convrot = bool(config.get("convrot", params.get("convrot", False)))
+        if fmt == COMFY_NVFP4:
+            return self._nvfp4(layer, record, weight, extra, parts)
         if fmt not in COMFY_FP8 and fmt != COMFY_INT8:
             parts += [self._part(name, entry) for name, entry in extra.items()]
             return replace(record, format=str(fmt), parts=tuple(parts), reason=check_refused(fmt))
@@ -441,6 +446,58 @@ class _Layers:
             scale=scale,
             input_scale=input_scale,
             convrot_group=group,
+            parts=tuple(parts),
+        )
+
+    def _nvfp4(
+        self,
+        layer: str,
+        record: StoredTensor,
+        weight: _Entry,
+        extra: dict[str, _Entry],
+        parts: list[StoredPart],
+    ) -> StoredTensor:
+        """An NVFP4 layer (h3engine.checkpoint.nvfp4): packed values, swizzled block scales, a global scale."""
+        if weight.dtype != "U8" or len(weight.shape) != 2:
+            raise CheckpointError(
+                f"{self.path}: {weight.stored_name!r} is {weight.dtype} of shape {list(weight.shape)}; its nvfp4 "
+                "config stores uint8 [rows, columns / 2]"
+            )
+        unexpected = sorted(set(extra) - {"weight_scale", "weight_scale_2", "input_scale"})
+        missing = [name for name in ("weight_scale", "weight_scale_2") if name not in extra]
+        if unexpected or missing:
+            what = f"carries {unexpected}" if unexpected else f"has no {missing[0]}"
+            awq = " (NVFP4-AWQ, not read here)" if "pre_quant_scale" in unexpected else ""
+            raise CheckpointError(f"{self.path}: nvfp4 layer {layer!r} {what}{awq}")
+        rows, columns = weight.shape[0], weight.shape[1] * 2
+        if columns % nvfp4.BLOCK:
+            raise CheckpointError(
+                f"{self.path}: nvfp4 weight {weight.stored_name!r} has {columns} columns, not whole blocks of "
+                f"{nvfp4.BLOCK}"
+            )
+        blocks = extra["weight_scale"]
+        padded = nvfp4.blocked_shape(rows, columns // nvfp4.BLOCK)
+        if blocks.dtype not in ("F8_E4M3", "U8") or math.prod(blocks.shape) != padded[0] * padded[1]:
+            raise CheckpointError(
+                f"{self.path}: block scales {blocks.stored_name!r} are {blocks.dtype} of shape "
+                f"{list(blocks.shape)}; the layout stores float8_e4m3fn {list(padded)} for weight "
+                f"{weight.stored_name!r} of shape {list(weight.shape)}"
+            )
+        block_view = self._view(blocks)
+        assert block_view is not None
+        scale = self._scale(extra["weight_scale_2"], weight, per_row=False)
+        parts += [self._part("scale", extra["weight_scale_2"]), self._part("block_scale", blocks)]
+        input_scale = None
+        if "input_scale" in extra:
+            input_scale = self._scale(extra["input_scale"], weight, per_row=False)
+            parts.append(self._part("input_scale", extra["input_scale"]))
+        return replace(
+            record,
+            format="nvfp4",
+            shape=(rows, columns),
+            scale=scale,
+            block_scale=block_view.view(torch.float8_e4m3fn),
+            input_scale=input_scale,
             parts=tuple(parts),
         )
 

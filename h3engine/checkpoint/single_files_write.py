@@ -2,10 +2,11 @@
 converter and placeholders, not for serving). `write_single_file(path, tensors, format)` stores each tensor in a
 format (one for the file, or one per tensor for a mixed file) under the published key names (h3engine.checkpoint.
 single_file_formats): the fp8 formats as ComfyUI's per-layer `comfy_quant` layout or its legacy scaled-fp8 layout
-(`fp8_layout`), the int8 ones (ConvRot included) as `comfy_quant` layers, whose configs go in `L.comfy_quant` tensors
+(`fp8_layout`), the int8 ones (ConvRot included) and NVFP4 (h3engine.checkpoint.nvfp4) as `comfy_quant` layers, whose configs go in `L.comfy_quant` tensors
 or in the header's `_quantization_metadata` (`configs_in`). Quantization is single_file_formats' (per-tensor amax /
-448 for fp8, per-row amax / 127 for int8, ConvRot rotating first). A file-wide quantized format applies to the
-tensors `quantized` picks (by default the 2-D `.weight`s; for ConvRot only those whose columns are whole groups); the
+448 for fp8, per-row amax / 127 for int8, ConvRot rotating first; NVFP4's is nvfp4.quantize_nvfp4). A file-wide
+quantized format applies to the tensors `quantized` picks (by default the 2-D `.weight`s; for ConvRot only those whose
+columns are whole groups, for NVFP4 those whose rows and columns are multiples of 16, as comfy-kitchen pads); the
 others keep their dtype, or take the cast format asked ('f32', 'f16', 'bf16': every floating tensor). Names get
 `prefix` (the DiT's `model.diffusion_model.` by default; '' for none). The header and data are written a tensor at a
 time, in safetensors' own order (larger elements first, then by name, so every tensor sits at an offset aligned to
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from h3engine.checkpoint import nvfp4
 from h3engine.checkpoint.safetensors_io import encoded_header, placed
 from h3engine.checkpoint.single_file_formats import (
     CONFIG_SUFFIX,
@@ -42,8 +44,8 @@ from h3engine.checkpoint.single_file_formats import (
 CAST_FORMATS = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 FP8_SCALED_FORMATS = {"fp8_e4m3_scaled": torch.float8_e4m3fn, "fp8_e5m2_scaled": torch.float8_e5m2}
 INT8_FORMATS = ("int8_tensorwise", "int8_rowwise", "int8_convrot")
-WRITABLE_FORMATS = ("keep", *CAST_FORMATS, "fp8_e4m3", *FP8_SCALED_FORMATS, *INT8_FORMATS)
-_COMFY_NAMES = {"fp8_e4m3_scaled": "float8_e4m3fn", "fp8_e5m2_scaled": "float8_e5m2"}
+WRITABLE_FORMATS = ("keep", *CAST_FORMATS, "fp8_e4m3", *FP8_SCALED_FORMATS, *INT8_FORMATS, "nvfp4")
+_COMFY_NAMES = {"fp8_e4m3_scaled": "float8_e4m3fn", "fp8_e5m2_scaled": "float8_e5m2", "nvfp4": "nvfp4"}
 
 
 def default_quantized(name: str, tensor: Tensor) -> bool:
@@ -71,12 +73,19 @@ def _stored_format(
         raise ValueError(
             f"tensor {name!r}: only floating-point '.weight' tensors are quantized ({requested})"
         )
-    if requested in ("int8_rowwise", "int8_convrot") and tensor.dim() != 2:
+    if requested in ("int8_rowwise", "int8_convrot", "nvfp4") and tensor.dim() != 2:
         raise ValueError(f"tensor {name!r}: {requested} stores matrices, not shape {list(tensor.shape)}")
     if requested == "int8_convrot" and tensor.shape[1] % group:
         if explicit:
             raise ValueError(
                 f"tensor {name!r}: {tensor.shape[1]} columns are not whole ConvRot groups of {group}"
+            )
+        return "keep"
+    if requested == "nvfp4" and (tensor.shape[0] % nvfp4.BLOCK or tensor.shape[1] % nvfp4.BLOCK):
+        if explicit:
+            raise ValueError(
+                f"tensor {name!r}: NVFP4 stores rows and columns of multiples of {nvfp4.BLOCK}, not shape "
+                f"{list(tensor.shape)}"
             )
         return "keep"
     return requested
@@ -98,7 +107,7 @@ class _Plan:
 
 
 def _quantizer(source: Callable[[], Tensor], fmt: str, group: int) -> Callable[[str], Tensor]:
-    """The parts of one quantized tensor ('values', 'scale'), each made by quantizing `source()` again: nothing is
+    """The parts of one quantized tensor ('values', 'scale'; NVFP4 'block_scale' too), each made by quantizing `source()` again: nothing is
     held between the two parts (safetensors' order writes every scale before any values). Quantization is
     deterministic (the same values give the same bits), so the two parts agree: the values are quantized from a
     float32 copy of their own, as CPU GEMM kernels (ConvRot's rotation) may round differently by where a tensor lies
@@ -106,6 +115,9 @@ def _quantizer(source: Callable[[], Tensor], fmt: str, group: int) -> Callable[[
 
     def part(which: str) -> Tensor:
         tensor = placed(source(), "cpu", torch.float32)
+        if fmt == "nvfp4":
+            values, block_scale, scale = nvfp4.quantize_nvfp4(tensor)
+            return {"values": values, "scale": scale, "block_scale": block_scale}[which]
         if fmt in FP8_SCALED_FORMATS:
             values, scale = quantize_fp8_tensor(tensor, FP8_SCALED_FORMATS[fmt])
         elif fmt == "int8_convrot":
@@ -168,13 +180,9 @@ def write_single_file(
             continue
         layer = key.removesuffix(".weight")
         part = _quantizer(source, fmt, convrot_group)
-        values_dtype = FP8_SCALED_FORMATS.get(fmt, torch.int8)
-        plan.add(key, tuple(tensor.shape), values_dtype, lambda part=part: part("values"))
-        scale_shape = (tensor.shape[0], 1) if fmt in ("int8_rowwise", "int8_convrot") else ()
         legacy = fp8_layout == "legacy" and fmt in FP8_SCALED_FORMATS
-        scale_key = f"{layer}.scale_weight" if legacy else f"{layer}.weight_scale"
-        plan.add(scale_key, scale_shape, torch.float32, lambda part=part: part("scale"))
-        if input_scale is not None and fmt in FP8_SCALED_FORMATS:
+        _plan_values_and_scale(plan, layer, tuple(tensor.shape), fmt, legacy, part)
+        if input_scale is not None and (fmt in FP8_SCALED_FORMATS or fmt == "nvfp4"):
             input_key = f"{layer}.scale_input" if legacy else f"{layer}.input_scale"
             plan.add(input_key, (), torch.float32, lambda: torch.tensor(float(input_scale)))
         if legacy:
@@ -197,6 +205,24 @@ def write_single_file(
         header_metadata[QUANT_METADATA_KEY] = json.dumps({"format_version": "1.0", "layers": plan.configs})
     _write(path, plan, header_metadata, hole)
     return stored
+
+
+def _plan_values_and_scale(
+    plan: _Plan, layer: str, shape: tuple[int, ...], fmt: str, legacy: bool, part: Callable[[str], Tensor]
+) -> None:
+    """A quantized weight's values and scale; NVFP4's values (uint8 [R, K/2]), swizzled block scales (e4m3, padded
+    to 128 x 4 tiles) and global scale `weight_scale_2`."""
+    if fmt == "nvfp4":
+        rows, columns = shape
+        plan.add(f"{layer}.weight", (rows, columns // 2), torch.uint8, lambda: part("values"))
+        blocks = nvfp4.blocked_shape(rows, columns // nvfp4.BLOCK)
+        plan.add(f"{layer}.weight_scale", blocks, torch.float8_e4m3fn, lambda: part("block_scale"))
+        plan.add(f"{layer}.weight_scale_2", (), torch.float32, lambda: part("scale"))
+        return
+    plan.add(f"{layer}.weight", shape, FP8_SCALED_FORMATS.get(fmt, torch.int8), lambda: part("values"))
+    scale_shape = (shape[0], 1) if fmt in ("int8_rowwise", "int8_convrot") else ()
+    scale_key = f"{layer}.scale_weight" if legacy else f"{layer}.weight_scale"
+    plan.add(scale_key, scale_shape, torch.float32, lambda: part("scale"))
 
 
 def _write(path: Path, plan: _Plan, metadata: Mapping[str, str], hole: bool = False) -> None:

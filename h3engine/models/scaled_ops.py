@@ -2,7 +2,8 @@
 
 `dequantize` has the arguments and result of `h3engine.checkpoint.single_file_formats.dequantize_scaled` (the twin,
 the definition of the scaled forms' values: values widened to float32 times the scale, rotated back by ConvRot's
-Hadamard when a group is given, rounded once to the output dtype). The Triton kernel
+Hadamard when a group is given, rounded once to the output dtype). NVFP4 (`dequantize_nvfp4`) runs its twin,
+h3engine.checkpoint.nvfp4.dequantize_nvfp4, in plain torch on every device. The Triton kernel
 (`kernels/triton/scaled_dequant.py`) computes the same float32 products and rounds them once, so both paths are
 bit-identical; for a ConvRot form it writes float32 and `rotate_groups` and the one rounding follow here, as in the
 twin (the same matmul on the same device). Triton runs for contiguous [rows, K] values on a CUDA device unless
@@ -14,7 +15,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from h3engine.checkpoint import nvfp4
 from h3engine.checkpoint.single_file_formats import dequantize_scaled, rotate_groups
+from h3engine.errors import CheckpointError
 from h3engine.models import ops
 from h3engine.models.ops import Implementation
 
@@ -48,3 +51,23 @@ def dequantize(
             return scaled_dequant.dequantize_scaled(values, scale, out_dtype)
         products = scaled_dequant.dequantize_scaled(values, scale, torch.float32)
         return rotate_groups(products, convrot_group).to(out_dtype)
+
+
+NVFP4_BLOCK = nvfp4.BLOCK
+
+
+def nvfp4_row_bytes(in_features: int, name: str = "") -> int:
+    """Bytes of one NVFP4 row: two values a byte (CheckpointError unless the row is whole 16-value blocks)."""
+    if in_features % nvfp4.BLOCK:
+        raise CheckpointError(
+            f"{name}: NVFP4 rows are whole blocks of {nvfp4.BLOCK} values, not {in_features}"
+        )
+    return in_features // 2
+
+
+def dequantize_nvfp4(
+    packed: Tensor, block_scales: Tensor, global_scale: Tensor, out_dtype: torch.dtype
+) -> Tensor:
+    """NVFP4 bytes uint8 [R, K/2], row-major e4m3 block scales [R, K/16] and the global scale, dequantized on their
+    device: e2m1 x block scale x global scale in float32, one rounding to `out_dtype` (the twin itself)."""
+    return nvfp4.dequantize_nvfp4(packed, block_scales, global_scale, out_dtype)
