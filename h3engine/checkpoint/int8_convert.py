@@ -2,13 +2,13 @@
 reads it), a tensor at a time.
 
 `convert_dit_to_int8(layout, paths, out, group)` writes one partition's DiT (either layout, read as native through
-`dit_format.as_native_files`) with h3engine.checkpoint.single_files_write: names `model.diffusion_model.` + native
-key, QKV rows stacked [q; k; v] as our module holds them (the keys of h3engine.checkpoint.gguf_convert),
-`rope.inv_freq` left out. A linear's 2-D weight whose columns are whole ConvRot groups of `group` is stored in
-'int8_convrot' (rotated, int8 with one fp32 scale per row, the layer's `comfy_quant` config beside it), any other
-linear's in 'int8_rowwise' (not rotated); the fp32 islands (FP32_PARAMETER_NAMES, PRUNED_FP32_NAMES, a linear the
-module holds in fp32) and everything else as stored. The writer reads each tensor when it writes it (`read=`): the host holds one tensor at a time, the file appears whole
-or not at all; each quantized tensor's error is then measured on the file, a few rows at a time.
+`dit_format.as_native_files`) with h3engine.checkpoint.single_files_write: names `model.diffusion_model.` + native key,
+QKV rows stacked [q; k; v] as our module holds them (the keys of h3engine.checkpoint.gguf_convert), `rope.inv_freq` left
+out. A linear's 2-D weight whose columns are whole ConvRot groups of `group` is stored in 'int8_convrot' (rotated, int8
+with one fp32 scale per row, the layer's `comfy_quant` config beside it), any other linear's in 'int8_rowwise' (not
+rotated); the fp32 islands (FP32_PARAMETER_NAMES, PRUNED_FP32_NAMES, a linear the module holds in fp32) and everything
+else as stored. The writer reads each tensor when it writes it (`read=`): the host holds one tensor at a time, the file
+appears whole or not at all; each quantized tensor's error is then measured on the file, a few rows at a time.
 
 `convert_checkpoint_to_int8(source, out, group)` writes a folder (h3engine.checkpoint.dit_convert: the rest linked,
 `gguf_files.json` last, removed on failure) with each partition's DiT as `<partition>-dit-int8_convrot.safetensors`.

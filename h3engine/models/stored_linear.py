@@ -4,9 +4,10 @@ Community H3 files store their big linears quantized: GGUF block types (Q4_K, Q8
 files' scaled forms (FP8 x a tensor scale, INT8 x a tensor or row scale, INT8 ConvRot: per-row INT8 of the weight
 rotated by a Hadamard in groups of columns). `StoredLinear` keeps such a weight as the file holds it: a uint8 buffer
 `quantized` of [out_features, row bytes] (rows are independent, so a row range is a byte range) and, for a scaled
-form, a float32 `scale` ([1] or [out_features, 1]); NVFP4 adds `block_scale`, float8_e4m3fn [out_features, in/16], the
-file's block scales unswizzled at load, its `quantized` two e2m1 codes a byte and its `scale` the global one. Every home the memory plan gives a layer (resident, pinned,
-streamed through the ring, mapped from the file) carries those bytes, never a dequantized copy. `weight` dequantizes
+form, a float32 `scale` ([1] or [out_features, 1]); NVFP4 adds `block_scale`, float8_e4m3fn [out_features, in/16],
+the file's block scales unswizzled at load, its `quantized` two e2m1 codes a byte and its `scale` the global one.
+Every home the memory plan gives a layer (resident, pinned, streamed through the ring, mapped from the file) carries
+those bytes, never a dequantized copy. `weight` dequantizes
 them on their device into the compute dtype, each call (GGUF: h3engine.models.gguf_ops, a Triton kernel on CUDA and
 its plain-torch twin elsewhere; the scaled forms: h3engine.models.scaled_ops, likewise), so code that reads a
 linear's `weight` works unchanged and a LoRA rides beside it (its forward hook): the bytes are never written.
