@@ -1,19 +1,17 @@
 """Writing ComfyUI-style single safetensors files in the layouts h3engine.checkpoint.single_files reads (for tests, our
 converter and placeholders, not for serving). `write_single_file(path, tensors, format)` stores each tensor in a format
-(one for the file, or one per tensor for a mixed file) under the published key names (h3engine.checkpoint.
-single_file_formats): the fp8 formats as ComfyUI's per-layer `comfy_quant` layout or its legacy scaled-fp8 layout
-(`fp8_layout`), the int8 ones (ConvRot included) and NVFP4 (h3engine.checkpoint.nvfp4) as `comfy_quant` layers, whose
-configs go in `L.comfy_quant` tensors or in the header's `_quantization_metadata` (`configs_in`). Quantization is
-single_file_formats' (per-tensor amax / 448 for fp8, per-row amax / 127 for int8, ConvRot rotating first; NVFP4's is
-nvfp4.quantize_nvfp4). A file-wide quantized format applies to the tensors `quantized` picks (by default the 2-D
-`.weight`s; for ConvRot only those whose columns are whole groups, for NVFP4 those whose rows and columns are multiples
-of 16, as comfy-kitchen pads); the others keep their dtype, or take the cast format asked ('f32', 'f16', 'bf16': every
-floating tensor). Names get `prefix` (the DiT's `model.diffusion_model.` by default; '' for none). The header and data
-are written a tensor at a time, in safetensors' own order (larger elements first, then by name, so every tensor sits at
-an offset aligned to its element size); the file appears whole or not at all (written beside it, then renamed). With
-`read`, `tensors` only give shapes and dtypes (meta tensors) and each tensor is read when written (a file larger than
-memory holds one tensor at a time); with `hole` only the header and the configs are written, the rest a hole
-(placeholders).
+(one for the file, or one per tensor for a mixed file) under the published key names: fp8 as ComfyUI's per-layer
+`comfy_quant` layout or its legacy scaled-fp8 one (`fp8_layout`), int8 (ConvRot included) and NVFP4
+(h3engine.checkpoint.nvfp4) as `comfy_quant` layers, whose configs go in `L.comfy_quant` tensors or in the header's
+`_quantization_metadata` (`configs_in`). Quantization is single_file_formats' (per-tensor amax / 448 for fp8, per-row
+amax / 127 for int8, ConvRot rotating first) and nvfp4.quantize_nvfp4. A file-wide quantized format applies to the
+tensors `quantized` picks (the 2-D `.weight`s by default; for ConvRot those of whole groups, for NVFP4 those of rows and
+columns in multiples of 16, as comfy-kitchen pads); the others keep their dtype or take the cast format asked ('f32',
+'f16', 'bf16'). Names get `prefix` (`model.diffusion_model.` by default). Header and data are written a tensor at a
+time in safetensors' order (larger elements first, then by name: every offset aligned to its element size); the file
+appears whole or not at all. With `read`, `tensors` only give shapes and dtypes (meta tensors) and each tensor is read
+when written (a file larger than memory holds one tensor at a time); with `hole` only the header and the configs are
+written, the rest a hole (placeholders).
 """
 
 from __future__ import annotations
