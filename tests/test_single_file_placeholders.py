@@ -42,6 +42,7 @@ WIDE = {"hidden_size": 512, "num_heads": 2, "head_dim": 128, "ffn_dim": 288, "ti
 NAMES = {
     "int8": "fl2va-dit-int8_convrot.safetensors",
     "fp8_scaled": "fl2va-dit-fp8_e4m3_scaled.safetensors",
+    "nvfp4": "fl2va-dit-nvfp4.safetensors",
 }
 
 
@@ -70,7 +71,7 @@ def planned_dit_bytes(report: dict) -> int:
 
 
 @pytest.mark.parametrize("pruned", [False, True], ids=["full", "pruned"])
-@pytest.mark.parametrize("weights", ["int8", "fp8_scaled"])
+@pytest.mark.parametrize("weights", ["int8", "fp8_scaled", "nvfp4"])
 def test_a_tiny_single_file_placeholder_loads_plans_and_checks(tmp_path, capsys, weights, pruned) -> None:
     extra = ["--pruned-adaln"] if pruned else []
     folder = tmp_path / "placeholder"
@@ -84,6 +85,9 @@ def test_a_tiny_single_file_placeholder_loads_plans_and_checks(tmp_path, capsys,
     if weights == "fp8_scaled":
         assert single.formats()["fp8_e4m3_scaled"] > 0
         assert single.records["blocks.0.mlp.fc1.weight"].config == {"format": "float8_e4m3fn"}
+    if weights == "nvfp4":
+        assert single.formats()["nvfp4"] > 0
+        assert single.records["blocks.0.mlp.fc1.weight"].config == {"format": "nvfp4"}
     layout = detect_layout(folder)
     paths = layout.partitions["fl2va"]
     assert paths.dit_weights == path
@@ -192,3 +196,17 @@ def test_a_released_size_int8_placeholder_is_sparse_and_plans(tmp_path, capsys, 
     finally:
         shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(tmp_path / "bf16", ignore_errors=True)
+
+
+def test_a_released_size_pruned_nvfp4_placeholder_sits_between_its_bounds(tmp_path) -> None:
+    """One pruned partition at the released shapes in NVFP4: at least every weight of the bf16 pruned DiT (37.46 GiB,
+    ../shared/docs/CONSUMER_HARDWARE.md §1.1) at NVFP4's 4.5 bits (e2m1 + one e4m3 scale per 16), at most the smallest
+    published pruned NVFP4 file (11.67 GiB; the published ones keep more layers in higher precision)."""
+    folder = tmp_path / "released"
+    try:
+        flags = ["--weights", "nvfp4", "--partitions", "fl2va", "--pruned-adaln"]
+        assert main(["make-placeholder-checkpoint", str(folder), *flags]) == 0
+        size = (folder / NAMES["nvfp4"]).stat().st_size / GIB
+        assert 37.46 * 4.5 / 16 <= size <= 11.67
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

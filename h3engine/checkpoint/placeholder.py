@@ -235,12 +235,13 @@ def make_placeholder_checkpoint(
     pruned_adaln: bool = False,
 ) -> Path:
     """Write a native placeholder checkpoint (both partitions, or those `partitions` names) into an empty or missing
-    `folder`; the components named in `real_bytes` get files holding their drawn values (ValueError for a name not in
-    PLACEHOLDER_COMPONENTS); `weights` "fp8": the large linears stored as a converted checkpoint stores them; a GGUF
-    type (GGUF_WEIGHTS): each DiT a GGUF file of that type whose data is a hole (zeros), listed in the folder's
-    gguf_files.json as `convert --weights q4_k` lists its files; "int8" / "fp8_scaled" (SINGLE_FILE_WEIGHTS): the
-    same with a ComfyUI single safetensors file (the header `convert --weights int8` writes); `pruned_adaln`: the
-    DiTs in the published pruned form (an `adaln_t_table` of PRUNED_TABLE_ROWS x PRUNED_RANK)."""
+    `folder`; the components named in `real_bytes` get files holding their drawn values (ValueError for a name not
+    in PLACEHOLDER_COMPONENTS); `weights` "fp8": the large linears stored as a converted checkpoint stores them; a
+    GGUF type (GGUF_WEIGHTS): each DiT a GGUF file of that type whose data is a hole (zeros), listed in the folder's
+    gguf_files.json as `convert --weights q4_k` lists its files; "int8" / "fp8_scaled" / "nvfp4"
+    (SINGLE_FILE_WEIGHTS): the same with a ComfyUI single safetensors file (the header `convert --weights int8`
+    writes); `pruned_adaln`: the DiTs in the published pruned form (an `adaln_t_table` of PRUNED_TABLE_ROWS x
+    PRUNED_RANK)."""
     folder = Path(folder)
     if weights not in ("bf16", "fp8", *GGUF_WEIGHTS, *SINGLE_FILE_WEIGHTS):
         choices = ", ".join(("bf16", "fp8", *GGUF_WEIGHTS, *SINGLE_FILE_WEIGHTS))

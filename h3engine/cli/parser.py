@@ -210,11 +210,12 @@ def _add_checkpoint_makers(commands: Any) -> None:
     )
     placeholder.add_argument(
         "--weights",
-        choices=("bf16", "fp8", *GGUF_KINDS, "int8", "fp8_scaled"),
+        choices=("bf16", "fp8", *GGUF_KINDS, "int8", "fp8_scaled", "nvfp4"),
         default="bf16",
         help="fp8: the large linears as a converted checkpoint stores them (python -m h3engine convert --weights fp8); "
         "a GGUF type: each DiT a GGUF file of that type, its data a hole of zeros (planning and layout checks); "
-        "int8 / fp8_scaled: each DiT a ComfyUI INT8 ConvRot / FP8 scaled single safetensors file, likewise a hole",
+        "int8 / fp8_scaled / nvfp4: each DiT a ComfyUI INT8 ConvRot / FP8 scaled / NVFP4 single safetensors file, "
+        "likewise a hole",
     )
     placeholder.add_argument(
         "--pruned-adaln",
