@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _dit_files import engine, equal_outputs
 from _dit_helpers import tiny_fl2va_request
 from _lora_helpers import small_lora, write_lora
 from _runtime_helpers import parity_requests
@@ -37,8 +38,6 @@ from h3engine.engine.lora.adapters import Adapter, apply_adapters
 from h3engine.engine.options import EngineOptions, engine_layout
 from h3engine.errors import CheckpointError, RequestError
 from h3engine.models.stored_linear import StoredLinear, WeightForm
-
-OUTPUTS = ("video", "audio", "video_latents", "audio_latents")
 
 
 def module_state(checkpoint: Path, partition: str = "fl2va") -> dict[str, torch.Tensor]:
@@ -78,15 +77,6 @@ def files(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
         made[f"{kind}-f32"] = folder / f"dit-{kind}-f32.gguf"
         dequantized_twin(made[kind], made[f"{kind}-f32"])
     return made
-
-
-def engine(files: dict[str, Path], dit: str, **memory) -> Engine:
-    layout = with_dit_files(detect_layout(files["checkpoint"]), {"fl2va": files[dit]})
-    return Engine.from_checkpoint(layout, device="cpu", adaln_cache="off", **memory)
-
-
-def equal_outputs(got, expected) -> bool:
-    return all(torch.equal(getattr(got, name), getattr(expected, name)) for name in OUTPUTS)
 
 
 # --------------------------------------------------------------------------------------------------------------

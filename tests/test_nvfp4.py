@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _dit_files import engine, equal_outputs
 from _dit_helpers import tiny_fl2va_request
 from _lora_helpers import small_lora, write_lora
 from _runtime_helpers import parity_requests
@@ -29,12 +30,10 @@ from h3engine.checkpoint.loader import dit_source, read_dit_config
 from h3engine.checkpoint.lora_format import read_lora
 from h3engine.checkpoint.single_files import SingleFile
 from h3engine.checkpoint.single_files_write import write_single_file
-from h3engine.engine.engine import Engine
 from h3engine.engine.lora.adapters import Adapter, apply_adapters
 from h3engine.errors import CheckpointError
 from h3engine.models.stored_linear import StoredLinear, WeightForm
 
-OUTPUTS = ("video", "audio", "video_latents", "audio_latents")
 # e2m1: sign bit 3, exponent bits 2-1, mantissa bit 0 (bias 1; exponent 0 is subnormal: mantissa x 0.5).
 TABLE = [
     (-1.0 if code & 8 else 1.0)
@@ -167,15 +166,6 @@ def files(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
     single = SingleFile.open(made["nvfp4"])
     write_single_file(made["f32"], {name: single.tensor(name) for name in single.records}, "f32")
     return made
-
-
-def engine(files: dict[str, Path], dit: str, **memory) -> Engine:
-    layout = with_dit_files(detect_layout(files["checkpoint"]), {"fl2va": files[dit]})
-    return Engine.from_checkpoint(layout, device="cpu", adaln_cache="off", **memory)
-
-
-def equal_outputs(got, expected) -> bool:
-    return all(torch.equal(getattr(got, name), getattr(expected, name)) for name in OUTPUTS)
 
 
 def test_the_file_holds_the_published_layout(files) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _dit_files import engine, equal_outputs
 from _runtime_helpers import parity_requests
 from test_gguf_dit import module_state
 
@@ -25,12 +26,10 @@ from h3engine.checkpoint.dit_keys import random_native_state
 from h3engine.checkpoint.layout import detect_layout, with_dit_files
 from h3engine.checkpoint.single_files import SingleFile
 from h3engine.checkpoint.single_files_write import write_single_file
-from h3engine.engine.engine import Engine
 from h3engine.errors import CheckpointError
 from h3engine.models.dit_config import DiTConfig
 from h3engine.models.stored_linear import StoredLinear
 
-OUTPUTS = ("video", "audio", "video_latents", "audio_latents")
 # Every layout, as (format, writer options): the tiny DiT's rows are 8 to 32 wide, so ConvRot runs in groups of 4.
 LAYOUTS = {
     "bf16": ("bf16", {}),
@@ -84,15 +83,6 @@ def made(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
     files["mixed-f32"] = folder / "mixed-f32.safetensors"
     dequantized_twin(files["mixed"], files["mixed-f32"])
     return files
-
-
-def engine(files: dict[str, Path], dit: str, **memory) -> Engine:
-    layout = with_dit_files(detect_layout(files["checkpoint"]), {"fl2va": files[dit]})
-    return Engine.from_checkpoint(layout, device="cpu", adaln_cache="off", **memory)
-
-
-def equal_outputs(got, expected) -> bool:
-    return all(torch.equal(getattr(got, name), getattr(expected, name)) for name in OUTPUTS)
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "mixed"])
