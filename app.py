@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from h3engine.engine.options import EngineOptions, add_engine_flags, cannot_write, default_cache_folder
+from h3engine.memory.disk import keep_compile_caches_in
 from h3engine.serving.options import ServingOptions, add_serving_flags
 
 if TYPE_CHECKING:
@@ -623,6 +624,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # cyclic collector would walk again and again: ~0.6 s of CPU of a ~6.5 s start. It runs again once they are
     # frozen (settle_heap), or when start-up ends early.
     gc.disable()
+    keep_compile_caches_in(default_cache_folder())
     try:
         return _start_and_serve(argv)
     finally:

@@ -52,6 +52,7 @@ from h3engine.engine.options import (
     resolve_device,
 )
 from h3engine.errors import H3Error, RequestError
+from h3engine.memory.disk import default_cache_folder, keep_compile_caches_in
 from h3engine.request.model import LORA_TARGET_OF_TASK, GenerationRequest
 from h3engine.request.shapes import from_dict
 
@@ -403,6 +404,7 @@ def _raise_terminated(signal_number: int, frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    keep_compile_caches_in(default_cache_folder())
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as done:  # --help (0) or an argument error (2, already printed)

@@ -38,6 +38,13 @@ def default_cache_folder(environ: Mapping[str, str] | None = None) -> Path:
     return Path(environ.get("H3_CACHE_DIR") or Path(base) / "h3engine")
 
 
+def keep_compile_caches_in(folder: Path) -> None:
+    """Put TorchInductor's cache under `folder` (`torchinductor/`) unless the environment names one: importing
+    transformers' Qwen3-VL modeling makes it, by default in the system temp folder, where nothing of ours may stay.
+    Worker processes inherit it. Call before the text encoder's modules are imported (the entry points' start)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(folder) / "torchinductor"))
+
+
 def parse_gbps(text: str | float, flag: str = "--disk-read-gbps") -> float:
     """ "1.9" GB/s -> bytes per second; RequestError naming `flag` for anything else."""
     try:
