@@ -174,7 +174,8 @@ def test_option_errors_exit_2_with_one_line_before_loading_a_model(
     assert finished.returncode == 2, finished.stderr
     lines = finished.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], finished.stderr
-    assert not (tmp_path / "cache").exists()  # the tiny checkpoint was not made, so no model was loaded
+    # The tiny checkpoint was not made, so no model was loaded (the cache folder itself may hold TorchInductor's).
+    assert not list((tmp_path / "cache").glob("tiny-checkpoint-*"))
     assert seconds < 60
 
 
